@@ -1,0 +1,77 @@
+"""`sharded_attention`: one entry point for every sequence-parallel strategy (validation, layout, dispatch)."""
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from jaxring.attention.layout import check_layout, check_seq_len, from_layout, to_layout
+from jaxring.attention.masking import check_qkv
+from jaxring.attention.reference import attention_reference
+from jaxring.attention.ring import ring_attention
+from jaxring.mesh import place
+
+STRATEGIES = ("dense", "ring")
+DATA_AXES = ("dp", "fsdp")
+
+
+def _axis_size(mesh, name):
+    return mesh.shape[name] if name in mesh.axis_names else 1
+
+
+def sharded_attention(q, k, v, *, mesh, strategy: str = "ring", causal: bool = True, layout: str = "zigzag",
+                      segment_ids=None, sm_scale: float | None = None, block_ops="auto", seq_axis: str = "sp"):
+    """Attention over global arrays, computed with a sequence-parallel strategy on `mesh`.
+
+    Args:
+      q: [batch, seq, q_heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim], in natural token order.
+      mesh: a mesh from `jaxring.make_mesh` (or any mesh with an `sp` axis). Batch is split over dp and fsdp,
+        heads over tp (when tp > 1), the sequence over `seq_axis`.
+      strategy: "dense" (the unsharded reference) or "ring".
+      layout: "contiguous", "zigzag" (causal balance) or "striped"; applied and undone here.
+      segment_ids: int [batch, seq] or None; tokens attend within their segment, 0 = padding.
+    Returns: out [batch, seq, q_heads, head_dim] in natural order, differentiable in q, k, v.
+    """
+    check_qkv(q, k, v)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+    check_layout(layout)
+    batch, seq = q.shape[:2]
+    if k.shape[1] != seq:
+        raise ValueError(f"k/v seq {k.shape[1]} must equal q seq {seq} for self-attention")
+    if segment_ids is not None and segment_ids.shape != (batch, seq):
+        raise ValueError(f"segment_ids shape {segment_ids.shape} must be [batch, seq] = {(batch, seq)}")
+    if strategy == "dense":
+        return attention_reference(q, k, v, causal=causal, segment_ids=segment_ids, sm_scale=sm_scale)[0]
+
+    if seq_axis not in mesh.axis_names:
+        raise ValueError(f"mesh axes {mesh.axis_names} have no {seq_axis!r} axis; strategy {strategy!r} "
+                         f"splits the sequence over it")
+    sp = mesh.shape[seq_axis]
+    check_seq_len(seq, sp, layout, relayout=True)
+    data_axes = tuple(a for a in DATA_AXES if a in mesh.axis_names)
+    data = math.prod(_axis_size(mesh, a) for a in data_axes)
+    if batch % data:
+        raise ValueError(f"batch {batch} is not divisible by the data-parallel degree dp*fsdp = {data}")
+    tp = _axis_size(mesh, "tp")
+    if tp > 1 and (q.shape[2] % tp or k.shape[2] % tp):
+        raise ValueError(f"q heads {q.shape[2]} and kv heads {k.shape[2]} must be divisible by tp = {tp}")
+    head_axis = "tp" if tp > 1 else None
+
+    x_spec = P(data_axes or None, seq_axis, head_axis, None)
+    seg_spec = P(data_axes or None, seq_axis)
+    options = dict(axis_name=seq_axis, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops)
+
+    def local(q, k, v, *seg):
+        q, k, v, *seg = (to_layout(x, layout, seq_axis) for x in (q, k, v, *seg))
+        out = ring_attention(q, k, v, *seg, **options)
+        return from_layout(out, layout, seq_axis)
+
+    args = [place(x, mesh, x_spec) for x in (q, k, v)]
+    specs = [x_spec] * 3
+    if segment_ids is not None:
+        args.append(place(segment_ids, mesh, seg_spec))
+        specs.append(seg_spec)
+    run = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=x_spec, check_vma=False)
+    return run(*args)

@@ -1,0 +1,24 @@
+"""The one online-softmax merge of partial attention results (out, lse)."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def merge_partials(out_a, lse_a, out_b, lse_b):
+    """Merges two partial softmax-attention results over disjoint key sets.
+
+    out_*: [..., heads, head_dim] fp32 (each normalised over its own keys); lse_*: [..., heads] fp32 natural
+    log, -inf where a row saw no key. A fully masked side contributes nothing; never produces NaN.
+    Returns (out, lse) in fp32.
+    """
+    lse = jnp.logaddexp(lse_a, lse_b)
+    pivot = jnp.where(jnp.isneginf(lse), 0.0, lse)
+    w_a = jnp.exp(lse_a - pivot)[..., None]
+    w_b = jnp.exp(lse_b - pivot)[..., None]
+    out = w_a * out_a.astype(jnp.float32) + w_b * out_b.astype(jnp.float32)
+    return out, lse
+
+
+def empty_partial(q_shape):
+    """The identity of `merge_partials`: zero output and lse = -inf, for q of shape [b, n, heads, dim]."""
+    return jnp.zeros(q_shape, jnp.float32), jnp.full(q_shape[:-1], -jnp.inf, jnp.float32)

@@ -1,0 +1,163 @@
+"""Ring attention (context parallelism) with contiguous, zig-zag and striped layouts.
+
+The Ultra-Scale Playbook's ring, for P devices on the `sp` axis, each holding n = S/P tokens of Q, K, V:
+
+  for step in 0 .. P-1:
+      send the current K/V block to the next rank (non-blocking: issued before this step's compute)
+      attend the local Q to the current K/V block, merge (out, lse) with an online softmax
+      receive the previous rank's K/V block (it becomes current)
+
+At step t, rank r holds the K/V block of rank (r - t) mod P; its true positions follow from the layout, so
+the causal mask is exact for every layout. Each rank's tokens are split into position runs (two for zig-zag),
+and a (Q run, K/V run) pair that the causal mask hides completely is skipped: with zig-zag every rank then
+does the same work (2P+1 half-chunk pairs), with contiguous rank r does r+1 blocks.
+
+Backward (`jax.custom_vjp`): residuals are only q, k, v, out, lse (local, no received K/V, no scores).
+K/V travel the ring again with their dK/dV accumulators (fp32); after P sends dK/dV are home:
+
+  delta = rowsum(dO * O)
+  for step in 0 .. P-1:
+      send K/V to the next rank (except at the last step)
+      dQ += block_dq;  dK/dV(current block) += block_dk/dv   (global lse and delta: block grads add up)
+      send the dK/dV accumulators to the next rank, with their block
+
+Communication per rank: forward 2(P-1) K/V blocks; backward 2(P-1) K/V blocks + 2P fp32 dK/dV blocks
+(plus the int32 segment ids with K/V when given). The per-block compute is a `BlockOps` pair
+(`blockwise.py`): jnp on CPU, the Pallas flash kernel on GPU.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxring.attention.blockwise import BlockOps, get_block_ops, tile_visible
+from jaxring.attention.layout import chunks_per_device, layout_positions
+from jaxring.attention.masking import check_qkv
+from jaxring.attention.merge import empty_partial, merge_partials
+from jaxring.collectives import send_to_next
+
+
+def ring_attention(q, k, v, segment_ids=None, *, axis_name="sp", layout: str = "zigzag", causal: bool = True,
+                   sm_scale: float | None = None, block_ops: str | BlockOps = "auto"):
+    """Ring attention over `axis_name`; call inside `shard_map` with the sequence already in `layout`.
+
+    Args:
+      q: local [batch, n, q_heads, head_dim]; k, v: local [batch, n, kv_heads, head_dim] (GQA: only the
+        existing K/V heads travel).
+      segment_ids: local int [batch, n] or None; 0 = padding.
+      layout: "contiguous", "zigzag" or "striped": how this rank's tokens were chosen (see layout.py).
+    Returns: out, local [batch, n, q_heads, head_dim] in q.dtype.
+    """
+    check_qkv(q, k, v)
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"local seq {q.shape[1]} must be even for the zigzag layout")
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    return _ring(q, k, v, segment_ids, axis_name, layout, causal, scale, get_block_ops(block_ops))
+
+
+def _runs(x, parts: int, axis: int):
+    """Splits x into `parts` equal slices along axis (a rank's position runs)."""
+    if x is None:
+        return [None] * parts
+    size = x.shape[axis] // parts
+    return [lax.slice_in_dim(x, i * size, (i + 1) * size, axis=axis) for i in range(parts)]
+
+
+def _parts(layout, causal):
+    """Position runs to split a rank's tokens into: only causal masking can skip a run pair."""
+    return chunks_per_device(layout) if causal else 1
+
+
+def _when_visible(causal, q_pos, kv_pos, compute, skip):
+    """Runs `compute` unless the causal mask hides the whole (Q run, K/V run) pair; returns (result, work)."""
+    if not causal:
+        return compute(), q_pos.shape[0] * kv_pos.shape[0]
+    visible = tile_visible(q_pos, kv_pos, causal=True)
+    work = jnp.where(visible, q_pos.shape[0] * kv_pos.shape[0], 0)
+    return lax.cond(visible, compute, skip), work
+
+
+def ring_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, ops: BlockOps):
+    """The forward ring. Returns out fp32, lse fp32 [b, n, hq] and the work done here (query-key pairs)."""
+    p, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    n, parts = q.shape[1], _parts(layout, causal)
+    q_pos = layout_positions(layout, rank, p, n)
+    q_runs, qpos_runs, qseg_runs = _runs(q, parts, 1), _runs(q_pos, parts, 0), _runs(segment_ids, parts, 1)
+    acc = [empty_partial(x.shape) for x in q_runs]
+    work = jnp.int32(0)
+    kv = (k, v, segment_ids)
+    for step in range(p):
+        if step + 1 < p:
+            kv_next = send_to_next(kv, axis_name)
+        kv_pos = layout_positions(layout, (rank - step) % p, p, n)
+        k_runs, v_runs, kseg_runs = (_runs(x, parts, 1) for x in kv)
+        kpos_runs = _runs(kv_pos, parts, 0)
+        for i in range(parts):
+            for j in range(parts):
+                compute = lambda i=i, j=j: ops.forward(
+                    q_runs[i], k_runs[j], v_runs[j], qpos_runs[i], kpos_runs[j], qseg_runs[i], kseg_runs[j],
+                    causal=causal, sm_scale=sm_scale)
+                skip = lambda i=i: empty_partial(q_runs[i].shape)
+                part, w = _when_visible(causal, qpos_runs[i], kpos_runs[j], compute, skip)
+                acc[i] = merge_partials(*acc[i], *part)
+                work = work + w
+        if step + 1 < p:
+            kv = kv_next
+    out = jnp.concatenate([a[0] for a in acc], axis=1)
+    lse = jnp.concatenate([a[1] for a in acc], axis=1)
+    return out, lse, work
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _ring(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, ops):
+    out, _, _ = ring_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, ops)
+    return out.astype(q.dtype)
+
+
+def _ring_fwd(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, ops):
+    out, lse, _ = ring_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, ops)
+    out = out.astype(q.dtype)
+    return out, (q, k, v, segment_ids, out, lse)
+
+
+def _ring_bwd(axis_name, layout, causal, sm_scale, ops, residuals, dout):
+    q, k, v, segment_ids, out, lse = residuals
+    p, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    n, parts = q.shape[1], _parts(layout, causal)
+    run = n // parts
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    q_pos = layout_positions(layout, rank, p, n)
+    q_args = [_runs(x, parts, 1) for x in (q, dout, lse, delta)]
+    qpos_runs, qseg_runs = _runs(q_pos, parts, 0), _runs(segment_ids, parts, 1)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    kv = (k, v, segment_ids)
+    dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    for step in range(p):
+        if step + 1 < p:
+            kv_next = send_to_next(kv, axis_name)
+        kv_pos = layout_positions(layout, (rank - step) % p, p, n)
+        k_runs, v_runs, kseg_runs = (_runs(x, parts, 1) for x in kv)
+        kpos_runs = _runs(kv_pos, parts, 0)
+        for i in range(parts):
+            q_i, do_i, lse_i, delta_i = (x[i] for x in q_args)
+            for j in range(parts):
+                compute = lambda i=i, j=j, q_i=q_i, do_i=do_i, lse_i=lse_i, delta_i=delta_i: ops.backward(
+                    q_i, k_runs[j], v_runs[j], do_i, lse_i, delta_i, qpos_runs[i], kpos_runs[j], qseg_runs[i],
+                    kseg_runs[j], causal=causal, sm_scale=sm_scale)
+                skip = lambda q_i=q_i, j=j: (jnp.zeros(q_i.shape, jnp.float32),
+                                             jnp.zeros(k_runs[j].shape, jnp.float32),
+                                             jnp.zeros(v_runs[j].shape, jnp.float32))
+                (dq_ij, dk_ij, dv_ij), _ = _when_visible(causal, qpos_runs[i], kpos_runs[j], compute, skip)
+                dq = dq.at[:, i * run:(i + 1) * run].add(dq_ij)
+                dkv = (dkv[0].at[:, j * run:(j + 1) * run].add(dk_ij),
+                       dkv[1].at[:, j * run:(j + 1) * run].add(dv_ij))
+        dkv = send_to_next(dkv, axis_name)  # travels with its K/V block; the P-th send brings it home
+        if step + 1 < p:
+            kv = kv_next
+    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)

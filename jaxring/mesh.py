@@ -1,0 +1,51 @@
+"""Device meshes with jaxring's axis names: dp, pp, fsdp, sp, tp (outermost to innermost)."""
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+# tp innermost (neighbouring devices, fastest links), then sp; data axes outermost.
+MESH_AXES = ("dp", "pp", "fsdp", "sp", "tp")
+
+
+def make_mesh(dp: int = 1, fsdp: int = 1, pp: int = 1, tp: int = 1, sp: int = 1, *, devices=None,
+              axis_types: str = "auto") -> Mesh:
+    """A mesh with all five axes (size-1 axes included, so every PartitionSpec can name them).
+
+    Args:
+      dp, fsdp, pp, tp, sp: degrees; their product must equal the number of devices.
+      devices: the devices to use (default: all of `jax.devices()`).
+      axis_types: "auto" (XLA places arrays; shard_map reshards its inputs) or "explicit" (sharding is part
+        of the array type, as `jax.make_mesh` defaults to). `sharded_attention` accepts either.
+    """
+    degrees = {"dp": dp, "pp": pp, "fsdp": fsdp, "sp": sp, "tp": tp}
+    for name, size in degrees.items():
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"mesh degree {name}={size!r} must be a positive integer")
+    devices = list(jax.devices() if devices is None else devices)
+    product = math.prod(degrees.values())
+    if product != len(devices):
+        given = " × ".join(f"{n}={s}" for n, s in degrees.items() if s > 1) or "all 1"
+        raise ValueError(f"mesh degrees {given} multiply to {product}, but there are {len(devices)} devices; "
+                         f"the product must equal the device count")
+    kinds = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+    if axis_types not in kinds:
+        raise ValueError(f"axis_types {axis_types!r} must be 'auto' or 'explicit'")
+    shape = tuple(degrees[a] for a in MESH_AXES)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(kinds[axis_types],) * len(MESH_AXES), devices=devices)
+
+
+def is_explicit(mesh: Mesh) -> bool:
+    return any(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def place(x, mesh: Mesh, spec: PartitionSpec):
+    """Puts x in `spec` on `mesh`: needed before a shard_map on Explicit axes, harmless on Auto ones."""
+    sharding = NamedSharding(mesh, spec)
+    if is_explicit(mesh):
+        return jax.sharding.reshard(x, sharding)
+    if isinstance(x, jax.core.Tracer):
+        return jax.lax.with_sharding_constraint(x, sharding)
+    return jax.device_put(x, sharding)
