@@ -1,0 +1,146 @@
+"""Bytes moved per device, read from the compiled HLO, and per-device memory from `memory_analysis()`.
+
+Both are exact properties of the compiled SPMD program (one program per device), repeatable, and need no
+accelerator: papers' communication and memory claims are checked against them.
+
+Bytes are counted as the data each device *receives* over the links, by collective kind, with g the size
+of the op's replica group and |x| the op's per-device result in bytes:
+
+  collective-permute  |x|              (a device that only sends to itself moves nothing, not subtracted)
+  all-gather          (g-1)/g * |x|
+  reduce-scatter      (g-1) * |x|      (= (g-1)/g of the input)
+  all-to-all          (g-1)/g * |x|
+  all-reduce          2(g-1)/g * |x|   (ring reduce-scatter + all-gather)
+
+XLA:CPU widens bf16 collectives to f32 (convert, send, convert back), so on simulated CPU devices bf16
+traffic reads as 4 bytes an element; GPU programs send bf16 as is. An op inside a `while` loop (a `lax.scan` ring) counts once per iteration, from the loop's known trip
+count; a loop without one raises, rather than give a wrong figure. Ops in both branches of a conditional
+count once each (jaxring puts no collectives in conditionals).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+
+KINDS = ("collective-permute", "all-gather", "reduce-scatter", "all-to-all", "all-reduce")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
+_OP = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(KINDS) + r")(-start)?\(")
+_ARRAY = re.compile(r"([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_GROUPS_LIST = re.compile(r"replica_groups=\{(\{[0-9,]*\})")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=")
+
+
+def _shape_bytes(shape_text: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape_text):
+        if dtype in _DTYPE_BYTES:
+            total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def _group_size(line: str, num_devices: int) -> int:
+    if m := _GROUPS_LIST.search(line):
+        return len([x for x in m.group(1).strip("{}").split(",") if x])
+    if m := _GROUPS_IOTA.search(line):
+        return int(m.group(1).split(",")[-1])
+    return num_devices
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ")
+_WHILE = re.compile(r"\bwhile\(.*body=%([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_CALLEES = re.compile(r"(?:to_apply|calls|branch_computations=\{[^}]*|true_computation|false_computation)=?%([\w.\-]+)")
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    """HLO computations by name (their instruction lines), and the entry computation's name."""
+    comps, entry, current = {}, None, None
+    for line in hlo_text.splitlines():
+        if not line.startswith(" ") and (m := _COMPUTATION.match(line)) and line.rstrip().endswith("{"):
+            current = m.group(1)
+            comps[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+        elif current is not None and line.startswith(" "):
+            comps[current].append(line)
+    return comps, entry
+
+
+def _executions(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
+    """How many times each computation runs per program execution (loop bodies times their trip count)."""
+    runs: dict[str, int] = {}
+
+    def visit(name: str, times: int):
+        runs[name] = runs.get(name, 0) + times
+        for line in comps.get(name, []):
+            if m := _WHILE.search(line):
+                trip = _TRIP.search(line)
+                if trip is None:
+                    raise ValueError(f"while loop {m.group(1)} has no known trip count; its traffic is unknown")
+                visit(m.group(1), times * int(trip.group(1)))
+            for callee in _CALLEES.findall(line):
+                if callee in comps and not callee.startswith(("fused", "wrapped")):
+                    visit(callee, times)
+            for callee in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                for c in re.findall(r"%([\w.\-]+)", callee):
+                    visit(c, times)
+
+    visit(entry, 1)
+    return runs
+
+
+def collective_traffic(hlo_text: str, num_devices: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(bytes received per device, number of op executions), each by collective kind, from compiled HLO."""
+    moved = {k: 0 for k in KINDS}
+    count = {k: 0 for k in KINDS}
+    comps, entry = _computations(hlo_text)
+    for name, times in _executions(comps, entry).items():
+        for line in comps[name]:
+            m = _OP.search(line)
+            if not m:
+                continue
+            shape_text, kind, start = m.groups()
+            size = _shape_bytes(shape_text)
+            if start and shape_text.startswith("("):
+                # async start ops return (operand, result, ...): count the result only
+                arrays = [f"{t}[{d}]" for t, d in _ARRAY.findall(shape_text)]
+                size = _shape_bytes(arrays[1]) if len(arrays) > 1 else _shape_bytes(arrays[0])
+            g = _group_size(line, num_devices)
+            factor = {"collective-permute": 1.0, "all-gather": (g - 1) / g, "reduce-scatter": g - 1,
+                      "all-to-all": (g - 1) / g, "all-reduce": 2 * (g - 1) / g}[kind]
+            moved[kind] += round(size * factor) * times
+            count[kind] += times
+    return moved, count
+
+
+@dataclasses.dataclass
+class CompiledStats:
+    """Per-device figures of one compiled program."""
+    bytes_moved: dict[str, int]
+    collective_ops: dict[str, int]
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+
+    @property
+    def total_bytes_moved(self) -> int:
+        return sum(self.bytes_moved.values())
+
+    @property
+    def peak_bytes(self) -> int:
+        """Arguments + outputs + temporaries, less buffers aliased between them."""
+        return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+
+
+def compile_stats(fn, *args, num_devices: int | None = None, **kwargs) -> CompiledStats:
+    """Compiles `jax.jit(fn)(*args, **kwargs)` (args may be `jax.ShapeDtypeStruct`s) and measures it."""
+    compiled = jax.jit(fn).lower(*args, **kwargs).compile()
+    mem = compiled.memory_analysis()
+    moved, count = collective_traffic(compiled.as_text(), num_devices or jax.device_count())
+    return CompiledStats(moved, count, mem.argument_size_in_bytes, mem.output_size_in_bytes,
+                         mem.temp_size_in_bytes, mem.alias_size_in_bytes)
