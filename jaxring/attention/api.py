@@ -1,6 +1,7 @@
 """`sharded_attention`: one entry point for every sequence-parallel strategy (validation, layout, dispatch)."""
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -61,17 +62,23 @@ def sharded_attention(q, k, v, *, mesh, strategy: str = "ring", causal: bool = T
 
     x_spec = P(data_axes or None, seq_axis, head_axis, None)
     seg_spec = P(data_axes or None, seq_axis)
-    options = dict(axis_name=seq_axis, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops)
+    args = [place(x, mesh, x_spec) for x in (q, k, v)]
+    if segment_ids is not None:
+        args.append(place(segment_ids, mesh, seg_spec))
+    run = _sharded_ring(mesh, x_spec, seg_spec, segment_ids is not None, seq_axis, layout, causal, sm_scale,
+                        block_ops)
+    return run(*args)
+
+
+@functools.lru_cache(maxsize=256)
+def _sharded_ring(mesh, x_spec, seg_spec, with_segments, seq_axis, layout, causal, sm_scale, block_ops):
+    """A jitted shard_map of the ring, built once per configuration (eager shard_map runs op by op)."""
 
     def local(q, k, v, *seg):
         q, k, v, *seg = (to_layout(x, layout, seq_axis) for x in (q, k, v, *seg))
-        out = ring_attention(q, k, v, *seg, **options)
+        out = ring_attention(q, k, v, *seg, axis_name=seq_axis, layout=layout, causal=causal,
+                             sm_scale=sm_scale, block_ops=block_ops)
         return from_layout(out, layout, seq_axis)
 
-    args = [place(x, mesh, x_spec) for x in (q, k, v)]
-    specs = [x_spec] * 3
-    if segment_ids is not None:
-        args.append(place(segment_ids, mesh, seg_spec))
-        specs.append(seg_spec)
-    run = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=x_spec, check_vma=False)
-    return run(*args)
+    specs = (x_spec,) * 3 + ((seg_spec,) if with_segments else ())
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=x_spec))

@@ -97,12 +97,16 @@ def block_forward(q, k, v, q_positions, kv_positions, q_segment_ids=None, kv_seg
 
         def step(acc, kv_tile_args):
             visible = tile_visible(qpos_i, kv_tile_args[2], causal=causal)
-            part = jax.lax.cond(visible, attend, lambda _: empty_partial((b, tq, hq, d)), kv_tile_args)
+            part = jax.lax.cond(visible, attend, lambda _: empty_partial(q_i), kv_tile_args)
             return merge_partials(*acc, *part), None
 
-        acc, _ = jax.lax.scan(step, empty_partial((b, tq, hq, d)), (k_t, v_t, kpos_t, kseg_t))
+        if tk == nk:  # one K/V tile: no loop (the caller decides whether the pair is visible at all)
+            return attend((k, v, kv_positions, kv_segment_ids))
+        acc, _ = jax.lax.scan(step, empty_partial(q_i), (k_t, v_t, kpos_t, kseg_t))
         return acc
 
+    if tq == nq:
+        return one_q_tile((q, q_positions, q_segment_ids))
     out, lse = jax.lax.map(one_q_tile, (_split_tiles(q, tq, 1), _split_tiles(q_positions, tq, 0),
                                         _split_tiles(q_segment_ids, tq, 1)))
     return _merge_tiles(out, 1), _merge_tiles(lse, 1)
@@ -146,19 +150,25 @@ def block_backward(q, k, v, dout, lse, delta, q_positions, kv_positions, q_segme
             return dq, dk, dv
 
         def skip(kv_tile_args):
-            kz = jnp.zeros(kv_tile_args[0].shape, jnp.float32)
-            return jnp.zeros(qg.shape, jnp.float32), kz, kz
+            kz = jnp.zeros_like(kv_tile_args[0], jnp.float32)
+            return jnp.zeros_like(qg), kz, kz
 
         def step(dq_acc, kv_tile_args):
             visible = tile_visible(qpos_i, kv_tile_args[2], causal=causal)
             dq, dk, dv = jax.lax.cond(visible, grads, skip, kv_tile_args)
             return dq_acc + dq, (dk, dv)
 
-        dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(qg.shape, jnp.float32), kv_tiles)
+        if tk == nk:  # one K/V tile: no loop
+            dq, dk, dv = grads((k, v, kv_positions, kv_segment_ids))
+            return (dkv[0] + dk, dkv[1] + dv), dq.reshape(b, tq, hq, d)
+        dq, (dk, dv) = jax.lax.scan(step, jnp.zeros_like(qg), kv_tiles)
         dkv = (dkv[0] + _merge_tiles(dk, 1), dkv[1] + _merge_tiles(dv, 1))
         return dkv, dq.reshape(b, tq, hq, d)
 
-    zeros_kv = jnp.zeros(k.shape, jnp.float32)
+    zeros_kv = jnp.zeros_like(k, jnp.float32)
+    if tq == nq:
+        (dk, dv), dq = one_q_tile((zeros_kv, zeros_kv), (q, dout, lse, delta, q_positions, q_segment_ids))
+        return dq, dk, dv
     (dk, dv), dq = jax.lax.scan(one_q_tile, (zeros_kv, zeros_kv), q_tiles)
     return _merge_tiles(dq, 1), dk, dv
 

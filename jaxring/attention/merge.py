@@ -19,6 +19,9 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     return out, lse
 
 
-def empty_partial(q_shape):
-    """The identity of `merge_partials`: zero output and lse = -inf, for q of shape [b, n, heads, dim]."""
-    return jnp.zeros(q_shape, jnp.float32), jnp.full(q_shape[:-1], -jnp.inf, jnp.float32)
+def empty_partial(q):
+    """The identity of `merge_partials` for queries `q` [b, n, heads, dim]: zero output, lse = -inf (fp32).
+
+    Built "like" q, so inside `shard_map` it varies over the same mesh axes as q (check_vma-safe).
+    """
+    return jnp.zeros_like(q, jnp.float32), jnp.full_like(q[..., 0], -jnp.inf, jnp.float32)

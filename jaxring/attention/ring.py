@@ -13,13 +13,14 @@ and a (Q run, K/V run) pair that the causal mask hides completely is skipped: wi
 does the same work (2P+1 half-chunk pairs), with contiguous rank r does r+1 blocks.
 
 Backward (`jax.custom_vjp`): residuals are only q, k, v, out, lse (local, no received K/V, no scores).
-K/V travel the ring again with their dK/dV accumulators (fp32); after P sends dK/dV are home:
+K/V travel the ring again, in the opposite direction, with their dK/dV accumulators (fp32); after P sends
+dK/dV are home:
 
   delta = rowsum(dO * O)
   for step in 0 .. P-1:
-      send K/V to the next rank (except at the last step)
+      send K/V to the previous rank (except at the last step)
       dQ += block_dq;  dK/dV(current block) += block_dk/dv   (global lse and delta: block grads add up)
-      send the dK/dV accumulators to the next rank, with their block
+      send the dK/dV accumulators to the previous rank, with their block
 
 Communication per rank: forward 2(P-1) K/V blocks; backward 2(P-1) K/V blocks + 2P fp32 dK/dV blocks
 (plus the int32 segment ids with K/V when given). The per-block compute is a `BlockOps` pair
@@ -38,6 +39,11 @@ from jaxring.attention.layout import chunks_per_device, layout_positions
 from jaxring.attention.masking import check_qkv
 from jaxring.attention.merge import empty_partial, merge_partials
 from jaxring.collectives import send_to_next
+
+# The backward ring turns the other way (rank r sends to r-1). Either direction is correct; a permutation
+# different from the forward's also keeps XLA from merging the backward's K/V sends with the forward's,
+# which would hold every received K/V block alive between the passes.
+BACKWARD_SHIFT = -1
 
 
 def ring_attention(q, k, v, segment_ids=None, *, axis_name="sp", layout: str = "zigzag", causal: bool = True,
@@ -80,32 +86,48 @@ def _when_visible(causal, q_pos, kv_pos, compute, skip):
     return lax.cond(visible, compute, skip), work
 
 
+def _ring_steps(step_fn, carry, kv, num_steps, send):
+    """for step in 0..P-1: send the K/V block on (not after the last step), then `step_fn` on it.
+
+    A `lax.scan` over the first P-1 steps and the last step on its own: a hop cannot be hoisted out of its
+    iteration, so a device holds the current and the incoming block only (O(S/P) memory, not O(S)), and
+    exactly P-1 hops are made. Returns the final carry.
+    """
+    def body(state, step):
+        carry, kv = state
+        kv_next = send(kv)  # issued before this step's compute, so the two can overlap
+        return (step_fn(carry, kv, step), kv_next), None
+
+    if num_steps > 1:
+        (carry, kv), _ = lax.scan(body, (carry, kv), jnp.arange(num_steps - 1))
+    return step_fn(carry, kv, num_steps - 1)
+
+
 def ring_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, ops: BlockOps):
     """The forward ring. Returns out fp32, lse fp32 [b, n, hq] and the work done here (query-key pairs)."""
     p, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
     n, parts = q.shape[1], _parts(layout, causal)
     q_pos = layout_positions(layout, rank, p, n)
     q_runs, qpos_runs, qseg_runs = _runs(q, parts, 1), _runs(q_pos, parts, 0), _runs(segment_ids, parts, 1)
-    acc = [empty_partial(x.shape) for x in q_runs]
-    work = jnp.int32(0)
-    kv = (k, v, segment_ids)
-    for step in range(p):
-        if step + 1 < p:
-            kv_next = send_to_next(kv, axis_name)
-        kv_pos = layout_positions(layout, (rank - step) % p, p, n)
+
+    def attend(carry, kv, step):
+        acc, work = carry
         k_runs, v_runs, kseg_runs = (_runs(x, parts, 1) for x in kv)
-        kpos_runs = _runs(kv_pos, parts, 0)
+        kpos_runs = _runs(layout_positions(layout, (rank - step) % p, p, n), parts, 0)
+        acc = list(acc)
         for i in range(parts):
             for j in range(parts):
                 compute = lambda i=i, j=j: ops.forward(
                     q_runs[i], k_runs[j], v_runs[j], qpos_runs[i], kpos_runs[j], qseg_runs[i], kseg_runs[j],
                     causal=causal, sm_scale=sm_scale)
-                skip = lambda i=i: empty_partial(q_runs[i].shape)
+                skip = lambda i=i: empty_partial(q_runs[i])
                 part, w = _when_visible(causal, qpos_runs[i], kpos_runs[j], compute, skip)
                 acc[i] = merge_partials(*acc[i], *part)
                 work = work + w
-        if step + 1 < p:
-            kv = kv_next
+        return tuple(acc), work
+
+    init = (tuple(empty_partial(x) for x in q_runs), jnp.zeros_like(q_pos[0]))
+    acc, work = _ring_steps(attend, init, (k, v, segment_ids), p, lambda kv: send_to_next(kv, axis_name))
     out = jnp.concatenate([a[0] for a in acc], axis=1)
     lse = jnp.concatenate([a[1] for a in acc], axis=1)
     return out, lse, work
@@ -132,31 +154,29 @@ def _ring_bwd(axis_name, layout, causal, sm_scale, ops, residuals, dout):
     q_pos = layout_positions(layout, rank, p, n)
     q_args = [_runs(x, parts, 1) for x in (q, dout, lse, delta)]
     qpos_runs, qseg_runs = _runs(q_pos, parts, 0), _runs(segment_ids, parts, 1)
-    dq = jnp.zeros(q.shape, jnp.float32)
-    kv = (k, v, segment_ids)
-    dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    for step in range(p):
-        if step + 1 < p:
-            kv_next = send_to_next(kv, axis_name)
-        kv_pos = layout_positions(layout, (rank - step) % p, p, n)
+    send = lambda tree: send_to_next(tree, axis_name, shift=BACKWARD_SHIFT)
+
+    def grads(carry, kv, step):
+        dq, dkv = carry
         k_runs, v_runs, kseg_runs = (_runs(x, parts, 1) for x in kv)
-        kpos_runs = _runs(kv_pos, parts, 0)
+        kpos_runs = _runs(layout_positions(layout, (rank - BACKWARD_SHIFT * step) % p, p, n), parts, 0)
         for i in range(parts):
             q_i, do_i, lse_i, delta_i = (x[i] for x in q_args)
             for j in range(parts):
                 compute = lambda i=i, j=j, q_i=q_i, do_i=do_i, lse_i=lse_i, delta_i=delta_i: ops.backward(
                     q_i, k_runs[j], v_runs[j], do_i, lse_i, delta_i, qpos_runs[i], kpos_runs[j], qseg_runs[i],
                     kseg_runs[j], causal=causal, sm_scale=sm_scale)
-                skip = lambda q_i=q_i, j=j: (jnp.zeros(q_i.shape, jnp.float32),
-                                             jnp.zeros(k_runs[j].shape, jnp.float32),
-                                             jnp.zeros(v_runs[j].shape, jnp.float32))
+                skip = lambda q_i=q_i, j=j: (jnp.zeros_like(q_i, jnp.float32),
+                                             jnp.zeros_like(k_runs[j], jnp.float32),
+                                             jnp.zeros_like(v_runs[j], jnp.float32))
                 (dq_ij, dk_ij, dv_ij), _ = _when_visible(causal, qpos_runs[i], kpos_runs[j], compute, skip)
                 dq = dq.at[:, i * run:(i + 1) * run].add(dq_ij)
                 dkv = (dkv[0].at[:, j * run:(j + 1) * run].add(dk_ij),
                        dkv[1].at[:, j * run:(j + 1) * run].add(dv_ij))
-        dkv = send_to_next(dkv, axis_name)  # travels with its K/V block; the P-th send brings it home
-        if step + 1 < p:
-            kv = kv_next
+        return dq, send(dkv)  # dK/dV travel with their K/V block; the P-th send brings them home
+
+    init = (jnp.zeros_like(q, jnp.float32), (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)))
+    dq, dkv = _ring_steps(grads, init, (k, v, segment_ids), p, send)
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
 
 
