@@ -1,0 +1,201 @@
+"""Ring attention against the dense reference and jax.nn.dot_product_attention, forward and dQ/dK/dV."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxring
+from jaxring import attention_reference, layout_permutation
+from jaxring.analysis import compile_stats
+from jaxring.attention.blockwise import BlockOps, block_backward, block_forward
+from jaxring.attention.ring import ring_attention, ring_forward, get_block_ops
+from helpers import assert_close, qkv
+
+MESHES = {"sp2": dict(sp=2, dp=4), "sp4": dict(sp=4, dp=2), "sp8": dict(sp=8), "dp2xsp4": dict(dp=2, sp=4)}
+
+
+def ring_and_reference(mesh, q, k, v, dout, *, causal, layout, segment_ids=None):
+    """(out, grads) of the ring and of the reference, each from one jitted forward + VJP."""
+
+    @jax.jit
+    def run(q, k, v, dout):
+        def both(fn):
+            out, vjp = jax.vjp(fn, q, k, v)
+            return out, vjp(dout)
+        ring = both(lambda q, k, v: jaxring.sharded_attention(
+            q, k, v, mesh=mesh, strategy="ring", causal=causal, layout=layout, segment_ids=segment_ids))
+        ref = both(lambda q, k, v: attention_reference(q, k, v, causal=causal, segment_ids=segment_ids)[0])
+        return ring, ref
+
+    return run(q, k, v, dout)
+
+
+def check(ring, ref, rtol):
+    (out, grads), (out_r, grads_r) = ring, ref
+    assert_close(out, out_r, rtol, "out")
+    for name, g, g_r in zip("qkv", grads, grads_r):
+        assert_close(g, g_r, rtol, "d" + name)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("layout", jaxring.LAYOUTS)
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_matches_reference(mesh_name, layout, causal):
+    kw = MESHES[mesh_name]
+    mesh = jaxring.make_mesh(**kw)
+    sp = kw["sp"]
+    batch = 2 if "dp" in kw and kw["dp"] <= 2 else 4 if kw.get("dp") == 4 else 1
+    q, k, v, dout = qkv(hash((mesh_name, layout)) % 1000, batch, sp * sp * 2, 4, 2, 16)
+    check(*ring_and_reference(mesh, q, k, v, dout, causal=causal, layout=layout), 2e-4)
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(8, 2, 16), (8, 1, 16), (4, 4, 64), (4, 2, 80)],
+                         ids=["gqa8/2", "mqa", "dim64", "dim80"])
+def test_heads_and_dims_against_jax_nn(q_heads, kv_heads, head_dim):
+    mesh = jaxring.make_mesh(dp=2, sp=4)
+    q, k, v, dout = qkv(1, 2, 32, q_heads, kv_heads, head_dim)
+    ring, ref = ring_and_reference(mesh, q, k, v, dout, causal=True, layout="zigzag")
+    check(ring, ref, 2e-4)
+    out_nn, vjp_nn = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), q, k, v)
+    check(ring, (out_nn, vjp_nn(dout)), 2e-4)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_bf16_inputs_accumulate_in_fp32(layout):
+    mesh = jaxring.make_mesh(sp=8)
+    q, k, v, dout = qkv(2, 1, 128, 4, 2, 32, dtype=jnp.bfloat16)
+    (out, grads), _ = ring_and_reference(mesh, q, k, v, dout, causal=True, layout=layout)
+    assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
+    # oracle: fp32 reference on the same bf16-rounded inputs
+    f32 = lambda x: x.astype(jnp.float32)
+    out_r, vjp = jax.vjp(lambda q, k, v: attention_reference(q, k, v, causal=True)[0], f32(q), f32(k), f32(v))
+    check((out, grads), (out_r, vjp(f32(dout))), 2e-2)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_segments_with_padding_and_an_all_padding_device(layout, causal):
+    sp, seq = 8, 64
+    mesh = jaxring.make_mesh(sp=sp)
+    seg = np.ones((2, seq), np.int32)
+    seg[0, 20:45], seg[0, 45:58], seg[0, 58:] = 2, 3, 0       # packed segments, padded tail
+    seg[1, seq // 2:] = 2
+    device_3 = layout_permutation(layout, seq, sp).reshape(sp, -1)[3]
+    seg[1, device_3] = 0                                      # every token of device 3 is padding
+    q, k, v, dout = qkv(3, 2, seq, 4, 2, 16)
+    ring, ref = ring_and_reference(mesh, q, k, v, dout, causal=causal, layout=layout,
+                                   segment_ids=jnp.asarray(seg))
+    check(ring, ref, 2e-4)
+    out, grads = ring
+    assert np.all(np.asarray(out)[seg == 0] == 0)
+    assert all(np.all(np.asarray(g)[seg == 0] == 0) for g in grads)
+
+
+def per_device_work(layout, sp, seq):
+    """Query-key pairs each device computes in the causal forward, counted where the blocks run."""
+    mesh = jaxring.make_mesh(sp=sp, dp=8 // sp)
+    q, k, v, _ = qkv(4, 1, seq, 2, 2, 8)
+    spec = P(None, "sp", None, None)
+    ops = get_block_ops("jnp")
+
+    def local(q, k, v):
+        _, _, work = ring_forward(q, k, v, None, "sp", layout, True, 0.3, ops)
+        return work[None]
+
+    run = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=P("sp"))
+    return np.asarray(jax.jit(run)(q, k, v))
+
+
+@pytest.mark.parametrize("sp", [4, 8])
+def test_zigzag_balances_causal_work(sp):
+    seq = 4 * sp
+    zigzag = per_device_work("zigzag", sp, seq)
+    contiguous = per_device_work("contiguous", sp, seq)
+    half = seq // (2 * sp)
+    # every zigzag device does 2P+1 half-chunk pairs; contiguous rank r does r+1 whole blocks
+    np.testing.assert_array_equal(zigzag, (2 * sp + 1) * half * half)
+    np.testing.assert_array_equal(contiguous, (np.arange(sp) + 1) * (2 * half) ** 2)
+    assert zigzag.max() <= 1.05 * zigzag.min()
+    assert contiguous.max() >= 2 * contiguous.min()
+    assert zigzag.sum() < contiguous.sum() + sp * (2 * half) ** 2  # skipping saves the same total
+
+
+def _local_ring(mesh, **kw):
+    spec = P(None, "sp", None, None)
+    return jax.shard_map(lambda q, k, v: ring_attention(q, k, v, **kw), mesh=mesh, in_specs=(spec,) * 3,
+                         out_specs=spec)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_bytes_moved_match_the_ring_formula(layout):
+    sp, batch, seq, kv_heads, head_dim = 8, 1, 256, 2, 16
+    mesh = jaxring.make_mesh(sp=sp)
+    # fp32: XLA:CPU widens bf16 collectives to f32, which would hide a 2-byte count
+    q = jax.ShapeDtypeStruct((batch, seq, 4, head_dim), jnp.float32)
+    kv = jax.ShapeDtypeStruct((batch, seq, kv_heads, head_dim), jnp.float32)
+    ring = _local_ring(mesh, layout=layout)
+    chunk = batch * (seq // sp) * kv_heads * head_dim
+    fwd = compile_stats(ring, q, kv, kv)
+    assert fwd.collective_ops["collective-permute"] == 2 * (sp - 1)
+    assert fwd.bytes_moved["collective-permute"] == 2 * (sp - 1) * chunk * 4   # K and V
+    grad = lambda q, k, v: jax.grad(lambda *a: ring(*a).sum(), argnums=(0, 1, 2))(q, k, v)
+    both = compile_stats(grad, q, kv, kv)
+    # forward 2(P-1) K/V; backward 2(P-1) K/V again (not kept from the forward) + 2P fp32 dK/dV
+    assert both.bytes_moved["collective-permute"] == 4 * (sp - 1) * chunk * 4 + 2 * sp * chunk * 4
+    assert sum(both.bytes_moved.values()) - both.bytes_moved["collective-permute"] <= 16  # the loss psum
+
+
+def _ring_grad_temp_bytes(sp, seq, block_ops="auto"):
+    mesh = jaxring.make_mesh(sp=sp, dp=8 // sp)
+    ring = _local_ring(mesh, layout="zigzag", block_ops=block_ops)
+    grad = lambda q, k, v: jax.grad(lambda *a: ring(*a).sum(), argnums=(0, 1, 2))(q, k, v)
+    q = jax.ShapeDtypeStruct((1, seq, 4, 16), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, seq, 2, 16), jnp.float32)
+    return compile_stats(grad, q, kv, kv).temp_bytes
+
+
+def test_memory_is_linear_in_local_sequence():
+    """Doubling the sequence at a fixed tile size doubles temp memory: no S² term."""
+    tiles = functools.partial
+    ops = BlockOps("jnp-16", tiles(block_forward, q_tile=16, kv_tile=16),
+                   tiles(block_backward, q_tile=16, kv_tile=16))
+    temps = [_ring_grad_temp_bytes(8, seq, ops) for seq in (512, 1024)]
+    assert temps[1] / temps[0] < 2.3, temps  # an S² term would give 4
+
+
+def test_memory_does_not_grow_with_ring_length():
+    """Same local length on 2 and 8 devices: the same memory, so no device keeps the other ranks' K/V."""
+    two, eight = _ring_grad_temp_bytes(2, 2 * 128), _ring_grad_temp_bytes(8, 8 * 128)
+    assert eight <= 1.1 * two, (two, eight)
+
+
+def test_errors_name_the_value_and_rule():
+    mesh = jaxring.make_mesh(sp=8)
+    q, k, v, _ = qkv(0, 1, 24, 4, 2, 8)
+    with pytest.raises(ValueError, match="seq 24 is not divisible by 2\\*sp = 16"):
+        jaxring.sharded_attention(q, k, v, mesh=mesh, layout="zigzag")
+    with pytest.raises(ValueError, match="seq 20 is not divisible by sp = 8"):
+        jaxring.sharded_attention(q[:, :20], k[:, :20], v[:, :20], mesh=mesh, layout="contiguous")
+    q, k, v, _ = qkv(0, 1, 32, 4, 3, 8)
+    with pytest.raises(ValueError, match="query heads 4 must be a multiple of key/value heads 3"):
+        jaxring.sharded_attention(q, k, v, mesh=mesh)
+    q, k, v, _ = qkv(0, 1, 32, 4, 2, 8)
+    with pytest.raises(ValueError, match="unknown strategy 'spiral'"):
+        jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="spiral")
+    with pytest.raises(ValueError, match="unknown layout 'diagonal'"):
+        jaxring.sharded_attention(q, k, v, mesh=mesh, layout="diagonal")
+    flat = jax.make_mesh((8,), ("data",))
+    with pytest.raises(ValueError, match="mesh axes \\('data',\\) have no 'sp' axis"):
+        jaxring.sharded_attention(q, k, v, mesh=flat)
+    with pytest.raises(ValueError, match="q head_dim 8 and k head_dim 4 must match"):
+        jaxring.sharded_attention(q, k[..., :4], v[..., :4], mesh=mesh)
+
+
+def test_dense_strategy_is_the_reference():
+    mesh = jaxring.make_mesh(sp=8)
+    q, k, v, _ = qkv(5, 1, 32, 4, 2, 8)
+    out = jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="dense", causal=False)
+    assert_close(out, jax.nn.dot_product_attention(q, k, v), 1e-5, "out")
