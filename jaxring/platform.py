@@ -1,0 +1,22 @@
+"""Choosing devices: the accelerator when there is one, else N simulated CPU devices."""
+from __future__ import annotations
+
+import jax
+
+
+def use_cpu_devices_if_no_accelerator(count: int) -> list:
+    """Asks for `count` CPU devices (only the CPU backend reads this) and returns the devices to use.
+
+    Must run before anything queries JAX's devices; on a GPU/TPU machine the accelerators are returned.
+    """
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:  # a backend already started: keep what it has
+        pass
+    return jax.devices()
+
+
+def describe_devices(devices) -> str:
+    d = devices[0]
+    kind = getattr(d, "device_kind", d.platform)
+    return f"{len(devices)} x {kind} ({d.platform})"
