@@ -1,7 +1,7 @@
 """jaxring: sequence- and tensor-parallel Transformer training in JAX, built from shard_map rings."""
-from jaxring.attention import (LAYOUTS, STRATEGIES, BlockOps, attention_reference, from_layout, get_block_ops,
-                               layout_permutation, layout_positions, merge_partials, ring_attention,
-                               sharded_attention, to_layout)
+from jaxring.attention import (LAYOUTS, STRATEGIES, BlockOps, attention_reference, flash_attention,
+                               flash_block_ops, from_layout, get_block_ops, layout_permutation,
+                               layout_positions, merge_partials, ring_attention, sharded_attention, to_layout)
 from jaxring.mesh import MESH_AXES, make_mesh
 
 __version__ = "0.1.0"

@@ -199,3 +199,19 @@ def test_dense_strategy_is_the_reference():
     q, k, v, _ = qkv(5, 1, 32, 4, 2, 8)
     out = jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="dense", causal=False)
     assert_close(out, jax.nn.dot_product_attention(q, k, v), 1e-5, "out")
+
+
+@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("striped", False)])
+def test_ring_with_the_pallas_kernel_interpreted(layout, causal):
+    """The Pallas flash kernel's block entry points plugged into the ring (interpreted on CPU)."""
+    mesh = jaxring.make_mesh(sp=4, dp=2)
+    q, k, v, dout = qkv(6, 2, 64, 4, 2, 16)
+
+    @jax.jit
+    def run(q, k, v, dout):
+        out, vjp = jax.vjp(lambda q, k, v: jaxring.sharded_attention(
+            q, k, v, mesh=mesh, causal=causal, layout=layout, block_ops="pallas_interpret"), q, k, v)
+        return out, vjp(dout)
+
+    out_r, vjp_r = jax.vjp(lambda q, k, v: attention_reference(q, k, v, causal=causal)[0], q, k, v)
+    check(run(q, k, v, dout), (out_r, vjp_r(dout)), 2e-4)

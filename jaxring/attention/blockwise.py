@@ -42,11 +42,11 @@ class BlockOps:
 
 
 def _tile_size(n: int, target: int) -> int:
-    """Largest divisor of n not above target."""
+    """Largest divisor of n not above target; n itself (one tile) when no divisor reaches target / 8."""
     t = min(n, target)
     while n % t:
         t -= 1
-    return t
+    return t if t * 8 >= min(n, target) else n
 
 
 def _split_tiles(x, tile: int, axis: int):
@@ -177,9 +177,19 @@ JNP_BLOCK_OPS = BlockOps("jnp", block_forward, block_backward)
 
 
 def get_block_ops(impl: str | BlockOps = "auto") -> BlockOps:
-    """The per-block compute: "jnp" (blockwise jnp), or a BlockOps; "auto" picks the best for the platform."""
+    """The per-block compute by name, or a BlockOps as given.
+
+    "jnp" (this module), "pallas" (the compiled flash kernel, GPU), "pallas_interpret" (the same kernel run by
+    the Pallas interpreter, for CPU tests); "auto" is "pallas" on GPU and "jnp" elsewhere.
+    """
     if isinstance(impl, BlockOps):
         return impl
-    if impl in ("auto", "jnp"):
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() == "gpu" else "jnp"
+    if impl == "jnp":
         return JNP_BLOCK_OPS
-    raise ValueError(f"unknown block implementation {impl!r}; expected 'auto', 'jnp' or a BlockOps")
+    if impl in ("pallas", "pallas_interpret"):
+        from jaxring.attention.flash import flash_block_ops  # flash.py imports this module
+        return flash_block_ops(interpret=impl == "pallas_interpret")
+    raise ValueError(f"unknown block implementation {impl!r}; expected 'auto', 'jnp', 'pallas', "
+                     f"'pallas_interpret' or a BlockOps")
