@@ -11,6 +11,7 @@ import jaxring
 from jaxring import attention_reference, layout_permutation
 from jaxring.analysis import compile_stats
 from jaxring.attention.blockwise import BlockOps, block_backward, block_forward
+from jaxring.attention.layout import RankTokens
 from jaxring.attention.ring import ring_attention, ring_forward, get_block_ops
 from helpers import assert_close, qkv
 
@@ -102,7 +103,7 @@ def per_device_work(layout, sp, seq):
     ops = get_block_ops("jnp")
 
     def local(q, k, v):
-        _, _, work = ring_forward(q, k, v, None, "sp", layout, True, 0.3, ops)
+        _, _, work = ring_forward(q, k, v, None, "sp", RankTokens(layout), True, 0.3, ops)
         return work[None]
 
     run = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=P("sp"))

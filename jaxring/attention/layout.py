@@ -13,6 +13,8 @@ for striped; `layout_permutation` gives the same map on a global array, for the 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -60,6 +62,45 @@ def layout_positions(layout: str, rank, num_devices: int, local_len: int):
     first = rank * half + i[:half]
     second = (2 * num_devices - 1 - rank) * half + i[:half]
     return jnp.concatenate([first, second])
+
+
+def gathered_positions(layout: str, first_rank, count: int, num_devices: int, local_len: int):
+    """Positions of the shards of `count` consecutive layout ranks from `first_rank`, concatenated."""
+    return jnp.concatenate([layout_positions(layout, first_rank + u, num_devices, local_len)
+                            for u in range(count)])
+
+
+@dataclasses.dataclass(frozen=True)
+class RankTokens:
+    """The tokens a rank of a (sub-)ring holds: the layout shards of `inner` consecutive layout ranks.
+
+    inner = 1 is the layout itself. USP's ring gathers the shards of its U Ulysses ranks (inner = U). For
+    zig-zag the gathered shards [A_0 B_0 A_1 B_1 ...] (A_u the early chunk, B_u the late one) are put in run
+    order [A_0 .. A_{U-1} B_{U-1} .. B_0] by `run_order`, so a rank still holds two contiguous runs.
+    """
+    layout: str
+    inner: int = 1
+
+    def run_order(self, local_len: int):
+        """Static permutation from the gathered (rank-major) order to run order, or None if identical."""
+        if self.layout != "zigzag" or self.inner == 1:
+            return None
+        half = local_len // self.inner // 2
+        chunk = lambda u, second: np.arange(half) + (2 * u + second) * half
+        early = [chunk(u, 0) for u in range(self.inner)]
+        late = [chunk(u, 1) for u in reversed(range(self.inner))]
+        return np.concatenate(early + late)
+
+    def positions(self, ring_rank, ring_size: int, local_len: int):
+        """int32 [local_len] true positions held by `ring_rank` (int or traced), in run order."""
+        per = local_len // self.inner
+        pos = gathered_positions(self.layout, ring_rank * self.inner, self.inner, ring_size * self.inner, per)
+        order = self.run_order(local_len)
+        return pos if order is None else pos[order]
+
+    def runs(self) -> int:
+        """Contiguous position runs per rank, in run order (striped tokens form no runs: 1)."""
+        return 2 if self.layout == "zigzag" else 1
 
 
 def layout_permutation(layout: str, seq_len: int, num_devices: int) -> np.ndarray:

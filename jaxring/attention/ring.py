@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxring.attention.blockwise import BlockOps, get_block_ops, tile_visible
-from jaxring.attention.layout import chunks_per_device, layout_positions
+from jaxring.attention.layout import RankTokens
 from jaxring.attention.masking import check_qkv
 from jaxring.attention.merge import empty_partial, merge_partials
 from jaxring.collectives import send_to_next
@@ -47,7 +47,7 @@ BACKWARD_SHIFT = -1
 
 
 def ring_attention(q, k, v, segment_ids=None, *, axis_name="sp", layout: str = "zigzag", causal: bool = True,
-                   sm_scale: float | None = None, block_ops: str | BlockOps = "auto"):
+                   sm_scale: float | None = None, block_ops: str | BlockOps = "auto", inner_ranks: int = 1):
     """Ring attention over `axis_name`; call inside `shard_map` with the sequence already in `layout`.
 
     Args:
@@ -55,13 +55,16 @@ def ring_attention(q, k, v, segment_ids=None, *, axis_name="sp", layout: str = "
         existing K/V heads travel).
       segment_ids: local int [batch, n] or None; 0 = padding.
       layout: "contiguous", "zigzag" or "striped": how this rank's tokens were chosen (see layout.py).
+      inner_ranks: each ring rank holds the layout shards of this many consecutive layout ranks (USP).
     Returns: out, local [batch, n, q_heads, head_dim] in q.dtype.
     """
     check_qkv(q, k, v)
-    if layout == "zigzag" and q.shape[1] % 2:
-        raise ValueError(f"local seq {q.shape[1]} must be even for the zigzag layout")
+    tokens = RankTokens(layout, inner_ranks)
+    if q.shape[1] % tokens.runs():
+        raise ValueError(f"local seq {q.shape[1]} must split into the {tokens.runs()} position runs of the "
+                         f"{layout} layout")
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    return _ring(q, k, v, segment_ids, axis_name, layout, causal, scale, get_block_ops(block_ops))
+    return _ring(q, k, v, segment_ids, axis_name, tokens, causal, scale, get_block_ops(block_ops))
 
 
 def _runs(x, parts: int, axis: int):
@@ -72,9 +75,9 @@ def _runs(x, parts: int, axis: int):
     return [lax.slice_in_dim(x, i * size, (i + 1) * size, axis=axis) for i in range(parts)]
 
 
-def _parts(layout, causal):
+def _parts(tokens: RankTokens, causal):
     """Position runs to split a rank's tokens into: only causal masking can skip a run pair."""
-    return chunks_per_device(layout) if causal else 1
+    return tokens.runs() if causal else 1
 
 
 def _when_visible(causal, q_pos, kv_pos, compute, skip):
@@ -103,17 +106,17 @@ def _ring_steps(step_fn, carry, kv, num_steps, send):
     return step_fn(carry, kv, num_steps - 1)
 
 
-def ring_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, ops: BlockOps):
+def ring_forward(q, k, v, segment_ids, axis_name, tokens: RankTokens, causal, sm_scale, ops: BlockOps):
     """The forward ring. Returns out fp32, lse fp32 [b, n, hq] and the work done here (query-key pairs)."""
     p, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
-    n, parts = q.shape[1], _parts(layout, causal)
-    q_pos = layout_positions(layout, rank, p, n)
+    n, parts = q.shape[1], _parts(tokens, causal)
+    q_pos = tokens.positions(rank, p, n)
     q_runs, qpos_runs, qseg_runs = _runs(q, parts, 1), _runs(q_pos, parts, 0), _runs(segment_ids, parts, 1)
 
     def attend(carry, kv, step):
         acc, work = carry
         k_runs, v_runs, kseg_runs = (_runs(x, parts, 1) for x in kv)
-        kpos_runs = _runs(layout_positions(layout, (rank - step) % p, p, n), parts, 0)
+        kpos_runs = _runs(tokens.positions((rank - step) % p, p, n), parts, 0)
         acc = list(acc)
         for i in range(parts):
             for j in range(parts):
@@ -134,24 +137,24 @@ def ring_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, ops:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _ring(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, ops):
-    out, _, _ = ring_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, ops)
+def _ring(q, k, v, segment_ids, axis_name, tokens, causal, sm_scale, ops):
+    out, _, _ = ring_forward(q, k, v, segment_ids, axis_name, tokens, causal, sm_scale, ops)
     return out.astype(q.dtype)
 
 
-def _ring_fwd(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, ops):
-    out, lse, _ = ring_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, ops)
+def _ring_fwd(q, k, v, segment_ids, axis_name, tokens, causal, sm_scale, ops):
+    out, lse, _ = ring_forward(q, k, v, segment_ids, axis_name, tokens, causal, sm_scale, ops)
     out = out.astype(q.dtype)
     return out, (q, k, v, segment_ids, out, lse)
 
 
-def _ring_bwd(axis_name, layout, causal, sm_scale, ops, residuals, dout):
+def _ring_bwd(axis_name, tokens, causal, sm_scale, ops, residuals, dout):
     q, k, v, segment_ids, out, lse = residuals
     p, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
-    n, parts = q.shape[1], _parts(layout, causal)
+    n, parts = q.shape[1], _parts(tokens, causal)
     run = n // parts
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    q_pos = layout_positions(layout, rank, p, n)
+    q_pos = tokens.positions(rank, p, n)
     q_args = [_runs(x, parts, 1) for x in (q, dout, lse, delta)]
     qpos_runs, qseg_runs = _runs(q_pos, parts, 0), _runs(segment_ids, parts, 1)
     send = lambda tree: send_to_next(tree, axis_name, shift=BACKWARD_SHIFT)
@@ -159,7 +162,7 @@ def _ring_bwd(axis_name, layout, causal, sm_scale, ops, residuals, dout):
     def grads(carry, kv, step):
         dq, dkv = carry
         k_runs, v_runs, kseg_runs = (_runs(x, parts, 1) for x in kv)
-        kpos_runs = _runs(layout_positions(layout, (rank - BACKWARD_SHIFT * step) % p, p, n), parts, 0)
+        kpos_runs = _runs(tokens.positions((rank - BACKWARD_SHIFT * step) % p, p, n), parts, 0)
         for i in range(parts):
             q_i, do_i, lse_i, delta_i = (x[i] for x in q_args)
             for j in range(parts):
