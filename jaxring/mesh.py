@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 # tp innermost (neighbouring devices, fastest links), then sp; data axes outermost.
@@ -49,3 +50,16 @@ def place(x, mesh: Mesh, spec: PartitionSpec):
     if isinstance(x, jax.core.Tracer):
         return jax.lax.with_sharding_constraint(x, sharding)
     return jax.device_put(x, sharding)
+
+
+def factored_mesh(mesh: Mesh, axis: str, names: tuple[str, ...], sizes: tuple[int, ...]) -> Mesh:
+    """The same devices with `axis` split into `names` of `sizes` (the last one innermost)."""
+    if math.prod(sizes) != mesh.shape[axis]:
+        raise ValueError(f"{' × '.join(f'{n}={s}' for n, s in zip(names, sizes))} must multiply to "
+                         f"{axis} = {mesh.shape[axis]}")
+    i = mesh.axis_names.index(axis)
+    devices = np.asarray(mesh.devices)
+    devices = devices.reshape(devices.shape[:i] + tuple(sizes) + devices.shape[i + 1:])
+    axis_names = mesh.axis_names[:i] + tuple(names) + mesh.axis_names[i + 1:]
+    axis_types = mesh.axis_types[:i] + (mesh.axis_types[i],) * len(names) + mesh.axis_types[i + 1:]
+    return Mesh(devices, axis_names, axis_types=axis_types)

@@ -7,15 +7,20 @@ import math
 import jax
 from jax.sharding import PartitionSpec as P
 
+from jaxring.attention.allgather import allgather_attention
 from jaxring.attention.blockwise import get_block_ops
 from jaxring.attention.layout import check_layout, check_seq_len, from_layout, to_layout
 from jaxring.attention.masking import check_qkv
 from jaxring.attention.reference import attention_reference
 from jaxring.attention.ring import ring_attention
-from jaxring.mesh import place
+from jaxring.attention.ulysses import check_heads_split, ulysses_attention, usp_attention
+from jaxring.mesh import factored_mesh, place
 
-STRATEGIES = ("dense", "ring")
+STRATEGIES = ("dense", "ring", "ulysses", "allgather", "usp")
 DATA_AXES = ("dp", "fsdp")
+USP_AXES = ("usp_ring", "usp_ulysses")
+# strategy -> the options it takes (beyond layout, causal, segment_ids, sm_scale, block_ops)
+_OPTIONS = {"usp": {"ulysses_size"}}
 
 
 def _axis_size(mesh, name):
@@ -23,14 +28,16 @@ def _axis_size(mesh, name):
 
 
 def sharded_attention(q, k, v, *, mesh, strategy: str = "ring", causal: bool = True, layout: str = "zigzag",
-                      segment_ids=None, sm_scale: float | None = None, block_ops="auto", seq_axis: str = "sp"):
+                      segment_ids=None, sm_scale: float | None = None, block_ops="auto", seq_axis: str = "sp",
+                      **options):
     """Attention over global arrays, computed with a sequence-parallel strategy on `mesh`.
 
     Args:
       q: [batch, seq, q_heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim], in natural token order.
       mesh: a mesh from `jaxring.make_mesh` (or any mesh with an `sp` axis). Batch is split over dp and fsdp,
         heads over tp (when tp > 1), the sequence over `seq_axis`.
-      strategy: "dense" (the unsharded reference) or "ring".
+      strategy: "dense" (the unsharded reference), "ring", "ulysses", "allgather", or "usp" (needs
+        `ulysses_size=U`, U dividing sp: Ulysses over U devices, ring over sp / U).
       layout: "contiguous", "zigzag" (causal balance) or "striped"; applied and undone here.
       segment_ids: int [batch, seq] or None; tokens attend within their segment, 0 = padding.
     Returns: out [batch, seq, q_heads, head_dim] in natural order, differentiable in q, k, v.
@@ -38,6 +45,9 @@ def sharded_attention(q, k, v, *, mesh, strategy: str = "ring", causal: bool = T
     check_qkv(q, k, v)
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+    unknown = set(options) - _OPTIONS.get(strategy, set())
+    if unknown:
+        raise ValueError(f"strategy {strategy!r} takes no option {', '.join(sorted(unknown))}")
     check_layout(layout)
     batch, seq = q.shape[:2]
     if k.shape[1] != seq:
@@ -61,25 +71,47 @@ def sharded_attention(q, k, v, *, mesh, strategy: str = "ring", causal: bool = T
         raise ValueError(f"q heads {q.shape[2]} and kv heads {k.shape[2]} must be divisible by tp = {tp}")
     head_axis = "tp" if tp > 1 else None
 
-    x_spec = P(data_axes or None, seq_axis, head_axis, None)
-    seg_spec = P(data_axes or None, seq_axis)
-    args = [place(x, mesh, x_spec) for x in (q, k, v)]
+    seq_spec, run_mesh = seq_axis, mesh
+    if strategy == "ulysses":
+        check_heads_split(q.shape[2] // tp, sp)
+    if strategy == "usp":
+        u = options.get("ulysses_size")
+        if not isinstance(u, int) or u < 1 or sp % u:
+            raise ValueError(f"usp needs ulysses_size dividing sp = {sp}; got {u!r}")
+        check_heads_split(q.shape[2] // tp, u, "ulysses_size")
+        run_mesh, seq_spec = factored_mesh(mesh, seq_axis, USP_AXES, (sp // u, u)), USP_AXES
+    x_spec = P(data_axes or None, seq_spec, head_axis, None)
+    seg_spec = P(data_axes or None, seq_spec)
+    args = [place(x, run_mesh, x_spec) for x in (q, k, v)]
     if segment_ids is not None:
-        args.append(place(segment_ids, mesh, seg_spec))
-    run = _sharded_ring(mesh, x_spec, seg_spec, segment_ids is not None, seq_axis, layout, causal, sm_scale,
-                        block_ops)
+        args.append(place(segment_ids, run_mesh, seg_spec))
+    run = _sharded(strategy, run_mesh, x_spec, seg_spec, segment_ids is not None, seq_spec, layout, causal,
+                   sm_scale, block_ops)
     return run(*args)
 
 
+def _local_attention(strategy, seq_axes, **kw):
+    """The per-device function of a strategy, inside shard_map, on laid-out shards."""
+    if strategy == "ring":
+        return functools.partial(ring_attention, axis_name=seq_axes, **kw)
+    if strategy == "ulysses":
+        return functools.partial(ulysses_attention, axis_name=seq_axes, **kw)
+    if strategy == "allgather":
+        return functools.partial(allgather_attention, axis_name=seq_axes, **kw)
+    if strategy == "usp":
+        return functools.partial(usp_attention, ring_axis=seq_axes[0], ulysses_axis=seq_axes[1], **kw)
+    raise AssertionError(strategy)
+
+
 @functools.lru_cache(maxsize=256)
-def _sharded_ring(mesh, x_spec, seg_spec, with_segments, seq_axis, layout, causal, sm_scale, block_ops):
-    """A jitted shard_map of the ring, built once per configuration (eager shard_map runs op by op)."""
+def _sharded(strategy, mesh, x_spec, seg_spec, with_segments, seq_axes, layout, causal, sm_scale, block_ops):
+    """A jitted shard_map of a strategy, built once per configuration (eager shard_map runs op by op)."""
+    attend = _local_attention(strategy, seq_axes, layout=layout, causal=causal, sm_scale=sm_scale,
+                              block_ops=block_ops)
 
     def local(q, k, v, *seg):
-        q, k, v, *seg = (to_layout(x, layout, seq_axis) for x in (q, k, v, *seg))
-        out = ring_attention(q, k, v, *seg, axis_name=seq_axis, layout=layout, causal=causal,
-                             sm_scale=sm_scale, block_ops=block_ops)
-        return from_layout(out, layout, seq_axis)
+        q, k, v, *seg = (to_layout(x, layout, seq_axes) for x in (q, k, v, *seg))
+        return from_layout(attend(q, k, v, *seg), layout, seq_axes)
 
     specs = (x_spec,) * 3 + ((seg_spec,) if with_segments else ())
     # The Pallas interpreter of JAX 0.10 cannot type-check varying mesh axes (see flash.py).

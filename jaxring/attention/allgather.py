@@ -1,0 +1,35 @@
+"""All-gather context parallelism (the Llama-3 style): gather K/V, attend locally, reduce-scatter dK/dV.
+
+For P devices on the `sp` axis, each holding n = S/P tokens:
+
+  k, v = all_gather(k, v)            # [b, n, Hkv, d] -> [b, S, Hkv, d], every rank's tokens in rank order
+  out = attention(q, k, v)           # local Q (true positions) against the whole K/V: flash attention
+
+Backward (the transpose of the all-gather): dK, dV of the whole sequence are reduce-scattered
+(`psum_scatter`) back to their owners. Forward traffic 2 all-gathers of (P-1) K/V blocks; backward the same
+again as reduce-scatters of dK/dV (in the input dtype). Simpler than the ring and it overlaps nothing, and it
+keeps the gathered K/V (S tokens) alive for the backward: memory O(S) per device, unlike the ring's O(S/P).
+"""
+from __future__ import annotations
+
+from jax import lax
+
+from jaxring.attention.flash import flash_attention
+from jaxring.attention.layout import gathered_positions, layout_positions
+from jaxring.attention.masking import check_qkv
+from jaxring.attention.ulysses import local_implementation
+
+
+def allgather_attention(q, k, v, segment_ids=None, *, axis_name="sp", layout: str = "zigzag",
+                        causal: bool = True, sm_scale: float | None = None, block_ops="auto"):
+    """All-gather attention inside `shard_map`, sequence already in `layout`; shapes as `ring_attention`."""
+    check_qkv(q, k, v)
+    p, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    n = q.shape[1]
+    q_positions = layout_positions(layout, rank, p, n)
+    kv_positions = gathered_positions(layout, 0, p, p, n)  # every rank's tokens, in rank order
+    k, v = (lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k, v))
+    kv_seg = None if segment_ids is None else lax.all_gather(segment_ids, axis_name, axis=1, tiled=True)
+    return flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, q_positions=q_positions,
+                           kv_positions=kv_positions, segment_ids=segment_ids, kv_segment_ids=kv_seg,
+                           implementation=local_implementation(block_ops))
