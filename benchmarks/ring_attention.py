@@ -12,17 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jaxring
 from jaxring.analysis import compile_stats
-from jaxring.platform import describe_devices, use_cpu_devices_if_no_accelerator
+from jaxring.platform import benchmark_record, use_cpu_devices_if_no_accelerator
 from jaxring.timing import median_seconds
 
 
@@ -57,15 +54,9 @@ def main(argv=None):
     p = len(devices)
     ring_mesh = jaxring.make_mesh(sp=p, devices=devices)
     single_mesh = jaxring.make_mesh(sp=1, devices=devices[:1])
-    record = {
-        "benchmark": "ring_attention", "command": " ".join([sys.executable.split("/")[-1]] + sys.argv),
-        "device": describe_devices(devices), "host_cpus": os.cpu_count(), "platform": platform.platform(),
-        "python": platform.python_version(), "jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(
-            jax.lib, "__version__") else jax.__version__, "numpy": np.__version__,
-        "config": {"batch": args.batch, "heads": args.heads, "head_dim": args.head_dim, "causal": True,
-                   "dtype": "float32", "devices": p, "runs": args.runs},
-        "results": [],
-    }
+    record = benchmark_record("ring_attention", devices, {
+        "batch": args.batch, "heads": args.heads, "head_dim": args.head_dim, "causal": True, "dtype": "float32",
+        "devices": p, "runs": args.runs})
     for seq in args.seqs:
         keys = jax.random.split(jax.random.PRNGKey(seq), 4)
         shape = (args.batch, seq, args.heads, args.head_dim)

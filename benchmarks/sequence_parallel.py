@@ -13,17 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jaxring
 from jaxring.analysis import compile_stats
-from jaxring.platform import describe_devices, use_cpu_devices_if_no_accelerator
+from jaxring.platform import benchmark_record, use_cpu_devices_if_no_accelerator
 from jaxring.timing import median_seconds
 
 # name -> sharded_attention keywords
@@ -62,13 +59,10 @@ def main(argv=None):
 
     devices = use_cpu_devices_if_no_accelerator(args.cpu_devices)
     mesh = jaxring.make_mesh(sp=len(devices), devices=devices)
-    record = {"benchmark": "sequence_parallel", "command": " ".join(["python"] + sys.argv),
-              "device": describe_devices(devices), "host_cpus": os.cpu_count(), "platform": platform.platform(),
-              "python": platform.python_version(), "jax": jax.__version__, "numpy": np.__version__,
-              "config": {"batch": 1, "heads": args.heads, "head_dim": args.head_dim, "causal": True,
-                         "dtype": "float32", "devices": len(devices), "runs": args.runs},
-              "bytes_note": "per device, received, from the compiled HLO (fp32; includes the layout permutation)",
-              "results": []}
+    record = benchmark_record("sequence_parallel", devices, {
+        "batch": 1, "heads": args.heads, "head_dim": args.head_dim, "causal": True, "dtype": "float32",
+        "devices": len(devices), "runs": args.runs})
+    record["bytes_note"] = "per device, received, from the compiled HLO (fp32; includes the layout permutation)"
     for seq in args.seqs:
         shape = jax.ShapeDtypeStruct((1, seq, args.heads, args.head_dim), jnp.float32)
         for name in args.configs:

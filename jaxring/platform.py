@@ -20,3 +20,16 @@ def describe_devices(devices) -> str:
     d = devices[0]
     kind = getattr(d, "device_kind", d.platform)
     return f"{len(devices)} x {kind} ({d.platform})"
+
+
+def benchmark_record(name: str, devices, config: dict) -> dict:
+    """The header every benchmark result file carries: what ran, where, with which versions."""
+    import os
+    import platform
+    import sys
+
+    import numpy as np
+
+    return {"benchmark": name, "command": " ".join(["python"] + sys.argv), "device": describe_devices(devices),
+            "host_cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "jax": jax.__version__, "numpy": np.__version__, "config": config, "results": []}

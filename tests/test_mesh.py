@@ -1,6 +1,5 @@
 """make_mesh and sharded_attention with unsharded, Auto- and Explicit-sharded inputs."""
 import jax
-import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P

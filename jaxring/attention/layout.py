@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import jax
 import jax.numpy as jnp
 from jax import lax
 
