@@ -13,7 +13,9 @@ of the op's replica group and |x| the op's per-device result in bytes:
   all-reduce          2(g-1)/g * |x|   (ring reduce-scatter + all-gather)
 
 XLA:CPU widens bf16 collectives to f32 (convert, send, convert back), so on simulated CPU devices bf16
-traffic reads as 4 bytes an element; GPU programs send bf16 as is. An op inside a `while` loop (a `lax.scan` ring) counts once per iteration, from the loop's known trip
+traffic reads as 4 bytes an element; GPU programs send bf16 as is.
+
+An op inside a `while` loop (a `lax.scan` ring) counts once per iteration, from the loop's known trip
 count; a loop without one raises, rather than give a wrong figure. Ops in both branches of a conditional
 count once each (jaxring puts no collectives in conditionals).
 """

@@ -34,11 +34,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxring.attention.blockwise import BlockOps, get_block_ops, tile_visible
+from jaxring.attention.blockwise import BlockOps, get_block_ops
 from jaxring.attention.layout import RankTokens
 from jaxring.attention.masking import check_qkv
 from jaxring.attention.merge import empty_partial, merge_partials
-from jaxring.collectives import send_to_next
+from jaxring.attention.schedule import split_runs, when_visible
+from jaxring.collectives import ring_steps, send_to_next
 
 # The backward ring turns the other way (rank r sends to r-1). Either direction is correct; a permutation
 # different from the forward's also keeps XLA from merging the backward's K/V sends with the forward's,
@@ -67,43 +68,9 @@ def ring_attention(q, k, v, segment_ids=None, *, axis_name="sp", layout: str = "
     return _ring(q, k, v, segment_ids, axis_name, tokens, causal, scale, get_block_ops(block_ops))
 
 
-def _runs(x, parts: int, axis: int):
-    """Splits x into `parts` equal slices along axis (a rank's position runs)."""
-    if x is None:
-        return [None] * parts
-    size = x.shape[axis] // parts
-    return [lax.slice_in_dim(x, i * size, (i + 1) * size, axis=axis) for i in range(parts)]
-
-
 def _parts(tokens: RankTokens, causal):
     """Position runs to split a rank's tokens into: only causal masking can skip a run pair."""
     return tokens.runs() if causal else 1
-
-
-def _when_visible(causal, q_pos, kv_pos, compute, skip):
-    """Runs `compute` unless the causal mask hides the whole (Q run, K/V run) pair; returns (result, work)."""
-    if not causal:
-        return compute(), q_pos.shape[0] * kv_pos.shape[0]
-    visible = tile_visible(q_pos, kv_pos, causal=True)
-    work = jnp.where(visible, q_pos.shape[0] * kv_pos.shape[0], 0)
-    return lax.cond(visible, compute, skip), work
-
-
-def _ring_steps(step_fn, carry, kv, num_steps, send):
-    """for step in 0..P-1: send the K/V block on (not after the last step), then `step_fn` on it.
-
-    A `lax.scan` over the first P-1 steps and the last step on its own: a hop cannot be hoisted out of its
-    iteration, so a device holds the current and the incoming block only (O(S/P) memory, not O(S)), and
-    exactly P-1 hops are made. Returns the final carry.
-    """
-    def body(state, step):
-        carry, kv = state
-        kv_next = send(kv)  # issued before this step's compute, so the two can overlap
-        return (step_fn(carry, kv, step), kv_next), None
-
-    if num_steps > 1:
-        (carry, kv), _ = lax.scan(body, (carry, kv), jnp.arange(num_steps - 1))
-    return step_fn(carry, kv, num_steps - 1)
 
 
 def ring_forward(q, k, v, segment_ids, axis_name, tokens: RankTokens, causal, sm_scale, ops: BlockOps):
@@ -111,12 +78,13 @@ def ring_forward(q, k, v, segment_ids, axis_name, tokens: RankTokens, causal, sm
     p, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
     n, parts = q.shape[1], _parts(tokens, causal)
     q_pos = tokens.positions(rank, p, n)
-    q_runs, qpos_runs, qseg_runs = _runs(q, parts, 1), _runs(q_pos, parts, 0), _runs(segment_ids, parts, 1)
+    q_runs, qpos_runs = split_runs(q, parts, 1), split_runs(q_pos, parts, 0)
+    qseg_runs = split_runs(segment_ids, parts, 1)
 
     def attend(carry, kv, step):
         acc, work = carry
-        k_runs, v_runs, kseg_runs = (_runs(x, parts, 1) for x in kv)
-        kpos_runs = _runs(tokens.positions((rank - step) % p, p, n), parts, 0)
+        k_runs, v_runs, kseg_runs = (split_runs(x, parts, 1) for x in kv)
+        kpos_runs = split_runs(tokens.positions((rank - step) % p, p, n), parts, 0)
         acc = list(acc)
         for i in range(parts):
             for j in range(parts):
@@ -124,13 +92,13 @@ def ring_forward(q, k, v, segment_ids, axis_name, tokens: RankTokens, causal, sm
                     q_runs[i], k_runs[j], v_runs[j], qpos_runs[i], kpos_runs[j], qseg_runs[i], kseg_runs[j],
                     causal=causal, sm_scale=sm_scale)
                 skip = lambda i=i: empty_partial(q_runs[i])
-                part, w = _when_visible(causal, qpos_runs[i], kpos_runs[j], compute, skip)
+                part, w = when_visible(causal, qpos_runs[i], kpos_runs[j], compute, skip)
                 acc[i] = merge_partials(*acc[i], *part)
                 work = work + w
         return tuple(acc), work
 
     init = (tuple(empty_partial(x) for x in q_runs), jnp.zeros_like(q_pos[0]))
-    acc, work = _ring_steps(attend, init, (k, v, segment_ids), p, lambda kv: send_to_next(kv, axis_name))
+    acc, work = ring_steps(attend, init, (k, v, segment_ids), p, lambda kv: send_to_next(kv, axis_name))
     out = jnp.concatenate([a[0] for a in acc], axis=1)
     lse = jnp.concatenate([a[1] for a in acc], axis=1)
     return out, lse, work
@@ -155,14 +123,14 @@ def _ring_bwd(axis_name, tokens, causal, sm_scale, ops, residuals, dout):
     run = n // parts
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     q_pos = tokens.positions(rank, p, n)
-    q_args = [_runs(x, parts, 1) for x in (q, dout, lse, delta)]
-    qpos_runs, qseg_runs = _runs(q_pos, parts, 0), _runs(segment_ids, parts, 1)
+    q_args = [split_runs(x, parts, 1) for x in (q, dout, lse, delta)]
+    qpos_runs, qseg_runs = split_runs(q_pos, parts, 0), split_runs(segment_ids, parts, 1)
     send = lambda tree: send_to_next(tree, axis_name, shift=BACKWARD_SHIFT)
 
     def grads(carry, kv, step):
         dq, dkv = carry
-        k_runs, v_runs, kseg_runs = (_runs(x, parts, 1) for x in kv)
-        kpos_runs = _runs(tokens.positions((rank - BACKWARD_SHIFT * step) % p, p, n), parts, 0)
+        k_runs, v_runs, kseg_runs = (split_runs(x, parts, 1) for x in kv)
+        kpos_runs = split_runs(tokens.positions((rank - BACKWARD_SHIFT * step) % p, p, n), parts, 0)
         for i in range(parts):
             q_i, do_i, lse_i, delta_i = (x[i] for x in q_args)
             for j in range(parts):
@@ -172,14 +140,14 @@ def _ring_bwd(axis_name, tokens, causal, sm_scale, ops, residuals, dout):
                 skip = lambda q_i=q_i, j=j: (jnp.zeros_like(q_i, jnp.float32),
                                              jnp.zeros_like(k_runs[j], jnp.float32),
                                              jnp.zeros_like(v_runs[j], jnp.float32))
-                (dq_ij, dk_ij, dv_ij), _ = _when_visible(causal, qpos_runs[i], kpos_runs[j], compute, skip)
+                (dq_ij, dk_ij, dv_ij), _ = when_visible(causal, qpos_runs[i], kpos_runs[j], compute, skip)
                 dq = dq.at[:, i * run:(i + 1) * run].add(dq_ij)
                 dkv = (dkv[0].at[:, j * run:(j + 1) * run].add(dk_ij),
                        dkv[1].at[:, j * run:(j + 1) * run].add(dv_ij))
         return dq, send(dkv)  # dK/dV travel with their K/V block; the P-th send brings them home
 
     init = (jnp.zeros_like(q, jnp.float32), (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)))
-    dq, dkv = _ring_steps(grads, init, (k, v, segment_ids), p, send)
+    dq, dkv = ring_steps(grads, init, (k, v, segment_ids), p, send)
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
 
 
