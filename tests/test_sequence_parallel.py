@@ -1,4 +1,4 @@
-"""Ulysses, all-gather and USP against the dense reference, and their traffic against the formulas."""
+"""Every strategy through sharded_attention against the dense reference; Ulysses, all-gather and USP traffic."""
 import functools
 
 import jax
@@ -22,6 +22,8 @@ CASES = [  # strategy, options, mesh, layout, causal, q heads, kv heads, head di
     ("usp", dict(ulysses_size=2), dict(sp=8), "zigzag", True, 4, 2, 32),
     ("usp", dict(ulysses_size=4), dict(dp=2, sp=4), "zigzag", True, 8, 2, 64),
     ("usp", dict(ulysses_size=2), dict(dp=2, sp=4), "contiguous", False, 4, 4, 32),
+    ("rsa", {}, dict(sp=8), "zigzag", True, 4, 2, 32),
+    ("wallfacer", dict(team_size=2, placement="ring_inner"), dict(sp=8), "zigzag", True, 4, 2, 64),
 ]
 
 
@@ -52,7 +54,8 @@ def test_segments_with_padding():
     q, k, v, _ = qkv(8, 2, 32, 4, 2, 16)
     seg = jnp.array([[1] * 12 + [2] * 14 + [0] * 6, [3] * 32])
     expected = attention_reference(q, k, v, causal=True, segment_ids=seg)[0]
-    for strategy, options in (("ulysses", {}), ("allgather", {}), ("usp", dict(ulysses_size=2))):
+    for strategy, options in (("ulysses", {}), ("allgather", {}), ("usp", dict(ulysses_size=2)), ("rsa", {}),
+                              ("wallfacer", dict(team_size=2))):
         out = jaxring.sharded_attention(q, k, v, mesh=mesh, strategy=strategy, segment_ids=seg, **options)
         assert_close(out, expected, 2e-4, strategy)
 
@@ -141,5 +144,9 @@ def test_errors():
         jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="usp")
     with pytest.raises(ValueError, match="strategy 'ring' takes no option ulysses_size"):
         jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="ring", ulysses_size=2)
+    with pytest.raises(ValueError, match="block_ops 'jnp': rsa materialises its score rows"):
+        jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="rsa", block_ops="jnp")
+    with pytest.raises(ValueError, match="strategy 'wallfacer' takes no option ulysses_size"):
+        jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="wallfacer", team_size=2, ulysses_size=2)
     with pytest.raises(ValueError, match="query heads 4 are not divisible by the Ulysses degree ulysses_size = 8"):
         jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="usp", ulysses_size=8)

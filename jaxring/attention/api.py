@@ -13,14 +13,16 @@ from jaxring.attention.layout import check_layout, check_seq_len, from_layout, t
 from jaxring.attention.masking import check_qkv
 from jaxring.attention.reference import attention_reference
 from jaxring.attention.ring import ring_attention
+from jaxring.attention.rsa import rsa_attention
 from jaxring.attention.ulysses import check_heads_split, ulysses_attention, usp_attention
+from jaxring.attention.wallfacer import WF_AXES, check_wf_layout, wallfacer_attention, wallfacer_mesh
 from jaxring.mesh import factored_mesh, place
 
-STRATEGIES = ("dense", "ring", "ulysses", "allgather", "usp")
+STRATEGIES = ("dense", "ring", "rsa", "ulysses", "wallfacer", "allgather", "usp")
 DATA_AXES = ("dp", "fsdp")
 USP_AXES = ("usp_ring", "usp_ulysses")
 # strategy -> the options it takes (beyond layout, causal, segment_ids, sm_scale, block_ops)
-_OPTIONS = {"usp": {"ulysses_size"}}
+_OPTIONS = {"usp": {"ulysses_size"}, "wallfacer": {"team_size", "placement"}}
 
 
 def _axis_size(mesh, name):
@@ -36,8 +38,9 @@ def sharded_attention(q, k, v, *, mesh, strategy: str = "ring", causal: bool = T
       q: [batch, seq, q_heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim], in natural token order.
       mesh: a mesh from `jaxring.make_mesh` (or any mesh with an `sp` axis). Batch is split over dp and fsdp,
         heads over tp (when tp > 1), the sequence over `seq_axis`.
-      strategy: "dense" (the unsharded reference), "ring", "ulysses", "allgather", or "usp" (needs
-        `ulysses_size=U`, U dividing sp: Ulysses over U devices, ring over sp / U).
+      strategy: "dense" (the unsharded reference), "ring", "rsa" (Ring Self-Attention), "ulysses",
+        "allgather", "usp" (needs `ulysses_size=U`, U dividing sp: Ulysses over U devices, ring over sp / U)
+        or "wallfacer" (needs `team_size=C`, C² dividing sp; `placement="team_inner"` or "ring_inner").
       layout: "contiguous", "zigzag" (causal balance) or "striped"; applied and undone here.
       segment_ids: int [batch, seq] or None; tokens attend within their segment, 0 = padding.
     Returns: out [batch, seq, q_heads, head_dim] in natural order, differentiable in q, k, v.
@@ -49,6 +52,10 @@ def sharded_attention(q, k, v, *, mesh, strategy: str = "ring", causal: bool = T
     if unknown:
         raise ValueError(f"strategy {strategy!r} takes no option {', '.join(sorted(unknown))}")
     check_layout(layout)
+    if strategy == "wallfacer":
+        check_wf_layout(layout)
+    if strategy == "rsa" and block_ops != "auto":
+        raise ValueError(f"block_ops {block_ops!r}: rsa materialises its score rows and has no block compute")
     batch, seq = q.shape[:2]
     if k.shape[1] != seq:
         raise ValueError(f"k/v seq {k.shape[1]} must equal q seq {seq} for self-attention")
@@ -80,18 +87,26 @@ def sharded_attention(q, k, v, *, mesh, strategy: str = "ring", causal: bool = T
             raise ValueError(f"usp needs ulysses_size dividing sp = {sp}; got {u!r}")
         check_heads_split(q.shape[2] // tp, u, "ulysses_size")
         run_mesh, seq_spec = factored_mesh(mesh, seq_axis, USP_AXES, (sp // u, u)), USP_AXES
+    if strategy == "wallfacer":
+        run_mesh = wallfacer_mesh(mesh, options.get("team_size"), options.get("placement", "team_inner"), seq_axis)
+        seq_spec = WF_AXES
     x_spec = P(data_axes or None, seq_spec, head_axis, None)
     seg_spec = P(data_axes or None, seq_spec)
     args = [place(x, run_mesh, x_spec) for x in (q, k, v)]
     if segment_ids is not None:
         args.append(place(segment_ids, run_mesh, seg_spec))
     run = _sharded(strategy, run_mesh, x_spec, seg_spec, segment_ids is not None, seq_spec, layout, causal,
-                   sm_scale, block_ops)
+                   sm_scale, block_ops, options.get("team_size"))
     return run(*args)
 
 
-def _local_attention(strategy, seq_axes, **kw):
+def _local_attention(strategy, seq_axes, team_size, **kw):
     """The per-device function of a strategy, inside shard_map, on laid-out shards."""
+    if strategy == "rsa":
+        kw.pop("block_ops")
+        return functools.partial(rsa_attention, axis_name=seq_axes, **kw)
+    if strategy == "wallfacer":
+        return functools.partial(wallfacer_attention, team_size=team_size, **kw)
     if strategy == "ring":
         return functools.partial(ring_attention, axis_name=seq_axes, **kw)
     if strategy == "ulysses":
@@ -104,9 +119,10 @@ def _local_attention(strategy, seq_axes, **kw):
 
 
 @functools.lru_cache(maxsize=256)
-def _sharded(strategy, mesh, x_spec, seg_spec, with_segments, seq_axes, layout, causal, sm_scale, block_ops):
+def _sharded(strategy, mesh, x_spec, seg_spec, with_segments, seq_axes, layout, causal, sm_scale, block_ops,
+             team_size):
     """A jitted shard_map of a strategy, built once per configuration (eager shard_map runs op by op)."""
-    attend = _local_attention(strategy, seq_axes, layout=layout, causal=causal, sm_scale=sm_scale,
+    attend = _local_attention(strategy, seq_axes, team_size, layout=layout, causal=causal, sm_scale=sm_scale,
                               block_ops=block_ops)
 
     def local(q, k, v, *seg):
