@@ -37,8 +37,8 @@ from jax import lax
 from jaxring.attention.blockwise import BlockOps, get_block_ops
 from jaxring.attention.layout import RankTokens
 from jaxring.attention.masking import check_qkv
-from jaxring.attention.merge import empty_partial, merge_partials
-from jaxring.attention.schedule import split_runs, when_visible
+from jaxring.attention.merge import empty_partial
+from jaxring.attention.schedule import backward_run_pairs, forward_run_pairs, split_runs
 from jaxring.collectives import ring_steps, send_to_next
 
 # The backward ring turns the other way (rank r sends to r-1). Either direction is correct; a permutation
@@ -78,26 +78,16 @@ def ring_forward(q, k, v, segment_ids, axis_name, tokens: RankTokens, causal, sm
     p, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
     n, parts = q.shape[1], _parts(tokens, causal)
     q_pos = tokens.positions(rank, p, n)
-    q_runs, qpos_runs = split_runs(q, parts, 1), split_runs(q_pos, parts, 0)
-    qseg_runs = split_runs(segment_ids, parts, 1)
 
     def attend(carry, kv, step):
         acc, work = carry
-        k_runs, v_runs, kseg_runs = (split_runs(x, parts, 1) for x in kv)
-        kpos_runs = split_runs(tokens.positions((rank - step) % p, p, n), parts, 0)
-        acc = list(acc)
-        for i in range(parts):
-            for j in range(parts):
-                compute = lambda i=i, j=j: ops.forward(
-                    q_runs[i], k_runs[j], v_runs[j], qpos_runs[i], kpos_runs[j], qseg_runs[i], kseg_runs[j],
-                    causal=causal, sm_scale=sm_scale)
-                skip = lambda i=i: empty_partial(q_runs[i])
-                part, w = when_visible(causal, qpos_runs[i], kpos_runs[j], compute, skip)
-                acc[i] = merge_partials(*acc[i], *part)
-                work = work + w
-        return tuple(acc), work
+        k, v, kv_seg = kv
+        kv_pos = tokens.positions((rank - step) % p, p, n)
+        acc, pairs = forward_run_pairs(ops, acc, q, q_pos, segment_ids, k, v, kv_pos, kv_seg, parts=parts,
+                                       causal=causal, sm_scale=sm_scale)
+        return acc, work + sum(w for _, _, w in pairs)
 
-    init = (tuple(empty_partial(x) for x in q_runs), jnp.zeros_like(q_pos[0]))
+    init = (tuple(empty_partial(x) for x in split_runs(q, parts, 1)), jnp.zeros_like(q_pos[0]))
     acc, work = ring_steps(attend, init, (k, v, segment_ids), p, lambda kv: send_to_next(kv, axis_name))
     out = jnp.concatenate([a[0] for a in acc], axis=1)
     lse = jnp.concatenate([a[1] for a in acc], axis=1)
@@ -120,31 +110,17 @@ def _ring_bwd(axis_name, tokens, causal, sm_scale, ops, residuals, dout):
     q, k, v, segment_ids, out, lse = residuals
     p, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
     n, parts = q.shape[1], _parts(tokens, causal)
-    run = n // parts
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     q_pos = tokens.positions(rank, p, n)
-    q_args = [split_runs(x, parts, 1) for x in (q, dout, lse, delta)]
-    qpos_runs, qseg_runs = split_runs(q_pos, parts, 0), split_runs(segment_ids, parts, 1)
     send = lambda tree: send_to_next(tree, axis_name, shift=BACKWARD_SHIFT)
 
     def grads(carry, kv, step):
         dq, dkv = carry
-        k_runs, v_runs, kseg_runs = (split_runs(x, parts, 1) for x in kv)
-        kpos_runs = split_runs(tokens.positions((rank - BACKWARD_SHIFT * step) % p, p, n), parts, 0)
-        for i in range(parts):
-            q_i, do_i, lse_i, delta_i = (x[i] for x in q_args)
-            for j in range(parts):
-                compute = lambda i=i, j=j, q_i=q_i, do_i=do_i, lse_i=lse_i, delta_i=delta_i: ops.backward(
-                    q_i, k_runs[j], v_runs[j], do_i, lse_i, delta_i, qpos_runs[i], kpos_runs[j], qseg_runs[i],
-                    kseg_runs[j], causal=causal, sm_scale=sm_scale)
-                skip = lambda q_i=q_i, j=j: (jnp.zeros_like(q_i, jnp.float32),
-                                             jnp.zeros_like(k_runs[j], jnp.float32),
-                                             jnp.zeros_like(v_runs[j], jnp.float32))
-                (dq_ij, dk_ij, dv_ij), _ = when_visible(causal, qpos_runs[i], kpos_runs[j], compute, skip)
-                dq = dq.at[:, i * run:(i + 1) * run].add(dq_ij)
-                dkv = (dkv[0].at[:, j * run:(j + 1) * run].add(dk_ij),
-                       dkv[1].at[:, j * run:(j + 1) * run].add(dv_ij))
-        return dq, send(dkv)  # dK/dV travel with their K/V block; the P-th send brings them home
+        k, v, kv_seg = kv
+        kv_pos = tokens.positions((rank - BACKWARD_SHIFT * step) % p, p, n)
+        dq, dk, dv = backward_run_pairs(ops, (dq, *dkv), q, dout, lse, delta, q_pos, segment_ids, k, v, kv_pos,
+                                        kv_seg, parts=parts, causal=causal, sm_scale=sm_scale)
+        return dq, send((dk, dv))  # dK/dV travel with their K/V block; the P-th send brings them home
 
     init = (jnp.zeros_like(q, jnp.float32), (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)))
     dq, dkv = ring_steps(grads, init, (k, v, segment_ids), p, send)

@@ -101,8 +101,8 @@ from jax.sharding import Mesh
 from jaxring.attention.blockwise import BlockOps, get_block_ops
 from jaxring.attention.layout import check_seq_len
 from jaxring.attention.masking import check_qkv
-from jaxring.attention.merge import empty_partial, merge_partials
-from jaxring.attention.schedule import split_runs, when_visible
+from jaxring.attention.merge import empty_partial
+from jaxring.attention.schedule import backward_run_pairs, forward_run_pairs, split_runs
 from jaxring.collectives import ring_steps, send_to_next
 
 WF_AXES = ("wf_group", "wf_ring", "wf_team")
@@ -307,31 +307,23 @@ def _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops: Blo
     q_t, k_t, v_t, seg_t = (_gather(x, c, zigzag) for x in (q, k, v, segment_ids))
     kv = _init_map((k_t, v_t, seg_t), p, c)
     q_pos = team_positions(layout, g * tgs + j, p, c, n)
-    q_runs, qpos_runs = split_runs(q_t, parts, 1), split_runs(q_pos, parts, 0)
-    qseg_runs = split_runs(seg_t, parts, 1)
 
     def attend(carry, kv, step):
         acc, work = carry
-        k_runs, v_runs, kseg_runs = (split_runs(x, parts, 1) for x in kv)
+        k_c, v_c, kseg_c = kv
         chunk = ((j - step) % tgs) * c + a                     # the team chunk held at this step
-        kpos_runs = split_runs(team_positions(layout, chunk, p, c, n), parts, 0)
-        acc = list(acc)
-        for i in range(parts):
-            for jj in range(parts):
-                compute = lambda i=i, jj=jj: ops.forward(
-                    q_runs[i], k_runs[jj], v_runs[jj], qpos_runs[i], kpos_runs[jj], qseg_runs[i], kseg_runs[jj],
-                    causal=causal, sm_scale=sm_scale)
-                skip = lambda i=i: empty_partial(q_runs[i])
-                part, w = when_visible(causal, qpos_runs[i], kpos_runs[jj], compute, skip)
-                acc[i] = merge_partials(*acc[i], *part)
-                seen = jnp.where(w > 0, _visible_pairs(qpos_runs[i], kpos_runs[jj], causal), 0)
-                work = work + jnp.stack([w, seen]).astype(work.dtype)
-        return tuple(acc), work
+        acc, pairs = forward_run_pairs(ops, acc, q_t, q_pos, seg_t, k_c, v_c, team_positions(layout, chunk, p, c, n),
+                                       kseg_c, parts=parts, causal=causal, sm_scale=sm_scale)
+        for qpos_i, kpos_j, w in pairs:
+            seen = jnp.where(w > 0, _visible_pairs(qpos_i, kpos_j, causal), 0)
+            work = work + jnp.stack([w, seen]).astype(work.dtype)
+        return acc, work
 
     # varies over all three axes, like the work it accumulates (check_vma)
     work0 = jnp.zeros((2,), jnp.int32) + 0 * (g + j + a)
     send = lambda tree: send_to_next(tree, RING)
-    acc, work = ring_steps(attend, (tuple(empty_partial(x) for x in q_runs), work0), kv, tgs, send)
+    acc0 = tuple(empty_partial(x) for x in split_runs(q_t, parts, 1))
+    acc, work = ring_steps(attend, (acc0, work0), kv, tgs, send)
     out_t = jnp.concatenate([x[0] for x in acc], axis=1)
     lse_t = jnp.concatenate([x[1] for x in acc], axis=1)
     out, lse, lse_team = _team_combine(out_t, lse_t, c, zigzag)
@@ -369,29 +361,14 @@ def _wallfacer_bwd(team_size, layout, causal, sm_scale, ops, residuals, dout):
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     do_t, delta_t = _gather(dout, c, zigzag), _gather(delta, c, zigzag)
     # K/V stay put: this device holds team chunk j·C + a for the whole pass
-    k_runs, v_runs, kseg_runs = (split_runs(x, parts, 1) for x in (k_u, v_u, kseg_u))
-    kpos_runs = split_runs(team_positions(layout, j * c + a, p, c, n), parts, 0)
-    run_q, run_k = q_t.shape[1] // parts, k_u.shape[1] // parts
+    kv_pos = team_positions(layout, j * c + a, p, c, n)
     send = (lambda tree: send_to_next(tree, RING)) if tgs > 1 else (lambda tree: tree)
 
     def grads(carry, q_side, step):
-        dq, dk, dv = carry
-        q_args = [split_runs(x, parts, 1) for x in q_side[:4]]
-        qseg_runs = split_runs(q_side[4], parts, 1)
-        qpos_runs = split_runs(team_positions(layout, g * tgs + (j - step) % tgs, p, c, n), parts, 0)
-        for i in range(parts):
-            q_i, do_i, lse_i, delta_i = (x[i] for x in q_args)
-            for jj in range(parts):
-                compute = lambda i=i, jj=jj, q_i=q_i, do_i=do_i, lse_i=lse_i, delta_i=delta_i: ops.backward(
-                    q_i, k_runs[jj], v_runs[jj], do_i, lse_i, delta_i, qpos_runs[i], kpos_runs[jj],
-                    qseg_runs[i], kseg_runs[jj], causal=causal, sm_scale=sm_scale)
-                skip = lambda q_i=q_i, jj=jj: (jnp.zeros_like(q_i, jnp.float32),
-                                               jnp.zeros_like(k_runs[jj], jnp.float32),
-                                               jnp.zeros_like(v_runs[jj], jnp.float32))
-                (dq_ij, dk_ij, dv_ij), _ = when_visible(causal, qpos_runs[i], kpos_runs[jj], compute, skip)
-                dq = dq.at[:, i * run_q:(i + 1) * run_q].add(dq_ij)
-                dk = dk.at[:, jj * run_k:(jj + 1) * run_k].add(dk_ij)
-                dv = dv.at[:, jj * run_k:(jj + 1) * run_k].add(dv_ij)
+        q_c, do_c, lse_c, delta_c, qseg_c = q_side
+        q_pos = team_positions(layout, g * tgs + (j - step) % tgs, p, c, n)
+        dq, dk, dv = backward_run_pairs(ops, carry, q_c, do_c, lse_c, delta_c, q_pos, qseg_c, k_u, v_u, kv_pos,
+                                        kseg_u, parts=parts, causal=causal, sm_scale=sm_scale)
         return send(dq), dk, dv  # dQ travels with its Q; the tgs-th hop brings it home
 
     init = (jnp.zeros_like(q_t, jnp.float32), jnp.zeros_like(k_u, jnp.float32), jnp.zeros_like(v_u, jnp.float32))
