@@ -10,7 +10,6 @@ tile skipping): the ideal ring time is single / P. Memory is compiled per-device
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -19,7 +18,7 @@ import jax.numpy as jnp
 
 import jaxring
 from jaxring.analysis import compile_stats
-from jaxring.platform import benchmark_record, use_cpu_devices_if_no_accelerator
+from jaxring.platform import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
 from jaxring.timing import median_seconds
 
 
@@ -72,9 +71,7 @@ def main(argv=None):
             print(f"  ring {layout:10s} {r['median_s']:.3f} s  ({r['ratio_to_single_over_p']:.2f}x single/P)  "
                   f"temp {r['temp_bytes'] / 2**20:.1f} MiB  sent {r['bytes_moved'] / 2**20:.1f} MiB", flush=True)
         record["results"].append(row)
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+        save_record(record, args.out)
     return record
 
 

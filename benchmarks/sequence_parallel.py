@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 import jaxring
 from jaxring.analysis import compile_stats
-from jaxring.platform import benchmark_record, use_cpu_devices_if_no_accelerator
+from jaxring.platform import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
 from jaxring.timing import median_seconds
 
 # name -> sharded_attention keywords
@@ -90,9 +90,7 @@ def main(argv=None):
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             record["results"].append(row)
             print(json.dumps(row), flush=True)
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(record, f, indent=1)
+            save_record(record, args.out)
     return record
 
 

@@ -33,3 +33,13 @@ def benchmark_record(name: str, devices, config: dict) -> dict:
     return {"benchmark": name, "command": " ".join(["python"] + sys.argv), "device": describe_devices(devices),
             "host_cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "jax": jax.__version__, "numpy": np.__version__, "config": config, "results": []}
+
+
+def save_record(record: dict, path: str) -> None:
+    """Writes a benchmark record as JSON (after every row, so a long run keeps what it measured)."""
+    import json
+    import os
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
