@@ -216,3 +216,13 @@ def test_ring_with_the_pallas_kernel_interpreted(layout, causal):
 
     out_r, vjp_r = jax.vjp(lambda q, k, v: attention_reference(q, k, v, causal=causal)[0], q, k, v)
     check(run(q, k, v, dout), (out_r, vjp_r(dout)), 2e-4)
+
+
+@pytest.mark.parametrize("strategy,options", [("ring", {}), ("wallfacer", dict(team_size=2))])
+def test_million_token_sequences_trace(strategy, options):
+    """Blocks of more than 2³¹ query-key pairs: nothing may overflow int32 while tracing."""
+    mesh = jaxring.make_mesh(sp=8)
+    x = jax.ShapeDtypeStruct((1, 1 << 20, 2, 16), jnp.bfloat16)
+    grad = jax.grad(lambda q, k, v: jaxring.sharded_attention(q, k, v, mesh=mesh, strategy=strategy,
+                                                              **options).astype(jnp.float32).sum())
+    assert jax.eval_shape(grad, x, x, x).shape == x.shape

@@ -38,7 +38,7 @@ from jaxring.attention.blockwise import BlockOps, get_block_ops
 from jaxring.attention.layout import RankTokens
 from jaxring.attention.masking import check_qkv
 from jaxring.attention.merge import empty_partial
-from jaxring.attention.schedule import backward_run_pairs, forward_run_pairs, split_runs
+from jaxring.attention.schedule import backward_run_pairs, forward_run_pairs, pair_work, split_runs
 from jaxring.collectives import ring_steps, send_to_next
 
 # The backward ring turns the other way (rank r sends to r-1). Either direction is correct; a permutation
@@ -60,10 +60,12 @@ def ring_attention(q, k, v, segment_ids=None, *, axis_name="sp", layout: str = "
     Returns: out, local [batch, n, q_heads, head_dim] in q.dtype.
     """
     check_qkv(q, k, v)
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"k/v local seq {k.shape[1]} must equal q local seq {q.shape[1]} (self-attention)")
     tokens = RankTokens(layout, inner_ranks)
-    if q.shape[1] % tokens.runs():
-        raise ValueError(f"local seq {q.shape[1]} must split into the {tokens.runs()} position runs of the "
-                         f"{layout} layout")
+    if q.shape[1] % (tokens.runs() * inner_ranks):
+        raise ValueError(f"local seq {q.shape[1]} must split into {inner_ranks} rank shards of "
+                         f"{tokens.runs()} position runs each ({layout} layout)")
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     return _ring(q, k, v, segment_ids, axis_name, tokens, causal, scale, get_block_ops(block_ops))
 
@@ -74,7 +76,7 @@ def _parts(tokens: RankTokens, causal):
 
 
 def ring_forward(q, k, v, segment_ids, axis_name, tokens: RankTokens, causal, sm_scale, ops: BlockOps):
-    """The forward ring. Returns out fp32, lse fp32 [b, n, hq] and the work done here (query-key pairs)."""
+    """The forward ring. Returns out fp32, lse fp32 [b, n, hq] and the work done here (query-key pairs, fp32)."""
     p, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
     n, parts = q.shape[1], _parts(tokens, causal)
     q_pos = tokens.positions(rank, p, n)
@@ -85,9 +87,9 @@ def ring_forward(q, k, v, segment_ids, axis_name, tokens: RankTokens, causal, sm
         kv_pos = tokens.positions((rank - step) % p, p, n)
         acc, pairs = forward_run_pairs(ops, acc, q, q_pos, segment_ids, k, v, kv_pos, kv_seg, parts=parts,
                                        causal=causal, sm_scale=sm_scale)
-        return acc, work + sum(w for _, _, w in pairs)
+        return acc, work + sum(pair_work(*pair) for pair in pairs)
 
-    init = (tuple(empty_partial(x) for x in split_runs(q, parts, 1)), jnp.zeros_like(q_pos[0]))
+    init = (tuple(empty_partial(x) for x in split_runs(q, parts, 1)), jnp.zeros_like(q_pos[0], jnp.float32))
     acc, work = ring_steps(attend, init, (k, v, segment_ids), p, lambda kv: send_to_next(kv, axis_name))
     out = jnp.concatenate([a[0] for a in acc], axis=1)
     lse = jnp.concatenate([a[1] for a in acc], axis=1)

@@ -21,12 +21,16 @@ def split_runs(x, parts: int, axis: int):
 
 
 def when_visible(causal, q_pos, kv_pos, compute, skip):
-    """Runs `compute` unless the causal mask hides the whole (Q run, K/V run) pair; returns (result, work)."""
+    """Runs `compute` unless the causal mask hides the whole (Q run, K/V run) pair: (result, computed?)."""
     if not causal:
-        return compute(), q_pos.shape[0] * kv_pos.shape[0]
+        return compute(), True
     visible = tile_visible(q_pos, kv_pos, causal=True)
-    work = jnp.where(visible, q_pos.shape[0] * kv_pos.shape[0], 0)
-    return lax.cond(visible, compute, skip), work
+    return lax.cond(visible, compute, skip), visible
+
+
+def pair_work(q_pos, kv_pos, computed):
+    """Query-key pairs a run pair computed, as fp32 (int32 would overflow past 2³¹ pairs per block)."""
+    return jnp.where(computed, float(q_pos.shape[0] * kv_pos.shape[0]), 0.0).astype(jnp.float32)
 
 
 def forward_run_pairs(ops, acc, q, q_pos, q_seg, k, v, kv_pos, kv_seg, *, parts, causal, sm_scale):
@@ -34,7 +38,7 @@ def forward_run_pairs(ops, acc, q, q_pos, q_seg, k, v, kv_pos, kv_seg, *, parts,
 
     acc: tuple of (out, lse) fp32 partials, one per Q run (merged into). q, k, v, positions and segment ids
     are whole blocks, split here into `parts` runs. Returns (acc, pairs) with pairs a list of
-    (q_positions, kv_positions, work) per run pair, work = query-key pairs computed (0 when skipped).
+    (q_positions, kv_positions, computed) per run pair (computed: False when the mask hid it).
     """
     q_runs, qpos_runs, qseg_runs = split_runs(q, parts, 1), split_runs(q_pos, parts, 0), split_runs(q_seg, parts, 1)
     k_runs, v_runs = split_runs(k, parts, 1), split_runs(v, parts, 1)
@@ -46,9 +50,9 @@ def forward_run_pairs(ops, acc, q, q_pos, q_seg, k, v, kv_pos, kv_seg, *, parts,
                 q_runs[i], k_runs[j], v_runs[j], qpos_runs[i], kpos_runs[j], qseg_runs[i], kseg_runs[j],
                 causal=causal, sm_scale=sm_scale)
             skip = lambda i=i: empty_partial(q_runs[i])
-            part, work = when_visible(causal, qpos_runs[i], kpos_runs[j], compute, skip)
+            part, computed = when_visible(causal, qpos_runs[i], kpos_runs[j], compute, skip)
             acc[i] = merge_partials(*acc[i], *part)
-            pairs.append((qpos_runs[i], kpos_runs[j], work))
+            pairs.append((qpos_runs[i], kpos_runs[j], computed))
     return tuple(acc), pairs
 
 

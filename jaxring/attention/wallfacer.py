@@ -102,7 +102,7 @@ from jaxring.attention.blockwise import BlockOps, get_block_ops
 from jaxring.attention.layout import check_seq_len
 from jaxring.attention.masking import check_qkv
 from jaxring.attention.merge import empty_partial
-from jaxring.attention.schedule import backward_run_pairs, forward_run_pairs, split_runs
+from jaxring.attention.schedule import backward_run_pairs, forward_run_pairs, pair_work, split_runs
 from jaxring.collectives import ring_steps, send_to_next
 
 WF_AXES = ("wf_group", "wf_ring", "wf_team")
@@ -288,8 +288,8 @@ def _team_combine(out_t, lse_t, c: int, zigzag: bool):
 def _visible_pairs(q_pos, kv_pos, causal):
     """Causally visible (query, key) pairs of a run pair (kv_pos one ascending contiguous run)."""
     if not causal:
-        return jnp.int32(q_pos.shape[0] * kv_pos.shape[0])
-    return jnp.sum(jnp.clip(q_pos - kv_pos[0] + 1, 0, kv_pos.shape[0]))
+        return jnp.float32(q_pos.shape[0] * kv_pos.shape[0])
+    return jnp.sum(jnp.clip(q_pos - kv_pos[0] + 1, 0, kv_pos.shape[0]).astype(jnp.float32))
 
 
 # --------------------------------------------------------------------------------------------- forward
@@ -314,13 +314,13 @@ def _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops: Blo
         chunk = ((j - step) % tgs) * c + a                     # the team chunk held at this step
         acc, pairs = forward_run_pairs(ops, acc, q_t, q_pos, seg_t, k_c, v_c, team_positions(layout, chunk, p, c, n),
                                        kseg_c, parts=parts, causal=causal, sm_scale=sm_scale)
-        for qpos_i, kpos_j, w in pairs:
-            seen = jnp.where(w > 0, _visible_pairs(qpos_i, kpos_j, causal), 0)
-            work = work + jnp.stack([w, seen]).astype(work.dtype)
+        for qpos_i, kpos_j, computed in pairs:
+            seen = jnp.where(computed, _visible_pairs(qpos_i, kpos_j, causal), 0.0)
+            work = work + jnp.stack([pair_work(qpos_i, kpos_j, computed), seen]).astype(work.dtype)
         return acc, work
 
     # varies over all three axes, like the work it accumulates (check_vma)
-    work0 = jnp.zeros((2,), jnp.int32) + 0 * (g + j + a)
+    work0 = jnp.zeros((2,), jnp.float32) + 0 * (g + j + a)
     send = lambda tree: send_to_next(tree, RING)
     acc0 = tuple(empty_partial(x) for x in split_runs(q_t, parts, 1))
     acc, work = ring_steps(attend, (acc0, work0), kv, tgs, send)
@@ -332,7 +332,7 @@ def _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops: Blo
 
 def wallfacer_forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops: BlockOps):
     """The forward pass inside shard_map. Returns out fp32 [b, n, hq, d], lse fp32 [b, n, hq] (own rows) and
-    work int32 [2] on this device: (query-key pairs of the run pairs computed, causally visible ones)."""
+    work fp32 [2] on this device: (query-key pairs of the run pairs computed, causally visible ones)."""
     out, lse, work, _ = _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops)
     return out, lse, work
 
