@@ -55,7 +55,7 @@ def _group_size(line: str, num_devices: int) -> int:
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ")
 _WHILE = re.compile(r"\bwhile\(.*body=%([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_CALLEES = re.compile(r"(?:to_apply|calls|branch_computations=\{[^}]*|true_computation|false_computation)=?%([\w.\-]+)")
+_CALLEES = re.compile(r"(?:to_apply|calls|true_computation|false_computation)=%([\w.\-]+)")
 
 
 def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
