@@ -29,7 +29,7 @@ def _axis_size(mesh, name):
     return mesh.shape[name] if name in mesh.axis_names else 1
 
 
-def sharded_attention(q, k, v, *, mesh, strategy: str = "ring", causal: bool = True, layout: str = "zigzag",
+def sharded_attention(q, k, v, *, mesh, strategy: str = "ring", causal: bool = True, layout: str | None = None,
                       segment_ids=None, sm_scale: float | None = None, block_ops="auto", seq_axis: str = "sp",
                       **options):
     """Attention over global arrays, computed with a sequence-parallel strategy on `mesh`.
@@ -41,7 +41,9 @@ def sharded_attention(q, k, v, *, mesh, strategy: str = "ring", causal: bool = T
       strategy: "dense" (the unsharded reference), "ring", "rsa" (Ring Self-Attention), "ulysses",
         "allgather", "usp" (needs `ulysses_size=U`, U dividing sp: Ulysses over U devices, ring over sp / U)
         or "wallfacer" (needs `team_size=C`, C² dividing sp; `placement="team_inner"` or "ring_inner").
-      layout: "contiguous", "zigzag" (causal balance) or "striped"; applied and undone here.
+      layout: "contiguous", "zigzag" (causal balance) or "striped"; applied and undone here. Default: zigzag,
+        except contiguous for ulysses (every device attends the whole sequence: balanced anyway) and rsa
+        (which computes every block), where a layout would only add the re-layout traffic.
       segment_ids: int [batch, seq] or None; tokens attend within their segment, 0 = padding.
     Returns: out [batch, seq, q_heads, head_dim] in natural order, differentiable in q, k, v.
     """
@@ -51,6 +53,9 @@ def sharded_attention(q, k, v, *, mesh, strategy: str = "ring", causal: bool = T
     unknown = set(options) - _OPTIONS.get(strategy, set())
     if unknown:
         raise ValueError(f"strategy {strategy!r} takes no option {', '.join(sorted(unknown))}")
+    if layout is None:
+        layout = "contiguous" if strategy in ("ulysses", "rsa") else "zigzag"
+    sm_scale = None if sm_scale is None else float(sm_scale)  # a cache key: no traced or array scales
     check_layout(layout)
     if strategy == "wallfacer":
         check_wf_layout(layout)
