@@ -27,12 +27,6 @@ def check_layout(layout: str) -> None:
         raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
 
 
-def chunks_per_device(layout: str) -> int:
-    """How many contiguous position runs a device holds: 2 for zigzag, 1 otherwise."""
-    check_layout(layout)
-    return 2 if layout == "zigzag" else 1
-
-
 def check_seq_len(seq_len: int, num_devices: int, layout: str, *, relayout: bool = False) -> None:
     """Raises unless seq_len splits over num_devices in this layout.
 
