@@ -29,3 +29,26 @@ def value_and_grads(fn, q, k, v, dout):
     """fn's output and its (dq, dk, dv) for cotangent dout."""
     out, vjp = jax.vjp(fn, q, k, v)
     return out, vjp(dout)
+
+
+def with_reference(fn, q, k, v, dout, *, causal, segment_ids=None):
+    """((out, grads) of fn, (out, grads) of the dense reference), both from one jitted forward + VJP."""
+    from jaxring import attention_reference
+
+    @jax.jit
+    def run(q, k, v, dout):
+        def both(f):
+            out, vjp = jax.vjp(f, q, k, v)
+            return out, vjp(dout)
+        return both(fn), both(lambda q, k, v: attention_reference(q, k, v, causal=causal,
+                                                                   segment_ids=segment_ids)[0])
+
+    return run(q, k, v, dout)
+
+
+def check(got, ref, rtol=2e-4):
+    """Output and dq, dk, dv of `got` against `ref`, each as (out, (dq, dk, dv))."""
+    (out, grads), (out_r, grads_r) = got, ref
+    assert_close(out, out_r, rtol, "out")
+    for name, g, g_r in zip("qkv", grads, grads_r):
+        assert_close(g, g_r, rtol, "d" + name)

@@ -13,32 +13,16 @@ from jaxring.analysis import compile_stats
 from jaxring.attention.blockwise import BlockOps, block_backward, block_forward
 from jaxring.attention.layout import RankTokens
 from jaxring.attention.ring import ring_attention, ring_forward, get_block_ops
-from helpers import assert_close, qkv
+from helpers import assert_close, check, qkv, with_reference
 
 MESHES = {"sp2": dict(sp=2, dp=4), "sp4": dict(sp=4, dp=2), "sp8": dict(sp=8), "dp2xsp4": dict(dp=2, sp=4)}
 
 
 def ring_and_reference(mesh, q, k, v, dout, *, causal, layout, segment_ids=None):
     """(out, grads) of the ring and of the reference, each from one jitted forward + VJP."""
-
-    @jax.jit
-    def run(q, k, v, dout):
-        def both(fn):
-            out, vjp = jax.vjp(fn, q, k, v)
-            return out, vjp(dout)
-        ring = both(lambda q, k, v: jaxring.sharded_attention(
-            q, k, v, mesh=mesh, strategy="ring", causal=causal, layout=layout, segment_ids=segment_ids))
-        ref = both(lambda q, k, v: attention_reference(q, k, v, causal=causal, segment_ids=segment_ids)[0])
-        return ring, ref
-
-    return run(q, k, v, dout)
-
-
-def check(ring, ref, rtol):
-    (out, grads), (out_r, grads_r) = ring, ref
-    assert_close(out, out_r, rtol, "out")
-    for name, g, g_r in zip("qkv", grads, grads_r):
-        assert_close(g, g_r, rtol, "d" + name)
+    ring = lambda q, k, v: jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="ring", causal=causal,
+                                                     layout=layout, segment_ids=segment_ids)
+    return with_reference(ring, q, k, v, dout, causal=causal, segment_ids=segment_ids)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])

@@ -9,7 +9,7 @@ import jaxring
 from jaxring import attention_reference, layout_permutation
 from jaxring.analysis import compile_stats
 from jaxring.attention.rsa import rsa_attention
-from helpers import assert_close, qkv
+from helpers import assert_close, check, qkv
 
 SPEC = P(("dp", "fsdp"), "sp", None, None)
 SEG_SPEC = P(("dp", "fsdp"), "sp")
@@ -50,13 +50,6 @@ def rsa_and_reference(mesh, q, k, v, dout, *, causal, layout, segment_ids=None):
         return both(rsa), both(ref)
 
     return run(q, k, v, dout)
-
-
-def check(got, ref, rtol=2e-4):
-    (out, grads), (out_r, grads_r) = got, ref
-    assert_close(out, out_r, rtol, "out")
-    for name, g, g_r in zip("qkv", grads, grads_r):
-        assert_close(g, g_r, rtol, "d" + name)
 
 
 @pytest.mark.parametrize("mesh_name,layout,causal,q_heads,kv_heads,head_dim", [

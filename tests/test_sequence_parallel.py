@@ -11,7 +11,7 @@ from jaxring import attention_reference
 from jaxring.analysis import compile_stats
 from jaxring.attention.allgather import allgather_attention
 from jaxring.attention.ulysses import ulysses_attention, usp_attention
-from helpers import assert_close, qkv
+from helpers import assert_close, check, qkv, with_reference
 
 CASES = [  # strategy, options, mesh, layout, causal, q heads, kv heads, head dim
     ("ulysses", {}, dict(sp=8), "zigzag", True, 8, 2, 32),       # GQA, kv heads < P: repeated as needed
@@ -34,20 +34,9 @@ def test_matches_reference(strategy, options, mesh_kw, layout, causal, q_heads, 
     mesh = jaxring.make_mesh(**mesh_kw)
     q, k, v, dout = qkv(7, 2, 64, q_heads, kv_heads, head_dim)
 
-    @jax.jit
-    def run(q, k, v, dout):
-        def both(fn):
-            out, vjp = jax.vjp(fn, q, k, v)
-            return out, vjp(dout)
-        return (both(lambda q, k, v: jaxring.sharded_attention(q, k, v, mesh=mesh, strategy=strategy,
-                                                                causal=causal, layout=layout, **options)),
-                both(lambda q, k, v: attention_reference(q, k, v, causal=causal)[0]))
-
-    (out, grads), (out_r, grads_r) = run(q, k, v, dout)
-    assert_close(out, out_r, 2e-4, "out")
-    for name, g, g_r in zip("qkv", grads, grads_r):
-        assert_close(g, g_r, 2e-4, "d" + name)
-
+    sharded = lambda q, k, v: jaxring.sharded_attention(q, k, v, mesh=mesh, strategy=strategy, causal=causal,
+                                                        layout=layout, **options)
+    check(*with_reference(sharded, q, k, v, dout, causal=causal))
 
 def test_segments_with_padding():
     mesh = jaxring.make_mesh(sp=4, dp=2)

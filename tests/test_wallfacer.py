@@ -14,7 +14,7 @@ from jaxring.attention.blockwise import get_block_ops
 from jaxring.attention.wallfacer import (WF_AXES, get_init_send, get_p2p_config, init_pairs,
                                          wallfacer_attention, wallfacer_forward, wallfacer_mesh,
                                          wallfacer_permutation)
-from helpers import assert_close, qkv
+from helpers import check, qkv, with_reference
 
 
 def sharded_wallfacer(q, k, v, segment_ids=None, **options):
@@ -23,26 +23,9 @@ def sharded_wallfacer(q, k, v, segment_ids=None, **options):
 
 def wallfacer_and_reference(mesh, q, k, v, dout, *, team_size, placement, causal, layout, segment_ids=None):
     """(out, grads) of wallfacer and of the reference, each from one jitted forward + VJP."""
-
-    @jax.jit
-    def run(q, k, v, dout):
-        def both(fn):
-            out, vjp = jax.vjp(fn, q, k, v)
-            return out, vjp(dout)
-        wf = both(lambda q, k, v: sharded_wallfacer(
-            q, k, v, segment_ids, mesh=mesh, team_size=team_size, placement=placement, causal=causal,
-            layout=layout))
-        ref = both(lambda q, k, v: attention_reference(q, k, v, causal=causal, segment_ids=segment_ids)[0])
-        return wf, ref
-
-    return run(q, k, v, dout)
-
-
-def check(got, ref, rtol):
-    (out, grads), (out_r, grads_r) = got, ref
-    assert_close(out, out_r, rtol, "out")
-    for name, g, g_r in zip("qkv", grads, grads_r):
-        assert_close(g, g_r, rtol, "d" + name)
+    wf = lambda q, k, v: sharded_wallfacer(q, k, v, segment_ids, mesh=mesh, team_size=team_size,
+                                           placement=placement, causal=causal, layout=layout)
+    return with_reference(wf, q, k, v, dout, causal=causal, segment_ids=segment_ids)
 
 
 # (mesh degrees, C, placement, layout, causal, q heads, kv heads, head dim, batch): every axis value covered
