@@ -8,12 +8,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxring
-from jaxring import attention_reference, layout_permutation
+from jaxring import attention_reference
 from jaxring.analysis import compile_stats
 from jaxring.attention.blockwise import BlockOps, block_backward, block_forward
 from jaxring.attention.layout import RankTokens
 from jaxring.attention.ring import ring_attention, ring_forward, get_block_ops
-from helpers import assert_close, check, qkv, with_reference
+from helpers import assert_close, check, padded_segments, qkv, with_reference
 
 MESHES = {"sp2": dict(sp=2, dp=4), "sp4": dict(sp=4, dp=2), "sp8": dict(sp=8), "dp2xsp4": dict(dp=2, sp=4)}
 
@@ -65,11 +65,7 @@ def test_bf16_inputs_accumulate_in_fp32(layout):
 def test_segments_with_padding_and_an_all_padding_device(layout, causal):
     sp, seq = 8, 64
     mesh = jaxring.make_mesh(sp=sp)
-    seg = np.ones((2, seq), np.int32)
-    seg[0, 20:45], seg[0, 45:58], seg[0, 58:] = 2, 3, 0       # packed segments, padded tail
-    seg[1, seq // 2:] = 2
-    device_3 = layout_permutation(layout, seq, sp).reshape(sp, -1)[3]
-    seg[1, device_3] = 0                                      # every token of device 3 is padding
+    seg = padded_segments(layout, seq, sp)
     q, k, v, dout = qkv(3, 2, seq, 4, 2, 16)
     ring, ref = ring_and_reference(mesh, q, k, v, dout, causal=causal, layout=layout,
                                    segment_ids=jnp.asarray(seg))

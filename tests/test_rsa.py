@@ -9,7 +9,7 @@ import jaxring
 from jaxring import attention_reference, layout_permutation
 from jaxring.analysis import compile_stats
 from jaxring.attention.rsa import rsa_attention
-from helpers import assert_close, check, qkv
+from helpers import assert_close, check, padded_segments, qkv
 
 SPEC = P(("dp", "fsdp"), "sp", None, None)
 SEG_SPEC = P(("dp", "fsdp"), "sp")
@@ -89,11 +89,7 @@ def test_bf16_inputs_accumulate_in_fp32():
 def test_segments_with_padding_and_an_all_padding_device(layout):
     sp, seq = 8, 32
     mesh = jaxring.make_mesh(sp=sp)
-    seg = np.ones((2, seq), np.int32)
-    seg[0, 10:22], seg[0, 22:28], seg[0, 28:] = 2, 3, 0      # packed segments, padded tail
-    seg[1, seq // 2:] = 2
-    device_3 = layout_permutation(layout, seq, sp).reshape(sp, -1)[3]
-    seg[1, device_3] = 0                                      # every token of device 3 is padding
+    seg = padded_segments(layout, seq, sp)
     q, k, v, dout = qkv(3, 2, seq, 4, 2, 32)
     got, ref = rsa_and_reference(mesh, q, k, v, dout, causal=True, layout=layout, segment_ids=jnp.asarray(seg))
     check(got, ref)
@@ -107,7 +103,7 @@ def test_all_padding_gives_zeros_and_no_nan():
     mesh = jaxring.make_mesh(sp=8)
     q, k, v, dout = qkv(4, 1, 32, 4, 2, 32)
     seg = jnp.zeros((1, 32), jnp.int32)
-    (out, grads), _ = rsa_and_reference(mesh, q, k, v, dout, causal=False, layout="contiguous", segment_ids=seg)
+    (out, grads), _ = rsa_and_reference(mesh, q, k, v, dout, causal=False, layout="contiguous", segment_ids=jnp.asarray(seg))
     for name, x in zip(("out", "dq", "dk", "dv"), (out, *grads)):
         assert_close(x, jnp.zeros_like(x), 0.0, name)
 

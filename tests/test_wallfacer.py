@@ -60,7 +60,7 @@ def test_segments_with_padding_and_an_all_padding_device(layout, causal):
     seg[0, layout_permutation(layout, seq, sp).reshape(sp, -1)[5]] = 0   # every token of device 5 is padding
     q, k, v, dout = qkv(3, 1, seq, 4, 2, 16)
     got = wallfacer_and_reference(mesh, q, k, v, dout, team_size=2, placement="team_inner", causal=causal,
-                                  layout=layout, segment_ids=jnp.asarray(seg))
+                                  layout=layout, segment_ids=seg)
     check(*got, 2e-4)
     out, grads = got[0]
     assert np.all(np.asarray(out)[seg == 0] == 0)
