@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+
 def qkv(seed, batch, seq, q_heads, kv_heads, head_dim, dtype=jnp.float32):
     """Random q, k, v and an output cotangent."""
     ks = jax.random.split(jax.random.PRNGKey(seed), 4)
@@ -11,6 +12,7 @@ def qkv(seed, batch, seq, q_heads, kv_heads, head_dim, dtype=jnp.float32):
     v = jax.random.normal(ks[2], (batch, seq, kv_heads, head_dim), jnp.float32).astype(dtype)
     dout = jax.random.normal(ks[3], (batch, seq, q_heads, head_dim), jnp.float32).astype(dtype)
     return q, k, v, dout
+
 
 def assert_close(actual, expected, rtol, name=""):
     """max |actual - expected| <= rtol * max |expected| (and everything finite)."""
@@ -22,10 +24,12 @@ def assert_close(actual, expected, rtol, name=""):
     scale = max(np.abs(expected).max(), 1e-6)
     assert err <= rtol * scale, f"{name}: max error {err:.3g} > {rtol} * {scale:.3g}"
 
+
 def value_and_grads(fn, q, k, v, dout):
     """fn's output and its (dq, dk, dv) for cotangent dout."""
     out, vjp = jax.vjp(fn, q, k, v)
     return out, vjp(dout)
+
 
 def with_reference(fn, q, k, v, dout, *, causal, segment_ids=None):
     """((out, grads) of fn, (out, grads) of the dense reference), both from one jitted forward + VJP."""
@@ -41,6 +45,7 @@ def with_reference(fn, q, k, v, dout, *, causal, segment_ids=None):
 
     return run(q, k, v, dout)
 
+
 def check(got, ref, rtol=2e-4):
     """Output and dq, dk, dv of `got` against `ref`, each as (out, (dq, dk, dv))."""
     (out, grads), (out_r, grads_r) = got, ref
@@ -48,10 +53,10 @@ def check(got, ref, rtol=2e-4):
     for name, g, g_r in zip("qkv", grads, grads_r):
         assert_close(g, g_r, rtol, "d" + name)
 
+
 def padded_segments(layout, seq, sp, padded_device=3):
     """numpy int32 [2, seq] segment ids: row 0 packs three segments and a padded tail; row 1 has two segments and
     every token of `padded_device` (in `layout`) is padding (0)."""
-
     from jaxring import layout_permutation
 
     seg = np.ones((2, seq), np.int32)
