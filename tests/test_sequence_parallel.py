@@ -139,3 +139,16 @@ def test_errors():
         jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="wallfacer", team_size=2, ulysses_size=2)
     with pytest.raises(ValueError, match="query heads 4 are not divisible by the Ulysses degree ulysses_size = 8"):
         jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="usp", ulysses_size=8)
+
+
+@pytest.mark.parametrize("strategy,options", [("ring", {}), ("ulysses", {}), ("usp", {"ulysses_size": 2}),
+                                              ("wallfacer", {"team_size": 2})])
+def test_laid_out_tokens_need_no_relayout(strategy, options):
+    """Tokens laid out once on the data side (as the models do) give the laid-out rows of the natural output."""
+    mesh = jaxring.make_mesh(sp=8)
+    q, k, v, _ = qkv(3, 1, 64, 8, 8, 16) if strategy != "ring" else qkv(3, 1, 64, 8, 2, 16)
+    perm = jaxring.layout_permutation("zigzag", 64, 8)
+    natural = jaxring.sharded_attention(q, k, v, mesh=mesh, strategy=strategy, layout="zigzag", **options)
+    laid = jaxring.sharded_attention(q[:, perm], k[:, perm], v[:, perm], mesh=mesh, strategy=strategy,
+                                     layout="zigzag", laid_out=True, **options)
+    assert_close(laid, natural[:, perm], 1e-5, strategy)

@@ -31,7 +31,7 @@ def _axis_size(mesh, name):
 
 def sharded_attention(q, k, v, *, mesh, strategy: str = "ring", causal: bool = True, layout: str | None = None,
                       segment_ids=None, sm_scale: float | None = None, block_ops="auto", seq_axis: str = "sp",
-                      **options):
+                      laid_out: bool = False, **options):
     """Attention over global arrays, computed with a sequence-parallel strategy on `mesh`.
 
     Args:
@@ -45,7 +45,10 @@ def sharded_attention(q, k, v, *, mesh, strategy: str = "ring", causal: bool = T
         except contiguous for ulysses (every device attends the whole sequence: balanced anyway) and rsa
         (which computes every block), where a layout would only add the re-layout traffic.
       segment_ids: int [batch, seq] or None; tokens attend within their segment, 0 = padding.
-    Returns: out [batch, seq, q_heads, head_dim] in natural order, differentiable in q, k, v.
+      laid_out: the sequence axis is already in `layout` order (applied once on the data side, as a model
+        does: `layout_permutation`); no re-layout here, and the output stays in that order.
+    Returns: out [batch, seq, q_heads, head_dim] in natural order (layout order if laid_out), differentiable
+      in q, k, v.
     """
     check_qkv(q, k, v)
     if strategy not in STRATEGIES:
@@ -67,13 +70,15 @@ def sharded_attention(q, k, v, *, mesh, strategy: str = "ring", causal: bool = T
     if segment_ids is not None and segment_ids.shape != (batch, seq):
         raise ValueError(f"segment_ids shape {segment_ids.shape} must be [batch, seq] = {(batch, seq)}")
     if strategy == "dense":
+        if laid_out and layout != "contiguous":
+            raise ValueError(f"strategy 'dense' with laid_out=True needs layout 'contiguous', got {layout!r}")
         return attention_reference(q, k, v, causal=causal, segment_ids=segment_ids, sm_scale=sm_scale)[0]
 
     if seq_axis not in mesh.axis_names:
         raise ValueError(f"mesh axes {mesh.axis_names} have no {seq_axis!r} axis; strategy {strategy!r} "
                          f"splits the sequence over it")
     sp = mesh.shape[seq_axis]
-    check_seq_len(seq, sp, layout, relayout=True)
+    check_seq_len(seq, sp, layout, relayout=not laid_out)
     data_axes = tuple(a for a in DATA_AXES if a in mesh.axis_names)
     data = math.prod(_axis_size(mesh, a) for a in data_axes)
     if batch % data:
@@ -101,7 +106,7 @@ def sharded_attention(q, k, v, *, mesh, strategy: str = "ring", causal: bool = T
     if segment_ids is not None:
         args.append(place(segment_ids, run_mesh, seg_spec))
     run = _sharded(strategy, run_mesh, x_spec, seg_spec, segment_ids is not None, seq_spec, layout, causal,
-                   sm_scale, block_ops, options.get("team_size"))
+                   sm_scale, block_ops, options.get("team_size"), laid_out)
     return run(*args)
 
 
@@ -125,12 +130,14 @@ def _local_attention(strategy, seq_axes, team_size, **kw):
 
 @functools.lru_cache(maxsize=256)
 def _sharded(strategy, mesh, x_spec, seg_spec, with_segments, seq_axes, layout, causal, sm_scale, block_ops,
-             team_size):
+             team_size, laid_out):
     """A jitted shard_map of a strategy, built once per configuration (eager shard_map runs op by op)."""
     attend = _local_attention(strategy, seq_axes, team_size, layout=layout, causal=causal, sm_scale=sm_scale,
                               block_ops=block_ops)
 
     def local(q, k, v, *seg):
+        if laid_out:
+            return attend(q, k, v, *seg)
         q, k, v, *seg = (to_layout(x, layout, seq_axes) for x in (q, k, v, *seg))
         return from_layout(attend(q, k, v, *seg), layout, seq_axes)
 
