@@ -1,0 +1,1 @@
+"""Training: host-side data pipelines, sharded checkpoints and the training loop."""

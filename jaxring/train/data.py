@@ -1,0 +1,392 @@
+"""Host-side training data: token windows for GPT, labelled images for DiT (numpy only, no JAX).
+
+Every batch is a pure function of (seed, step): resuming at step k gives exactly the batches an
+uninterrupted run would have seen. On a multi-host run each host asks for its own rows of the global
+batch (``process_index`` of ``process_count``) and reads only those rows from the corpus.
+
+Token sources (``load_tokens``):
+  * ``None``: a bundled corpus that needs no download: a fixed list of the Python standard library's own
+    ``.py`` files (byte-level, vocab 256); every 10th file of the list is the held-out "val" split, so
+    train and val never share a file.
+  * a text file, or a directory of ``.txt``/``.py``/``.md`` files: byte-level, vocab 256; val = last 10%.
+  * a nanoGPT-style ``.bin`` (uint16 token ids, read through ``np.memmap``), or a directory holding
+    ``train.bin``: vocab 50257 (GPT-2) unless the ids say otherwise; val = ``val.bin`` beside it if
+    present, else the last 10%. No tokenizer is bundled: ``decode`` writes the ids as text.
+
+Image sources (``load_images``):
+  * ``None``: scikit-learn's bundled 8×8 digits (1797 images, 1 channel, 10 classes).
+  * a folder of png/jpg images, one class per subfolder (or a single class 0), as RGB.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+GPT2_VOCAB = 50257
+TEXT_SUFFIXES = (".txt", ".py", ".md")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+VAL_FRACTION = 0.1
+SPLITS = ("train", "val")
+
+# The bundled corpus: standard-library modules by path, in a FIXED order (never re-sorted, so the
+# held-out files stay the same whichever ones a given Python lacks). Entry i is "val" when i % 10 == 9.
+STDLIB_FILES = (
+    "abc.py", "argparse.py", "ast.py", "base64.py", "bisect.py",
+    "calendar.py", "codecs.py", "collections/__init__.py", "colorsys.py", "configparser.py",
+    "contextlib.py", "copy.py", "csv.py", "dataclasses.py", "datetime.py",
+    "difflib.py", "dis.py", "enum.py", "fnmatch.py", "fractions.py",
+    "functools.py", "getopt.py", "gettext.py", "glob.py", "gzip.py",
+    "heapq.py", "hmac.py", "html/__init__.py", "inspect.py", "ipaddress.py",
+    "json/__init__.py", "json/decoder.py", "json/encoder.py", "keyword.py", "linecache.py",
+    "locale.py", "logging/__init__.py", "mimetypes.py", "numbers.py", "operator.py",
+    "optparse.py", "os.py", "pathlib.py", "pickle.py", "posixpath.py",
+    "pprint.py", "queue.py", "random.py", "re/__init__.py", "sched.py",
+    "secrets.py", "selectors.py", "shlex.py", "shutil.py", "socket.py",
+    "statistics.py", "string.py", "subprocess.py", "tempfile.py", "textwrap.py",
+    "threading.py", "timeit.py", "tokenize.py", "traceback.py", "types.py",
+    "typing.py", "unittest/case.py", "urllib/parse.py", "uuid.py", "warnings.py",
+)
+STDLIB_VAL_EVERY = 10
+
+
+def stdlib_files(split: str) -> list[str]:
+    """The bundled corpus's file names in `split` (fixed order; before skipping missing files)."""
+    _check_split(split)
+    held_out = [i % STDLIB_VAL_EVERY == STDLIB_VAL_EVERY - 1 for i in range(len(STDLIB_FILES))]
+    return [name for name, val in zip(STDLIB_FILES, held_out) if val == (split == "val")]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tokens
+# ----------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TokenSource:
+    """A 1-D token stream.
+
+    tokens: [num_tokens] int32 (byte-level sources) or a uint16 ``np.memmap`` (``.bin`` sources).
+    vocab_size: ids are in [0, vocab_size).
+    tokenizer: "bytes" (UTF-8 bytes are the ids) or "none" (``.bin`` files: no tokenizer is bundled, so
+      ``decode`` writes the ids as space-separated numbers and ``encode`` reads them back).
+    files: for text sources, the files concatenated (in order).
+    """
+    tokens: np.ndarray
+    vocab_size: int
+    name: str
+    split: str
+    tokenizer: str
+    files: tuple[str, ...] = ()
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def decode(self, ids) -> str:
+        ids = np.asarray(ids).reshape(-1)
+        if self.tokenizer == "bytes":
+            if ids.size and (ids.min() < 0 or ids.max() > 255):
+                raise ValueError(f"byte-level ids must be in [0, 255], got range [{ids.min()}, {ids.max()}]")
+            return bytes(ids.astype(np.uint8).tolist()).decode("utf-8", errors="replace")
+        return " ".join(str(int(i)) for i in ids)   # no tokenizer bundled: the ids themselves
+
+    def encode(self, text: str) -> np.ndarray:
+        if self.tokenizer == "bytes":
+            return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+        try:
+            ids = np.array([int(t) for t in text.split()], np.int32)
+        except ValueError:
+            raise ValueError(f"{self.name} has no tokenizer (token ids only); encode takes space-separated "
+                             f"integer ids, got {text[:40]!r}") from None
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            raise ValueError(f"ids must be in [0, {self.vocab_size}), got range [{ids.min()}, {ids.max()}]")
+        return ids
+
+
+def _check_split(split):
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r} must be one of {SPLITS}")
+
+
+def _file_separator(name: str) -> bytes:
+    return f"\n\n# ==== {name} ====\n\n".encode()
+
+
+def _byte_tokens(parts: list[tuple[str, bytes]]) -> np.ndarray:
+    """Concatenates files (each preceded by a one-line separator naming it) into int32 byte ids."""
+    blob = b"".join(_file_separator(name) + data for name, data in parts)
+    return np.frombuffer(blob, np.uint8).astype(np.int32)
+
+
+def _split_tail(n: int, split: str) -> slice:
+    """train = the first 90%, val = the last 10% (at least one token each way)."""
+    cut = min(max(int(round(n * (1 - VAL_FRACTION))), 1), max(n - 1, 1))
+    return slice(0, cut) if split == "train" else slice(cut, n)
+
+
+def _load_stdlib(split: str) -> TokenSource:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    names = [n for n in stdlib_files(split) if (root / n).is_file()]
+    if not names:
+        raise FileNotFoundError(f"none of the bundled corpus's standard-library files were found under {root}; "
+                                f"pass a text file, a directory of {'/'.join(TEXT_SUFFIXES)} files or a .bin file")
+    tokens = _byte_tokens([(n, (root / n).read_bytes()) for n in names])
+    return TokenSource(tokens, 256, f"python-stdlib[{split}]", split, "bytes", tuple(names))
+
+
+def _load_text(path: Path, split: str) -> TokenSource:
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+        if not files:
+            raise FileNotFoundError(f"directory {str(path)!r} holds no {'/'.join(TEXT_SUFFIXES)} files (nor a "
+                                    f"train.bin); pass a text file, such a directory, or a .bin token file")
+        names = [str(p.relative_to(path)) for p in files]
+        tokens = _byte_tokens([(n, p.read_bytes()) for n, p in zip(names, files)])
+    else:
+        names = [path.name]
+        tokens = np.frombuffer(path.read_bytes(), np.uint8).astype(np.int32)
+    tokens = tokens[_split_tail(len(tokens), split)]
+    return TokenSource(tokens, 256, f"{path.name}[{split}]", split, "bytes", tuple(names))
+
+
+BIN_SCAN_LIMIT = 1 << 29   # token files up to 1 GiB are scanned for their largest id
+
+
+def _bin_vocab(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
+    """50257 (GPT-2) unless a larger id occurs. Files over BIN_SCAN_LIMIT tokens are not scanned (each host
+    reads only its batches; TokenBatches.get checks every batch's ids instead)."""
+    if len(tokens) > BIN_SCAN_LIMIT:
+        return GPT2_VOCAB
+    top = 0
+    for start in range(0, len(tokens), chunk):
+        top = max(top, int(tokens[start:start + chunk].max()))
+    return max(GPT2_VOCAB, top + 1)
+
+
+def _load_bin(path: Path, split: str, vocab_size: int | None) -> TokenSource:
+    if path.stat().st_size % 2:
+        raise ValueError(f"{str(path)!r} has {path.stat().st_size} bytes, not a whole number of uint16 tokens")
+    val_file = path.with_name("val.bin")
+    if path.name == "train.bin" and val_file.is_file():
+        chosen = path if split == "train" else val_file
+        tokens = np.memmap(chosen, dtype=np.uint16, mode="r")
+    else:
+        tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        tokens = tokens[_split_tail(len(tokens), split)]
+    # Both splits share one vocabulary: take it from the training file (the larger one).
+    vocab = vocab_size if vocab_size is not None else _bin_vocab(np.memmap(path, dtype=np.uint16, mode="r"))
+    return TokenSource(tokens, int(vocab), f"{path.name}[{split}]", split, "none", (path.name,))
+
+
+def load_tokens(path: str | os.PathLike | None, *, split: str = "train",
+                vocab_size: int | None = None) -> TokenSource:
+    """The token stream of `split` ("train" or "val") from `path`.
+
+    Args:
+      path: None (the bundled standard-library corpus), a text file, a directory of .txt/.py/.md files, a
+        nanoGPT-style uint16 ``.bin`` file, or a directory holding ``train.bin`` (see the module docstring).
+      split: "train" or "val".
+      vocab_size: for ``.bin`` files only, the vocabulary size (default: 50257, or max id + 1 if larger).
+    Returns:
+      a TokenSource; ``len(source)`` tokens in ``source.tokens``.
+    """
+    _check_split(split)
+    if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):
+        raise ValueError(f"vocab_size {vocab_size!r} must be a positive integer")
+    if path is None:
+        return _load_stdlib(split)
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"token data {str(path)!r} does not exist; accepted: None (the bundled Python "
+                                f"standard-library corpus), a text file, a directory of "
+                                f"{'/'.join(TEXT_SUFFIXES)} files, or a uint16 .bin token file (nanoGPT format)")
+    if p.is_dir() and (p / "train.bin").is_file():
+        p = p / "train.bin"
+    if p.suffix == ".bin":
+        return _load_bin(p, split, vocab_size)
+    if vocab_size not in (None, 256):
+        raise ValueError(f"vocab_size {vocab_size} given for byte-level text {str(path)!r}, whose vocab is 256")
+    return _load_text(p, split)
+
+
+def _check_hosts(batch_size, process_index, process_count):
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size {batch_size!r} must be a positive integer")
+    if not isinstance(process_count, int) or process_count < 1:
+        raise ValueError(f"process_count {process_count!r} must be a positive integer")
+    if not isinstance(process_index, int) or not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index!r} must be in [0, process_count={process_count})")
+    if batch_size % process_count:
+        raise ValueError(f"batch_size {batch_size} is not divisible by process_count {process_count}: "
+                         f"each host takes batch_size / process_count rows")
+    return batch_size // process_count
+
+
+def _check_seed_step(seed, step):
+    if not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed {seed!r} must be a non-negative integer")
+    if not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"step {step!r} must be a non-negative integer")
+
+
+class TokenBatches:
+    """Random windows of seq_len + 1 tokens: batch `step` is a pure function of (seed, step).
+
+    The global batch's row r starts at ``starts[r]``, with ``starts`` drawn from
+    ``np.random.default_rng([seed, step])``; host ``process_index`` returns rows
+    ``[process_index * local, (process_index + 1) * local)`` (local = batch_size / process_count) and reads
+    only those windows, so the hosts' batches concatenate to the one-host batch.
+    """
+
+    def __init__(self, source: TokenSource, *, batch_size: int, seq_len: int, seed: int,
+                 process_index: int = 0, process_count: int = 1):
+        self.local_batch_size = _check_hosts(batch_size, process_index, process_count)
+        if not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len {seq_len!r} must be a positive integer")
+        _check_seed_step(seed, 0)
+        if len(source) < seq_len + 1:
+            raise ValueError(f"corpus {source.name} has {len(source)} tokens, fewer than seq_len + 1 = "
+                             f"{seq_len + 1} needed for one window of inputs and shifted targets")
+        self.source, self.batch_size, self.seq_len, self.seed = source, batch_size, seq_len, seed
+        self.process_index, self.process_count = process_index, process_count
+
+    def starts(self, step: int) -> np.ndarray:
+        """[batch_size] int64: the window starts of the whole global batch at `step`."""
+        _check_seed_step(self.seed, step)
+        rng = np.random.default_rng([self.seed, step])
+        return rng.integers(0, len(self.source) - self.seq_len, size=self.batch_size)
+
+    def get(self, step: int) -> np.ndarray:
+        """int32 [batch_size / process_count, seq_len + 1]: inputs = [:, :-1], targets = [:, 1:]."""
+        lo = self.process_index * self.local_batch_size
+        mine = self.starts(step)[lo:lo + self.local_batch_size]
+        rows = np.stack([np.asarray(self.source.tokens[s:s + self.seq_len + 1]) for s in mine]).astype(np.int32)
+        if rows.max() >= self.source.vocab_size:
+            raise ValueError(f"token id {rows.max()} at step {step} is outside {self.source.name}'s vocab_size "
+                             f"{self.source.vocab_size}; pass load_tokens(..., vocab_size=) large enough")
+        return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# Images
+# ----------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ImageSource:
+    """images: float32 [N, image_size, image_size, channels] in [-1, 1]; labels: int32 [N]."""
+    images: np.ndarray
+    labels: np.ndarray
+    num_classes: int
+    name: str
+    class_names: tuple[str, ...] = ()
+
+    def __len__(self) -> int:
+        return int(self.images.shape[0])
+
+
+def _resize(img, image_size: int):
+    from PIL import Image
+    return img.resize((image_size, image_size), Image.Resampling.BILINEAR)
+
+
+def _load_digits(image_size: int) -> ImageSource:
+    from PIL import Image
+    from sklearn.datasets import load_digits
+    digits = load_digits()
+    raw = digits.images.astype(np.float32) / 16.0            # [1797, 8, 8] in [0, 1]
+    out = np.stack([np.asarray(_resize(Image.fromarray(x), image_size)) for x in raw])
+    images = np.clip(out * 2.0 - 1.0, -1.0, 1.0)[..., None].astype(np.float32)
+    return ImageSource(images, digits.target.astype(np.int32), 10, "sklearn-digits",
+                       tuple(str(i) for i in range(10)))
+
+
+def _image_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+
+
+def _load_rgb(path: Path, image_size: int) -> np.ndarray:
+    """Centre-cropped to a square, resized (bilinear), RGB, in [-1, 1]."""
+    from PIL import Image
+    with Image.open(path) as img:
+        img = img.convert("RGB")
+        w, h = img.size
+        side = min(w, h)
+        img = img.crop(((w - side) // 2, (h - side) // 2, (w - side) // 2 + side, (h - side) // 2 + side))
+        arr = np.asarray(_resize(img, image_size), np.float32)
+    return arr / 127.5 - 1.0
+
+
+def _load_folder(folder: Path, image_size: int) -> ImageSource:
+    accepted = "/".join(IMAGE_SUFFIXES)
+    subdirs = sorted(p for p in folder.iterdir() if p.is_dir() and _image_files(p))
+    if subdirs:
+        loose = [p.name for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES]
+        if loose:
+            raise ValueError(f"image folder {str(folder)!r} mixes class subfolders with loose images "
+                             f"({loose[0]!r}, ...): put every image in a class subfolder, or use no subfolders")
+        classes = [(c.name, _image_files(c)) for c in subdirs]
+    else:
+        classes = [("0", _image_files(folder))]
+    if not classes[0][1]:
+        raise FileNotFoundError(f"image folder {str(folder)!r} holds no {accepted} images")
+    images, labels = [], []
+    for label, (_, files) in enumerate(classes):
+        images += [_load_rgb(f, image_size) for f in files]
+        labels += [label] * len(files)
+    return ImageSource(np.stack(images).astype(np.float32), np.array(labels, np.int32), len(classes),
+                       folder.name, tuple(c for c, _ in classes))
+
+
+def load_images(path: str | os.PathLike | None, *, image_size: int) -> ImageSource:
+    """Labelled images [N, image_size, image_size, channels] in [-1, 1].
+
+    path None: scikit-learn's digits (1 channel, 10 classes) resized with Pillow (bilinear). A folder:
+    png/jpg images, RGB (3 channels), centre-cropped to a square and resized; the class is the subfolder
+    name (sorted subfolder names get labels 0, 1, ...) or a single class 0 without subfolders. Everything
+    is loaded into host memory.
+    """
+    if not isinstance(image_size, int) or image_size < 1:
+        raise ValueError(f"image_size {image_size!r} must be a positive integer")
+    if path is None:
+        return _load_digits(image_size)
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"image folder {str(path)!r} does not exist or is not a directory; accepted: "
+                                f"None (scikit-learn's digits) or a folder of {'/'.join(IMAGE_SUFFIXES)} images "
+                                f"(one subfolder per class, or none)")
+    return _load_folder(folder, image_size)
+
+
+class ImageBatches:
+    """(images, labels) batches, a pure function of (seed, step): epochs of shuffled images.
+
+    Global sample i = step * batch_size + r is image ``perm_e[i % N]`` of epoch e = i // N, with
+    ``perm_e = np.random.default_rng([seed, e]).permutation(N)``: every image once per epoch. Host
+    ``process_index`` returns only its rows of the global batch.
+    """
+
+    def __init__(self, source: ImageSource, *, batch_size: int, seed: int,
+                 process_index: int = 0, process_count: int = 1):
+        self.local_batch_size = _check_hosts(batch_size, process_index, process_count)
+        _check_seed_step(seed, 0)
+        if len(source) < 1:
+            raise ValueError(f"image source {source.name} is empty")
+        self.source, self.batch_size, self.seed = source, batch_size, seed
+        self.process_index, self.process_count = process_index, process_count
+
+    def indices(self, step: int) -> np.ndarray:
+        """[local_batch_size] int64: this host's image indices at `step`."""
+        _check_seed_step(self.seed, step)
+        n = len(self.source)
+        first = step * self.batch_size + self.process_index * self.local_batch_size
+        i = np.arange(first, first + self.local_batch_size)
+        epochs, pos = i // n, i % n
+        perms = {e: np.random.default_rng([self.seed, int(e)]).permutation(n) for e in np.unique(epochs)}
+        return np.array([perms[e][p] for e, p in zip(epochs, pos)], np.int64)
+
+    def get(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(float32 [local, size, size, channels], int32 [local]) with local = batch_size / process_count."""
+        idx = self.indices(step)
+        return self.source.images[idx], self.source.labels[idx]
