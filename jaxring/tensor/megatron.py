@@ -1,0 +1,530 @@
+"""Megatron-LM tensor parallelism with sequence parallelism (TP+SP), as in the Ultra-Scale Playbook (seed 003).
+
+A Transformer block on p = tp devices, with a local activation X_i of shape [b, s/p, h] on rank i:
+
+  SP region  (s split)   Y_i  = LayerNorm(X_i)                  LN gradients all-reduced over tp
+  g          (SP -> TP)  Y    = all_gather_s(Y_i)                backward: reduce-scatter
+  column     (h split)   Z_i  = act(Y A_i)   or Q_i, K_i, V_i = Y Wq_i, Y Wk_i, Y Wv_i  (heads over tp)
+  row        (h split)   W_i  = Z_i B_i      (partial sums [b, s, h])
+  g*         (TP -> SP)  O_i  = reduce_scatter_s(sum_j W_j)      backward: all-gather
+
+Plain TP (`sequence_parallel=False`) keeps X replicated and uses the conjugate pair f (identity forward,
+all-reduce backward) before the column-linear and f* (all-reduce forward, identity backward) after the
+row-linear.
+
+Backward of the column-linear with gather (`column_parallel_linear`, a `jax.custom_vjp`): as Megatron-LM it
+saves only the LOCAL shard X_i, not the gathered Y, and all-gathers it again in the backward to form
+dA = Yᵀ dZ; dY = dZ Aᵀ is reduce-scattered back to the sequence shard. Communication of an FFN per device,
+in elements received (b local batch):
+  forward   all-gather X (p-1)/p·bsh + reduce-scatter O (p-1)/p·bsh
+  backward  all-gather dO (p-1)/p·bsh + all-gather X again (p-1)/p·bsh + reduce-scatter dY (p-1)/p·bsh
+  total     5 (p-1)/p · bsh          (METP Table 1, row "Megatron TP+SP": (p-1)/p·(3mk1 + 2mn))
+Memory after forward of the FFN: X_i (bsh/p) and the pre-activation Y A_i (bs·ffn/p); the activation is
+recomputed in the backward (elementwise), so at ffn = 4h that is the table's 5bsh/p (plus weight shards).
+The attention block has the same pattern (Q, K, V share one gather of X); its positions ([b, s] int32) are
+gathered once more, (p-1)/p·bs. tests/test_megatron.py asserts both totals exactly on the compiled program,
+and the saved residuals (jax.vjp) of the FFN.
+
+Everything here runs inside `jax.shard_map` with check_vma=True (the default): the varying-axes types carry
+the gradient reductions of replicated values (JAX transposes `pcast(to="varying")` into a psum), and the
+layer functions make them explicit where Megatron does (f, LayerNorm parameters, weights under dp).
+The model-facing entry points `mlp_block`, `attention_block`, `embed` and `cross_entropy` take global
+arrays and do their own shard_map: batch over dp and fsdp, sequence (SP regions) and hidden/heads/vocab
+(TP regions) over tp.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxring.attention.flash import flash_attention
+from jaxring.mesh import place
+from jaxring.rope import apply_rope
+
+__all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_sp", "scatter_to_sp", "column_parallel_linear",
+           "row_parallel_linear", "mlp", "attention", "layer_norm", "rms_norm", "vocab_parallel_embed",
+           "vocab_parallel_cross_entropy", "mlp_block", "attention_block", "embed", "cross_entropy",
+           "param_specs"]
+
+ACTIVATIONS = ("gelu", "swiglu")
+DATA_AXES = ("dp", "fsdp")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Varying mesh axes (check_vma types)
+# ----------------------------------------------------------------------------------------------------------
+
+def _vma(x) -> frozenset:
+    """The mesh axes x varies over (empty outside shard_map)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", frozenset()))
+
+
+def _vary(x, axes):
+    """x made varying over `axes` (identity forward; its transpose is a psum over the axes it adds)."""
+    missing = tuple(sorted(frozenset(axes) - _vma(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _common_vma(*xs):
+    axes = frozenset().union(*(_vma(x) for x in jax.tree.leaves(xs)))
+    return jax.tree.map(lambda x: _vary(x, axes), xs)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The conjugate transitions: f / f* (plain TP) and g / g* (TP with SP)
+# ----------------------------------------------------------------------------------------------------------
+
+def copy_to_tp(x, axis_name: str = "tp"):
+    """f: identity forward, all-reduce (psum over `axis_name`) backward. x is replicated over the axis
+    (a no-op when x already varies over it: then its gradient is reduced wherever it became varying)."""
+    return _vary(x, (axis_name,))
+
+
+def reduce_from_tp(x, axis_name: str = "tp"):
+    """f*: all-reduce forward, identity backward (psum's transpose under check_vma)."""
+    return lax.psum(x, axis_name)
+
+
+def gather_from_sp(x, axis_name: str = "tp", axis: int = 1):
+    """g: all-gather the sequence shards [b, s/p, ...] -> [b, s, ...]; backward: reduce-scatter."""
+    return lax.all_gather(x, axis_name, axis=axis, tiled=True)
+
+
+def scatter_to_sp(x, axis_name: str = "tp", axis: int = 1):
+    """g*: reduce-scatter partial sums [b, s, ...] -> summed shard [b, s/p, ...]; backward: all-gather."""
+    return lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Column- and row-parallel linears
+# ----------------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gather_linear(axis_name, x, ws):
+    y = gather_from_sp(x, axis_name)                                       # g: [b, s, h]
+    return tuple(jnp.einsum("bsh,hn->bsn", y, w) for w in ws)
+
+
+def _gather_linear_fwd(axis_name, x, ws):
+    # residuals: the LOCAL shard x [b, s/p, h] and the weight shards, never the gathered [b, s, h]
+    return _gather_linear(axis_name, x, ws), (x, ws)
+
+
+def _gather_linear_bwd(axis_name, res, dzs):
+    x, ws = res
+    # X is all-gathered again. The barrier orders the gather after dZ exists; gathering it as [b, p, s/p, h]
+    # (reshaped for free) makes it a different HLO op from the forward's gather, so XLA's CSE cannot merge
+    # the two and keep the gathered [b, s, h] alive from forward to backward (XLA:CPU drops barriers first).
+    x, dzs = lax.optimization_barrier((x, dzs))
+    y = lax.all_gather(x, axis_name, axis=1).reshape(x.shape[0], -1, x.shape[2])
+    dy = sum(jnp.einsum("bsn,hn->bsh", dz, w) for dz, w in zip(dzs, ws))   # dY = dZ Aᵀ (overlaps the gather)
+    dx = scatter_to_sp(dy, axis_name)                                      # reduce-scatter to [b, s/p, h]
+    dws = tuple(jnp.einsum("bsh,bsn->hn", y, dz).astype(w.dtype) for w, dz in zip(ws, dzs))  # dA = Yᵀ dZ
+    return dx.astype(x.dtype), dws
+
+
+_gather_linear.defvjp(_gather_linear_fwd, _gather_linear_bwd)
+
+
+def column_parallel_linear(x, w, *, axis_name: str = "tp", sequence_parallel: bool = True,
+                           recompute_gather: bool = True):
+    """Y A_i with A split by columns over `axis_name`.
+
+    Args:
+      x: sequence parallel: the local sequence shard [b, s/p, h] (gathered here, g); plain TP: [b, s, h],
+        replicated over the axis (entered through f).
+      w: the local column block [h, n/p], or a tuple of blocks that share x (Q, K, V; SwiGLU's two inputs):
+        x is gathered once for all of them.
+      recompute_gather: (SP) save only x and all-gather it again in the backward, as Megatron-LM does; False
+        lets autodiff save the gathered [b, s, h] instead (one all-gather less, p times the memory).
+    Returns: [b, s, n/p] (a tuple when w is a tuple): full sequence, columns of this rank.
+    """
+    ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
+    for wi in ws:
+        if wi.ndim != 2 or wi.shape[0] != x.shape[-1]:
+            raise ValueError(f"column-linear weight shape {wi.shape} must be [hidden, n/p] with hidden = "
+                             f"{x.shape[-1]} (the last dim of x {x.shape})")
+    if not sequence_parallel:
+        y = copy_to_tp(x, axis_name)                                       # f
+        out = tuple(jnp.einsum("bsh,hn->bsn", y, wi) for wi in ws)
+    elif recompute_gather:
+        # a common vma, so the custom_vjp's cotangents have their primals' types: the weights' gradient
+        # psum over the data axes happens in the transpose of this cast
+        x, ws = _common_vma(x, ws)
+        out = _gather_linear(axis_name, x, ws)
+    else:
+        y = gather_from_sp(x, axis_name)
+        out = tuple(jnp.einsum("bsh,hn->bsn", y, wi) for wi in ws)
+    return out if isinstance(w, (tuple, list)) else out[0]
+
+
+def row_parallel_linear(x, w, *, axis_name: str = "tp", sequence_parallel: bool = True):
+    """Z_i B_i with B split by rows over `axis_name`, then summed over ranks.
+
+    Args:
+      x: [b, s, n/p] (full sequence, this rank's columns of the previous column-linear); w: [n/p, h].
+    Returns: sequence parallel: the summed local sequence shard [b, s/p, h] (g*, reduce-scatter);
+      plain TP: [b, s, h] (f*, all-reduce).
+    """
+    if w.ndim != 2 or w.shape[0] != x.shape[-1]:
+        raise ValueError(f"row-linear weight shape {w.shape} must be [n/p, hidden] with n/p = {x.shape[-1]} "
+                         f"(the last dim of x {x.shape})")
+    partial = jnp.einsum("bsn,nh->bsh", x, w)
+    return scatter_to_sp(partial, axis_name) if sequence_parallel else reduce_from_tp(partial, axis_name)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# MLP and attention (inside shard_map)
+# ----------------------------------------------------------------------------------------------------------
+
+def _check_activation(activation):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
+
+
+def mlp(x, w_in, w_out, w_gate=None, *, activation: str = "gelu", axis_name: str = "tp",
+        sequence_parallel: bool = True, recompute_gather: bool = True):
+    """Column-linear, activation, row-linear: gelu(X A) B, or SwiGLU (silu(X G) * (X A)) B.
+
+    Args:
+      x: [b, s/p, h] (sequence parallel) or [b, s, h] (plain TP). w_in, w_gate: local columns [h, ffn/p];
+      w_out: local rows [ffn/p, h].
+    Returns: the same layout as x. The activation is recomputed in the backward (jax.checkpoint), so the
+    block keeps x and the pre-activation(s) [b, s, ffn/p] after its forward.
+    """
+    _check_activation(activation)
+    if (activation == "swiglu") != (w_gate is not None):
+        raise ValueError(f"w_gate is needed by swiglu and only by it; activation={activation!r}, "
+                         f"w_gate {'given' if w_gate is not None else 'missing'}")
+    kw = dict(axis_name=axis_name, sequence_parallel=sequence_parallel)
+    ws = (w_in,) if w_gate is None else (w_in, w_gate)
+    pre = column_parallel_linear(x, ws, recompute_gather=recompute_gather, **kw)
+
+    @jax.checkpoint  # saves pre and w_out; the activation is recomputed for dB = act(pre)ᵀ dO
+    def act_linear(pre, w_out):
+        a = jax.nn.gelu(pre[0], approximate=True) if activation == "gelu" else jax.nn.silu(pre[1]) * pre[0]
+        return jnp.einsum("bsn,nh->bsh", a, w_out)
+
+    if w_out.ndim != 2 or w_out.shape[0] != pre[0].shape[-1]:
+        raise ValueError(f"w_out shape {w_out.shape} must be [ffn/p, hidden] with ffn/p = {pre[0].shape[-1]}")
+    partial = act_linear(pre, w_out)                                        # row-linear, partial sums
+    return scatter_to_sp(partial, axis_name) if sequence_parallel else reduce_from_tp(partial, axis_name)
+
+
+def attention(x, wq, wk, wv, wo, positions, *, head_dim: int, causal: bool = True,
+              rope_theta: float | None = 10000.0, axis_name: str = "tp", sequence_parallel: bool = True,
+              recompute_gather: bool = True):
+    """Self-attention with heads split over `axis_name`: Q, K, V column-linears, flash attention on the
+    local heads over the whole sequence, output projection as a row-linear.
+
+    Args:
+      x: [b, s/p, h] (sequence parallel) or [b, s, h] (plain TP).
+      wq: local [h, hq*head_dim]; wk, wv: local [h, hkv*head_dim] with hq % hkv == 0 (query head j of this
+        rank reads its K/V head j // (hq / hkv)); wo: local [hq*head_dim, h].
+      positions: int [b, s/p] or [b, s] like x (gathered with x): RoPE angles and the causal mask.
+    Returns: the same layout as x.
+    """
+    if wq.shape[1] % head_dim or wk.shape[1] % head_dim or wk.shape != wv.shape:
+        raise ValueError(f"wq {wq.shape}, wk {wk.shape}, wv {wv.shape}: columns must be whole heads of "
+                         f"head_dim {head_dim}, wk and wv alike")
+    hq, hkv = wq.shape[1] // head_dim, wk.shape[1] // head_dim
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"local query heads {hq} must be a multiple of local kv heads {hkv}")
+    kw = dict(axis_name=axis_name, sequence_parallel=sequence_parallel)
+    q, k, v = column_parallel_linear(x, (wq, wk, wv), recompute_gather=recompute_gather, **kw)
+    b, s = q.shape[:2]
+    q, k, v = (t.reshape(b, s, -1, head_dim) for t in (q, k, v))
+    pos = gather_from_sp(positions, axis_name) if sequence_parallel else positions      # [b, s]
+    if rope_theta is not None:
+        q, k = apply_rope(q, pos, rope_theta), apply_rope(k, pos, rope_theta)
+    out = flash_attention(q, k, v, causal=causal, q_positions=pos, kv_positions=pos)    # [b, s, hq, d]
+    return row_parallel_linear(out.reshape(b, s, hq * head_dim), wo, **kw)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Norms in the sequence-parallel region
+# ----------------------------------------------------------------------------------------------------------
+
+def _replicated_params(x, *params):
+    """Replicated parameters entering x's region. Where x differs per rank (SP region: the tp axis; the
+    data axes) this is f — identity forward, all-reduce of the gradient backward — the Playbook's "LayerNorm
+    grads all-reduced over TP" (and DP's). Where x is replicated (plain TP) nothing is reduced."""
+    axes = _vma(x)
+    return tuple(None if p is None else _vary(p, axes) for p in params)
+
+
+def layer_norm(x, gamma, beta=None, *, eps: float = 1e-5):
+    """LayerNorm over the hidden dim of a sequence shard x [b, s/p, h]; gamma, beta [h] replicated.
+
+    Computed in fp32, returned in x.dtype. Gradients of gamma/beta are summed over the ranks x varies over.
+    """
+    if gamma.shape != x.shape[-1:] or (beta is not None and beta.shape != gamma.shape):
+        raise ValueError(f"gamma {gamma.shape} / beta {None if beta is None else beta.shape} must be "
+                         f"[hidden] = {x.shape[-1:]}")
+    gamma, beta = _replicated_params(x, gamma, beta)
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * lax.rsqrt(var + eps) * gamma
+    return (y if beta is None else y + beta).astype(x.dtype)
+
+
+def rms_norm(x, gamma, *, eps: float = 1e-6):
+    """RMSNorm over the hidden dim of x [b, s/p, h]; gamma [h] replicated (gradient summed as layer_norm)."""
+    if gamma.shape != x.shape[-1:]:
+        raise ValueError(f"gamma {gamma.shape} must be [hidden] = {x.shape[-1:]}")
+    (gamma,) = _replicated_params(x, gamma)
+    xf = x.astype(jnp.float32)
+    y = xf * lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps) * gamma
+    return y.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Vocab-parallel embedding and cross-entropy
+# ----------------------------------------------------------------------------------------------------------
+
+def vocab_parallel_embed(tokens, table, *, axis_name: str = "tp", sequence_parallel: bool = True):
+    """Embedding with the table split by vocab rows: rank r holds ids [r·v/p, (r+1)·v/p).
+
+    Args:
+      tokens: int [b, s], the whole sequence (replicated over the axis); table: local rows [v/p, h].
+    Returns: sequence parallel: [b, s/p, h] (reduce-scatter of the masked lookups, g*); plain TP: [b, s, h]
+      (all-reduce, f*).
+    """
+    rows = table.shape[0]
+    local = tokens - lax.axis_index(axis_name) * rows
+    mine = (local >= 0) & (local < rows)
+    emb = jnp.take(table, jnp.where(mine, local, 0), axis=0)
+    emb = jnp.where(mine[..., None], emb, jnp.zeros((), table.dtype))
+    return scatter_to_sp(emb, axis_name) if sequence_parallel else reduce_from_tp(emb, axis_name)
+
+
+def vocab_parallel_cross_entropy(logits, targets, *, axis_name: str = "tp"):
+    """Cross-entropy over logits split by vocab, never gathered: rank r holds ids [r·v/p, (r+1)·v/p).
+
+      m = pmax(max_j l_j);  Z = psum(sum_j exp(l_j - m));  l_t = psum(l_target if mine else 0)
+      loss = log Z + m - l_t
+
+    Args:
+      logits: [b, s, v/p] (any float dtype; computed in fp32); targets: int [b, s] in [0, v).
+    Returns: per-token loss fp32 [b, s], the same on every rank. Gradient: softmax - onehot, local.
+    """
+    logits = logits.astype(jnp.float32)
+    cols = logits.shape[-1]
+    m = lax.pmax(lax.stop_gradient(jnp.max(logits, axis=-1)), axis_name)     # the loss does not depend on m
+    sum_exp = lax.psum(jnp.sum(jnp.exp(logits - m[..., None]), axis=-1), axis_name)
+    local = targets - lax.axis_index(axis_name) * cols
+    mine = (local >= 0) & (local < cols)
+    picked = jnp.take_along_axis(logits, jnp.where(mine, local, 0)[..., None], axis=-1)[..., 0]
+    target_logit = lax.psum(jnp.where(mine, picked, 0.0), axis_name)
+    return jnp.log(sum_exp) + m - target_logit
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Global entry points (the model-facing contract)
+# ----------------------------------------------------------------------------------------------------------
+
+def _axis_size(mesh, name):
+    return mesh.shape[name] if name in mesh.axis_names else 1
+
+
+def _mesh_axes(mesh, batch: int):
+    """(data axes spec entry, tp) after checking the mesh: a tp axis; only dp, fsdp, tp larger than 1."""
+    if "tp" not in mesh.axis_names:
+        raise ValueError(f"mesh axes {mesh.axis_names} have no 'tp' axis; Megatron TP+SP splits over it")
+    unusable = [f"{a}={mesh.shape[a]}" for a in mesh.axis_names
+                if a not in DATA_AXES + ("tp",) and mesh.shape[a] > 1]
+    if unusable:
+        raise ValueError(f"mesh axes {', '.join(unusable)} cannot be used by Megatron TP+SP (it splits the batch "
+                         f"over dp/fsdp and everything else over tp); make them 1")
+    data_axes = tuple(a for a in DATA_AXES if a in mesh.axis_names)
+    data = math.prod(_axis_size(mesh, a) for a in data_axes)
+    if batch % data:
+        raise ValueError(f"batch {batch} is not divisible by the data-parallel degree dp*fsdp = {data}")
+    return (data_axes or None), mesh.shape["tp"]
+
+
+def _check_divisible(what: str, value: int, tp: int, extra: str = ""):
+    if value % tp:
+        raise ValueError(f"{what} {value} is not divisible by tp = {tp}{extra}")
+
+
+def _check_x(x, tp):
+    if x.ndim != 3:
+        raise ValueError(f"x has shape {x.shape}; expected [batch, seq, hidden]")
+    _check_divisible("seq", x.shape[1], tp, " (sequence parallelism splits the sequence over tp)")
+
+
+def _run(mesh, local, in_specs, out_specs, *args, **options):
+    """shard_map(local, **options) on the placed args, jitted once per (mesh, local, specs, options)."""
+    args = [place(a, mesh, s) for a, s in zip(args, in_specs)]
+    return _sharded(mesh, local, in_specs, out_specs, tuple(sorted(options.items())))(*args)
+
+
+@functools.lru_cache(maxsize=256)
+def _sharded(mesh, local, in_specs, out_specs, options):
+    fn = functools.partial(local, **dict(options))
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+def mlp_block(x, params, *, mesh, activation: str = "gelu"):
+    """TP+SP MLP on global arrays.
+
+    Args:
+      x: [batch, seq, hidden]; params {"w_in": [hidden, ffn], "w_out": [ffn, hidden]} plus "w_gate":
+        [hidden, ffn] for swiglu: y = (silu(x @ w_gate) * (x @ w_in)) @ w_out; gelu: y = gelu(x @ w_in) @ w_out
+        (tanh approximation). No biases.
+      mesh: batch over dp/fsdp; inside, the sequence over tp (SP regions), ffn over tp (TP region).
+    Returns: y [batch, seq, hidden].
+    """
+    _check_activation(activation)
+    _check_x(x, 1)
+    data, tp = _mesh_axes(mesh, x.shape[0])
+    _check_x(x, tp)
+    names = ("w_in", "w_gate", "w_out") if activation == "swiglu" else ("w_in", "w_out")
+    missing = set(names) - set(params)
+    if missing or set(params) - set(names):
+        raise ValueError(f"{activation} mlp params must be exactly {names}; got {tuple(sorted(params))}")
+    h, ffn = params["w_in"].shape
+    if h != x.shape[2] or params["w_out"].shape != (ffn, h) or params.get("w_gate", params["w_in"]).shape != (h, ffn):
+        raise ValueError(f"mlp params {({k: v.shape for k, v in params.items()})} must be w_in/w_gate "
+                         f"[hidden={x.shape[2]}, ffn], w_out [ffn, hidden]")
+    _check_divisible("ffn", ffn, tp, " (column/row-linears split it over tp)")
+    x_spec, col, row = P(data, "tp", None), P(None, "tp"), P("tp", None)
+    ws = tuple(params[n] for n in names)
+    return _run(mesh, _mlp_local, (x_spec,) + tuple(row if n == "w_out" else col for n in names), x_spec, x, *ws,
+                activation=activation)
+
+
+def _mlp_local(x, w_in, *rest, activation):
+    w_gate, w_out = rest if activation == "swiglu" else (None, rest[0])
+    return mlp(x, w_in, w_out, w_gate, activation=activation)
+
+
+def _check_heads(num_heads: int, num_kv_heads: int, tp: int):
+    if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a positive multiple of num_kv_heads {num_kv_heads}")
+    _check_divisible("num_heads", num_heads, tp, " (heads are split over tp)")
+    if num_kv_heads >= tp:
+        _check_divisible("num_kv_heads", num_kv_heads, tp,
+                         " (kv heads >= tp are split over tp; fewer than tp must divide tp)")
+    elif tp % num_kv_heads:
+        raise ValueError(f"num_kv_heads {num_kv_heads} < tp = {tp} must divide tp (each kv head is replicated on "
+                         f"tp / num_kv_heads ranks)")
+
+
+def attention_block(x, params, positions, *, mesh, num_heads: int, num_kv_heads: int, causal: bool = True,
+                    rope_theta: float | None = 10000.0):
+    """TP+SP self-attention on global arrays.
+
+    Args:
+      x: [batch, seq, hidden]; params {"wq": [hidden, num_heads*head_dim], "wk", "wv": [hidden,
+        num_kv_heads*head_dim], "wo": [num_heads*head_dim, hidden]}; head j owns columns j*d:(j+1)*d.
+      positions: int32 [batch, seq]: RoPE (q and k, when rope_theta is not None) and the causal mask.
+      num_heads % tp == 0. K/V heads: split over tp when num_kv_heads % tp == 0; when num_kv_heads < tp
+        divides tp, each K/V head is REPLICATED on the tp / num_kv_heads ranks whose query heads read it (its
+        gradient is the sum of the replicas'); anything else raises.
+    Returns: y [batch, seq, hidden].
+    """
+    _check_x(x, 1)
+    data, tp = _mesh_axes(mesh, x.shape[0])
+    _check_x(x, tp)
+    if set(params) != {"wq", "wk", "wv", "wo"}:
+        raise ValueError(f"attention params must be wq, wk, wv, wo; got {tuple(sorted(params))}")
+    _check_heads(num_heads, num_kv_heads, tp)
+    b, s, h = x.shape
+    wq, wk, wv, wo = (params[n] for n in ("wq", "wk", "wv", "wo"))
+    if wq.shape[0] != h or wq.shape[1] % num_heads:
+        raise ValueError(f"wq {wq.shape} must be [hidden={h}, num_heads={num_heads} * head_dim]")
+    d = wq.shape[1] // num_heads
+    if wk.shape != (h, num_kv_heads * d) or wv.shape != wk.shape or wo.shape != (num_heads * d, h):
+        raise ValueError(f"wk {wk.shape}, wv {wv.shape} must be [{h}, num_kv_heads={num_kv_heads} * {d}] and "
+                         f"wo {wo.shape} [{num_heads * d}, {h}]")
+    if positions.shape != (b, s):
+        raise ValueError(f"positions shape {positions.shape} must be [batch, seq] = {(b, s)}")
+    if num_kv_heads < tp:  # replicate: rank r reads kv head r // (tp / num_kv_heads)
+        rep = lambda w: jnp.repeat(w.reshape(h, num_kv_heads, d), tp // num_kv_heads, axis=1).reshape(h, tp * d)
+        wk, wv = rep(wk), rep(wv)
+    x_spec, col, row = P(data, "tp", None), P(None, "tp"), P("tp", None)
+    return _run(mesh, _attention_local, (x_spec, col, col, col, row, P(data, "tp")), x_spec, x, wq, wk, wv, wo,
+                jnp.asarray(positions, jnp.int32), head_dim=d, causal=bool(causal),
+                rope_theta=None if rope_theta is None else float(rope_theta))
+
+
+def _attention_local(x, wq, wk, wv, wo, positions, **kw):
+    return attention(x, wq, wk, wv, wo, positions, **kw)
+
+
+def embed(tokens, table, *, mesh):
+    """Vocab-parallel embedding lookup: tokens int [batch, seq], table [vocab, hidden] (vocab over tp).
+
+    Returns [batch, seq, hidden], sequence-sharded over tp (the SP region that follows)."""
+    if tokens.ndim != 2 or table.ndim != 2:
+        raise ValueError(f"tokens {tokens.shape} must be [batch, seq] and table {table.shape} [vocab, hidden]")
+    data, tp = _mesh_axes(mesh, tokens.shape[0])
+    _check_divisible("seq", tokens.shape[1], tp, " (the embedding output is sequence-sharded over tp)")
+    _check_divisible("vocab", table.shape[0], tp, " (the table is split by vocab rows over tp)")
+    return _run(mesh, _embed_local, (P(data, None), P("tp", None)), P(data, "tp", None), tokens, table)
+
+
+def _embed_local(tokens, table):
+    return vocab_parallel_embed(tokens, table)
+
+
+def cross_entropy(x, w_head, targets, *, mesh):
+    """Per-token loss of a vocab-parallel LM head: x [batch, seq, hidden], w_head [hidden, vocab] (vocab over
+    tp), targets int [batch, seq]. Logits [b, s, vocab/tp] stay sharded (never gathered).
+
+    Returns loss fp32 [batch, seq] = logsumexp(x @ w_head) - (x @ w_head)[target]."""
+    _check_x(x, 1)
+    data, tp = _mesh_axes(mesh, x.shape[0])
+    _check_x(x, tp)
+    if w_head.ndim != 2 or w_head.shape[0] != x.shape[2]:
+        raise ValueError(f"w_head {w_head.shape} must be [hidden={x.shape[2]}, vocab]")
+    if targets.shape != x.shape[:2]:
+        raise ValueError(f"targets shape {targets.shape} must be [batch, seq] = {x.shape[:2]}")
+    _check_divisible("vocab", w_head.shape[1], tp, " (the head is split by vocab columns over tp)")
+    return _run(mesh, _cross_entropy_local, (P(data, "tp", None), P(None, "tp"), P(data, None)), P(data, None),
+                x, w_head, targets)
+
+
+def _cross_entropy_local(x, w_head, targets):
+    return vocab_parallel_cross_entropy(column_parallel_linear(x, w_head), targets)
+
+
+_SPECS = {"w_in": P(None, "tp"), "w_gate": P(None, "tp"), "w_out": P("tp", None), "wq": P(None, "tp"),
+          "wk": P(None, "tp"), "wv": P(None, "tp"), "wo": P("tp", None), "table": P("tp", None),
+          "embedding": P("tp", None), "w_head": P(None, "tp"), "gamma": P(), "beta": P(), "scale": P()}
+
+
+def param_specs(mesh, params_shapes, *, num_kv_heads: int | None = None) -> dict:
+    """NamedSharding per parameter name: column-linears (w_in, w_gate, wq, wk, wv, w_head) split their
+    columns over tp, row-linears (w_out, wo) their rows, the embedding table (table/embedding) its vocab
+    rows; norm parameters (gamma, beta, scale) are replicated.
+
+    wk/wv are replicated when num_kv_heads < tp (the block replicates each K/V head itself) or, without
+    num_kv_heads, when their columns do not divide by tp.
+    """
+    tp = _axis_size(mesh, "tp")
+    unknown = set(params_shapes) - set(_SPECS)
+    if unknown:
+        raise ValueError(f"unknown Megatron parameter names {sorted(unknown)}; known: {sorted(_SPECS)}")
+    specs = {}
+    for name, shape in params_shapes.items():
+        shape = tuple(getattr(shape, "shape", shape))
+        spec = _SPECS[name]
+        if name in ("wk", "wv") and ((num_kv_heads is not None and num_kv_heads < tp) or shape[1] % tp):
+            spec = P()
+        for dim, axis in enumerate(spec):
+            if axis == "tp" and shape[dim] % tp:
+                raise ValueError(f"{name} dim {dim} of shape {shape} is not divisible by tp = {tp}")
+        specs[name] = NamedSharding(mesh, spec)
+    return specs
