@@ -12,6 +12,7 @@ whole machine is one sequence-parallel ring (sp = device count).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -29,6 +30,8 @@ def parse_args(argv=None):
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--warmup", type=int, default=20)
     g.add_argument("--grad-accum", type=int, default=1)
+    g.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
+                   help="change a preset field, e.g. --override num_layers=2 (repeatable)")
     g = p.add_argument_group("mesh (degrees multiply to the device count)")
     for axis, text in (("dp", "data"), ("fsdp", "data, parameters sharded (ZeRO-3)"), ("pp", "pipeline"),
                        ("tp", "tensor"), ("sp", "sequence/context")):
@@ -63,6 +66,19 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _overrides(items) -> dict:
+    out = {}
+    for item in items:
+        field, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--override {item!r} must be FIELD=VALUE")
+        try:
+            out[field] = json.loads(value)
+        except json.JSONDecodeError:
+            out[field] = value
+    return out
+
+
 def _env_int(name):
     value = os.environ.get(name)
     return int(value) if value is not None else None
@@ -93,6 +109,7 @@ def main(argv=None) -> int:
                       profile=args.profile, sample_tokens=args.sample_tokens, sample_path=args.sample_path,
                       progress=not args.no_progress, log_every=args.log_every)
     try:
+        cfg.model_overrides = _overrides(args.override)
         train(cfg)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

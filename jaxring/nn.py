@@ -163,7 +163,7 @@ def param_shardings(state, plan: ParallelPlan) -> dict:
     """
     module = plan.tensor_module
     flat, groups = {}, {}
-    for path, var in state.flat_state():
+    for path, var in nnx.to_flat_state(state):
         if module is not None and path[-1] in _BLOCK_PARAMS:
             groups.setdefault(path[:-1], {})[path[-1]] = var.shape
         else:

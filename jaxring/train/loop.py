@@ -284,7 +284,7 @@ class Trainer:
         model = self.task.model(cfg.seed)
         self.graphdef, state = nnx.split(model)
         self.shardings = param_shardings(state, self.plan)
-        host_params = state.to_pure_dict()
+        host_params = nnx.to_pure_dict(state)
         # the same seed gives the same values on any mesh: built on the host, then placed
         self.params = jax.tree.map(lambda x, s: jax.device_put(x, s), host_params, self.shardings)
         self.opt_state = jax.jit(self.tx.init)(self.params)
@@ -316,7 +316,7 @@ class Trainer:
         updates, opt_state = self.tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         params = jax.tree.map(jax.lax.with_sharding_constraint, params, self.shardings)
-        return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     def _eval_loss(self, params, batch, key):
         return self._loss(params, batch, key)
