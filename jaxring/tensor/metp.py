@@ -1,0 +1,595 @@
+"""Memory-efficient tensor parallelism, METP (seed 000): O = f(AB)C on a ring, and two-level METP for MHA.
+
+Everything here runs inside `shard_map` over one axis (`tp`) of size p, except the model-facing entry points
+(`mlp_block`, `attention_block`, `param_specs`) which take global arrays. METP splits the *sequence* over
+tp: rank i holds the token shard X_i = A_(i,:) and 1/p of every weight; activations never move, weights do.
+
+Generic ring, Eq. (1), Algorithms 1-2 (`metp`): rank i holds A_i (rows), B_(:,i) and C_(i,:) and owns
+O_i = Σ_r f(A_i B_r) C_r. The (B, C) blocks circulate; rank i holds block (i + j) mod p at step j:
+
+  for j in 0 .. p-1:
+      send (B, C) to rank i-1, receive the next pair from rank i+1 (issued before the compute: double buffer)
+      T = A_i B^(j);  O_i += f(T) C^(j)
+
+Backward (`jax.custom_vjp`, recompute): the residuals are A_i and the rank's own B, C blocks only (no T, no
+f(T)). The blocks go round again, with their gradient accumulators:
+
+      T = A_i B^(j);  D = f(T);  ΔD = ΔO_i C^(j)ᵀ;  ΔC^(j) += Dᵀ ΔO_i;  ΔT = f'(T) ⊙ ΔD
+      ΔA_i += ΔT B^(j)ᵀ;  ΔB^(j) += A_iᵀ ΔT;  send (ΔB, ΔC) on with their block
+
+ΔB, ΔC make p hops (not p-1) so that they end on their owner: per device the forward moves (p-1) block pairs
+and the backward (p-1) pairs plus p gradient pairs, (3p-2)/p·(k1k2 + k2n) elements in all (fp32
+accumulators). The backward ring turns the other way (rank i sends to i+1, holding block (i - j) mod p;
+either direction is correct, see metp.md) and carries the blocks transposed (Bᵀ, Cᵀ, the operands of ΔT Bᵀ
+and ΔO Cᵀ): a hop identical to the forward's would let XLA reuse it when both passes are in one program,
+holding the received blocks from forward to backward. The FFN is A = X, B = W_in (and W_gate for SwiGLU:
+f takes both products, both blocks circulate), C = W_out.
+
+Two-level MHA, Algorithms 3-6 (`metp_attention`): head group j = heads j·n/p .. (j+1)·n/p.
+
+  for j in 0 .. p-1:                                              (outer loop, Algorithm 5)
+      rank j broadcasts W_qkv_j (its q, k, v columns) and W_proj_j (log-tree ppermutes; the next group's
+          broadcast is issued before this group's compute)
+      (Q_ij, K_ij, V_ij) = X_i W_qkv_j  (+ RoPE from the tokens' positions)
+      A_ij = K/V ring over the sequence shards with the online softmax  (inner loop, Algorithm 3)
+      O_i += A_ij W_proj_j
+
+Backward (Algorithm 6, custom_vjp): residuals X_i, A_i and the logsumexp only (plus the inputs). For each j:
+broadcast the weights again, ΔW_proj_j = A_ijᵀ ΔO_i, recompute Q, K, V, ΔA_ij = ΔO_i W_proj_jᵀ, the inner
+backward ring (Algorithm 4, ΔK/ΔV travel with K/V and make p hops), ΔX_i += [ΔQ ΔK ΔV] W_qkv_jᵀ,
+ΔW_qkv_j = X_iᵀ [ΔQ ΔK ΔV]; then ΔW_qkv_j and ΔW_proj_j are tree-reduced onto rank j (at the end of step j,
+not overlapped with the next step; ΔW, ΔK, ΔV in fp32). Per device, elements: forward p·ceil(log2 p)·|W_j| + p(p-1)·2|K_j|;
+backward 2p·ceil(log2 p)·|W_j| + p(2p-1)·2|K_j| (|K_j| = b(s/p)(n_kv/p)d; with n_kv = n the paper's
+4·log2(p)·h² + 2(p-1)/p·bsh forward, and (4p-2)/p·bsh instead of its 4(p-1)/p·bsh backward: the extra hop).
+
+Causal masking (the paper omits it) uses the tokens' positions, so it is exact for any token layout: each
+K/V block travels with its int32 positions (b·s/p a hop), and a block entirely in the future of the local
+queries is skipped (`lax.cond`). GQA: the kv heads split into the same p groups (num_kv_heads % p == 0).
+The per-block attention is a `BlockOps` pair (jnp on CPU, the Pallas flash kernel on GPU), called per batch
+row when causal (positions are per row).
+
+Weights replicated over dp/fsdp: the custom VJPs return each shard's weight gradient summed over the data
+axes (one psum of the rank's blocks at the end), which is what shard_map's varying-axes types expect.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxring.attention.blockwise import BlockOps, get_block_ops
+from jaxring.attention.merge import empty_partial, merge_partials
+from jaxring.attention.schedule import when_visible
+from jaxring.collectives import ring_steps, send_to_next, tree_broadcast, tree_reduce
+from jaxring.mesh import place
+from jaxring.rope import apply_rope
+
+FORWARD_SHIFT = -1   # rank i sends to i-1 (Algorithm 1): at step j it holds block (i + j) mod p
+BACKWARD_SHIFT = 1   # the backward ring turns the other way: at step j rank i holds block (i - j) mod p
+DATA_AXES = ("dp", "fsdp")
+ACTIVATIONS = ("gelu", "swiglu")
+
+
+def _mm(x, w):
+    """x [..., k] @ w [k, n] with fp32 accumulation."""
+    return jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
+
+
+def _vma(x) -> frozenset:
+    """The mesh axes x varies over inside shard_map (empty outside, or with check_vma=False)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", frozenset()))
+
+
+def _vary_like(x, like):
+    """x marked varying over every axis `like` varies over (for loop carries that will mix with `like`)."""
+    missing = tuple(sorted(_vma(like) - _vma(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _sum_to(g, like):
+    """A weight's gradient summed over the axes it varies over and the weight does not (the data axes:
+    a weight replicated over dp/fsdp gets the psum of its per-shard gradients)."""
+    extra = tuple(sorted(_vma(g) - _vma(like)))
+    return lax.psum(g, extra) if extra else g
+
+
+def _outer(x, dy):
+    """Σ over rows of xᵀ dy: x [..., k], dy [..., n] -> [k, n] fp32 (a weight gradient)."""
+    return jnp.einsum("...k,...n->kn", x, dy, preferred_element_type=jnp.float32)
+
+
+def gelu(t):
+    """f of the GeLU FFN (Eq. 2): tanh-approximate GeLU."""
+    return jax.nn.gelu(t, approximate=True)
+
+
+def swiglu(t_gate, t_in):
+    """f of the SwiGLU FFN: silu(X W_gate) ⊙ (X W_in)."""
+    return jax.nn.silu(t_gate) * t_in
+
+
+# ---------------------------------------------------------------------------------------------------------
+# O = f(AB)C (Algorithms 1-2)
+# ---------------------------------------------------------------------------------------------------------
+
+def metp(a, b, c, *, f=gelu, axis_name: str = "tp"):
+    """O_i = Σ_r f(A_i B_r) C_r on a ring over `axis_name` (call inside `shard_map`).
+
+    Args:
+      a: local rows A_i [..., k1] (e.g. this rank's sequence shard [batch, s/p, hidden]); never moves.
+      b: local column block B_(:,i) [k1, k2/p], or a tuple of them when f takes several products
+        (SwiGLU: (W_gate block, W_in block)).
+      c: local row block C_(i,:) [k2/p, n].
+      f: element-wise function of the product(s) A_i B_r (one argument per B block).
+    Returns: O_i [..., n] in a.dtype. Differentiable (custom_vjp: recompute, gradients ride the ring).
+    """
+    bs = tuple(b) if isinstance(b, (tuple, list)) else (b,)
+    if not bs:
+        raise ValueError("b must be an array or a non-empty tuple of arrays")
+    for i, b_ in enumerate(bs):
+        if b_.ndim != 2 or b_.shape != bs[0].shape:
+            raise ValueError(f"b[{i}] has shape {b_.shape}; every B block must be [k1, k2/p] = {bs[0].shape}")
+    if bs[0].shape[0] != a.shape[-1]:
+        raise ValueError(f"a's last dim {a.shape[-1]} must equal B's rows k1 = {bs[0].shape[0]}")
+    if c.ndim != 2 or c.shape[0] != bs[0].shape[1]:
+        raise ValueError(f"c has shape {c.shape}; expected [k2/p, n] with k2/p = {bs[0].shape[1]}")
+    return _metp(a, bs, c, f, axis_name)
+
+
+def _metp_forward(a, bs, c, f, axis_name):
+    """Algorithm 1. Returns O_i fp32."""
+    p = lax.axis_size(axis_name)
+
+    def step(o, blocks, j):
+        bs_j, c_j = blocks
+        t = [_mm(a, b_j) for b_j in bs_j]               # T_ij = A_i B^(j)
+        d = f(*t).astype(c_j.dtype)                     # D_ij = f(T_ij)
+        return o + _mm(d, c_j)                          # O_i += D_ij C^(j)
+
+    o = jnp.zeros_like(a, jnp.float32, shape=a.shape[:-1] + (c.shape[1],))
+    send = lambda blocks: send_to_next(blocks, axis_name, shift=FORWARD_SHIFT)
+    return ring_steps(step, o, (bs, c), p, send)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _metp(a, bs, c, f, axis_name):
+    return _metp_forward(a, bs, c, f, axis_name).astype(a.dtype)
+
+
+def _metp_fwd(a, bs, c, f, axis_name):
+    return _metp(a, bs, c, f, axis_name), (a, bs, c)   # stores A_i (and the rank's own blocks) only
+
+
+def _metp_bwd(f, axis_name, residuals, do):
+    """Algorithm 2: recompute T, ΔB/ΔC accumulators travel with their blocks (p hops: home at the end).
+
+    The blocks circulate transposed (Bᵀ, Cᵀ: the operands of ΔT Bᵀ and ΔO Cᵀ). Besides, at p = 2 both rings
+    are the same permutation, and XLA would otherwise reuse the forward's first hop in the backward when both
+    passes are in one program, holding the received blocks from forward to backward.
+    """
+    a, bs, c = residuals
+    p = lax.axis_size(axis_name)
+    send = lambda tree: send_to_next(tree, axis_name, shift=BACKWARD_SHIFT)
+
+    def step(carry, blocks, j):
+        da, (dbs, dc) = carry
+        bts_j, ct_j = blocks                                   # B^(j)ᵀ, C^(j)ᵀ
+        t = [_mm(a, bt.T) for bt in bts_j]                     # T_ij = A_i B^(j)  (fp32, as forward)
+        d, f_vjp = jax.vjp(f, *t)                              # D_ij = f(T_ij)
+        dd = _mm(do, ct_j)                                     # ΔD_ij = ΔO_i C^(j)ᵀ
+        dc = dc + _outer(d.astype(ct_j.dtype), do)             # ΔC^(j) += D_ijᵀ ΔO_i
+        dt = [g.astype(a.dtype) for g in f_vjp(dd)]            # ΔT_ij = f'(T_ij) ⊙ ΔD_ij
+        da = da + sum(_mm(dt_r, bt) for dt_r, bt in zip(dt, bts_j))          # ΔA_i += ΔT_ij B^(j)ᵀ
+        dbs = tuple(db + _outer(a, dt_r) for db, dt_r in zip(dbs, dt))       # ΔB^(j) += A_iᵀ ΔT_ij
+        return da, send((dbs, dc))                             # ΔB, ΔC move on with their block
+
+    zeros = lambda w: _vary_like(jnp.zeros_like(w, jnp.float32), a)
+    init = (jnp.zeros_like(a, jnp.float32), (tuple(zeros(b_) for b_ in bs), zeros(c)))
+    blocks = (tuple(b_.T for b_ in bs), c.T)
+    da, (dbs, dc) = ring_steps(step, init, blocks, p, send)
+    dbs = tuple(_sum_to(db, b_).astype(b_.dtype) for db, b_ in zip(dbs, bs))
+    return da.astype(a.dtype), dbs, _sum_to(dc, c).astype(c.dtype)
+
+
+_metp.defvjp(_metp_fwd, _metp_bwd)
+
+
+def metp_mlp(x, w_in, w_out, w_gate=None, *, activation: str = "gelu", axis_name: str = "tp"):
+    """The FFN as METP (Eq. 2), inside `shard_map`.
+
+    x: local [batch, s/p, hidden]; w_in (and w_gate for swiglu): local [hidden, ffn/p]; w_out: [ffn/p, hidden].
+    gelu: gelu(x W_in) W_out; swiglu: (silu(x W_gate) ⊙ x W_in) W_out (both column blocks circulate).
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} must be one of {ACTIVATIONS}")
+    if (w_gate is not None) != (activation == "swiglu"):
+        raise ValueError(f"w_gate must be given exactly when activation == 'swiglu' (activation {activation!r})")
+    if activation == "swiglu":
+        return metp(x, (w_gate, w_in), w_out, f=swiglu, axis_name=axis_name)
+    return metp(x, w_in, w_out, f=gelu, axis_name=axis_name)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Two-level MHA (Algorithms 3-6)
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _MhaConfig:
+    axis_name: str
+    heads: int            # query heads per group, n/p
+    kv_heads: int         # kv heads per group, n_kv/p
+    head_dim: int
+    causal: bool
+    rope_theta: float | None
+    sm_scale: float
+    ops: BlockOps
+
+
+def metp_attention(x, wq, wk, wv, wo, positions, *, num_heads: int, num_kv_heads: int | None = None,
+                   axis_name: str = "tp", causal: bool = True, rope_theta: float | None = 10000.0,
+                   block_ops: str | BlockOps = "auto"):
+    """Two-level METP multi-head self-attention (Algorithms 3-6), inside `shard_map` over `axis_name` (p).
+
+    Args:
+      x: local sequence shard X_i [batch, s/p, hidden].
+      wq: local [hidden, (num_heads/p)·head_dim], rank i's head group (heads i·n/p .. (i+1)·n/p, head-major
+        columns); wk, wv: [hidden, (num_kv_heads/p)·head_dim] (the same group's kv heads); wo: [(num_heads/p)
+        ·head_dim, hidden] (the group's rows of W_proj).
+      positions: local int [batch, s/p], the tokens' true positions (RoPE and the causal mask).
+      num_heads, num_kv_heads: global head counts (GQA when num_kv_heads < num_heads).
+    Returns: O_i [batch, s/p, hidden] in x.dtype. Differentiable in x and the weights (custom_vjp).
+    """
+    p = lax.axis_size(axis_name)
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if x.ndim != 3:
+        raise ValueError(f"x has shape {x.shape}; expected [batch, s/p, hidden]")
+    if num_heads % p or num_kv_heads % p:
+        raise ValueError(f"num_heads {num_heads} and num_kv_heads {num_kv_heads} must be divisible by the "
+                         f"METP degree p = {p} (one head group per rank)")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads} (GQA)")
+    heads, kv_heads = num_heads // p, num_kv_heads // p
+    if wq.ndim != 2 or wq.shape[1] % heads:
+        raise ValueError(f"wq block has shape {wq.shape}; expected [hidden, (num_heads/p)·head_dim]")
+    d = wq.shape[1] // heads
+    h = x.shape[-1]
+    for name, w, want in (("wq", wq, (h, heads * d)), ("wk", wk, (h, kv_heads * d)),
+                          ("wv", wv, (h, kv_heads * d)), ("wo", wo, (heads * d, h))):
+        if w.shape != want:
+            raise ValueError(f"{name} block has shape {w.shape}; expected {want} (hidden {h}, {heads} q heads "
+                             f"and {kv_heads} kv heads of dim {d} per group)")
+    if positions.shape != x.shape[:2]:
+        raise ValueError(f"positions has shape {positions.shape}; expected [batch, s/p] = {x.shape[:2]}")
+    if rope_theta is not None and d % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {d}")
+    cfg = _MhaConfig(axis_name, heads, kv_heads, d, bool(causal),
+                     None if rope_theta is None else float(rope_theta), d ** -0.5, get_block_ops(block_ops))
+    return _mha(x, wq, wk, wv, wo, positions, cfg)
+
+
+def _rope(q, k, positions, cfg: _MhaConfig):
+    if cfg.rope_theta is None:
+        return q, k
+    return apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta)
+
+
+def _project(x, wq, wk, wv, positions, cfg: _MhaConfig):
+    """(Q_ij, K_ij, V_ij) = X_i W_qkv_j (+ RoPE): [b, s/p, heads, d] in x.dtype."""
+    b, n = x.shape[:2]
+    q, k, v = (_mm(x, w).astype(x.dtype).reshape(b, n, -1, cfg.head_dim) for w in (wq, wk, wv))
+    return (*_rope(q, k, positions, cfg), v)
+
+
+def _block_forward(q, k, v, q_pos, kv_pos, cfg: _MhaConfig):
+    """One (Q block, K/V block) through the BlockOps forward, positions per batch row."""
+    if not cfg.causal:
+        zeros = jnp.zeros((q.shape[1],), jnp.int32)
+        return cfg.ops.forward(q, k, v, zeros, zeros, causal=False, sm_scale=cfg.sm_scale)
+
+    def one_row(q, k, v, qp, kp):
+        o, lse = cfg.ops.forward(q[None], k[None], v[None], qp, kp, causal=True, sm_scale=cfg.sm_scale)
+        return o[0], lse[0]
+    return jax.vmap(one_row)(q, k, v, q_pos, kv_pos)
+
+
+def _block_backward(q, k, v, da, lse, delta, q_pos, kv_pos, cfg: _MhaConfig):
+    if not cfg.causal:
+        zeros = jnp.zeros((q.shape[1],), jnp.int32)
+        return cfg.ops.backward(q, k, v, da, lse, delta, zeros, zeros, causal=False, sm_scale=cfg.sm_scale)
+
+    def one_row(q, k, v, da, lse, delta, qp, kp):
+        g = cfg.ops.backward(q[None], k[None], v[None], da[None], lse[None], delta[None], qp, kp, causal=True,
+                             sm_scale=cfg.sm_scale)
+        return tuple(x[0] for x in g)
+    return jax.vmap(one_row)(q, k, v, da, lse, delta, q_pos, kv_pos)
+
+
+def _inner_forward(q, k, v, positions, cfg: _MhaConfig):
+    """Algorithm 3 (with the safe online softmax): Q_i stays, K/V of the head group go round the ring (with
+    their positions when causal). Returns A_ij fp32 [b, s/p, heads, d] and lse fp32 [b, s/p, heads].
+    """
+    p = lax.axis_size(cfg.axis_name)
+
+    def attend(acc, kv, j):
+        k_j, v_j, kv_pos = kv
+        part, _ = when_visible(cfg.causal, positions, kv_pos,      # a block wholly in the future: skipped
+                               lambda: _block_forward(q, k_j, v_j, positions, kv_pos, cfg),
+                               lambda: empty_partial(q))
+        return merge_partials(*acc, *part)
+
+    send = lambda kv: send_to_next(kv, cfg.axis_name, shift=FORWARD_SHIFT)
+    return ring_steps(attend, empty_partial(q), (k, v, positions if cfg.causal else None), p, send)
+
+
+def _inner_backward(q, k, v, da, lse, delta, positions, cfg: _MhaConfig):
+    """Algorithm 4: ΔQ stays, ΔK/ΔV travel with K/V (p hops: home at the end). fp32 results."""
+    p = lax.axis_size(cfg.axis_name)
+    send = lambda tree: send_to_next(tree, cfg.axis_name, shift=BACKWARD_SHIFT)
+
+    def grads(carry, kv, j):
+        dq, (dk, dv) = carry
+        k_j, v_j, kv_pos = kv
+        zeros = lambda: (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(k_j, jnp.float32),
+                         jnp.zeros_like(v_j, jnp.float32))
+        (dq_j, dk_j, dv_j), _ = when_visible(
+            cfg.causal, positions, kv_pos,
+            lambda: _block_backward(q, k_j, v_j, da, lse, delta, positions, kv_pos, cfg), zeros)
+        return dq + dq_j, send((dk + dk_j, dv + dv_j))
+
+    init = (jnp.zeros_like(q, jnp.float32), (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)))
+    return ring_steps(grads, init, (k, v, positions if cfg.causal else None), p, send)
+
+
+def _outer_steps(step_fn, carry, own, axis_name, reverse: bool = False):
+    """for each head group j: carry = step_fn(carry, W_j, j), W_j = rank j's `own` blocks broadcast to all.
+
+    Groups 0..p-1 (p-1..0 when `reverse`). The next group's broadcast is issued before this group's compute
+    (double buffer): p broadcasts in all, each ceil(log2 p) ppermute rounds (`tree_broadcast`); a lax.scan
+    over the first p-1 groups and the last alone.
+    """
+    p, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    group = (lambda s: p - 1 - s) if reverse else (lambda s: s)
+    # Only root's block matters; the tree never keeps what the other ranks send, so they send a fill. This
+    # makes every round depend on root: otherwise XLA sees that the first round (every rank sends its own
+    # block to rank + 1) is the same for every root and hoists it out of the loop (not the paper's schedule,
+    # one more block held). The backward fills with another value so that XLA cannot merge its broadcasts
+    # with the forward's when both passes are in one program (that would hold W_j from forward to backward).
+    fill = 1.0 if reverse else 0.0
+    broadcast = lambda root: jax.tree.map(
+        lambda w: tree_broadcast(jnp.where(rank == root, w, jnp.full_like(w, fill)), axis_name, root), own)
+
+    def body(state, s):
+        carry, w = state
+        w_next = broadcast(group(s + 1))
+        return (step_fn(carry, w, group(s)), w_next), None
+
+    w = broadcast(group(0))
+    if p > 1:
+        (carry, w), _ = lax.scan(body, (carry, w), jnp.arange(p - 1))
+    return step_fn(carry, w, group(p - 1))
+
+
+def _mha_forward(x, weights, positions, cfg: _MhaConfig, keep: bool):
+    """Algorithm 5. Returns O_i fp32 and, when `keep`, A_i [p, b, s/p, heads, d] (x.dtype) and lse fp32."""
+    p = lax.axis_size(cfg.axis_name)
+    b, n, _ = x.shape
+
+    def head_group(carry, w_j, j):
+        o, kept = carry
+        wq, wk, wv, wo = w_j                                          # broadcast from rank j
+        q, k, v = _project(x, wq, wk, wv, positions, cfg)             # (Q_ij, K_ij, V_ij) = X_i W_qkv_j
+        a, lse = _inner_forward(q, k, v, positions, cfg)              # A_ij = METP_Attention(Q, K, V)
+        a = a.astype(x.dtype)
+        o = o + _mm(a.reshape(b, n, -1), wo)                          # O_i += A_ij W_proj_j
+        if keep:
+            kept = (kept[0].at[j].set(a), kept[1].at[j].set(lse))
+        return o, kept
+
+    o = jnp.zeros_like(x, jnp.float32)
+    kept = None
+    if keep:
+        a0 = jnp.zeros_like(x, shape=(p, b, n, cfg.heads, cfg.head_dim))
+        kept = (a0, jnp.zeros_like(x, jnp.float32, shape=(p, b, n, cfg.heads)))
+    return _outer_steps(head_group, (o, kept), weights, cfg.axis_name)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _mha(x, wq, wk, wv, wo, positions, cfg):
+    o, _ = _mha_forward(x, (wq, wk, wv, wo), positions, cfg, keep=False)
+    return o.astype(x.dtype)
+
+
+def _mha_fwd(x, wq, wk, wv, wo, positions, cfg):
+    o, (a, lse) = _mha_forward(x, (wq, wk, wv, wo), positions, cfg, keep=True)
+    # stored: X_i, the attention output A_i and its lse (+ the rank's own weight blocks and positions)
+    return o.astype(x.dtype), (x, (wq, wk, wv, wo), positions, a, lse)
+
+
+def _mha_bwd(cfg, residuals, do):
+    """Algorithm 6: broadcast W_j again, recompute Q, K, V, inner backward ring, tree-reduce ΔW_j onto rank j.
+
+    The head groups go in reverse order (any order is correct). Weight gradients are fp32 until the end.
+    """
+    x, weights, positions, a_all, lse_all = residuals
+    rank = lax.axis_index(cfg.axis_name)
+    b, n, _ = x.shape
+
+    def head_group(carry, w_j, j):
+        dx, dw_own = carry
+        wq, wk, wv, wo = w_j                                          # broadcast from rank j (again)
+        a, lse = a_all[j], lse_all[j]
+        dwo = _outer(a.reshape(b, n, -1), do)                         # ΔW_proj_j = A_ijᵀ ΔO_i
+        q, k, v = (_mm(x, w).astype(x.dtype).reshape(b, n, -1, cfg.head_dim) for w in (wq, wk, wv))
+        (q, k), rope_vjp = jax.vjp(lambda q, k: _rope(q, k, positions, cfg), q, k)   # recompute Q_ij, K_ij, V_ij
+        da = _mm(do, wo.T).reshape(a.shape).astype(x.dtype)           # ΔA_ij = ΔO_i W_proj_jᵀ
+        delta = jnp.sum(da.astype(jnp.float32) * a.astype(jnp.float32), axis=-1)   # D_i = rowsum(ΔA ⊙ A)
+        dq, (dk, dv) = _inner_backward(q, k, v, da, lse, delta, positions, cfg)
+        dq, dk = rope_vjp((dq.astype(x.dtype), dk.astype(x.dtype)))   # through RoPE (a rotation: its transpose)
+        dqkv = [g.astype(x.dtype).reshape(b, n, -1) for g in (dq, dk, dv)]
+        dx = dx + sum(_mm(g, w.T) for g, w in zip(dqkv, (wq, wk, wv)))           # ΔX_i += [ΔQ ΔK ΔV] W_qkv_jᵀ
+        dw = (*(_outer(x, g) for g in dqkv), dwo)                                # ΔW_qkv_j = X_iᵀ [ΔQ ΔK ΔV]
+        reduced = jax.tree.map(lambda g: tree_reduce(g, cfg.axis_name, j), dw)   # Reduce onto rank j
+        dw_own = jax.tree.map(lambda new, old: jnp.where(rank == j, new, old), reduced, dw_own)
+        return dx, dw_own
+
+    zeros = lambda w: _vary_like(jnp.zeros_like(w, jnp.float32), x)
+    init = (jnp.zeros_like(x, jnp.float32), jax.tree.map(zeros, weights))
+    dx, dw = _outer_steps(head_group, init, weights, cfg.axis_name, reverse=True)
+    return (dx.astype(x.dtype), *(_sum_to(g, w).astype(w.dtype) for g, w in zip(dw, weights)), None)
+
+
+_mha.defvjp(_mha_fwd, _mha_bwd)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model-facing entry points (global arrays)
+# ---------------------------------------------------------------------------------------------------------
+
+_COLUMN = P(None, "tp")   # w_in, w_gate, wq, wk, wv: columns (heads) over tp
+_ROW = P("tp", None)      # w_out, wo: rows over tp
+_PARAM_SPECS = {"w_in": _COLUMN, "w_gate": _COLUMN, "w_out": _ROW, "wq": _COLUMN, "wk": _COLUMN,
+                "wv": _COLUMN, "wo": _ROW}
+
+
+def _axis_size(mesh, name):
+    return mesh.shape[name] if name in mesh.axis_names else 1
+
+
+def _check_mesh(mesh):
+    """(data axes with size > 1, tp). METP uses tp (sequence and weights) and dp/fsdp (batch) only."""
+    if "tp" not in mesh.axis_names:
+        raise ValueError(f"mesh axes {mesh.axis_names} have no 'tp' axis; METP splits over it")
+    unused = [f"{a}={mesh.shape[a]}" for a in mesh.axis_names if a not in DATA_AXES + ("tp",) and mesh.shape[a] > 1]
+    if unused:
+        raise ValueError(f"METP uses only the tp axis (and dp/fsdp for the batch); mesh axes {', '.join(unused)} "
+                         f"must be 1")
+    return tuple(a for a in DATA_AXES if _axis_size(mesh, a) > 1), mesh.shape["tp"]
+
+
+def _check_x(x, data_axes, mesh, tp):
+    if x.ndim != 3:
+        raise ValueError(f"x has shape {x.shape}; expected [batch, seq, hidden]")
+    batch, seq, _ = x.shape
+    data = math.prod(mesh.shape[a] for a in data_axes)
+    if batch % data:
+        raise ValueError(f"batch {batch} is not divisible by the data-parallel degree dp*fsdp = {data}")
+    if seq % tp:
+        raise ValueError(f"seq {seq} is not divisible by tp = {tp} (METP splits the sequence over tp)")
+
+
+def mlp_block(x, params, *, mesh, activation: str = "gelu"):
+    """The FFN y = f(x W_in) W_out with METP over the mesh's tp axis (batch over dp/fsdp, sequence over tp).
+
+    x: global [batch, seq, hidden]; params {"w_in": [hidden, ffn], "w_out": [ffn, hidden]} plus "w_gate":
+    [hidden, ffn] for swiglu (y = (silu(x@w_gate) * (x@w_in)) @ w_out); gelu: y = gelu(x @ w_in) @ w_out
+    (approximate=True). No biases. Returns y [batch, seq, hidden] in x.dtype.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} must be one of {ACTIVATIONS}")
+    data_axes, tp = _check_mesh(mesh)
+    _check_x(x, data_axes, mesh, tp)
+    names = ("w_in", "w_out") + (("w_gate",) if activation == "swiglu" else ())
+    if set(params) != set(names):
+        raise ValueError(f"{activation} mlp params must be exactly {names} (w_gate only for swiglu); got "
+                         f"{tuple(sorted(params))}")
+    hidden = x.shape[-1]
+    ffn = params["w_in"].shape[1]
+    for name in names:
+        want = (ffn, hidden) if name == "w_out" else (hidden, ffn)
+        if params[name].shape != want:
+            raise ValueError(f"params[{name!r}] has shape {params[name].shape}; expected {want}")
+    if ffn % tp:
+        raise ValueError(f"ffn {ffn} is not divisible by tp = {tp} (each rank holds ffn/tp columns of W_in)")
+    x_spec = P(data_axes or None, "tp", None)
+    args = [place(x, mesh, x_spec)] + [place(params[n], mesh, _PARAM_SPECS[n]) for n in names]
+    return _sharded_mlp(mesh, x_spec, data_axes, activation)(*args)
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded_mlp(mesh, x_spec, data_axes, activation):
+    def local(x, w_in, w_out, *gate):
+        return metp_mlp(x, w_in, w_out, *gate, activation=activation, axis_name="tp")
+
+    specs = (x_spec, _COLUMN, _ROW) + ((_COLUMN,) if activation == "swiglu" else ())
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=x_spec))
+
+
+def attention_block(x, params, positions, *, mesh, num_heads, num_kv_heads, causal=True, rope_theta=10000.0,
+                    block_ops: str | BlockOps = "auto"):
+    """Self-attention with two-level METP over the mesh's tp axis (batch over dp/fsdp, sequence over tp).
+
+    params {"wq": [hidden, num_heads*head_dim], "wk": [hidden, num_kv_heads*head_dim], "wv": like wk,
+    "wo": [num_heads*head_dim, hidden]}; head h's columns are h*head_dim:(h+1)*head_dim, so rank j's slice
+    of each is head group j. positions: global int [batch, seq] (RoPE on q and k when rope_theta is not None;
+    the causal mask uses the same positions). Returns y [batch, seq, hidden] in x.dtype.
+    """
+    data_axes, tp = _check_mesh(mesh)
+    _check_x(x, data_axes, mesh, tp)
+    if set(params) != {"wq", "wk", "wv", "wo"}:
+        raise ValueError(f"attention params must be exactly wq, wk, wv, wo; got {tuple(sorted(params))}")
+    hidden = x.shape[-1]
+    if num_heads % tp or num_kv_heads % tp:
+        raise ValueError(f"num_heads {num_heads} and num_kv_heads {num_kv_heads} must be divisible by tp = {tp} "
+                         f"(METP broadcasts one head group per rank)")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads} (GQA)")
+    if params["wq"].ndim != 2 or params["wq"].shape[1] % num_heads:
+        raise ValueError(f"wq has shape {params['wq'].shape}; expected [hidden, num_heads*head_dim]")
+    d = params["wq"].shape[1] // num_heads
+    for name, want in (("wq", (hidden, num_heads * d)), ("wk", (hidden, num_kv_heads * d)),
+                       ("wv", (hidden, num_kv_heads * d)), ("wo", (num_heads * d, hidden))):
+        if params[name].shape != want:
+            raise ValueError(f"params[{name!r}] has shape {params[name].shape}; expected {want}")
+    if positions.shape != x.shape[:2]:
+        raise ValueError(f"positions has shape {positions.shape}; expected [batch, seq] = {x.shape[:2]}")
+    x_spec = P(data_axes or None, "tp", None)
+    pos_spec = P(data_axes or None, "tp")
+    args = ([place(x, mesh, x_spec)] + [place(params[n], mesh, _PARAM_SPECS[n]) for n in ("wq", "wk", "wv", "wo")]
+            + [place(jnp.asarray(positions, jnp.int32), mesh, pos_spec)])
+    rope = None if rope_theta is None else float(rope_theta)
+    run = _sharded_attention(mesh, x_spec, pos_spec, data_axes, num_heads, num_kv_heads, bool(causal), rope,
+                             block_ops)
+    return run(*args)
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded_attention(mesh, x_spec, pos_spec, data_axes, num_heads, num_kv_heads, causal, rope_theta, block_ops):
+    def local(x, wq, wk, wv, wo, positions):
+        return metp_attention(x, wq, wk, wv, wo, positions, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                              axis_name="tp", causal=causal, rope_theta=rope_theta, block_ops=block_ops)
+
+    specs = (x_spec, _COLUMN, _COLUMN, _COLUMN, _ROW, pos_spec)
+    # The Pallas interpreter of JAX 0.10 cannot type-check varying mesh axes (see flash.py).
+    check_vma = get_block_ops(block_ops).name != "pallas_interpret"
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=x_spec, check_vma=check_vma))
+
+
+def param_specs(mesh, params_shapes) -> dict:
+    """name -> NamedSharding for METP's weights: w_in, w_gate, wq, wk, wv by columns over tp (head group j
+    on rank j), w_out and wo by rows; replicated over the other axes. Nested dicts are mapped recursively.
+
+    params_shapes: {name: shape tuple or anything with .shape}.
+    """
+    _, tp = _check_mesh(mesh)
+    specs = {}
+    for name, shape in params_shapes.items():
+        if isinstance(shape, dict):
+            specs[name] = param_specs(mesh, shape)
+            continue
+        if name not in _PARAM_SPECS:
+            raise ValueError(f"unknown parameter {name!r}; METP shards {', '.join(_PARAM_SPECS)}")
+        shape = tuple(getattr(shape, "shape", shape))
+        axis = 1 if _PARAM_SPECS[name] == _COLUMN else 0
+        if len(shape) != 2 or shape[axis] % tp:
+            raise ValueError(f"parameter {name!r} of shape {shape} must be 2-D with dim {axis} divisible by "
+                             f"tp = {tp}")
+        specs[name] = NamedSharding(mesh, _PARAM_SPECS[name])
+    return specs
