@@ -27,6 +27,7 @@ from jaxring.plan import ParallelPlan
 from jaxring.rope import apply_rope
 
 ACTIVATIONS = ("gelu", "swiglu")
+REMAT = ("none", "selective", "full")
 
 
 def _param(rngs, shape, logical_axes, std, dtype=jnp.float32):
@@ -148,6 +149,22 @@ def token_cross_entropy(x, w_head, targets, plan: ParallelPlan):
         return module.cross_entropy(x, w_head, targets, mesh=plan.mesh)
     logits = (x @ w_head).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+
+def block_runner(plan: ParallelPlan, remat: str = "none"):
+    """run(block, *arrays) = block(*arrays, plan): the plan bound (it is not an array), the block recomputed
+    in the backward pass when remat is "full", or with its weight matmuls kept ("selective")."""
+    if remat not in REMAT:
+        raise ValueError(f"unknown remat {remat!r}; expected one of {', '.join(REMAT)}")
+
+    def run(block, *arrays):
+        return block(*arrays, plan)
+
+    if remat == "full":
+        return nnx.remat(run)
+    if remat == "selective":
+        return nnx.remat(run, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    return run
 
 
 # ---------------------------------------------------------------------------------------- shardings

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxring.nn import MLP, Attention, Embed, token_cross_entropy
+from jaxring.nn import MLP, Attention, Embed, block_runner, token_cross_entropy
 from jaxring.plan import ParallelPlan
 
 
@@ -122,8 +122,9 @@ class GPT(nnx.Module):
                 raise ValueError(f"seq {tokens.shape[1]} exceeds the learned positions' max_seq_len "
                                  f"{self.cfg.max_seq_len}")
             x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(dtype)
+        run_block = block_runner(plan, remat)
         for block in self.blocks:
-            x = _remat(block, remat)(x, positions, plan)
+            x = run_block(block, x, positions)
         return _norm(self.ln_f, x)
 
     def head_weight(self, dtype):
@@ -141,16 +142,6 @@ class GPT(nnx.Module):
     def logits(self, tokens, positions, plan: ParallelPlan, *, dtype=jnp.float32):
         x = self.features(tokens, positions, plan, dtype=dtype)
         return (x @ self.head_weight(dtype)).astype(jnp.float32)
-
-
-def _remat(block, mode: str):
-    if mode == "none":
-        return block
-    if mode == "full":
-        return nnx.remat(block)
-    if mode == "selective":  # keep the weight matmuls, recompute the rest (attention keeps only out, lse)
-        return nnx.remat(block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    raise ValueError(f"unknown remat {mode!r}; expected none, selective or full")
 
 
 def generate(model: GPT, plan: ParallelPlan, prompt, num_tokens: int, *, key, window: int,

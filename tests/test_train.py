@@ -11,7 +11,7 @@ from jaxring.train.loop import Trainer, TrainConfig, train
 
 SMALL = {"num_layers": 1, "hidden": 64, "num_heads": 8, "ffn": 128}
 BASE = TrainConfig(model="gpt", preset="tiny", model_overrides=SMALL, steps=3, batch_size=4, seq_len=64,
-                   lr=3e-3, warmup=1, sample_tokens=0, progress=False)
+                   lr=3e-3, warmup=1, sample_tokens=0, progress=False, eval_at_end=False)
 
 
 def run(steps=3, devices=None, **changes):
@@ -38,6 +38,10 @@ MESHES = {
     "dp4": dict(dp=4, devices=4),
     "megatron-tp8": dict(tp=8, tensor_parallel="megatron"),
     "megatron-dp2-tp4": dict(dp=2, tp=4, tensor_parallel="megatron"),
+    "optimus-dp2-tp4": dict(dp=2, tp=4, tensor_parallel="optimus"),
+    "metp-tp8": dict(tp=8, tensor_parallel="metp"),
+    "ring-remat-selective": dict(sp=8, attention="ring", remat="selective"),
+    "dp2-sp4-remat-full": dict(dp=2, sp=4, attention="ring", remat="full"),
 }
 
 
@@ -97,3 +101,21 @@ def test_metrics_file(tmp_path):
 def test_bad_flags_get_clear_errors(changes, message):
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         Trainer(dataclasses.replace(BASE, **changes))
+
+
+def test_bf16_compute_tracks_fp32(single_device_losses):
+    """bf16 compute (fp32 master weights, optimizer state and loss) stays within 2% of the fp32 run."""
+    np.testing.assert_allclose(run(sp=8, precision="bf16"), single_device_losses, rtol=2e-2)
+
+
+def test_dit_trains_with_sequence_parallelism_and_samples(tmp_path):
+    path = tmp_path / "samples.png"
+    history = train(dataclasses.replace(BASE, model="dit", preset="tiny", model_overrides={"num_layers": 1},
+                                        seq_len=None, dp=2, sp=4, steps=3, batch_size=8, sample_tokens=1,
+                                        sample_path=str(path)), log=lambda *a: None)
+    losses = [r["loss"] for r in history]
+    single = [r["loss"] for r in train(dataclasses.replace(
+        BASE, model="dit", preset="tiny", model_overrides={"num_layers": 1}, seq_len=None, steps=3, batch_size=8),
+        devices=jax.devices()[:1], log=lambda *a: None)]
+    np.testing.assert_allclose(losses, single, rtol=1e-3)
+    assert path.stat().st_size > 0

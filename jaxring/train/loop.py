@@ -70,7 +70,8 @@ class TrainConfig:
     metrics_file: str | None = None
     profile: str | None = None
     log_every: int = 10
-    sample_tokens: int = 200
+    sample_tokens: int = 200          # GPT: tokens generated at the end; DiT: 0 skips the sample grid
+    eval_at_end: bool = True          # report the held-out loss after training
     sample_path: str = "samples.png"
     progress: bool = True
 
@@ -202,7 +203,7 @@ class DiTTask:
         self.config = dit.get_config(cfg.preset, **{**cfg.model_overrides, "image_size": cfg.image_size or base.image_size},
                                      channels=self.source.images.shape[-1], num_classes=self.source.num_classes)
         plan.check_batch(cfg.batch_size // cfg.grad_accum, "micro-batch size (batch / grad-accum)")
-        plan.check_seq_len(self.config.num_patches, self.causal)
+        plan.check_seq_len(self.config.num_tokens, self.causal)
         self.plan, self.cfg = plan, cfg
         img_shape = (cfg.batch_size,) + self.source.images.shape[1:]
         self.img_sharding = plan.sharding(plan.batch_axes, None, None, None)
@@ -229,7 +230,7 @@ class DiTTask:
 
     @property
     def tokens_per_step(self):
-        return self.cfg.batch_size * self.config.num_patches
+        return self.cfg.batch_size * self.config.num_tokens
 
     def flops_per_step(self):
         return self.config.flops_per_image() * self.cfg.batch_size
@@ -427,7 +428,7 @@ def train(cfg: TrainConfig, *, devices=None, log=print) -> list[dict]:
     if ckpt is not None:
         ckpt.save(trainer.step_count, trainer.state(), metadata=trainer.metadata())
         ckpt.close()
-    if history:
+    if history and cfg.eval_at_end:
         say(f"final loss {history[-1]['loss']:.4f}; held-out loss {trainer.val_loss():.4f}")
     if is_main and cfg.sample_tokens:
         task.finish(trainer.model(), say)
