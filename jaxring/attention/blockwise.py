@@ -75,9 +75,18 @@ def _grouped(q, kv_heads):
     return q.astype(jnp.float32).reshape(b, n, kv_heads, hq // kv_heads, d)
 
 
+def _check_positions(q, k, q_positions, kv_positions):
+    """Positions are shared by the batch: int [n] (per-row positions would be split along the wrong axis)."""
+    for name, pos, n in (("q_positions", q_positions, q.shape[1]), ("kv_positions", kv_positions, k.shape[1])):
+        if pos.shape != (n,):
+            raise ValueError(f"{name} shape {pos.shape} must be [{n}] (one position per token, shared by the "
+                             f"batch; vmap over rows for per-row positions)")
+
+
 def block_forward(q, k, v, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, *,
                   causal: bool, sm_scale: float, q_tile: int = DEFAULT_Q_TILE, kv_tile: int = DEFAULT_KV_TILE):
     """Attention of one Q block over one K/V block; see the module docstring for shapes."""
+    _check_positions(q, k, q_positions, kv_positions)
     b, nq, hq, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
     tq, tk = _tile_size(nq, q_tile), _tile_size(nk, kv_tile)
@@ -116,6 +125,7 @@ def block_backward(q, k, v, dout, lse, delta, q_positions, kv_positions, q_segme
                    kv_segment_ids=None, *, causal: bool, sm_scale: float, q_tile: int = DEFAULT_Q_TILE,
                    kv_tile: int = DEFAULT_KV_TILE):
     """Gradients of one (Q block, K/V block) pair given the global lse and delta; fp32 results."""
+    _check_positions(q, k, q_positions, kv_positions)
     b, nq, hq, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
