@@ -9,6 +9,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 # tp innermost (neighbouring devices, fastest links), then sp; data axes outermost.
 MESH_AXES = ("dp", "pp", "fsdp", "sp", "tp")
+DATA_AXES = ("dp", "fsdp")  # the axes that split the batch
 
 
 def make_mesh(dp: int = 1, fsdp: int = 1, pp: int = 1, tp: int = 1, sp: int = 1, *, devices=None,

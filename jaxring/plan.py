@@ -22,9 +22,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring.attention.api import STRATEGIES
 from jaxring.attention.layout import LAYOUTS, check_seq_len, layout_permutation
+from jaxring.mesh import DATA_AXES
 
 TENSOR_PARALLEL = ("megatron", "optimus", "metp")
-DATA_AXES = ("dp", "fsdp")
 # strategies whose natural layout is contiguous (every device sees the whole sequence, or every block)
 _CONTIGUOUS_STRATEGIES = ("dense", "ulysses", "rsa")
 

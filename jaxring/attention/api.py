@@ -16,10 +16,9 @@ from jaxring.attention.ring import ring_attention
 from jaxring.attention.rsa import rsa_attention
 from jaxring.attention.ulysses import check_heads_split, ulysses_attention, usp_attention
 from jaxring.attention.wallfacer import WF_AXES, check_wf_layout, wallfacer_attention, wallfacer_mesh
-from jaxring.mesh import factored_mesh, place
+from jaxring.mesh import DATA_AXES, factored_mesh, place
 
 STRATEGIES = ("dense", "ring", "rsa", "ulysses", "wallfacer", "allgather", "usp")
-DATA_AXES = ("dp", "fsdp")
 USP_AXES = ("usp_ring", "usp_ulysses")
 # strategy -> the options it takes (beyond layout, causal, segment_ids, sm_scale, block_ops)
 _OPTIONS = {"usp": {"ulysses_size"}, "wallfacer": {"team_size", "placement"}}

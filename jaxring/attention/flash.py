@@ -69,6 +69,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxring.attention.blockwise import BlockOps, block_backward, block_forward
 from jaxring.attention.masking import check_qkv
+from jaxring.vma import vary, varying_axes
 
 __all__ = ["flash_attention", "flash_block_forward", "flash_block_backward", "flash_block_ops",
            "IMPLEMENTATIONS", "default_block_config"]
@@ -210,27 +211,15 @@ def _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
 # shard_map support: pallas_call outputs must state their varying mesh axes when check_vma=True
 # ----------------------------------------------------------------------------------------------------------
 
-def _varying_axes(x) -> frozenset:
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", frozenset()))
-
-
 def _common_vma(*xs, interpret: bool = False):
     """Casts every array to the union of their varying mesh axes (a no-op outside shard_map)."""
-    axes = frozenset().union(*(_varying_axes(x) for x in xs if x is not None))
+    axes = frozenset().union(*(varying_axes(x) for x in xs if x is not None))
     if axes and interpret and _JAX_VERSION < (0, 11):
         raise ValueError(f"implementation='pallas_interpret' inside jax.shard_map with check_vma=True (inputs "
                          f"vary over mesh axes {sorted(axes)}) is not supported by the Pallas interpreter of "
                          f"jax {jax.__version__}; pass check_vma=False to shard_map, or use 'pallas' (GPU) or "
                          f"'jnp'")
-    out = []
-    for x in xs:
-        missing = None if x is None else tuple(sorted(axes - _varying_axes(x)))
-        out.append(x if not missing else lax.pcast(x, missing, to="varying"))
-    return out
+    return [None if x is None else vary(x, axes) for x in xs]
 
 
 _JAX_VERSION = tuple(int(x) for x in re.findall(r"\d+", jax.__version__)[:2])

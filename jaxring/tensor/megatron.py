@@ -44,8 +44,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring.attention.flash import flash_attention
-from jaxring.mesh import place
+from jaxring.mesh import DATA_AXES, place
 from jaxring.rope import apply_rope
+from jaxring.vma import common_vma, vary, varying_axes
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_sp", "scatter_to_sp", "column_parallel_linear",
            "row_parallel_linear", "mlp", "attention", "layer_norm", "rms_norm", "vocab_parallel_embed",
@@ -53,30 +54,11 @@ __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_sp", "scatter_to_sp", "c
            "param_specs"]
 
 ACTIVATIONS = ("gelu", "swiglu")
-DATA_AXES = ("dp", "fsdp")
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Varying mesh axes (check_vma types)
 # ----------------------------------------------------------------------------------------------------------
-
-def _vma(x) -> frozenset:
-    """The mesh axes x varies over (empty outside shard_map)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)
-    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", frozenset()))
-
-
-def _vary(x, axes):
-    """x made varying over `axes` (identity forward; its transpose is a psum over the axes it adds)."""
-    missing = tuple(sorted(frozenset(axes) - _vma(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _common_vma(*xs):
-    axes = frozenset().union(*(_vma(x) for x in jax.tree.leaves(xs)))
-    return jax.tree.map(lambda x: _vary(x, axes), xs)
-
 
 # ----------------------------------------------------------------------------------------------------------
 # The conjugate transitions: f / f* (plain TP) and g / g* (TP with SP)
@@ -85,7 +67,7 @@ def _common_vma(*xs):
 def copy_to_tp(x, axis_name: str = "tp"):
     """f: identity forward, all-reduce (psum over `axis_name`) backward. x is replicated over the axis
     (a no-op when x already varies over it: then its gradient is reduced wherever it became varying)."""
-    return _vary(x, (axis_name,))
+    return vary(x, (axis_name,))
 
 
 def reduce_from_tp(x, axis_name: str = "tp"):
@@ -158,7 +140,7 @@ def column_parallel_linear(x, w, *, axis_name: str = "tp", sequence_parallel: bo
     elif recompute_gather:
         # a common vma, so the custom_vjp's cotangents have their primals' types: the weights' gradient
         # psum over the data axes happens in the transpose of this cast
-        x, ws = _common_vma(x, ws)
+        x, ws = common_vma(x, ws)
         out = _gather_linear(axis_name, x, ws)
     else:
         y = gather_from_sp(x, axis_name)
@@ -257,8 +239,8 @@ def _replicated_params(x, *params):
     """Replicated parameters entering x's region. Where x differs per rank (SP region: the tp axis; the
     data axes) this is f — identity forward, all-reduce of the gradient backward — the Playbook's "LayerNorm
     grads all-reduced over TP" (and DP's). Where x is replicated (plain TP) nothing is reduced."""
-    axes = _vma(x)
-    return tuple(None if p is None else _vary(p, axes) for p in params)
+    axes = varying_axes(x)
+    return tuple(None if p is None else vary(p, axes) for p in params)
 
 
 def layer_norm(x, gamma, beta=None, *, eps: float = 1e-5):

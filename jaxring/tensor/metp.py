@@ -67,12 +67,12 @@ from jaxring.attention.blockwise import BlockOps, get_block_ops
 from jaxring.attention.merge import empty_partial, merge_partials
 from jaxring.attention.schedule import when_visible
 from jaxring.collectives import ring_steps, send_to_next, tree_broadcast, tree_reduce
-from jaxring.mesh import place
+from jaxring.mesh import DATA_AXES, place
 from jaxring.rope import apply_rope
+from jaxring.vma import vary_like, varying_axes
 
 FORWARD_SHIFT = -1   # rank i sends to i-1 (Algorithm 1): at step j it holds block (i + j) mod p
 BACKWARD_SHIFT = 1   # the backward ring turns the other way: at step j rank i holds block (i - j) mod p
-DATA_AXES = ("dp", "fsdp")
 ACTIVATIONS = ("gelu", "swiglu")
 
 
@@ -81,23 +81,10 @@ def _mm(x, w):
     return jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
 
 
-def _vma(x) -> frozenset:
-    """The mesh axes x varies over inside shard_map (empty outside, or with check_vma=False)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", frozenset()))
-
-
-def _vary_like(x, like):
-    """x marked varying over every axis `like` varies over (for loop carries that will mix with `like`)."""
-    missing = tuple(sorted(_vma(like) - _vma(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
 def _sum_to(g, like):
     """A weight's gradient summed over the axes it varies over and the weight does not (the data axes:
     a weight replicated over dp/fsdp gets the psum of its per-shard gradients)."""
-    extra = tuple(sorted(_vma(g) - _vma(like)))
+    extra = tuple(sorted(varying_axes(g) - varying_axes(like)))
     return lax.psum(g, extra) if extra else g
 
 
@@ -191,7 +178,7 @@ def _metp_bwd(f, axis_name, residuals, do):
         dbs = tuple(db + _outer(a, dt_r) for db, dt_r in zip(dbs, dt))       # ΔB^(j) += A_iᵀ ΔT_ij
         return da, send((dbs, dc))                             # ΔB, ΔC move on with their block
 
-    zeros = lambda w: _vary_like(jnp.zeros_like(w, jnp.float32), a)
+    zeros = lambda w: vary_like(jnp.zeros_like(w, jnp.float32), a)
     init = (jnp.zeros_like(a, jnp.float32), (tuple(zeros(b_) for b_ in bs), zeros(c)))
     blocks = (tuple(b_.T for b_ in bs), c.T)
     da, (dbs, dc) = ring_steps(step, init, blocks, p, send)
@@ -440,7 +427,7 @@ def _mha_bwd(cfg, residuals, do):
         dw_own = jax.tree.map(lambda new, old: jnp.where(rank == j, new, old), reduced, dw_own)
         return dx, dw_own
 
-    zeros = lambda w: _vary_like(jnp.zeros_like(w, jnp.float32), x)
+    zeros = lambda w: vary_like(jnp.zeros_like(w, jnp.float32), x)
     init = (jnp.zeros_like(x, jnp.float32), jax.tree.map(zeros, weights))
     dx, dw = _outer_steps(head_group, init, weights, cfg.axis_name, reverse=True)
     return (dx.astype(x.dtype), *(_sum_to(g, w).astype(w.dtype) for g, w in zip(dw, weights)), None)

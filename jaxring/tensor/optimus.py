@@ -59,14 +59,14 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxring.attention.flash import _common_vma, flash_attention
+from jaxring.attention.flash import flash_attention
+from jaxring.vma import common_vma
 from jaxring.collectives import tree_broadcast, tree_reduce
-from jaxring.mesh import factored_mesh, place
+from jaxring.mesh import DATA_AXES, factored_mesh, place
 from jaxring.rope import apply_rope
 
 ROW, COL = "tpr", "tpc"                 # grid axes: device (i, j) has tpr = i, tpc = j
 GRID = (ROW, COL)
-DATA_AXES = ("dp", "fsdp")
 ACTIVATIONS = ("gelu", "swiglu")
 
 __all__ = ["summa_ab", "summa_abt", "summa_atb", "mlp_2d", "attention_2d", "layer_norm_2d", "embed_2d",
@@ -81,7 +81,7 @@ __all__ = ["summa_ab", "summa_abt", "summa_atb", "mlp_2d", "attention_2d", "laye
 def _vary(*xs):
     """Casts every x to the union of their varying mesh axes (so a custom_vjp sees one type, and the
     gradient of a weight replicated over the data axes is summed over them by its transpose)."""
-    return _common_vma(*xs)
+    return common_vma(*xs)
 
 
 def _zeros(shape, dtype, like):

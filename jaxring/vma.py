@@ -1,0 +1,33 @@
+"""Varying mesh axes (shard_map's check_vma types): which axes a value varies over, and casts to more.
+
+Casting a replicated value to "varying" is the identity forward; its transpose is a psum over the added
+axes, which is how a weight replicated over the data axes gets its summed gradient.
+"""
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+
+def varying_axes(x) -> frozenset:
+    """The mesh axes x varies over (empty outside shard_map, or with check_vma=False)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", frozenset()))
+
+
+def vary(x, axes):
+    """x made varying over `axes` as well."""
+    missing = tuple(sorted(frozenset(axes) - varying_axes(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def vary_like(x, like):
+    """x made varying over every axis `like` varies over (e.g. a loop carry that will mix with `like`)."""
+    return vary(x, varying_axes(like))
+
+
+def common_vma(*xs):
+    """Every array of the pytree(s) cast to the union of their varying axes (None leaves stay None)."""
+    axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(xs)))
+    return jax.tree.map(lambda x: vary(x, axes), xs)
