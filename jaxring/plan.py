@@ -164,6 +164,8 @@ class ParallelPlan:
         spec = []
         for name, dim in zip(logical_axes or (None,) * len(shape), shape):
             spec.append("fsdp" if name == "embed" and self.fsdp > 1 and dim % self.fsdp == 0 else None)
+        while spec and spec[-1] is None:  # P(None,) and P() are the same placement; keep one spelling
+            spec.pop()
         return self.sharding(*spec)
 
     def describe(self) -> str:

@@ -266,7 +266,8 @@ TASKS = {"gpt": GPTTask, "dit": DiTTask}
 
 def optimizer(cfg: TrainConfig):
     """AdamW with linear warmup and cosine decay to min_lr_ratio·lr, after global-norm clipping."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, min(cfg.warmup, cfg.steps), max(cfg.steps, 1),
+    warmup = min(cfg.warmup, cfg.steps)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
                                                   end_value=cfg.lr * cfg.min_lr_ratio)
     return optax.chain(optax.clip_by_global_norm(cfg.clip),
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
@@ -288,8 +289,14 @@ class Trainer:
         host_params = nnx.to_pure_dict(state)
         # the same seed gives the same values on any mesh: built on the host, then placed
         self.params = jax.tree.map(lambda x, s: jax.device_put(x, s), host_params, self.shardings)
-        self.opt_state = jax.jit(self.tx.init)(self.params)
-        self._step = jax.jit(self._train_step, donate_argnums=(0, 1))
+        # optimizer moments sharded like their parameters, scalars (step counts) replicated on the mesh
+        replicated = self.plan.sharding()
+        self.opt_shardings = optax.tree_map_params(
+            self.tx, lambda _, sharding: sharding, jax.eval_shape(self.tx.init, self.params), self.shardings,
+            transform_non_params=lambda _: replicated)
+        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
+        self._step = jax.jit(self._train_step, donate_argnums=(0, 1),
+                             out_shardings=(self.shardings, self.opt_shardings, replicated))
         self._eval = jax.jit(self._eval_loss)
         self.step_count = 0
 
@@ -379,7 +386,7 @@ def train(cfg: TrainConfig, *, devices=None, log=print) -> list[dict]:
     task = trainer.task
     n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
     say(f"{cfg.model} {cfg.preset}: {n_params / 1e6:.2f}M params | {trainer.plan.describe()} | "
-        f"{jax.device_count()} x {jax.devices()[0].device_kind} | batch {cfg.batch_size} × "
+        f"{trainer.plan.mesh.devices.size} x {trainer.plan.mesh.devices.flat[0].device_kind} | batch {cfg.batch_size} × "
         f"{task.tokens_per_step // cfg.batch_size} tokens | data {task.source.name}")
     peak = peak_flops(jax.devices()[0], cfg.precision)
     history = []
