@@ -66,6 +66,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--meshes", nargs="*", default=list(MESHES))
+    p.add_argument("--presets", nargs="*", default=["tiny", "gpt2-124m"])
     p.add_argument("--gpu-mfu", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -79,6 +80,8 @@ def main():
     record = benchmark_record("train_step", devices, {"presets": presets, "steps": args.steps,
                                                       "precision": "fp32", "note": "memory per device"})
     for preset, spec in presets.items():
+        if preset not in args.presets:
+            continue
         for name in args.meshes:
             mesh = dict(MESHES[name])
             count = mesh.pop("devices", None)
