@@ -170,6 +170,7 @@ def block_runner(plan: ParallelPlan, remat: str = "none"):
 # ---------------------------------------------------------------------------------------- shardings
 
 _BLOCK_PARAMS = {"wq", "wk", "wv", "wo", "w_in", "w_out", "w_gate"}
+_VOCAB_PARAMS = {"table": "table", "head": "w_head"}  # jaxring.nn name -> tensor module name
 
 
 def param_shardings(state, plan: ParallelPlan) -> dict:
@@ -179,14 +180,19 @@ def param_shardings(state, plan: ParallelPlan) -> dict:
     else follows its logical axes through `plan.param_sharding`.
     """
     module = plan.tensor_module
+    # the method's own names: blocks always; the embedding table and LM head where it splits them itself
+    names = {n: n for n in _BLOCK_PARAMS}
+    if module is not None and hasattr(module, "embed"):
+        names.update(_VOCAB_PARAMS)
     flat, groups = {}, {}
     for path, var in nnx.to_flat_state(state):
-        if module is not None and path[-1] in _BLOCK_PARAMS:
-            groups.setdefault(path[:-1], {})[path[-1]] = var.shape
+        if module is not None and path[-1] in names:
+            groups.setdefault(path[:-1], {})[names[path[-1]]] = var.shape
         else:
             flat[path] = plan.param_sharding(var.get_metadata().get("logical_axes"), var.shape)
+    ours = {v: k for k, v in names.items()}
     for parent, shapes in groups.items():
         for name, sharding in module.param_specs(plan.mesh, shapes).items():
-            flat[parent + (name,)] = (sharding if isinstance(sharding, NamedSharding)
-                                      else NamedSharding(plan.mesh, sharding))
+            flat[parent + (ours[name],)] = (sharding if isinstance(sharding, NamedSharding)
+                                            else NamedSharding(plan.mesh, sharding))
     return unflatten_dict(flat)
