@@ -186,7 +186,8 @@ def param_shardings(state, plan: ParallelPlan) -> dict:
         names.update(_VOCAB_PARAMS)
     flat, groups = {}, {}
     for path, var in nnx.to_flat_state(state):
-        if module is not None and path[-1] in names:
+        vocab_param = path[-1] in _VOCAB_PARAMS and "vocab" in (var.get_metadata().get("logical_axes") or ())
+        if module is not None and path[-1] in names and (path[-1] in _BLOCK_PARAMS or vocab_param):
             groups.setdefault(path[:-1], {})[names[path[-1]]] = var.shape
         else:
             flat[path] = plan.param_sharding(var.get_metadata().get("logical_axes"), var.shape)

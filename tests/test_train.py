@@ -93,12 +93,12 @@ def test_metrics_file(tmp_path):
 
 @pytest.mark.parametrize("changes,message", [
     (dict(dp=3), "product|multiply|device"),
-    (dict(preset="huge"), "unknown GPT preset 'huge'"),
+    (dict(preset="huge", sp=8), "unknown GPT preset 'huge'"),
     (dict(sp=8, seq_len=72, layout="zigzag", attention="ring"), "seq 72 is not divisible by 2\\*sp = 16"),
     (dict(data="/no/such/file.txt"), "/no/such/file.txt"),
     (dict(sp=8, attention="dense"), "sp = 8 splits the sequence"),
     (dict(sp=8, attention="wallfacer"), "team size"),
-    (dict(batch_size=6, dp=4), "batch size 6 is not divisible"),
+    (dict(batch_size=6, dp=4, sp=2), r"grad-accum\) 6 is not divisible by the data-parallel degree dp\*fsdp = 4"),
     (dict(precision="fp8"), "unknown precision 'fp8'"),
 ])
 def test_bad_flags_get_clear_errors(changes, message):
