@@ -65,3 +65,25 @@ def padded_segments(layout, seq, sp, padded_device=3):
     seg[1, seq // 2:] = 2
     seg[1, layout_permutation(layout, seq, sp).reshape(sp, -1)[padded_device]] = 0
     return seg
+
+
+def mlp_block_reference(x, params, activation):
+    """The tensor modules' MLP contract on one device: gelu(x w_in) w_out, or (silu(x w_gate) * x w_in) w_out."""
+    if activation == "gelu":
+        return jax.nn.gelu(x @ params["w_in"], approximate=True) @ params["w_out"]
+    return (jax.nn.silu(x @ params["w_gate"]) * (x @ params["w_in"])) @ params["w_out"]
+
+
+def attention_block_reference(x, params, positions, num_heads, num_kv_heads, causal, rope_theta):
+    """The tensor modules' attention contract on one device: projections, RoPE, dense attention, output."""
+    from jaxring import attention_reference
+    from jaxring.rope import apply_rope
+    b, s, _ = x.shape
+    d = params["wq"].shape[1] // num_heads
+    q = (x @ params["wq"]).reshape(b, s, num_heads, d)
+    k = (x @ params["wk"]).reshape(b, s, num_kv_heads, d)
+    v = (x @ params["wv"]).reshape(b, s, num_kv_heads, d)
+    if rope_theta is not None:
+        q, k = apply_rope(q, positions, rope_theta), apply_rope(k, positions, rope_theta)
+    out = attention_reference(q, k, v, causal=causal, q_positions=positions, kv_positions=positions)[0]
+    return out.reshape(b, s, num_heads * d) @ params["wo"]

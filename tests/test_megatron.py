@@ -11,11 +11,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxring
-from jaxring import attention_reference
 from jaxring.analysis import compile_stats
-from jaxring.rope import apply_rope
 from jaxring.tensor import megatron as mt
-from helpers import assert_close
+from helpers import assert_close, attention_block_reference, mlp_block_reference
 
 B, S, H, FFN, VOCAB, HEADS, HEAD_DIM = 4, 16, 32, 64, 64, 8, 4
 RTOL = 1e-4
@@ -53,23 +51,6 @@ def out_and_grads(fn, args, cotangent):
 # References (one device, the contract's formulas)
 # ------------------------------------------------------------------------------------------------------
 
-def mlp_ref(x, p, activation):
-    if activation == "gelu":
-        return jax.nn.gelu(x @ p["w_in"], approximate=True) @ p["w_out"]
-    return (jax.nn.silu(x @ p["w_gate"]) * (x @ p["w_in"])) @ p["w_out"]
-
-
-def attention_ref(x, p, positions, num_heads, num_kv_heads, causal, rope_theta):
-    b, s, _ = x.shape
-    q = (x @ p["wq"]).reshape(b, s, num_heads, -1)
-    k = (x @ p["wk"]).reshape(b, s, num_kv_heads, -1)
-    v = (x @ p["wv"]).reshape(b, s, num_kv_heads, -1)
-    if rope_theta is not None:
-        q, k = apply_rope(q, positions, rope_theta), apply_rope(k, positions, rope_theta)
-    out = attention_reference(q, k, v, causal=causal, q_positions=positions, kv_positions=positions)[0]
-    return out.reshape(b, s, -1) @ p["wo"]
-
-
 def mlp_params(activation, h=H, ffn=FFN):
     p = {"w_in": normal(1, (h, ffn), h ** -0.5), "w_out": normal(2, (ffn, h), ffn ** -0.5)}
     if activation == "swiglu":
@@ -98,7 +79,7 @@ def test_mlp_block(mesh_name, activation):
     mesh = mesh_of(mesh_name)
     x, dy, p = normal(10, (B, S, H)), normal(11, (B, S, H)), mlp_params(activation)
     got = out_and_grads(lambda x, p: mt.mlp_block(x, p, mesh=mesh, activation=activation), (x, p), dy)
-    ref = out_and_grads(lambda x, p: mlp_ref(x, p, activation), (x, p), dy)
+    ref = out_and_grads(lambda x, p: mlp_block_reference(x, p, activation), (x, p), dy)
     check_all(got, ref)
 
 
@@ -117,7 +98,7 @@ def test_attention_block(mesh_name, num_heads, num_kv_heads, causal, rope_theta)
     p = attention_params(num_heads, num_kv_heads)
     kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, causal=causal, rope_theta=rope_theta)
     got = out_and_grads(lambda x, p: mt.attention_block(x, p, pos, mesh=mesh, **kw), (x, p), dy)
-    ref = out_and_grads(lambda x, p: attention_ref(x, p, pos, num_heads, num_kv_heads, causal, rope_theta),
+    ref = out_and_grads(lambda x, p: attention_block_reference(x, p, pos, num_heads, num_kv_heads, causal, rope_theta),
                         (x, p), dy)
     check_all(got, ref)
 
@@ -187,7 +168,7 @@ def test_plain_tensor_parallel_mlp_f_and_f_star():
     fn = jax.shard_map(local, mesh=mesh, in_specs=(P("dp"), P(None, "tp"), P(None, "tp"), P("tp", None)),
                        out_specs=P("dp"))
     got = out_and_grads(lambda x, p: fn(x, p["w_in"], p["w_gate"], p["w_out"]), (x, p), dy)
-    check_all(got, out_and_grads(lambda x, p: mlp_ref(x, p, "swiglu"), (x, p), dy))
+    check_all(got, out_and_grads(lambda x, p: mlp_block_reference(x, p, "swiglu"), (x, p), dy))
 
 
 # ------------------------------------------------------------------------------------------------------

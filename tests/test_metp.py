@@ -14,13 +14,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxring
-from jaxring import attention_reference
 from jaxring.analysis import compile_stats
 from jaxring.analysis.compiled import collective_traffic
 from jaxring.collectives import tree_rounds
-from jaxring.rope import apply_rope
 from jaxring.tensor import megatron, metp
-from helpers import assert_close
+from helpers import assert_close, attention_block_reference, mlp_block_reference
 
 RTOL = 2e-4
 MESHES = {2: dict(dp=2, fsdp=2, tp=2), 4: dict(dp=2, tp=4), 8: dict(tp=8)}   # p = tp; batch over dp/fsdp
@@ -65,12 +63,6 @@ def check_tree(got, ref, name):
 # FFN: O = f(X W_in) W_out on the (W_in, W_out) ring
 # ---------------------------------------------------------------------------------------------------------
 
-def mlp_reference(x, params, activation):
-    if activation == "gelu":
-        return jax.nn.gelu(x @ params["w_in"], approximate=True) @ params["w_out"]
-    return (jax.nn.silu(x @ params["w_gate"]) * (x @ params["w_in"])) @ params["w_out"]
-
-
 def mlp_params(seed, hidden, ffn, activation):
     p = {"w_in": normal(seed, (hidden, ffn), hidden ** -0.5), "w_out": normal(seed + 1, (ffn, hidden), ffn ** -0.5)}
     if activation == "swiglu":
@@ -89,7 +81,7 @@ def ffn_case(p, activation):
     mesh = mesh_of(p)
     got, moved = compiled_run(out_and_grads(lambda x, w: metp.mlp_block(x, w, mesh=mesh, activation=activation),
                                             dy), x, params)
-    ref = jax.jit(out_and_grads(lambda x, w: mlp_reference(x, w, activation), dy))(x, params)
+    ref = jax.jit(out_and_grads(lambda x, w: mlp_block_reference(x, w, activation), dy))(x, params)
     return got, ref, moved
 
 
@@ -170,7 +162,7 @@ def test_mlp_bf16():
     params = mlp_params(3, H, FFN, "gelu")
     bf16 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.bfloat16), tree)
     got = jax.jit(out_and_grads(lambda x, w: metp.mlp_block(x, w, mesh=mesh), bf16(dy)))(bf16(x), bf16(params))
-    ref = jax.jit(out_and_grads(lambda x, w: mlp_reference(x, w, "gelu"), dy))(x, params)
+    ref = jax.jit(out_and_grads(lambda x, w: mlp_block_reference(x, w, "gelu"), dy))(x, params)
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         assert g.dtype == jnp.bfloat16
         assert_close(g, r, 2e-2, "bf16")
@@ -179,18 +171,6 @@ def test_mlp_bf16():
 # ---------------------------------------------------------------------------------------------------------
 # MHA: two-level METP
 # ---------------------------------------------------------------------------------------------------------
-
-def attention_reference_block(x, params, positions, *, num_heads, num_kv_heads, causal, rope_theta):
-    b, s, _ = x.shape
-    d = params["wq"].shape[1] // num_heads
-    q = (x @ params["wq"]).reshape(b, s, num_heads, d)
-    k = (x @ params["wk"]).reshape(b, s, num_kv_heads, d)
-    v = (x @ params["wv"]).reshape(b, s, num_kv_heads, d)
-    if rope_theta is not None:
-        q, k = apply_rope(q, positions, rope_theta), apply_rope(k, positions, rope_theta)
-    out, _ = attention_reference(q, k, v, causal=causal, q_positions=positions, kv_positions=positions)
-    return out.reshape(b, s, num_heads * d) @ params["wo"]
-
 
 def attn_params(seed, hidden, heads, kv_heads, d):
     return {"wq": normal(seed, (hidden, heads * d), hidden ** -0.5),
@@ -224,7 +204,7 @@ def mha_case(p, causal):
     mesh = mesh_of(p)
     got, moved = compiled_run(out_and_grads(lambda x, w, pos: metp.attention_block(x, w, pos, mesh=mesh, **cfg), dy),
                               x, params, pos)
-    ref = jax.jit(out_and_grads(lambda x, w, pos: attention_reference_block(x, w, pos, **cfg), dy))(x, params, pos)
+    ref = jax.jit(out_and_grads(lambda x, w, pos: attention_block_reference(x, w, pos, **cfg), dy))(x, params, pos)
     return got, ref, moved
 
 

@@ -17,9 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring import make_mesh
 from jaxring.analysis import compile_stats
-from jaxring.rope import apply_rope
 from jaxring.tensor import optimus
-from helpers import assert_close
+from helpers import assert_close, attention_block_reference, mlp_block_reference
 
 RTOL = 1e-4
 BLOCK = P("tpr", "tpc")
@@ -57,27 +56,6 @@ def _compare(ours, ref, args, cotangent, names):
 # ---------------------------------------------------------------------------------------------------------
 # plain jnp references
 # ---------------------------------------------------------------------------------------------------------
-
-def mlp_ref(x, p, activation):
-    if activation == "gelu":
-        return jax.nn.gelu(x @ p["w_in"], approximate=True) @ p["w_out"]
-    return (jax.nn.silu(x @ p["w_gate"]) * (x @ p["w_in"])) @ p["w_out"]
-
-
-def attention_ref(x, p, positions, num_heads, num_kv_heads, causal, theta):
-    b, s, _ = x.shape
-    d = p["wq"].shape[1] // num_heads
-    q = (x @ p["wq"]).reshape(b, s, num_heads, d)
-    k = (x @ p["wk"]).reshape(b, s, num_kv_heads, d)
-    v = (x @ p["wv"]).reshape(b, s, num_kv_heads, d)
-    q, k = apply_rope(q, positions, theta), apply_rope(k, positions, theta)
-    k, v = (jnp.repeat(t, num_heads // num_kv_heads, axis=2) for t in (k, v))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
-    if causal:
-        scores = jnp.where(positions[:, None, :, None] >= positions[:, None, None, :], scores, -jnp.inf)
-    o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
-    return o.reshape(b, s, num_heads * d) @ p["wo"]
-
 
 def layer_norm_ref(x, scale, bias, eps=1e-5):
     mean = x.mean(-1, keepdims=True)
@@ -138,7 +116,7 @@ def test_mlp_block(meshes, mesh_name, activation):
     params = {"w_in": w_in, "w_out": w_out} | ({"w_gate": w_gate} if activation == "swiglu" else {})
 
     _compare(lambda x, p: optimus.mlp_block(x, p, mesh=mesh, activation=activation),
-             lambda x, p: mlp_ref(x, p, activation), (x, params), dy, ["y", "dx", "dparams"])
+             lambda x, p: mlp_block_reference(x, p, activation), (x, params), dy, ["y", "dx", "dparams"])
 
 
 @pytest.mark.parametrize("mesh_name,causal,kv_heads", [("q2", True, 4), ("dp2_q2", False, 2)])
@@ -152,7 +130,7 @@ def test_attention_block(meshes, mesh_name, causal, kv_heads):
 
     _compare(lambda x, p: optimus.attention_block(x, p, positions, mesh=mesh, num_heads=n,
                                                   num_kv_heads=kv_heads, causal=causal),
-             lambda x, p: attention_ref(x, p, positions, n, kv_heads, causal, 10000.0), (x, params), dy,
+             lambda x, p: attention_block_reference(x, p, positions, n, kv_heads, causal, 10000.0), (x, params), dy,
              ["y", "dx", "dparams"])
 
 

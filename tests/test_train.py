@@ -7,7 +7,6 @@ import jax
 import numpy as np
 import pytest
 
-from jaxring.train.checkpoint import Checkpointer
 from jaxring.train.loop import Trainer, TrainConfig, train
 
 SMALL = {"num_layers": 1, "hidden": 64, "num_heads": 8, "ffn": 128}
