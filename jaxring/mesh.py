@@ -1,4 +1,4 @@
-"""Device meshes with jaxring's axis names: dp, pp, fsdp, sp, tp (outermost to innermost)."""
+"""Device meshes with jaxring's axis names: dp, pp, fsdp, ep, sp, tp (outermost to innermost)."""
 from __future__ import annotations
 
 import math
@@ -7,22 +7,23 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-# tp innermost (neighbouring devices, fastest links), then sp; data axes outermost.
-MESH_AXES = ("dp", "pp", "fsdp", "sp", "tp")
-DATA_AXES = ("dp", "fsdp")  # the axes that split the batch
+# tp innermost (neighbouring devices, fastest links), then sp, then ep; data axes outermost.
+MESH_AXES = ("dp", "pp", "fsdp", "ep", "sp", "tp")
+# the axes that split the batch; ep (expert parallel) is data parallel outside the MoE layers
+DATA_AXES = ("dp", "fsdp", "ep")
 
 
-def make_mesh(dp: int = 1, fsdp: int = 1, pp: int = 1, tp: int = 1, sp: int = 1, *, devices=None,
+def make_mesh(dp: int = 1, fsdp: int = 1, pp: int = 1, tp: int = 1, sp: int = 1, ep: int = 1, *, devices=None,
               axis_types: str = "auto") -> Mesh:
-    """A mesh with all five axes (size-1 axes included, so every PartitionSpec can name them).
+    """A mesh with all six axes (size-1 axes included, so every PartitionSpec can name them).
 
     Args:
-      dp, fsdp, pp, tp, sp: degrees; their product must equal the number of devices.
+      dp, fsdp, pp, tp, sp, ep: degrees; their product must equal the number of devices.
       devices: the devices to use (default: all of `jax.devices()`).
       axis_types: "auto" (XLA places arrays; shard_map reshards its inputs) or "explicit" (sharding is part
         of the array type, as `jax.make_mesh` defaults to). `sharded_attention` accepts either.
     """
-    degrees = {"dp": dp, "pp": pp, "fsdp": fsdp, "sp": sp, "tp": tp}
+    degrees = {"dp": dp, "pp": pp, "fsdp": fsdp, "ep": ep, "sp": sp, "tp": tp}
     for name, size in degrees.items():
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"mesh degree {name}={size!r} must be a positive integer")

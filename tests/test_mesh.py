@@ -11,7 +11,7 @@ from helpers import assert_close, qkv
 def test_axes_and_degrees():
     mesh = jaxring.make_mesh(dp=2, sp=4)
     assert mesh.axis_names == jaxring.MESH_AXES
-    assert dict(mesh.shape) == {"dp": 2, "pp": 1, "fsdp": 1, "sp": 4, "tp": 1}
+    assert dict(mesh.shape) == {"dp": 2, "pp": 1, "fsdp": 1, "ep": 1, "sp": 4, "tp": 1}
 
 
 def test_product_must_equal_device_count():
