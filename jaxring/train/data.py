@@ -16,6 +16,7 @@ Token sources (``load_tokens``):
 Image sources (``load_images``):
   * ``None``: scikit-learn's bundled 8×8 digits (1797 images, 1 channel, 10 classes).
   * a folder of png/jpg images, one class per subfolder (or a single class 0), as RGB.
+  Every 10th image is the held-out "val" split when a split is asked for.
 """
 from __future__ import annotations
 
@@ -339,24 +340,42 @@ def _load_folder(folder: Path, image_size: int) -> ImageSource:
                        folder.name, tuple(c for c, _ in classes))
 
 
-def load_images(path: str | os.PathLike | None, *, image_size: int) -> ImageSource:
+IMAGE_VAL_EVERY = 10   # image i is held out ("val") when i % 10 == 9, in the source's fixed order
+
+
+def _image_split(source: ImageSource, split: str) -> ImageSource:
+    held_out = np.arange(len(source)) % IMAGE_VAL_EVERY == IMAGE_VAL_EVERY - 1
+    keep = held_out if split == "val" else ~held_out
+    if not keep.any():
+        raise ValueError(f"image source {source.name} has {len(source)} images: too few for a {split!r} split "
+                         f"(every {IMAGE_VAL_EVERY}th image is held out)")
+    return dataclasses.replace(source, images=source.images[keep], labels=source.labels[keep],
+                               name=f"{source.name}[{split}]")
+
+
+def load_images(path: str | os.PathLike | None, *, image_size: int, split: str | None = None) -> ImageSource:
     """Labelled images [N, image_size, image_size, channels] in [-1, 1].
 
     path None: scikit-learn's digits (1 channel, 10 classes) resized with Pillow (bilinear). A folder:
     png/jpg images, RGB (3 channels), centre-cropped to a square and resized; the class is the subfolder
     name (sorted subfolder names get labels 0, 1, ...) or a single class 0 without subfolders. Everything
-    is loaded into host memory.
+    is loaded into host memory. split: None (every image), "train" or "val" (every 10th image, in the
+    source's fixed order, is held out).
     """
     if not isinstance(image_size, int) or image_size < 1:
         raise ValueError(f"image_size {image_size!r} must be a positive integer")
+    if split is not None:
+        _check_split(split)
     if path is None:
-        return _load_digits(image_size)
-    folder = Path(path)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"image folder {str(path)!r} does not exist or is not a directory; accepted: "
-                                f"None (scikit-learn's digits) or a folder of {'/'.join(IMAGE_SUFFIXES)} images "
-                                f"(one subfolder per class, or none)")
-    return _load_folder(folder, image_size)
+        source = _load_digits(image_size)
+    else:
+        folder = Path(path)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"image folder {str(path)!r} does not exist or is not a directory; accepted: "
+                                    f"None (scikit-learn's digits) or a folder of {'/'.join(IMAGE_SUFFIXES)} "
+                                    f"images (one subfolder per class, or none)")
+        source = _load_folder(folder, image_size)
+    return source if split is None else _image_split(source, split)
 
 
 class ImageBatches:
