@@ -44,8 +44,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring.attention.flash import flash_attention
-from jaxring.mesh import DATA_AXES, place
-from jaxring.rope import apply_rope
+from jaxring.mesh import DATA_AXES
+from jaxring.sharded import run_local
+from jaxring.tensor.contract import ACTIVATIONS, ParamInfo, TensorMethod, _entry, activate, rope_qk
 from jaxring.vma import common_vma, vary, varying_axes
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_sp", "scatter_to_sp", "column_parallel_linear",
@@ -53,7 +54,6 @@ __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_sp", "scatter_to_sp", "c
            "vocab_parallel_cross_entropy", "mlp_block", "attention_block", "embed", "cross_entropy",
            "param_specs"]
 
-ACTIVATIONS = ("gelu", "swiglu")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ def mlp(x, w_in, w_out, w_gate=None, *, activation: str = "gelu", axis_name: str
 
     @jax.checkpoint  # saves pre and w_out; the activation is recomputed for dB = act(pre)ᵀ dO
     def act_linear(pre, w_out):
-        a = jax.nn.gelu(pre[0], approximate=True) if activation == "gelu" else jax.nn.silu(pre[1]) * pre[0]
+        a = activate(pre[0], pre[1] if activation == "swiglu" else None, activation)
         return jnp.einsum("bsn,nh->bsh", a, w_out)
 
     if w_out.ndim != 2 or w_out.shape[0] != pre[0].shape[-1]:
@@ -203,15 +203,17 @@ def mlp(x, w_in, w_out, w_gate=None, *, activation: str = "gelu", axis_name: str
 
 def attention(x, wq, wk, wv, wo, positions, *, head_dim: int, causal: bool = True,
               rope_theta: float | None = 10000.0, axis_name: str = "tp", sequence_parallel: bool = True,
-              recompute_gather: bool = True):
-    """Self-attention with heads split over `axis_name`: Q, K, V column-linears, flash attention on the
-    local heads over the whole sequence, output projection as a row-linear.
+              recompute_gather: bool = True, attend=None):
+    """Self-attention with heads split over `axis_name`: Q, K, V column-linears, attention on the local heads
+    over the whole (tp-gathered) sequence, output projection as a row-linear.
 
     Args:
       x: [b, s/p, h] (sequence parallel) or [b, s, h] (plain TP).
       wq: local [h, hq*head_dim]; wk, wv: local [h, hkv*head_dim] with hq % hkv == 0 (query head j of this
         rank reads its K/V head j // (hq / hkv)); wo: local [hq*head_dim, h].
-      positions: int [b, s/p] or [b, s] like x (gathered with x): RoPE angles and the causal mask.
+      positions: int [b, s/p] like x (then gathered with x) or already [b, s]: RoPE angles and the mask.
+      attend: attend(q, k, v, positions) -> out on [b, s, heads, d]: the attention core, e.g. a sequence
+        strategy over another mesh axis (tensor × sequence parallelism); default flash attention.
     Returns: the same layout as x.
     """
     if wq.shape[1] % head_dim or wk.shape[1] % head_dim or wk.shape != wv.shape:
@@ -224,10 +226,13 @@ def attention(x, wq, wk, wv, wo, positions, *, head_dim: int, causal: bool = Tru
     q, k, v = column_parallel_linear(x, (wq, wk, wv), recompute_gather=recompute_gather, **kw)
     b, s = q.shape[:2]
     q, k, v = (t.reshape(b, s, -1, head_dim) for t in (q, k, v))
-    pos = gather_from_sp(positions, axis_name) if sequence_parallel else positions      # [b, s]
-    if rope_theta is not None:
-        q, k = apply_rope(q, pos, rope_theta), apply_rope(k, pos, rope_theta)
-    out = flash_attention(q, k, v, causal=causal, q_positions=pos, kv_positions=pos)    # [b, s, hq, d]
+    gather = sequence_parallel and positions.shape[1] != s
+    pos = gather_from_sp(positions, axis_name) if gather else positions                  # [b, s]
+    q, k = rope_qk(q, k, pos, rope_theta)
+    if attend is None:
+        out = flash_attention(q, k, v, causal=causal, q_positions=pos, kv_positions=pos)
+    else:
+        out = attend(q, k, v, pos)                                                       # [b, s, hq, d]
     return row_parallel_linear(out.reshape(b, s, hq * head_dim), wo, **kw)
 
 
@@ -346,15 +351,7 @@ def _check_x(x, tp):
 
 
 def _run(mesh, local, in_specs, out_specs, *args, **options):
-    """shard_map(local, **options) on the placed args, jitted once per (mesh, local, specs, options)."""
-    args = [place(a, mesh, s) for a, s in zip(args, in_specs)]
-    return _sharded(mesh, local, in_specs, out_specs, tuple(sorted(options.items())))(*args)
-
-
-@functools.lru_cache(maxsize=256)
-def _sharded(mesh, local, in_specs, out_specs, options):
-    fn = functools.partial(local, **dict(options))
-    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    return run_local(local, mesh, in_specs, out_specs, *args, **options)
 
 
 def mlp_block(x, params, *, mesh, activation: str = "gelu"):
@@ -510,3 +507,92 @@ def param_specs(mesh, params_shapes, *, num_kv_heads: int | None = None) -> dict
                 raise ValueError(f"{name} dim {dim} of shape {shape} is not divisible by tp = {tp}")
         specs[name] = NamedSharding(mesh, spec)
     return specs
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The method, for the train step's shard_map (tensor × sequence parallelism)
+# ----------------------------------------------------------------------------------------------------------
+
+class Megatron(TensorMethod):
+    """Megatron TP+SP over `tp`, composable with any sequence strategy over `sp` (Megatron CP+TP).
+
+    The residual stream is [b, s/(sp·tp), h]: the sequence split over the sequence axes, then over tp in the
+    norm regions. The attention's g (all-gather over tp) gives each device its sp shard [b, s/sp] for h/tp
+    heads; the plan's sequence strategy attends over sp on those heads (Ulysses: heads/tp must divide sp);
+    g* reduce-scatters back. Tokens, targets and positions are [b, s/sp] (replicated over tp).
+    """
+    name = "megatron"
+    summary = "Megatron TP+SP: column/row linears, heads over tp, sequence over tp in the norm regions"
+
+    def tensor_axes(self, plan):
+        return ("tp",)
+
+    def check_mesh(self, plan):
+        pass
+
+    def check_model(self, plan, *, num_heads, num_kv_heads, hidden, ffn, vocab):
+        tp = plan.tp
+        _check_heads(num_heads, num_kv_heads, tp)
+        _check_divisible("ffn", ffn, tp, " (column/row-linears split it over tp)")
+        if vocab is not None:
+            _check_divisible("vocab", vocab, tp, " (the embedding and head split the vocabulary over tp)")
+
+    def check_seq(self, plan, seq_len):
+        local = seq_len // plan.sp
+        if local % plan.tp:
+            where = f"the sp = {plan.sp} shard of {local} tokens" if plan.sp > 1 else f"seq {seq_len}"
+            raise ValueError(f"{where} is not divisible by tp = {plan.tp} (Megatron's sequence-parallel "
+                             f"regions split it over tp)")
+
+    def head_split(self, plan):
+        return plan.tp
+
+    def activation_spec(self, plan):
+        return P(_entry(plan.batch_axes), _entry(plan.seq_axes + ("tp",)), None)
+
+    def param_spec(self, plan, info: ParamInfo):
+        spec = []
+        for axis in info.logical_axes:
+            if axis in ("heads", "mlp", "vocab"):
+                spec.append("tp")
+            elif axis == "kv_heads":      # fewer K/V heads than tp: replicated, each rank reads its own
+                spec.append("tp" if info.heads is not None and info.heads % plan.tp == 0 else None)
+            else:
+                spec.append(None)
+        return tuple(spec)
+
+    def embed(self, plan, tokens, table, positions=None, pos_table=None):
+        x = vocab_parallel_embed(tokens, table)                                # [b, s_sp/tp, h]
+        if pos_table is not None:
+            x = x + jnp.take(pos_table, self.activation_positions(plan, positions), axis=0)
+        return x
+
+    def activation_positions(self, plan, positions):
+        n = positions.shape[1] // plan.tp                                      # this rank's SP sub-shard
+        return lax.dynamic_slice_in_dim(positions, lax.axis_index("tp") * n, n, axis=1)
+
+    def norm(self, plan, x, scale, bias, *, eps=1e-5):
+        return layer_norm(x, scale, bias, eps=eps)
+
+    def attention(self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope_theta):
+        wk, wv = w["wk"], w["wv"]
+        if num_kv_heads < plan.tp:
+            # K/V replicated (num_kv_heads < tp): this rank reads K/V head rank // (tp / num_kv_heads)
+            head = lax.axis_index("tp") // (plan.tp // num_kv_heads)
+            wk, wv = (lax.dynamic_slice_in_dim(t, head * head_dim, head_dim, axis=1) for t in (wk, wv))
+
+        def attend(q, k, v, pos):
+            return plan.attend(q, k, v, pos, causal=causal)
+
+        return attention(x, w["wq"], wk, wv, w["wo"], positions, head_dim=head_dim, causal=causal,
+                         rope_theta=rope_theta, attend=attend)
+
+    def mlp(self, plan, x, w, *, activation):
+        return mlp(x, w["w_in"], w["w_out"], w.get("w_gate"), activation=activation)
+
+    def cross_entropy(self, plan, x, w, targets, *, tied):
+        head = w.T if tied else w                                              # local [h, vocab/tp]
+        return vocab_parallel_cross_entropy(column_parallel_linear(x, head.astype(x.dtype)), targets)
+
+
+METHOD = Megatron()

@@ -67,13 +67,14 @@ from jaxring.attention.blockwise import BlockOps, get_block_ops
 from jaxring.attention.merge import empty_partial, merge_partials
 from jaxring.attention.schedule import when_visible
 from jaxring.collectives import ring_steps, send_to_next, tree_broadcast, tree_reduce
-from jaxring.mesh import DATA_AXES, place
+from jaxring.mesh import DATA_AXES
 from jaxring.rope import apply_rope
+from jaxring.sharded import run_local
+from jaxring.tensor.contract import ACTIVATIONS, ParamInfo, TensorMethod, _entry
 from jaxring.vma import vary_like, varying_axes
 
 FORWARD_SHIFT = -1   # rank i sends to i-1 (Algorithm 1): at step j it holds block (i + j) mod p
 BACKWARD_SHIFT = 1   # the backward ring turns the other way: at step j rank i holds block (i - j) mod p
-ACTIVATIONS = ("gelu", "swiglu")
 
 
 def _mm(x, w):
@@ -496,17 +497,12 @@ def mlp_block(x, params, *, mesh, activation: str = "gelu"):
     if ffn % tp:
         raise ValueError(f"ffn {ffn} is not divisible by tp = {tp} (each rank holds ffn/tp columns of W_in)")
     x_spec = P(data_axes or None, "tp", None)
-    args = [place(x, mesh, x_spec)] + [place(params[n], mesh, _PARAM_SPECS[n]) for n in names]
-    return _sharded_mlp(mesh, x_spec, data_axes, activation)(*args)
+    specs = (x_spec,) + tuple(_PARAM_SPECS[n] for n in names)
+    return run_local(_mlp_local, mesh, specs, x_spec, x, *(params[n] for n in names), activation=activation)
 
 
-@functools.lru_cache(maxsize=64)
-def _sharded_mlp(mesh, x_spec, data_axes, activation):
-    def local(x, w_in, w_out, *gate):
-        return metp_mlp(x, w_in, w_out, *gate, activation=activation, axis_name="tp")
-
-    specs = (x_spec, _COLUMN, _ROW) + ((_COLUMN,) if activation == "swiglu" else ())
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=x_spec))
+def _mlp_local(x, w_in, w_out, *gate, activation):
+    return metp_mlp(x, w_in, w_out, *gate, activation=activation, axis_name="tp")
 
 
 def attention_block(x, params, positions, *, mesh, num_heads, num_kv_heads, causal=True, rope_theta=10000.0,
@@ -539,24 +535,17 @@ def attention_block(x, params, positions, *, mesh, num_heads, num_kv_heads, caus
         raise ValueError(f"positions has shape {positions.shape}; expected [batch, seq] = {x.shape[:2]}")
     x_spec = P(data_axes or None, "tp", None)
     pos_spec = P(data_axes or None, "tp")
-    args = ([place(x, mesh, x_spec)] + [place(params[n], mesh, _PARAM_SPECS[n]) for n in ("wq", "wk", "wv", "wo")]
-            + [place(jnp.asarray(positions, jnp.int32), mesh, pos_spec)])
-    rope = None if rope_theta is None else float(rope_theta)
-    run = _sharded_attention(mesh, x_spec, pos_spec, data_axes, num_heads, num_kv_heads, bool(causal), rope,
-                             block_ops)
-    return run(*args)
-
-
-@functools.lru_cache(maxsize=64)
-def _sharded_attention(mesh, x_spec, pos_spec, data_axes, num_heads, num_kv_heads, causal, rope_theta, block_ops):
-    def local(x, wq, wk, wv, wo, positions):
-        return metp_attention(x, wq, wk, wv, wo, positions, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                              axis_name="tp", causal=causal, rope_theta=rope_theta, block_ops=block_ops)
-
     specs = (x_spec, _COLUMN, _COLUMN, _COLUMN, _ROW, pos_spec)
     # The Pallas interpreter of JAX 0.10 cannot type-check varying mesh axes (see flash.py).
     check_vma = get_block_ops(block_ops).name != "pallas_interpret"
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=x_spec, check_vma=check_vma))
+    return run_local(_attention_local, mesh, specs, x_spec, x, *(params[n] for n in ("wq", "wk", "wv", "wo")),
+                     jnp.asarray(positions, jnp.int32), check_vma=check_vma, num_heads=num_heads,
+                     num_kv_heads=num_kv_heads, causal=bool(causal),
+                     rope_theta=None if rope_theta is None else float(rope_theta), block_ops=block_ops)
+
+
+def _attention_local(x, wq, wk, wv, wo, positions, **kw):
+    return metp_attention(x, wq, wk, wv, wo, positions, axis_name="tp", **kw)
 
 
 def param_specs(mesh, params_shapes) -> dict:
@@ -580,3 +569,59 @@ def param_specs(mesh, params_shapes) -> dict:
                              f"tp = {tp}")
         specs[name] = NamedSharding(mesh, _PARAM_SPECS[name])
     return specs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The method, for the train step's shard_map
+# ---------------------------------------------------------------------------------------------------------
+
+class METP(TensorMethod):
+    """METP over `tp`: the sequence split over tp (activations [b, s/p, h] never move), weights circulate.
+    The embedding and LM head stay replicated (the paper distributes only the blocks)."""
+    name = "metp"
+    summary = "METP: activations stay, weights circulate on rings (FFN) and head groups are broadcast (MHA)"
+    sequence_parallel = False
+    sequence_parallel_rule = ("METP already splits the sequence over tp (its K/V ring runs over tp); "
+                              "use megatron for tensor × sequence parallelism")
+
+    def tensor_axes(self, plan):
+        return ("tp",)
+
+    def check_mesh(self, plan):
+        pass
+
+    def check_model(self, plan, *, num_heads, num_kv_heads, hidden, ffn, vocab):
+        tp = plan.tp
+        if num_heads % tp or num_kv_heads % tp:
+            raise ValueError(f"num_heads {num_heads} and num_kv_heads {num_kv_heads} must be divisible by tp = "
+                             f"{tp} (METP broadcasts one head group per rank)")
+        if ffn % tp:
+            raise ValueError(f"ffn {ffn} is not divisible by tp = {tp} (each rank holds ffn/tp columns of W_in)")
+
+    def check_seq(self, plan, seq_len):
+        if seq_len % plan.tp:
+            raise ValueError(f"seq {seq_len} is not divisible by tp = {plan.tp} (METP splits the sequence over tp)")
+
+    def head_split(self, plan):
+        return plan.tp
+
+    def activation_spec(self, plan):
+        return P(_entry(plan.batch_axes), "tp", None)
+
+    def token_spec(self, plan):
+        return P(_entry(plan.batch_axes), "tp")
+
+    def param_spec(self, plan, info: ParamInfo):
+        return tuple("tp" if a in ("heads", "kv_heads", "mlp") else None for a in info.logical_axes)
+
+    def attention(self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope_theta):
+        del head_dim
+        return metp_attention(x, w["wq"], w["wk"], w["wv"], w["wo"], positions, num_heads=num_heads,
+                              num_kv_heads=num_kv_heads, axis_name="tp", causal=causal, rope_theta=rope_theta,
+                              block_ops=plan.block_ops)
+
+    def mlp(self, plan, x, w, *, activation):
+        return metp_mlp(x, w["w_in"], w["w_out"], w.get("w_gate"), activation=activation, axis_name="tp")
+
+
+METHOD = METP()

@@ -62,12 +62,12 @@ from jax.sharding import PartitionSpec as P
 from jaxring.attention.flash import flash_attention
 from jaxring.vma import common_vma
 from jaxring.collectives import tree_broadcast, tree_reduce
-from jaxring.mesh import DATA_AXES, factored_mesh, place
-from jaxring.rope import apply_rope
+from jaxring.mesh import DATA_AXES, factored_mesh
+from jaxring.sharded import run_local
+from jaxring.tensor.contract import ACTIVATIONS, ParamInfo, TensorMethod, _entry, rope_qk
 
 ROW, COL = "tpr", "tpc"                 # grid axes: device (i, j) has tpr = i, tpc = j
 GRID = (ROW, COL)
-ACTIVATIONS = ("gelu", "swiglu")
 
 __all__ = ["summa_ab", "summa_abt", "summa_atb", "mlp_2d", "attention_2d", "layer_norm_2d", "embed_2d",
            "cross_entropy_2d", "grid_mesh", "mlp_block", "attention_block", "layer_norm", "embed",
@@ -296,8 +296,7 @@ def attention_2d(x, params, positions, *, num_heads: int, num_kv_heads: int, cau
     qh = qkv[..., :sizes[0]].reshape(bq, s, heads, head_dim)
     kh = qkv[..., sizes[0]:sizes[0] + sizes[1]].reshape(bq, s, kv_heads, head_dim)
     vh = qkv[..., sizes[0] + sizes[1]:].reshape(bq, s, kv_heads, head_dim)
-    if rope_theta is not None:
-        qh, kh = apply_rope(qh, positions, rope_theta), apply_rope(kh, positions, rope_theta)
+    qh, kh = rope_qk(qh, kh, positions, rope_theta)
     out = flash_attention(qh, kh, vh, causal=causal, q_positions=positions, kv_positions=positions)
     return _matmul(out.reshape(bq, s, heads * head_dim), params["wo"], axes)
 
@@ -452,39 +451,38 @@ def _check_weight(name, w, shape, q):
         _check_divisible(f"{name} dimension", dim, q, "q")
 
 
-@functools.lru_cache(maxsize=256)
-def _compiled(kind, grid, data, static):
-    """A jitted shard_map of one layer on the grid, built once per configuration."""
-    x_spec, tok_spec = _specs(data)
-    w_spec = P(*GRID)
-    if kind == "mlp":
-        (activation, names) = static
-        fn = lambda x, params: mlp_2d(x, params, activation=activation)
-        in_specs, out_spec = (x_spec, {n: w_spec for n in names}), x_spec
-    elif kind == "attention":
-        num_heads, num_kv_heads, causal, rope_theta = static
-        fn = functools.partial(attention_2d, num_heads=num_heads, num_kv_heads=num_kv_heads, causal=causal,
-                               rope_theta=rope_theta)
-        in_specs, out_spec = (x_spec, {n: w_spec for n in ("wq", "wk", "wv", "wo")}, tok_spec), x_spec
-    elif kind == "layer_norm":
-        (eps,) = static
-        fn = functools.partial(layer_norm_2d, eps=eps)
-        in_specs, out_spec = (x_spec, P(COL), P(COL)), x_spec
-    elif kind == "embed":
-        fn, in_specs, out_spec = embed_2d, (tok_spec, w_spec), x_spec
-    elif kind == "cross_entropy":
-        (tied,) = static
-        fn = functools.partial(cross_entropy_2d, tied=tied)
-        in_specs, out_spec = (x_spec, w_spec, tok_spec), tok_spec
-    else:
-        raise AssertionError(kind)
-    return jax.jit(jax.shard_map(fn, mesh=grid, in_specs=in_specs, out_specs=out_spec))
+def _mlp_local(x, params, *, activation, names):
+    del names
+    return mlp_2d(x, params, activation=activation)
+
+
+def _attention_local(x, params, positions, **kw):
+    return attention_2d(x, params, positions, **kw)
+
+
+def _layer_norm_local(x, scale, bias, *, eps):
+    return layer_norm_2d(x, scale, bias, eps=eps)
+
+
+def _embed_local(tokens, table):
+    return embed_2d(tokens, table)
+
+
+def _cross_entropy_local(x, w_head, targets, *, tied):
+    return cross_entropy_2d(x, w_head, targets, tied=tied)
 
 
 def _run(kind, grid, data, static, args, specs):
-    placed = [{k: place(v, grid, s[k]) for k, v in a.items()} if isinstance(a, dict) else place(a, grid, s)
-              for a, s in zip(args, specs)]
-    return _compiled(kind, grid, data, static)(*placed)
+    x_spec, tok_spec = _specs(data)
+    local, options = {
+        "mlp": (_mlp_local, dict(zip(("activation", "names"), static))),
+        "attention": (_attention_local, dict(zip(("num_heads", "num_kv_heads", "causal", "rope_theta"), static))),
+        "layer_norm": (_layer_norm_local, dict(zip(("eps",), static))),
+        "embed": (_embed_local, {}),
+        "cross_entropy": (_cross_entropy_local, dict(zip(("tied",), static))),
+    }[kind]
+    out_spec = tok_spec if kind == "cross_entropy" else x_spec
+    return run_local(local, grid, tuple(specs), out_spec, *args, **options)
 
 
 def mlp_block(x, params, *, mesh, activation: str = "gelu"):
@@ -615,3 +613,85 @@ def param_specs(mesh, params_shapes) -> dict:
             _check_divisible(f"param {name} dimension", dim, q, "q")
         out[name] = NamedSharding(grid, P(*GRID) if len(shape) == 2 else P(COL))
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The method, for the train step's shard_map
+# ----------------------------------------------------------------------------------------------------------
+
+class Optimus(TensorMethod):
+    """Optimus 2D over tp = q²: the run mesh factors tp into the (tpr, tpc) grid; activations [b/q, s, h/q]
+    (batch over the data axes and the grid rows, hidden over the columns); weights in q×q blocks."""
+    name = "optimus"
+    summary = "Optimus 2D: SUMMA products on a q×q grid, activations [b/q, s, h/q]"
+    sequence_parallel = False
+    sequence_parallel_rule = ("Optimus keeps whole sequences on each grid row (activations [b/q, s, h/q]) and "
+                              "splits batch and hidden instead; use megatron for tensor × sequence parallelism")
+
+    def view(self, mesh):
+        return grid_mesh(mesh)[0]
+
+    def tensor_axes(self, plan):
+        return GRID
+
+    def check_mesh(self, plan):
+        q = math.isqrt(plan.tp)
+        if q * q != plan.tp:
+            raise ValueError(f"tp = {plan.tp} is not a perfect square; Optimus needs tp = q² devices for a q×q grid")
+
+    def _q(self, plan):
+        return math.isqrt(plan.tp)
+
+    def check_model(self, plan, *, num_heads, num_kv_heads, hidden, ffn, vocab):
+        q = self._q(plan)
+        for what, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("hidden", hidden),
+                            ("ffn", ffn)) + ((("vocab", vocab),) if vocab is not None else ()):
+            _check_divisible(what, value, q, "q")
+
+    def batch_split(self, plan):
+        return self._q(plan)
+
+    def head_split(self, plan):
+        return self._q(plan)
+
+    def activation_spec(self, plan):
+        return P(_entry(plan.batch_axes + (ROW,)), None, COL)
+
+    def token_spec(self, plan):
+        return P(_entry(plan.batch_axes + (ROW,)), None)
+
+    def vector_spec(self, plan):
+        return P(_entry(plan.batch_axes + (ROW,)), COL)
+
+    def param_spec(self, plan, info: ParamInfo):
+        named = [a is not None for a in info.logical_axes]
+        if len(info.shape) == 2 and all(named):
+            return GRID                                   # q×q blocks
+        if len(info.shape) == 2 and named == [False, True]:
+            return (None, COL)                            # e.g. learned positions: rows whole, hidden split
+        if len(info.shape) == 1 and named == [True]:
+            return (COL,)                                 # layernorm vectors: held once per column
+        return (None,) * len(info.shape)
+
+    def embed(self, plan, tokens, table, positions=None, pos_table=None):
+        x = embed_2d(tokens, table)
+        if pos_table is not None:
+            x = x + jnp.take(pos_table, positions, axis=0)
+        return x
+
+    def norm(self, plan, x, scale, bias, *, eps=1e-5):
+        return layer_norm_2d(x, scale, bias, eps=eps)
+
+    def attention(self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope_theta):
+        del head_dim
+        return attention_2d(x, w, positions, num_heads=num_heads, num_kv_heads=num_kv_heads, causal=causal,
+                            rope_theta=rope_theta)
+
+    def mlp(self, plan, x, w, *, activation):
+        return mlp_2d(x, w, activation=activation)
+
+    def cross_entropy(self, plan, x, w, targets, *, tied):
+        return cross_entropy_2d(x, w, targets, tied=tied)
+
+
+METHOD = Optimus()

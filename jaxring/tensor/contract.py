@@ -1,0 +1,182 @@
+"""The typed contract every tensor-parallel method fulfils, and the block math they share.
+
+A method is a `TensorMethod`: its layer functions run *inside* the train step's one `shard_map` (the caller
+owns it) on local shards, and it says how the arrays between layers are laid out:
+
+  activation_spec(plan)  the residual stream [batch, seq, hidden] (e.g. Megatron: seq over sp then tp)
+  token_spec(plan)       tokens, targets and positions [batch, seq] (the sequence attention sees)
+  param_spec(plan, p)    one parameter's mesh axes per dim, from its logical axes ("heads", "mlp", "vocab")
+  embed, norm, attention, mlp, cross_entropy
+                         the layers, on local shards, with the plan's sequence strategy as the attention core
+
+This base class is the method "none" (tensors replicated over tp = 1): plain local layers, the sequence split
+over the plan's sequence axes and attention by the plan's strategy. Megatron, Optimus and METP override what
+they change. The shared math (QKV projection and head split, RoPE, GQA, activations) lives here once.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from jaxring.rope import apply_rope
+
+ACTIVATIONS = ("gelu", "swiglu")
+
+
+# ----------------------------------------------------------------------------------------- shared math
+
+def check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}")
+
+
+def activate(h_in, h_gate, activation: str):
+    """gelu(h_in) (tanh approximation), or silu(h_gate) * h_in (SwiGLU)."""
+    if activation == "swiglu":
+        return jax.nn.silu(h_gate) * h_in
+    return jax.nn.gelu(h_in, approximate=True)
+
+
+def split_heads(q, k, v, head_dim: int):
+    """[b, s, heads·d] projections -> [b, s, heads, d] (head j owns columns j·d .. (j+1)·d)."""
+    b, s = q.shape[:2]
+    return tuple(t.reshape(b, s, t.shape[-1] // head_dim, head_dim) for t in (q, k, v))
+
+
+def rope_qk(q, k, positions, rope_theta: float | None):
+    """RoPE on q and k [b, s, heads, d] at positions int [b, s] (identity when rope_theta is None)."""
+    if rope_theta is None:
+        return q, k
+    return apply_rope(q, positions, rope_theta), apply_rope(k, positions, rope_theta)
+
+
+def merge_heads(out):
+    """[b, s, heads, d] -> [b, s, heads·d]."""
+    return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+def layer_norm(x, scale, bias, *, eps: float = 1e-5):
+    """LayerNorm over the last dim in fp32, result in x.dtype; scale, bias [hidden] (bias may be None)."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32)
+    return (y if bias is None else y + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+    """What a method needs to place one parameter: its logical axes, per-layer shape and head count."""
+    name: str
+    logical_axes: tuple
+    shape: tuple
+    heads: int | None = None      # heads along the "heads"/"kv_heads" axis (attention projections)
+
+
+def _entry(axes):
+    """PartitionSpec entry for a tuple of mesh axes (None, one name or a tuple)."""
+    axes = tuple(axes)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+# ----------------------------------------------------------------------------------------- the contract
+
+class TensorMethod:
+    """No tensor parallelism ("none"); the base of every method (see the module docstring)."""
+    name = "none"
+    summary = "no tensor parallelism: weights replicated, the sequence split over sp"
+    sequence_parallel = True        # may run together with a sequence strategy over sp > 1
+    sequence_parallel_rule = ""     # why not, when it may not
+
+    # --- mesh view and checks
+    def view(self, mesh):
+        """The mesh with tp factored as the method needs (Optimus: a q×q grid); unchanged by default."""
+        return mesh
+
+    def tensor_axes(self, plan) -> tuple[str, ...]:
+        """The mesh axes the method splits tensors over."""
+        return ()
+
+    def check_mesh(self, plan) -> None:
+        """Raises on degrees the method cannot use (called by the plan)."""
+        if plan.tp > 1:
+            raise ValueError(f"tp = {plan.tp} needs a tensor-parallel method (--tensor-parallel)")
+
+    def check_model(self, plan, *, num_heads: int, num_kv_heads: int, hidden: int, ffn: int,
+                    vocab: int | None) -> None:
+        """Raises when the model's sizes do not split as the method needs (heads, hidden, ffn, vocab)."""
+
+    def check_seq(self, plan, seq_len: int) -> None:
+        """Raises when the sequence does not split as the method needs (beyond the sequence strategy's rule)."""
+
+    def batch_split(self, plan) -> int:
+        """How many ways the method splits the batch beyond the data axes (Optimus: q)."""
+        return 1
+
+    def head_split(self, plan) -> int:
+        """How many ways the method splits the attention heads (the local heads are num_heads / this)."""
+        return 1
+
+    # --- layouts
+    def activation_spec(self, plan) -> P:
+        return P(_entry(plan.batch_axes), _entry(plan.seq_axes), None)
+
+    def token_spec(self, plan) -> P:
+        return P(_entry(plan.batch_axes), _entry(plan.seq_axes))
+
+    def param_spec(self, plan, info: ParamInfo) -> tuple:
+        """Mesh axes per dim of one layer's parameter (None: not split by the tensor method)."""
+        return (None,) * len(info.shape)
+
+    def vector_spec(self, plan) -> P:
+        """Per-sequence vectors [batch, hidden] (e.g. DiT's conditioning), as the residual stream's rows."""
+        return P(_entry(plan.batch_axes), None)
+
+    # --- layers (local shards, inside the plan's shard_map)
+    def embed(self, plan, tokens, table, positions=None, pos_table=None):
+        """tokens int [b, s_tok] -> x [b, s_act, hidden] (plus learned positions when pos_table is given)."""
+        x = jnp.take(table, tokens, axis=0)
+        if pos_table is not None:
+            x = x + jnp.take(pos_table, positions, axis=0)
+        return x
+
+    def norm(self, plan, x, scale, bias, *, eps: float = 1e-5):
+        return layer_norm(x, scale, bias, eps=eps)
+
+    def attention(self, plan, x, w: dict, positions, *, num_heads: int, num_kv_heads: int, head_dim: int,
+                  causal: bool, rope_theta):
+        """x [b, s_act, hidden]; w: wq [h, hq·d], wk/wv [h, hkv·d], wo [hq·d, h] (local blocks of the global
+        num_heads / num_kv_heads); positions int [b, s_tok]. Returns [b, s_act, hidden]."""
+        q, k, v = split_heads(x @ w["wq"], x @ w["wk"], x @ w["wv"], head_dim)
+        q, k = rope_qk(q, k, positions, rope_theta)
+        out = plan.attend(q, k, v, positions, causal=causal)
+        return merge_heads(out) @ w["wo"]
+
+    def mlp(self, plan, x, w: dict, *, activation: str):
+        """x [b, s_act, hidden]; w: w_in [h, f] (and w_gate for swiglu), w_out [f, h] (local blocks)."""
+        gate = x @ w["w_gate"] if activation == "swiglu" else None
+        return activate(x @ w["w_in"], gate, activation) @ w["w_out"]
+
+    def cross_entropy(self, plan, x, w, targets, *, tied: bool):
+        """Per-token loss fp32 [b, s_tok] of logits x @ head: w is the head [h, vocab], or the embedding
+        table [vocab, h] when `tied`."""
+        head = w.T if tied else w
+        logits = (x @ head.astype(x.dtype)).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+    def activation_positions(self, plan, positions):
+        """The positions [b, s_act] of the residual stream's tokens, from the token-layout positions [b, s_tok]
+        (the same unless the method splits the sequence further, as Megatron does over tp)."""
+        return positions
+
+    def local_vector(self, plan, c):
+        """This device's part of a per-sequence vector c [b_local, hidden] that matches the residual stream's
+        columns (identity unless the method splits hidden)."""
+        return c
+
+
+NONE = TensorMethod()
