@@ -1,47 +1,48 @@
-"""Flax NNX building blocks that run the strategy a `ParallelPlan` names.
+"""Flax NNX building blocks that run the strategies a `ParallelPlan` names, inside one shard_map.
 
-Use them in your own model to get jaxring's parallelism:
+Blocks are *local*: they are called inside the train step's `shard_map` over the plan's mesh (see
+`jaxring.train.step` or `plan.shard_map`), on this device's shards, and never jit or place anything
+themselves. The plan's tensor method (none, megatron, optimus, metp) gives each layer's math and layout; its
+sequence strategy (ring, ulysses, wallfacer, ...) is the attention core.
 
-    attn = jaxring.nn.Attention(hidden=512, num_heads=8, num_kv_heads=2, rngs=rngs)
-    y = attn(x, positions, plan)            # x [batch, seq, hidden] global; the plan picks ring/ulysses/megatron/...
+    attn = Attention(hidden=512, num_heads=8, num_kv_heads=2, rngs=rngs)
+    y = attn(x, positions, plan)        # x: local [batch, seq, hidden] in plan.activation_spec()
 
-Parameters carry logical axis names in a `logical_axes` metadata field (`embed`, `heads`, `kv_heads`, `mlp`,
-`vocab`); `param_shardings(state, plan)` turns them into shardings. Weights are kept in `param_dtype` (fp32
-master weights) and cast to the compute `dtype` at use.
+Parameters carry logical axis names in a `logical_axes` metadata field ("embed", "heads", "kv_heads", "mlp",
+"vocab"); `param_placements(state, plan)` turns them into each weight's split (tensor method, pipeline,
+ZeRO) and `param_shardings` into NamedShardings. Weights are kept in their dtype (fp32 master weights) and
+cast to the compute dtype at use. Layer stacks are stacked ([num_layers, ...] parameters, `stack`) and run
+under `lax.scan` by `Layers`, so compile time does not grow with depth.
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from flax.traverse_util import unflatten_dict
+from jax import lax
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from jaxring.attention.api import sharded_attention
-from jaxring.attention.flash import flash_attention
+from jaxring import zero
 from jaxring.plan import ParallelPlan
-from jaxring.rope import apply_rope
+from jaxring.tensor.contract import ACTIVATIONS, ParamInfo, check_activation
 
-ACTIVATIONS = ("gelu", "swiglu")
 REMAT = ("none", "selective", "full")
+STACKED = "stacked"            # metadata flag of parameters with a leading layer dim
 
 
-def _param(rngs, shape, logical_axes, std, dtype=jnp.float32):
-    return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * std, logical_axes=logical_axes)
-
-
-def _constrain(x, plan: ParallelPlan):
-    return jax.lax.with_sharding_constraint(x, plan.activation_sharding())
+def param(rngs, shape, logical_axes, std, *, heads: int | None = None, dtype=jnp.float32):
+    """A normal(0, std) nnx.Param with its logical axes (and head count along a heads axis)."""
+    return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * std, logical_axes=tuple(logical_axes),
+                     heads=heads)
 
 
 class Attention(nnx.Module):
-    """Multi-head self-attention with GQA and RoPE; the sequence/tensor strategy comes from the plan.
+    """Multi-head self-attention with GQA and RoPE; the tensor method and the attention core come from the plan.
 
-    Params: wq [hidden, heads*head_dim], wk/wv [hidden, kv_heads*head_dim], wo [heads*head_dim, hidden].
+    Params: wq [hidden, heads·head_dim], wk/wv [hidden, kv_heads·head_dim], wo [heads·head_dim, hidden].
     """
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int | None = None, *, head_dim: int | None = None,
@@ -56,144 +57,216 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.causal, self.rope_theta = causal, rope_theta
         std = hidden ** -0.5
-        self.wq = _param(rngs, (hidden, num_heads * head_dim), ("embed", "heads"), std)
-        self.wk = _param(rngs, (hidden, num_kv_heads * head_dim), ("embed", "kv_heads"), std)
-        self.wv = _param(rngs, (hidden, num_kv_heads * head_dim), ("embed", "kv_heads"), std)
-        self.wo = _param(rngs, (num_heads * head_dim, hidden), ("heads", "embed"), out_std or std)
+        self.wq = param(rngs, (hidden, num_heads * head_dim), ("embed", "heads"), std, heads=num_heads)
+        self.wk = param(rngs, (hidden, num_kv_heads * head_dim), ("embed", "kv_heads"), std, heads=num_kv_heads)
+        self.wv = param(rngs, (hidden, num_kv_heads * head_dim), ("embed", "kv_heads"), std, heads=num_kv_heads)
+        self.wo = param(rngs, (num_heads * head_dim, hidden), ("heads", "embed"), out_std or std, heads=num_heads)
 
     def weights(self, dtype):
         return {name: getattr(self, name)[...].astype(dtype) for name in ("wq", "wk", "wv", "wo")}
 
     def __call__(self, x, positions, plan: ParallelPlan):
-        """x: [batch, seq, hidden] (seq in the plan's layout); positions: int32 [batch, seq]."""
-        w = self.weights(x.dtype)
-        if plan.tensor_module is not None:
-            return plan.tensor_module.attention_block(
-                x, w, positions, mesh=plan.mesh, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                causal=self.causal, rope_theta=self.rope_theta)
-        b, s, _ = x.shape
-        q = (x @ w["wq"]).reshape(b, s, self.num_heads, self.head_dim)
-        k = (x @ w["wk"]).reshape(b, s, self.num_kv_heads, self.head_dim)
-        v = (x @ w["wv"]).reshape(b, s, self.num_kv_heads, self.head_dim)
-        if self.rope_theta is not None:
-            q, k = apply_rope(q, positions, self.rope_theta), apply_rope(k, positions, self.rope_theta)
-        if plan.sp > 1:
-            out = sharded_attention(q, k, v, mesh=plan.mesh, strategy=plan.attention, causal=self.causal,
-                                    layout=plan.seq_layout(self.causal), laid_out=True, **plan.attention_options())
-        else:
-            out = _local_attention(plan, self.causal)(q, k, v, positions)
-        return _constrain(out.reshape(b, s, -1) @ w["wo"], plan)
-
-
-@functools.lru_cache(maxsize=64)
-def _local_attention(plan: ParallelPlan, causal: bool):
-    """Flash attention per device, batch split over the data axes (no sequence parallelism)."""
-    spec = P(plan.batch_axes, None, None, None)
-
-    def local(q, k, v, positions):
-        return flash_attention(q, k, v, causal=causal, q_positions=positions, kv_positions=positions)
-
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(spec, spec, spec, P(plan.batch_axes, None)),
-                         out_specs=spec)
+        """x: local [batch, seq, hidden] (the plan's activation layout); positions: local int32 [batch, seq]
+        (the plan's token layout). Returns y like x."""
+        return plan.tensor.attention(plan, x, self.weights(x.dtype), positions, num_heads=self.num_heads,
+                                     num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, causal=self.causal,
+                                     rope_theta=self.rope_theta)
 
 
 class MLP(nnx.Module):
-    """GELU (w_in, w_out) or SwiGLU (w_gate, w_in, w_out) feed-forward; tensor strategy from the plan."""
+    """GELU (w_in, w_out) or SwiGLU (w_gate, w_in, w_out) feed-forward; the tensor method from the plan."""
 
     def __init__(self, hidden: int, ffn: int, activation: str = "gelu", *, out_std: float | None = None,
                  rngs: nnx.Rngs):
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}")
+        check_activation(activation)
         self.activation = activation
-        self.w_in = _param(rngs, (hidden, ffn), ("embed", "mlp"), hidden ** -0.5)
+        self.w_in = param(rngs, (hidden, ffn), ("embed", "mlp"), hidden ** -0.5)
         if activation == "swiglu":
-            self.w_gate = _param(rngs, (hidden, ffn), ("embed", "mlp"), hidden ** -0.5)
-        self.w_out = _param(rngs, (ffn, hidden), ("mlp", "embed"), out_std or ffn ** -0.5)
+            self.w_gate = param(rngs, (hidden, ffn), ("embed", "mlp"), hidden ** -0.5)
+        self.w_out = param(rngs, (ffn, hidden), ("mlp", "embed"), out_std or ffn ** -0.5)
 
     def weights(self, dtype):
         names = ("w_in", "w_out") + (("w_gate",) if self.activation == "swiglu" else ())
         return {name: getattr(self, name)[...].astype(dtype) for name in names}
 
     def __call__(self, x, plan: ParallelPlan):
-        w = self.weights(x.dtype)
-        if plan.tensor_module is not None:
-            return plan.tensor_module.mlp_block(x, w, mesh=plan.mesh, activation=self.activation)
-        if self.activation == "swiglu":
-            h = jax.nn.silu(x @ w["w_gate"]) * (x @ w["w_in"])
-        else:
-            h = jax.nn.gelu(x @ w["w_in"], approximate=True)
-        return _constrain(h @ w["w_out"], plan)
+        return plan.tensor.mlp(plan, x, self.weights(x.dtype), activation=self.activation)
 
 
 class Embed(nnx.Module):
     """Token embedding table [vocab, hidden]; vocab-parallel under Megatron, 2D under Optimus."""
 
     def __init__(self, vocab: int, hidden: int, *, rngs: nnx.Rngs, std: float = 0.02):
-        self.table = _param(rngs, (vocab, hidden), ("vocab", "embed"), std)
+        self.table = param(rngs, (vocab, hidden), ("vocab", "embed"), std)
 
-    def __call__(self, tokens, plan: ParallelPlan, dtype=jnp.float32):
+    def __call__(self, tokens, plan: ParallelPlan, dtype=jnp.float32, *, positions=None, pos_table=None):
+        """tokens: local int [batch, seq] (token layout) -> x local [batch, seq, hidden] (activation layout),
+        plus the learned position rows of `positions` when `pos_table` [max_seq, hidden] is given."""
         table = self.table[...].astype(dtype)
-        module = plan.tensor_module
-        if module is not None and hasattr(module, "embed"):
-            return module.embed(tokens, table, mesh=plan.mesh)
-        return _constrain(jnp.take(table, tokens, axis=0), plan)
+        pos_table = None if pos_table is None else pos_table.astype(dtype)
+        return plan.tensor.embed(plan, tokens, table, positions, pos_table)
 
 
-def token_cross_entropy(x, w_head, targets, plan: ParallelPlan):
-    """Per-token cross-entropy fp32 [batch, seq] of logits x @ w_head ([hidden, vocab]).
+class LayerNorm(nnx.Module):
+    """LayerNorm over hidden with scale and bias [hidden]; under Optimus the hidden dim is split (2D norm)."""
 
-    Under Megatron and Optimus the logits stay split over vocab (their `cross_entropy`); else computed here.
-    """
-    module = plan.tensor_module
-    if module is not None and hasattr(module, "cross_entropy"):
-        return module.cross_entropy(x, w_head, targets, mesh=plan.mesh)
-    logits = (x @ w_head).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    def __init__(self, hidden: int, *, eps: float = 1e-5, rngs: nnx.Rngs | None = None):
+        del rngs
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((hidden,), jnp.float32), logical_axes=("embed",))
+        self.bias = nnx.Param(jnp.zeros((hidden,), jnp.float32), logical_axes=("embed",))
+
+    def __call__(self, x, plan: ParallelPlan):
+        """Computed in fp32, returned in x's dtype."""
+        return plan.tensor.norm(plan, x, self.scale[...], self.bias[...], eps=self.eps)
 
 
-def block_runner(plan: ParallelPlan, remat: str = "none"):
-    """run(block, *arrays) = block(*arrays, plan): the plan bound (it is not an array), the block recomputed
-    in the backward pass when remat is "full", or with its weight matmuls kept ("selective")."""
+def token_cross_entropy(x, w, targets, plan: ParallelPlan, *, tied: bool):
+    """Per-token cross-entropy fp32 [batch, seq] (token layout) of logits x @ head; w is the head [hidden,
+    vocab], or the embedding table [vocab, hidden] when `tied`. Under Megatron and Optimus the logits stay
+    split over the vocabulary."""
+    return plan.tensor.cross_entropy(plan, x, w, targets, tied=tied)
+
+
+# ---------------------------------------------------------------------------------------- layer stacks
+
+def stack(make_layer, num_layers: int, rngs: nnx.Rngs):
+    """`num_layers` layers made by make_layer(rngs), as one module whose parameters are stacked [L, ...]
+    (flagged `stacked` in their metadata). Deterministic in the seed, whatever the mesh."""
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers {num_layers!r} must be a positive integer")
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return make_layer(rngs)
+
+    layers = make(rngs)
+    for _, var in nnx.to_flat_state(nnx.split(layers)[1]):
+        var.set_metadata(STACKED, True)
+    return layers
+
+
+def remat_policy(remat: str, zero_stage: int = 0):
+    """The jax.checkpoint policy of one layer for remat none/selective/full (None: no checkpoint), never
+    saving ZeRO-3's gathered weights."""
     if remat not in REMAT:
         raise ValueError(f"unknown remat {remat!r}; expected one of {', '.join(REMAT)}")
-
-    def run(block, *arrays):
-        return block(*arrays, plan)
-
-    if remat == "full":
-        return nnx.remat(run)
-    if remat == "selective":
-        return nnx.remat(run, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    return run
+    base = {"none": None, "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            "full": jax.checkpoint_policies.nothing_saveable}[remat]
+    if zero_stage == 3 and remat != "full":
+        return zero.no_gathered_saved(base)
+    return base
 
 
-# ---------------------------------------------------------------------------------------- shardings
+@dataclasses.dataclass
+class Layers:
+    """A stacked layer stack inside the step: `layers(x, call)` runs call(layer, x) for every layer under
+    `lax.scan`, materializing each layer's weights from their stored form (ZeRO) inside the scan body.
 
-_BLOCK_PARAMS = {"wq", "wk", "wv", "wo", "w_in", "w_out", "w_gate"}
-_VOCAB_PARAMS = {"table": "table", "head": "w_head"}  # jaxring.nn name -> tensor module name
+    graphdef: one layer's graph; diff/const: the stacked stored leaves (see `jaxring.zero.inputs`);
+    placements: their stacked Placements; stage: the ZeRO stage; remat: none/selective/full per layer.
+    """
+    graphdef: object
+    diff: object
+    const: object
+    placements: object
+    stage: int = 0
+    remat: str = "none"
+
+    def __call__(self, x, call, aux=None):
+        """x: the carry (e.g. [b, s, h] activations); call(layer, x) -> x, or -> (x, aux) when aux (a pytree
+        of fp32 accumulators, e.g. MoE statistics) is given: then returns (x, summed aux)."""
+        layer_placements = jax.tree.map(_per_layer, self.placements, is_leaf=_is_placement)
+        const = self.const if self.const is not None else jax.tree.map(lambda _: None, self.diff)
+
+        def body(carry, xs):
+            diff, const = xs
+            weights = jax.tree.map(lambda d, c, pl: zero.materialize(self.stage, d, c, pl), diff, const,
+                                   layer_placements, is_leaf=lambda v: v is None)
+            layer = nnx.merge(self.graphdef, weights)
+            if aux is None:
+                return call(layer, carry), None
+            x, acc = carry
+            x, extra = call(layer, x)
+            return (x, jax.tree.map(jnp.add, acc, extra)), None
+
+        policy = remat_policy(self.remat, self.stage)
+        if policy is not None:
+            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+        carry, _ = lax.scan(body, x if aux is None else (x, aux), (self.diff, const))
+        return carry
+
+
+    @classmethod
+    def of(cls, module, remat: str = "none"):
+        """The layers of a stacked nnx module as they are (no ZeRO): for use outside a train step, e.g. on one
+        device or inside your own shard_map."""
+        pure = nnx.to_pure_dict(nnx.split(module)[1])
+        placements = jax.tree.map(lambda x: zero.Placement((None,) * x.ndim, None, ()), pure)
+        return cls(_layer_graphdef(module), pure, None, placements, 0, remat)
+
+
+def _layer_graphdef(module):
+    """The graphdef of one layer of a stacked module (the same graph: nnx graphs carry no shapes)."""
+    return nnx.split(module)[0]
+
+
+def _is_placement(x):
+    return isinstance(x, zero.Placement)
+
+
+def _per_layer(pl: zero.Placement) -> zero.Placement:
+    """A stacked weight's placement for one layer's slice (the leading layer dim dropped)."""
+    return zero.Placement(pl.spec[1:], None if pl.zero_dim is None else pl.zero_dim - 1, pl.replica)
+
+
+# ---------------------------------------------------------------------------------------- placements
+
+def _info(path, var) -> ParamInfo:
+    meta = var.get_metadata()
+    shape = tuple(var.shape)
+    stacked = bool(meta.get(STACKED))
+    return ParamInfo(path[-1], tuple(meta.get("logical_axes") or (None,) * (len(shape) - stacked)),
+                     shape[1:] if stacked else shape, meta.get("heads")), stacked
+
+
+def param_placements(state, plan: ParallelPlan) -> dict:
+    """zero.Placement of every parameter of an nnx.State, as a nested dict like `nnx.to_pure_dict(state)`.
+
+    The tensor method splits a weight by its logical axes; a stacked weight's layer dim stays whole (pp
+    splits it in the pipeline); ZeRO picks a dim to shard over the plan's replica axes."""
+    mesh_shape = dict(plan.run_mesh.shape)
+    flat = {}
+    for path, var in nnx.to_flat_state(state):
+        info, stacked = _info(path, var)
+        spec = tuple(plan.tensor.param_spec(plan, info))
+        if len(spec) != len(info.shape):
+            raise AssertionError(f"{plan.tensor.name} param_spec {spec} for {path} of shape {info.shape}")
+        _check_split(path, info.shape, spec, mesh_shape)
+        if stacked:
+            pl = zero.place(spec, info.shape, info.logical_axes, plan.replica_axes, mesh_shape)
+            pl = zero.Placement((None,) + pl.spec, None if pl.zero_dim is None else pl.zero_dim + 1, pl.replica)
+        else:
+            pl = zero.place(spec, info.shape, info.logical_axes, plan.replica_axes, mesh_shape)
+        flat[path] = pl
+    return unflatten_dict(flat)
+
+
+def _check_split(path, shape, spec, mesh_shape):
+    for dim, entry in zip(shape, spec):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        size = 1
+        for a in axes:
+            size *= mesh_shape[a]
+        if dim % size:
+            raise ValueError(f"parameter {'.'.join(map(str, path))} dim {dim} is not divisible by "
+                             f"{' × '.join(axes)} = {size}")
 
 
 def param_shardings(state, plan: ParallelPlan) -> dict:
-    """NamedSharding for every parameter of an nnx.State, as a nested dict like `state.to_pure_dict()`.
-
-    Attention and MLP weights under tensor parallelism follow their method's `param_specs`; everything
-    else follows its logical axes through `plan.param_sharding`.
-    """
-    module = plan.tensor_module
-    # the method's own names: blocks always; the embedding table and LM head where it splits them itself
-    names = {n: n for n in _BLOCK_PARAMS}
-    if module is not None and hasattr(module, "embed"):
-        names.update(_VOCAB_PARAMS)
-    flat, groups = {}, {}
-    for path, var in nnx.to_flat_state(state):
-        vocab_param = path[-1] in _VOCAB_PARAMS and "vocab" in (var.get_metadata().get("logical_axes") or ())
-        if module is not None and path[-1] in names and (path[-1] in _BLOCK_PARAMS or vocab_param):
-            groups.setdefault(path[:-1], {})[names[path[-1]]] = var.shape
-        else:
-            flat[path] = plan.param_sharding(var.get_metadata().get("logical_axes"), var.shape)
-    ours = {v: k for k, v in names.items()}
-    for parent, shapes in groups.items():
-        for name, sharding in module.param_specs(plan.mesh, shapes).items():
-            flat[parent + (ours[name],)] = (sharding if isinstance(sharding, NamedSharding)
-                                            else NamedSharding(plan.mesh, sharding))
-    return unflatten_dict(flat)
+    """NamedSharding of every parameter as stored between steps (ZeRO-3 shards them), nested like
+    `nnx.to_pure_dict(state)`."""
+    stage = plan.zero_stage
+    return jax.tree.map(lambda pl: NamedSharding(plan.run_mesh, pl.param_spec(stage)),
+                        param_placements(state, plan), is_leaf=_is_placement)

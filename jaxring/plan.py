@@ -1,11 +1,19 @@
-"""A parallel plan: which strategy runs each mesh axis, and where each logical axis lives.
+"""A parallel plan: which strategy runs each mesh axis, how arrays are laid out, and the ZeRO stage.
 
-Models name their axes logically (`batch`, `seq`, `embed`, `heads`, `kv_heads`, `mlp`, `vocab`); the plan
-maps them onto the mesh and names the strategy for each parallel axis:
+The train step is ONE `shard_map` over the plan's mesh; every layer is a local function inside it. The plan
+names, from the registry (`jaxring/registry.py`):
 
-- `seq` on `sp` → `attention` in {ring, rsa, ulysses, wallfacer, allgather, usp} (with `layout`);
-- the tensor dimensions on `tp` → `tensor_parallel` in {megatron, optimus, metp};
-- `batch` on `dp` × `fsdp`; with fsdp > 1 parameters are also split over `fsdp` on their `embed` axis.
+- `attention`: the sequence strategy over `sp` (ring, rsa, ulysses, wallfacer, allgather, usp; "dense" when
+  sp = 1), with its options and `layout`;
+- `tensor_parallel`: the tensor method over `tp` (megatron, optimus, metp; none when tp = 1);
+- `zero`: the ZeRO stage over the replica axes (see `jaxring/zero.py`): 0 replicated, 1 optimizer state
+  sharded, 2 gradients too, 3 parameters too (the default when fsdp > 1).
+
+`plan.mesh` is the user's mesh (`jaxring.make_mesh`); `plan.run_mesh` is the same devices with `sp` factored
+as the strategy needs (WallFacer's teams and sub-rings, USP's ring × Ulysses) and `tp` as the method needs
+(Optimus's q×q grid). Axis names inside the step: `batch_axes` (dp, fsdp, ep: the data-parallel ones),
+`seq_axes` (the sequence strategy's), `tensor_axes` (the method's); `replica_axes` = batch + sequence axes,
+over which a weight is replicated and its gradient reduced.
 
 The causal load-balance layout is applied once on the data side (`layout_tokens`): tokens, targets and
 positions are permuted together, and the model never permutes per layer.
@@ -13,20 +21,22 @@ positions are permuted together, and the model never permutes per layer.
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import functools
 import math
 
+import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxring.attention.api import STRATEGIES
-from jaxring.attention.layout import LAYOUTS, check_seq_len, layout_permutation
+from jaxring.attention.flash import flash_attention
+from jaxring.attention.layout import check_seq_len, layout_permutation
+from jaxring.attention.ulysses import local_implementation
 from jaxring.mesh import DATA_AXES
+from jaxring.registry import SEQUENCE_STRATEGIES, sequence_strategy, tensor_method
+from jaxring.tensor.contract import _entry
 
-TENSOR_PARALLEL = ("megatron", "optimus", "metp")
-# strategies whose natural layout is contiguous (every device sees the whole sequence, or every block)
-_CONTIGUOUS_STRATEGIES = ("dense", "ulysses", "rsa")
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,33 +47,34 @@ class ParallelPlan:
     layout: str | None = None
     team_size: int | None = None
     ulysses_size: int | None = None
+    placement: str | None = None
     tensor_parallel: str | None = None
+    zero: int | None = None
+    block_ops: str = "auto"
 
     def __post_init__(self):
-        if self.attention not in STRATEGIES:
-            raise ValueError(f"unknown attention strategy {self.attention!r}; expected one of "
-                             f"{', '.join(STRATEGIES)}")
-        if self.layout is not None and self.layout not in LAYOUTS:
-            raise ValueError(f"unknown layout {self.layout!r}; expected one of {', '.join(LAYOUTS)}")
+        strategy = sequence_strategy(self.attention)
         if self.sp > 1 and self.attention == "dense":
             raise ValueError(f"sp = {self.sp} splits the sequence, but attention 'dense' does not; pick one of "
-                             f"{', '.join(s for s in STRATEGIES if s != 'dense')}")
+                             f"{', '.join(s for s in SEQUENCE_STRATEGIES if s != 'dense')}")
         if self.sp == 1 and self.attention != "dense":
             raise ValueError(f"attention {self.attention!r} splits the sequence over sp, but sp = 1")
-        if self.attention == "wallfacer" and self.team_size is None:
-            raise ValueError("attention 'wallfacer' needs a team size (--team-size C, C² dividing sp)")
-        if self.attention == "usp" and self.ulysses_size is None:
-            raise ValueError("attention 'usp' needs a Ulysses degree (--ulysses-size U, U dividing sp)")
-        if self.tensor_parallel is not None and self.tensor_parallel not in TENSOR_PARALLEL:
-            raise ValueError(f"unknown tensor parallelism {self.tensor_parallel!r}; expected one of "
-                             f"{', '.join(TENSOR_PARALLEL)}")
+        given = {k: v for k, v in (("team_size", self.team_size), ("ulysses_size", self.ulysses_size),
+                                   ("placement", self.placement)) if v is not None}
+        object.__setattr__(self, "_options", strategy.resolve_options(given, self.sp))
+        if self.layout is not None:
+            strategy.layout_for(self.layout, causal=True)
         if self.tp > 1 and self.tensor_parallel is None:
             object.__setattr__(self, "tensor_parallel", "megatron")
+        method = tensor_method(self.tensor_parallel)
         if self.tensor_parallel is not None and self.tp == 1:
             raise ValueError(f"tensor parallelism {self.tensor_parallel!r} needs tp > 1, got tp = 1")
-        if self.tp > 1 and self.sp > 1:
-            raise ValueError(f"tp = {self.tp} together with sp = {self.sp} is not supported yet: use one of "
-                             f"sequence or tensor parallelism (each with dp/fsdp)")
+        if self.sp > 1 and not method.sequence_parallel:
+            raise ValueError(f"tensor parallelism {method.name!r} cannot run with sp = {self.sp}: "
+                             f"{method.sequence_parallel_rule}")
+        method.check_mesh(self)
+        if self.zero is not None and (isinstance(self.zero, bool) or self.zero not in ZERO_STAGES):
+            raise ValueError(f"zero stage {self.zero!r} must be one of {', '.join(map(str, ZERO_STAGES))}")
         if self.pp > 1:
             raise ValueError(f"pp = {self.pp}: pipeline parallelism is not implemented yet")
 
@@ -88,46 +99,107 @@ class ParallelPlan:
         return self._size("fsdp")
 
     @property
+    def ep(self) -> int:
+        return self._size("ep")
+
+    @property
     def data_degree(self) -> int:
         return math.prod(self._size(a) for a in DATA_AXES)
 
     @property
-    def batch_axes(self):
-        axes = tuple(a for a in DATA_AXES if self._size(a) > 1)
-        return axes or None
+    def zero_stage(self) -> int:
+        """The ZeRO stage in force: as given, else 3 with fsdp > 1 (parameters sharded), else 0."""
+        if self.zero is not None:
+            return self.zero
+        return 3 if self.fsdp > 1 else 0
+
+    # ------------------------------------------------------------------ registry entries
+    @property
+    def strategy(self):
+        return SEQUENCE_STRATEGIES[self.attention]
+
+    @property
+    def tensor(self):
+        """The TensorMethod (its `name` is "none" without tensor parallelism)."""
+        return tensor_method(self.tensor_parallel)
+
+    @property
+    def options(self) -> dict:
+        """The sequence strategy's options, defaults filled in."""
+        return dict(self._options)
+
+    # ------------------------------------------------------------------ the run mesh and its axes
+    @functools.cached_property
+    def _view(self):
+        mesh, seq_axes = self.mesh, ()
+        if self.sp > 1:
+            mesh, seq_axes = self.strategy.seq_view(mesh, self._options)
+        return self.tensor.view(mesh), tuple(seq_axes)
+
+    @property
+    def run_mesh(self) -> Mesh:
+        return self._view[0]
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """Data-parallel axes of size > 1 (dp, fsdp, ep), outermost first."""
+        return tuple(a for a in DATA_AXES if self._size(a) > 1)
+
+    @property
+    def seq_axes(self) -> tuple[str, ...]:
+        """The run mesh's axes that split the sequence (empty when sp = 1)."""
+        return self._view[1]
+
+    @property
+    def tensor_axes(self) -> tuple[str, ...]:
+        return self.tensor.tensor_axes(self)
+
+    @property
+    def replica_axes(self) -> tuple[str, ...]:
+        """Axes over which weights are replicated while the work is split: gradients are reduced over them,
+        and ZeRO shards over them."""
+        return self.batch_axes + self.seq_axes
 
     @property
     def seq_axis(self):
-        return "sp" if self.sp > 1 else None
+        """The sequence entry of a PartitionSpec (None when sp = 1)."""
+        return _entry(self.seq_axes)
 
     def seq_layout(self, causal: bool = True) -> str:
         """The data-side token layout: zigzag balances causal work; contiguous where nothing is to balance."""
-        if self.layout is not None:
-            return self.layout
-        if self.attention in _CONTIGUOUS_STRATEGIES or not causal:
-            return "contiguous"
-        return "zigzag"
+        return self.strategy.layout_for(self.layout, causal)
 
-    @property
-    def tensor_module(self):
-        """jaxring.tensor.<method>, or None without tensor parallelism."""
-        if self.tensor_parallel is None:
-            return None
-        return importlib.import_module(f"jaxring.tensor.{self.tensor_parallel}")
+    # ------------------------------------------------------------------ the attention core (inside shard_map)
+    def attend(self, q, k, v, positions, *, causal: bool):
+        """Local attention of q [b, n, hq, d], k/v [b, n, hkv, d] (this device's tokens, in the layout):
+        the plan's sequence strategy over `seq_axes`, or flash attention when sp = 1. positions int [b, n]
+        are shared by the batch rows (they come from the data-side layout)."""
+        if self.sp == 1:
+            pos = positions[0]
+            return flash_attention(q, k, v, causal=causal, q_positions=pos, kv_positions=pos,
+                                   implementation=local_implementation(self.block_ops))
+        return self.strategy.attend(q, k, v, None, seq_axes=self.seq_axes, layout=self.seq_layout(causal),
+                                    causal=causal, sm_scale=None, block_ops=self.block_ops, **self._options)
 
     # ------------------------------------------------------------------ checks
     def check_batch(self, batch: int, what: str = "batch size") -> None:
-        if batch % self.data_degree:
-            raise ValueError(f"{what} {batch} is not divisible by the data-parallel degree dp*fsdp = "
-                             f"{self.data_degree}")
+        degree = self.data_degree * self.tensor.batch_split(self)
+        if batch % degree:
+            extra = "" if degree == self.data_degree else f" × the {self.tensor.name} batch split"
+            raise ValueError(f"{what} {batch} is not divisible by the data-parallel degree dp*fsdp*ep{extra} = "
+                             f"{degree}")
 
     def check_seq_len(self, seq_len: int, causal: bool = True) -> None:
-        """seq must split over sp in the layout, and over tp for the methods that shard it there."""
+        """seq must split over sp in the layout, and further as the tensor method needs."""
         if self.sp > 1:
             check_seq_len(seq_len, self.sp, self.seq_layout(causal))
-        if self.tensor_parallel in ("megatron", "metp") and seq_len % self.tp:
-            raise ValueError(f"seq {seq_len} is not divisible by tp = {self.tp}, needed by "
-                             f"{self.tensor_parallel} (the sequence is split over tp)")
+        self.tensor.check_seq(self, seq_len)
+
+    def check_heads(self, num_heads: int, num_kv_heads: int) -> None:
+        """Heads after the tensor method's split must still suit the sequence strategy (Ulysses: divide sp)."""
+        local_q = num_heads // max(self.tensor.head_split(self), 1)
+        if self.sp > 1 and self.strategy.check_heads is not None:
+            self.strategy.check_heads(local_q, num_kv_heads, self.sp, self._options)
 
     # ------------------------------------------------------------------ data side
     def token_permutation(self, seq_len: int, causal: bool = True):
@@ -146,43 +218,46 @@ class ParallelPlan:
             return arrays, np.arange(seq_len, dtype=np.int32)
         return tuple(np.asarray(a)[:, perm] for a in arrays), perm.astype(np.int32)
 
-    # ------------------------------------------------------------------ shardings
+    # ------------------------------------------------------------------ specs and shardings
+    def activation_spec(self) -> P:
+        """[batch, seq, hidden] residual stream, as the tensor method lays it out."""
+        return self.tensor.activation_spec(self)
+
+    def token_spec(self) -> P:
+        """[batch, seq] tokens, targets and positions."""
+        return self.tensor.token_spec(self)
+
+    def batch_spec(self, ndim: int = 1) -> P:
+        """[batch, ...] arrays split over the data axes only (images, labels, per-sequence vectors)."""
+        return P(_entry(self.batch_axes), *([None] * (ndim - 1)))
+
     def sharding(self, *spec) -> NamedSharding:
-        return NamedSharding(self.mesh, P(*spec))
+        if len(spec) == 1 and isinstance(spec[0], P):
+            return NamedSharding(self.run_mesh, spec[0])
+        return NamedSharding(self.run_mesh, P(*spec))
 
     def tokens_sharding(self) -> NamedSharding:
-        """[batch, seq] tokens/targets/positions."""
-        return self.sharding(self.batch_axes, self.seq_axis)
+        return self.sharding(self.token_spec())
 
     def activation_sharding(self) -> NamedSharding:
-        """[batch, seq, embed] activations between blocks."""
-        return self.sharding(self.batch_axes, self.seq_axis, None)
+        return self.sharding(self.activation_spec())
 
-    def param_sharding(self, logical_axes, shape) -> NamedSharding:
-        """A parameter's sharding from its logical axes: `embed` over fsdp (ZeRO-3 style), else replicated.
-        Tensor-parallel blocks override this with their method's own `param_specs`."""
-        spec = []
-        for name, dim in zip(logical_axes or (None,) * len(shape), shape):
-            spec.append("fsdp" if name == "embed" and self.fsdp > 1 and dim % self.fsdp == 0 else None)
-        while spec and spec[-1] is None:  # P(None,) and P() are the same placement; keep one spelling
-            spec.pop()
-        return self.sharding(*spec)
+    def shard_map(self, fn, in_specs, out_specs):
+        """`jax.shard_map(fn)` over the run mesh (check_vma on: gradient reductions follow the types)."""
+        return jax.shard_map(fn, mesh=self.run_mesh, in_specs=in_specs, out_specs=out_specs)
 
     def describe(self) -> str:
         degrees = " × ".join(f"{a}={self.mesh.shape[a]}" for a in self.mesh.axis_names if self.mesh.shape[a] > 1)
         parts = [degrees or "1 device"]
         if self.sp > 1:
-            extra = {"team_size": self.team_size, "ulysses_size": self.ulysses_size}
-            opts = ", ".join(f"{k}={v}" for k, v in extra.items() if v is not None)
+            opts = ", ".join(f"{k}={v}" for k, v in self._options.items())
             parts.append(f"attention={self.attention}" + (f" ({opts})" if opts else ""))
         if self.tensor_parallel:
             parts.append(f"tensor={self.tensor_parallel}")
+        if self.zero_stage:
+            parts.append(f"zero={self.zero_stage}")
         return ", ".join(parts)
 
     def attention_options(self) -> dict:
-        options = {}
-        if self.attention == "wallfacer":
-            options["team_size"] = self.team_size
-        if self.attention == "usp":
-            options["ulysses_size"] = self.ulysses_size
-        return options
+        """The options to pass to `sharded_attention` for this plan's strategy (given ones only)."""
+        return {k: v for k, v in self._options.items() if k != "placement" or self.placement is not None}

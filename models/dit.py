@@ -34,7 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxring.nn import MLP, REMAT, Attention, block_runner, param_shardings
+from jax.sharding import PartitionSpec as P
+
+from jaxring.nn import MLP, Attention, Layers, param_placements, stack
 from jaxring.plan import ParallelPlan
 
 TIME_SAMPLING = ("uniform", "logit_normal")
@@ -160,6 +162,17 @@ def pos_embed_2d(hidden: int, grid: int) -> np.ndarray:
     return np.concatenate([_sincos_1d(hidden // 2, cols), _sincos_1d(hidden // 2, rows)], 1).astype(np.float32)
 
 
+def pos_embed_at(positions, hidden: int, grid: int, dtype=jnp.float32):
+    """The rows of `pos_embed_2d(hidden, grid)` for token positions int [..., n], computed on the fly (no
+    [grid², hidden] table is stored): [..., n, hidden]."""
+    def sincos(pos, dim):
+        omega = 1.0 / 10000 ** (jnp.arange(dim // 2, dtype=jnp.float32) / (dim / 2))
+        out = pos.astype(jnp.float32)[..., None] * omega
+        return jnp.concatenate([jnp.sin(out), jnp.cos(out)], axis=-1)
+    rows, cols = positions // grid, positions % grid
+    return jnp.concatenate([sincos(cols, hidden // 2), sincos(rows, hidden // 2)], axis=-1).astype(dtype)
+
+
 def timestep_features(t, dim: int, max_period: float = 10000.0):
     """Sinusoidal features fp32 [b, dim] of t [b] (DiT's TimestepEmbedder.timestep_embedding: cos ‖ sin)."""
     half = dim // 2
@@ -220,14 +233,6 @@ def _modulate(x, shift, scale):
     return x * (1 + scale[:, None]) + shift[:, None]
 
 
-def _constrain(x, plan: ParallelPlan):
-    """[b, s, hidden] activations: batch over dp/fsdp, patches over sp. Under tensor parallelism the method's
-    blocks place their own outputs (Megatron keeps them sequence-split over tp): no constraint."""
-    if plan.tensor_module is not None:
-        return x
-    return jax.lax.with_sharding_constraint(x, plan.activation_sharding())
-
-
 class TimestepEmbedder(nnx.Module):
     """t [b] → Linear(SiLU(Linear(sinusoid(1000·t)))) [b, hidden]; normal(0.02) init as in DiT."""
 
@@ -261,13 +266,12 @@ class DiTBlock(nnx.Module):
         self.adaLN = Dense(cfg.hidden, 6 * cfg.hidden, ("embed", None), init="zero", rngs=rngs)
 
     def __call__(self, x, c, positions, plan: ParallelPlan):
-        """x [b, s, hidden] (seq split by the plan), c [b, hidden], positions int32 [b, s]."""
+        """x: local [b, s, hidden] (the plan's activation layout), c: local [b, hidden] (the conditioning of
+        this device's rows), positions: local int32 [b, s] (token layout)."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = jnp.split(
             self.adaLN(jax.nn.silu(c)), 6, axis=-1)
         x = x + gate_msa[:, None] * self.attn(_modulate(_layer_norm(x), shift_msa, scale_msa), positions, plan)
-        x = _constrain(x, plan)
-        x = x + gate_mlp[:, None] * self.mlp(_modulate(_layer_norm(x), shift_mlp, scale_mlp), plan)
-        return _constrain(x, plan)
+        return x + gate_mlp[:, None] * self.mlp(_modulate(_layer_norm(x), shift_mlp, scale_mlp), plan)
 
 
 class FinalLayer(nnx.Module):
@@ -284,56 +288,47 @@ class FinalLayer(nnx.Module):
 
 # ---------------------------------------------------------------------------------------- model
 
+def check_plan(cfg: DiTConfig, plan: ParallelPlan, batch: int) -> None:
+    """Raises (one line naming the value and the rule) when a `cfg` DiT cannot run on `plan` with micro-batches
+    of `batch` images."""
+    if plan.tensor.name == "optimus":
+        raise ValueError("the DiT cannot use tensor parallelism 'optimus': its adaLN modulation needs whole "
+                         "hidden vectors, which Optimus splits over the grid columns; use megatron or metp")
+    plan.tensor.check_model(plan, num_heads=cfg.num_heads, num_kv_heads=cfg.num_heads, hidden=cfg.hidden,
+                            ffn=cfg.ffn_size, vocab=None)
+    plan.check_heads(cfg.num_heads, cfg.num_heads)
+    plan.check_batch(batch, "micro-batch size (batch / grad-accum)")
+    plan.check_seq_len(cfg.num_tokens, causal=False)
+
+
 class DiT(nnx.Module):
-    """Class-conditional DiT predicting the flow-matching velocity; the plan is given at every call."""
+    """Class-conditional DiT predicting the flow-matching velocity; the plan is given at every call.
+
+    The compute methods are *local* (inside the plan's shard_map, on this device's shards); `layers` is the
+    block stack as the step materializes it (`Layers.of(model.blocks)` outside a train step).
+    """
+    STACK = "blocks"
 
     def __init__(self, cfg: DiTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.patch_embed = Dense(cfg.patch_dim, cfg.hidden, (None, "embed"), rngs=rngs)
         self.t_embed = TimestepEmbedder(cfg, rngs=rngs)
         self.y_embed = LabelEmbedder(cfg, rngs=rngs)
-        self.blocks = nnx.List([DiTBlock(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.blocks = stack(lambda r: DiTBlock(cfg, rngs=r), cfg.num_layers, rngs)
         self.final = FinalLayer(cfg, rngs=rngs)
 
-    def _check(self, x, t, labels, plan: ParallelPlan):
-        cfg = self.cfg
-        shape = (cfg.image_size, cfg.image_size, cfg.channels)
-        if x.ndim != 4 or tuple(x.shape[1:]) != shape:
-            raise ValueError(f"images shape {tuple(x.shape)} must be [batch, {', '.join(map(str, shape))}] "
-                             f"(image_size × image_size × channels of the config)")
-        b = x.shape[0]
-        if labels.shape != (b,) or not jnp.issubdtype(labels.dtype, jnp.integer):
-            raise ValueError(f"labels {labels.dtype}{tuple(labels.shape)} must be integers of shape [batch] = ({b},)")
-        if t is not None and t.shape != (b,):
-            raise ValueError(f"t shape {tuple(t.shape)} must be [batch] = ({b},)")
-        plan.check_batch(b)
-        plan.check_seq_len(cfg.num_tokens, causal=False)
+    def velocity_tokens(self, patches, t, labels, positions, plan: ParallelPlan, layers: Layers, *,
+                        dtype=jnp.float32):
+        """Predicted velocity per patch, local [b, s, p·p·C] (activation layout, compute dtype).
 
-    def velocity_tokens(self, x_t, t, labels, plan: ParallelPlan, *, dtype=jnp.float32, remat: str = "none"):
-        """Predicted velocity per patch [b, tokens, p·p·C] (compute dtype) of x_t [b, H, W, C] at times t [b]
-        for class labels int [b] (num_classes = the null class)."""
-        x_t, t, labels = jnp.asarray(x_t), jnp.asarray(t), jnp.asarray(labels)
-        self._check(x_t, t, labels, plan)
-        if remat not in REMAT:
-            raise ValueError(f"unknown remat {remat!r}; expected one of {', '.join(REMAT)}")
+        patches: local [b, s, p·p·C] of x_t (activation layout); t: local fp32 [b]; labels: local int [b]
+        (num_classes = the null class); positions: local int32 [b, s] (token layout)."""
         cfg = self.cfg
-        b, s = x_t.shape[0], cfg.num_tokens
-        x = _constrain(self.patch_embed(patchify(x_t.astype(dtype), cfg.patch_size)), plan)
-        x = _constrain(x + jnp.asarray(pos_embed_2d(cfg.hidden, cfg.grid), dtype)[None], plan)
-        c = self.t_embed(t, dtype) + self.y_embed(labels, dtype)
-        c = jax.lax.with_sharding_constraint(c, plan.sharding(plan.batch_axes, None))
-        # non-causal: the contiguous layout, positions in natural order (no RoPE; only the mask would read them)
-        positions = jax.lax.with_sharding_constraint(
-            jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), plan.tokens_sharding())
-        run_block = block_runner(plan, remat)
-        for block in self.blocks:
-            x = run_block(block, x, c, positions)
-        return _constrain(self.final(x, c), plan)
-
-    def __call__(self, x_t, t, labels, plan: ParallelPlan, *, dtype=jnp.float32, remat: str = "none"):
-        """Predicted velocity v [b, H, W, C] of x_t [b, H, W, C] at t [b] (float in [0, 1]), labels int [b]."""
-        v = self.velocity_tokens(x_t, t, labels, plan, dtype=dtype, remat=remat)
-        return unpatchify(v, self.cfg.patch_size, self.cfg.channels)
+        x = self.patch_embed(patches.astype(dtype))
+        x = x + pos_embed_at(plan.tensor.activation_positions(plan, positions), cfg.hidden, cfg.grid, dtype)
+        c = plan.tensor.local_vector(plan, self.t_embed(t, dtype) + self.y_embed(labels, dtype))
+        x = layers(x, lambda block, x: block(x, c, positions, plan))
+        return self.final(x, c)
 
     def sample_t(self, key, batch: int):
         """Training times fp32 [batch]: U(0, 1) or logit-normal."""
@@ -341,25 +336,60 @@ class DiT(nnx.Module):
             return jax.nn.sigmoid(jax.random.normal(key, (batch,), jnp.float32))
         return jax.random.uniform(key, (batch,), jnp.float32)
 
-    def loss(self, images, labels, key, plan: ParallelPlan, *, dtype=jnp.float32, remat: str = "none"):
-        """Rectified-flow loss, scalar fp32: mean over pixels of (v_θ(x_t, t, y) − (ε − x0))².
 
-        images [b, H, W, C] float (x0, in [-1, 1]); labels int [b]; key: t, ε and the label dropout are drawn
-        from it on the global shapes, so they are the same whatever the mesh.
-        """
-        images, labels = jnp.asarray(images), jnp.asarray(labels)
-        self._check(images, None, labels, plan)
-        b = images.shape[0]
-        k_t, k_eps, k_drop = jax.random.split(key, 3)
-        t = self.sample_t(k_t, b)
-        x0 = images.astype(jnp.float32)
-        eps = jax.random.normal(k_eps, x0.shape, jnp.float32)
-        drop = jax.random.uniform(k_drop, (b,)) < self.cfg.class_dropout
-        labels = jnp.where(drop, self.cfg.num_classes, labels.astype(jnp.int32))
-        x_t = (1 - t)[:, None, None, None] * x0 + t[:, None, None, None] * eps
-        target = patchify(eps - x0, self.cfg.patch_size)          # compared per patch: stays seq-sharded
-        v = self.velocity_tokens(x_t, t, labels, plan, dtype=dtype, remat=remat)
-        return jnp.mean(jnp.square(v.astype(jnp.float32) - target))
+def flow_matching_inputs(cfg: DiTConfig, images, labels, key):
+    """The rectified-flow training inputs of a batch, on global arrays (t, ε and the label dropout are drawn
+    on the global shapes, so they are the same whatever the mesh).
+
+    images [b, H, W, C] float (x0 in [-1, 1]); labels int [b]. Returns {"patches": patchify(x_t) [b, s, p·p·C],
+    "target": patchify(ε - x0), "t": fp32 [b], "labels": int32 [b] (dropped to the null class with
+    class_dropout), "positions": int32 [b, s]} with x_t = (1 − t)·x0 + t·ε."""
+    images, labels = jnp.asarray(images), jnp.asarray(labels)
+    shape = (cfg.image_size, cfg.image_size, cfg.channels)
+    if images.ndim != 4 or tuple(images.shape[1:]) != shape:
+        raise ValueError(f"images shape {tuple(images.shape)} must be [batch, {', '.join(map(str, shape))}] "
+                         f"(image_size × image_size × channels of the config)")
+    b = images.shape[0]
+    if labels.shape != (b,) or not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise ValueError(f"labels {labels.dtype}{tuple(labels.shape)} must be integers of shape [batch] = ({b},)")
+    k_t, k_eps, k_drop = jax.random.split(key, 3)
+    if cfg.time_sampling == "logit_normal":
+        t = jax.nn.sigmoid(jax.random.normal(k_t, (b,), jnp.float32))
+    else:
+        t = jax.random.uniform(k_t, (b,), jnp.float32)
+    x0 = images.astype(jnp.float32)
+    eps = jax.random.normal(k_eps, x0.shape, jnp.float32)
+    drop = jax.random.uniform(k_drop, (b,)) < cfg.class_dropout
+    labels = jnp.where(drop, cfg.num_classes, labels.astype(jnp.int32))
+    x_t = (1 - t)[:, None, None, None] * x0 + t[:, None, None, None] * eps
+    positions = jnp.broadcast_to(jnp.arange(cfg.num_tokens, dtype=jnp.int32), (b, cfg.num_tokens))
+    return {"patches": patchify(x_t, cfg.patch_size), "target": patchify(eps - x0, cfg.patch_size), "t": t,
+            "labels": labels, "positions": positions}
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowMatchingObjective:
+    """The rectified-flow loss, mean over pixels of (v_θ(x_t, t, y) − (ε − x0))², of batches {"images" [b, H, W,
+    C], "labels" int [b]}: what `jaxring.train.step.TrainStep` optimizes. t, ε and the label dropout are drawn
+    from the step's key on global shapes (`flow_matching_inputs`), outside the shard_map."""
+    cfg: DiTConfig
+    batch_size: int
+
+    def prepare(self, batch, key):
+        return flow_matching_inputs(self.cfg, batch["images"], batch["labels"], key)
+
+    def input_specs(self, plan: ParallelPlan) -> dict:
+        return {"patches": plan.activation_spec(), "target": plan.activation_spec(), "t": plan.batch_spec(),
+                "labels": plan.batch_spec(), "positions": plan.token_spec()}
+
+    def local_loss(self, model: DiT, layers: Layers, inputs: dict, plan: ParallelPlan, dtype):
+        v = model.velocity_tokens(inputs["patches"], inputs["t"], inputs["labels"], inputs["positions"], plan,
+                                  layers, dtype=dtype)
+        return jnp.sum(jnp.square(v.astype(jnp.float32) - inputs["target"])), {}
+
+    @property
+    def loss_count(self) -> int:
+        return self.batch_size * self.cfg.num_tokens * self.cfg.patch_dim
 
 
 # ---------------------------------------------------------------------------------------- sampling
@@ -370,7 +400,8 @@ def sample(model: DiT, plan: ParallelPlan, labels, key, *, num_steps: int = 50, 
 
     With cfg_scale != 1 each step runs the batch twice (labels and the null class) and uses
     v = v_null + cfg_scale · (v_label − v_null). labels: int [b] in [0, num_classes]. The step is jitted once
-    per (model structure, plan, guided or not, dtype) and reused across calls and steps.
+    per (model structure, plan, guided or not, dtype) and reused across calls and steps; the velocity runs in
+    the plan's shard_map with the weights placed as the tensor method says (no ZeRO sharding).
     Returns images float32 [b, H, W, C] clipped to [-1, 1].
     """
     cfg = model.cfg
@@ -383,13 +414,18 @@ def sample(model: DiT, plan: ParallelPlan, labels, key, *, num_steps: int = 50, 
     if not isinstance(num_steps, (int, np.integer)) or num_steps < 1:
         raise ValueError(f"num_steps {num_steps!r} must be a positive integer")
     b = labels.shape[0]
-    plan.check_batch(b)
+    check_plan(cfg, plan, b)
+    guided = float(cfg_scale) != 1.0
+    if guided:
+        plan.check_batch(2 * b, "guided batch (2 × labels)")
 
     graphdef, state = nnx.split(model)
-    params = jax.device_put(nnx.to_pure_dict(state), param_shardings(state, plan))
-    step = _euler_step(graphdef, plan, float(cfg_scale) != 1.0, jnp.dtype(dtype))
+    specs = weight_specs(state, plan)
+    params = jax.device_put(nnx.to_pure_dict(state), jax.tree.map(lambda s: plan.sharding(s), specs,
+                                                                  is_leaf=lambda x: isinstance(x, P)))
+    step = _euler_step(graphdef, plan, guided, jnp.dtype(dtype), _freeze(specs))
     x = _noise(plan, (b, cfg.image_size, cfg.image_size, cfg.channels))(key)
-    labels = jax.device_put(jnp.asarray(labels, jnp.int32), plan.sharding(plan.batch_axes))
+    labels = jax.device_put(jnp.asarray(labels, jnp.int32), plan.sharding(plan.batch_spec()))
     ts = np.linspace(1.0, 0.0, num_steps + 1, dtype=np.float32)
     scale = np.float32(cfg_scale)
     for i in range(num_steps):
@@ -397,8 +433,23 @@ def sample(model: DiT, plan: ParallelPlan, labels, key, *, num_steps: int = 50, 
     return jnp.clip(x, -1.0, 1.0)
 
 
+def weight_specs(state, plan: ParallelPlan):
+    """PartitionSpec of every weight as the tensor method splits it (no ZeRO): for inference."""
+    return jax.tree.map(lambda pl: pl.param_spec(0), param_placements(state, plan),
+                        is_leaf=lambda x: hasattr(x, "param_spec"))
+
+
+def _freeze(tree):
+    return tuple(jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, P))[0])
+
+
+def _thaw(frozen):
+    from flax.traverse_util import unflatten_dict
+    return unflatten_dict({tuple(k.key for k in path): spec for path, spec in frozen})
+
+
 def _images_sharding(plan: ParallelPlan):
-    return plan.sharding(plan.batch_axes, None, None, None)
+    return plan.sharding(plan.batch_spec(4))
 
 
 @functools.lru_cache(maxsize=32)
@@ -408,20 +459,41 @@ def _noise(plan: ParallelPlan, shape):
                                                                 _images_sharding(plan)))
 
 
+def velocity_fn(graphdef, plan: ParallelPlan, dtype, specs):
+    """velocity(params, x_t [b, H, W, C], t [b], labels [b]) -> v [b, H, W, C] on global arrays: the local
+    model in the plan's shard_map (params placed as `specs`)."""
+    def local(params, patches, t, labels, positions):
+        m = nnx.merge(graphdef, params)
+        return m.velocity_tokens(patches, t, labels, positions, plan, Layers.of(m.blocks), dtype=dtype)
+
+    body = plan.shard_map(local, in_specs=(specs, plan.activation_spec(), plan.batch_spec(), plan.batch_spec(),
+                                           plan.token_spec()), out_specs=plan.activation_spec())
+
+    def velocity(params, x, t, labels):
+        cfg = nnx.merge(graphdef, params).cfg
+        positions = jnp.broadcast_to(jnp.arange(cfg.num_tokens, dtype=jnp.int32), (x.shape[0], cfg.num_tokens))
+        v = body(params, patchify(x.astype(jnp.float32), cfg.patch_size), t, labels, positions)
+        return unpatchify(v.astype(jnp.float32), cfg.patch_size, cfg.channels)
+
+    return velocity
+
+
 @functools.lru_cache(maxsize=32)
-def _euler_step(graphdef, plan: ParallelPlan, guided: bool, dtype):
+def _euler_step(graphdef, plan: ParallelPlan, guided: bool, dtype, frozen_specs):
     """jit(params, x_t, t, dt, labels, cfg_scale) → x_{t−dt} = x_t − dt · v (guided: v from both label sets)."""
+    velocity = velocity_fn(graphdef, plan, dtype, _thaw(frozen_specs))
+
     @jax.jit
     def step(params, x, t, dt, labels, cfg_scale):
-        m = nnx.merge(graphdef, params)
+        num_classes = nnx.merge(graphdef, params).cfg.num_classes
         tt = jnp.full((x.shape[0],), t, jnp.float32)
         if guided:
-            both = jnp.concatenate([labels, jnp.full_like(labels, m.cfg.num_classes)])
-            v = m(jnp.concatenate([x, x]), jnp.concatenate([tt, tt]), both, plan, dtype=dtype)
-            v_label, v_null = jnp.split(v.astype(jnp.float32), 2)
+            both = jnp.concatenate([labels, jnp.full_like(labels, num_classes)])
+            v = velocity(params, jnp.concatenate([x, x]), jnp.concatenate([tt, tt]), both)
+            v_label, v_null = jnp.split(v, 2)
             v = v_null + cfg_scale * (v_label - v_null)
         else:
-            v = m(x, tt, labels, plan, dtype=dtype).astype(jnp.float32)
+            v = velocity(params, x, tt, labels)
         return jax.lax.with_sharding_constraint(x - dt * v, _images_sharding(plan))
 
     return step

@@ -4,7 +4,8 @@ Pre-LN; RoPE or learned positions; GELU or SwiGLU MLP; optional GQA; tied or unt
 strategy is not part of the model: every call takes a `ParallelPlan`, so the same parameters run on any mesh.
 
     model = GPT(PRESETS["tiny"], rngs=nnx.Rngs(0))
-    loss = model.loss(tokens, targets, positions, plan)     # tokens [batch, seq], positions [batch, seq]
+    trainer = jaxring.train.Trainer(...)                    # or, inside plan.shard_map on local shards:
+    losses = model.token_losses(tokens, targets, positions, plan, Layers.of(model.blocks))
 """
 from __future__ import annotations
 
@@ -14,8 +15,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxring.nn import MLP, Attention, Embed, block_runner, token_cross_entropy
+from jaxring.nn import MLP, Attention, Embed, LayerNorm, Layers, stack, token_cross_entropy
+from jaxring.tensor.contract import ACTIVATIONS
 from jaxring.plan import ParallelPlan
+
+
+def _check_positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} {value!r} must be a positive integer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +40,17 @@ class GPTConfig:
     rope_theta: float = 10000.0
 
     def __post_init__(self):
+        for name in ("vocab_size", "num_layers", "hidden", "num_heads", "max_seq_len"):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("num_kv_heads", "ffn"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
+            raise ValueError(f"rope_theta {self.rope_theta!r} must be a positive number")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"tie_embeddings {self.tie_embeddings!r} must be true or false")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r}: expected one of {', '.join(ACTIVATIONS)}")
         if self.positions not in ("rope", "learned"):
             raise ValueError(f"positions {self.positions!r}: expected 'rope' or 'learned'")
         if self.hidden % self.num_heads:
@@ -76,6 +94,19 @@ PRESETS = {
 }
 
 
+def check_plan(cfg: GPTConfig, plan: ParallelPlan, batch: int, seq_len: int) -> None:
+    """Raises (one line naming the value and the rule) when a `cfg` model cannot run on `plan` with
+    micro-batches of `batch` sequences of `seq_len` tokens."""
+    num_kv = cfg.num_kv_heads or cfg.num_heads
+    plan.tensor.check_model(plan, num_heads=cfg.num_heads, num_kv_heads=num_kv, hidden=cfg.hidden,
+                            ffn=cfg.ffn_size, vocab=cfg.vocab_size)
+    plan.check_heads(cfg.num_heads, num_kv)
+    plan.check_batch(batch, "micro-batch size (batch / grad-accum)")
+    plan.check_seq_len(seq_len, causal=True)
+    if cfg.positions == "learned" and seq_len > cfg.max_seq_len:
+        raise ValueError(f"seq {seq_len} exceeds the learned positions' max_seq_len {cfg.max_seq_len}")
+
+
 def get_config(preset: str, **overrides) -> GPTConfig:
     if preset not in PRESETS:
         raise ValueError(f"unknown GPT preset {preset!r}; expected one of {', '.join(PRESETS)}")
@@ -85,79 +116,102 @@ def get_config(preset: str, **overrides) -> GPTConfig:
 class Block(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         out_std = (2 * cfg.num_layers) ** -0.5 * cfg.hidden ** -0.5  # GPT-2's scaled residual init
-        self.ln1 = nnx.LayerNorm(cfg.hidden, rngs=rngs)
+        self.ln1 = LayerNorm(cfg.hidden)
         self.attn = Attention(cfg.hidden, cfg.num_heads, cfg.num_kv_heads, causal=True, out_std=out_std,
                               rope_theta=cfg.rope_theta if cfg.positions == "rope" else None, rngs=rngs)
-        self.ln2 = nnx.LayerNorm(cfg.hidden, rngs=rngs)
+        self.ln2 = LayerNorm(cfg.hidden)
         self.mlp = MLP(cfg.hidden, cfg.ffn_size, cfg.activation, out_std=out_std, rngs=rngs)
 
     def __call__(self, x, positions, plan: ParallelPlan):
-        x = x + self.attn(_norm(self.ln1, x), positions, plan)
-        return x + self.mlp(_norm(self.ln2, x), plan)
-
-
-def _norm(ln, x):
-    """LayerNorm in fp32, result in the compute dtype."""
-    return ln(x.astype(jnp.float32)).astype(x.dtype)
+        x = x + self.attn(self.ln1(x, plan), positions, plan)
+        return x + self.mlp(self.ln2(x, plan), plan)
 
 
 class GPT(nnx.Module):
+    """Embedding, `num_layers` stacked blocks (scanned), final LayerNorm and the LM head (tied: the table).
+
+    Every compute method is *local*: it runs inside the plan's shard_map (the train step's, or
+    `plan.shard_map`) on this device's shards; `layers` is the block stack as the step materializes it
+    (`jaxring.nn.Layers`; `Layers.of(model.blocks)` outside a train step).
+    """
+    STACK = "blocks"
+
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = Embed(cfg.vocab_size, cfg.hidden, rngs=rngs)
         if cfg.positions == "learned":
             self.pos_embed = nnx.Param(jax.random.normal(rngs.params(), (cfg.max_seq_len, cfg.hidden)) * 0.01,
                                        logical_axes=(None, "embed"))
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-        self.ln_f = nnx.LayerNorm(cfg.hidden, rngs=rngs)
+        self.blocks = stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, rngs)
+        self.ln_f = LayerNorm(cfg.hidden)
         if not cfg.tie_embeddings:
             self.head = nnx.Param(jax.random.normal(rngs.params(), (cfg.hidden, cfg.vocab_size)) * cfg.hidden ** -0.5,
                                   logical_axes=("embed", "vocab"))
 
-    def features(self, tokens, positions, plan: ParallelPlan, *, dtype=jnp.float32, remat: str = "none"):
-        """Final hidden states [batch, seq, hidden] for tokens/positions int32 [batch, seq]."""
-        x = self.embed(tokens, plan, dtype)
-        if self.cfg.positions == "learned":
-            if tokens.shape[1] > self.cfg.max_seq_len:
-                raise ValueError(f"seq {tokens.shape[1]} exceeds the learned positions' max_seq_len "
-                                 f"{self.cfg.max_seq_len}")
-            x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(dtype)
-        run_block = block_runner(plan, remat)
-        for block in self.blocks:
-            x = run_block(block, x, positions)
-        return _norm(self.ln_f, x)
+    def features(self, tokens, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32):
+        """Final hidden states, local [batch, seq, hidden] (activation layout), for local tokens and positions
+        int32 [batch, seq] (token layout)."""
+        pos_table = self.pos_embed[...] if self.cfg.positions == "learned" else None
+        x = self.embed(tokens, plan, dtype, positions=positions, pos_table=pos_table)
+        x = layers(x, lambda block, x: block(x, positions, plan))
+        return self.ln_f(x, plan)
 
     def head_weight(self, dtype):
-        return (self.embed.table[...].T if self.cfg.tie_embeddings else self.head[...]).astype(dtype)
+        """(w, tied): the embedding table [vocab, hidden] when tied, else the head [hidden, vocab]."""
+        w = self.embed.table[...] if self.cfg.tie_embeddings else self.head[...]
+        return w.astype(dtype), self.cfg.tie_embeddings
 
-    def token_losses(self, tokens, targets, positions, plan: ParallelPlan, *, dtype=jnp.float32,
-                     remat: str = "none"):
-        """Cross-entropy fp32 [batch, seq] of predicting `targets` (logits never gathered under TP)."""
-        x = self.features(tokens, positions, plan, dtype=dtype, remat=remat)
-        return token_cross_entropy(x, self.head_weight(dtype), targets, plan)
+    def token_losses(self, tokens, targets, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32):
+        """Cross-entropy fp32 [batch, seq] (token layout) of predicting `targets` (logits never gathered
+        under TP)."""
+        x = self.features(tokens, positions, plan, layers, dtype=dtype)
+        w, tied = self.head_weight(dtype)
+        return token_cross_entropy(x, w, targets, plan, tied=tied)
 
-    def loss(self, tokens, targets, positions, plan: ParallelPlan, **kw):
-        return self.token_losses(tokens, targets, positions, plan, **kw).mean()
+    def logits(self, tokens, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32):
+        """fp32 [batch, seq, vocab] on a plan without tensor parallelism (generation)."""
+        x = self.features(tokens, positions, plan, layers, dtype=dtype)
+        w, tied = self.head_weight(dtype)
+        return (x @ (w.T if tied else w)).astype(jnp.float32)
 
-    def logits(self, tokens, positions, plan: ParallelPlan, *, dtype=jnp.float32):
-        x = self.features(tokens, positions, plan, dtype=dtype)
-        return (x @ self.head_weight(dtype)).astype(jnp.float32)
+
+@dataclasses.dataclass(frozen=True)
+class NextTokenObjective:
+    """Mean next-token cross-entropy of batches {"tokens", "targets", "positions"} (int32 [batch, seq], laid out
+    by the plan on the data side): what `jaxring.train.step.TrainStep` optimizes."""
+    batch_size: int
+    seq_len: int
+
+    def prepare(self, batch, key):
+        del key
+        return batch
+
+    def input_specs(self, plan: ParallelPlan) -> dict:
+        return {name: plan.token_spec() for name in ("tokens", "targets", "positions")}
+
+    def local_loss(self, model: GPT, layers: Layers, inputs: dict, plan: ParallelPlan, dtype):
+        losses = model.token_losses(inputs["tokens"], inputs["targets"], inputs["positions"], plan, layers,
+                                    dtype=dtype)
+        return losses.sum(), {}
+
+    @property
+    def loss_count(self) -> int:
+        return self.batch_size * self.seq_len
 
 
 def generate(model: GPT, plan: ParallelPlan, prompt, num_tokens: int, *, key, window: int,
              temperature: float = 0.8):
-    """Samples `num_tokens` after `prompt` (int list), recomputing a causal window of fixed length (one compile).
-
-    Returns the generated ids (list of int).
-    """
+    """Samples `num_tokens` after `prompt` (int list) on one device (a plan with all degrees 1), recomputing a
+    causal window of fixed length (one compile). Returns the generated ids (list of int)."""
+    if plan.mesh.devices.size != 1:
+        raise ValueError(f"generate runs on one device; got a plan over {plan.mesh.devices.size} devices")
     graphdef, state = nnx.split(model)
 
     @jax.jit
     def next_logits(state, tokens, index):
         m = nnx.merge(graphdef, state)
         positions = jnp.arange(window, dtype=jnp.int32)[None]
-        logits = m.logits(tokens, positions, plan)
-        return logits[0, index]
+        return m.logits(tokens, positions, plan, Layers.of(m.blocks))[0, index]
 
     ids = list(prompt)[-window:] or [0]
     out = []

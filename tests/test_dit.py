@@ -11,10 +11,12 @@ from flax import nnx
 from PIL import Image
 
 import jaxring
-from jaxring.nn import param_shardings
+from jaxring.nn import Layers, remat_policy
 from jaxring.plan import ParallelPlan
-from models.dit import (DiT, DiTConfig, _euler_step, get_config, patchify, pos_embed_2d, sample, save_image_grid,
-                        unpatchify)
+from jaxring.train.step import value_and_grad
+from models.dit import (DiT, DiTConfig, FlowMatchingObjective, _euler_step, _freeze, check_plan,
+                        flow_matching_inputs, get_config, patchify, pos_embed_2d, pos_embed_at, sample,
+                        save_image_grid, unpatchify, weight_specs)
 
 from helpers import assert_close
 
@@ -62,7 +64,7 @@ def reference_velocity(p, x, t, y, cfg=CFG):
     c = _lin(p["t_embed"]["fc2"], jax.nn.silu(_lin(p["t_embed"]["fc1"], temb))) + p["y_embed"]["table"][y]
     heads, s = cfg.num_heads, g * g
     for i in range(cfg.num_layers):
-        blk = p["blocks"][i]
+        blk = jax.tree.map(lambda a: a[i], p["blocks"])        # the stacked layers' slice i
         sh1, sc1, g1, sh2, sc2, g2 = jnp.split(_lin(blk["adaLN"], jax.nn.silu(c))[:, None], 6, -1)
         z = _ln(h) * (1 + sc1) + sh1
         q, k, v = (z @ blk["attn"][n] for n in ("wq", "wk", "wv"))
@@ -144,12 +146,20 @@ def test_adaln_zero_blocks_start_as_identity(setup):
     x = jax.random.normal(ks[0], (2, CFG.num_tokens, CFG.hidden))
     c = jax.random.normal(ks[1], (2, CFG.hidden))
     pos = jnp.broadcast_to(jnp.arange(CFG.num_tokens, dtype=jnp.int32), (2, CFG.num_tokens))
-    run = nnx.jit(lambda blk, x, c: blk(x, c, pos, plan))
-    for blk in DiT(CFG, rngs=nnx.Rngs(0)).blocks:
-        assert np.abs(np.asarray(blk.adaLN.w[...])).max() == 0
-        np.testing.assert_array_equal(run(blk, x, c), x)
-    perturbed = nnx.merge(graphdef, pure).blocks[0]   # the check can fail: a trained block is no identity
+    layer_gd, fresh = nnx.split(DiT(CFG, rngs=nnx.Rngs(0)).blocks)
+    run = jax.jit(lambda layer, x, c: nnx.merge(layer_gd, layer)(x, c, pos, plan))
+    fresh = nnx.to_pure_dict(fresh)
+    for i in range(CFG.num_layers):
+        layer = jax.tree.map(lambda a: a[i], fresh)
+        assert np.abs(np.asarray(layer["adaLN"]["w"])).max() == 0
+        np.testing.assert_array_equal(run(layer, x, c), x)
+    perturbed = jax.tree.map(lambda a: a[0], pure["blocks"])   # the check can fail: a trained block is no identity
     assert np.abs(np.asarray(run(perturbed, x, c) - x)).max() > 1e-3
+
+
+def test_position_embedding_on_the_fly_equals_the_table():
+    pos = jnp.asarray([[0, 5, 17, 63]], jnp.int32)
+    np.testing.assert_allclose(pos_embed_at(pos, 16, 8)[0], pos_embed_2d(16, 8)[np.asarray(pos[0])], atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------- loss and grads
@@ -159,28 +169,22 @@ PLANS = {
     "ring-sp8": (dict(sp=8), dict(attention="ring"), "none"),
     "ulysses-dp2-sp4": (dict(dp=2, sp=4), dict(attention="ulysses"), "full"),
     "megatron-dp4-tp2": (dict(dp=4, tp=2), {}, "selective"),
+    "megatron-tp2-ring-sp4-zero2": (dict(tp=2, sp=4), dict(attention="ring", zero=2), "none"),
 }
 
 
 @pytest.mark.parametrize("name", list(PLANS))
 def test_loss_and_gradients_match_reference(name, setup, reference):
     """Same draws, same numbers: the loss and every parameter gradient under each plan equal the jnp reference
-    (rtol 1e-4); the params are placed with the plan's shardings and the value_and_grad is jitted."""
+    (rtol 1e-4), computed by the train step's own path (one shard_map over the mesh)."""
     graphdef, template, pure, images, labels = setup
     mesh_kw, plan_kw, remat = PLANS[name]
     if name == "single":
         mesh_kw = dict(dp=1, devices=jax.devices()[:1])
     plan = ParallelPlan(jaxring.make_mesh(**mesh_kw), **plan_kw)
-    params = jax.device_put(pure, param_shardings(template, plan))
-    imgs = jax.device_put(images, plan.sharding(plan.batch_axes, None, None, None))
-    labs = jax.device_put(labels, plan.sharding(plan.batch_axes))
-
-    @jax.jit
-    def value_and_grad(params, images, labels, key):
-        return jax.value_and_grad(lambda p: nnx.merge(graphdef, p).loss(
-            images, labels, key, plan, remat=remat))(params)
-
-    loss, grads = value_and_grad(params, imgs, labs, KEY)
+    model = nnx.merge(graphdef, pure)
+    batch = {"images": jnp.asarray(images), "labels": jnp.asarray(labels)}
+    loss, grads = value_and_grad(model, plan, FlowMatchingObjective(CFG, BATCH), batch, KEY, remat=remat)
     ref_loss, ref_grads = reference
     assert loss.dtype == jnp.float32 and loss.shape == ()
     assert_close(loss, ref_loss, 1e-4, "loss")
@@ -196,12 +200,20 @@ def test_time_sampling_and_label_dropout_rules():
     assert 0 < float(t.min()) and float(t.max()) < 1 and abs(float(jnp.median(t)) - 0.5) < 0.05
 
 
-def test_remat_wraps_each_block(setup):
-    graphdef, _, pure, images, labels = setup
+def test_remat_wraps_the_scanned_block(setup):
+    """The layer stack is one scan whose body is checkpointed (selective, full) or not (none)."""
+    graphdef, _, pure, _, _ = setup
     plan = _single_plan()
-    for remat, count in (("none", 0), ("selective", CFG.num_layers), ("full", CFG.num_layers)):
-        jaxpr = jax.make_jaxpr(lambda p: nnx.merge(graphdef, p).loss(images, labels, KEY, plan, remat=remat))(pure)
-        assert len(re.findall(r"\b(?:remat2|checkpoint)\[", str(jaxpr))) == count, remat
+    x = jnp.zeros((2, CFG.num_tokens, CFG.hidden))
+    c = jnp.zeros((2, CFG.hidden))
+    pos = jnp.broadcast_to(jnp.arange(CFG.num_tokens, dtype=jnp.int32), (2, CFG.num_tokens))
+    for remat, count in (("none", 0), ("selective", 1), ("full", 1)):
+        def out(p):
+            m = nnx.merge(graphdef, p)
+            return m.blocks and Layers.of(m.blocks, remat)(x, lambda blk, x: blk(x, c, pos, plan)).sum()
+        jaxpr = str(jax.make_jaxpr(jax.grad(out))(pure))
+        assert len(re.findall(r"\b(?:remat2|checkpoint)\[", jaxpr)) == count, remat
+        assert jaxpr.count("scan[") >= 1, remat
 
 
 # ---------------------------------------------------------------------------------------- sampling and images
@@ -213,7 +225,8 @@ def test_sample_is_euler_with_guidance(setup):
     plan = ParallelPlan(jaxring.make_mesh(sp=8), attention="ring")
     labels, key, scale = np.array([0, 3, 9, 10]), jax.random.PRNGKey(11), 3.0
     out = sample(model, plan, labels, key, num_steps=2, cfg_scale=scale)
-    assert _euler_step(nnx.graphdef(model), plan, True, jnp.dtype(jnp.float32))._cache_size() == 1  # one compile
+    specs = _freeze(weight_specs(nnx.state(model), plan))
+    assert _euler_step(nnx.graphdef(model), plan, True, jnp.dtype(jnp.float32), specs)._cache_size() == 1
     assert out.shape == (4, 16, 16, 1) and out.dtype == jnp.float32
     assert np.isfinite(np.asarray(out)).all() and float(jnp.abs(out).max()) <= 1.0
 
@@ -275,16 +288,19 @@ def test_errors(tmp_path):
     plan, key = _single_plan(), jax.random.PRNGKey(0)
     x, y = jnp.zeros((4, 16, 16, 1)), jnp.zeros((4,), jnp.int32)
     with pytest.raises(ValueError, match=r"images shape \(4, 16, 16, 3\) must be \[batch, 16, 16, 1\]"):
-        model.loss(jnp.zeros((4, 16, 16, 3)), y, key, plan)
+        flow_matching_inputs(CFG, jnp.zeros((4, 16, 16, 3)), y, key)
     with pytest.raises(ValueError, match=r"labels float32\(4,\) must be integers"):
-        model.loss(x, jnp.zeros((4,)), key, plan)
-    with pytest.raises(ValueError, match="batch size 3 is not divisible by the data-parallel degree dp\\*fsdp = 2"):
-        model.loss(x[:3], y[:3], key, ParallelPlan(jaxring.make_mesh(dp=2, sp=4), attention="ring"))
-    small = DiT(get_config("tiny", image_size=6, num_layers=1), rngs=nnx.Rngs(0))   # 9 tokens over sp = 8
-    with pytest.raises(ValueError, match="9"):
-        small.loss(jnp.zeros((1, 6, 6, 1)), y[:1], key, ParallelPlan(jaxring.make_mesh(sp=8), attention="ring"))
+        flow_matching_inputs(CFG, x, jnp.zeros((4,)), key)
+    with pytest.raises(ValueError, match="micro-batch size .* 3 is not divisible by the data-parallel degree "
+                                         "dp\\*fsdp\\*ep = 2"):
+        check_plan(CFG, ParallelPlan(jaxring.make_mesh(dp=2, sp=4), attention="ring"), 3)
+    with pytest.raises(ValueError, match="seq 9 is not divisible by sp = 8"):   # 9 tokens over sp = 8
+        check_plan(get_config("tiny", image_size=6, num_layers=1), ParallelPlan(jaxring.make_mesh(sp=8),
+                                                                               attention="ring"), 1)
+    with pytest.raises(ValueError, match="cannot use tensor parallelism 'optimus'"):
+        check_plan(CFG, ParallelPlan(jaxring.make_mesh(dp=2, tp=4), tensor_parallel="optimus"), 8)
     with pytest.raises(ValueError, match="unknown remat 'some'"):
-        model.loss(x, y, key, plan, remat="some")
+        remat_policy("some")
     with pytest.raises(ValueError, match=r"labels must lie in \[0, num_classes = 10\]"):
         sample(model, plan, [0, 11], key)
     with pytest.raises(ValueError, match="num_steps 0 must be a positive integer"):

@@ -43,6 +43,7 @@ class TrainConfig:
     team_size: int | None = None
     ulysses_size: int | None = None
     tensor_parallel: str | None = None
+    zero: int | None = None           # ZeRO stage 0-3 over the replica axes (default: 3 with fsdp > 1, else 0)
     # numerics and memory
     precision: str = "fp32"
     remat: str = "none"
@@ -85,4 +86,4 @@ def make_plan(cfg: TrainConfig, devices=None) -> ParallelPlan:
     mesh = make_mesh(dp=cfg.dp, fsdp=cfg.fsdp, pp=cfg.pp, tp=cfg.tp, sp=cfg.sp, devices=devices)
     attention = cfg.attention or ("ring" if cfg.sp > 1 else "dense")
     return ParallelPlan(mesh, attention=attention, layout=cfg.layout, team_size=cfg.team_size,
-                        ulysses_size=cfg.ulysses_size, tensor_parallel=cfg.tensor_parallel)
+                        ulysses_size=cfg.ulysses_size, tensor_parallel=cfg.tensor_parallel, zero=cfg.zero)

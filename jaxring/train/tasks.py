@@ -52,8 +52,8 @@ class GPTTask:
         if base.vocab_size > self.source.vocab_size:
             overrides.pop("vocab_size")  # keep the preset's (padded) vocabulary
         self.config = gpt.get_config(cfg.preset, **{**cfg.model_overrides, **overrides})
-        plan.check_batch(cfg.batch_size // cfg.grad_accum, "micro-batch size (batch / grad-accum)")
-        plan.check_seq_len(self.seq_len, self.causal)
+        gpt.check_plan(self.config, plan, cfg.batch_size // cfg.grad_accum, self.seq_len)
+        self.objective = gpt.NextTokenObjective(cfg.batch_size, self.seq_len)
         self.plan, self.cfg = plan, cfg
         self.sharding = plan.tokens_sharding()
         shape = (cfg.batch_size, self.seq_len)
@@ -79,11 +79,6 @@ class GPTTask:
         shape = (self.cfg.batch_size, self.seq_len)
         return {name: _global_array(self.plan, self.sharding, shape, np.ascontiguousarray(a), self.row0)
                 for name, a in (("tokens", tokens), ("targets", targets), ("positions", positions))}
-
-    def loss(self, model, batch, key, dtype, remat):
-        del key
-        return model.loss(batch["tokens"], batch["targets"], batch["positions"], self.plan, dtype=dtype,
-                          remat=remat)
 
     @property
     def tokens_per_step(self):
@@ -116,12 +111,12 @@ class DiTTask:
         val_source = load_images(cfg.data, image_size=cfg.image_size or base.image_size, split="val")
         self.config = dit.get_config(cfg.preset, **{**cfg.model_overrides, "image_size": cfg.image_size or base.image_size},
                                      channels=self.source.images.shape[-1], num_classes=self.source.num_classes)
-        plan.check_batch(cfg.batch_size // cfg.grad_accum, "micro-batch size (batch / grad-accum)")
-        plan.check_seq_len(self.config.num_tokens, self.causal)
+        dit.check_plan(self.config, plan, cfg.batch_size // cfg.grad_accum)
+        self.objective = dit.FlowMatchingObjective(self.config, cfg.batch_size)
         self.plan, self.cfg = plan, cfg
         img_shape = (cfg.batch_size,) + self.source.images.shape[1:]
-        self.img_sharding = plan.sharding(plan.batch_axes, None, None, None)
-        self.label_sharding = plan.sharding(plan.batch_axes)
+        self.img_sharding = plan.sharding(plan.batch_spec(4))
+        self.label_sharding = plan.sharding(plan.batch_spec(1))
         self.row0, row1 = _host_rows(self.label_sharding, (cfg.batch_size,))
         per_host = row1 - self.row0
         hosts = dict(process_index=self.row0 // per_host, process_count=cfg.batch_size // per_host)
@@ -139,9 +134,6 @@ class DiTTask:
         images, labels = (self.val_batches if val else self.batches).get(step)
         return {"images": _global_array(self.plan, self.img_sharding, self.img_shape, images, self.row0),
                 "labels": _global_array(self.plan, self.label_sharding, (self.cfg.batch_size,), labels, self.row0)}
-
-    def loss(self, model, batch, key, dtype, remat):
-        return model.loss(batch["images"], batch["labels"], key, self.plan, dtype=dtype, remat=remat)
 
     @property
     def tokens_per_step(self):

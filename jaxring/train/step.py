@@ -1,0 +1,183 @@
+"""The train step: one `jit` holding one `shard_map` over the plan's whole mesh (dp, fsdp, ep, sp, tp).
+
+    step = TrainStep(plan, graphdef, placements, tx, task, dtype=jnp.float32, remat="none")
+    params, opt_state, metrics = step(params, opt_state, batch, key)
+
+Inside the shard_map every array is this device's shard; the model's layers are local functions (the plan's
+tensor method and sequence strategy), the layer stack is one `lax.scan`, and the gradient path is explicit:
+
+  1. per weight, (diff, const) = zero.inputs(stage, p): the step differentiates w.r.t. diff;
+  2. the loss, summed over micro-batches (gradient accumulation in a scan), psummed over the axes it varies
+     over and divided by the global token count;
+  3. gradients reduced as the ZeRO stage says (all-reduce, reduce-scatter, or already scattered);
+  4. clipping by the global norm (each piece counted once: `zero.global_norm`);
+  5. AdamW on this rank's slice, then the all-gather (stages 1-2).
+Only the task's data preparation (e.g. DiT's noise, drawn on global shapes so it is the same on any mesh)
+runs outside the shard_map, under the same jit.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxring import zero
+from jaxring.nn import Layers
+from jaxring.vma import vary_like, varying_axes
+
+
+def psum_varying(x):
+    """Sum of local x over every mesh axis it varies over (a replicated x is counted once)."""
+    axes = tuple(sorted(varying_axes(x)))
+    return lax.psum(x, axes) if axes else x
+
+
+def _split(tree, placements, fn):
+    """Applies fn(leaf, placement) -> (a, b) leafwise; returns the two trees."""
+    leaves, treedef = jax.tree.flatten(tree)
+    pls = treedef.flatten_up_to(placements)
+    pairs = [fn(x, pl) for x, pl in zip(leaves, pls)]
+    return treedef.unflatten([a for a, _ in pairs]), treedef.unflatten([b for _, b in pairs])
+
+
+def _map(fn, tree, placements, *rest):
+    leaves, treedef = jax.tree.flatten(tree)
+    others = [treedef.flatten_up_to(r) for r in (placements,) + rest]
+    return treedef.unflatten([fn(x, *o) for x, *o in zip(leaves, *others)])
+
+
+class TrainStep:
+    """The jitted update and held-out loss of a model on a plan (see the module docstring).
+
+    task: the objective, with `prepare(batch, key) -> inputs` (global arrays, outside the shard_map),
+    `input_specs(plan)`, `local_loss(model, layers, inputs, plan, dtype) -> (loss_sum, aux)` on local shards
+    (aux: dict of fp32 sums, e.g. MoE statistics) and `loss_count` (the global count the loss is a mean over);
+    e.g. `models.gpt.NextTokenObjective`, `models.dit.FlowMatchingObjective`. tx may be None for
+    `build_grads`/`build_eval`.
+    """
+
+    def __init__(self, plan, graphdef, placements, tx, task, *, dtype=jnp.float32, remat: str = "none",
+                 grad_accum: int = 1, clip: float | None = 1.0, stack: str = "blocks", layer_graphdef=None):
+        self.plan, self.graphdef, self.placements, self.tx, self.task = plan, graphdef, placements, tx, task
+        self.dtype, self.remat, self.grad_accum, self.clip, self.stack = dtype, remat, grad_accum, clip, stack
+        self.layer_graphdef = layer_graphdef
+        self.stage = plan.zero_stage
+        is_pl = lambda x: isinstance(x, zero.Placement)
+        self.param_specs = jax.tree.map(lambda pl: pl.param_spec(self.stage), placements, is_leaf=is_pl)
+        self.moment_specs = jax.tree.map(lambda pl: pl.state_spec(self.stage), placements, is_leaf=is_pl)
+        self.input_specs = task.input_specs(plan)
+
+    # ------------------------------------------------------------------ layouts
+    def shardings(self, specs):
+        return jax.tree.map(lambda s: NamedSharding(self.plan.run_mesh, s), specs,
+                            is_leaf=lambda x: isinstance(x, P))
+
+    def opt_state_specs(self, abstract_params):
+        """Specs of the optimizer state: moments like their weights' ZeRO layout, counts replicated."""
+        abstract = jax.eval_shape(self.tx.init, abstract_params)
+        return optax.tree_map_params(self.tx, lambda _, spec: spec, abstract, self.moment_specs,
+                                     transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+
+    # ------------------------------------------------------------------ the local loss
+    def _loss(self, diff, const, inputs, stage):
+        """(mean-loss contribution, aux) of one micro-batch, on local shards."""
+        top = {k: v for k, v in diff.items() if k != self.stack}
+        top_const = {k: v for k, v in const.items() if k != self.stack}
+        top_pl = {k: v for k, v in self.placements.items() if k != self.stack}
+        weights = _map(lambda d, pl, c: zero.materialize(stage, d, c, pl), top, top_pl, top_const)
+        layers = Layers(self.layer_graphdef, diff[self.stack], const[self.stack], self.placements[self.stack],
+                        stage, self.remat)
+        model = nnx.merge(self.graphdef, {**weights, self.stack: diff[self.stack]})
+        loss_sum, aux = self.task.local_loss(model, layers, inputs, self.plan, self.dtype)
+        count = float(self.task.loss_count)
+        return psum_varying(loss_sum) / count, {k: psum_varying(v) for k, v in aux.items()}
+
+    def _value_and_grad(self, params, inputs):
+        stage = self.stage
+        diff, const = _split(params, self.placements, lambda p, pl: zero.inputs(stage, p, pl))
+        loss_fn = lambda d, x: self._loss(d, const, x, stage)
+        if stage == 3:  # the gathered weights of the layers outside the scan are re-gathered in the backward
+            loss_fn = jax.checkpoint(loss_fn, policy=zero.no_gathered_saved(None))
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        if self.grad_accum == 1:
+            (loss, aux), grads = grad_fn(diff, inputs)
+        else:
+            accum = self.grad_accum
+            micro = jax.tree.map(lambda x: x.reshape((accum, x.shape[0] // accum) + x.shape[1:]), inputs)
+
+            def body(carry, mb):
+                (loss, aux), grads = grad_fn(diff, mb)
+                return jax.tree.map(jnp.add, carry, (loss, aux, grads)), None
+
+            (_, aux_shapes), grad_shapes = jax.eval_shape(grad_fn, diff, jax.tree.map(lambda x: x[0], micro))
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shapes),
+                     jax.tree.map(lambda g, d: vary_like(jnp.zeros(g.shape, g.dtype), d), grad_shapes, diff))
+            (loss, aux, grads), _ = lax.scan(body, zeros, micro)
+        grads = _map(lambda g, pl: zero.reduce(stage, g, pl), grads, self.placements)
+        return loss, aux, grads
+
+    # ------------------------------------------------------------------ the step
+    def _local_step(self, params, opt_state, inputs):
+        stage = self.stage
+        loss, aux, grads = self._value_and_grad(params, inputs)
+        norm = zero.global_norm(grads)
+        if self.clip is not None:
+            scale = jnp.where(norm <= self.clip, 1.0, self.clip / norm)
+            grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+        mine = _map(lambda p, pl: zero.update_slice(stage, p, pl), params, self.placements)
+        updates, opt_state = self.tx.update(grads, opt_state, mine)
+        new = optax.apply_updates(mine, updates)
+        params = _map(lambda p, pl: zero.updated(stage, p, pl), new, self.placements)
+        return params, opt_state, {"loss": loss, "grad_norm": norm, **aux}
+
+    def build(self, opt_specs):
+        """The jitted step(params, opt_state, batch, key) -> (params, opt_state, metrics)."""
+        body = self.plan.shard_map(self._local_step, in_specs=(self.param_specs, opt_specs, self.input_specs),
+                                   out_specs=(self.param_specs, opt_specs, P()))
+
+        def step(params, opt_state, batch, key):
+            return body(params, opt_state, self.task.prepare(batch, key))
+
+        replicated = NamedSharding(self.plan.run_mesh, P())
+        return jax.jit(step, donate_argnums=(0, 1),
+                       out_shardings=(self.shardings(self.param_specs), self.shardings(opt_specs), replicated))
+
+    def build_eval(self):
+        """The jitted held-out loss(params, batch, key) -> fp32 scalar (no gradients)."""
+        stage = 3 if self.stage == 3 else 0
+
+        def local(params, inputs):
+            diff, const = _split(params, self.placements, lambda p, pl: zero.inputs(stage, p, pl))
+            return self._loss(diff, const, inputs, stage)[0]
+
+        body = self.plan.shard_map(local, in_specs=(self.param_specs, self.input_specs), out_specs=P())
+        return jax.jit(lambda params, batch, key: body(params, self.task.prepare(batch, key)))
+
+    def build_grads(self):
+        """The jitted (params, batch, key) -> (loss, aux, grads): gradients summed over the replica axes, in the
+        optimizer's layout (ZeRO shards for stages >= 1), before clipping."""
+        def local(params, inputs):
+            return self._value_and_grad(params, inputs)
+
+        body = self.plan.shard_map(local, in_specs=(self.param_specs, self.input_specs),
+                                   out_specs=(P(), P(), self.moment_specs))
+        return jax.jit(lambda params, batch, key: body(params, self.task.prepare(batch, key)))
+
+
+def value_and_grad(model, plan, objective, batch, key, *, dtype=jnp.float32, remat: str = "none",
+                   grad_accum: int = 1):
+    """(loss, grads) of `objective` for an nnx `model` on `plan`, through the train step's own path (one
+    shard_map, the plan's ZeRO stage): loss fp32 scalar, grads a nested dict like `nnx.to_pure_dict`.
+    For tests and notebooks; training uses `TrainStep` directly."""
+    from jaxring.nn import param_placements
+    graphdef, state = nnx.split(model)
+    placements = param_placements(state, plan)
+    step = TrainStep(plan, graphdef, placements, None, objective, dtype=dtype, remat=remat, grad_accum=grad_accum,
+                     stack=model.STACK, layer_graphdef=nnx.split(getattr(model, model.STACK))[0])
+    params = jax.device_put(nnx.to_pure_dict(state), step.shardings(step.param_specs))
+    loss, _, grads = step.build_grads()(params, batch, key)
+    return loss, grads

@@ -1,0 +1,205 @@
+"""Explicit ZeRO stages over the replica axes, written as the collectives they are (inside the step's shard_map).
+
+The replica axes R of a weight are the plan's batch and sequence axes it is not already split over: the
+devices that hold the same weight while working on different tokens, so its gradient is a sum over R. With
+N = |R| devices and Ψ parameters (the Ultra-Scale Playbook, seed 003; Adam's k = 8 bytes of fp32 moments
+here, fp32 master weights and gradients):
+
+  stage 0  weights, gradients and optimizer state replicated; gradient all-reduce (psum over R): 2Ψ moved
+  stage 1  optimizer state sharded: gradients reduce-scattered (psum_scatter), each rank updates its slice,
+           the new weights all-gathered: Ψ + Ψ moved
+  stage 2  gradients sharded too: each layer's gradient is reduce-scattered as the backward produces it (no
+           full gradient buffer; with accumulation the shards accumulate): Ψ + Ψ moved
+  stage 3  weights sharded too: all-gathered per layer in the forward and again in the backward (never
+           saved for it), gradients reduce-scattered: 3Ψ moved
+
+A weight is sharded along its `zero_dim`: its "embed" dimension when it splits N ways, else its largest that
+does (after any tensor-parallel split of that dim); a weight with none stays replicated and is all-reduced
+(stage 0 behaviour) whatever the stage.
+
+How the step uses this module, per weight leaf (`Placement`):
+  diff, const = inputs(stage, p)            what is differentiated, what is only read
+  w = materialize(stage, diff, const)       the weight as the layer uses it (per layer inside the scan)
+  g = reduce(stage, grad_of_diff)           the gradient in the optimizer's layout
+  p, opt = update(...)                      the sharded (or replicated) update, then the all-gather
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from jaxring.vma import vary, varying_axes
+
+GATHERED = "zero3_gathered"   # checkpoint name of weights all-gathered by stage 3 (never saved for backward)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one weight lives. spec: mesh axes per dim from the tensor method and the pipeline (not ZeRO);
+    zero_dim: the dim sharded over `replica` (None: not sharded by ZeRO); replica: R for this weight."""
+    spec: tuple
+    zero_dim: int | None
+    replica: tuple[str, ...]
+
+    def with_zero(self) -> tuple:
+        """spec with the replica axes added (minor) to zero_dim."""
+        if self.zero_dim is None:
+            return self.spec
+        spec = list(self.spec)
+        have = spec[self.zero_dim]
+        have = () if have is None else (have,) if isinstance(have, str) else tuple(have)
+        spec[self.zero_dim] = _entry(have + self.replica)
+        return tuple(spec)
+
+    def param_spec(self, stage: int) -> P:
+        """How the weight is stored between steps."""
+        return P(*(self.with_zero() if stage == 3 else self.spec))
+
+    def state_spec(self, stage: int) -> P:
+        """How its optimizer moments are stored."""
+        return P(*(self.with_zero() if stage >= 1 else self.spec))
+
+
+def _entry(axes):
+    axes = tuple(a for a in axes if a is not None)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _axes_of(entry) -> tuple:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def place(spec: tuple, shape: tuple, logical_axes, replica: tuple[str, ...], mesh_shape: dict,
+          zero_sharding: bool = True) -> Placement:
+    """The Placement of a weight of `shape` split as `spec`, replicated over `replica` (size N)."""
+    used = {a for e in spec for a in _axes_of(e)}
+    replica = tuple(a for a in replica if a not in used)
+    n = math.prod(mesh_shape[a] for a in replica)
+    if n == 1 or not zero_sharding:
+        return Placement(tuple(spec), None, replica)
+    local = [d // math.prod(mesh_shape[a] for a in _axes_of(e)) for d, e in zip(shape, spec)]
+    logical = tuple(logical_axes or (None,) * len(shape))
+    candidates = [i for i, d in enumerate(local) if d % n == 0 and d > 0]
+    if not candidates:
+        return Placement(tuple(spec), None, replica)
+    embed = [i for i in candidates if logical[i] == "embed"]
+    zero_dim = embed[0] if embed else max(candidates, key=lambda i: (local[i], -i))
+    return Placement(tuple(spec), zero_dim, replica)
+
+
+# ---------------------------------------------------------------------------------------- collectives
+
+def _scatter(x, placement: Placement):
+    return lax.psum_scatter(x, placement.replica, scatter_dimension=placement.zero_dim, tiled=True)
+
+
+def _slice(x, placement: Placement):
+    """This rank's ZeRO slice of a replicated x (the part psum_scatter would leave here)."""
+    n = math.prod(lax.axis_size(a) for a in placement.replica)
+    size = x.shape[placement.zero_dim] // n
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(placement.replica) * size, size, placement.zero_dim)
+
+
+def gather_replicated(x, placement: Placement):
+    """All-gather of the ZeRO shards into the replicated weight (its type: replicated over R)."""
+    try:
+        from jax._src.lax.parallel import all_gather_invariant
+    except ImportError:  # older/newer jax without it: a zero-padded psum (twice the bytes, same result)
+        full = jnp.zeros(x.shape[:placement.zero_dim] + (x.shape[placement.zero_dim] *
+                         math.prod(lax.axis_size(a) for a in placement.replica),) + x.shape[placement.zero_dim + 1:],
+                         x.dtype)
+        start = lax.axis_index(placement.replica) * x.shape[placement.zero_dim]
+        return lax.psum(lax.dynamic_update_slice_in_dim(full, x, start, placement.zero_dim), placement.replica)
+    return all_gather_invariant(x, placement.replica, axis=placement.zero_dim, tiled=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _attach(w, shard, placement):
+    """Stage 2: the replicated weight as the layer uses it (varying over R); the gradient goes to `shard`,
+    reduce-scattered right away, so no full gradient of the weight outlives its layer's backward."""
+    del shard
+    return vary(w, placement.replica)
+
+
+def _attach_fwd(w, shard, placement):
+    return _attach(w, shard, placement), None
+
+
+def _attach_bwd(placement, _, g):
+    return None, _scatter(g, placement)
+
+
+_attach.defvjp(_attach_fwd, _attach_bwd)
+
+
+# ---------------------------------------------------------------------------------------- the stages
+
+def inputs(stage: int, p, placement: Placement):
+    """(diff, const) for weight p as stored: the step differentiates the loss w.r.t. diff."""
+    if placement.zero_dim is None or stage in (0, 1):
+        return vary(p, placement.replica), None       # each rank's own, unreduced gradient
+    if stage == 2:
+        shard = vary(jnp.zeros_like(_slice(p, placement)), placement.replica)
+        return shard, p
+    return p, None                                    # stage 3: the shard itself
+
+
+def materialize(stage: int, diff, const, placement: Placement):
+    """The weight as a layer reads it."""
+    if placement.zero_dim is None or stage in (0, 1):
+        return diff
+    if stage == 2:
+        return _attach(const, diff, placement)
+    w = lax.all_gather(diff, placement.replica, axis=placement.zero_dim, tiled=True)   # backward: reduce-scatter
+    return checkpoint_name(w, GATHERED)
+
+
+def reduce(stage: int, g, placement: Placement):
+    """The gradient of diff, reduced into the optimizer's layout (summed over R)."""
+    if placement.zero_dim is None or stage == 0:
+        return lax.psum(g, placement.replica) if placement.replica else g
+    if stage == 1:
+        return _scatter(g, placement)
+    return g                                          # stages 2, 3: reduce-scattered by the backward itself
+
+
+def update_slice(stage: int, p, placement: Placement):
+    """The part of weight p this rank updates (its ZeRO slice for stages 1, 2)."""
+    if placement.zero_dim is not None and stage in (1, 2):
+        return _slice(p, placement)
+    return p
+
+
+def updated(stage: int, new_slice, placement: Placement):
+    """The stored weight after the update: stages 1, 2 all-gather the new slices."""
+    if placement.zero_dim is not None and stage in (1, 2):
+        return gather_replicated(new_slice, placement)
+    return new_slice
+
+
+def global_norm(tree) -> jax.Array:
+    """sqrt(Σ g²) over a tree of local gradient pieces: each leaf's sum of squares is summed over the mesh
+    axes the leaf varies over (its distinct pieces), and not over those it is replicated on."""
+    total = jnp.zeros((), jnp.float32)
+    for g in jax.tree.leaves(tree):
+        sq = jnp.sum(jnp.square(g.astype(jnp.float32)))
+        axes = tuple(sorted(varying_axes(sq)))
+        total = total + (lax.psum(sq, axes) if axes else sq)
+    return jnp.sqrt(total)
+
+
+def no_gathered_saved(policy=None):
+    """A remat policy that never saves stage 3's gathered weights (they are all-gathered again in the
+    backward) and otherwise follows `policy` (None: save everything)."""
+    def keep(prim, *args, **params):
+        if params.get("name") == GATHERED:
+            return False
+        return True if policy is None else policy(prim, *args, **params)
+    return keep
