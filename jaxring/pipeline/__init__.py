@@ -1,0 +1,16 @@
+"""Pipeline parallelism inside one shard_map: schedules as tables (gpipe, 1f1b, interleaved, zero-bubble), a
+simulator driven by the same tables, and the interpreter that runs them over the `pp` mesh axis.
+
+    schedule = make_schedule("1f1b", num_stages=4, num_microbatches=8)
+    print(schedule.chart()); simulate(schedule).bubble           # 3/8
+    # inside the caller's shard_map:
+    loss, aux, d_stage, d_shared = pipeline_loss_and_grads(schedule, embed_fn=..., stage_fn=..., loss_fn=...,
+                                                           stage_params=..., shared_params=..., microbatches=...)
+"""
+from jaxring.pipeline.interpreter import pipeline_loss_and_grads
+from jaxring.pipeline.lowering import lower
+from jaxring.pipeline.schedules import SCHEDULES, Schedule, make_schedule
+from jaxring.pipeline.simulate import bubble_fraction, peak_in_flight, plot_schedule, simulate
+
+__all__ = ["SCHEDULES", "Schedule", "make_schedule", "simulate", "bubble_fraction", "peak_in_flight",
+           "plot_schedule", "pipeline_loss_and_grads", "lower"]

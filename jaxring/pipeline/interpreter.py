@@ -1,0 +1,335 @@
+"""Runs a schedule table inside a shard_map the caller owns: loss and gradients of a pipelined layer stack.
+
+Each tick, every stage (device on the `pp` axis) looks up its action in the table and runs it with one
+`lax.switch` (a stage-dependent index); then, outside the switch, the activations that the table says are sent
+this tick go forward and the input gradients backward with `lax.ppermute`, whose source-target pairs are
+exactly the stages that send (static per tick). What arrives is put in an inbox slot; residuals wait in slot
+buffers between a micro-batch's forward and its backward:
+
+  F   x = embed_fn(shared, mb) on the first virtual stage, else the inbox; y, saved = forward(chunk, x, mb);
+      saved -> residual slot; on the last virtual stage (loss, aux) = loss_fn(shared, y, mb) and its vjp right
+      away (the head's gradient is accumulated now, dy waits in the gradient inbox); else send y on.
+  BW  dchunk, dx = backward(chunk, saved, dy, mb); accumulate dchunk; send dx back (first virtual stage:
+      accumulate the embedding's gradient instead, from embed_fn's vjp recomputed there).
+  B   dx, stash = backward_input(...); the W-only residuals and the stash wait for W.      (zero-bubble)
+  W   dchunk = backward_weight(...); accumulate.                                           (zero-bubble)
+
+Loop structure (see lowering.py): ticks whose send pattern repeats periodically run as one `fori_loop` over the
+period; the others are unrolled. So the compiled program sends exactly what the schedule sends: 2·m activations
+per stage boundary per step (v·m forward over each link for interleaved, (v-1)·m over the wrap-around link).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxring.pipeline.lowering import Branch, Lowered, lower
+from jaxring.pipeline.schedules import B, BW, F, IDLE, W, Schedule
+from jaxring.pipeline.stage_vjp import stage_vjp
+from jaxring.vma import varying_axes, vary
+
+
+def pipeline_loss_and_grads(schedule: Schedule, *, embed_fn: Callable, stage_fn: Callable, loss_fn: Callable,
+                            stage_params, shared_params, microbatches, axis_name: str = "pp",
+                            data_axes=None, reduce_data_axes: bool = True, poison: bool = False):
+    """Loss and gradients of `loss_fn(head(stage_fn^(v·p)(embed_fn(mb))))` summed over micro-batches, pipelined.
+
+    Call inside `jax.shard_map` (check_vma=True or False) over a mesh with `axis_name` of size
+    schedule.num_stages; other mesh axes may be present (the micro-batches split over data axes, stage_fn using
+    tp / sp collectives): only `axis_name` carries the pipeline's traffic.
+
+    Args:
+      schedule: `make_schedule(name, pp, m, v)`.
+      embed_fn(shared, mb) -> x: the first virtual stage's input (x: a pytree of arrays, e.g. [b, s, h]).
+      stage_fn(chunk, x, mb) -> x: one chunk of layers (it scans its layers itself); x keeps shape and dtype.
+      loss_fn(shared, x, mb) -> (loss_sum, aux): on the last virtual stage; aux a pytree of fp32 scalars.
+        An auxiliary loss that should be trained (MoE balance) must be part of loss_sum; stage_fn can carry
+        it to the head inside x.
+      stage_params: this device's chunks, every leaf [v, layers_per_chunk, ...]; chunk c of pp rank s is
+        virtual stage c·pp + s.
+      shared_params: parameters outside the stack (embedding, final norm, head), replicated over `axis_name`.
+      microbatches: pytree, every leaf [m, ...] (this device's share of the batch).
+      data_axes: the mesh axes the batch is split over (the loss is a sum over them). Default: the axes the
+        micro-batches vary over (other than `axis_name`), read from their types; with check_vma=False the types
+        are empty, so name them here (default then: none).
+      reduce_data_axes: sum loss, aux and gradients over the data axes once per step. False: leave them per
+        device (varying over those axes) for the caller to reduce, e.g. with psum_scatter for ZeRO.
+      poison: fill every buffer slot and unsent message with NaN (a debugging aid; a correct table never reads
+        them, so results stay finite).
+
+    Returns:
+      (loss_sum, aux_sum, d_stage_params, d_shared_params): loss and aux summed over micro-batches (and, with
+      reduce_data_axes, over the data axes), invariant over `axis_name`; d_stage_params like stage_params (this
+      stage's chunks); d_shared_params like shared_params, summed over `axis_name` so every stage holds the
+      total. Gradients have the varying axes of their parameters (plus the data axes when not reduced).
+    """
+    p, v, m = schedule.num_stages, schedule.virtual_stages, schedule.num_microbatches
+    pp_size = lax.axis_size(axis_name)
+    if pp_size != p:
+        raise ValueError(f"schedule has {p} stages but mesh axis {axis_name!r} has size {pp_size}")
+    for path, leaf in jax.tree_util.tree_leaves_with_path(stage_params):
+        if leaf.ndim < 1 or leaf.shape[0] != v:
+            raise ValueError(f"stage_params{jax.tree_util.keystr(path)} has shape {leaf.shape}; every leaf needs a "
+                             f"leading chunk dimension of virtual_stages = {v}")
+    for path, leaf in jax.tree_util.tree_leaves_with_path(microbatches):
+        if leaf.ndim < 1 or leaf.shape[0] != m:
+            raise ValueError(f"microbatches{jax.tree_util.keystr(path)} has shape {leaf.shape}; every leaf needs a "
+                             f"leading micro-batch dimension of num_microbatches = {m}")
+    lowered = lower(schedule)
+    run = _Interpreter(lowered, embed_fn, stage_fn, loss_fn, stage_params, shared_params, microbatches,
+                       axis_name, data_axes, poison)
+    state = run.run()
+    return run.finish(state, stage_params, shared_params, reduce_data_axes)
+
+
+def _index(tree, i):
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def _read(buffers: list, slot) -> list:
+    return [lax.dynamic_index_in_dim(b, slot, keepdims=False) for b in buffers]
+
+
+def _write(buffers: list, slot, values: list) -> list:
+    return [lax.dynamic_update_index_in_dim(b, vary(x.astype(b.dtype), varying_axes(b)), slot, 0)
+            for b, x in zip(buffers, values)]
+
+
+def _add(acc, value):
+    """acc + value, keeping acc's type (accumulators vary over every axis their summands vary over)."""
+    return acc + vary(value.astype(acc.dtype), varying_axes(acc))
+
+
+def _vma(aval) -> frozenset:
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def _full(aval, count, fill, extra_vma=frozenset()):
+    value = fill if jnp.issubdtype(aval.dtype, jnp.floating) else 0
+    return vary(jnp.full((count, *aval.shape), value, aval.dtype), _vma(aval) | extra_vma)
+
+
+class _Interpreter:
+    def __init__(self, lowered: Lowered, embed_fn, stage_fn, loss_fn, stage_params, shared_params,
+                 microbatches, axis_name, data_axes, poison):
+        self.lowered, self.schedule = lowered, lowered.schedule
+        self.embed_fn, self.stage_fn, self.loss_fn = embed_fn, stage_fn, loss_fn
+        self.axis_name, self.fill = axis_name, float("nan") if poison else 0.0
+        self.split = self.schedule.split_backward
+        pp = frozenset({axis_name})
+        # data axes: what the micro-batches vary over. Parameters are cast to vary over them too, so each
+        # tick's gradient stays per device (no reduction per micro-batch); `finish` reduces once.
+        # check_vma=False leaves every type empty: then nothing can be read from types, and `finish` reduces
+        # over the pipeline axis (and the named data axes) unconditionally
+        self.typed = axis_name in varying_axes(jax.tree.leaves(stage_params)[0])
+        if data_axes is None:
+            data_axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(microbatches)))
+        self.data_axes = frozenset(data_axes) - pp
+        self.stage_params = jax.tree.map(lambda a: vary(a, self.data_axes), stage_params)
+        self.shared = jax.tree.map(lambda a: vary(a, self.data_axes | pp), shared_params)
+        self.microbatches = jax.tree.map(lambda a: vary(a, pp), microbatches)
+        self.stage = lax.axis_index(axis_name)
+        self._trace_stage(pp)
+
+    # ---- tracing the pieces once (types only; nothing here runs) ----
+    def _trace_stage(self, pp):
+        """Types of the activation (x), the residuals and the loss. Activations vary over what the embedding
+        output varies over, the pipeline axis and the data axes (every leaf alike), and over whatever more
+        stage_fn's output varies over (e.g. a sequence-parallel axis)."""
+        mb0 = _index(self.microbatches, 0)
+        chunk0 = _index(self.stage_params, 0)
+        x_shape = jax.eval_shape(self.embed_fn, self.shared, mb0)
+        x_vma = frozenset().union(*(_vma(a) for a in jax.make_jaxpr(self.embed_fn)(self.shared, mb0).out_avals))
+        x_vma |= pp | self.data_axes
+        for _ in range(3):
+            def embed_x(shared, mb, x_vma=x_vma):
+                return jax.tree.map(lambda a: vary(a, x_vma), self.embed_fn(shared, mb))
+            x_avals = jax.make_jaxpr(embed_x)(self.shared, mb0).out_avals
+            self.x_tree = jax.tree.structure(x_shape)
+            self.vjp = stage_vjp(self.stage_fn, chunk0, self.x_tree.unflatten(x_avals), mb0, split=self.split)
+            y_avals = self.vjp.fwd.out_avals[:len(x_avals)]
+            y_vma = frozenset().union(*(_vma(y) for y in y_avals))
+            if y_vma <= x_vma:
+                break
+            x_vma |= y_vma
+        else:
+            raise RuntimeError("could not find varying axes that stage_fn's output keeps")
+        self.x_avals = x_avals
+        self.x_vma = self.x_tree.unflatten([_vma(a) for a in x_avals])
+        y_example = self.x_tree.unflatten(x_avals)
+        loss_jaxpr, (_, self.aux_shape) = jax.make_jaxpr(self.loss_fn, return_shape=True)(
+            self.shared, y_example, mb0)
+        self.loss_avals = loss_jaxpr.out_avals
+
+    # ---- the state carried from tick to tick ----
+    def init_state(self):
+        slots, fill = self.lowered.slots, self.fill
+        state = {"x": [_full(a, slots["x"], fill) for a in self.x_avals],
+                 "dy": [_full(a, slots["dy"], fill) for a in self.x_avals]}
+        saved = self.vjp.saved_avals
+        if self.split:
+            sp = self.vjp.split
+            state["res"] = [_full(saved[i], slots["res"], fill) for i in sp.saved_b]
+            state["wres"] = [_full(saved[i], slots["wres"], fill) for i in sp.saved_w]
+            state["stash"] = [_full(a, slots["stash"], fill) for a in sp.stash_avals]
+        else:
+            state["res"] = [_full(a, slots["res"], fill) for a in saved]
+        pp = frozenset({self.axis_name})
+        state["d_stage"] = jax.tree.map(lambda a: vary(jnp.zeros(a.shape, jnp.float32), varying_axes(a) | pp),
+                                        self.stage_params)
+        state["d_shared"] = jax.tree.map(lambda a: vary(jnp.zeros(a.shape, jnp.float32), varying_axes(a)),
+                                         self.shared)
+        loss_vma = frozenset().union(*(_vma(a) for a in self.loss_avals)) | pp | self.data_axes
+        state["loss"] = vary(jnp.zeros((), jnp.float32), loss_vma)
+        state["aux"] = jax.tree.map(lambda a: vary(jnp.zeros(a.shape, jnp.float32), loss_vma), self.aux_shape)
+        return state
+
+    # ---- the actions ----
+    def _chunk(self, c):
+        if self.schedule.virtual_stages == 1:
+            return jax.tree.map(lambda a: a[0], self.stage_params)
+        return _index(self.stage_params, c)
+
+    def _accumulate_stage(self, state, c, grads: dict):
+        """Adds {chunk leaf index: gradient} into chunk c of the stage-parameter gradient."""
+        leaves, tree = jax.tree.flatten(state["d_stage"])
+        for j, g in grads.items():
+            acc = leaves[j]
+            g = vary(g.astype(acc.dtype), varying_axes(acc))
+            if self.schedule.virtual_stages == 1:
+                leaves[j] = acc.at[0].add(g)
+            else:
+                leaves[j] = lax.dynamic_update_index_in_dim(acc, lax.dynamic_index_in_dim(acc, c, keepdims=False)
+                                                            + g, c, 0)
+        return {**state, "d_stage": tree.unflatten(leaves)}
+
+    def _accumulate_shared(self, state, grads):
+        return {**state, "d_shared": jax.tree.map(_add, state["d_shared"], grads)}
+
+    def _embed(self, shared, mb):
+        return jax.tree.map(lambda a, e: vary(a, e), self.embed_fn(shared, mb), self.x_vma)
+
+    def _embed_grad(self, state, mb, dx_leaves):
+        """The embedding's gradient on the first virtual stage: embed_fn's vjp, recomputed (a lookup)."""
+        _, embed_vjp = jax.vjp(lambda shared: self._embed(shared, mb), self.shared)
+        (d_shared,) = embed_vjp(self.x_tree.unflatten(dx_leaves))
+        return self._accumulate_shared(state, d_shared)
+
+    def _nothing(self):
+        return [vary(jnp.full(a.shape, self.fill if jnp.issubdtype(a.dtype, jnp.floating) else 0, a.dtype),
+                     _vma(a)) for a in self.x_avals]
+
+    def _action(self, branch: Branch):
+        """The switch branch for `branch`: (state, fields) -> (state, forward message, backward message)."""
+        vjp, split = self.vjp, self.vjp.split
+
+        def idle(state, f):
+            return state, self._nothing(), self._nothing()
+
+        def forward(state, f):
+            mb = _index(self.microbatches, f["mb"])
+            chunk = jax.tree.leaves(self._chunk(f["chunk"]))
+            x = jax.tree.leaves(self._embed(self.shared, mb)) if branch.first else _read(state["x"], f["x_slot"])
+            y, saved = vjp.forward(chunk, x, jax.tree.leaves(mb))
+            if self.split:
+                state = {**state, "res": _write(state["res"], f["res_slot"], [saved[i] for i in split.saved_b]),
+                         "wres": _write(state["wres"], f["wres_slot"], [saved[i] for i in split.saved_w])}
+            else:
+                state = {**state, "res": _write(state["res"], f["res_slot"], saved)}
+            if not branch.last:
+                return state, y, self._nothing()
+            (loss, loss_vjp, aux) = jax.vjp(lambda shared, y_: self.loss_fn(shared, y_, mb), self.shared,
+                                            self.x_tree.unflatten(y), has_aux=True)
+            d_shared, dy = loss_vjp(jnp.ones_like(loss))
+            state = self._accumulate_shared(state, d_shared)
+            state = {**state, "loss": _add(state["loss"], loss), "aux": jax.tree.map(_add, state["aux"], aux),
+                     "dy": _write(state["dy"], f["dy_slot"], jax.tree.leaves(dy))}
+            return state, self._nothing(), self._nothing()
+
+        def backward(state, f):            # BW (whole) or B (input gradient)
+            mb = _index(self.microbatches, f["mb"])
+            chunk = jax.tree.leaves(self._chunk(f["chunk"]))
+            dy = _read(state["dy"], f["dy_slot"])
+            saved = _read(state["res"], f["res_slot"])
+            if branch.kind == BW:
+                dchunk, dx = vjp.backward(chunk, saved, dy, jax.tree.leaves(mb))
+                state = self._accumulate_stage(state, f["chunk"], dict(enumerate(dchunk)))
+            else:
+                dx, stash, early = split.backward_input(chunk, saved, dy, jax.tree.leaves(mb))
+                state = self._accumulate_stage(state, f["chunk"], early)
+                state = {**state, "stash": _write(state["stash"], f["stash_slot"], stash)}
+            if branch.first:
+                return self._embed_grad(state, mb, dx), self._nothing(), self._nothing()
+            return state, self._nothing(), dx
+
+        def weight(state, f):              # W
+            mb = _index(self.microbatches, f["mb"])
+            chunk = jax.tree.leaves(self._chunk(f["chunk"]))
+            late = split.backward_weight(chunk, _read(state["wres"], f["wres_slot"]),
+                                         _read(state["stash"], f["stash_slot"]), jax.tree.leaves(mb))
+            return self._accumulate_stage(state, f["chunk"], late), self._nothing(), self._nothing()
+
+        return {IDLE: idle, F: forward, B: backward, BW: backward, W: weight}[branch.kind]
+
+    # ---- ticks ----
+    def _tick(self, state, t, branches: list[Branch], fwd_pairs, bwd_pairs):
+        row = self.table[t, self.stage]
+        fields = {name: row[self.lowered.field(name)] for name in
+                  ("branch", "mb", "chunk", "x_slot", "dy_slot", "res_slot", "wres_slot", "stash_slot",
+                   "recv_x_slot", "recv_dy_slot")}
+        actions = [self._action(b) for b in branches]
+        if len(actions) == 1:
+            state, send_f, send_b = actions[0](state, fields)
+        else:
+            state, send_f, send_b = lax.switch(fields["branch"], actions, state, fields)
+        for pairs, message, inbox, slot in ((fwd_pairs, send_f, "x", "recv_x_slot"),
+                                            (bwd_pairs, send_b, "dy", "recv_dy_slot")):
+            if pairs:
+                received = [lax.ppermute(a, self.axis_name, list(pairs)) for a in message]
+                state = {**state, inbox: self._receive(state[inbox], fields[slot], received)}
+        return state
+
+    @staticmethod
+    def _receive(buffers, slot, received):
+        valid = slot >= 0
+        slot = jnp.maximum(slot, 0)
+        old = _read(buffers, slot)
+        return _write(buffers, slot, [jnp.where(valid, vary(r, varying_axes(o)), o) for r, o in zip(received, old)])
+
+    def run(self):
+        self.table = jnp.asarray(self.lowered.fields)
+        lowered = self.lowered
+        state = self.init_state()
+        for seg in lowered.segments:
+            def period(state, r, seg=seg):
+                for j in range(seg.period):
+                    t0 = seg.start + j
+                    t = t0 if isinstance(r, int) else t0 + r * seg.period
+                    state = self._tick(state, t, seg.branches[j], lowered.fwd_pairs[t0], lowered.bwd_pairs[t0])
+                return state
+            if seg.repeats == 1:
+                state = period(state, 0)
+            else:
+                state = lax.fori_loop(0, seg.repeats, lambda r, s: period(s, r), state)
+        return state
+
+    def finish(self, state, stage_params, shared_params, reduce_data_axes):
+        pp = frozenset({self.axis_name})
+        data = self.data_axes if reduce_data_axes else frozenset()
+
+        def reduce(g, like, axes):
+            axes = tuple(sorted(axes & varying_axes(g) if self.typed else axes))
+            g = lax.psum(g, axes) if axes else g
+            return g.astype(like.dtype)
+
+        d_stage = jax.tree.map(lambda g, a: reduce(g, a, data - varying_axes(a)),
+                               state["d_stage"], stage_params)
+        d_shared = jax.tree.map(lambda g, a: reduce(g, a, (data | pp) - varying_axes(a)),
+                                state["d_shared"], shared_params)
+        loss = reduce(state["loss"], state["loss"], data | pp)
+        aux = jax.tree.map(lambda a: reduce(a, a, data | pp), state["aux"])
+        return loss, aux, d_stage, d_shared
