@@ -8,17 +8,29 @@
 
 Without an accelerator, --cpu-devices N simulated CPU devices are used (default 8). With no mesh flag the
 whole machine is one sequence-parallel ring (sp = device count).
+
+Exit codes: 0 done; 2 a bad flag, data file, checkpoint or multi-host set-up (one line on stderr; --debug
+shows the traceback); 3 training diverged (see --on-divergence); 128 + N stopped by signal N (SIGTERM: 143,
+SIGINT: 130) after finishing the step and saving it.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 
+EXIT_USER_ERROR, EXIT_DIVERGED = 2, 3
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """One line (not the usage block), exit code 2."""
+        self.exit(EXIT_USER_ERROR, f"error: {message} (see python train.py --help)\n")
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model and run")
     g.add_argument("--model", choices=("gpt", "dit"), default="gpt")
     g.add_argument("--preset", default="tiny", help="gpt: tiny, gpt2-124m, 1b, 7b; dit: tiny, dit-s, dit-1b")
@@ -59,38 +71,64 @@ def parse_args(argv=None):
     g.add_argument("--sample-path", default="samples.png", help="DiT: where to write the sample grid")
     g.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     g.add_argument("--log-every", type=int, default=10, help="steps between log lines without a progress bar")
+    g.add_argument("--debug", action="store_true", help="show the traceback of an error, not only its line")
+    g = p.add_argument_group("divergence guard")
+    g.add_argument("--on-divergence", choices=("stop", "skip"), default="stop",
+                   help="when the loss is NaN/Inf or spikes: stop (exit 3), or skip the step (undo its update)")
+    g.add_argument("--spike-factor", type=float, default=3.0,
+                   help="a loss above this multiple of its lowest running mean is a spike (0: NaN/Inf only)")
+    g.add_argument("--spike-window", type=int, default=20, help="losses in the running mean")
     g = p.add_argument_group("multi-host")
-    g.add_argument("--coordinator", default=os.environ.get("JAX_COORDINATOR_ADDRESS"))
-    g.add_argument("--num-processes", type=int, default=_env_int("JAX_NUM_PROCESSES"))
-    g.add_argument("--process-id", type=int, default=_env_int("JAX_PROCESS_ID"))
+    g.add_argument("--coordinator", help="HOST:PORT of process 0 (default: $JAX_COORDINATOR_ADDRESS)")
+    g.add_argument("--num-processes", type=int, help="default: $JAX_NUM_PROCESSES")
+    g.add_argument("--process-id", type=int, help="0 .. num-processes - 1 (default: $JAX_PROCESS_ID)")
+    g.add_argument("--init-timeout", type=float, default=300,
+                   help="seconds to wait for every process to reach the coordinator")
     return p.parse_args(argv)
-
-
-def _overrides(items) -> dict:
-    out = {}
-    for item in items:
-        field, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--override {item!r} must be FIELD=VALUE")
-        try:
-            out[field] = json.loads(value)
-        except json.JSONDecodeError:
-            out[field] = value
-    return out
-
-
-def _env_int(name):
-    value = os.environ.get(name)
-    return int(value) if value is not None else None
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import jax
-    if args.coordinator or args.num_processes:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices across processes
-        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    from jaxring.train.guard import Diverged
+    from jaxring.train.signals import Interrupted
+    try:
+        return run(args)
+    except Interrupted as e:            # the loop saved and said so
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Diverged as e:
+        if args.debug:
+            raise
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_DIVERGED
+    except (ValueError, OSError) as e:  # bad flags, data, checkpoints, multi-host set-up
+        if args.debug:
+            raise
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def run(args) -> int:
+    from jaxring.train.guard import DivergenceGuard
+    from jaxring.train.multihost import env_int, initialize
+    from jaxring.train.validate import parse_overrides
+
+    guard = DivergenceGuard(args.on_divergence, args.spike_factor, args.spike_window)
+    overrides = parse_overrides(args.model, args.override)
+    coordinator = args.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    num_processes = args.num_processes if args.num_processes is not None else env_int("JAX_NUM_PROCESSES")
+    process_id = args.process_id if args.process_id is not None else env_int("JAX_PROCESS_ID")
+    if isinstance(args.cpu_devices, bool) or args.cpu_devices < 1:
+        raise ValueError(f"--cpu-devices {args.cpu_devices} must be a positive integer (simulated CPU devices)")
+    if coordinator or num_processes is not None:
+        initialize(coordinator, num_processes, process_id, timeout_s=args.init_timeout,
+                   cpu_devices=args.cpu_devices)
     from jaxring.platform import use_cpu_devices_if_no_accelerator
     devices = use_cpu_devices_if_no_accelerator(args.cpu_devices)
     from jaxring.train.loop import TrainConfig, train
@@ -107,13 +145,8 @@ def main(argv=None) -> int:
                       data=args.data, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                       keep_checkpoints=args.keep_checkpoints, resume=args.resume, metrics_file=args.metrics_file,
                       profile=args.profile, sample_tokens=args.sample_tokens, sample_path=args.sample_path,
-                      progress=not args.no_progress, log_every=args.log_every)
-    try:
-        cfg.model_overrides = _overrides(args.override)
-        train(cfg)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+                      progress=not args.no_progress, log_every=args.log_every, model_overrides=overrides)
+    train(cfg, guard=guard)
     return 0
 
 

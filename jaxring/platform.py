@@ -9,6 +9,8 @@ def use_cpu_devices_if_no_accelerator(count: int) -> list:
 
     Must run before anything queries JAX's devices; on a GPU/TPU machine the accelerators are returned.
     """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"--cpu-devices {count!r} must be a positive integer (simulated CPU devices)")
     try:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError:  # a backend already started: keep what it has

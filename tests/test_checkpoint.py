@@ -197,3 +197,142 @@ def test_missing_directory(tmp_path, sp8):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="exists and is not a directory"):
         Checkpointer(tmp_path / "file")
+
+
+# ---- damage, checksums, non-finite states -------------------------------------------------------------
+
+def _largest_array_file(step_dir):
+    """The largest data file of the step: the chunks of its largest array (small arrays sit inline in the
+    OCDBT index files)."""
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def _flip_bytes(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "truncated array file": lambda d: os.truncate(_largest_array_file(d), _largest_array_file(d).stat().st_size // 2),
+    "bit-flipped array file": lambda d: _flip_bytes(_largest_array_file(d)),
+    "empty manifest.ocdbt": lambda d: (d / "state" / "manifest.ocdbt").write_bytes(b""),
+    "garbage metadata": lambda d: (d / "metadata" / "metadata").write_text("{garbage"),
+    "garbage array metadata": lambda d: (d / "state" / "_METADATA").write_text("{garbage"),
+    "missing state": lambda d: __import__("shutil").rmtree(d / "state"),
+    "missing checksums": lambda d: __import__("shutil").rmtree(d / "checksums"),
+}
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory, sp8):
+    """Steps 1 and 2 of two different states, saved once; each test damages its own copy."""
+    root = tmp_path_factory.mktemp("two_steps")
+    states = {s: {**make_state(sp8, seed=s), "big": jax.device_put(jax.random.normal(jax.random.key(s), (64, 64)),
+                                                                  NamedSharding(sp8, P("sp")))} for s in (1, 2)}
+    with Checkpointer(root / "ck", async_save=False) as ck:
+        for step, state in states.items():
+            ck.save(step, state, metadata=META)
+    return root / "ck", states
+
+
+def _copy(src, tmp_path):
+    import shutil
+    dst = tmp_path / "ck"
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE) + ["empty step directory", "junk step directory"])
+def test_damaged_latest_step_falls_back_to_the_previous(damage, two_steps, tmp_path):
+    src, states = two_steps
+    ck_dir = _copy(src, tmp_path)
+    if damage in DAMAGE:
+        DAMAGE[damage](ck_dir / "2")
+        bad = 2
+    else:                                   # a numeric directory that is no checkpoint
+        (ck_dir / "3").mkdir()
+        if damage == "junk step directory":
+            (ck_dir / "3" / "junk").write_text("x")
+        bad = 3
+    good = bad - 1
+    lines = []
+    ck = Checkpointer(ck_dir)
+    step, restored = ck.restore_latest(as_target(states[2]), expected_metadata=META, report=lines.append)
+    assert step == good
+    assert_bit_exact(restored, states[good])
+    assert len(lines) == 2 and all("\n" not in line for line in lines)
+    assert lines[0].startswith(f"warning: checkpoint step {bad} in ") and lines[0].endswith(f"trying step {good}")
+    if damage == "bit-flipped array file":
+        assert "checksum mismatch in" in lines[0]           # only the checksums see it (see below)
+    assert f"moved damaged checkpoint step {bad} aside" in lines[1]
+    assert (ck_dir / f"{bad}.damaged").is_dir() and ck.all_steps() == list(range(1, good + 1))
+    assert ck.save(bad, states[2], metadata=META)           # that step number can be saved again
+    ck.close()
+
+
+def test_bit_flip_restores_silently_without_checksums(two_steps, tmp_path):
+    """Why the checksums exist: orbax reads a flipped byte back as a different value, without an error."""
+    src, states = two_steps
+    ck_dir = _copy(src, tmp_path)
+    _flip_bytes(_largest_array_file(ck_dir / "2"))
+    ck = Checkpointer(ck_dir)
+    unverified = ck.restore(2, as_target(states[2]), verify=False)
+    differs = [not np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+               for a, b in zip(jax.tree.leaves(unverified), jax.tree.leaves(states[2])) if isinstance(b, jax.Array)]
+    assert any(differs)
+    from jaxring.train.checkpoint import DamagedCheckpointError
+    with pytest.raises(DamagedCheckpointError, match=r"checkpoint step 2 .*checksum mismatch in '"):
+        ck.restore(2, as_target(states[2]))
+    ck.close()
+
+
+def test_every_step_damaged_is_an_error(two_steps, tmp_path):
+    from jaxring.train.checkpoint import DamagedCheckpointError
+    src, states = two_steps
+    ck_dir = _copy(src, tmp_path)
+    for step in (1, 2):
+        DAMAGE["missing state"](ck_dir / str(step))
+    lines = []
+    with pytest.raises(DamagedCheckpointError, match=r"every checkpoint in .* is damaged \(steps \[1, 2\]\)"):
+        Checkpointer(ck_dir).restore_latest(as_target(states[2]), report=lines.append)
+    assert lines[-1].endswith("no older step to try")
+    assert Checkpointer(tmp_path / "none").restore_latest(as_target(states[2])) == (None, None)
+
+
+def test_another_model_is_not_damage(two_steps, tmp_path):
+    """An intact step of another model is refused (ValueError), never skipped as if it were damaged."""
+    src, states = two_steps
+    ck = Checkpointer(_copy(src, tmp_path))
+    with pytest.raises(ValueError, match="incompatible model: num_layers 2 != 4"):
+        ck.restore_latest(as_target(states[2]), expected_metadata={"model": {**MODEL, "num_layers": 4}})
+    assert ck.all_steps() == [1, 2]
+    ck.close()
+
+
+def test_non_finite_state_is_never_saved(tmp_path, sp8):
+    from jaxring.train.checkpoint import NonFiniteStateError
+    state = make_state(sp8)
+    state["params"]["w"] = state["params"]["w"].at[3, 1].set(jnp.nan)
+    with Checkpointer(tmp_path / "ck", async_save=False) as ck:
+        with pytest.raises(NonFiniteStateError, match=r"not saving step 5: NaN or Inf values in 'params/w'"):
+            ck.save(5, state, metadata=META)
+        assert ck.all_steps() == []
+    assert not (tmp_path / "ck" / "5").exists()
+
+
+def test_checksums_do_not_depend_on_the_layout(sp8, dp2_sp4):
+    """Integer sums mod 2^32 are order-free: the same array on another mesh has the same checksums, and a
+    single flipped bit changes them."""
+    from jaxring.train.checksum import state_checksums
+    state = make_state(sp8)
+    other = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(dp2_sp4, new_spec(None, x)))
+                         if isinstance(x, jax.Array) else x, state)
+    sums = state_checksums(state)
+    assert sums == state_checksums(other)
+    assert all(s["finite"] for s in sums.values())
+    w = np.asarray(state["params"]["w"]).copy()
+    w.view(np.uint32)[5, 2] ^= 1 << 20
+    flipped = state_checksums({"params": {"w": jnp.asarray(w)}})["params/w"]
+    assert flipped["h1"] != sums["params/w"]["h1"] and flipped["h2"] != sums["params/w"]["h2"]

@@ -224,3 +224,21 @@ def test_image_errors(tmp_path):
         load_images(tmp_path / "mixed", image_size=8)
     with pytest.raises(ValueError, match="image_size 0 must be a positive integer"):
         load_images(None, image_size=0)
+
+
+def test_damaged_data_files_name_the_file(tmp_path):
+    """An empty .bin and a corrupt or truncated image are one-line ValueErrors naming the file."""
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"token file '.*empty.bin' is empty \(0 bytes\)"):
+        load_tokens(empty)
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    Image.new("RGB", (8, 8), (10, 20, 30)).save(folder / "good.png")
+    good = (folder / "good.png").read_bytes()
+    (folder / "cut.png").write_bytes(good[: len(good) // 2])           # truncated
+    with pytest.raises(ValueError, match=r"image '.*cut.png' cannot be read \(.*\); remove or replace it"):
+        load_images(folder, image_size=8)
+    (folder / "cut.png").write_bytes(b"not an image at all")           # junk with an image suffix
+    with pytest.raises(ValueError, match=r"image '.*cut.png' cannot be read"):
+        load_images(folder, image_size=8)

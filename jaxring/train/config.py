@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jaxring.mesh import make_mesh
 from jaxring.plan import ParallelPlan
+from jaxring.train.validate import validate_config
 
 PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 REMAT = ("none", "selective", "full")
@@ -63,6 +64,7 @@ class TrainConfig:
 
 
 def check_config(cfg: TrainConfig) -> None:
+    validate_config(cfg)        # every numeric setting and model override: type and range
     if cfg.model not in ("gpt", "dit"):
         raise ValueError(f"unknown model {cfg.model!r}; expected gpt or dit")
     if cfg.precision not in PRECISIONS:

@@ -166,12 +166,20 @@ def _bin_vocab(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
     return max(GPT2_VOCAB, top + 1)
 
 
+def _check_bin(path: Path) -> None:
+    size = path.stat().st_size
+    if size == 0:
+        raise ValueError(f"token file {str(path)!r} is empty (0 bytes): no tokens to train on")
+    if size % 2:
+        raise ValueError(f"{str(path)!r} has {size} bytes, not a whole number of uint16 tokens")
+
+
 def _load_bin(path: Path, split: str, vocab_size: int | None) -> TokenSource:
-    if path.stat().st_size % 2:
-        raise ValueError(f"{str(path)!r} has {path.stat().st_size} bytes, not a whole number of uint16 tokens")
+    _check_bin(path)
     val_file = path.with_name("val.bin")
     if path.name == "train.bin" and val_file.is_file():
         chosen = path if split == "train" else val_file
+        _check_bin(chosen)
         tokens = np.memmap(chosen, dtype=np.uint16, mode="r")
     else:
         tokens = np.memmap(path, dtype=np.uint16, mode="r")
@@ -310,12 +318,16 @@ def _image_files(folder: Path) -> list[Path]:
 def _load_rgb(path: Path, image_size: int) -> np.ndarray:
     """Centre-cropped to a square, resized (bilinear), RGB, in [-1, 1]."""
     from PIL import Image
-    with Image.open(path) as img:
-        img = img.convert("RGB")
-        w, h = img.size
-        side = min(w, h)
-        img = img.crop(((w - side) // 2, (h - side) // 2, (w - side) // 2 + side, (h - side) // 2 + side))
-        arr = np.asarray(_resize(img, image_size), np.float32)
+    try:
+        with Image.open(path) as img:
+            img = img.convert("RGB")
+            w, h = img.size
+            side = min(w, h)
+            img = img.crop(((w - side) // 2, (h - side) // 2, (w - side) // 2 + side, (h - side) // 2 + side))
+            arr = np.asarray(_resize(img, image_size), np.float32)
+    except Exception as e:  # noqa: BLE001  (Pillow raises OSError, SyntaxError, ValueError... for bad files)
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise ValueError(f"image {str(path)!r} cannot be read ({reason}); remove or replace it") from None
     return arr / 127.5 - 1.0
 
 

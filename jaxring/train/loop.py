@@ -1,35 +1,91 @@
 """The training loop behind `train.py`: step the trainer, log metrics (loss, tokens/s, MFU), checkpoint.
 
     history = train(TrainConfig(model="gpt", preset="tiny", sp=8, attention="ring", steps=50))
+
+Failures end in one exception, each with a one-line message (train.py turns them into exit codes):
+  * ValueError / FileNotFoundError: a bad setting, data or checkpoint directory (before any step runs).
+  * `Diverged`: the loss went non-finite or spiked (see guard.py), or the state to save holds NaN/Inf; the
+    bad state is never saved, the last checkpoint stays the newest.
+  * `Interrupted`: SIGTERM/SIGINT; the current step was finished, saved (with a checkpoint directory) and
+    every pending save waited for. A second signal exits at once.
+On resume, a damaged newest checkpoint is reported and the newest intact one used.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import signal
 import time
 
 import jax
+import numpy as np
 
-from jaxring.train.checkpoint import Checkpointer
+from jaxring.train.checkpoint import Checkpointer, DamagedCheckpointError, NonFiniteStateError  # noqa: F401
 from jaxring.train.config import TrainConfig, check_config, make_plan  # noqa: F401  (re-exported)
-from jaxring.train.metrics import peak_flops, peak_memory_bytes, profile_steps, progress_bar
+from jaxring.train.guard import Diverged, DivergenceGuard
+from jaxring.train.metrics import (drop_rows_after, peak_flops, peak_memory_bytes, profile_steps,  # noqa: F401
+                                   progress_bar, progress_postfix, step_metrics)
+from jaxring.train.signals import SIGNALS, GracefulStop, Interrupted
 from jaxring.train.trainer import Trainer  # noqa: F401  (re-exported)
 
+# settings that shape the optimizer schedule or the batches: a resume with other values gives other losses
+SCHEDULE_FIELDS = ("steps", "warmup", "lr", "min_lr_ratio", "weight_decay", "clip", "batch_size", "grad_accum",
+                   "seed", "seq_len", "image_size", "data")
 
-def train(cfg: TrainConfig, *, devices=None, log=print) -> list[dict]:
-    """Trains; returns the per-step metrics (a dict per step)."""
-    trainer = Trainer(cfg, devices)
+
+def train(cfg: TrainConfig, *, devices=None, log=print, guard: DivergenceGuard | None = None,
+          signals=SIGNALS) -> list[dict]:
+    """Trains; returns the per-step metrics (a dict per step: every metric the step returns, plus timing).
+
+    guard: the divergence guard (default: stop on a non-finite loss or a 3x spike). signals: the signals
+    that stop training gracefully (() leaves the process's handlers alone).
+    """
+    guard = guard if guard is not None else DivergenceGuard()
     is_main = jax.process_index() == 0
     say = log if is_main else (lambda *a, **k: None)
-    ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.keep_checkpoints) if cfg.checkpoint_dir else None
-    if cfg.resume and ckpt is not None and ckpt.latest_step() is not None:
-        trainer.restore(ckpt)
-        say(f"resumed from {cfg.checkpoint_dir} at step {trainer.step_count}")
+    with GracefulStop(signals) as stop:
+        check_config(cfg)
+        ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.keep_checkpoints) if cfg.checkpoint_dir else None
+        try:
+            if ckpt is not None and not cfg.resume and ckpt.all_steps():
+                raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir!r} already holds checkpoints (steps "
+                                 f"{ckpt.all_steps()}); pass --resume to continue from them, or use another "
+                                 f"directory")
+            trainer = Trainer(cfg, devices)
+            if cfg.resume:
+                _resume(cfg, trainer, ckpt, guard, say)
+            if trainer.step_count >= cfg.steps:
+                say(f"nothing to run: the checkpoint is at step {trainer.step_count}, --steps is {cfg.steps} "
+                    f"(raise --steps to train further)")
+                return []
+            _describe(cfg, trainer, say)
+            history = _run(cfg, trainer, ckpt, guard, stop, say, is_main)
+            if stop.requested():
+                _stop_on_signal(stop, trainer, ckpt, guard, say)
+            if ckpt is not None:
+                _save(ckpt, trainer, guard)
+        finally:
+            if ckpt is not None:
+                ckpt.close()           # waits for pending saves, also when stopping on an error
+    if history and cfg.eval_at_end:
+        say(f"final loss {history[-1]['loss']:.4f}; held-out loss {trainer.val_loss():.4f}")
+    if is_main and cfg.sample_tokens:
+        trainer.task.finish(trainer.model(), say)
+    return history
+
+
+def _describe(cfg, trainer, say):
     task = trainer.task
     n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
+    mesh = trainer.plan.mesh
     say(f"{cfg.model} {cfg.preset}: {n_params / 1e6:.2f}M params | {trainer.plan.describe()} | "
-        f"{trainer.plan.mesh.devices.size} x {trainer.plan.mesh.devices.flat[0].device_kind} | batch {cfg.batch_size} × "
+        f"{mesh.devices.size} x {mesh.devices.flat[0].device_kind} | batch {cfg.batch_size} × "
         f"{task.tokens_per_step // cfg.batch_size} tokens | data {task.source.name}")
+
+
+def _run(cfg, trainer, ckpt, guard, stop, say, is_main) -> list[dict]:
+    task = trainer.task
     peak = peak_flops(jax.devices()[0], cfg.precision)
     history = []
     metrics_file = open(cfg.metrics_file, "a") if (cfg.metrics_file and is_main) else None
@@ -37,38 +93,42 @@ def train(cfg: TrainConfig, *, devices=None, log=print) -> list[dict]:
     profiling = False
     profile_window = profile_steps(trainer.step_count, cfg.steps) if cfg.profile else None
     try:
-        while trainer.step_count < cfg.steps:
+        while trainer.step_count < cfg.steps and not stop.requested():
             step = trainer.step_count
             if profile_window and step == profile_window[0]:
                 jax.profiler.start_trace(cfg.profile)
                 profiling = True
+            before = _host_copy(trainer.state()) if guard.mode == "skip" else None
             t0 = time.perf_counter()
-            out = trainer.step()
-            loss = float(out["loss"])  # waits for the step
+            metrics, progress = step_metrics(trainer.step())      # waits for the step
             dt = time.perf_counter() - t0
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {step}; stopping (lower --lr or use fp32)")
-            tokens_per_s = task.tokens_per_step / dt
+            verdict = guard.check(step + 1, metrics["loss"])
+            if verdict is not None and verdict.action == "stop":
+                last = f" (newest checkpoint: step {ckpt.latest_step()})" if ckpt and ckpt.all_steps() else ""
+                raise Diverged(verdict.message + last)
+            if verdict is not None:                               # skip: undo the update
+                _set_state(trainer, _to_devices(before))
+                say(verdict.message)
             mfu = None if peak is None else task.flops_per_step() / dt / (peak * jax.device_count())
-            record = {"step": step + 1, "loss": loss, "grad_norm": float(out["grad_norm"]),
-                      "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
-                      "peak_memory_bytes": peak_memory_bytes()}
+            record = {"step": step + 1, "loss": metrics["loss"], **metrics, "tokens_per_s": task.tokens_per_step / dt,
+                      "mfu": mfu, "step_time_s": dt, "peak_memory_bytes": peak_memory_bytes()}
+            if verdict is not None:
+                record["skipped"] = True
             history.append(record)
             if metrics_file:
-                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.write(json.dumps(_json_safe(record)) + "\n")
                 metrics_file.flush()
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}",
-                                mfu="n/a" if mfu is None else f"{100 * mfu:.1f}%")
+                bar.set_postfix(progress_postfix(record, progress))
             elif is_main and (step + 1) % cfg.log_every == 0:
-                say(f"step {step + 1}: loss {loss:.4f}, {tokens_per_s:,.0f} tokens/s")
+                say(f"step {step + 1}: loss {record['loss']:.4f}, {record['tokens_per_s']:,.0f} tokens/s")
             if profiling and step + 1 == profile_window[1]:
                 jax.profiler.stop_trace()
                 profiling = False
                 say(f"wrote a profile of steps {profile_window[0] + 1}..{profile_window[1]} to {cfg.profile}")
             if ckpt is not None and cfg.checkpoint_every and trainer.step_count % cfg.checkpoint_every == 0:
-                ckpt.save(trainer.step_count, trainer.state(), metadata=trainer.metadata())
+                _save(ckpt, trainer, guard)
     finally:
         if profiling:
             jax.profiler.stop_trace()
@@ -76,11 +136,100 @@ def train(cfg: TrainConfig, *, devices=None, log=print) -> list[dict]:
             bar.close()
         if metrics_file:
             metrics_file.close()
-    if ckpt is not None:
-        ckpt.save(trainer.step_count, trainer.state(), metadata=trainer.metadata())
-        ckpt.close()
-    if history and cfg.eval_at_end:
-        say(f"final loss {history[-1]['loss']:.4f}; held-out loss {trainer.val_loss():.4f}")
-    if is_main and cfg.sample_tokens:
-        task.finish(trainer.model(), say)
     return history
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+def _save(ckpt, trainer, guard) -> bool:
+    """Saves the current step (not again if saved); Diverged if the state holds NaN/Inf (then nothing is saved)."""
+    metadata = {**trainer.metadata(), "guard": guard.state_dict()}
+    try:
+        return ckpt.save(trainer.step_count, trainer.state(), metadata=metadata)
+    except NonFiniteStateError as e:
+        raise Diverged(f"{e}; stopping (newest checkpoint: step {ckpt.latest_step()})") from None
+
+
+def _resume(cfg, trainer, ckpt, guard, say):
+    if not ckpt.all_steps():
+        say(f"--resume: no checkpoint in {cfg.checkpoint_dir} yet; starting from step 0")
+        return
+    step, _ = ckpt.newest_intact(lambda s: trainer.restore(ckpt, s), report=say)
+    saved = ckpt.metadata(step)
+    guard.load_state_dict(saved.get("guard"))
+    _warn_schedule(cfg, saved.get("config") or {}, step, say)
+    if cfg.metrics_file and jax.process_index() == 0:
+        dropped = drop_rows_after(cfg.metrics_file, step)
+        if dropped:
+            say(f"dropped {dropped} rows after step {step} from {cfg.metrics_file} (those steps run again)")
+    say(f"resumed from {cfg.checkpoint_dir} at step {trainer.step_count}")
+
+
+def _warn_schedule(cfg, saved: dict, step: int, say):
+    """One warning line when the run's schedule or batches differ from the checkpoint's run."""
+    now = dataclasses.asdict(cfg)
+    diffs = [f"--{k.replace('_', '-')} {saved[k]} -> {now[k]}" for k in SCHEDULE_FIELDS
+             if k in saved and k in now and saved[k] != now[k]]
+    if diffs:
+        say(f"warning: resuming step {step} with other settings than the run that saved it ({', '.join(diffs)}): "
+            f"the learning-rate schedule or the batches change, so the losses differ from one uninterrupted run")
+
+
+def _stop_on_signal(stop, trainer, ckpt, guard, say):
+    """After a SIGTERM/SIGINT: save this step, wait for every pending save, raise Interrupted."""
+    signum = stop.signum or signal.SIGTERM       # another process's signal: SIGTERM-like
+    name = signal.Signals(signum).name
+    if ckpt is None:
+        message = f"{name}: stopped after step {trainer.step_count}; no --checkpoint-dir, so nothing was saved"
+    else:
+        _save(ckpt, trainer, guard)
+        ckpt.wait()
+        message = (f"{name}: stopped after step {trainer.step_count} and saved it to {ckpt.directory}; continue "
+                   f"with --resume")
+    say(message)
+    raise Interrupted(signum, message)
+
+
+# ------------------------------------------------------------------------------ undoing a step (skip mode)
+# The trainer donates the state to its step, so the state before it is kept as a host copy (each host its
+# own shards) and put back when the guard skips the step. TODO(trainer): an in-step skip (keep the old
+# state inside the jitted step when the loss is over a given limit) would avoid this copy.
+
+class _OnHost:
+    """A host copy of one (possibly sharded, possibly multi-host) array: this host's shards and the layout."""
+
+    def __init__(self, x: jax.Array):
+        self.shape, self.sharding = x.shape, x.sharding
+        self.shards = [(s.device, np.asarray(s.data)) for s in x.addressable_shards]
+
+    def to_devices(self) -> jax.Array:
+        return jax.make_array_from_single_device_arrays(
+            self.shape, self.sharding, [jax.device_put(a, d) for d, a in self.shards])
+
+
+def _host_copy(state):
+    return jax.tree.map(lambda x: _OnHost(x) if isinstance(x, jax.Array) else x, state)
+
+
+def _to_devices(copy):
+    return jax.tree.map(lambda x: x.to_devices() if isinstance(x, _OnHost) else x, copy)
+
+
+def _set_state(trainer, state: dict):
+    """Puts `state` (trainer.state()'s structure) back into the trainer."""
+    if hasattr(trainer, "set_state"):
+        trainer.set_state(state)
+    else:
+        for name, value in state.items():
+            setattr(trainer, name, value)
+
+
+def _json_safe(record: dict) -> dict:
+    """NaN/Inf as null (JSON has no NaN)."""
+    def fix(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, list):
+            return [fix(x) for x in v]
+        return v
+    return {k: fix(v) for k, v in record.items()}

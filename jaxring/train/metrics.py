@@ -42,3 +42,72 @@ def progress_bar(cfg, start: int, is_main: bool):
         return None
     from tqdm.auto import tqdm
     return tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True)
+
+
+# ------------------------------------------------------------------------------------- what a step returns
+
+PROGRESS_KEY = "progress"     # trainer.step()'s entry naming the metrics to show on the progress bar
+MAX_LOGGED_VECTOR = 1024      # 1-D metrics up to this length are logged as lists (e.g. per-expert load)
+
+
+def step_metrics(out: dict) -> tuple[dict, tuple[str, ...]]:
+    """(every metric of one step as python numbers, the names to show on the progress bar).
+
+    `out` is what `trainer.step()` returns: device scalars (or short vectors) by name, fetched here in one
+    transfer; 0-d values become floats (ints for integer dtypes, bools for bool), 1-d values up to
+    MAX_LOGGED_VECTOR elements become lists, larger arrays are left out. The convention for the bar:
+    ``out["progress"]`` may hold a tuple of metric names (a host-side entry, not logged); "loss" is always
+    shown.
+    """
+    import numpy as np
+    progress = tuple(out.get(PROGRESS_KEY, ()))
+    values = jax.device_get({k: v for k, v in out.items() if k != PROGRESS_KEY})
+    record = {}
+    for name, value in values.items():
+        a = np.asarray(value)
+        if a.dtype.kind not in "biuf":
+            continue
+        if a.ndim == 0:
+            record[name] = bool(a) if a.dtype.kind == "b" else int(a) if a.dtype.kind in "iu" else float(a)
+        elif a.ndim == 1 and a.size <= MAX_LOGGED_VECTOR:
+            record[name] = a.tolist()
+    return record, progress
+
+
+def progress_postfix(record: dict, keys: tuple[str, ...]) -> dict:
+    """The progress bar's fields: loss, the step's progress metrics, tokens/s and MFU."""
+    fields = {"loss": f"{record['loss']:.4f}"}
+    for key in keys:
+        value = record.get(key)
+        if isinstance(value, float):
+            fields[key] = f"{value:.4g}"
+        elif value is not None:
+            fields[key] = str(value)
+    fields["tok_s"] = f"{record['tokens_per_s']:,.0f}"
+    fields["mfu"] = "n/a" if record.get("mfu") is None else f"{100 * record['mfu']:.1f}%"
+    return fields
+
+
+def drop_rows_after(path, step: int) -> int:
+    """Removes the rows of metrics file `path` whose "step" is after `step` (and unreadable lines: a row cut
+    short by a kill), so a resumed run does not log those steps twice. Returns how many rows went."""
+    import json
+    import os
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        lines = f.read().splitlines()
+    keep = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            keep.append(line)
+    if len(keep) != len(lines):
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+    return len(lines) - len(keep)
