@@ -101,7 +101,7 @@ def _blocks_ffn_bwd(activation, residuals, d_out):
         if activation == "swiglu":
             dx = dx + d_act[1] @ w["w_gate"].T
             grads["w_gate"] = x.T @ d_act[1]
-        return {n: dw[n].at[e].add(grads[n].astype(dw[n].dtype)) for n in dw}, dx
+        return {n: dw[n].at[e].add(grads[n].astype(jnp.float32)) for n in dw}, dx.astype(x.dtype)
 
     def skip(dw, x, e, up, gate, dy):
         return dw, jnp.zeros_like(x)
@@ -110,9 +110,9 @@ def _blocks_ffn_bwd(activation, residuals, d_out):
         x, e, used, up, gate, dy = b
         return lax.cond(used, run, skip, dw, x, e, up, gate, dy)
 
-    dw0 = {n: vary_like(jnp.zeros_like(w), w) for n, w in experts.items()}
+    dw0 = {n: vary_like(jnp.zeros(w.shape, jnp.float32), w) for n, w in experts.items()}   # fp32 sums
     dw, d_blocks = lax.scan(step, dw0, (blocks, block_expert, block_used, up, gate, d_out))
-    return d_blocks, None, None, dw
+    return d_blocks, None, None, {n: dw[n].astype(experts[n].dtype) for n in dw}
 
 
 _blocks_ffn.defvjp(_blocks_ffn_fwd, _blocks_ffn_bwd)
