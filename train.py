@@ -136,7 +136,7 @@ def run(args) -> int:
     degrees = {a: getattr(args, a) for a in ("dp", "fsdp", "pp", "tp", "sp")}
     if all(v is None for v in degrees.values()):
         degrees["sp"] = len(devices)        # default: one sequence-parallel ring over every device
-    degrees = {a: v or 1 for a, v in degrees.items()}
+    degrees = {a: 1 if v is None else v for a, v in degrees.items()}     # 0 or less: refused by the config
     cfg = TrainConfig(model=args.model, preset=args.preset, steps=args.steps, seed=args.seed,
                       batch_size=args.batch_size, seq_len=args.seq_len, image_size=args.image_size, lr=args.lr,
                       warmup=args.warmup, grad_accum=args.grad_accum, **degrees, attention=args.attention,

@@ -74,6 +74,7 @@ BAD_INPUTS = [
     (["--override", "rope_theta=nan"], r"--override rope_theta=nan: .* must be a finite number"),
     (["--override", "novalue"], r"--override 'novalue' must be FIELD=VALUE"),
     (["--log-every", "0"], r"--log-every 0 must be a positive integer"),
+    (["--dp", "0"], r"--dp 0 must be a positive integer"),
     (["--cpu-devices", "0"], r"--cpu-devices 0 must be a positive integer"),
     (["--cpu-devices", "-1"], r"--cpu-devices -1 must be a positive integer"),
     (["--lr", "nan"], r"--lr nan must be a finite number > 0"),

@@ -22,11 +22,11 @@ RULES = {
     "lr": "float>0", "warmup": "int>=0", "min_lr_ratio": "float[0,1]", "weight_decay": "float>=0",
     "clip": "float>0", "grad_accum": "int>=1", "dp": "int>=1", "fsdp": "int>=1", "pp": "int>=1", "tp": "int>=1",
     "sp": "int>=1", "team_size": "int>=1?", "ulysses_size": "int>=1?", "checkpoint_every": "int>=0",
-    "keep_checkpoints": "int>=1", "log_every": "int>=1", "sample_tokens": "int>=0",
+    "keep_checkpoints": "int>=1", "log_every": "int>=1", "sample_tokens": "int>=0", "zero": "zero?",
 }
 RULE_TEXT = {"int>=1": "a positive integer", "int>=0": "a non-negative integer", "float>0": "a finite number > 0",
              "float>=0": "a finite number >= 0", "float[0,1]": "a number in [0, 1]",
-             "seed": "an integer in [0, 2**32)"}
+             "seed": "an integer in [0, 2**32)", "zero": "a ZeRO stage 0, 1, 2 or 3"}
 
 # Model config int fields that are sizes or counts (must be >= 1); other int fields must be >= 0.
 SIZE_PREFIXES = ("num_",)
@@ -56,6 +56,8 @@ def check_value(label: str, value, rule: str) -> None:
         ok = _is_int(value) and value >= (1 if rule == "int>=1" else 0)
     elif rule == "seed":
         ok = _is_int(value) and 0 <= value < 2 ** 32
+    elif rule == "zero":
+        ok = _is_int(value) and 0 <= value <= 3
     elif rule == "float>0":
         ok = _is_number(value) and math.isfinite(value) and value > 0
     elif rule == "float>=0":
@@ -73,6 +75,14 @@ def validate_config(cfg) -> None:
     for name, rule in RULES.items():
         if hasattr(cfg, name):
             check_value(_flag(name), getattr(cfg, name), rule)
+    for name, (accepted, optional) in _field_types(type(cfg)).items():   # fields without a rule: their type
+        value = getattr(cfg, name)
+        if name in RULES or (value is None and optional) or bool in accepted:
+            continue
+        if int in accepted and float not in accepted:
+            check_value(_flag(name), value, "int>=0")
+        elif float in accepted:
+            check_value(_flag(name), value, "float>=0")
     if cfg.checkpoint_every and not cfg.checkpoint_dir:
         raise ValueError(f"--checkpoint-every {cfg.checkpoint_every} needs --checkpoint-dir (where to save)")
     if cfg.metrics_file:
