@@ -5,9 +5,10 @@ against capacity factor 1.25.
     python benchmarks/moe.py                              # -> benchmarks/results/moe.json
 
 Sizes: "tiny" (hidden 64, 8 experts top-2, ffn 128, 1024 tokens) and "mid" (hidden 256, 16 experts top-2,
-ffn 512, 4096 tokens), SwiGLU, fp32, the same global batch on every mesh. On simulated CPU devices the times
-share the host's cores and jax's CPU ragged_dot is a masked dense matmul (E_local times the FLOPs, and an
-[rows, E_local*hidden] temporary in the peak): read the figures as relative, for this host.
+ffn 512, 4096 tokens), SwiGLU, fp32, the same global batch on every mesh. Dropless is measured with both
+grouped matmuls ("blocked", jaxring's CPU default, and "ragged_dot", which jax lowers on CPU to a masked dense
+matmul: E_local times the FLOPs and an [rows, E_local*hidden] temporary). Simulated CPU devices share the
+host's cores: read the times as relative, for this host.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ SIZES = {  # name -> (hidden, experts, top-k, ffn, batch, seq)
 }
 
 
-def setup(size, ep, capacity_factor, devices):
+def setup(size, ep, capacity_factor, grouped_matmul, devices):
     from flax import nnx
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -35,7 +36,7 @@ def setup(size, ep, capacity_factor, devices):
 
     hidden, experts, k, ffn, batch, seq = SIZES[size]
     config = MoEConfig(num_experts=experts, experts_per_token=k, ffn=ffn, activation="swiglu",
-                       capacity_factor=capacity_factor)
+                       capacity_factor=capacity_factor, grouped_matmul=grouped_matmul)
     mesh = make_mesh(dp=len(devices) // ep, ep=ep, devices=devices)
     params = MoE(hidden, config, rngs=nnx.Rngs(0)).params()
     params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, param_specs(config))
@@ -53,17 +54,17 @@ def setup(size, ep, capacity_factor, devices):
     return train_step, (x, params, dy), config, batch * seq
 
 
-def measure(size, ep, capacity_factor, devices, runs):
+def measure(size, ep, capacity_factor, grouped_matmul, devices, runs):
     from jaxring.analysis import compile_stats
     from jaxring.timing import median_seconds
 
-    step, args, config, tokens = setup(size, ep, capacity_factor, devices)
+    step, args, config, tokens = setup(size, ep, capacity_factor, grouped_matmul, devices)
     s = compile_stats(step, *args, num_devices=len(devices))
     fn = jax.jit(step)
     seconds = median_seconds(fn, *args, runs=runs)
     stats = fn(*args)[1]
     return {"size": size, "ep": ep, "dp": len(devices) // ep,
-            "dispatch": "dropless" if capacity_factor is None else f"capacity {capacity_factor}",
+            "dispatch": f"dropless ({grouped_matmul})" if capacity_factor is None else f"capacity {capacity_factor}",
             "tokens": tokens, "fwd_bwd_s": seconds, "tokens_per_s": tokens / seconds,
             "peak_bytes": s.peak_bytes, "temp_bytes": s.temp_bytes, "argument_bytes": s.argument_bytes,
             "all_to_all_bytes": s.bytes_moved["all-to-all"], "bytes_moved": s.bytes_moved,
@@ -75,16 +76,19 @@ def main():
     p.add_argument("--sizes", nargs="*", default=list(SIZES))
     p.add_argument("--eps", type=int, nargs="*", default=[1, 2, 4, 8])
     p.add_argument("--capacity-factors", type=float, nargs="*", default=[1.25])
+    p.add_argument("--grouped-matmuls", nargs="*", default=["blocked", "ragged_dot"],
+                   help="dropless grouped matmul implementations to measure")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "moe.json"))
     args = p.parse_args()
     devices = use_cpu_devices_if_no_accelerator(8)
     record = benchmark_record("moe", devices, vars(args) | {"sizes_def": {s: SIZES[s] for s in args.sizes},
                                                             "sizes_fields": "hidden, experts, k, ffn, batch, seq"})
+    dispatches = [(None, gm) for gm in args.grouped_matmuls] + [(cf, "auto") for cf in args.capacity_factors]
     for size in args.sizes:
         for ep in args.eps:
-            for cf in [None] + args.capacity_factors:
-                row = measure(size, ep, cf, devices, args.runs)
+            for cf, gm in dispatches:
+                row = measure(size, ep, cf, gm, devices, args.runs)
                 record["results"].append(row)
                 print({k: v for k, v in row.items() if k != "bytes_moved"}, flush=True)
                 save_record(record, args.out)
