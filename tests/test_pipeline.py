@@ -9,16 +9,15 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxring
-from jaxring.analysis.compiled import _computations, _executions, _shape_bytes
 from jaxring.pipeline import (SCHEDULES, lower, make_schedule, peak_in_flight, pipeline_loss_and_grads,
                               simulate)
 from jaxring.pipeline.schedules import B, BW, F, W
+from jaxring.pipeline.traffic import permute_bytes_by_pair, stage_link_bytes
 from jaxring.vma import varying_axes
 from tests.helpers import assert_close
 
@@ -193,24 +192,6 @@ def make_batch(m, dp, seed=1):
             "targets": jax.random.randint(k2, (m, BATCH * dp, SEQ), 0, VOCAB)}
 
 
-def permute_bytes_by_pair(hlo_text):
-    """{(source, target) device ids: bytes} moved by collective-permutes per run (loops times trip count)."""
-    comps, entry = _computations(hlo_text)
-    moved = {}
-    for name, times in _executions(comps, entry).items():
-        for line in comps[name]:
-            op = re.search(r"=\s*(\(.*?\)|\S+)\s+collective-permute(-start)?\(", line)
-            if not op:
-                continue
-            size = _shape_bytes(op.group(1))
-            if op.group(2):                      # async start: (operand, result, ...)
-                size = _shape_bytes(re.findall(r"[a-z]+[0-9]*\[[0-9,]*\]", op.group(1))[1])
-            pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", line).group(1)
-            for a, b in re.findall(r"(\d+),(\d+)", pairs):
-                moved[(int(a), int(b))] = moved.get((int(a), int(b)), 0) + size * times
-    return moved
-
-
 # (schedule, m, v, layers per chunk, mesh degrees, options): pp=4 alone, pp=2 x dp=4, pp=2 x tp=2 x dp=2; one
 # case without check_vma (data axes named), one leaving the data-axis reduction to the caller
 CASES = [
@@ -254,22 +235,15 @@ def test_pipelined_gradients_equal_sequential(name, m, v, layers, degrees, optio
 
     # bytes between stages: one micro-batch's activation (hidden + aux) per message, 2m per boundary per step
     activation = 4 * BATCH * SEQ * HIDDEN + 4 * BATCH
-    stage_of = {int(i): np.argwhere(mesh.devices == d)[0] for i, d in enumerate(mesh.devices.flat)}
-    pp_axis = mesh.axis_names.index("pp")
-    expected, total = {}, 0
-    for (src, dst), size in permute_bytes_by_pair(compiled.as_text()).items():
-        a, b = stage_of[src], stage_of[dst]
-        assert (np.delete(a, pp_axis) == np.delete(b, pp_axis)).all(), "pipeline traffic left the pp axis"
-        expected[(int(a[pp_axis]), int(b[pp_axis]))] = size        # the same for every dp / tp replica
-        total += size
     want = {}
     for s in range(pp - 1):                                      # within each loop over the stages: v·m each way
         want[(s, s + 1)] = want[(s + 1, s)] = v * m * activation
     if v > 1:                                                    # the wrap-around link: (v-1)·m each way
         want[(pp - 1, 0)] = want.get((pp - 1, 0), 0) + (v - 1) * m * activation
         want[(0, pp - 1)] = want.get((0, pp - 1), 0) + (v - 1) * m * activation
-    assert expected == want
-    assert total == sum(want.values()) * (n // pp)
+    hlo = compiled.as_text()
+    assert stage_link_bytes(hlo, mesh) == dict(sorted(want.items()))    # the same on every dp / tp replica
+    assert sum(permute_bytes_by_pair(hlo).values()) == sum(want.values()) * (n // pp)
     # 2·m activations per boundary between consecutive virtual stages, v·pp - 1 boundaries
     assert sum(want.values()) == 2 * m * activation * (v * pp - 1)
 

@@ -98,11 +98,6 @@ def _write(buffers: list, slot, values: list) -> list:
             for b, x in zip(buffers, values)]
 
 
-def _add(acc, value):
-    """acc + value, keeping acc's type (accumulators vary over every axis their summands vary over)."""
-    return acc + vary(value.astype(acc.dtype), varying_axes(acc))
-
-
 def _vma(aval) -> frozenset:
     mat = getattr(aval, "manual_axis_type", None)
     return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
@@ -178,120 +173,182 @@ class _Interpreter:
             state["stash"] = [_full(a, slots["stash"], fill) for a in sp.stash_avals]
         else:
             state["res"] = [_full(a, slots["res"], fill) for a in saved]
-        pp = frozenset({self.axis_name})
-        state["d_stage"] = jax.tree.map(lambda a: vary(jnp.zeros(a.shape, jnp.float32), varying_axes(a) | pp),
-                                        self.stage_params)
-        state["d_shared"] = jax.tree.map(lambda a: vary(jnp.zeros(a.shape, jnp.float32), varying_axes(a)),
-                                         self.shared)
-        loss_vma = frozenset().union(*(_vma(a) for a in self.loss_avals)) | pp | self.data_axes
-        state["loss"] = vary(jnp.zeros((), jnp.float32), loss_vma)
-        state["aux"] = jax.tree.map(lambda a: vary(jnp.zeros(a.shape, jnp.float32), loss_vma), self.aux_shape)
+        state["d_stage"] = self._zeros_like(self.stage_params)
+        state["d_shared"] = self._zeros_like(self.shared)
+        state["loss"] = vary(jnp.zeros((), jnp.float32), self.loss_vma)
+        state["aux"] = jax.tree.map(lambda a: vary(jnp.zeros(a.shape, jnp.float32), self.loss_vma), self.aux_shape)
         return state
 
+    @staticmethod
+    def _zeros_like(tree):
+        return jax.tree.map(lambda a: vary(jnp.zeros(a.shape, jnp.float32), varying_axes(a)), tree)
+
+    @property
+    def loss_vma(self):
+        return (frozenset().union(*(_vma(a) for a in self.loss_avals)) | {self.axis_name} | self.data_axes)
+
     # ---- the actions ----
+    # A branch gets the buffer slots its tick reads (read before the switch) and returns only small values:
+    # slot contents to write back, messages, gradient contributions. Buffers and accumulators are updated
+    # outside the switch: a conditional's outputs never share memory with its operands, so passing the buffers
+    # through it would copy every buffer on every tick.
     def _chunk(self, c):
         if self.schedule.virtual_stages == 1:
             return jax.tree.map(lambda a: a[0], self.stage_params)
         return _index(self.stage_params, c)
 
-    def _accumulate_stage(self, state, c, grads: dict):
-        """Adds {chunk leaf index: gradient} into chunk c of the stage-parameter gradient."""
-        leaves, tree = jax.tree.flatten(state["d_stage"])
-        for j, g in grads.items():
-            acc = leaves[j]
-            g = vary(g.astype(acc.dtype), varying_axes(acc))
-            if self.schedule.virtual_stages == 1:
-                leaves[j] = acc.at[0].add(g)
-            else:
-                leaves[j] = lax.dynamic_update_index_in_dim(acc, lax.dynamic_index_in_dim(acc, c, keepdims=False)
-                                                            + g, c, 0)
-        return {**state, "d_stage": tree.unflatten(leaves)}
-
-    def _accumulate_shared(self, state, grads):
-        return {**state, "d_shared": jax.tree.map(_add, state["d_shared"], grads)}
-
     def _embed(self, shared, mb):
         return jax.tree.map(lambda a, e: vary(a, e), self.embed_fn(shared, mb), self.x_vma)
 
-    def _embed_grad(self, state, mb, dx_leaves):
+    def _embed_grad(self, mb, dx_leaves):
         """The embedding's gradient on the first virtual stage: embed_fn's vjp, recomputed (a lookup)."""
         _, embed_vjp = jax.vjp(lambda shared: self._embed(shared, mb), self.shared)
-        (d_shared,) = embed_vjp(self.x_tree.unflatten(dx_leaves))
-        return self._accumulate_shared(state, d_shared)
+        return embed_vjp(self.x_tree.unflatten(dx_leaves))[0]
 
     def _nothing(self):
         return [vary(jnp.full(a.shape, self.fill if jnp.issubdtype(a.dtype, jnp.floating) else 0, a.dtype),
                      _vma(a)) for a in self.x_avals]
 
+    def _stage_grads(self, grads: dict):
+        """{chunk leaf index: gradient} -> a full chunk gradient (fp32, zeros elsewhere)."""
+        return [vary(grads[j].astype(jnp.float32), varying_axes(a)) if j in grads else
+                vary(jnp.zeros(a.shape[1:], jnp.float32), varying_axes(a))
+                for j, a in enumerate(jax.tree.leaves(self.stage_params))]
+
     def _action(self, branch: Branch):
-        """The switch branch for `branch`: (state, fields) -> (state, forward message, backward message)."""
+        """The switch branch for `branch`: (slots read, fields) -> {output name: value} (what it produces)."""
         vjp, split = self.vjp, self.vjp.split
 
-        def idle(state, f):
-            return state, self._nothing(), self._nothing()
+        def idle(read, f):
+            return {}
 
-        def forward(state, f):
+        def forward(read, f):
             mb = _index(self.microbatches, f["mb"])
             chunk = jax.tree.leaves(self._chunk(f["chunk"]))
-            x = jax.tree.leaves(self._embed(self.shared, mb)) if branch.first else _read(state["x"], f["x_slot"])
+            x = jax.tree.leaves(self._embed(self.shared, mb)) if branch.first else read["x"]
             y, saved = vjp.forward(chunk, x, jax.tree.leaves(mb))
             if self.split:
-                state = {**state, "res": _write(state["res"], f["res_slot"], [saved[i] for i in split.saved_b]),
-                         "wres": _write(state["wres"], f["wres_slot"], [saved[i] for i in split.saved_w])}
+                out = {"res": [saved[i] for i in split.saved_b], "wres": [saved[i] for i in split.saved_w]}
             else:
-                state = {**state, "res": _write(state["res"], f["res_slot"], saved)}
+                out = {"res": saved}
             if not branch.last:
-                return state, y, self._nothing()
+                return {**out, "send_f": y}
             (loss, loss_vjp, aux) = jax.vjp(lambda shared, y_: self.loss_fn(shared, y_, mb), self.shared,
                                             self.x_tree.unflatten(y), has_aux=True)
             d_shared, dy = loss_vjp(jnp.ones_like(loss))
-            state = self._accumulate_shared(state, d_shared)
-            state = {**state, "loss": _add(state["loss"], loss), "aux": jax.tree.map(_add, state["aux"], aux),
-                     "dy": _write(state["dy"], f["dy_slot"], jax.tree.leaves(dy))}
-            return state, self._nothing(), self._nothing()
+            return {**out, "d_shared": d_shared, "loss": (loss, aux), "dy": jax.tree.leaves(dy)}
 
-        def backward(state, f):            # BW (whole) or B (input gradient)
+        def backward(read, f):             # BW (whole) or B (input gradient)
             mb = _index(self.microbatches, f["mb"])
             chunk = jax.tree.leaves(self._chunk(f["chunk"]))
-            dy = _read(state["dy"], f["dy_slot"])
-            saved = _read(state["res"], f["res_slot"])
             if branch.kind == BW:
-                dchunk, dx = vjp.backward(chunk, saved, dy, jax.tree.leaves(mb))
-                state = self._accumulate_stage(state, f["chunk"], dict(enumerate(dchunk)))
+                dchunk, dx = vjp.backward(chunk, read["res"], read["dy"], jax.tree.leaves(mb))
+                out = {"d_stage": self._stage_grads(dict(enumerate(dchunk)))}
             else:
-                dx, stash, early = split.backward_input(chunk, saved, dy, jax.tree.leaves(mb))
-                state = self._accumulate_stage(state, f["chunk"], early)
-                state = {**state, "stash": _write(state["stash"], f["stash_slot"], stash)}
+                dx, stash, early = split.backward_input(chunk, read["res"], read["dy"], jax.tree.leaves(mb))
+                out = {"d_stage": self._stage_grads(early), "stash": stash}
             if branch.first:
-                return self._embed_grad(state, mb, dx), self._nothing(), self._nothing()
-            return state, self._nothing(), dx
+                return {**out, "d_shared": self._embed_grad(mb, dx)}
+            return {**out, "send_b": dx}
 
-        def weight(state, f):              # W
+        def weight(read, f):               # W
             mb = _index(self.microbatches, f["mb"])
             chunk = jax.tree.leaves(self._chunk(f["chunk"]))
-            late = split.backward_weight(chunk, _read(state["wres"], f["wres_slot"]),
-                                         _read(state["stash"], f["stash_slot"]), jax.tree.leaves(mb))
-            return self._accumulate_stage(state, f["chunk"], late), self._nothing(), self._nothing()
+            late = split.backward_weight(chunk, read["wres"], read["stash"], jax.tree.leaves(mb))
+            return {"d_stage": self._stage_grads(late)}
 
         return {IDLE: idle, F: forward, B: backward, BW: backward, W: weight}[branch.kind]
 
     # ---- ticks ----
+    _SLOT = {"x": "x_slot", "dy": "dy_slot", "res": "res_slot", "wres": "wres_slot", "stash": "stash_slot"}
+
     def _tick(self, state, t, branches: list[Branch], fwd_pairs, bwd_pairs):
         row = self.table[t, self.stage]
-        fields = {name: row[self.lowered.field(name)] for name in
-                  ("branch", "mb", "chunk", "x_slot", "dy_slot", "res_slot", "wres_slot", "stash_slot",
-                   "recv_x_slot", "recv_dy_slot")}
-        actions = [self._action(b) for b in branches]
-        if len(actions) == 1:
-            state, send_f, send_b = actions[0](state, fields)
-        else:
-            state, send_f, send_b = lax.switch(fields["branch"], actions, state, fields)
-        for pairs, message, inbox, slot in ((fwd_pairs, send_f, "x", "recv_x_slot"),
-                                            (bwd_pairs, send_b, "dy", "recv_dy_slot")):
+        f = {name: row[self.lowered.field(name)] for name in
+             ("branch", "mb", "chunk", "x_slot", "dy_slot", "res_slot", "wres_slot", "stash_slot",
+              "recv_x_slot", "recv_dy_slot")}
+        kinds = {b.kind for b in branches}
+        # which buffers this tick position reads (r) and writes (w), and which results it produces: static
+        reads = {"x"} if any(b.kind == F and not b.first for b in branches) else set()
+        writes = set()
+        if F in kinds:
+            writes |= {"res", "wres"} if self.split else {"res"}
+        if any(b.kind == F and b.last for b in branches):
+            writes.add("dy")
+        if B in kinds:
+            writes.add("stash")
+        if kinds & {B, BW}:
+            reads |= {"res", "dy"}
+        if W in kinds:
+            reads |= {"wres", "stash"}
+        produced = set(writes)
+        produced |= {"send_f"} if fwd_pairs else set()
+        produced |= {"send_b"} if bwd_pairs else set()
+        if kinds & {B, BW, W}:
+            produced.add("d_stage")
+        if any((b.kind == F and b.last) or (b.kind in (B, BW) and b.first) for b in branches):
+            produced.add("d_shared")
+        if any(b.kind == F and b.last for b in branches):
+            produced.add("loss")
+        slot = {name: jnp.maximum(f[self._SLOT[name]], 0) for name in reads | writes}
+        read = {name: _read(state[name], slot[name]) for name in reads | writes}
+
+        def complete(action):
+            """Runs a branch and fills in what it does not produce: a written slot keeps its content, messages
+            are `fill`, contributions zero; every value cast to one type across branches."""
+            def run(read, f):
+                out = action(read, f)
+                result = {}
+                for name in sorted(produced):
+                    if name in writes:
+                        value = out.get(name, read[name])
+                        result[name] = [vary(v, varying_axes(b)) for v, b in zip(value, read[name])]
+                    elif name in ("send_f", "send_b"):
+                        result[name] = [vary(v, _vma(a)) for v, a in zip(out.get(name) or self._nothing(),
+                                                                           self.x_avals)]
+                    elif name == "d_stage":
+                        result[name] = out.get(name) or self._stage_grads({})
+                    elif name == "d_shared":
+                        zeros = self._zeros_like(self.shared)
+                        result[name] = jax.tree.map(lambda g, z: vary(g.astype(jnp.float32), varying_axes(z)),
+                                                    out.get(name, zeros), zeros)
+                    elif name == "loss":
+                        loss, aux = out.get(name, (jnp.zeros((), jnp.float32),
+                                                   jax.tree.map(lambda a: jnp.zeros(a.shape), self.aux_shape)))
+                        result[name] = jax.tree.map(lambda a: vary(a.astype(jnp.float32), self.loss_vma),
+                                                    (loss, aux))
+                return result
+            return run
+
+        actions = [complete(self._action(b)) for b in branches]
+        out = actions[0](read, f) if len(actions) == 1 else lax.switch(f["branch"], actions, read, f)
+
+        state = dict(state)
+        for name in writes:
+            state[name] = _write(state[name], slot[name], out[name])
+        if "d_stage" in produced:
+            state["d_stage"] = self._accumulate_stage(state["d_stage"], jnp.maximum(f["chunk"], 0), out["d_stage"])
+        if "d_shared" in produced:
+            state["d_shared"] = jax.tree.map(jnp.add, state["d_shared"], out["d_shared"])
+        if "loss" in produced:
+            loss, aux = out["loss"]
+            state["loss"] = state["loss"] + loss
+            state["aux"] = jax.tree.map(jnp.add, state["aux"], aux)
+        for pairs, message, inbox, recv in ((fwd_pairs, "send_f", "x", "recv_x_slot"),
+                                            (bwd_pairs, "send_b", "dy", "recv_dy_slot")):
             if pairs:
-                received = [lax.ppermute(a, self.axis_name, list(pairs)) for a in message]
-                state = {**state, inbox: self._receive(state[inbox], fields[slot], received)}
+                received = [lax.ppermute(a, self.axis_name, list(pairs)) for a in out[message]]
+                state[inbox] = self._receive(state[inbox], f[recv], received)
         return state
+
+    def _accumulate_stage(self, acc_tree, c, grads: list):
+        leaves, tree = jax.tree.flatten(acc_tree)
+        if self.schedule.virtual_stages == 1:
+            leaves = [acc.at[0].add(g) for acc, g in zip(leaves, grads)]
+        else:
+            leaves = [lax.dynamic_update_index_in_dim(acc, lax.dynamic_index_in_dim(acc, c, keepdims=False) + g, c, 0)
+                      for acc, g in zip(leaves, grads)]
+        return tree.unflatten(leaves)
 
     @staticmethod
     def _receive(buffers, slot, received):

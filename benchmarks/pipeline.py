@@ -1,0 +1,151 @@
+"""Pipeline schedules on a toy model: simulated bubble, compiled memory per device, bytes between stages and
+tokens/s against the number of micro-batches m.
+
+    python benchmarks/pipeline.py                     # -> benchmarks/results/pipeline.json
+
+The toy: token embedding -> 8 residual-MLP layers (hidden 128, ffn 512, stacked and scanned) -> head and
+cross-entropy; seq 64, micro-batch 2 sequences per data-parallel rank, fp32. Meshes on 8 simulated CPU devices:
+pp=4 x dp=2 and pp=2 x dp=4 for each schedule (interleaved with v=2), and pp=1 x dp=8 (no pipeline, the same
+micro-batches accumulated) as the reference. The global batch is m·2·dp sequences, the same on every mesh.
+
+Per row: the simulator's bubble (paper costs T_F = T_B = T_W, each stage on its own clock, as the papers count
+it; and the same costs on the lockstep clock one SPMD program runs on), peak in-flight micro-batches, compiled
+temp and peak bytes per device, bytes per stage link read from the compiled program (and their total in
+micro-batch activations per virtual-stage boundary per direction: m when the schedule sends exactly what it
+must), compile time, median step time, tokens/s.
+Simulated CPU devices share this host's cores, so idle pipeline stages free CPU for busy ones: tokens/s here
+reflects total work and overhead, not the bubble; the bubble is what the simulator and a real multi-device run
+show.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxring.platform import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
+
+MESHES = {"pp4xdp2": dict(pp=4, dp=2), "pp2xdp4": dict(pp=2, dp=4)}
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+
+
+def toy(vocab, hidden, layers, seed=0):
+    k = jax.random.split(jax.random.PRNGKey(seed), 5)
+    stack = {"w1": jax.random.normal(k[0], (layers, hidden, 4 * hidden)) * hidden ** -0.5,
+             "b1": jnp.zeros((layers, 4 * hidden)),
+             "w2": jax.random.normal(k[1], (layers, 4 * hidden, hidden)) * (4 * hidden) ** -0.5 / layers}
+    shared = {"embed": jax.random.normal(k[2], (vocab, hidden)),
+              "head": jax.random.normal(k[3], (hidden, vocab)) * hidden ** -0.5, "norm": jnp.ones((hidden,))}
+    return stack, shared
+
+
+def embed_fn(shared, mb):
+    return shared["embed"][mb["tokens"]]
+
+
+def stage_fn(chunk, x, mb):
+    def layer(x, w):
+        return x + jax.nn.gelu(x @ w["w1"] + w["b1"]) @ w["w2"], None
+    return lax.scan(layer, x, chunk)[0]
+
+
+def loss_fn(shared, x, mb):
+    x = x * lax.rsqrt(jnp.mean(x ** 2, -1, keepdims=True) + 1e-6) * shared["norm"]
+    logits = x @ shared["head"]
+    target = jnp.take_along_axis(logits, mb["targets"][..., None], -1)[..., 0]
+    return jnp.sum(jax.nn.logsumexp(logits, -1) - target), {}
+
+
+def step_fn(mesh, schedule):
+    from jaxring.pipeline import pipeline_loss_and_grads
+
+    def body(staged, shared, microbatches):
+        loss, _, d_stage, d_shared = pipeline_loss_and_grads(
+            schedule, embed_fn=embed_fn, stage_fn=stage_fn, loss_fn=loss_fn,
+            stage_params=jax.tree.map(lambda a: a[0], staged), shared_params=shared, microbatches=microbatches)
+        return loss, jax.tree.map(lambda a: a[None], d_stage), d_shared
+
+    batch_spec = {"tokens": P(None, "dp"), "targets": P(None, "dp")}
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("pp"), P(), batch_spec),
+                                 out_specs=(P(), P("pp"), P())))
+
+
+def run_row(devices, name, degrees, m, v, args):
+    from jaxring.analysis.compiled import collective_traffic
+    from jaxring.mesh import make_mesh
+    from jaxring.pipeline import make_schedule, simulate
+    from jaxring.pipeline.traffic import stage_link_bytes
+    from jaxring.timing import median_seconds
+
+    pp, dp = degrees["pp"], degrees["dp"]
+    schedule = make_schedule(name, pp, m, v)
+    row = {"schedule": name, "mesh": f"pp{pp}xdp{dp}", "pp": pp, "dp": dp, "m": m, "v": v,
+           "bubble_sim": simulate(schedule).bubble, "bubble_sim_lockstep": simulate(schedule, lockstep=True).bubble,
+           "peak_in_flight": max(simulate(schedule).peak_in_flight), "ticks": schedule.num_ticks}
+    mesh = make_mesh(devices=devices[:pp * dp], **degrees)
+    stack, shared = toy(args.vocab, args.hidden, args.layers)
+    staged = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(v, pp, -1, *a.shape[1:]), 0, 1), stack)
+    k1, k2 = jax.random.split(jax.random.PRNGKey(1))
+    shape = (m, args.micro_batch * dp, args.seq)
+    batch = {"tokens": jax.random.randint(k1, shape, 0, args.vocab),
+             "targets": jax.random.randint(k2, shape, 0, args.vocab)}
+    step = step_fn(mesh, schedule)
+    start = time.perf_counter()
+    compiled = step.lower(staged, shared, batch).compile()
+    row["compile_s"] = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    moved, _ = collective_traffic(compiled.as_text(), pp * dp)
+    links = stage_link_bytes(compiled.as_text(), mesh)
+    activation = 4 * args.micro_batch * args.seq * args.hidden
+    row.update(temp_bytes=mem.temp_size_in_bytes,
+               peak_bytes=mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+               - mem.alias_size_in_bytes,
+               link_bytes={f"{a}->{b}": n for (a, b), n in links.items()},
+               link_bytes_in_activations=sum(links.values()) / activation / max(v * pp - 1, 1) / 2,
+               all_reduce_bytes=moved["all-reduce"])
+    seconds = median_seconds(compiled, staged, shared, batch, runs=args.runs)
+    row.update(step_s=seconds, tokens_per_s=m * args.micro_batch * dp * args.seq / seconds,
+               loss=float(compiled(staged, shared, batch)[0]) / (m * args.micro_batch * dp * args.seq))
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--microbatches", type=int, nargs="*", default=[4, 8, 16])
+    p.add_argument("--schedules", nargs="*", default=list(SCHEDULE_NAMES))
+    p.add_argument("--meshes", nargs="*", default=list(MESHES))
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline.json"))
+    args = p.parse_args()
+    devices = use_cpu_devices_if_no_accelerator(8)
+    record = benchmark_record("pipeline", devices, vars(args))
+    record["host_load_average"] = os.getloadavg()
+    rows = record["results"]
+    for m in args.microbatches:        # reference: no pipeline, dp=8, the same micro-batches accumulated
+        configs = [("1f1b", dict(pp=1, dp=8), 1)]
+        configs += [(name, MESHES[mesh], 2 if name == "interleaved" else 1)
+                    for mesh in args.meshes for name in args.schedules]
+        for name, degrees, v in configs:
+            try:
+                row = run_row(devices, name, degrees, m, v, args)
+            except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+                row = {"schedule": name, "m": m, **degrees, "error": f"{type(e).__name__}: {e}"[:500]}
+            if degrees["pp"] == 1:
+                row["schedule"] = "none (pp=1)"
+            rows.append(row)
+            print({k: (round(x, 4) if isinstance(x, float) else x) for k, x in row.items()}, flush=True)
+            save_record(record, args.out)
+
+
+if __name__ == "__main__":
+    main()
