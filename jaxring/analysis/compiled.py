@@ -16,7 +16,8 @@ XLA:CPU widens bf16 collectives to f32 (convert, send, convert back), so on simu
 traffic reads as 4 bytes an element; GPU programs send bf16 as is.
 
 An op inside a `while` loop (a `lax.scan` ring) counts once per iteration, from the loop's known trip
-count; a loop without one raises, rather than give a wrong figure. Ops in both branches of a conditional
+count; a loop without one raises if it holds collectives, rather than give a wrong figure (data-dependent
+loops without collectives, like the jnp tile loops, move nothing). Ops in both branches of a conditional
 count once each (jaxring puts no collectives in conditionals).
 """
 from __future__ import annotations
@@ -72,6 +73,23 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
     return comps, entry
 
 
+def _has_collectives(name: str, comps: dict[str, list[str]], seen: set | None = None) -> bool:
+    """Whether a computation, or any computation it calls, holds a collective op."""
+    seen = set() if seen is None else seen
+    if name in seen:
+        return False
+    seen.add(name)
+    for line in comps.get(name, []):
+        if _OP.search(line):
+            return True
+        callees = _CALLEES.findall(line) + re.findall(r"body=%([\w.\-]+)", line)
+        for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+            callees += re.findall(r"%([\w.\-]+)", group)
+        if any(_has_collectives(c, comps, seen) for c in callees):
+            return True
+    return False
+
+
 def _executions(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
     """How many times each computation runs per program execution (loop bodies times their trip count)."""
     runs: dict[str, int] = {}
@@ -82,7 +100,10 @@ def _executions(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
             if m := _WHILE.search(line):
                 trip = _TRIP.search(line)
                 if trip is None:
-                    raise ValueError(f"while loop {m.group(1)} has no known trip count; its traffic is unknown")
+                    if _has_collectives(m.group(1), comps):
+                        raise ValueError(f"while loop {m.group(1)} has no known trip count; its traffic is "
+                                         f"unknown")
+                    continue  # a data-dependent loop without collectives (e.g. a tile loop): moves nothing
                 visit(m.group(1), times * int(trip.group(1)))
             for callee in _CALLEES.findall(line):
                 if callee in comps and not callee.startswith(("fused", "wrapped")):

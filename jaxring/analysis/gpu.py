@@ -1,0 +1,512 @@
+"""Compile any jaxring program for an H100 or H200 topology with no GPU present (deviceless AOT), and read
+what the GPU compiler made of it.
+
+    from jaxring.analysis import gpu
+    mesh = jaxring.make_mesh(sp=8, devices=gpu.gpu_devices("h200", 8))
+    q = gpu.abstract((1, 32768, 8, 128), jnp.bfloat16, mesh, P(None, "sp"))
+    report = gpu.compile_for_gpu(jax.jit(step), q, k, v)          # or compile_for_gpu(lowered)
+    print(report.summary())
+
+The report holds, for the compiled program of one device:
+  kernels    every kernel launch: grid, threads per block, shared memory (from XLA's thunk sequence), and for
+             each kernel's PTX what `ptxas -arch=sm_90a -v` says: registers, spill bytes, stack, and whether
+             wgmma was serialized for lack of registers (ptxas warning C7511);
+  memory     `memory_analysis()`: argument, output, temp and alias bytes;
+  loops      every `while` loop that holds collectives (a communication loop: the ring's scan), and for each
+             async collective in it whether its start/done pair spans compute (kernels scheduled between the
+             start and the done), and which;
+  cost       XLA's cost analysis of the optimized per-device module (flops, bytes accessed), computed on the
+             host (a deviceless executable has none of its own). Custom kernels (Pallas/Triton) are opaque to
+             it: their flops are not in it (see `roofline.py`).
+
+Requirements: the compile-only CUDA plugin and ptxas (`pip install -e ".[gpu-compile]"`, in its own venv:
+the plugin makes JAX look for a GPU), and the CPU platform selected before JAX starts a backend
+(`JAX_PLATFORMS=cpu`, or `jax.config.update("jax_platforms", "cpu")`): the plugin's device check fails on a
+machine without a GPU otherwise. `available()` says whether all of this holds, and why not.
+
+Target configs (XLA's GpuTargetConfigProto, `gpu_targets/*.txtpb`, from openxla/xla) ship as package data.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import importlib.resources
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+import jax
+
+TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}
+DEFAULT_TARGET = "h200"
+SM_ARCH = "sm_90a"
+
+
+# ---------------------------------------------------------------------------------------------- set-up
+
+def target_config(target: str = DEFAULT_TARGET) -> str:
+    """The GpuTargetConfigProto text of a target ("h100" or "h200")."""
+    if target not in TARGETS:
+        raise ValueError(f"unknown GPU target {target!r}; expected one of {', '.join(TARGETS)}")
+    return (importlib.resources.files("jaxring.analysis") / "gpu_targets" / TARGETS[target]).read_text()
+
+
+def ptxas_path() -> str | None:
+    """ptxas from the nvidia-cuda-nvcc-cu12 wheel (or PATH), or None."""
+    try:
+        import nvidia.cuda_nvcc  # noqa: PLC0415 - optional, from the gpu-compile extra
+        for root in list(getattr(nvidia.cuda_nvcc, "__path__", [])):
+            candidate = os.path.join(root, "bin", "ptxas")
+            if os.access(candidate, os.X_OK):
+                return candidate
+    except ImportError:
+        pass
+    return shutil.which("ptxas")
+
+
+def _cuda_plugin_installed() -> bool:
+    import importlib.util  # noqa: PLC0415
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ImportError:
+        return False
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when GPU targets can be compiled here, else (False, the reason)."""
+    if not _cuda_plugin_installed():
+        return False, ("the compile-only CUDA plugin (jax-cuda12-plugin) is not installed: "
+                       "pip install -e \".[gpu-compile]\" in a separate venv")
+    platforms = jax.config.jax_platforms
+    if platforms not in ("cpu", None, ""):
+        return False, f"jax_platforms is {platforms!r}; deviceless GPU compilation needs 'cpu' (JAX_PLATFORMS=cpu)"
+    if not platforms and _backends_started():
+        return False, ("JAX started its backends without jax_platforms='cpu'; set JAX_PLATFORMS=cpu before "
+                       "JAX starts (the CUDA plugin's device check fails without a GPU)")
+    try:
+        _topology(DEFAULT_TARGET, 1)
+    except Exception as e:  # noqa: BLE001 - the reason is the answer
+        return False, f"the cuda topology is not available: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return True, ""
+
+
+def _backends_started() -> bool:
+    from jax._src import xla_bridge  # noqa: PLC0415
+    return bool(getattr(xla_bridge, "_backends", None))
+
+
+def use_deviceless() -> None:
+    """Selects the CPU platform (required by deviceless GPU compilation) if no backend has started yet."""
+    if not _backends_started():
+        jax.config.update("jax_platforms", "cpu")
+
+
+@functools.lru_cache(maxsize=None)
+def _topology(target: str, num_devices: int):
+    from jax.experimental import topologies  # noqa: PLC0415
+    use_deviceless()
+    return topologies.get_topology_desc(platform="cuda", target_config=target_config(target),
+                                        topology=f"1x1x{num_devices}")
+
+
+def gpu_devices(target: str = DEFAULT_TARGET, num_devices: int = 8) -> list:
+    """`num_devices` abstract GPUs of one host (no GPU needed): pass them to `jaxring.make_mesh(devices=...)`."""
+    if not isinstance(num_devices, int) or num_devices < 1:
+        raise ValueError(f"num_devices={num_devices!r} must be a positive integer")
+    return list(_topology(target, num_devices).devices)
+
+
+def gpu_mesh(axes: dict[str, int], target: str = DEFAULT_TARGET):
+    """A `jax.sharding.Mesh` (Auto axes) of abstract GPUs, e.g. gpu_mesh({"sp": 8})."""
+    import math  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+    from jax.sharding import Mesh  # noqa: PLC0415
+    devices = gpu_devices(target, math.prod(axes.values()))
+    return Mesh(np.array(devices).reshape(tuple(axes.values())), tuple(axes))
+
+
+def abstract(shape, dtype, mesh, spec=None):
+    """A `jax.ShapeDtypeStruct` sharded as `spec` (default replicated) over `mesh`."""
+    from jax.sharding import NamedSharding, PartitionSpec  # noqa: PLC0415
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=NamedSharding(mesh, spec or PartitionSpec()))
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+@dataclasses.dataclass
+class Kernel:
+    """One GPU kernel: launch shape from the thunk sequence, resources from ptxas."""
+    name: str
+    launches: int
+    grid: tuple[int, int, int]
+    threads: tuple[int, int, int]
+    shared_memory: int                  # bytes per block
+    registers: int | None = None        # per thread (None: ptxas not run)
+    spill_stores: int | None = None     # bytes
+    spill_loads: int | None = None
+    stack_frame: int | None = None
+    wgmma_serialized: bool | None = None   # ptxas C7511
+    ptxas_notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def spills(self) -> int | None:
+        return None if self.spill_stores is None else self.spill_stores + self.spill_loads
+
+
+@dataclasses.dataclass
+class AsyncCollective:
+    """One async collective in a loop body and what the schedule puts between its start and its done."""
+    name: str
+    kind: str
+    shape: str
+    spans: list[str]                    # compute ops (kernels) scheduled between start and done
+    carried: bool = False               # started in an earlier iteration (or before the loop)
+
+    @property
+    def spans_compute(self) -> bool:
+        return self.carried or bool(self.spans)
+
+
+@dataclasses.dataclass
+class CommLoop:
+    """A `while` loop whose body holds collectives (a ring)."""
+    body: str
+    trip_count: int | None
+    compute: list[str]                  # compute ops of the body, in schedule order
+    collectives: list[AsyncCollective]
+    sync_collectives: list[str]         # collectives issued synchronously (no start/done pair)
+
+    @property
+    def overlapped(self) -> bool:
+        """Every collective is async and spans compute (trivially true for a loop without compute)."""
+        return not self.sync_collectives and all(c.spans_compute for c in self.collectives)
+
+
+@dataclasses.dataclass
+class GpuCompileReport:
+    target: str
+    num_devices: int
+    kernels: list[Kernel]
+    memory: dict[str, int]
+    loops: list[CommLoop]
+    cost: dict[str, float]
+    hlo: str = dataclasses.field(repr=False)
+    compile_seconds: float = 0.0
+    entry: CommLoop | None = None       # collectives outside loops, with the same overlap analysis
+
+    def kernel(self, name: str) -> Kernel:
+        """The kernel called `name` (exactly, or as the only kernel whose name starts with it)."""
+        hits = [k for k in self.kernels if k.name == name] or [k for k in self.kernels if k.name.startswith(name)]
+        if len(hits) != 1:
+            raise KeyError(f"{len(hits)} kernels match {name!r}: {[k.name for k in self.kernels][:40]}")
+        return hits[0]
+
+    def custom_kernels(self, prefix: str = "jaxring_") -> list[Kernel]:
+        return [k for k in self.kernels if k.name.startswith(prefix)]
+
+    @property
+    def peak_bytes(self) -> int:
+        m = self.memory
+        return m["argument"] + m["output"] + m["temp"] - m["alias"]
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("hlo")
+        pairs = list(zip(d["loops"], self.loops)) + ([(d["entry"], self.entry)] if self.entry else [])
+        for loop, src in pairs:
+            loop["overlapped"] = src.overlapped
+            for c, c_src in zip(loop["collectives"], src.collectives):
+                c["spans_compute"] = c_src.spans_compute
+        d["peak_bytes"] = self.peak_bytes
+        return d
+
+    def summary(self, kernel_prefix: str = "jaxring_") -> str:
+        lines = [f"{self.target} x {self.num_devices}: compiled in {self.compile_seconds:.1f} s; per device "
+                 f"args {self.memory['argument'] / 2**20:.1f} MiB, temp {self.memory['temp'] / 2**20:.1f} MiB, "
+                 f"out {self.memory['output'] / 2**20:.1f} MiB"]
+        for k in self.custom_kernels(kernel_prefix) or self.kernels:
+            lines.append(f"  kernel {k.name}: grid {list(k.grid)}, threads {k.threads[0]}, smem {k.shared_memory} B,"
+                         f" regs {k.registers}, spills {k.spill_stores}/{k.spill_loads} B, "
+                         f"wgmma serialized {k.wgmma_serialized}")
+        for loop in self.loops + ([self.entry] if self.entry else []):
+            what = "outside loops" if loop is self.entry else f"loop {loop.body} (x{loop.trip_count})"
+            lines.append(f"  {what}: {len(loop.compute)} compute ops, overlapped {loop.overlapped}")
+            for c in loop.collectives:
+                what = "carried across iterations" if c.carried else f"spans {len(c.spans)} compute ops"
+                lines.append(f"    {c.kind} {c.name} {c.shape}: {what}")
+            for name in loop.sync_collectives:
+                lines.append(f"    synchronous {name}")
+        return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------------- compiling
+
+def compile_for_gpu(fn, *args, target: str | None = None, ptxas: bool | str = True, dump_dir: str | None = None,
+                    compiler_options: dict | None = None, **kwargs) -> GpuCompileReport:
+    """Compiles `fn(*args, **kwargs)` for the GPUs its arguments are sharded on, and reports on it.
+
+    fn: a `jax.jit`-ed function, a plain function (jitted here), or a `Lowered` (then no args). Its abstract
+      args (`abstract(...)`) carry shardings over a mesh of `gpu_devices(target, N)`.
+    target: "h100"/"h200"; default: read from the devices (only used for labels).
+    ptxas: True runs ptxas on every kernel's PTX; a string runs it on kernels whose name matches this regex;
+      False skips it.
+    dump_dir: where XLA dumps the module (default: a temporary directory, removed afterwards).
+    compiler_options: extra XLA debug options for this compile (e.g. {"xla_gpu_enable_latency_hiding_scheduler":
+      True}).
+    """
+    import time  # noqa: PLC0415
+    lowered = fn if hasattr(fn, "compile") and not args and not kwargs and hasattr(fn, "as_text") else None
+    if lowered is None:
+        jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+        lowered = jitted.lower(*args, **kwargs)
+    own_dir = dump_dir is None
+    dump_dir = tempfile.mkdtemp(prefix="jaxring_gpu_") if own_dir else dump_dir
+    try:
+        options = {"xla_dump_to": dump_dir, **(compiler_options or {})}
+        start = time.perf_counter()
+        compiled = lowered.compile(compiler_options=options)
+        seconds = time.perf_counter() - start
+        hlo = compiled.as_text()
+        devices = _devices_of(compiled)
+        kernels = read_kernels(dump_dir, ptxas)
+    finally:
+        if own_dir:
+            shutil.rmtree(dump_dir, ignore_errors=True)
+    mem = compiled.memory_analysis()
+    memory = {"argument": mem.argument_size_in_bytes, "output": mem.output_size_in_bytes,
+              "temp": mem.temp_size_in_bytes, "alias": mem.alias_size_in_bytes}
+    name = target or _target_of(devices)
+    return GpuCompileReport(name, len(devices) if devices else 0, kernels, memory, communication_loops(hlo),
+                            host_cost_analysis(compiled), hlo, seconds, entry_collectives(hlo))
+
+
+def _devices_of(compiled) -> list:
+    try:
+        return list(compiled.input_shardings[0][0].device_set) if compiled.input_shardings[0] else []
+    except Exception:  # noqa: BLE001 - labels only
+        return []
+
+
+def _target_of(devices) -> str:
+    kind = getattr(devices[0], "device_kind", "") if devices else ""
+    return "h200" if "H200" in kind else "h100" if "H100" in kind else kind or "gpu"
+
+
+def host_cost_analysis(compiled) -> dict[str, float]:
+    """XLA's HloCostAnalysis of the compiled (optimized, per-device) module, run by the host's CPU client."""
+    try:
+        from jax._src import xla_bridge  # noqa: PLC0415
+        from jax._src.lib import _jax  # noqa: PLC0415
+        modules = compiled.runtime_executable().hlo_modules()
+        costs = [_jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), m) for m in modules]
+    except Exception:  # noqa: BLE001 - cost is optional
+        return {}
+    keys = ("flops", "transcendentals", "bytes accessed")
+    return {k: float(sum(c.get(k, 0.0) for c in costs)) for k in keys}
+
+
+# ------------------------------------------------------------------------------------------- kernels
+
+_THUNK = re.compile(r"kCustomKernel.*?\]\s+(\S+)\s+grid:\s*\[(\d+),\s*(\d+),\s*(\d+)\]\s+threads:\s*"
+                    r"\[(\d+),\s*(\d+),\s*(\d+)\]\s+shared_memory:\s*(\d+)")
+_ENTRY = re.compile(r"\.visible\s+\.entry\s+([\w$.]+)\(")
+_PTXAS_FN = re.compile(r"Function properties for ([\w$.]+)")
+_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS = re.compile(r"Used (\d+) registers")
+_NOTE_FN = re.compile(r"in (?:the )?function '([\w$.]+)'")
+
+
+def read_kernels(dump_dir: str, ptxas: bool | str = True) -> list[Kernel]:
+    """Kernels of the dumped module: launch shapes from `*thunk_sequence.txt`, resources from ptxas."""
+    kernels: dict[str, Kernel] = {}
+    for path in sorted(glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt"))):
+        for m in _THUNK.finditer(open(path).read()):
+            name = m.group(1)
+            dims = [int(x) for x in m.groups()[1:8]]
+            if name in kernels:
+                kernels[name].launches += 1
+            else:
+                kernels[name] = Kernel(name, 1, tuple(dims[0:3]), tuple(dims[3:6]), dims[6])
+    if ptxas:
+        pattern = re.compile(ptxas) if isinstance(ptxas, str) else None
+        exe = ptxas_path()
+        if exe is None:
+            raise RuntimeError("ptxas was not found (pip install nvidia-cuda-nvcc-cu12, or pass ptxas=False)")
+        for path in sorted(glob.glob(os.path.join(dump_dir, "*.ptx"))):
+            names = _ENTRY.findall(open(path).read())
+            if pattern is not None and not any(pattern.search(n) for n in names):
+                continue
+            for name, info in run_ptxas(path, exe).items():
+                k = kernels.setdefault(name, Kernel(name, 0, (0, 0, 0), (0, 0, 0), 0))
+                for field, value in info.items():
+                    setattr(k, field, value)
+    return list(kernels.values())
+
+
+def run_ptxas(ptx_path: str, exe: str | None = None) -> dict[str, dict]:
+    """`ptxas -arch=sm_90a -v` on one PTX file: see `parse_ptxas`."""
+    exe = exe or ptxas_path()
+    out = subprocess.run([exe, f"-arch={SM_ARCH}", "-v", ptx_path, "-o", os.devnull], capture_output=True,
+                         text=True, check=False)
+    if out.returncode:
+        raise RuntimeError(f"ptxas failed on {ptx_path}: {(out.stdout + out.stderr)[-2000:]}")
+    return parse_ptxas(out.stdout + out.stderr)
+
+
+def parse_ptxas(text: str) -> dict[str, dict]:
+    """ptxas -v output -> {entry: registers, spill_stores, spill_loads, stack_frame, wgmma_serialized,
+    ptxas_notes (the lines naming the entry, e.g. C7511: wgmma serialized for lack of registers)}."""
+    info: dict[str, dict] = {}
+    notes: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        if m := _NOTE_FN.search(line):
+            notes.setdefault(m.group(1), []).append(line.split(":", 1)[-1].strip())
+        if m := _PTXAS_FN.search(line):
+            current = info.setdefault(m.group(1), {})
+        elif current is not None and (m := _SPILLS.search(line)):
+            current.update(stack_frame=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        elif current is not None and (m := _REGS.search(line)):
+            current["registers"] = int(m.group(1))
+    for name, d in info.items():
+        d["ptxas_notes"] = notes.get(name, [])
+        d["wgmma_serialized"] = any("C7511" in n for n in d["ptxas_notes"])
+    return info
+
+
+# ---------------------------------------------------------------------------------------- schedule
+
+_COMP_HEADER = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ")
+_INSTR = re.compile(r"^\s+(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
+_OPERANDS = re.compile(r"%([\w.\-]+)")
+_CALLED = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_COLLECTIVES = ("collective-permute", "all-gather", "all-reduce", "reduce-scatter", "all-to-all",
+                "collective-broadcast", "ragged-all-to-all")
+_NOT_COMPUTE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-start", "copy-done",
+                "partition-id", "replica-id", "after-all", "add-dependency", "opt-barrier", "iota",
+                "send", "send-done", "recv", "recv-done", "copy"}
+
+
+@dataclasses.dataclass
+class _Instr:
+    name: str
+    shape: str
+    opcode: str
+    rest: str
+
+
+def _parse(hlo: str) -> tuple[dict[str, list[_Instr]], str | None]:
+    """Computations of an HLO module (instructions in schedule order) and the entry computation's name."""
+    comps, current, entry = {}, None, None
+    for line in hlo.splitlines():
+        if not line.startswith(" ") and (m := _COMP_HEADER.match(line)) and line.rstrip().endswith("{"):
+            current = comps.setdefault(m.group(1), [])
+            entry = m.group(1) if line.startswith("ENTRY") else entry
+        elif current is not None and (m := _INSTR.match(line)):
+            current.append(_Instr(m.group(1), m.group(2), m.group(3), m.group(4)))
+    return comps, entry
+
+
+def _callees(instr: _Instr) -> list[str]:
+    names = _CALLED.findall(instr.rest)
+    for group in _BRANCHES.findall(instr.rest):
+        names += _OPERANDS.findall(group)
+    return names
+
+
+def _collective_kind(instr: _Instr, comps) -> str | None:
+    """The collective an instruction is (or starts), else None."""
+    op = instr.opcode.removesuffix("-start").removesuffix("-done")
+    if op in _COLLECTIVES:
+        return op
+    if instr.opcode in ("async-start", "async-done"):
+        for callee in _callees(instr):
+            for inner in comps.get(callee, []):
+                if inner.opcode in _COLLECTIVES:
+                    return inner.opcode
+    return None
+
+
+def _is_compute(instr: _Instr, comps, memo: dict) -> bool:
+    """Heavy work: custom calls (Pallas/Triton kernels, cuBLAS/cuDNN), dots and convolutions, fusions holding
+    them, and control flow (conditional, call, while) holding any of these. Elementwise fusions, copies and
+    slices do not count: overlap is about hiding a transfer behind the block compute."""
+    if instr.opcode in _NOT_COMPUTE or instr.opcode.endswith(("-start", "-done")) or \
+            _collective_kind(instr, comps):
+        return False
+    if instr.opcode in ("custom-call", "dot", "convolution"):
+        return True
+    if instr.opcode == "fusion" and "kind=kCustom" in instr.rest:
+        return True
+    if instr.opcode in ("fusion", "conditional", "call", "while"):
+        return any(_computation_computes(c, comps, memo) for c in _callees(instr))
+    return False
+
+
+def _computation_computes(name: str, comps, memo: dict) -> bool:
+    if name not in memo:
+        memo[name] = False
+        memo[name] = any(_is_compute(i, comps, memo) for i in comps.get(name, []))
+    return memo[name]
+
+
+def _short(shape: str) -> str:
+    """HLO shape text without layouts: bf16[1,4096,8,128]{3,2,1,0} -> bf16[1,4096,8,128]."""
+    return re.sub(r"\{[0-9,]*\}", "", shape)
+
+
+def entry_collectives(hlo: str) -> CommLoop | None:
+    """The collectives of the entry computation (outside any loop: a ring XLA unrolled, team collectives)."""
+    comps, entry = _parse(hlo)
+    return None if entry is None else _loop_report(entry, comps, {}, 1)
+
+
+def communication_loops(hlo: str) -> list[CommLoop]:
+    """Every while loop of a scheduled HLO module whose body holds collectives, with their overlap."""
+    comps, _ = _parse(hlo)
+    memo: dict = {}
+    loops = []
+    for instrs in comps.values():
+        for w in instrs:
+            if w.opcode != "while":
+                continue
+            body = re.search(r"body=%([\w.\-]+)", w.rest).group(1)
+            trip = _TRIP.search(w.rest)
+            loop = _loop_report(body, comps, memo, int(trip.group(1)) if trip else None)
+            if loop is not None:
+                loops.append(loop)
+    return loops
+
+
+def _loop_report(body: str, comps, memo, trip) -> CommLoop | None:
+    instrs = comps.get(body, [])
+    position = {i.name: n for n, i in enumerate(instrs)}
+    compute = [i.name for i in instrs if _is_compute(i, comps, memo)]
+    compute_at = {i.name: n for n, i in enumerate(instrs) if i.name in set(compute)}
+    asyncs, sync, started = [], [], set()
+    for n, instr in enumerate(instrs):
+        kind = _collective_kind(instr, comps)
+        if kind is None:
+            continue
+        if instr.opcode.endswith("-start"):
+            started.add(instr.name)
+            done = next((j for j in instrs[n + 1:] if j.opcode.endswith("-done")
+                         and instr.name in _OPERANDS.findall(j.rest.split("),")[0] + ")")), None)
+            end = position[done.name] if done else len(instrs)
+            spans = [c for c, at in compute_at.items() if n < at < end]
+            asyncs.append(AsyncCollective(instr.name, kind, _short(instr.shape), spans, carried=done is None))
+        elif instr.opcode.endswith("-done"):
+            start = _OPERANDS.findall(instr.rest)
+            if start and start[0] not in position:   # started outside this body: in flight across iterations
+                asyncs.append(AsyncCollective(start[0], kind, _short(instr.shape), [], carried=True))
+        else:
+            sync.append(instr.name)
+    if not asyncs and not sync:
+        return None
+    return CommLoop(body, trip, compute, asyncs, sync)

@@ -1,0 +1,118 @@
+"""Roofline estimates: the fastest a compiled program can run on a device, and the MFU that allows.
+
+    est = roofline(flops=3.1e15, bytes_accessed=2.0e12, device="h200", model_flops=2.9e15)
+    est.time_s, est.bound, est.mfu
+
+For one device's program (SPMD: every device runs the same one):
+
+  compute_s = flops / peak_flops[dtype]          memory_s = bytes_accessed / hbm_bandwidth
+  comm_s    = bytes received over links / link bandwidth (per direction)
+  time_s    = max(compute_s, memory_s, comm_s)   if communication overlaps compute (overlap_comm=True)
+            = max(compute_s, memory_s) + comm_s  otherwise
+  mfu       = model_flops / (time_s * peak_flops[dtype])   (an upper bound: no real step is faster)
+
+`model_flops` is what MFU counts (e.g. 6·params·tokens plus attention, causal halved); without it the
+compiled flops are used (a hardware-FLOPs utilisation bound). `roofline_of(report)` reads flops and bytes
+from a GPU compile report (`gpu.py`): XLA's cost analysis of the optimized module, which cannot see inside
+custom kernels (Pallas/Triton flash attention), so their flops are passed as `extra_flops`
+(`attention_flops`), and the collective bytes from the compiled HLO (`compiled.collective_traffic`).
+
+Peak figures: NVIDIA's datasheets for the SXM parts, dense (no sparsity); link bandwidth is NVLink 4's
+900 GB/s total, 450 GB/s each way.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePeak:
+    name: str
+    flops_per_s: dict          # dtype name -> dense peak FLOP/s (tensor cores where they apply)
+    hbm_bytes_per_s: float
+    link_bytes_per_s: float    # per direction
+    memory_bytes: int
+
+
+_HOPPER_FLOPS = {"bf16": 989.4e12, "f16": 989.4e12, "tf32": 494.7e12, "f32": 66.9e12, "fp8": 1978.9e12}
+PEAKS = {
+    "h100": DevicePeak("NVIDIA H100 SXM 80GB", _HOPPER_FLOPS, 3.35e12, 450e9, 80 * 10**9),
+    "h200": DevicePeak("NVIDIA H200 SXM 141GB", _HOPPER_FLOPS, 4.8e12, 450e9, 141 * 10**9),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    device: str
+    dtype: str
+    flops: float
+    bytes_accessed: float
+    comm_bytes: float
+    compute_s: float
+    memory_s: float
+    comm_s: float
+    time_s: float
+    bound: str                 # "compute", "memory" or "communication"
+    model_flops: float
+    mfu: float                 # model_flops / (time_s * peak): the best MFU this program allows
+
+    @property
+    def arithmetic_intensity(self) -> float:
+        return self.flops / self.bytes_accessed if self.bytes_accessed else float("inf")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"arithmetic_intensity": self.arithmetic_intensity}
+
+
+def peak(device: str | DevicePeak) -> DevicePeak:
+    if isinstance(device, DevicePeak):
+        return device
+    if device not in PEAKS:
+        raise ValueError(f"unknown device {device!r}; expected one of {', '.join(PEAKS)} or a DevicePeak")
+    return PEAKS[device]
+
+
+def roofline(flops: float, bytes_accessed: float, device: str | DevicePeak = "h200", dtype: str = "bf16", *,
+             comm_bytes: float = 0.0, overlap_comm: bool = True, model_flops: float | None = None) -> Roofline:
+    """The roofline time of one device's program and the MFU it allows (see the module docstring)."""
+    dev = peak(device)
+    if dtype not in dev.flops_per_s:
+        raise ValueError(f"dtype {dtype!r} has no peak for {dev.name}; expected one of {', '.join(dev.flops_per_s)}")
+    for name, value in (("flops", flops), ("bytes_accessed", bytes_accessed), ("comm_bytes", comm_bytes)):
+        if value < 0:
+            raise ValueError(f"{name}={value} must be >= 0")
+    top = dev.flops_per_s[dtype]
+    compute_s, memory_s = flops / top, bytes_accessed / dev.hbm_bytes_per_s
+    comm_s = comm_bytes / dev.link_bytes_per_s
+    local = max(compute_s, memory_s)
+    time_s = max(local, comm_s) if overlap_comm else local + comm_s
+    if overlap_comm and comm_s > local:
+        bound = "communication"
+    else:
+        bound = "compute" if compute_s >= memory_s else "memory"
+    model = flops if model_flops is None else float(model_flops)
+    mfu = model / (time_s * top) if time_s > 0 else 0.0
+    return Roofline(dev.name, dtype, float(flops), float(bytes_accessed), float(comm_bytes), compute_s, memory_s,
+                    comm_s, time_s, bound, model, mfu)
+
+
+def roofline_of(report, device: str | DevicePeak | None = None, dtype: str = "bf16", *, extra_flops: float = 0.0,
+                extra_bytes: float = 0.0, model_flops: float | None = None, overlap_comm: bool = True) -> Roofline:
+    """Roofline of a `gpu.GpuCompileReport`: XLA's flops/bytes of the module, plus what custom kernels do."""
+    from jaxring.analysis.compiled import collective_traffic  # noqa: PLC0415
+    if not report.cost:
+        raise ValueError("the report has no cost analysis (flops, bytes accessed)")
+    moved, _ = collective_traffic(report.hlo, max(report.num_devices, 1))
+    return roofline(report.cost["flops"] + extra_flops, report.cost["bytes accessed"] + extra_bytes,
+                    device or report.target, dtype, comm_bytes=sum(moved.values()), overlap_comm=overlap_comm,
+                    model_flops=model_flops)
+
+
+def attention_flops(batch: int, q_len: int, kv_len: int, q_heads: int, head_dim: int, *, causal: bool,
+                    backward: bool = True, recompute: bool = True) -> float:
+    """Matmul FLOPs of attention (the FlashAttention papers' count): forward 4·b·h·Sq·Skv·d (QKᵀ and PV),
+    causal halved; the backward adds 2.5× the forward with recomputation of QKᵀ (2× without)."""
+    fwd = 4.0 * batch * q_heads * q_len * kv_len * head_dim * (0.5 if causal else 1.0)
+    if not backward:
+        return fwd
+    return fwd * (3.5 if recompute else 3.0)

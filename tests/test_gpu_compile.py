@@ -1,0 +1,172 @@
+"""Deviceless GPU compiles (H200): flash kernels without spills, ring transfers overlapping the block compute.
+
+The compile tests need the compile-only CUDA plugin (`pip install -e ".[dev,gpu-compile]"`, its own venv);
+elsewhere they skip and say why. The parsers (ptxas output, scheduled HLO) and the roofline run everywhere.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxring.analysis import gpu
+from jaxring.analysis.roofline import PEAKS, attention_flops, roofline
+
+AVAILABLE, WHY = gpu.available()
+needs_plugin = pytest.mark.skipif(not AVAILABLE, reason=f"deviceless GPU compile unavailable: {WHY}")
+
+
+# ------------------------------------------------------------------------------ everywhere (plain install)
+
+def test_target_configs_ship_as_package_data():
+    for target in gpu.TARGETS:
+        text = gpu.target_config(target)
+        assert "gpu_device_info" in text and "sm_9.0a" in text
+        assert "collective_memory_granularity:" not in text     # a field unknown to jax 0.10.2's XLA
+    assert "H200" in gpu.target_config("h200") and "H100" in gpu.target_config("h100")
+    with pytest.raises(ValueError, match="unknown GPU target 'a100'"):
+        gpu.target_config("a100")
+
+
+def test_unavailable_reason_names_what_is_missing():
+    if not AVAILABLE:
+        assert "plugin" in WHY or "jax_platforms" in WHY or "topology" in WHY
+
+
+PTXAS_OUTPUT = """\
+ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the wgmma pipeline in the function 'k_bad'
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'k_bad' for 'sm_90a'
+ptxas info    : Function properties for k_bad
+    24 bytes stack frame, 24 bytes spill stores, 20 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 24 bytes cumulative stack size
+ptxas info    : Compiling entry function 'k_good' for 'sm_90a'
+ptxas info    : Function properties for k_good
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers
+"""
+
+
+def test_ptxas_output_parsing():
+    info = gpu.parse_ptxas(PTXAS_OUTPUT)
+    assert info["k_bad"]["registers"] == 255 and info["k_bad"]["wgmma_serialized"]
+    assert (info["k_bad"]["spill_stores"], info["k_bad"]["spill_loads"]) == (24, 20)
+    assert info["k_good"]["registers"] == 168 and not info["k_good"]["wgmma_serialized"]
+    assert info["k_good"]["spill_stores"] == 0
+
+
+SCHEDULED_HLO = """\
+HloModule m, is_scheduled=true
+
+%kernel_body (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %cc = f32[4]{0} custom-call(%p), custom_call_target="__gpu$xla.gpu.triton"
+}
+
+%body (param: (s32[], f32[4], f32[4])) -> (s32[], f32[4], f32[4]) {
+  %param = (s32[], f32[4]{0}, f32[4]{0}) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%param), index=1
+  %y = f32[4]{0} get-tuple-element(%param), index=2
+  %cp-start = (f32[4]{0}, f32[4]{0}) collective-permute-start(%x), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  %k = f32[4]{0} fusion(%x), kind=kCustom, calls=%kernel_body
+  %cp-done = f32[4]{0} collective-permute-done(%cp-start)
+  %cp-start.1 = (f32[4]{0}, f32[4]{0}) collective-permute-start(%k), channel_id=2, source_target_pairs={{0,1},{1,0}}
+  %cp-done.1 = f32[4]{0} collective-permute-done(%cp-start.1)
+  %i = s32[] get-tuple-element(%param), index=0
+  ROOT %t = (s32[], f32[4]{0}, f32[4]{0}) tuple(%i, %cp-done, %cp-done.1)
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %c = s32[] constant(0)
+  %init = (s32[], f32[4]{0}, f32[4]{0}) tuple(%c, %a, %a)
+  %w = (s32[], f32[4]{0}, f32[4]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %r = f32[4]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_schedule_analysis_finds_transfers_that_span_compute():
+    (loop,) = gpu.communication_loops(SCHEDULED_HLO)
+    assert loop.trip_count == 3 and loop.compute == ["k"]
+    first, second = loop.collectives
+    assert first.spans == ["k"] and first.spans_compute
+    assert second.spans == [] and not second.spans_compute   # started after the kernel, done right away
+    assert not loop.overlapped
+
+
+def test_roofline():
+    h200 = PEAKS["h200"]
+    est = roofline(2 * 989.4e12, 1.0e12, "h200")                         # 2 s of compute, 0.21 s of HBM
+    assert est.bound == "compute" and est.time_s == pytest.approx(2.0) and est.mfu == pytest.approx(1.0)
+    est = roofline(989.4e12, 9.6e12, "h200", model_flops=0.5 * 989.4e12)  # 1 s compute, 2 s memory
+    assert est.bound == "memory" and est.time_s == pytest.approx(2.0) and est.mfu == pytest.approx(0.25)
+    est = roofline(989.4e12, 0.0, h200, comm_bytes=900e9, overlap_comm=False)   # + 2 s on the links
+    assert est.time_s == pytest.approx(3.0)
+    assert roofline(989.4e12, 0.0, h200, comm_bytes=900e9).bound == "communication"
+    assert attention_flops(1, 1024, 1024, 8, 64, causal=True, backward=False) == 2 * 1024 * 1024 * 8 * 64
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        roofline(1.0, 1.0, "tpu")
+
+
+# ------------------------------------------------------------------------------- with the CUDA plugin
+
+def _fwd_bwd(local):
+    def run(q, k, v, dout):
+        out, vjp = jax.vjp(local, q, k, v)
+        return out, vjp(dout)
+    return run
+
+
+@needs_plugin
+@pytest.mark.parametrize("head_dim,kv_heads", [(64, 8), (128, 8), (128, 2)], ids=["d64", "d128", "d128-gqa"])
+def test_flash_kernels_compile_without_spills_or_serialized_wgmma(head_dim, kv_heads):
+    from jaxring.attention.flash import flash_attention
+    mesh = Mesh(np.array(gpu.gpu_devices("h200", 1)), ("x",))
+    q = gpu.abstract((1, 4096, 8, head_dim), jnp.bfloat16, mesh)
+    kv = gpu.abstract((1, 4096, kv_heads, head_dim), jnp.bfloat16, mesh)
+    local = lambda q, k, v: flash_attention(q, k, v, causal=True, implementation="pallas")
+    report = gpu.compile_for_gpu(jax.jit(_fwd_bwd(local)), q, kv, kv, q, ptxas="jaxring_")
+    kernels = {k.name: k for k in report.custom_kernels()}
+    assert set(kernels) == {"jaxring_flash_fwd", "jaxring_flash_dkv", "jaxring_flash_dq"}
+    for k in kernels.values():
+        assert k.spills == 0, (k.name, k.spill_stores, k.spill_loads, k.registers)
+        assert not k.wgmma_serialized, (k.name, k.ptxas_notes)
+        assert k.registers <= 255 and k.shared_memory > 0 and k.threads[0] in (128, 256)
+
+
+def _strategy(name, devices):
+    from jaxring.attention.ring import ring_attention
+    from jaxring.attention.ulysses import usp_attention
+    from jaxring.attention.wallfacer import WF_AXES, wallfacer_attention, wallfacer_mesh
+    flat = Mesh(np.array(gpu.gpu_devices("h200", devices)), ("sp",))
+    if name == "ring":
+        return flat, "sp", functools.partial(ring_attention, axis_name="sp", layout="zigzag", block_ops="pallas")
+    if name == "wallfacer":
+        return wallfacer_mesh(flat, 2), WF_AXES, functools.partial(wallfacer_attention, team_size=2,
+                                                                  layout="zigzag", block_ops="pallas")
+    mesh = Mesh(np.array(flat.devices).reshape(devices // 2, 2), ("ring", "ulysses"))
+    return mesh, ("ring", "ulysses"), functools.partial(usp_attention, ring_axis="ring", ulysses_axis="ulysses",
+                                                        layout="zigzag", block_ops="pallas")
+
+
+@needs_plugin
+@pytest.mark.parametrize("strategy,devices", [("ring", 8), ("wallfacer", 16), ("usp", 8)])
+def test_ring_transfers_span_the_block_compute_forward_and_backward(strategy, devices):
+    """In every ring loop of the compiled H200 program (forward and backward), each transfer of the next
+    blocks (K/V; in the backward with the dK/dV, or WallFacer's Q-side and dQ, accumulators) is started
+    before the block kernels and waited for after them."""
+    mesh, axes, local = _strategy(strategy, devices)
+    spec = P(None, axes)
+    # 4096 tokens per device: K, V, dK, dV of one step (48 MiB) exceed XLA's ~30 MiB permute-combining limit
+    x = gpu.abstract((1, 4096 * devices, 8, 128), jnp.bfloat16, mesh, spec)
+    run = jax.shard_map(_fwd_bwd(local), mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, (spec,) * 3))
+    report = gpu.compile_for_gpu(jax.jit(run), x, x, x, x, ptxas=False)
+    assert len(report.loops) == 2, report.summary()            # the forward ring and the backward ring
+    for loop in report.loops:
+        assert loop.compute and not loop.sync_collectives, report.summary()
+        permutes = [c for c in loop.collectives if c.kind == "collective-permute"]
+        assert len(permutes) == 1, report.summary()             # one fused transfer per step
+        assert permutes[0].spans_compute and loop.overlapped, report.summary()
