@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxring import attention_reference, merge_partials
-from jaxring.attention import flash
+from jaxring.attention import flash_kernels, flash_tiles
 from jaxring.attention.blockwise import BlockOps
 from jaxring.attention.flash import flash_attention, flash_block_backward, flash_block_forward, flash_block_ops
 from helpers import assert_close
@@ -132,17 +132,17 @@ def test_segment_ids_with_padding(causal):
 def test_block_ranges_skip_hidden_tiles():
     """Causal self-attention: row i loops over tiles [0, i], unmasked [0, i), masked only the diagonal."""
     pos = jnp.broadcast_to(jnp.arange(64, dtype=jnp.int32), (1, 64))
-    vis, full = flash._visibility(True, pos, pos, None, None, 1, 64, 64, 64, 16, 16)
-    ranges = np.asarray(flash._loop_ranges(vis, full))[0]
+    vis, full = flash_tiles.visibility(True, pos, pos, None, None, 1, 64, 64, 64, 16, 16)
+    ranges = np.asarray(flash_tiles.loop_ranges(vis, full))[0]
     np.testing.assert_array_equal(ranges, [[i, i, i, i + 1] if i == 0 else [0, 0, i, i + 1]
                                            for i in range(4)])
     # Queries entirely before the keys: nothing to loop over.
-    vis, full = flash._visibility(True, pos, pos + 100, None, None, 1, 64, 64, 64, 16, 16)
-    assert (np.asarray(flash._loop_ranges(vis, full)) == 0).all()
+    vis, full = flash_tiles.visibility(True, pos, pos + 100, None, None, 1, 64, 64, 64, 16, 16)
+    assert (np.asarray(flash_tiles.loop_ranges(vis, full)) == 0).all()
     # Segments: two 32-token documents, no causal mask: tiles of the other document are skipped.
     seg = jnp.array([[1] * 32 + [2] * 32], jnp.int32)
-    vis, full = flash._visibility(False, None, None, seg, seg, 1, 64, 64, 64, 16, 16)
-    np.testing.assert_array_equal(np.asarray(flash._loop_ranges(vis, full))[0],
+    vis, full = flash_tiles.visibility(False, None, None, seg, seg, 1, 64, 64, 64, 16, 16)
+    np.testing.assert_array_equal(np.asarray(flash_tiles.loop_ranges(vis, full))[0],
                                   [[0, 0, 2, 2], [0, 0, 2, 2], [2, 2, 4, 4], [2, 2, 4, 4]])
 
 
@@ -203,7 +203,7 @@ def test_block_forward_inside_shard_map():
     for name, g, g_r in zip("qkv", (dq, dk, dv), vjp(dout)):
         assert_close(g, g_r, 2e-4, "d" + name)
 
-    if flash._JAX_VERSION < (0, 11):  # the interpreter cannot type-check varying axes: a clear error
+    if flash_kernels.JAX_VERSION < (0, 11):  # the interpreter cannot type-check varying axes: a clear error
         strict = jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, seq, P(), P()),
                                out_specs=(seq, seq, seq, P(), P()), check_vma=True)
         with pytest.raises(ValueError, match="pass check_vma=False"):
@@ -221,7 +221,7 @@ def test_jnp_implementation_and_auto_on_cpu():
     for implementation in ("jnp", None):
         check_against_reference(q, k, v, dout, dlse, causal=True, segment_ids=seg, q_positions=pos,
                                 kv_positions=pos, implementation=implementation)
-    assert flash._resolve_implementation(None) == ("pallas" if jax.default_backend() == "gpu" else "jnp")
+    assert flash_tiles.resolve_implementation(None) == ("pallas" if jax.default_backend() == "gpu" else "jnp")
 
 
 def test_kernels_lower_to_triton_for_gpu():
@@ -273,3 +273,12 @@ def test_errors_name_the_value_and_rule():
     with pytest.raises(ValueError, match="lse has shape"):
         flash_block_backward(q, q, q, q, jnp.zeros((1, 16)), jnp.zeros((1, 16, 4)), jnp.arange(16),
                              jnp.arange(16), causal=True, sm_scale=1.0)
+
+
+@pytest.mark.parametrize("shape", [(1, 16, 4, 0), (1, 0, 4, 32), (0, 16, 4, 32), (1, 16, 0, 32)],
+                         ids=["head_dim0", "seq0", "batch0", "heads0"])
+def test_degenerate_shapes_raise_one_line_errors(shape):
+    x = jnp.zeros(shape)
+    with pytest.raises(ValueError, match=r"must all be >= 1") as info:
+        flash_attention(x, x, x)
+    assert "\n" not in str(info.value) and str(shape) in str(info.value)

@@ -13,24 +13,36 @@ probabilities exp(s - lse) are exactly the global ones and the block gradients s
 Positions are int [n]; segment ids int [b, n] or None (0 = padding). K/V keep their own head count (GQA);
 they are never repeated.
 
-This jnp version tiles Q and K/V (`q_tile`, `kv_tile` elements), so memory is linear in the block length
-(no [nq, nk] score matrix), and skips tiles that the causal mask hides completely. The Pallas kernel in
-`flash.py` provides the same pair on GPU.
+The jnp pair is the Pallas kernel's algorithm (`flash_kernels.py`) written with lax loops, so memory is
+linear in the block length (no [nq, nk] score matrix) and hidden tiles cost nothing:
+
+  for each Q tile i (a loop over tile indices; out, dQ written in place):
+      [lo, full_lo, full_hi, hi) = the K/V tiles that may be visible to tile i, and the fully visible ones
+      for j in [lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, hi) masked:
+          forward:  S = (Q_i scale) K_j^T;  online softmax (running max m, sum l, accumulator)
+          backward: P = exp(S - lse);  dV_j += P^T dO_i;  dS = P (dO_i V_j^T - delta);
+                    dQ_i += dS K_j;  dK_j += dS^T (Q_i scale)      (one pass: S and P computed once)
+
+The ranges come from each tile's min/max position and segment id (`flash_tiles.visibility`), shared by the
+batch. Tiles are `q_tile` x `kv_tile` (the largest divisors of the block lengths not above them); a ring's
+position runs (zig-zag has two per rank) stay tile-aligned whenever the tile divides the run, so the tiles a
+causal mask hides are skipped exactly. The Pallas kernel in `flash.py` provides the same pair on GPU.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxring.attention.masking import attention_mask
-from jaxring.attention.merge import empty_partial, merge_partials
-from jaxring.attention.reference import softmax_attend
+from jaxring.vma import vary, varying_axes
 
-DEFAULT_Q_TILE = 512
-DEFAULT_KV_TILE = 512
+DEFAULT_Q_TILE = 128
+DEFAULT_KV_TILE = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,30 +61,11 @@ def _tile_size(n: int, target: int) -> int:
     return t if t * 8 >= min(n, target) else n
 
 
-def _split_tiles(x, tile: int, axis: int):
-    """[.., n, ..] -> [n // tile, .., tile, ..] (tile index leading, for scan)."""
-    if x is None:
-        return None
-    shape = x.shape[:axis] + (x.shape[axis] // tile, tile) + x.shape[axis + 1:]
-    return jnp.moveaxis(x.reshape(shape), axis, 0)
-
-
-def _merge_tiles(x, axis: int):
-    """Inverse of `_split_tiles`."""
-    x = jnp.moveaxis(x, 0, axis)
-    return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
-
-
 def tile_visible(q_positions, kv_positions, *, causal: bool):
     """False when the causal mask hides every (query, key) pair of the tile: it can be skipped."""
     if not causal:
         return jnp.bool_(True)
     return jnp.max(q_positions) >= jnp.min(kv_positions)
-
-
-def _grouped(q, kv_heads):
-    b, n, hq, d = q.shape
-    return q.astype(jnp.float32).reshape(b, n, kv_heads, hq // kv_heads, d)
 
 
 def _check_positions(q, k, q_positions, kv_positions):
@@ -83,42 +76,91 @@ def _check_positions(q, k, q_positions, kv_positions):
                              f"batch; vmap over rows for per-row positions)")
 
 
+def tile_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, *, causal: bool, q_tile: int,
+                kv_tile: int):
+    """int32 [nq / q_tile, 4]: for each Q tile the K/V tile loop (lo, full_lo, full_hi, hi), batch-wide."""
+    from jaxring.attention.flash_tiles import loop_ranges, visibility  # noqa: PLC0415 (flash imports us)
+    nq, nk = q_positions.shape[0], kv_positions.shape[0]
+    seg = q_segment_ids is not None
+    batch = q_segment_ids.shape[0] if seg else 1
+    qpos = jnp.broadcast_to(q_positions.astype(jnp.int32), (batch, nq)) if causal else None
+    kpos = jnp.broadcast_to(kv_positions.astype(jnp.int32), (batch, nk)) if causal else None
+    vis, full = visibility(causal, qpos, kpos, q_segment_ids, kv_segment_ids, batch, nq, nk, nk, q_tile, kv_tile)
+    return loop_ranges(jnp.any(vis, axis=0), jnp.all(full, axis=0))
+
+
+def _tiles(q, k, q_tile, kv_tile):
+    return _tile_size(q.shape[1], q_tile), _tile_size(k.shape[1], kv_tile)
+
+
+def _slice(x, start, size, axis=1):
+    return None if x is None else lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+def _three_loops(rng, body, carry):
+    """body(j, carry, masked=...) over K/V tiles [lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, hi)."""
+    lo, flo, fhi, hi = rng[0], rng[1], rng[2], rng[3]
+    carry = lax.fori_loop(lo, flo, functools.partial(body, masked=True), carry)
+    carry = lax.fori_loop(flo, fhi, functools.partial(body, masked=False), carry)
+    return lax.fori_loop(fhi, hi, functools.partial(body, masked=True), carry)
+
+
+def _varying(inputs, tree):
+    """`tree` (loop carries) made varying over every mesh axis any input varies over (check_vma)."""
+    axes = frozenset().union(*(varying_axes(x) for x in inputs if x is not None))
+    return jax.tree.map(lambda x: vary(x, axes), tree)
+
+
+def _mask_scores(s, qpos, kpos, qseg, kseg, causal):
+    """s [b, hkv, g, tq, tk] with invisible pairs set to -inf."""
+    mask = attention_mask(qpos, kpos, qseg, kseg, causal=causal)
+    return s if mask is None else jnp.where(mask[:, None, None], s, -jnp.inf)
+
+
 def block_forward(q, k, v, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, *,
                   causal: bool, sm_scale: float, q_tile: int = DEFAULT_Q_TILE, kv_tile: int = DEFAULT_KV_TILE):
     """Attention of one Q block over one K/V block; see the module docstring for shapes."""
     _check_positions(q, k, q_positions, kv_positions)
     b, nq, hq, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
-    tq, tk = _tile_size(nq, q_tile), _tile_size(nk, kv_tile)
-    k_t, v_t = _split_tiles(k, tk, 1), _split_tiles(v, tk, 1)
-    kpos_t, kseg_t = _split_tiles(kv_positions, tk, 0), _split_tiles(kv_segment_ids, tk, 1)
+    g = hq // hkv
+    tq, tk = _tiles(q, k, q_tile, kv_tile)
+    ranges = tile_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal=causal, q_tile=tq,
+                         kv_tile=tk)
+    inputs = (q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, ranges)
 
-    def one_q_tile(args):
-        q_i, qpos_i, qseg_i = args
-        qg = _grouped(q_i, hkv)
+    def q_tile_body(i, outputs):
+        out, lse = outputs
+        rows = i * tq
+        q_i = (_slice(q, rows, tq).astype(jnp.float32) * sm_scale).reshape(b, tq, hkv, g, d)
+        qpos_i, qseg_i = _slice(q_positions, rows, tq, 0), _slice(q_segment_ids, rows, tq)
 
-        def attend(kv_tile_args):
-            k_j, v_j, kpos_j, kseg_j = kv_tile_args
-            s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k_j.astype(jnp.float32)) * sm_scale
-            mask = attention_mask(qpos_i, kpos_j, qseg_i, kseg_j, causal=causal)
-            o, lse = softmax_attend(s, v_j, mask)
-            return o.reshape(b, tq, hq, d), lse.reshape(b, tq, hq)
+        def kv_tile_body(j, carry, *, masked):
+            acc, m, l = carry
+            keys = j * tk
+            s = jnp.einsum("bqhgd,bkhd->bhgqk", q_i, _slice(k, keys, tk).astype(jnp.float32))
+            if masked:
+                s = _mask_scores(s, qpos_i, _slice(kv_positions, keys, tk, 0), qseg_i,
+                                 _slice(kv_segment_ids, keys, tk), causal)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)          # rows with no key yet: no NaN
+            p = jnp.exp(s - m_safe[..., None])
+            alpha = jnp.exp(m - m_safe)
+            pv = jnp.einsum("bhgqk,bkhd->bhgqd", p, _slice(v, keys, tk).astype(jnp.float32))
+            return acc * alpha[..., None] + pv, m_new, l * alpha + jnp.sum(p, axis=-1)
 
-        def step(acc, kv_tile_args):
-            visible = tile_visible(qpos_i, kv_tile_args[2], causal=causal)
-            part = jax.lax.cond(visible, attend, lambda _: empty_partial(q_i), kv_tile_args)
-            return merge_partials(*acc, *part), None
+        init = (jnp.zeros((b, hkv, g, tq, d), jnp.float32), jnp.full((b, hkv, g, tq), -jnp.inf, jnp.float32),
+                jnp.zeros((b, hkv, g, tq), jnp.float32))
+        acc, m, l = _three_loops(ranges[i], kv_tile_body, _varying(inputs, init))
+        empty = l == 0.0
+        o = acc / jnp.where(empty, 1.0, l)[..., None]
+        lse_i = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+        o = jnp.transpose(o, (0, 3, 1, 2, 4)).reshape(b, tq, hq, d)
+        lse_i = jnp.transpose(lse_i, (0, 3, 1, 2)).reshape(b, tq, hq)
+        return lax.dynamic_update_slice_in_dim(out, o, rows, 1), lax.dynamic_update_slice_in_dim(lse, lse_i, rows, 1)
 
-        if tk == nk:  # one K/V tile: no loop (the caller decides whether the pair is visible at all)
-            return attend((k, v, kv_positions, kv_segment_ids))
-        acc, _ = jax.lax.scan(step, empty_partial(q_i), (k_t, v_t, kpos_t, kseg_t))
-        return acc
-
-    if tq == nq:
-        return one_q_tile((q, q_positions, q_segment_ids))
-    out, lse = jax.lax.map(one_q_tile, (_split_tiles(q, tq, 1), _split_tiles(q_positions, tq, 0),
-                                        _split_tiles(q_segment_ids, tq, 1)))
-    return _merge_tiles(out, 1), _merge_tiles(lse, 1)
+    init = (jnp.zeros((b, nq, hq, d), jnp.float32), jnp.full((b, nq, hq), -jnp.inf, jnp.float32))
+    return lax.fori_loop(0, nq // tq, q_tile_body, _varying(inputs, init))
 
 
 def block_backward(q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids=None,
@@ -129,58 +171,48 @@ def block_backward(q, k, v, dout, lse, delta, q_positions, kv_positions, q_segme
     b, nq, hq, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
-    tq, tk = _tile_size(nq, q_tile), _tile_size(nk, kv_tile)
-    kv_tiles = (_split_tiles(k, tk, 1), _split_tiles(v, tk, 1), _split_tiles(kv_positions, tk, 0),
-                _split_tiles(kv_segment_ids, tk, 1))
-    q_tiles = (_split_tiles(q, tq, 1), _split_tiles(dout, tq, 1), _split_tiles(lse, tq, 1),
-               _split_tiles(delta, tq, 1), _split_tiles(q_positions, tq, 0), _split_tiles(q_segment_ids, tq, 1))
+    tq, tk = _tiles(q, k, q_tile, kv_tile)
+    ranges = tile_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal=causal, q_tile=tq,
+                         kv_tile=tk)
+    inputs = (q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids, kv_segment_ids, ranges)
+    # [b, tq, hq] -> [b, hkv, g, tq]
+    as_rows = lambda x: jnp.transpose(x.reshape(b, tq, hkv, g), (0, 2, 3, 1))
 
-    def one_q_tile(dkv, q_tile_args):
-        q_i, do_i, lse_i, delta_i, qpos_i, qseg_i = q_tile_args
-        qg, dog = _grouped(q_i, hkv), _grouped(do_i, hkv)
-        # [b, tq, hq] -> [b, hkv, g, tq, 1]
-        as_rows = lambda x: jnp.transpose(x.reshape(b, tq, hkv, g), (0, 2, 3, 1))[..., None]
-        lse_rows = as_rows(lse_i)
-        lse_rows = jnp.where(jnp.isneginf(lse_rows), 0.0, lse_rows)
-        delta_rows = as_rows(delta_i)
+    def q_tile_body(i, grads):
+        dq, dk, dv = grads
+        rows = i * tq
+        q_i = (_slice(q, rows, tq).astype(jnp.float32) * sm_scale).reshape(b, tq, hkv, g, d)
+        do_i = _slice(dout, rows, tq).astype(jnp.float32).reshape(b, tq, hkv, g, d)
+        lse_i = as_rows(_slice(lse, rows, tq))
+        lse_i = jnp.where(jnp.isneginf(lse_i), 0.0, lse_i)[..., None]    # rows that see nothing: P = 0
+        delta_i = as_rows(_slice(delta, rows, tq))[..., None]
+        qpos_i, qseg_i = _slice(q_positions, rows, tq, 0), _slice(q_segment_ids, rows, tq)
 
-        def grads(kv_tile_args):
-            k_j, v_j, kpos_j, kseg_j = kv_tile_args
-            kf, vf = k_j.astype(jnp.float32), v_j.astype(jnp.float32)
-            s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, kf) * sm_scale
-            mask = attention_mask(qpos_i, kpos_j, qseg_i, kseg_j, causal=causal)
-            if mask is not None:
-                s = jnp.where(mask[:, None, None], s, -jnp.inf)
-            p = jnp.exp(s - lse_rows)
-            dv = jnp.einsum("bhgqk,bqhgd->bkhd", p, dog)
-            dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, vf)
-            ds = p * (dp - delta_rows) * sm_scale
-            dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, kf)
-            dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg)
-            return dq, dk, dv
+        def kv_tile_body(j, carry, *, masked):
+            dq_i, dk, dv = carry
+            keys = j * tk
+            k_j = _slice(k, keys, tk).astype(jnp.float32)
+            v_j = _slice(v, keys, tk).astype(jnp.float32)
+            s = jnp.einsum("bqhgd,bkhd->bhgqk", q_i, k_j)
+            if masked:
+                s = _mask_scores(s, qpos_i, _slice(kv_positions, keys, tk, 0), qseg_i,
+                                 _slice(kv_segment_ids, keys, tk), causal)
+            p = jnp.exp(s - lse_i)
+            dp = jnp.einsum("bqhgd,bkhd->bhgqk", do_i, v_j)
+            ds = p * (dp - delta_i)
+            dv_j = jnp.einsum("bhgqk,bqhgd->bkhd", p, do_i)
+            dk_j = jnp.einsum("bhgqk,bqhgd->bkhd", ds, q_i)
+            dq_i = dq_i + jnp.einsum("bhgqk,bkhd->bqhgd", ds, k_j)
+            add = lambda acc, x: lax.dynamic_update_slice_in_dim(acc, _slice(acc, keys, tk) + x, keys, 1)
+            return dq_i, add(dk, dk_j), add(dv, dv_j)
 
-        def skip(kv_tile_args):
-            kz = jnp.zeros_like(kv_tile_args[0], jnp.float32)
-            return jnp.zeros_like(qg), kz, kz
+        dq_i, dk, dv = _three_loops(ranges[i], kv_tile_body, (_varying(inputs, jnp.zeros_like(q_i)), dk, dv))
+        dq_i = (dq_i * sm_scale).reshape(b, tq, hq, d)
+        return lax.dynamic_update_slice_in_dim(dq, dq_i, rows, 1), dk, dv
 
-        def step(dq_acc, kv_tile_args):
-            visible = tile_visible(qpos_i, kv_tile_args[2], causal=causal)
-            dq, dk, dv = jax.lax.cond(visible, grads, skip, kv_tile_args)
-            return dq_acc + dq, (dk, dv)
-
-        if tk == nk:  # one K/V tile: no loop
-            dq, dk, dv = grads((k, v, kv_positions, kv_segment_ids))
-            return (dkv[0] + dk, dkv[1] + dv), dq.reshape(b, tq, hq, d)
-        dq, (dk, dv) = jax.lax.scan(step, jnp.zeros_like(qg), kv_tiles)
-        dkv = (dkv[0] + _merge_tiles(dk, 1), dkv[1] + _merge_tiles(dv, 1))
-        return dkv, dq.reshape(b, tq, hq, d)
-
-    zeros_kv = jnp.zeros_like(k, jnp.float32)
-    if tq == nq:
-        (dk, dv), dq = one_q_tile((zeros_kv, zeros_kv), (q, dout, lse, delta, q_positions, q_segment_ids))
-        return dq, dk, dv
-    (dk, dv), dq = jax.lax.scan(one_q_tile, (zeros_kv, zeros_kv), q_tiles)
-    return _merge_tiles(dq, 1), dk, dv
+    init = (jnp.zeros((b, nq, hq, d), jnp.float32), jnp.zeros((b, nk, hkv, d), jnp.float32),
+            jnp.zeros((b, nk, hkv, d), jnp.float32))
+    return lax.fori_loop(0, nq // tq, q_tile_body, _varying(inputs, init))
 
 
 JNP_BLOCK_OPS = BlockOps("jnp", block_forward, block_backward)

@@ -21,6 +21,8 @@ def check_qkv(q, k, v) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name} has shape {x.shape}; expected [batch, seq, heads, head_dim]")
+        if 0 in x.shape:
+            raise ValueError(f"{name} has shape {x.shape}; batch, seq, heads and head_dim must all be >= 1")
     if k.shape != v.shape:
         raise ValueError(f"k shape {k.shape} and v shape {v.shape} must match")
     if q.shape[0] != k.shape[0]:

@@ -1,7 +1,9 @@
-"""Causal work skipping shared by the ring-based strategies: position runs and run pairs the mask hides.
+"""One ring step's block compute, shared by the ring-based strategies, and the causal work it implies.
 
-A rank's tokens form a few contiguous position runs (one, or two for zig-zag); a (Q run, K/V run) pair that
-the causal mask hides completely is skipped with `lax.cond`, so the work actually done can be counted.
+A ring step attends a Q block to the K/V block it holds with one `BlockOps` call: the block ops skip the
+tiles a causal mask hides (by the tiles' true positions), and a block hidden entirely is skipped with one
+`lax.cond`. The work a rank must do is counted at the granularity of its position runs (one run per rank,
+two for zig-zag): a (Q run, K/V run) pair counts unless the causal mask hides all of it.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ def split_runs(x, parts: int, axis: int):
 
 
 def when_visible(causal, q_pos, kv_pos, compute, skip):
-    """Runs `compute` unless the causal mask hides the whole (Q run, K/V run) pair: (result, computed?)."""
+    """Runs `compute` unless the causal mask hides the whole (Q, K/V) pair: (result, computed?)."""
     if not causal:
         return compute(), True
     visible = tile_visible(q_pos, kv_pos, causal=True)
@@ -33,51 +35,36 @@ def pair_work(q_pos, kv_pos, computed):
     return jnp.where(computed, float(q_pos.shape[0] * kv_pos.shape[0]), 0.0).astype(jnp.float32)
 
 
-def forward_run_pairs(ops, acc, q, q_pos, q_seg, k, v, kv_pos, kv_seg, *, parts, causal, sm_scale):
-    """One (Q block, K/V block) forward through `ops`, run pair by run pair, hidden pairs skipped.
-
-    acc: tuple of (out, lse) fp32 partials, one per Q run (merged into). q, k, v, positions and segment ids
-    are whole blocks, split here into `parts` runs. Returns (acc, pairs) with pairs a list of
-    (q_positions, kv_positions, computed) per run pair (computed: False when the mask hid it).
-    """
-    q_runs, qpos_runs, qseg_runs = split_runs(q, parts, 1), split_runs(q_pos, parts, 0), split_runs(q_seg, parts, 1)
-    k_runs, v_runs = split_runs(k, parts, 1), split_runs(v, parts, 1)
-    kpos_runs, kseg_runs = split_runs(kv_pos, parts, 0), split_runs(kv_seg, parts, 1)
-    acc, pairs = list(acc), []
-    for i in range(parts):
-        for j in range(parts):
-            compute = lambda i=i, j=j: ops.forward(
-                q_runs[i], k_runs[j], v_runs[j], qpos_runs[i], kpos_runs[j], qseg_runs[i], kseg_runs[j],
-                causal=causal, sm_scale=sm_scale)
-            skip = lambda i=i: empty_partial(q_runs[i])
-            part, computed = when_visible(causal, qpos_runs[i], kpos_runs[j], compute, skip)
-            acc[i] = merge_partials(*acc[i], *part)
-            pairs.append((qpos_runs[i], kpos_runs[j], computed))
-    return tuple(acc), pairs
+def run_pairs(q_pos, kv_pos, parts: int, causal: bool):
+    """[(q run positions, kv run positions, visible?)] for every (Q run, K/V run) pair of two blocks."""
+    pairs = []
+    for qp in split_runs(q_pos, parts, 0):
+        for kp in split_runs(kv_pos, parts, 0):
+            pairs.append((qp, kp, tile_visible(qp, kp, causal=causal) if causal else True))
+    return pairs
 
 
-def backward_run_pairs(ops, grads, q, dout, lse, delta, q_pos, q_seg, k, v, kv_pos, kv_seg, *, parts, causal,
-                       sm_scale):
-    """One (Q block, K/V block) backward through `ops` (global lse, delta), run pair by run pair.
+def run_work(q_pos, kv_pos, parts: int, causal: bool):
+    """Query-key pairs of the run pairs the causal mask does not hide entirely (fp32)."""
+    return sum(pair_work(qp, kp, visible) for qp, kp, visible in run_pairs(q_pos, kv_pos, parts, causal))
 
-    grads: (dq, dk, dv) fp32 accumulators of the whole blocks; returns them with this pair's gradients added.
-    """
-    dq, dk, dv = grads
-    run_q, run_k = q.shape[1] // parts, k.shape[1] // parts
-    q_args = [split_runs(x, parts, 1) for x in (q, dout, lse, delta)]
-    qpos_runs, qseg_runs = split_runs(q_pos, parts, 0), split_runs(q_seg, parts, 1)
-    k_runs, v_runs = split_runs(k, parts, 1), split_runs(v, parts, 1)
-    kpos_runs, kseg_runs = split_runs(kv_pos, parts, 0), split_runs(kv_seg, parts, 1)
-    for i in range(parts):
-        q_i, do_i, lse_i, delta_i = (x[i] for x in q_args)
-        for j in range(parts):
-            compute = lambda i=i, j=j, q_i=q_i, do_i=do_i, lse_i=lse_i, delta_i=delta_i: ops.backward(
-                q_i, k_runs[j], v_runs[j], do_i, lse_i, delta_i, qpos_runs[i], kpos_runs[j], qseg_runs[i],
-                kseg_runs[j], causal=causal, sm_scale=sm_scale)
-            skip = lambda q_i=q_i, j=j: (jnp.zeros_like(q_i, jnp.float32), jnp.zeros_like(k_runs[j], jnp.float32),
-                                         jnp.zeros_like(v_runs[j], jnp.float32))
-            (dq_ij, dk_ij, dv_ij), _ = when_visible(causal, qpos_runs[i], kpos_runs[j], compute, skip)
-            dq = dq.at[:, i * run_q:(i + 1) * run_q].add(dq_ij)
-            dk = dk.at[:, j * run_k:(j + 1) * run_k].add(dk_ij)
-            dv = dv.at[:, j * run_k:(j + 1) * run_k].add(dv_ij)
-    return dq, dk, dv
+
+def attend_block(ops, acc, q, q_pos, q_seg, k, v, kv_pos, kv_seg, *, causal, sm_scale):
+    """acc (out, lse fp32) merged with the attention of Q over one K/V block (skipped if hidden)."""
+    part, _ = when_visible(
+        causal, q_pos, kv_pos,
+        lambda: ops.forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal=causal, sm_scale=sm_scale),
+        lambda: empty_partial(q))
+    return merge_partials(*acc, *part)
+
+
+def block_grads(ops, q, dout, lse, delta, q_pos, q_seg, k, v, kv_pos, kv_seg, *, causal, sm_scale):
+    """fp32 (dq, dk, dv) of one (Q block, K/V block) pair given the global lse and delta (zeros if hidden)."""
+    zeros = lambda: (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(k, jnp.float32),
+                     jnp.zeros_like(v, jnp.float32))
+    grads, _ = when_visible(
+        causal, q_pos, kv_pos,
+        lambda: ops.backward(q, k, v, dout, lse, delta, q_pos, kv_pos, q_seg, kv_seg, causal=causal,
+                             sm_scale=sm_scale),
+        zeros)
+    return grads

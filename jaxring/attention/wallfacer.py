@@ -40,8 +40,10 @@ circulate on the sub-ring:
 
   for s in 0 .. tgs-1:
       send Q_T, dO_T, lse_T, delta_T on (wf_ring j -> j+1; not after the last step)
-      dQ += block_dq;  dK, dV += block_dk, block_dv      (global lse and delta: block grads add up)
-      send dQ on with its Q (the tgs-th hop brings it home: the paper's extra hop)
+      send the dQ accumulator of the previous step's Q on (not at s = 0; it travels one hop behind its Q,
+          `collectives.ring_steps_accumulating`, so both transfers overlap the block compute)
+      dQ = received dQ + block_dq;  dK, dV += block_dk, block_dv   (global lse and delta: grads add up)
+  send the last dQ on (the tgs-th hop brings it home: the paper's extra hop)
   dQ -> psum_scatter over wf_team;  dK, dV -> back along the inverse init map -> psum_scatter over wf_team
 
 Layouts (`wallfacer_positions`, `wallfacer_permutation`), S divisible by P (contiguous) or 2P (zigzag):
@@ -101,9 +103,10 @@ from jax.sharding import Mesh
 from jaxring.attention.blockwise import BlockOps, get_block_ops
 from jaxring.attention.layout import check_seq_len
 from jaxring.attention.masking import check_qkv
+from jaxring.attention.ring import fuse_by_default
 from jaxring.attention.merge import empty_partial
-from jaxring.attention.schedule import backward_run_pairs, forward_run_pairs, pair_work, split_runs
-from jaxring.collectives import ring_steps, send_to_next
+from jaxring.attention.schedule import attend_block, block_grads, pair_work, run_pairs
+from jaxring.collectives import ring_steps, ring_steps_accumulating, send_to_next
 
 WF_AXES = ("wf_group", "wf_ring", "wf_team")
 GROUP, RING, TEAM = WF_AXES
@@ -299,7 +302,7 @@ def _coords():
     return g, j, a, lax.axis_size(RING)
 
 
-def _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops: BlockOps):
+def _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops: BlockOps, fuse: bool = False):
     c, zigzag = team_size, layout == "zigzag"
     g, j, a, tgs = _coords()
     p, n = c * c * tgs, q.shape[1]
@@ -311,21 +314,19 @@ def _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops: Blo
     def attend(carry, kv, step):
         acc, work = carry
         k_c, v_c, kseg_c = kv
-        chunk = ((j - step) % tgs) * c + a                     # the team chunk held at this step
-        acc, pairs = forward_run_pairs(ops, acc, q_t, q_pos, seg_t, k_c, v_c, team_positions(layout, chunk, p, c, n),
-                                       kseg_c, parts=parts, causal=causal, sm_scale=sm_scale)
-        for qpos_i, kpos_j, computed in pairs:
+        kv_pos = team_positions(layout, ((j - step) % tgs) * c + a, p, c, n)   # the team chunk held now
+        acc = attend_block(ops, acc, q_t, q_pos, seg_t, k_c, v_c, kv_pos, kseg_c, causal=causal,
+                           sm_scale=sm_scale)
+        for qpos_i, kpos_j, computed in run_pairs(q_pos, kv_pos, parts, causal):
             seen = jnp.where(computed, _visible_pairs(qpos_i, kpos_j, causal), 0.0)
             work = work + jnp.stack([pair_work(qpos_i, kpos_j, computed), seen]).astype(work.dtype)
         return acc, work
 
     # varies over all three axes, like the work it accumulates (check_vma)
     work0 = jnp.zeros((2,), jnp.float32) + 0 * (g + j + a)
-    send = lambda tree: send_to_next(tree, RING)
-    acc0 = tuple(empty_partial(x) for x in split_runs(q_t, parts, 1))
-    acc, work = ring_steps(attend, (acc0, work0), kv, tgs, send)
-    out_t = jnp.concatenate([x[0] for x in acc], axis=1)
-    lse_t = jnp.concatenate([x[1] for x in acc], axis=1)
+    send = lambda tree: send_to_next(tree, RING, fuse=fuse)
+    acc, work = ring_steps(attend, (empty_partial(q_t), work0), kv, tgs, send)
+    out_t, lse_t = acc
     out, lse, lse_team = _team_combine(out_t, lse_t, c, zigzag)
     return out, lse, work, (q_t, seg_t, kv, lse_team)
 
@@ -337,42 +338,41 @@ def wallfacer_forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale,
     return out, lse, work
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _wallfacer(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops):
-    out, _, _, _ = _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _wallfacer(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, fuse):
+    out, _, _, _ = _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, fuse)
     return out.astype(q.dtype)
 
 
-def _wallfacer_fwd(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops):
+def _wallfacer_fwd(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, fuse):
     out, _, _, (q_t, seg_t, kv, lse_team) = _forward(q, k, v, segment_ids, team_size, layout, causal,
-                                                      sm_scale, ops)
+                                                      sm_scale, ops, fuse)
     out = out.astype(q.dtype)
     return out, (q_t, seg_t, kv, out, lse_team)
 
 
 # -------------------------------------------------------------------------------------------- backward
 
-def _wallfacer_bwd(team_size, layout, causal, sm_scale, ops, residuals, dout):
+def _wallfacer_bwd(team_size, layout, causal, sm_scale, ops, fuse, residuals, dout):
     q_t, qseg_t, (k_u, v_u, kseg_u), out, lse_t = residuals
     c, zigzag = team_size, layout == "zigzag"
     g, j, a, tgs = _coords()
     p, n = c * c * tgs, out.shape[1]
-    parts = 2 if zigzag and causal else 1
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     do_t, delta_t = _gather(dout, c, zigzag), _gather(delta, c, zigzag)
     # K/V stay put: this device holds team chunk j·C + a for the whole pass
     kv_pos = team_positions(layout, j * c + a, p, c, n)
-    send = (lambda tree: send_to_next(tree, RING)) if tgs > 1 else (lambda tree: tree)
+    send = (lambda tree: send_to_next(tree, RING, fuse=fuse)) if tgs > 1 else (lambda tree: tree)
 
-    def grads(carry, q_side, step):
+    def grads(dkv, q_side, step):
         q_c, do_c, lse_c, delta_c, qseg_c = q_side
         q_pos = team_positions(layout, g * tgs + (j - step) % tgs, p, c, n)
-        dq, dk, dv = backward_run_pairs(ops, carry, q_c, do_c, lse_c, delta_c, q_pos, qseg_c, k_u, v_u, kv_pos,
-                                        kseg_u, parts=parts, causal=causal, sm_scale=sm_scale)
-        return send(dq), dk, dv  # dQ travels with its Q; the tgs-th hop brings it home
+        dq_j, dk_j, dv_j = block_grads(ops, q_c, do_c, lse_c, delta_c, q_pos, qseg_c, k_u, v_u, kv_pos, kseg_u,
+                                       causal=causal, sm_scale=sm_scale)
+        return (dkv[0] + dk_j, dkv[1] + dv_j), dq_j  # dQ travels with its Q; the tgs-th hop brings it home
 
-    init = (jnp.zeros_like(q_t, jnp.float32), jnp.zeros_like(k_u, jnp.float32), jnp.zeros_like(v_u, jnp.float32))
-    dq, dk, dv = ring_steps(grads, init, (q_t, do_t, lse_t, delta_t, qseg_t), tgs, send)
+    init = (jnp.zeros_like(k_u, jnp.float32), jnp.zeros_like(v_u, jnp.float32))
+    (dk, dv), dq = ring_steps_accumulating(grads, init, (q_t, do_t, lse_t, delta_t, qseg_t), tgs, send)
     dq = _scatter(dq, c, zigzag)
     dk, dv = _init_map((dk, dv), p, c, inverse=True)
     dk, dv = _scatter(dk, c, zigzag), _scatter(dv, c, zigzag)
@@ -386,7 +386,7 @@ _wallfacer.defvjp(_wallfacer_fwd, _wallfacer_bwd)
 
 def wallfacer_attention(q, k, v, segment_ids=None, *, team_size: int, causal: bool = True,
                         sm_scale: float | None = None, layout: str = "contiguous",
-                        block_ops: str | BlockOps = "auto"):
+                        block_ops: str | BlockOps = "auto", fuse_sends: bool | None = None):
     """WallFacer attention; call inside `shard_map` over a `wallfacer_mesh` with the sequence sharded over
     ("wf_group", "wf_ring", "wf_team") in `layout` (see `wallfacer_permutation`).
 
@@ -396,6 +396,8 @@ def wallfacer_attention(q, k, v, segment_ids=None, *, team_size: int, causal: bo
       segment_ids: local int [batch, n] or None; 0 = padding.
       team_size: C, the size of the wf_team axis (C² divides P).
       layout: "contiguous" or "zigzag" (the team-level zigzag of the module docstring).
+      fuse_sends: each sub-ring hop's arrays as one buffer (see `ring_attention`); default with the
+        compiled Pallas kernels only.
     Returns: out, local [batch, n, q_heads, head_dim] in q.dtype; differentiable (Q-rotating backward).
     """
     check_qkv(q, k, v)
@@ -407,4 +409,5 @@ def wallfacer_attention(q, k, v, segment_ids=None, *, team_size: int, causal: bo
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"local seq {q.shape[1]} must be even for the zigzag layout")
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    return _wallfacer(q, k, v, segment_ids, team_size, layout, causal, scale, get_block_ops(block_ops))
+    ops = get_block_ops(block_ops)
+    return _wallfacer(q, k, v, segment_ids, team_size, layout, causal, scale, ops, fuse_by_default(ops, fuse_sends))

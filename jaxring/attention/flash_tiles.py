@@ -1,0 +1,232 @@
+"""Tile metadata of the flash kernels: per-kernel tile sizes, padding to kernel shapes, and block skipping.
+
+Tiles (`default_block_config`): each kernel ("fwd", "dkv", "dq") has its own (block_q, block_k, num_warps,
+num_stages), chosen per padded head dim for Hopper so that every kernel compiles for sm_90a with no register
+spills and no serialized wgmma (checked by `tests/test_gpu_compile.py` on the deviceless H200 compile).
+
+Padding (`prepare`): head_dim is zero-padded to a power of two >= 16 and sequences to a multiple of the block
+sizes (Triton tiles are powers of two); zero head columns change no score and are sliced off. Padded keys are
+masked (the largest int32 position under causal, segment 0 with segment ids, an index mask otherwise);
+padded query rows are sliced off.
+
+Block skipping (`visibility`, `loop_ranges`): a few small jnp reductions compare block bounds (min/max
+position per block for causal, min/max non-zero segment id per block) and give every row of tiles a range
+[lo, hi) of tiles that may hold a visible pair, and inside it a sub-range [full_lo, full_hi) of tiles where
+every pair is visible; the kernels run masked [lo, full_lo), unmasked [full_lo, full_hi), masked [full_hi, hi).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+IMPLEMENTATIONS = ("auto", "pallas", "pallas_interpret", "jnp")
+INT_MIN = int(np.iinfo(np.int32).min)
+INT_MAX = int(np.iinfo(np.int32).max)
+MIN_BLOCK = 16  # Triton's dot needs every tile dimension >= 16.
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Static settings of one call (hashable: a jit static argument)."""
+    causal: bool
+    sm_scale: float
+    implementation: str  # resolved: "pallas", "pallas_interpret" or "jnp"
+    block_q: int | None = None
+    block_k: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Tile sizes and launch settings of one kernel."""
+    block_q: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def default_block_config(head_dim: int) -> dict[str, Tiles]:
+    """Default tiles for the three kernels ("fwd", "dkv", "dq"), chosen for Hopper (H100/H200).
+
+    Start: the Triton FlashAttention-2 tutorial's Hopper configurations (128-row query tiles, 64-key tiles,
+    3 pipeline stages; narrow 32-wide inner tiles in the backward). Then retuned on the deviceless sm_90a
+    compile (bf16, causal, `benchmarks/gpu_compile.py`) until ptxas reports no spills and no serialized wgmma:
+    the dK/dV kernel holds two fp32 accumulators of block_k x head_dim, which at 4 warps took all 255
+    registers and spilled (740 B at head dim 64 with block_k 128; 24 B and wgmma serialized at 128 with
+    block_k 64); 8 warps halve the accumulator registers per thread (202 and 198 registers, no spills).
+    Not autotuned for speed on a GPU (none was available); `benchmarks/flash_attention.py` measures them
+    where one is. Every value is overridable through `block_q`, `block_k`, `num_warps`, `num_stages`.
+    """
+    d = padded_head_dim(head_dim)
+    if d <= 64:
+        return {"fwd": Tiles(128, 64, 4, 3), "dkv": Tiles(32, 128, 8, 3), "dq": Tiles(128, 32, 4, 3)}
+    if d <= 128:
+        return {"fwd": Tiles(128, 64, 8, 3), "dkv": Tiles(32, 64, 8, 3), "dq": Tiles(64, 32, 4, 3)}
+    return {"fwd": Tiles(64, 32, 4, 2), "dkv": Tiles(16, 32, 4, 2), "dq": Tiles(32, 16, 4, 2)}
+
+
+def padded_head_dim(head_dim: int) -> int:
+    return max(MIN_BLOCK, pl.next_power_of_2(head_dim))
+
+
+def kernel_tiles(cfg: Config, head_dim: int, q_len: int, kv_len: int) -> dict[str, Tiles]:
+    """Per-kernel tiles after user overrides, shrunk for short sequences (never below 16)."""
+    out = {}
+    for name, t in default_block_config(head_dim).items():
+        bq = cfg.block_q if cfg.block_q is not None else t.block_q
+        bk = cfg.block_k if cfg.block_k is not None else t.block_k
+        bq = min(bq, max(MIN_BLOCK, pl.next_power_of_2(q_len)))
+        bk = min(bk, max(MIN_BLOCK, pl.next_power_of_2(kv_len)))
+        out[name] = Tiles(bq, bk, cfg.num_warps or t.num_warps, cfg.num_stages or t.num_stages)
+    return out
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def resolve_implementation(implementation: str | None) -> str:
+    if implementation is None or implementation == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "jnp"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation {implementation!r} is not one of {IMPLEMENTATIONS} (or None)")
+    return implementation
+
+
+def check_block(name: str, value: int | None) -> None:
+    if value is None:
+        return
+    if not isinstance(value, (int, np.integer)) or value < MIN_BLOCK or value & (value - 1):
+        raise ValueError(f"{name}={value!r} must be a power of two >= {MIN_BLOCK} (a Triton tile size)")
+
+
+def make_config(causal, sm_scale, head_dim, implementation, block_q, block_k, num_warps, num_stages):
+    check_block("block_q", block_q)
+    check_block("block_k", block_k)
+    for name, value in (("num_warps", num_warps), ("num_stages", num_stages)):
+        if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
+    return Config(bool(causal), scale, resolve_implementation(implementation),
+                   None if block_q is None else int(block_q), None if block_k is None else int(block_k),
+                   num_warps, num_stages)
+
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Padding and block ranges (plain jnp, outside the kernels)
+# ----------------------------------------------------------------------------------------------------------
+
+def pad_axis(x, axis: int, size: int, value=0):
+    if x is None or x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def pad_tokens(x, seq_len: int, head_dim: int):
+    """[b, n, h, d] -> [b, seq_len, h, head_dim] with zeros."""
+    return pad_axis(pad_axis(x, 1, seq_len), 3, head_dim)
+
+
+def as_batched(x, batch: int, length: int, padded: int, fill: int):
+    """[n] or [b, n] ints -> [b, padded] int32, padded with `fill`."""
+    if x is None:
+        return None
+    x = jnp.asarray(x).astype(jnp.int32)
+    x = jnp.broadcast_to(x, (batch, length)) if x.ndim == 1 else x
+    return pad_axis(x, 1, padded, fill)
+
+
+def block_stats(pos, seg, block: int):
+    """Per-tile bounds: min/max position, min/max non-zero segment id, 'one segment, no padding'."""
+    b, n = (pos if pos is not None else seg).shape
+    stats = {}
+    if pos is not None:
+        p = pos.reshape(b, n // block, block)
+        stats["pmin"], stats["pmax"] = p.min(-1), p.max(-1)
+    if seg is not None:
+        s = seg.reshape(b, n // block, block)
+        smin = jnp.where(s == 0, INT_MAX, s).min(-1)
+        smax = jnp.where(s == 0, INT_MIN, s).max(-1)
+        stats["smin"], stats["smax"] = smin, smax
+        stats["uniform"] = (smin == smax) & jnp.all(s != 0, axis=-1)
+    return stats
+
+
+def visibility(causal, qpos, kpos, qseg, kseg, batch, nq, nk, kv_len, bq, bk):
+    """vis[b, i, j]: tile (q block i, k block j) may hold a visible pair; full[b, i, j]: all its pairs are."""
+    nqb, nkb = nq // bq, nk // bk
+    vis = jnp.ones((batch, nqb, nkb), bool)
+    full = vis
+    if causal or qseg is not None:
+        qs = block_stats(qpos if causal else None, qseg, bq)
+        ks = block_stats(kpos if causal else None, kseg, bk)
+        if causal:
+            vis = vis & (qs["pmax"][:, :, None] >= ks["pmin"][:, None, :])
+            full = full & (qs["pmin"][:, :, None] >= ks["pmax"][:, None, :])
+        if qseg is not None:
+            vis = vis & (qs["smin"][:, :, None] <= ks["smax"][:, None, :]) \
+                      & (ks["smin"][:, None, :] <= qs["smax"][:, :, None])
+            full = full & qs["uniform"][:, :, None] & ks["uniform"][:, None, :] \
+                        & (qs["smin"][:, :, None] == ks["smin"][:, None, :])
+    if nk > kv_len:  # tiles holding padded keys always take the masked path
+        has_pad = (jnp.arange(nkb) + 1) * bk > kv_len
+        full = full & ~has_pad[None, None, :]
+    return vis, full & vis
+
+
+def loop_ranges(vis, full):
+    """For each row of tiles (last axis = the loop axis): int32 [..., 4] = (lo, full_lo, full_hi, hi).
+
+    Tiles outside [lo, hi) are skipped; [full_lo, full_hi) need no mask. When the fully visible tiles are
+    not contiguous (unusual positions), full_lo = full_hi = lo and the whole range takes the masked path.
+    """
+    n = vis.shape[-1]
+
+    def first_last(x):
+        anyx = jnp.any(x, axis=-1)
+        first = jnp.argmax(x, axis=-1)
+        last = n - jnp.argmax(x[..., ::-1], axis=-1)
+        return anyx, jnp.where(anyx, first, 0), jnp.where(anyx, last, 0)
+
+    any_v, lo, hi = first_last(vis)
+    any_f, flo, fhi = first_last(full)
+    contiguous = any_f & (jnp.sum(full, axis=-1) == fhi - flo)
+    flo = jnp.where(contiguous, flo, lo)
+    fhi = jnp.where(contiguous, fhi, lo)
+    return jnp.stack([lo, flo, fhi, hi], axis=-1).astype(jnp.int32)
+
+
+def prepare(cfg, tiles, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
+    """Pads everything to kernel shapes; returns the padded arrays and the static layout."""
+    b, q_len, hq, d = q.shape
+    kv_len, hkv = k.shape[1], k.shape[2]
+    d_pad = padded_head_dim(d)
+    nq = round_up(q_len, max(t.block_q for t in tiles.values()))
+    nk = round_up(kv_len, max(t.block_k for t in tiles.values()))
+    if cfg.causal:
+        qpos = jnp.arange(q_len, dtype=jnp.int32) if q_positions is None else q_positions
+        kpos = jnp.arange(kv_len, dtype=jnp.int32) if kv_positions is None else kv_positions
+        # Padded queries get the lowest position (they see nothing), padded keys the highest (never seen).
+        qpos = as_batched(qpos, b, q_len, nq, INT_MIN)
+        kpos = as_batched(kpos, b, kv_len, nk, INT_MAX)
+    else:
+        qpos = kpos = None
+    qseg = as_batched(q_segment_ids, b, q_len, nq, 0)
+    kseg = as_batched(kv_segment_ids, b, kv_len, nk, 0)
+    layout = dict(batch=b, q_len=q_len, kv_len=kv_len, q_heads=hq, kv_heads=hkv, head_dim=d,
+                  d_pad=d_pad, nq=nq, nk=nk)
+    return (pad_tokens(q, nq, d_pad), pad_tokens(k, nk, d_pad), pad_tokens(v, nk, d_pad),
+            qpos, kpos, qseg, kseg, layout)
+
