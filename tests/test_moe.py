@@ -219,6 +219,27 @@ def test_capacity_on_mesh_matches_reference(mesh_name):
     check_stats(stats, stats_ref)
 
 
+def test_grads_taken_inside_shard_map_are_already_reduced():
+    """The lead's pattern: jax.grad inside one shard_map (check_vma=True). Router and shared-expert gradients come
+    out summed over the token axes (here sp, ep), expert gradients over the token axes but ep (each ep rank owns
+    its experts), dx summed over tp: out_specs P() / P("ep", ...) accept them and they equal one device's."""
+    mesh = jaxring.make_mesh(sp=2, ep=2, tp=2)
+    x, ct = normal(25, (4, 16, H)), normal(26, (4, 16, H))
+    params = make_params(DROPLESS, seed=4)
+    x_spec, specs = P(("dp", "fsdp", "ep"), "sp", None), param_specs(DROPLESS)
+
+    def local(x, params, ct):
+        def loss(x, params):
+            y, stats = moe_ffn(x, params, config=DROPLESS, ep_axis="ep", tp_axis="tp")
+            return jax.lax.psum(jnp.sum(y * ct), ("ep", "sp")) + LOSS_SCALE * stats["loss"]
+        return jax.grad(loss, argnums=(0, 1))(x, params)
+
+    got = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(x_spec, specs, x_spec), out_specs=(x_spec, specs)))(
+        x, params, ct)
+    ref = moe_grads(lambda x, p: moe_ffn(x, p, config=DROPLESS, ep_axis=None), x, params, ct)[1]
+    check_tree(got, ref, name="grad")
+
+
 # ------------------------------------------------------------------------------------------------------
 # Bytes moved per MoE layer (compiled program)
 # ------------------------------------------------------------------------------------------------------
