@@ -148,15 +148,15 @@ def stack(make_layer, num_layers: int, rngs: nnx.Rngs):
 
 
 def remat_policy(remat: str, zero_stage: int = 0):
-    """The jax.checkpoint policy of one layer for remat none/selective/full (None: no checkpoint), never
-    saving ZeRO-3's gathered weights."""
+    """The jax.checkpoint policy of one layer for remat none/selective/full: none saves everything it computes,
+    selective only the weight matmuls' outputs, full nothing. In every mode the weights as the layer reads them
+    are never saved for the backward (`zero.no_weights_saved`): ZeRO-3 gathers them again, the others slice
+    them again from the stack."""
     if remat not in REMAT:
         raise ValueError(f"unknown remat {remat!r}; expected one of {', '.join(REMAT)}")
     base = {"none": None, "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
             "full": jax.checkpoint_policies.nothing_saveable}[remat]
-    if zero_stage == 3 and remat != "full":
-        return zero.no_gathered_saved(base)
-    return base
+    return zero.no_weights_saved(zero_stage, base)
 
 
 @dataclasses.dataclass
@@ -180,9 +180,14 @@ class Layers:
         layer_placements = jax.tree.map(_per_layer, self.placements, is_leaf=_is_placement)
         const = self.const if self.const is not None else jax.tree.map(lambda _: None, self.diff)
 
-        def body(carry, xs):
-            diff, const = xs
-            weights = jax.tree.map(lambda d, c, pl: zero.materialize(self.stage, d, c, pl), diff, const,
+        num_layers = jax.tree.leaves(self.diff)[0].shape[0]
+        at = lambda tree, i: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+        def body(carry, i):
+            # the stacks are read as constants, layer i sliced here: a layer's weights are never copied into
+            # a stacked residual for the backward (the policy recomputes the slice)
+            diff, const_i = at(self.diff, i), at(const, i)
+            weights = jax.tree.map(lambda d, c, pl: zero.materialize(self.stage, d, c, pl), diff, const_i,
                                    layer_placements, is_leaf=lambda v: v is None)
             layer = nnx.merge(self.graphdef, weights)
             if aux is None:
@@ -191,12 +196,9 @@ class Layers:
             x, extra = call(layer, x)
             return (x, jax.tree.map(jnp.add, acc, extra)), None
 
-        policy = remat_policy(self.remat, self.stage)
-        if policy is not None:
-            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-        carry, _ = lax.scan(body, x if aux is None else (x, aux), (self.diff, const))
+        body = jax.checkpoint(body, policy=remat_policy(self.remat, self.stage), prevent_cse=False)
+        carry, _ = lax.scan(body, x if aux is None else (x, aux), jnp.arange(num_layers))
         return carry
-
 
     @classmethod
     def of(cls, module, remat: str = "none"):

@@ -32,12 +32,9 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxring.vma import vary, varying_axes
-
-GATHERED = "zero3_gathered"   # checkpoint name of weights all-gathered by stage 3 (never saved for backward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,8 +154,11 @@ def materialize(stage: int, diff, const, placement: Placement):
         return diff
     if stage == 2:
         return _attach(const, diff, placement)
-    w = lax.all_gather(diff, placement.replica, axis=placement.zero_dim, tiled=True)   # backward: reduce-scatter
-    return checkpoint_name(w, GATHERED)
+    # Untiled (a new axis, merged by the reshape): the one all-gather in jaxring that the layer remat policy
+    # never saves (`no_weights_saved`), so the backward gathers it again. Backward: reduce-scatter.
+    zd = placement.zero_dim
+    w = lax.all_gather(diff, placement.replica, axis=zd, tiled=False)
+    return w.reshape(diff.shape[:zd] + (-1,) + diff.shape[zd + 1:])
 
 
 def reduce(stage: int, g, placement: Placement):
@@ -195,11 +195,34 @@ def global_norm(tree) -> jax.Array:
     return jnp.sqrt(total)
 
 
-def no_gathered_saved(policy=None):
-    """A remat policy that never saves stage 3's gathered weights (they are all-gathered again in the
-    backward) and otherwise follows `policy` (None: save everything)."""
+def is_weight_gather(prim, params) -> bool:
+    """A stage-3 weight all-gather (the untiled all_gather of `materialize`)."""
+    return prim.name == "all_gather" and not params.get("tiled", True)
+
+
+# Ops that only move, cast or view data: free to recompute. A weight reaches its matmuls through these alone
+# (a slice, a cast to the compute dtype, a reshape into heads, the varying cast), so when none of them is
+# saved, the backward rebuilds each weight from its stored form instead of keeping a copy of it.
+_FREE_OPS = frozenset({"pvary", "reshape", "convert_element_type", "broadcast_in_dim", "transpose", "squeeze",
+                       "expand_dims", "slice", "dynamic_slice", "concatenate", "copy", "copy_p"})
+
+
+def _free_custom_vjp(prim, params) -> bool:
+    """A custom_vjp whose primal is free data movement (stage 2's `_attach`: a varying cast)."""
+    jaxpr = params.get("call_jaxpr")
+    if prim.name != "custom_vjp_call" or jaxpr is None:
+        return False
+    eqns = getattr(getattr(jaxpr, "jaxpr", jaxpr), "eqns", None)
+    return eqns is not None and all(e.primitive.name in _FREE_OPS for e in eqns)
+
+
+def no_weights_saved(stage: int, policy=None):
+    """A remat policy that saves what `policy` saves (None: everything computed), except the weights as the
+    layers read them: stage 3's all-gathered weights are gathered again in the backward (3Ψ moved), stage 2's
+    replicated weights are read again from their stored copy. Free data movement (`_FREE_OPS`) is recomputed."""
     def keep(prim, *args, **params):
-        if params.get("name") == GATHERED:
+        if is_weight_gather(prim, params) or prim.name in _FREE_OPS or _free_custom_vjp(prim, params):
             return False
         return True if policy is None else policy(prim, *args, **params)
+    del stage
     return keep

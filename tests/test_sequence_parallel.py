@@ -127,9 +127,9 @@ def test_errors():
     q, k, v, _ = qkv(0, 1, 64, 4, 2, 8)
     with pytest.raises(ValueError, match="query heads 4 are not divisible by the Ulysses degree sp = 8"):
         jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="ulysses")
-    with pytest.raises(ValueError, match="usp needs ulysses_size dividing sp = 8; got 3"):
+    with pytest.raises(ValueError, match="ulysses_size U=3 must be a positive integer dividing sp = 8"):
         jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="usp", ulysses_size=3)
-    with pytest.raises(ValueError, match="usp needs ulysses_size dividing sp = 8; got None"):
+    with pytest.raises(ValueError, match="attention 'usp' needs ulysses_size"):
         jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="usp")
     with pytest.raises(ValueError, match="strategy 'ring' takes no option ulysses_size"):
         jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="ring", ulysses_size=2)
@@ -139,6 +139,12 @@ def test_errors():
         jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="wallfacer", team_size=2, ulysses_size=2)
     with pytest.raises(ValueError, match="query heads 4 are not divisible by the Ulysses degree ulysses_size = 8"):
         jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="usp", ulysses_size=8)
+    with pytest.raises(ValueError, match="q, k, v dtypes float32, bfloat16, float32 must be the same"):
+        jaxring.sharded_attention(q, k.astype(jnp.bfloat16), v, mesh=mesh)
+    with pytest.raises(ValueError, match="q, k, v dtype int32 is not supported"):
+        jaxring.sharded_attention(*(x.astype(jnp.int32) for x in (q, k, v)), mesh=mesh)
+    with pytest.raises(ValueError, match="causal 'yes' must be True or False"):
+        jaxring.sharded_attention(q, k, v, mesh=mesh, causal="yes")
 
 
 @pytest.mark.parametrize("strategy,options", [("ring", {}), ("ulysses", {}), ("usp", {"ulysses_size": 2}),

@@ -100,8 +100,8 @@ class TrainStep:
         stage = self.stage
         diff, const = _split(params, self.placements, lambda p, pl: zero.inputs(stage, p, pl))
         loss_fn = lambda d, x: self._loss(d, const, x, stage)
-        if stage == 3:  # the gathered weights of the layers outside the scan are re-gathered in the backward
-            loss_fn = jax.checkpoint(loss_fn, policy=zero.no_gathered_saved(None))
+        # the weights outside the layer scan are not saved for the backward either (see nn.remat_policy)
+        loss_fn = jax.checkpoint(loss_fn, policy=zero.no_weights_saved(stage))
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if self.grad_accum == 1:
             (loss, aux), grads = grad_fn(diff, inputs)
