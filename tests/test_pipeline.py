@@ -89,6 +89,16 @@ def test_tables_respect_dependencies_and_chart():
     assert chart == ["stage 0: F0  F1  .   BW0 .   BW1", "stage 1: .   F0  BW0 F1  BW1 .  "]
 
 
+def test_schedule_picture():
+    import matplotlib
+    matplotlib.use("Agg")
+    from jaxring.pipeline import plot_schedule
+    schedule = make_schedule("zero-bubble", 4, 8)
+    ax = plot_schedule(schedule, costs="paper", lockstep=False)
+    assert len(ax.patches) == 3 * 8 * 4                          # one box per action
+    assert ax.get_xlim()[1] == pytest.approx(simulate(schedule).makespan)
+
+
 @pytest.mark.parametrize("args,message", [
     (("pipedream", 4, 8), "unknown pipeline schedule 'pipedream'"),
     (("1f1b", 4, 2), "num_microbatches=2 is less than pp=4"),

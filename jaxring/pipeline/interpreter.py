@@ -159,6 +159,9 @@ class _Interpreter:
         loss_jaxpr, (_, self.aux_shape) = jax.make_jaxpr(self.loss_fn, return_shape=True)(
             self.shared, y_example, mb0)
         self.loss_avals = loss_jaxpr.out_avals
+        if self.loss_avals[0].shape != ():
+            raise ValueError(f"loss_fn must return (loss_sum, aux) with a scalar loss_sum; got loss_sum of shape "
+                             f"{self.loss_avals[0].shape}")
 
     # ---- the state carried from tick to tick ----
     def init_state(self):

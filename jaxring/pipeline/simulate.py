@@ -147,8 +147,8 @@ def plot_schedule(schedule: Schedule, costs="unit", lockstep: bool = True, ax=No
     ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
     ax.set_xlabel("time (lockstep ticks)" if lockstep else "time")
     kinds = [k for k in (F, BW, B, W) if (schedule.kind == k).any()]
-    ax.legend(handles=[Patch(color=_COLORS[k], label=KIND_NAMES[k]) for k in kinds], loc="upper right",
-              fontsize=7, ncol=len(kinds))
+    ax.legend(handles=[Patch(color=_COLORS[k], label=KIND_NAMES[k]) for k in kinds], loc="lower right",
+              bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=len(kinds), frameon=False)
     ax.set_title(f"{schedule.name}: pp={p}, m={schedule.num_microbatches}, v={schedule.virtual_stages}, "
-                 f"bubble {sim.bubble:.3f}")
+                 f"bubble {sim.bubble:.3f}", loc="left", fontsize=9)
     return ax
