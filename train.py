@@ -4,6 +4,8 @@
     python train.py --sp 8 --attention wallfacer --team-size 2
     python train.py --tp 4 --dp 2 --tensor-parallel optimus
     python train.py --dp 2 --sp 4 --attention ulysses
+    python train.py --tp 2 --sp 4                     # Megatron TP+SP × ring attention (tensor × sequence)
+    python train.py --dp 8 --zero 3                   # explicit ZeRO-3 over the data axis
     python train.py --model dit --preset tiny --sp 4 --dp 2 --steps 100
 
 Without an accelerator, --cpu-devices N simulated CPU devices are used (default 8). With no mesh flag the
@@ -21,6 +23,8 @@ import sys
 
 
 EXIT_USER_ERROR, EXIT_DIVERGED = 2, 3
+MESH_FLAGS = (("dp", "data"), ("fsdp", "data, parameters sharded (ZeRO-3 by default)"), ("pp", "pipeline"),
+              ("tp", "tensor"), ("sp", "sequence/context"), ("ep", "expert (data parallel outside MoE layers)"))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,17 +48,27 @@ def parse_args(argv=None):
     g.add_argument("--grad-accum", type=int, default=1)
     g.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
                    help="change a preset field, e.g. --override num_layers=2 (repeatable)")
+    from jaxring.plan import ZERO_STAGES
+    from jaxring.registry import ALL_LAYOUTS, SEQUENCE_STRATEGIES, strategy_options
+    from jaxring.tensor import TENSOR_METHODS
+
     g = p.add_argument_group("mesh (degrees multiply to the device count)")
-    for axis, text in (("dp", "data"), ("fsdp", "data, parameters sharded (ZeRO-3)"), ("pp", "pipeline"),
-                       ("tp", "tensor"), ("sp", "sequence/context")):
+    for axis, text in MESH_FLAGS:
         g.add_argument(f"--{axis}", type=int, default=None, help=f"{text} parallel degree")
     g.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices when there is no accelerator")
-    g = p.add_argument_group("strategies")
-    g.add_argument("--attention", choices=("dense", "ring", "rsa", "ulysses", "wallfacer", "allgather", "usp"))
-    g.add_argument("--layout", choices=("contiguous", "zigzag", "striped"))
-    g.add_argument("--team-size", type=int, help="wallfacer team size C (C² divides sp)")
-    g.add_argument("--ulysses-size", type=int, help="usp: Ulysses degree U (divides sp)")
-    g.add_argument("--tensor-parallel", choices=("megatron", "optimus", "metp"))
+    g.add_argument("--zero", type=int, choices=ZERO_STAGES,
+                   help="ZeRO stage over the data and sequence axes: 0 replicated, 1 optimizer state sharded, "
+                        "2 gradients too, 3 parameters too (default: 3 with --fsdp > 1, else 0)")
+    g = p.add_argument_group("strategies (from jaxring.registry)")
+    g.add_argument("--attention", choices=tuple(SEQUENCE_STRATEGIES), metavar="{" + ",".join(SEQUENCE_STRATEGIES) + "}",
+                   help="; ".join(f"{s.name}: {s.summary}" for s in SEQUENCE_STRATEGIES.values()))
+    g.add_argument("--layout", choices=ALL_LAYOUTS, help="token layout over sp (default: the strategy's)")
+    for name, (option, users) in strategy_options().items():
+        g.add_argument("--" + name.replace("_", "-"), type=option.type, choices=option.choices,
+                       help=f"{'/'.join(users)}: {option.help}")
+    methods = tuple(m for m in TENSOR_METHODS if m != "none")
+    g.add_argument("--tensor-parallel", choices=methods,
+                   help="; ".join(f"{TENSOR_METHODS[m].name}: {TENSOR_METHODS[m].summary}" for m in methods))
     g = p.add_argument_group("numerics and memory")
     g.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="compute dtype; master weights and optimizer state stay fp32")
@@ -133,7 +147,7 @@ def run(args) -> int:
     devices = use_cpu_devices_if_no_accelerator(args.cpu_devices)
     from jaxring.train.loop import TrainConfig, train
 
-    degrees = {a: getattr(args, a) for a in ("dp", "fsdp", "pp", "tp", "sp")}
+    degrees = {a: getattr(args, a) for a, _ in MESH_FLAGS}
     if all(v is None for v in degrees.values()):
         degrees["sp"] = len(devices)        # default: one sequence-parallel ring over every device
     degrees = {a: 1 if v is None else v for a, v in degrees.items()}     # 0 or less: refused by the config
@@ -141,7 +155,8 @@ def run(args) -> int:
                       batch_size=args.batch_size, seq_len=args.seq_len, image_size=args.image_size, lr=args.lr,
                       warmup=args.warmup, grad_accum=args.grad_accum, **degrees, attention=args.attention,
                       layout=args.layout, team_size=args.team_size, ulysses_size=args.ulysses_size,
-                      tensor_parallel=args.tensor_parallel, precision=args.precision, remat=args.remat,
+                      placement=args.placement, tensor_parallel=args.tensor_parallel, zero=args.zero,
+                      precision=args.precision, remat=args.remat,
                       data=args.data, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                       keep_checkpoints=args.keep_checkpoints, resume=args.resume, metrics_file=args.metrics_file,
                       profile=args.profile, sample_tokens=args.sample_tokens, sample_path=args.sample_path,

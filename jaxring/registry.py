@@ -35,12 +35,15 @@ USP_AXES = ("usp_ring", "usp_ulysses")
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """A strategy option: its name, whether it must be given, its default and its check(value, sp)."""
+    """A strategy option: its name, its check(value, sp), whether it must be given, its default, and how a
+    command line takes it (`type`, `choices`: train.py builds its flags from these)."""
     name: str
     help: str
     check: Callable[[Any, int], None]
     required: bool = False
     default: Any = None
+    type: type = int
+    choices: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,8 +183,8 @@ SEQUENCE_STRATEGIES: dict[str, SequenceStrategy] = {s.name: s for s in (
     SequenceStrategy("wallfacer", "WallFacer: teams of C devices, C² sub-rings, 1/C of the ring's P2P volume",
                      _wallfacer, layouts=WF_LAYOUTS, view=_wallfacer_view, options=(
                          Option("team_size", "--team-size C, C² dividing sp", _check_team_size, required=True),
-                         Option("placement", f"one of {', '.join(PLACEMENTS)}", _check_placement,
-                                default="team_inner"))),
+                         Option("placement", "which devices are neighbours: team members or sub-ring members",
+                                _check_placement, default="team_inner", type=str, choices=PLACEMENTS))),
     SequenceStrategy("allgather", "all-gather context parallelism: gather K/V, reduce-scatter dK/dV (Llama 3)",
                      _allgather),
     SequenceStrategy("usp", "USP: Ulysses over U devices × ring over sp / U", _usp, view=_usp_view,
@@ -189,6 +192,16 @@ SEQUENCE_STRATEGIES: dict[str, SequenceStrategy] = {s.name: s for s in (
                          Option("ulysses_size", "--ulysses-size U, U dividing sp", _check_ulysses_size,
                                 required=True),)),
 )}
+
+
+def strategy_options() -> dict[str, tuple[Option, tuple[str, ...]]]:
+    """Every strategy option by name, with the strategies that take it (for command lines)."""
+    out: dict[str, tuple[Option, tuple[str, ...]]] = {}
+    for strategy in SEQUENCE_STRATEGIES.values():
+        for option in strategy.options:
+            first, users = out.get(option.name, (option, ()))
+            out[option.name] = (first, users + (strategy.name,))
+    return out
 
 
 def sequence_strategy(name: str) -> SequenceStrategy:

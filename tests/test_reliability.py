@@ -316,8 +316,8 @@ class PoisonedTrainer(loop.Trainer):
     a NaN loss for that step (a bad batch), else the loss is the true (finite) one. Adds an extra metric."""
     at, bad_loss = 2, False
 
-    def step(self):
-        out = dict(super().step())
+    def step(self, max_loss=None):
+        out = dict(super().step(max_loss=max_loss))
         out["aux_metric"] = jnp.float32(self.step_count * 0.5)
         out["progress"] = ("aux_metric",)
         if self.step_count == self.at:
@@ -342,14 +342,21 @@ def test_nan_parameters_are_never_saved(tmp_path, monkeypatch):
 
 
 def test_skip_mode_undoes_the_bad_step_and_logs_every_metric(tmp_path, monkeypatch):
-    class BadBatch(PoisonedTrainer):
-        at, bad_loss = 3, True
+    class BadBatch(loop.Trainer):
+        """Step 3 is a bad batch: the in-step check rejects it (forced here with max_loss = -inf, as a NaN or
+        too-high loss would) and it reports a NaN loss, as such a batch would."""
 
-        def step(self):
+        def step(self, max_loss=None):
             if self.step_count == 3:          # after the skip of step 3: the state after step 2 is back
                 assert all(np.array_equal(np.asarray(a), b) for a, b in zip(jax.tree.leaves(self.state()),
                                                                              self.kept))
-            out = super().step()
+            bad = self.step_count == 2
+            out = dict(super().step(max_loss=-np.inf if bad else max_loss))
+            out["aux_metric"] = jnp.float32(self.step_count * 0.5)
+            out["progress"] = ("aux_metric",)
+            if bad:
+                assert bool(out["skipped"])
+                out["loss"] = jnp.float32(jnp.nan)
             if self.step_count == 2:
                 self.kept = [np.asarray(x) for x in jax.tree.leaves(self.state())]
             return out

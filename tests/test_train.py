@@ -112,7 +112,7 @@ def test_metrics_file(tmp_path):
     (dict(sp=8, seq_len=72, layout="zigzag", attention="ring"), "seq 72 is not divisible by 2\\*sp = 16"),
     (dict(data="/no/such/file.txt"), "/no/such/file.txt"),
     (dict(sp=8, attention="dense"), "sp = 8 splits the sequence"),
-    (dict(sp=8, attention="wallfacer"), "team size"),
+    (dict(sp=8, attention="wallfacer"), "needs team_size"),
     (dict(batch_size=6, dp=4, sp=2), r"grad-accum\) 6 is not divisible by the data-parallel degree dp\*fsdp\*ep = 4"),
     (dict(precision="fp8"), "unknown precision 'fp8'"),
 ])
@@ -156,3 +156,18 @@ def test_checkpoint_of_the_per_layer_layout_is_refused(tmp_path):
             path.write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="parameter layout per-layer .* needs 'stacked-layers-v1'"):
         run(steps=2, devices=jax.devices()[:1], checkpoint_dir=ckpt, resume=True)
+
+
+@pytest.mark.parametrize("flags", [["--tp", "2", "--sp", "4"], ["--dp", "2", "--tp", "2", "--sp", "2"],
+                                   ["--dp", "2", "--sp", "4", "--zero", "3"]], ids=["tp2-sp4", "dp2-tp2-sp2", "zero3"])
+def test_train_py_matches_the_single_device_run(flags, tmp_path, single_device_losses):
+    """Through the command line: tensor × sequence parallel meshes and ZeRO-3 give the 1-device losses."""
+    import train as cli
+    metrics = tmp_path / "m.jsonl"
+    small = [x for k, v in SMALL.items() for x in ("--override", f"{k}={v}")]
+    rc = cli.main(flags + small + ["--steps", "3", "--batch-size", "4", "--seq-len", "64", "--lr", "3e-3",
+                                   "--warmup", "1", "--sample-tokens", "0", "--no-progress",
+                                   "--metrics-file", str(metrics)])
+    assert rc == 0
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    np.testing.assert_allclose(losses, single_device_losses, rtol=1e-3)

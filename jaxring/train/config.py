@@ -41,8 +41,10 @@ class TrainConfig:
     sp: int = 1
     attention: str | None = None      # default: ring when sp > 1, else dense
     layout: str | None = None
+    ep: int = 1                       # expert parallel (data parallel outside MoE layers)
     team_size: int | None = None
     ulysses_size: int | None = None
+    placement: str | None = None      # wallfacer: team_inner or ring_inner
     tensor_parallel: str | None = None
     zero: int | None = None           # ZeRO stage 0-3 over the replica axes (default: 3 with fsdp > 1, else 0)
     # numerics and memory
@@ -71,7 +73,7 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"unknown precision {cfg.precision!r}; expected one of {', '.join(PRECISIONS)}")
     if cfg.remat not in REMAT:
         raise ValueError(f"unknown remat {cfg.remat!r}; expected one of {', '.join(REMAT)}")
-    for name in ("steps", "batch_size", "grad_accum", "dp", "fsdp", "pp", "tp", "sp"):
+    for name in ("steps", "batch_size", "grad_accum", "dp", "fsdp", "pp", "tp", "sp", "ep"):
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name.replace('_', '-')} {value!r} must be a positive integer")
@@ -85,7 +87,8 @@ def check_config(cfg: TrainConfig) -> None:
 
 def make_plan(cfg: TrainConfig, devices=None) -> ParallelPlan:
     """The mesh (degrees must multiply to the device count) and the strategy for each axis."""
-    mesh = make_mesh(dp=cfg.dp, fsdp=cfg.fsdp, pp=cfg.pp, tp=cfg.tp, sp=cfg.sp, devices=devices)
+    mesh = make_mesh(dp=cfg.dp, fsdp=cfg.fsdp, pp=cfg.pp, tp=cfg.tp, sp=cfg.sp, ep=cfg.ep, devices=devices)
     attention = cfg.attention or ("ring" if cfg.sp > 1 else "dense")
     return ParallelPlan(mesh, attention=attention, layout=cfg.layout, team_size=cfg.team_size,
-                        ulysses_size=cfg.ulysses_size, tensor_parallel=cfg.tensor_parallel, zero=cfg.zero)
+                        ulysses_size=cfg.ulysses_size, placement=cfg.placement,
+                        tensor_parallel=cfg.tensor_parallel, zero=cfg.zero)

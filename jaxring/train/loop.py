@@ -19,7 +19,6 @@ import signal
 import time
 
 import jax
-import numpy as np
 
 from jaxring.train.checkpoint import Checkpointer, DamagedCheckpointError, NonFiniteStateError  # noqa: F401
 from jaxring.train.config import TrainConfig, check_config, make_plan  # noqa: F401  (re-exported)
@@ -98,16 +97,19 @@ def _run(cfg, trainer, ckpt, guard, stop, say, is_main) -> list[dict]:
             if profile_window and step == profile_window[0]:
                 jax.profiler.start_trace(cfg.profile)
                 profiling = True
-            before = _host_copy(trainer.state()) if guard.mode == "skip" else None
             t0 = time.perf_counter()
-            metrics, progress = step_metrics(trainer.step())      # waits for the step
+            # skip mode: the step itself keeps the old state when the loss exceeds the guard's limit (or is
+            # not finite, as in every mode), so the guard's "skip" needs no undo here
+            limit = guard.limit if guard.mode == "skip" else None
+            metrics, progress = step_metrics(trainer.step(max_loss=limit))      # waits for the step
             dt = time.perf_counter() - t0
             verdict = guard.check(step + 1, metrics["loss"])
             if verdict is not None and verdict.action == "stop":
                 last = f" (newest checkpoint: step {ckpt.latest_step()})" if ckpt and ckpt.all_steps() else ""
                 raise Diverged(verdict.message + last)
-            if verdict is not None:                               # skip: undo the update
-                _set_state(trainer, _to_devices(before))
+            if verdict is not None:                               # skip: the step kept the old state
+                if not metrics.get("skipped"):
+                    raise AssertionError(f"the guard skipped step {step + 1}, but the step applied its update")
                 say(verdict.message)
             mfu = None if peak is None else task.flops_per_step() / dt / (peak * jax.device_count())
             record = {"step": step + 1, "loss": metrics["loss"], **metrics, "tokens_per_s": task.tokens_per_step / dt,
@@ -188,40 +190,6 @@ def _stop_on_signal(stop, trainer, ckpt, guard, say):
                    f"with --resume")
     say(message)
     raise Interrupted(signum, message)
-
-
-# ------------------------------------------------------------------------------ undoing a step (skip mode)
-# The trainer donates the state to its step, so the state before it is kept as a host copy (each host its
-# own shards) and put back when the guard skips the step. TODO(trainer): an in-step skip (keep the old
-# state inside the jitted step when the loss is over a given limit) would avoid this copy.
-
-class _OnHost:
-    """A host copy of one (possibly sharded, possibly multi-host) array: this host's shards and the layout."""
-
-    def __init__(self, x: jax.Array):
-        self.shape, self.sharding = x.shape, x.sharding
-        self.shards = [(s.device, np.asarray(s.data)) for s in x.addressable_shards]
-
-    def to_devices(self) -> jax.Array:
-        return jax.make_array_from_single_device_arrays(
-            self.shape, self.sharding, [jax.device_put(a, d) for d, a in self.shards])
-
-
-def _host_copy(state):
-    return jax.tree.map(lambda x: _OnHost(x) if isinstance(x, jax.Array) else x, state)
-
-
-def _to_devices(copy):
-    return jax.tree.map(lambda x: x.to_devices() if isinstance(x, _OnHost) else x, copy)
-
-
-def _set_state(trainer, state: dict):
-    """Puts `state` (trainer.state()'s structure) back into the trainer."""
-    if hasattr(trainer, "set_state"):
-        trainer.set_state(state)
-    else:
-        for name, value in state.items():
-            setattr(trainer, name, value)
 
 
 def _json_safe(record: dict) -> dict:

@@ -121,7 +121,7 @@ class TrainStep:
         return loss, aux, grads
 
     # ------------------------------------------------------------------ the step
-    def _local_step(self, params, opt_state, inputs):
+    def _local_step(self, params, opt_state, inputs, max_loss):
         stage = self.stage
         loss, aux, grads = self._value_and_grad(params, inputs)
         norm = zero.global_norm(grads)
@@ -129,18 +129,25 @@ class TrainStep:
             scale = jnp.where(norm <= self.clip, 1.0, self.clip / norm)
             grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
         mine = _map(lambda p, pl: zero.update_slice(stage, p, pl), params, self.placements)
+        old_opt_state = opt_state
         updates, opt_state = self.tx.update(grads, opt_state, mine)
         new = optax.apply_updates(mine, updates)
-        params = _map(lambda p, pl: zero.updated(stage, p, pl), new, self.placements)
-        return params, opt_state, {"loss": loss, "grad_norm": norm, **aux}
+        new = _map(lambda p, pl: zero.updated(stage, p, pl), new, self.placements)
+        # a non-finite loss, or one over max_loss (the divergence guard's limit), leaves the state as it was
+        ok = jnp.isfinite(loss) & (loss <= max_loss)
+        keep = lambda new, old: jnp.where(ok, new, old)
+        params, opt_state = jax.tree.map(keep, (new, opt_state), (params, old_opt_state))
+        return params, opt_state, {"loss": loss, "grad_norm": norm, "skipped": ~ok, **aux}
 
     def build(self, opt_specs):
-        """The jitted step(params, opt_state, batch, key) -> (params, opt_state, metrics)."""
-        body = self.plan.shard_map(self._local_step, in_specs=(self.param_specs, opt_specs, self.input_specs),
+        """The jitted step(params, opt_state, batch, key, max_loss) -> (params, opt_state, metrics). The update
+        is not applied (metrics["skipped"]) when the loss is not finite or exceeds max_loss (fp32 scalar)."""
+        body = self.plan.shard_map(self._local_step,
+                                   in_specs=(self.param_specs, opt_specs, self.input_specs, P()),
                                    out_specs=(self.param_specs, opt_specs, P()))
 
-        def step(params, opt_state, batch, key):
-            return body(params, opt_state, self.task.prepare(batch, key))
+        def step(params, opt_state, batch, key, max_loss):
+            return body(params, opt_state, self.task.prepare(batch, key), max_loss)
 
         replicated = NamedSharding(self.plan.run_mesh, P())
         return jax.jit(step, donate_argnums=(0, 1),

@@ -64,11 +64,19 @@ class Trainer:
     def key(self, step):
         return jax.random.fold_in(jax.random.PRNGKey(self.cfg.seed), step)
 
-    def step(self):
+    def step(self, max_loss: float | None = None):
+        """One update; returns its metrics (device scalars). The update is skipped inside the step (the state
+        stays as it was, metrics["skipped"] is true) when the loss is not finite or exceeds max_loss."""
         batch = self.task.batch(self.step_count)
-        self.params, self.opt_state, out = self._step(self.params, self.opt_state, batch, self.key(self.step_count))
+        limit = jnp.float32(jnp.inf if max_loss is None else max_loss)
+        self.params, self.opt_state, out = self._step(self.params, self.opt_state, batch, self.key(self.step_count),
+                                                      limit)
         self.step_count += 1
         return out
+
+    def set_state(self, state: dict):
+        """Puts a state like `state()`'s back (e.g. restored)."""
+        self.params, self.opt_state = state["params"], state["opt_state"]
 
     def val_loss(self):
         return float(self._eval(self.params, self.task.batch(0, val=True), self.key(2 ** 31 - 1)))
