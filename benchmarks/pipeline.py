@@ -4,9 +4,10 @@ tokens/s against the number of micro-batches m.
     python benchmarks/pipeline.py                     # -> benchmarks/results/pipeline.json
 
 The toy: token embedding -> 8 residual-MLP layers (hidden 128, ffn 512, stacked and scanned) -> head and
-cross-entropy; seq 64, micro-batch 2 sequences per data-parallel rank, fp32. Meshes on 8 simulated CPU devices:
+cross-entropy; seq 64, fp32; a micro-batch is 8 sequences split over dp. Meshes on 8 simulated CPU devices:
 pp=4 x dp=2 and pp=2 x dp=4 for each schedule (interleaved with v=2), and pp=1 x dp=8 (no pipeline, the same
-micro-batches accumulated) as the reference. The global batch is m·2·dp sequences, the same on every mesh.
+micro-batches accumulated) as the reference. The batch (m micro-batches) is the same on every mesh, so every
+row with the same m reports the same loss.
 
 Per row: the simulator's bubble (paper costs T_F = T_B = T_W, each stage on its own clock, as the papers count
 it; and the same costs on the lockstep clock one SPMD program runs on), peak in-flight micro-batches, compiled
@@ -91,7 +92,7 @@ def run_row(devices, name, degrees, m, v, args):
     stack, shared = toy(args.vocab, args.hidden, args.layers)
     staged = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(v, pp, -1, *a.shape[1:]), 0, 1), stack)
     k1, k2 = jax.random.split(jax.random.PRNGKey(1))
-    shape = (m, args.micro_batch * dp, args.seq)
+    shape = (m, args.micro_batch, args.seq)
     batch = {"tokens": jax.random.randint(k1, shape, 0, args.vocab),
              "targets": jax.random.randint(k2, shape, 0, args.vocab)}
     step = step_fn(mesh, schedule)
@@ -101,7 +102,7 @@ def run_row(devices, name, degrees, m, v, args):
     mem = compiled.memory_analysis()
     moved, _ = collective_traffic(compiled.as_text(), pp * dp)
     links = stage_link_bytes(compiled.as_text(), mesh)
-    activation = 4 * args.micro_batch * args.seq * args.hidden
+    activation = 4 * args.micro_batch // dp * args.seq * args.hidden
     row.update(temp_bytes=mem.temp_size_in_bytes,
                peak_bytes=mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
                - mem.alias_size_in_bytes,
@@ -109,8 +110,8 @@ def run_row(devices, name, degrees, m, v, args):
                link_bytes_in_activations=sum(links.values()) / activation / max(v * pp - 1, 1) / 2,
                all_reduce_bytes=moved["all-reduce"])
     seconds = median_seconds(compiled, staged, shared, batch, runs=args.runs)
-    row.update(step_s=seconds, tokens_per_s=m * args.micro_batch * dp * args.seq / seconds,
-               loss=float(compiled(staged, shared, batch)[0]) / (m * args.micro_batch * dp * args.seq))
+    tokens = m * args.micro_batch * args.seq
+    row.update(step_s=seconds, tokens_per_s=tokens / seconds, loss=float(compiled(staged, shared, batch)[0]) / tokens)
     return row
 
 
@@ -123,7 +124,7 @@ def main():
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch (split over dp)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline.json"))
     args = p.parse_args()
@@ -144,7 +145,25 @@ def main():
                 row["schedule"] = "none (pp=1)"
             rows.append(row)
             print({k: (round(x, 4) if isinstance(x, float) else x) for k, x in row.items()}, flush=True)
+            record["summary"] = summarize(rows)
             save_record(record, args.out)
+    print(record["summary"])
+
+
+def summarize(rows):
+    """Per mesh and schedule, against m: bubble (paper clock / lockstep), temp MB, tokens/s; and whether every
+    virtual-stage boundary carried exactly m activations each way."""
+    out = {}
+    for r in rows:
+        if "error" in r:
+            continue
+        entry = out.setdefault(r["mesh"], {}).setdefault(r["schedule"], {"by_m": {}, "sends_exactly_m": True})
+        entry["by_m"][r["m"]] = {"bubble": round(r["bubble_sim"], 4), "bubble_lockstep":
+                                 round(r["bubble_sim_lockstep"], 4), "temp_MB": round(r["temp_bytes"] / 1e6, 2),
+                                 "tokens_per_s": round(r["tokens_per_s"]), "loss": round(r["loss"], 5)}
+        if r["pp"] > 1:
+            entry["sends_exactly_m"] &= r["link_bytes_in_activations"] == r["m"]
+    return out
 
 
 if __name__ == "__main__":
