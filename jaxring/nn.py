@@ -17,6 +17,7 @@ under `lax.scan` by `Layers`, so compile time does not grow with depth.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ from flax.traverse_util import unflatten_dict
 from jax import lax
 from jax.sharding import NamedSharding
 
+from jaxring import moe as moe_lib
 from jaxring import zero
 from jaxring.plan import ParallelPlan
 from jaxring.tensor.contract import ACTIVATIONS, ParamInfo, check_activation
@@ -119,6 +121,18 @@ class LayerNorm(nnx.Module):
     def __call__(self, x, plan: ParallelPlan):
         """Computed in fp32, returned in x's dtype."""
         return plan.tensor.norm(plan, x, self.scale[...], self.bias[...], eps=self.eps)
+
+
+class MoE(moe_lib.MoE):
+    """Mixture-of-experts FFN (`jaxring.moe`: top-k router, dropless or capacity dispatch, aux and z losses),
+    run as the plan's tensor method says: experts over ep (tokens exchanged by all-to-all), their FFN over tp
+    under Megatron. `y, stats = moe(x, plan)`: x local [batch, seq, hidden] (activation layout); stats fp32
+    scalars over the whole batch ("loss": the weighted aux + z loss to add once per layer, "aux_loss", "z_loss",
+    "drop_rate", "load_imbalance") and "load" int32 [E]."""
+
+    def __call__(self, x, plan: ParallelPlan):
+        return plan.tensor.moe(plan, x, functools.partial(moe_lib.moe_ffn, params=self.params(),
+                                                          config=self.config))
 
 
 def token_cross_entropy(x, w, targets, plan: ParallelPlan, *, tied: bool):
@@ -245,6 +259,8 @@ def param_placements(state, plan: ParallelPlan) -> dict:
         spec = tuple(plan.tensor.param_spec(plan, info))
         if len(spec) != len(info.shape):
             raise AssertionError(f"{plan.tensor.name} param_spec {spec} for {path} of shape {info.shape}")
+        if plan.ep > 1:   # experts are split over ep whatever the tensor method (their FFN dims follow it)
+            spec = tuple("ep" if axis == "expert" else entry for entry, axis in zip(spec, info.logical_axes))
         _check_split(path, info.shape, spec, mesh_shape)
         if stacked:
             pl = zero.place(spec, info.shape, info.logical_axes, plan.replica_axes, mesh_shape)

@@ -31,3 +31,19 @@ def common_vma(*xs):
     """Every array of the pytree(s) cast to the union of their varying axes (None leaves stay None)."""
     axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(xs)))
     return jax.tree.map(lambda x: vary(x, axes), xs)
+
+
+def gather_invariant(x, axes, axis: int):
+    """All-gather of x's pieces along `axis` over the mesh `axes`, typed replicated over them (its transpose is
+    a slice: the caller's cotangent is already the same everywhere). Falls back to a zero-padded psum (twice
+    the bytes, same value) on a jax without `all_gather_invariant`."""
+    try:
+        from jax._src.lax.parallel import all_gather_invariant
+    except ImportError:
+        import math
+        import jax.numpy as jnp
+        n = math.prod(lax.axis_size(a) for a in (axes if isinstance(axes, tuple) else (axes,)))
+        full = jnp.zeros(x.shape[:axis] + (x.shape[axis] * n,) + x.shape[axis + 1:], x.dtype)
+        start = lax.axis_index(axes) * x.shape[axis]
+        return lax.psum(lax.dynamic_update_slice_in_dim(full, x, start, axis), axes)
+    return all_gather_invariant(x, axes, axis=axis, tiled=True)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxring.vma import vary, varying_axes
+from jaxring.vma import gather_invariant, vary, varying_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,15 +106,7 @@ def _slice(x, placement: Placement):
 
 def gather_replicated(x, placement: Placement):
     """All-gather of the ZeRO shards into the replicated weight (its type: replicated over R)."""
-    try:
-        from jax._src.lax.parallel import all_gather_invariant
-    except ImportError:  # older/newer jax without it: a zero-padded psum (twice the bytes, same result)
-        full = jnp.zeros(x.shape[:placement.zero_dim] + (x.shape[placement.zero_dim] *
-                         math.prod(lax.axis_size(a) for a in placement.replica),) + x.shape[placement.zero_dim + 1:],
-                         x.dtype)
-        start = lax.axis_index(placement.replica) * x.shape[placement.zero_dim]
-        return lax.psum(lax.dynamic_update_slice_in_dim(full, x, start, placement.zero_dim), placement.replica)
-    return all_gather_invariant(x, placement.replica, axis=placement.zero_dim, tiled=True)
+    return gather_invariant(x, placement.replica, placement.zero_dim)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxring.nn import MLP, Attention, Embed, LayerNorm, Layers, stack, token_cross_entropy
+from jaxring.moe import MoEConfig
+from jaxring.nn import MLP, Attention, Embed, LayerNorm, Layers, MoE, stack, token_cross_entropy
 from jaxring.tensor.contract import ACTIVATIONS
 from jaxring.plan import ParallelPlan
 
@@ -38,6 +39,14 @@ class GPTConfig:
     activation: str = "gelu"              # "gelu" or "swiglu"
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
+    # mixture of experts in every block's FFN (None: a dense MLP); see jaxring.moe.MoEConfig
+    num_experts: int | None = None
+    experts_per_token: int = 2
+    expert_ffn: int | None = None         # each expert's hidden size (default: ffn)
+    shared_expert_ffn: int | None = None
+    capacity_factor: float | None = None  # None: dropless
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.001
 
     def __post_init__(self):
         for name in ("vocab_size", "num_layers", "hidden", "num_heads", "max_seq_len"):
@@ -51,6 +60,8 @@ class GPTConfig:
             raise ValueError(f"tie_embeddings {self.tie_embeddings!r} must be true or false")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r}: expected one of {', '.join(ACTIVATIONS)}")
+        if self.num_experts is not None:
+            self.moe   # MoEConfig's own checks (top-k <= experts, capacity > 0, ...)
         if self.positions not in ("rope", "learned"):
             raise ValueError(f"positions {self.positions!r}: expected 'rope' or 'learned'")
         if self.hidden % self.num_heads:
@@ -66,19 +77,38 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.hidden // self.num_heads
 
-    def num_params(self, embeddings: bool = True) -> int:
+    @property
+    def moe(self) -> MoEConfig | None:
+        """The blocks' mixture-of-experts FFN, or None for dense MLPs."""
+        if self.num_experts is None:
+            return None
+        return MoEConfig(num_experts=self.num_experts, experts_per_token=self.experts_per_token,
+                         ffn=self.expert_ffn or self.ffn_size, activation=self.activation,
+                         shared_expert_ffn=self.shared_expert_ffn, capacity_factor=self.capacity_factor,
+                         aux_loss_weight=self.aux_loss_weight, z_loss_weight=self.z_loss_weight)
+
+    def num_params(self, embeddings: bool = True, active: bool = False) -> int:
+        """Parameters (all of them, or `active`: those one token uses, k of the E experts)."""
         kv = (self.num_kv_heads or self.num_heads) * self.head_dim
         attn = self.hidden * (2 * self.hidden + 2 * kv)
-        mlp = (3 if self.activation == "swiglu" else 2) * self.hidden * self.ffn_size
+        matrices = 3 if self.activation == "swiglu" else 2
+        moe = self.moe
+        if moe is None:
+            mlp = matrices * self.hidden * self.ffn_size
+        else:
+            experts = moe.experts_per_token if active else moe.num_experts
+            mlp = (experts * matrices * self.hidden * moe.ffn + self.hidden * moe.num_experts
+                   + matrices * self.hidden * (moe.shared_expert_ffn or 0))
         per_layer = attn + mlp + 4 * self.hidden
         emb = self.vocab_size * self.hidden * (1 if self.tie_embeddings else 2)
         emb += self.max_seq_len * self.hidden if self.positions == "learned" else 0
         return self.num_layers * per_layer + 2 * self.hidden + (emb if embeddings else 0)
 
     def flops_per_token(self, seq_len: int, causal: bool = True) -> float:
-        """Training FLOPs per token (the playbook's 6N + attention, causal attention counted as half)."""
+        """Training FLOPs per token (the playbook's 6N + attention, causal attention counted as half; N counts
+        the active parameters of a mixture of experts)."""
         attention = 12 * self.num_layers * self.hidden * seq_len * (0.5 if causal else 1.0)
-        return 6 * self.num_params(embeddings=False) + 6 * self.vocab_size * self.hidden + attention
+        return 6 * self.num_params(embeddings=False, active=True) + 6 * self.vocab_size * self.hidden + attention
 
 
 PRESETS = {
@@ -91,6 +121,14 @@ PRESETS = {
     # GPT 7B of WallFacer / LLaMA-7B of METP: 32 layers, 32 heads, hidden 4096
     "7b": GPTConfig(vocab_size=32000, num_layers=32, hidden=4096, num_heads=32, activation="swiglu",
                     ffn=11008, tie_embeddings=False),
+    # seconds on CPU: 8 experts, top-2, dropless
+    "tiny-moe": GPTConfig(vocab_size=256, num_layers=2, hidden=64, num_heads=4, ffn=128, activation="swiglu",
+                          num_experts=8, experts_per_token=2),
+    # Mixtral 8x7B's shape: 32 layers, hidden 4096, 32 heads (8 K/V), 8 experts of 14336, top-2; 46.7B params,
+    # 12.9B active
+    "mixtral": GPTConfig(vocab_size=32000, num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8,
+                         activation="swiglu", ffn=14336, tie_embeddings=False, rope_theta=1e6, max_seq_len=32768,
+                         num_experts=8, experts_per_token=2),
 }
 
 
@@ -101,6 +139,14 @@ def check_plan(cfg: GPTConfig, plan: ParallelPlan, batch: int, seq_len: int) -> 
     plan.tensor.check_model(plan, num_heads=cfg.num_heads, num_kv_heads=num_kv, hidden=cfg.hidden,
                             ffn=cfg.ffn_size, vocab=cfg.vocab_size)
     plan.check_heads(cfg.num_heads, num_kv)
+    if cfg.moe is not None:
+        if plan.tensor.name not in ("none", "megatron"):
+            raise ValueError(f"mixture-of-experts layers cannot run with tensor parallelism '{plan.tensor.name}'; "
+                             f"use megatron (or none) with --ep")
+        cfg.moe.check_parallel(plan.ep, plan.tp)
+    elif plan.ep > 1:
+        raise ValueError(f"ep = {plan.ep} splits experts, but the model has none (num_experts is None); use the "
+                         f"tiny-moe or mixtral preset, or --override num_experts=N")
     plan.check_batch(batch, "micro-batch size (batch / grad-accum)")
     plan.check_seq_len(seq_len, causal=True)
     if cfg.positions == "learned" and seq_len > cfg.max_seq_len:
@@ -113,6 +159,9 @@ def get_config(preset: str, **overrides) -> GPTConfig:
     return dataclasses.replace(PRESETS[preset], **overrides)
 
 
+MOE_METRICS = ("aux_loss", "z_loss", "drop_rate", "load_imbalance")   # averaged over the layers
+
+
 class Block(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         out_std = (2 * cfg.num_layers) ** -0.5 * cfg.hidden ** -0.5  # GPT-2's scaled residual init
@@ -120,11 +169,18 @@ class Block(nnx.Module):
         self.attn = Attention(cfg.hidden, cfg.num_heads, cfg.num_kv_heads, causal=True, out_std=out_std,
                               rope_theta=cfg.rope_theta if cfg.positions == "rope" else None, rngs=rngs)
         self.ln2 = LayerNorm(cfg.hidden)
-        self.mlp = MLP(cfg.hidden, cfg.ffn_size, cfg.activation, out_std=out_std, rngs=rngs)
+        if cfg.moe is None:
+            self.mlp = MLP(cfg.hidden, cfg.ffn_size, cfg.activation, out_std=out_std, rngs=rngs)
+        else:
+            self.mlp = MoE(cfg.hidden, cfg.moe, out_std=out_std, rngs=rngs)
 
     def __call__(self, x, positions, plan: ParallelPlan):
+        """x -> x (dense MLP), or -> (x, MoE statistics) (mixture of experts)."""
         x = x + self.attn(self.ln1(x, plan), positions, plan)
-        return x + self.mlp(self.ln2(x, plan), plan)
+        if not isinstance(self.mlp, MoE):
+            return x + self.mlp(self.ln2(x, plan), plan)
+        y, stats = self.mlp(self.ln2(x, plan), plan)
+        return x + y, {k: stats[k] for k in ("loss",) + MOE_METRICS}
 
 
 class GPT(nnx.Module):
@@ -148,25 +204,34 @@ class GPT(nnx.Module):
             self.head = nnx.Param(jax.random.normal(rngs.params(), (cfg.hidden, cfg.vocab_size)) * cfg.hidden ** -0.5,
                                   logical_axes=("embed", "vocab"))
 
-    def features(self, tokens, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32):
+    def features(self, tokens, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32,
+                 with_stats: bool = False):
         """Final hidden states, local [batch, seq, hidden] (activation layout), for local tokens and positions
-        int32 [batch, seq] (token layout)."""
+        int32 [batch, seq] (token layout); with_stats: also the MoE statistics summed over the layers (a dict
+        of fp32 scalars; empty for dense MLPs)."""
         pos_table = self.pos_embed[...] if self.cfg.positions == "learned" else None
         x = self.embed(tokens, plan, dtype, positions=positions, pos_table=pos_table)
-        x = layers(x, lambda block, x: block(x, positions, plan))
-        return self.ln_f(x, plan)
+        if self.cfg.moe is None:
+            x, stats = layers(x, lambda block, x: block(x, positions, plan)), {}
+        else:
+            zeros = {k: jnp.zeros((), jnp.float32) for k in ("loss",) + MOE_METRICS}
+            x, stats = layers(x, lambda block, x: block(x, positions, plan), aux=zeros)
+        x = self.ln_f(x, plan)
+        return (x, stats) if with_stats else x
 
     def head_weight(self, dtype):
         """(w, tied): the embedding table [vocab, hidden] when tied, else the head [hidden, vocab]."""
         w = self.embed.table[...] if self.cfg.tie_embeddings else self.head[...]
         return w.astype(dtype), self.cfg.tie_embeddings
 
-    def token_losses(self, tokens, targets, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32):
+    def token_losses(self, tokens, targets, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32,
+                     with_stats: bool = False):
         """Cross-entropy fp32 [batch, seq] (token layout) of predicting `targets` (logits never gathered
-        under TP)."""
-        x = self.features(tokens, positions, plan, layers, dtype=dtype)
+        under TP); with_stats: also the MoE statistics summed over the layers."""
+        x, stats = self.features(tokens, positions, plan, layers, dtype=dtype, with_stats=True)
         w, tied = self.head_weight(dtype)
-        return token_cross_entropy(x, w, targets, plan, tied=tied)
+        losses = token_cross_entropy(x, w, targets, plan, tied=tied)
+        return (losses, stats) if with_stats else losses
 
     def logits(self, tokens, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32):
         """fp32 [batch, seq, vocab] on a plan without tensor parallelism (generation)."""
@@ -190,9 +255,17 @@ class NextTokenObjective:
         return {name: plan.token_spec() for name in ("tokens", "targets", "positions")}
 
     def local_loss(self, model: GPT, layers: Layers, inputs: dict, plan: ParallelPlan, dtype):
-        losses = model.token_losses(inputs["tokens"], inputs["targets"], inputs["positions"], plan, layers,
-                                    dtype=dtype)
-        return losses.sum(), {}
+        """(Σ of this device's token losses, aux). For a mixture of experts, aux["extra_loss"] is the layers'
+        load-balancing and z losses (already over the whole batch: the step adds it to the mean token loss)
+        and the MoE metrics are averaged over the layers."""
+        losses, stats = model.token_losses(inputs["tokens"], inputs["targets"], inputs["positions"], plan, layers,
+                                           dtype=dtype, with_stats=True)
+        if not stats:
+            return losses.sum(), {}
+        layers_ = model.cfg.num_layers
+        aux = {"extra_loss": stats["loss"], "moe_loss": stats["loss"]}
+        aux.update({f"moe_{k}" if k in ("aux_loss", "z_loss") else k: stats[k] / layers_ for k in MOE_METRICS})
+        return losses.sum(), aux
 
     @property
     def loss_count(self) -> int:

@@ -161,6 +161,12 @@ class TensorMethod:
         gate = x @ w["w_gate"] if activation == "swiglu" else None
         return activate(x @ w["w_in"], gate, activation) @ w["w_out"]
 
+    def moe(self, plan, x, moe):
+        """(y, stats) of a `jaxring.moe.MoE` module on the residual stream x [b, s_act, hidden]: this device's
+        tokens go to their experts over ep; stats are summed over the batch and sequence axes."""
+        return moe(x, ep_axis="ep" if plan.ep > 1 else None, tp_axis=None,
+                   token_axes=plan.batch_axes + plan.seq_axes)
+
     def cross_entropy(self, plan, x, w, targets, *, tied: bool):
         """Per-token loss fp32 [b, s_tok] of logits x @ head: w is the head [h, vocab], or the embedding
         table [vocab, h] when `tied`."""

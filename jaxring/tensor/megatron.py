@@ -47,7 +47,7 @@ from jaxring.attention.flash import flash_attention
 from jaxring.mesh import DATA_AXES
 from jaxring.sharded import run_local
 from jaxring.tensor.contract import ACTIVATIONS, ParamInfo, TensorMethod, _entry, activate, rope_qk
-from jaxring.vma import common_vma, vary, varying_axes
+from jaxring.vma import common_vma, gather_invariant, vary, varying_axes
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_sp", "scatter_to_sp", "column_parallel_linear",
            "row_parallel_linear", "mlp", "attention", "layer_norm", "rms_norm", "vocab_parallel_embed",
@@ -589,6 +589,17 @@ class Megatron(TensorMethod):
 
     def mlp(self, plan, x, w, *, activation):
         return mlp(x, w["w_in"], w["w_out"], w.get("w_gate"), activation=activation)
+
+    def moe(self, plan, x, moe):
+        """Experts' FFN split over tp (column/row, Megatron-style): the sequence shard is all-gathered over tp
+        (typed replicated: moe_ffn needs the tokens the same on every tp rank), moe_ffn all-reduces its output
+        over tp, and this rank keeps its shard. That is an all-reduce where a dense Megatron MLP has a
+        reduce-scatter: (tp-1)/tp·bsh more bytes forward, the same again backward."""
+        full = gather_invariant(x, "tp", 1)                                    # [b, s_sp, h], replicated
+        y, stats = moe(full, ep_axis="ep" if plan.ep > 1 else None, tp_axis="tp",
+                       token_axes=plan.batch_axes + plan.seq_axes)
+        n = x.shape[1]
+        return lax.dynamic_slice_in_dim(y, lax.axis_index("tp") * n, n, axis=1), stats
 
     def cross_entropy(self, plan, x, w, targets, *, tied):
         head = w.T if tied else w                                              # local [h, vocab/tp]

@@ -623,5 +623,9 @@ class METP(TensorMethod):
     def mlp(self, plan, x, w, *, activation):
         return metp_mlp(x, w["w_in"], w["w_out"], w.get("w_gate"), activation=activation, axis_name="tp")
 
+    def moe(self, plan, x, moe):
+        raise ValueError(f"mixture-of-experts layers cannot run with tensor parallelism '{self.name}': its "
+                         f"layout splits what the experts' all-to-all exchanges; use megatron (or none) with --ep")
+
 
 METHOD = METP()

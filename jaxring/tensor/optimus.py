@@ -693,5 +693,9 @@ class Optimus(TensorMethod):
     def cross_entropy(self, plan, x, w, targets, *, tied):
         return cross_entropy_2d(x, w, targets, tied=tied)
 
+    def moe(self, plan, x, moe):
+        raise ValueError(f"mixture-of-experts layers cannot run with tensor parallelism '{self.name}': its "
+                         f"layout splits what the experts' all-to-all exchanges; use megatron (or none) with --ep")
+
 
 METHOD = Optimus()

@@ -94,7 +94,12 @@ class TrainStep:
         model = nnx.merge(self.graphdef, {**weights, self.stack: diff[self.stack]})
         loss_sum, aux = self.task.local_loss(model, layers, inputs, self.plan, self.dtype)
         count = float(self.task.loss_count)
-        return psum_varying(loss_sum) / count, {k: psum_varying(v) for k, v in aux.items()}
+        aux = {k: psum_varying(v) for k, v in aux.items()}
+        data_loss = psum_varying(loss_sum) / count
+        # "extra_loss" (e.g. MoE load balancing, already over the whole micro-batch) joins the objective; the
+        # reported loss stays the data loss
+        objective = data_loss + aux.pop("extra_loss", 0.0) / self.grad_accum
+        return objective, {"loss": data_loss, **aux}
 
     def _value_and_grad(self, params, inputs):
         stage = self.stage
@@ -104,7 +109,7 @@ class TrainStep:
         loss_fn = jax.checkpoint(loss_fn, policy=zero.no_weights_saved(stage))
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if self.grad_accum == 1:
-            (loss, aux), grads = grad_fn(diff, inputs)
+            (_, aux), grads = grad_fn(diff, inputs)
         else:
             accum = self.grad_accum
             micro = jax.tree.map(lambda x: x.reshape((accum, x.shape[0] // accum) + x.shape[1:]), inputs)
@@ -116,9 +121,11 @@ class TrainStep:
             (_, aux_shapes), grad_shapes = jax.eval_shape(grad_fn, diff, jax.tree.map(lambda x: x[0], micro))
             zeros = (jnp.zeros((), jnp.float32), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shapes),
                      jax.tree.map(lambda g, d: vary_like(jnp.zeros(g.shape, g.dtype), d), grad_shapes, diff))
-            (loss, aux, grads), _ = lax.scan(body, zeros, micro)
+            (_, aux, grads), _ = lax.scan(body, zeros, micro)
+            # every micro-batch's loss is a share of the step's mean; its other metrics are averaged
+            aux = {k: v if k == "loss" else v / accum for k, v in aux.items()}
         grads = _map(lambda g, pl: zero.reduce(stage, g, pl), grads, self.placements)
-        return loss, aux, grads
+        return aux.pop("loss"), aux, grads
 
     # ------------------------------------------------------------------ the step
     def _local_step(self, params, opt_state, inputs, max_loss):

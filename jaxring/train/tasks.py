@@ -54,6 +54,8 @@ class GPTTask:
         self.config = gpt.get_config(cfg.preset, **{**cfg.model_overrides, **overrides})
         gpt.check_plan(self.config, plan, cfg.batch_size // cfg.grad_accum, self.seq_len)
         self.objective = gpt.NextTokenObjective(cfg.batch_size, self.seq_len)
+        # the progress bar's MoE metrics (metrics.step_metrics' convention)
+        self.progress = ("moe_aux_loss", "load_imbalance", "drop_rate") if self.config.moe is not None else ()
         self.plan, self.cfg = plan, cfg
         self.sharding = plan.tokens_sharding()
         shape = (cfg.batch_size, self.seq_len)

@@ -72,7 +72,7 @@ class Trainer:
         self.params, self.opt_state, out = self._step(self.params, self.opt_state, batch, self.key(self.step_count),
                                                       limit)
         self.step_count += 1
-        return out
+        return {**out, "progress": getattr(self.task, "progress", ())}
 
     def set_state(self, state: dict):
         """Puts a state like `state()`'s back (e.g. restored)."""
