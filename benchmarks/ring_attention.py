@@ -1,76 +1,153 @@
-"""Ring attention (each layout) against single-device attention: fwd+bwd time and per-device memory.
+"""Ring attention on 8 devices against a public pure-JAX ring attention: fwd+bwd time, memory, compile time.
 
-Causal, forward+backward, heads 8, head dim 64, on 8 devices (simulated CPU devices without an
-accelerator). "single" is the same blockwise attention on one device over the whole sequence (with causal
-tile skipping): the ideal ring time is single / P. Memory is compiled per-device temp memory.
+Causal, forward+backward, batch 1, heads 8, head dim 64, fp32, on 8 devices (simulated CPU devices without an
+accelerator). Each implementation runs its local ring function inside one `shard_map` on sequence shards
+already in its layout (the data side lays tokens out once): jaxring's `ring_attention` (zigzag, contiguous,
+striped), and, when it can be imported, the peer: `ringattention` (lhao499/ringattention on PyPI, its
+pure-JAX `ring_attention` with blockwise chunks, contiguous layout, causal) at several chunk sizes.
+The peer is never a dependency of jaxring: install it anywhere and point --peer-path at it, e.g.
 
-    python benchmarks/ring_attention.py                       # seq 4k..32k, writes benchmarks/results/
-    python benchmarks/ring_attention.py --seqs 1024 --runs 1 --out /tmp/ring.json
+    pip install --no-deps --target /tmp/peer ringattention einops
+    python benchmarks/ring_attention.py --peer-path /tmp/peer            # seq 4k, 8k, 16k -> benchmarks/results/
+    python benchmarks/ring_attention.py --seqs 1024 --rounds 1 --out /tmp/ring.json
+
+Timing: the host is shared, so configurations are interleaved: each round runs every configuration once,
+and the figure is the minimum over rounds (the median is recorded too). Memory is the compiled program's
+per-device temp bytes (`memory_analysis()`); compile time is lower + compile of the fwd+bwd program.
+"ratio" rows compare jaxring's fastest layout with the peer's fastest chunk size (time and temp memory).
 """
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import os
+import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
 
 import jaxring
-from jaxring.analysis import compile_stats
+from jaxring.attention.ring import ring_attention
 from jaxring.platform import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
-from jaxring.timing import median_seconds
+
+SPEC = P(None, "sp", None, None)
 
 
-def fwd_bwd(mesh, layout, causal):
+def load_peer(path: str | None):
+    """The peer's pure-JAX module (ringattention/ringattention_jax.py), or None. Loaded as a file: the
+    package's __init__ picks a backend-specific kernel at import and needs TPU/GPU-only modules."""
+    if path:
+        sys.path.insert(0, path)
+    spec = importlib.util.find_spec("ringattention")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    file = os.path.join(list(spec.submodule_search_locations)[0], "ringattention_jax.py")
+    module_spec = importlib.util.spec_from_file_location("peer_ringattention_jax", file)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def peer_local(peer, chunk):
+    kwargs = dict(causal_block_size=1, query_chunk_size=chunk, key_chunk_size=chunk, deterministic=True,
+                  dropout_rng=None, attn_pdrop=0.0, dtype=jnp.float32, policy=jax.checkpoint_policies.nothing_saveable,
+                  precision=None, prevent_cse=True)
+    return lambda q, k, v: peer.ring_attention(q, k, v, None, None, None, "sp", True, kwargs)
+
+
+def fwd_bwd(local, mesh, check_vma=True):
     def run(q, k, v, dout):
-        out, vjp = jax.vjp(lambda q, k, v: jaxring.sharded_attention(
-            q, k, v, mesh=mesh, strategy="ring", causal=causal, layout=layout), q, k, v)
+        out, vjp = jax.vjp(local, q, k, v)
         return out, vjp(dout)
-    return jax.jit(run)
+    return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(SPEC,) * 4, out_specs=(SPEC, (SPEC,) * 3),
+                                 check_vma=check_vma))
 
 
-def measure(fn, args, runs):
-    stats = compile_stats(fn, *args)
-    seconds = median_seconds(fn, *args, runs=runs)
-    return {"median_s": seconds, "temp_bytes": stats.temp_bytes, "argument_bytes": stats.argument_bytes,
-            "output_bytes": stats.output_bytes, "bytes_moved": stats.total_bytes_moved}
+def prepare(fn, args):
+    """Compiles once: (compiled, compile seconds, per-device temp bytes)."""
+    start = time.perf_counter()
+    compiled = fn.lower(*args).compile()
+    seconds = time.perf_counter() - start
+    return compiled, seconds, compiled.memory_analysis().temp_size_in_bytes
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
-    parser.add_argument("--layouts", nargs="+", default=list(jaxring.LAYOUTS))
+    parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--layouts", nargs="+", default=["zigzag", "contiguous", "striped"])
+    parser.add_argument("--peer-path", default=os.environ.get("JAXRING_PEER_PATH"))
+    parser.add_argument("--peer-chunks", type=int, nargs="+", default=[64, 128, 256, 512])
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cpu-devices", type=int, default=8)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "ring_attention.json"))
     args = parser.parse_args(argv)
 
     devices = use_cpu_devices_if_no_accelerator(args.cpu_devices)
     p = len(devices)
-    ring_mesh = jaxring.make_mesh(sp=p, devices=devices)
-    single_mesh = jaxring.make_mesh(sp=1, devices=devices[:1])
+    mesh = jaxring.make_mesh(sp=p, devices=devices)
+    peer = load_peer(args.peer_path)
     record = benchmark_record("ring_attention", devices, {
-        "batch": args.batch, "heads": args.heads, "head_dim": args.head_dim, "causal": True, "dtype": "float32",
-        "devices": p, "runs": args.runs})
+        "batch": 1, "heads": args.heads, "head_dim": args.head_dim, "causal": True, "dtype": "float32",
+        "devices": p, "rounds": args.rounds, "pass": "forward+backward",
+        "peer": "ringattention 0.1.2 (lhao499), ringattention_jax.ring_attention" if peer else None})
+    if peer is None:
+        print("peer (ringattention) not importable: jaxring only (pass --peer-path)", flush=True)
     for seq in args.seqs:
         keys = jax.random.split(jax.random.PRNGKey(seq), 4)
-        shape = (args.batch, seq, args.heads, args.head_dim)
-        qkvd = [jax.random.normal(key, shape, jnp.float32) for key in keys]
-        single = measure(fwd_bwd(single_mesh, "contiguous", True), qkvd, args.runs)
-        row = {"seq": seq, "single_device": single, "ring": {}}
-        print(f"seq {seq}: single device {single['median_s']:.3f} s, temp {single['temp_bytes'] / 2**20:.1f} MiB",
-              flush=True)
+        natural = [jax.random.normal(key, (1, seq, args.heads, args.head_dim), jnp.float32) for key in keys]
+        configs = {}
         for layout in args.layouts:
-            r = measure(fwd_bwd(ring_mesh, layout, True), qkvd, args.runs)
-            r["ratio_to_single_over_p"] = r["median_s"] / (single["median_s"] / p)
-            row["ring"][layout] = r
-            print(f"  ring {layout:10s} {r['median_s']:.3f} s  ({r['ratio_to_single_over_p']:.2f}x single/P)  "
-                  f"temp {r['temp_bytes'] / 2**20:.1f} MiB  sent {r['bytes_moved'] / 2**20:.1f} MiB", flush=True)
-        record["results"].append(row)
+            perm = jaxring.layout_permutation(layout, seq, p)
+            local = functools.partial(ring_attention, axis_name="sp", layout=layout, causal=True)
+            configs[f"jaxring {layout}"] = (fwd_bwd(local, mesh), [x[:, perm] for x in natural])
+        if peer is not None:
+            for chunk in args.peer_chunks:
+                if (seq // p) % chunk == 0:
+                    configs[f"peer chunk {chunk}"] = (fwd_bwd(peer_local(peer, chunk), mesh, check_vma=False),
+                                                      natural)
+        rows = {}
+        for name, (fn, xs) in configs.items():
+            compiled, seconds, temp = prepare(fn, xs)
+            jax.block_until_ready(compiled(*xs))
+            rows[name] = {"compile_s": seconds, "temp_bytes": temp, "times_s": [], "compiled": compiled, "xs": xs}
+        for _ in range(args.rounds):
+            for name, row in rows.items():
+                start = time.perf_counter()
+                jax.block_until_ready(row["compiled"](*row["xs"]))
+                row["times_s"].append(time.perf_counter() - start)
+        result = {"seq": seq, "configs": {}}
+        for name, row in rows.items():
+            result["configs"][name] = {"min_s": min(row["times_s"]), "median_s": statistics.median(row["times_s"]),
+                                       "times_s": row["times_s"], "temp_bytes": row["temp_bytes"],
+                                       "compile_s": row["compile_s"]}
+            r = result["configs"][name]
+            print(f"seq {seq:6d} {name:20s} {r['min_s']:.3f} s (median {r['median_s']:.3f})  temp "
+                  f"{r['temp_bytes'] / 2**20:6.1f} MiB  compile {r['compile_s']:.1f} s", flush=True)
+        ours = {n: r for n, r in result["configs"].items() if n.startswith("jaxring")}
+        theirs = {n: r for n, r in result["configs"].items() if n.startswith("peer")}
+        if theirs:
+            best_ours = min(ours, key=lambda n: ours[n]["min_s"])
+            best_peer = min(theirs, key=lambda n: theirs[n]["min_s"])
+            result["ratio"] = {
+                "jaxring": best_ours, "peer": best_peer,
+                "time": ours[best_ours]["min_s"] / theirs[best_peer]["min_s"],
+                "temp_memory": ours[best_ours]["temp_bytes"] / theirs[best_peer]["temp_bytes"],
+                "temp_memory_vs_peer_smallest": ours[best_ours]["temp_bytes"] /
+                min(r["temp_bytes"] for r in theirs.values()),
+                "per_layout_time": {n: r["min_s"] / theirs[best_peer]["min_s"] for n, r in ours.items()},
+                "per_layout_temp_memory": {n: r["temp_bytes"] / theirs[best_peer]["temp_bytes"]
+                                           for n, r in ours.items()}}
+            ratio = result["ratio"]
+            print(f"  {best_ours} vs {best_peer}: time {ratio['time']:.2f}x, temp memory "
+                  f"{ratio['temp_memory']:.2f}x", flush=True)
+        record["results"].append(result)
         save_record(record, args.out)
     return record
 

@@ -73,37 +73,33 @@ def ring_steps(step_fn, carry, kv, num_steps, send):
 def ring_steps_accumulating(step_fn, carry, blocks, num_steps, send):
     """A ring whose travelling blocks gather a sum on the way (the backward's K/V with their dK/dV).
 
-    step_fn(carry, blocks, step) -> (carry, contribution): this rank's work on the blocks it holds, and its
-    addition to their accumulator (a pytree shaped like the contribution). The accumulator of a block
-    travels one hop behind the block itself:
+    step_fn(carry, blocks, step, acc) -> (carry, acc): this rank's work on the blocks it holds, adding its
+    share to their accumulator `acc` (None at step 0: the first holder starts the sum). The accumulator of
+    a block travels one hop behind the block itself:
 
-      step 0:         send blocks on;                      carry, acc = step_fn(carry, blocks, 0)
-      step 1 .. P-1:  send blocks on (not at the last step); receive acc (sent on at the step's start);
-                      carry, c = step_fn(carry, blocks, step);  acc = received acc + c
+      step 0:         send blocks on;                        carry, acc = step_fn(carry, blocks, 0, None)
+      step 1 .. P-1:  send blocks on (not at the last step) and acc, as one send;
+                      carry, acc = step_fn(carry, blocks, step, received acc)
       after:          send acc on (the P-th hop: it reaches the rank after the last one that added to it)
 
-    Both sends of a step are issued before its compute and neither depends on it, so each transfer can run
-    while the block compute runs (the sequential form, "compute, add, then send the sum", serialises them).
-    Exactly P-1 block hops and P accumulator hops, one received block and one received accumulator in
-    flight per device. Returns (carry, acc).
+    Each step's send is issued before its compute and does not depend on it, so the transfer can run while
+    the block compute runs (the sequential form, "compute, add, then send the sum", serialises them) as long
+    as step_fn adds the received acc after its block compute. Exactly P-1 block hops and P accumulator
+    hops, one received block and one received accumulator in flight per device. Returns (carry, acc).
     """
-    def first_and_send(carry, blocks):
-        nxt = send(blocks) if num_steps > 1 else blocks
-        return step_fn(carry, blocks, 0), nxt
+    nxt = send(blocks) if num_steps > 1 else blocks
+    carry, acc = step_fn(carry, blocks, 0, None)
+    blocks = nxt
 
     def middle(state, step):
         (carry, acc), blocks = state
         nxt, received = send((blocks, acc))   # one send: with a fusing `send`, one transfer per step
-        carry, contribution = step_fn(carry, blocks, step)
-        return ((carry, jax.tree.map(jnp.add, received, contribution)), nxt), None
+        return (step_fn(carry, blocks, step, received), nxt), None
 
-    (carry, acc), blocks = first_and_send(carry, blocks)
     if num_steps > 2:
         ((carry, acc), blocks), _ = lax.scan(middle, ((carry, acc), blocks), jnp.arange(1, num_steps - 1))
     if num_steps > 1:
-        received = send(acc)
-        carry, contribution = step_fn(carry, blocks, num_steps - 1)
-        acc = jax.tree.map(jnp.add, received, contribution)
+        carry, acc = step_fn(carry, blocks, num_steps - 1, send(acc))
     return carry, send(acc)
 
 

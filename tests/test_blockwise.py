@@ -32,3 +32,28 @@ def test_block_pair_matches_reference(q_offset, kv_offset, with_segments):
                            sm_scale=0.25, q_tile=8, kv_tile=8)
     for name, g, g_r in zip("qkv", grads, vjp((dout, jnp.zeros_like(lse_r)))):
         assert_close(g, g_r, 2e-5, "d" + name)
+
+
+def test_accumulating_forms_merge_and_add():
+    """`into=` continues the online softmax from a running (out, lse) and adds gradients in place: the same
+    as merging two blocks' partials and adding their gradients."""
+    from jaxring.attention.merge import merge_partials
+    q, k, v, dout = qkv(1, 1, 32, 4, 2, 16)
+    pos = jnp.arange(32)
+    kw = dict(causal=True, sm_scale=0.25, q_tile=8, kv_tile=8)
+    halves = [(k[:, :16], v[:, :16], pos[:16]), (k[:, 16:], v[:, 16:], pos[16:])]
+    parts = [block_forward(q, kh, vh, pos, ph, **kw) for kh, vh, ph in halves]
+    merged = merge_partials(*parts[0], *parts[1])
+    running = block_forward(q, *halves[1][:2], pos, halves[1][2], **kw, into=parts[0])
+    assert_close(running[0], merged[0], 1e-6, "out")
+    assert_close(running[1], merged[1], 1e-6, "lse")
+    out, lse = merged
+    delta = jnp.sum(dout * out, axis=-1)
+    first = block_backward(q, *halves[0][:2], dout, lse, delta, pos, halves[0][2], **kw)
+    second = block_backward(q, *halves[1][:2], dout, lse, delta, pos, halves[1][2], **kw)
+    dk0, dv0 = jnp.zeros_like(first[1]) + 1.0, jnp.zeros_like(first[2]) - 1.0
+    added = block_backward(q, *halves[1][:2], dout, lse, delta, pos, halves[1][2], **kw,
+                           into=(first[0], dk0, dv0))
+    assert_close(added[0], first[0] + second[0], 1e-6, "dq")
+    assert_close(added[1], dk0 + second[1], 1e-6, "dk")
+    assert_close(added[2], dv0 + second[2], 1e-6, "dv")

@@ -26,7 +26,9 @@ linear in the block length (no [nq, nk] score matrix) and hidden tiles cost noth
 The ranges come from each tile's min/max position and segment id (`flash_tiles.visibility`), shared by the
 batch. Tiles are `q_tile` x `kv_tile` (the largest divisors of the block lengths not above them); a ring's
 position runs (zig-zag has two per rank) stay tile-aligned whenever the tile divides the run, so the tiles a
-causal mask hides are skipped exactly. The Pallas kernel in `flash.py` provides the same pair on GPU.
+causal mask hides are skipped exactly. With `into=` the pair continues a running result (the online softmax
+from (out, lse); gradients added to (dq, dk, dv)), so a ring needs no merge or add pass per step
+(`BlockOps.accumulates`). The Pallas kernel in `flash.py` provides the same pair on GPU.
 """
 from __future__ import annotations
 
@@ -41,16 +43,23 @@ from jax import lax
 from jaxring.attention.masking import attention_mask
 from jaxring.vma import vary, varying_axes
 
-DEFAULT_Q_TILE = 128
-DEFAULT_KV_TILE = 128
+# Tiles of the jnp pair, tuned on 8 simulated CPU devices (benchmarks/ring_attention.py): the forward keeps
+# one [tq, tk] score tile per head, the backward three (S/P, dP, dS), so it takes smaller ones.
+FORWARD_TILE = 256
+BACKWARD_TILE = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockOps:
-    """A per-block forward/backward pair with the interface documented in this module."""
+    """A per-block forward/backward pair with the interface documented in this module.
+
+    accumulates: forward and backward also take `into=` (the running (out, lse), or (dq, dk, dv)) and
+    return it updated, saving the ring a merge or an add pass per step (the jnp pair does).
+    """
     name: str
     forward: Callable
     backward: Callable
+    accumulates: bool = False
 
 
 def _tile_size(n: int, target: int) -> int:
@@ -105,6 +114,12 @@ def _three_loops(rng, body, carry):
     return lax.fori_loop(fhi, hi, functools.partial(body, masked=True), carry)
 
 
+def _heads_major(x, kv_heads):
+    """[b, t, hq, d] -> [b, kv_heads, groups, t, d] (query heads grouped by the K/V head they read)."""
+    b, t, hq, d = x.shape
+    return jnp.transpose(x.reshape(b, t, kv_heads, hq // kv_heads, d), (0, 2, 3, 1, 4))
+
+
 def _varying(inputs, tree):
     """`tree` (loop carries) made varying over every mesh axis any input varies over (check_vma)."""
     axes = frozenset().union(*(varying_axes(x) for x in inputs if x is not None))
@@ -118,11 +133,17 @@ def _mask_scores(s, qpos, kpos, qseg, kseg, causal):
 
 
 def block_forward(q, k, v, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, *,
-                  causal: bool, sm_scale: float, q_tile: int = DEFAULT_Q_TILE, kv_tile: int = DEFAULT_KV_TILE):
-    """Attention of one Q block over one K/V block; see the module docstring for shapes."""
+                  causal: bool, sm_scale: float, q_tile: int = FORWARD_TILE, kv_tile: int = FORWARD_TILE,
+                  into=None):
+    """Attention of one Q block over one K/V block; see the module docstring for shapes.
+
+    into: optional running (out, lse) fp32 of the same queries over other keys; the online softmax then
+    continues from it and the result is their merge (`merge_partials(*into, *this block)`), with no
+    separate merge pass.
+    """
     _check_positions(q, k, q_positions, kv_positions)
     b, nq, hq, d = q.shape
-    nk, hkv = k.shape[1], k.shape[2]
+    hkv = k.shape[2]
     g = hq // hkv
     tq, tk = _tiles(q, k, q_tile, kv_tile)
     ranges = tile_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal=causal, q_tile=tq,
@@ -132,13 +153,13 @@ def block_forward(q, k, v, q_positions, kv_positions, q_segment_ids=None, kv_seg
     def q_tile_body(i, outputs):
         out, lse = outputs
         rows = i * tq
-        q_i = (_slice(q, rows, tq).astype(jnp.float32) * sm_scale).reshape(b, tq, hkv, g, d)
+        q_i = _heads_major(_slice(q, rows, tq).astype(jnp.float32) * sm_scale, hkv)   # [b, hkv, g, tq, d]
         qpos_i, qseg_i = _slice(q_positions, rows, tq, 0), _slice(q_segment_ids, rows, tq)
 
         def kv_tile_body(j, carry, *, masked):
             acc, m, l = carry
             keys = j * tk
-            s = jnp.einsum("bqhgd,bkhd->bhgqk", q_i, _slice(k, keys, tk).astype(jnp.float32))
+            s = jnp.einsum("bhgqd,bkhd->bhgqk", q_i, _slice(k, keys, tk).astype(jnp.float32))
             if masked:
                 s = _mask_scores(s, qpos_i, _slice(kv_positions, keys, tk, 0), qseg_i,
                                  _slice(kv_segment_ids, keys, tk), causal)
@@ -149,8 +170,12 @@ def block_forward(q, k, v, q_positions, kv_positions, q_segment_ids=None, kv_seg
             pv = jnp.einsum("bhgqk,bkhd->bhgqd", p, _slice(v, keys, tk).astype(jnp.float32))
             return acc * alpha[..., None] + pv, m_new, l * alpha + jnp.sum(p, axis=-1)
 
-        init = (jnp.zeros((b, hkv, g, tq, d), jnp.float32), jnp.full((b, hkv, g, tq), -jnp.inf, jnp.float32),
-                jnp.zeros((b, hkv, g, tq), jnp.float32))
+        if into is None:
+            init = (jnp.zeros((b, hkv, g, tq, d), jnp.float32), jnp.full((b, hkv, g, tq), -jnp.inf, jnp.float32),
+                    jnp.zeros((b, hkv, g, tq), jnp.float32))
+        else:  # continue from the running result: acc = out, m = lse, l = 1 (l = 0 on rows seen empty)
+            lse_in = jnp.transpose(_slice(lse, rows, tq).reshape(b, tq, hkv, g), (0, 2, 3, 1))
+            init = (_heads_major(_slice(out, rows, tq), hkv), lse_in, jnp.where(jnp.isneginf(lse_in), 0.0, 1.0))
         acc, m, l = _three_loops(ranges[i], kv_tile_body, _varying(inputs, init))
         empty = l == 0.0
         o = acc / jnp.where(empty, 1.0, l)[..., None]
@@ -159,14 +184,18 @@ def block_forward(q, k, v, q_positions, kv_positions, q_segment_ids=None, kv_seg
         lse_i = jnp.transpose(lse_i, (0, 3, 1, 2)).reshape(b, tq, hq)
         return lax.dynamic_update_slice_in_dim(out, o, rows, 1), lax.dynamic_update_slice_in_dim(lse, lse_i, rows, 1)
 
-    init = (jnp.zeros((b, nq, hq, d), jnp.float32), jnp.full((b, nq, hq), -jnp.inf, jnp.float32))
-    return lax.fori_loop(0, nq // tq, q_tile_body, _varying(inputs, init))
+    if into is None:
+        into = (jnp.zeros((b, nq, hq, d), jnp.float32), jnp.full((b, nq, hq), -jnp.inf, jnp.float32))
+    return lax.fori_loop(0, nq // tq, q_tile_body, _varying(inputs, into))
 
 
 def block_backward(q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids=None,
-                   kv_segment_ids=None, *, causal: bool, sm_scale: float, q_tile: int = DEFAULT_Q_TILE,
-                   kv_tile: int = DEFAULT_KV_TILE):
-    """Gradients of one (Q block, K/V block) pair given the global lse and delta; fp32 results."""
+                   kv_segment_ids=None, *, causal: bool, sm_scale: float, q_tile: int = BACKWARD_TILE,
+                   kv_tile: int = BACKWARD_TILE, into=None):
+    """Gradients of one (Q block, K/V block) pair given the global lse and delta; fp32 results.
+
+    into: optional fp32 (dq, dk, dv) accumulators; this pair's gradients are added to them in place.
+    """
     _check_positions(q, k, q_positions, kv_positions)
     b, nq, hq, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
@@ -181,8 +210,8 @@ def block_backward(q, k, v, dout, lse, delta, q_positions, kv_positions, q_segme
     def q_tile_body(i, grads):
         dq, dk, dv = grads
         rows = i * tq
-        q_i = (_slice(q, rows, tq).astype(jnp.float32) * sm_scale).reshape(b, tq, hkv, g, d)
-        do_i = _slice(dout, rows, tq).astype(jnp.float32).reshape(b, tq, hkv, g, d)
+        q_i = _heads_major(_slice(q, rows, tq).astype(jnp.float32) * sm_scale, hkv)   # [b, hkv, g, tq, d]
+        do_i = _heads_major(_slice(dout, rows, tq).astype(jnp.float32), hkv)
         lse_i = as_rows(_slice(lse, rows, tq))
         lse_i = jnp.where(jnp.isneginf(lse_i), 0.0, lse_i)[..., None]    # rows that see nothing: P = 0
         delta_i = as_rows(_slice(delta, rows, tq))[..., None]
@@ -193,29 +222,32 @@ def block_backward(q, k, v, dout, lse, delta, q_positions, kv_positions, q_segme
             keys = j * tk
             k_j = _slice(k, keys, tk).astype(jnp.float32)
             v_j = _slice(v, keys, tk).astype(jnp.float32)
-            s = jnp.einsum("bqhgd,bkhd->bhgqk", q_i, k_j)
+            s = jnp.einsum("bhgqd,bkhd->bhgqk", q_i, k_j)
             if masked:
                 s = _mask_scores(s, qpos_i, _slice(kv_positions, keys, tk, 0), qseg_i,
                                  _slice(kv_segment_ids, keys, tk), causal)
             p = jnp.exp(s - lse_i)
-            dp = jnp.einsum("bqhgd,bkhd->bhgqk", do_i, v_j)
+            dp = jnp.einsum("bhgqd,bkhd->bhgqk", do_i, v_j)
             ds = p * (dp - delta_i)
-            dv_j = jnp.einsum("bhgqk,bqhgd->bkhd", p, do_i)
-            dk_j = jnp.einsum("bhgqk,bqhgd->bkhd", ds, q_i)
-            dq_i = dq_i + jnp.einsum("bhgqk,bkhd->bqhgd", ds, k_j)
+            dv_j = jnp.einsum("bhgqk,bhgqd->bkhd", p, do_i)
+            dk_j = jnp.einsum("bhgqk,bhgqd->bkhd", ds, q_i)
+            dq_i = dq_i + jnp.einsum("bhgqk,bkhd->bhgqd", ds, k_j)
             add = lambda acc, x: lax.dynamic_update_slice_in_dim(acc, _slice(acc, keys, tk) + x, keys, 1)
             return dq_i, add(dk, dk_j), add(dv, dv_j)
 
         dq_i, dk, dv = _three_loops(ranges[i], kv_tile_body, (_varying(inputs, jnp.zeros_like(q_i)), dk, dv))
-        dq_i = (dq_i * sm_scale).reshape(b, tq, hq, d)
+        dq_i = jnp.transpose(dq_i * sm_scale, (0, 3, 1, 2, 4)).reshape(b, tq, hq, d)
+        if into is not None:
+            dq_i = _slice(dq, rows, tq) + dq_i
         return lax.dynamic_update_slice_in_dim(dq, dq_i, rows, 1), dk, dv
 
-    init = (jnp.zeros((b, nq, hq, d), jnp.float32), jnp.zeros((b, nk, hkv, d), jnp.float32),
-            jnp.zeros((b, nk, hkv, d), jnp.float32))
-    return lax.fori_loop(0, nq // tq, q_tile_body, _varying(inputs, init))
+    if into is None:
+        into = (jnp.zeros((b, nq, hq, d), jnp.float32), jnp.zeros((b, nk, hkv, d), jnp.float32),
+                jnp.zeros((b, nk, hkv, d), jnp.float32))
+    return lax.fori_loop(0, nq // tq, q_tile_body, _varying(inputs, into))
 
 
-JNP_BLOCK_OPS = BlockOps("jnp", block_forward, block_backward)
+JNP_BLOCK_OPS = BlockOps("jnp", block_forward, block_backward, accumulates=True)
 
 
 def get_block_ops(impl: str | BlockOps = "auto") -> BlockOps:

@@ -43,7 +43,7 @@ from jaxring.attention.blockwise import BlockOps, get_block_ops
 from jaxring.attention.layout import RankTokens
 from jaxring.attention.masking import check_qkv
 from jaxring.attention.merge import empty_partial
-from jaxring.attention.schedule import attend_block, block_grads, run_work
+from jaxring.attention.schedule import add_block_grads, attend_block, run_work
 from jaxring.collectives import ring_steps, ring_steps_accumulating, send_to_next
 
 # The backward ring turns the other way (rank r sends to r-1). Either direction is correct; a permutation
@@ -131,12 +131,13 @@ def _ring_bwd(axis_name, tokens, causal, sm_scale, ops, fuse, residuals, dout):
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     q_pos = tokens.positions(rank, p, n)
 
-    def grads(dq, kv, step):
+    def grads(dq, kv, step, dkv):
         k, v, kv_seg = kv
         kv_pos = tokens.positions((rank - BACKWARD_SHIFT * step) % p, p, n)
-        dq_j, dk_j, dv_j = block_grads(ops, q, dout, lse, delta, q_pos, segment_ids, k, v, kv_pos, kv_seg,
-                                       causal=causal, sm_scale=sm_scale)
-        return dq + dq_j, (dk_j, dv_j)  # dK/dV: summed by the ranks the block visits, home after P hops
+        dk, dv = (None, None) if dkv is None else dkv
+        dq, dk, dv = add_block_grads(ops, (dq, dk, dv), q, dout, lse, delta, q_pos, segment_ids, k, v, kv_pos,
+                                     kv_seg, causal=causal, sm_scale=sm_scale)
+        return dq, (dk, dv)  # dK/dV: summed by the ranks the block visits, home after P hops
 
     send = lambda tree: send_to_next(tree, axis_name, shift=BACKWARD_SHIFT, fuse=fuse)
     dq, (dk, dv) = ring_steps_accumulating(grads, jnp.zeros_like(q, jnp.float32), (k, v, segment_ids), p, send)

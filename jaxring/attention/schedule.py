@@ -51,6 +51,11 @@ def run_work(q_pos, kv_pos, parts: int, causal: bool):
 
 def attend_block(ops, acc, q, q_pos, q_seg, k, v, kv_pos, kv_seg, *, causal, sm_scale):
     """acc (out, lse fp32) merged with the attention of Q over one K/V block (skipped if hidden)."""
+    if ops.accumulates:
+        return when_visible(causal, q_pos, kv_pos,
+                            lambda: ops.forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal=causal,
+                                                sm_scale=sm_scale, into=acc),
+                            lambda: acc)[0]
     part, _ = when_visible(
         causal, q_pos, kv_pos,
         lambda: ops.forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal=causal, sm_scale=sm_scale),
@@ -58,13 +63,27 @@ def attend_block(ops, acc, q, q_pos, q_seg, k, v, kv_pos, kv_seg, *, causal, sm_
     return merge_partials(*acc, *part)
 
 
-def block_grads(ops, q, dout, lse, delta, q_pos, q_seg, k, v, kv_pos, kv_seg, *, causal, sm_scale):
-    """fp32 (dq, dk, dv) of one (Q block, K/V block) pair given the global lse and delta (zeros if hidden)."""
+def add_block_grads(ops, grads, q, dout, lse, delta, q_pos, q_seg, k, v, kv_pos, kv_seg, *, causal, sm_scale):
+    """grads (dq, dk, dv) fp32 plus those of one (Q block, K/V block) pair given the global lse and delta.
+
+    Any of them may be None (no sum yet: it starts at this pair's). Hidden blocks add nothing. Block ops that
+    accumulate add in place; otherwise the block's gradients are computed first and added after, so a
+    received accumulator is only needed once the block compute is done (it can be in flight meanwhile).
+    """
+    dq, dk, dv = grads
+    if ops.accumulates:
+        into = tuple(jnp.zeros_like(x, jnp.float32) if acc is None else acc
+                     for acc, x in ((dq, q), (dk, k), (dv, v)))
+        return when_visible(causal, q_pos, kv_pos,
+                            lambda: ops.backward(q, k, v, dout, lse, delta, q_pos, kv_pos, q_seg, kv_seg,
+                                                 causal=causal, sm_scale=sm_scale, into=into),
+                            lambda: into)[0]
     zeros = lambda: (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(k, jnp.float32),
                      jnp.zeros_like(v, jnp.float32))
-    grads, _ = when_visible(
+    (dq_j, dk_j, dv_j), _ = when_visible(
         causal, q_pos, kv_pos,
         lambda: ops.backward(q, k, v, dout, lse, delta, q_pos, kv_pos, q_seg, kv_seg, causal=causal,
                              sm_scale=sm_scale),
         zeros)
-    return grads
+    add = lambda acc, x: x if acc is None else acc + x
+    return add(dq, dq_j), add(dk, dk_j), add(dv, dv_j)

@@ -105,7 +105,7 @@ from jaxring.attention.layout import check_seq_len
 from jaxring.attention.masking import check_qkv
 from jaxring.attention.ring import fuse_by_default
 from jaxring.attention.merge import empty_partial
-from jaxring.attention.schedule import attend_block, block_grads, pair_work, run_pairs
+from jaxring.attention.schedule import add_block_grads, attend_block, pair_work, run_pairs
 from jaxring.collectives import ring_steps, ring_steps_accumulating, send_to_next
 
 WF_AXES = ("wf_group", "wf_ring", "wf_team")
@@ -364,12 +364,12 @@ def _wallfacer_bwd(team_size, layout, causal, sm_scale, ops, fuse, residuals, do
     kv_pos = team_positions(layout, j * c + a, p, c, n)
     send = (lambda tree: send_to_next(tree, RING, fuse=fuse)) if tgs > 1 else (lambda tree: tree)
 
-    def grads(dkv, q_side, step):
+    def grads(dkv, q_side, step, dq):
         q_c, do_c, lse_c, delta_c, qseg_c = q_side
         q_pos = team_positions(layout, g * tgs + (j - step) % tgs, p, c, n)
-        dq_j, dk_j, dv_j = block_grads(ops, q_c, do_c, lse_c, delta_c, q_pos, qseg_c, k_u, v_u, kv_pos, kseg_u,
-                                       causal=causal, sm_scale=sm_scale)
-        return (dkv[0] + dk_j, dkv[1] + dv_j), dq_j  # dQ travels with its Q; the tgs-th hop brings it home
+        dq, dk, dv = add_block_grads(ops, (dq, *dkv), q_c, do_c, lse_c, delta_c, q_pos, qseg_c, k_u, v_u, kv_pos,
+                                     kseg_u, causal=causal, sm_scale=sm_scale)
+        return (dk, dv), dq  # dQ travels with its Q (one hop behind); the tgs-th hop brings it home
 
     init = (jnp.zeros_like(k_u, jnp.float32), jnp.zeros_like(v_u, jnp.float32))
     (dk, dv), dq = ring_steps_accumulating(grads, init, (q_t, do_t, lse_t, delta_t, qseg_t), tgs, send)
