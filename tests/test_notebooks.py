@@ -1,4 +1,5 @@
-"""Every notebooks/*.ipynb runs top to bottom (FAST sizes, 8 simulated CPU devices) without an error.
+"""Every notebooks/*.ipynb runs top to bottom (FAST sizes, 8 simulated CPU devices) without an error, and is
+what `notebooks/build.py` writes from its source in `notebooks/src/` (edit the source, then rebuild).
 
 The kernel is this interpreter (sys.executable) through a kernelspec written for the test, so the result
 does not depend on which "python3" kernelspec a machine has installed. Its environment asks for the small
@@ -6,6 +7,7 @@ sizes (JAXRING_NOTEBOOK_FAST=1) and 8 CPU devices. XLA's backend optimisation le
 on CPU by about 40% (most of a notebook's time is compiling); the bytes moved and buffer sizes that the
 notebooks print came out the same with and without it.
 """
+import importlib.util
 import json
 import pathlib
 import sys
@@ -33,6 +35,30 @@ KERNEL_ENV = {
 
 def test_notebooks_exist():
     assert NOTEBOOKS, f"no notebooks in {NOTEBOOKS_DIR}"
+
+
+def _build_module():
+    spec = importlib.util.spec_from_file_location("notebooks_build", NOTEBOOKS_DIR / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_notebooks_match_their_sources():
+    """Each notebook has a source in notebooks/src/ and is exactly what build.py renders from it."""
+    build = _build_module()
+    sources = {p.stem for p in build.SOURCES.glob("*.py")}
+    assert sources == {p.stem for p in NOTEBOOKS}, (sources, [p.name for p in NOTEBOOKS])
+    stale = [p.name for p in NOTEBOOKS if p.read_text() != build.render(build.SOURCES / (p.stem + ".py"))]
+    assert not stale, f"{stale} differ from notebooks/src/: run `python notebooks/build.py`"
+
+
+def test_build_reads_markdown_code_and_magics():
+    build = _build_module()
+    source = '# %% [markdown]\n# # Title\n#\n# text\n\n# %%\nif x:\n    # %pip install -q y\n# a comment\n'
+    assert build.cells(source) == [("markdown", "# Title\n\ntext"), ("code", "if x:\n    %pip install -q y\n# a comment")]
+    with pytest.raises(ValueError, match="does not start with '# '"):
+        build.cells("# %% [markdown]\nplain text\n")
 
 
 def _kernel_manager(tmp_path) -> KernelManager:
