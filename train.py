@@ -6,6 +6,8 @@
     python train.py --dp 2 --sp 4 --attention ulysses
     python train.py --tp 2 --sp 4                     # Megatron TP+SP × ring attention (tensor × sequence)
     python train.py --dp 8 --zero 3                   # explicit ZeRO-3 over the data axis
+    python train.py --pp 2 --dp 4 --pipeline-schedule zero-bubble --microbatches 4
+    python train.py --preset tiny-moe --ep 4 --dp 2    # mixture of experts, experts over ep
     python train.py --model dit --preset tiny --sp 4 --dp 2 --steps 100
 
 Without an accelerator, --cpu-devices N simulated CPU devices are used (default 8). With no mesh flag the
@@ -66,6 +68,12 @@ def parse_args(argv=None):
     for name, (option, users) in strategy_options().items():
         g.add_argument("--" + name.replace("_", "-"), type=option.type, choices=option.choices,
                        help=f"{'/'.join(users)}: {option.help}")
+    from jaxring.pipeline import SCHEDULES
+    g.add_argument("--pipeline-schedule", choices=SCHEDULES, default="1f1b",
+                   help="pp > 1: gpipe (all forward, all backward), 1f1b, interleaved (with --virtual-stages) or "
+                        "zero-bubble (ZB-H1: input and weight gradients split)")
+    g.add_argument("--microbatches", type=int, help="pp > 1: micro-batches per step (default 2·pp)")
+    g.add_argument("--virtual-stages", type=int, default=1, help="interleaved: layer chunks per pipeline stage")
     methods = tuple(m for m in TENSOR_METHODS if m != "none")
     g.add_argument("--tensor-parallel", choices=methods,
                    help="; ".join(f"{TENSOR_METHODS[m].name}: {TENSOR_METHODS[m].summary}" for m in methods))
@@ -156,6 +164,8 @@ def run(args) -> int:
                       warmup=args.warmup, grad_accum=args.grad_accum, **degrees, attention=args.attention,
                       layout=args.layout, team_size=args.team_size, ulysses_size=args.ulysses_size,
                       placement=args.placement, tensor_parallel=args.tensor_parallel, zero=args.zero,
+                      pipeline=args.pipeline_schedule, microbatches=args.microbatches,
+                      virtual_stages=args.virtual_stages,
                       precision=args.precision, remat=args.remat,
                       data=args.data, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                       keep_checkpoints=args.keep_checkpoints, resume=args.resume, metrics_file=args.metrics_file,

@@ -1,11 +1,76 @@
-"""Ring communication shared by every ring-based strategy (used inside `shard_map`)."""
+"""Ring communication shared by every ring-based strategy (used inside `shard_map`).
+
+Every point-to-point transfer in jaxring goes through `ppermute` here, because inside a pipeline stage's branch
+(`stage_local`: the pipeline's `lax.switch` runs different code on different stages) a plain ppermute over sp
+is one collective-permute over the pairs of *every* stage, which the other stages, running other branches,
+never join. There `ppermute` addresses only the stage's own devices:
+
+  "ppermute"    a collective-permute whose pairs name only this stage's devices (GPU: only they join it);
+  "all_to_all"  XLA:CPU, whose collective-permute waits for every device of the program whatever its pairs:
+                an all-to-all over the stage's group (grouped collectives meet per group) carrying the block to
+                its target and zeros elsewhere: the same result, (N-1) times the bytes of the ring hop.
+"""
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from jaxring.vma import common_vma
+from jaxring.vma import common_vma, vary
+
+_STAGE = contextvars.ContextVar("jaxring_pipeline_stage", default=None)
+
+
+STAGE_PERMUTES = ("ppermute", "all_to_all")
+
+
+@contextlib.contextmanager
+def stage_local(axis_name: str, stage: int, permute: str = "ppermute"):
+    """While tracing the branch of pipeline stage `stage` (rank on `axis_name`): point-to-point transfers
+    (`ppermute`) involve only the devices of that stage, as a stage-local collective-permute or an all-to-all
+    (`permute`, see the module docstring)."""
+    if permute not in STAGE_PERMUTES:
+        raise ValueError(f"stage permute {permute!r} must be one of {', '.join(STAGE_PERMUTES)}")
+    token = _STAGE.set((axis_name, stage, permute))
+    try:
+        yield
+    finally:
+        _STAGE.reset(token)
+
+
+def ppermute(x, axis_name, perm):
+    """`lax.ppermute`, or inside `stage_local` the same transfers among this pipeline stage's devices only."""
+    stage = _STAGE.get()
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    if stage is None or stage[0] in axes:
+        return lax.ppermute(x, axis_name, perm)
+    pipeline_axis, s, how = stage
+    if how == "all_to_all":
+        return _permute_by_all_to_all(x, axes, perm)
+    n = math.prod(lax.axis_size(a) for a in axes)
+    pairs = [(s * n + src, s * n + dst) for src, dst in perm]
+    return lax.ppermute(vary(x, (pipeline_axis,)), (pipeline_axis, *axes), pairs)
+
+
+def _permute_by_all_to_all(x, axes, perm):
+    """lax.ppermute(x, axes, perm) as one all-to-all over `axes`: every device sends x in the chunk of its
+    target (zeros in the others) and keeps the chunk from its source (zeros without one)."""
+    n = math.prod(lax.axis_size(a) for a in axes)
+    target, source = np.full(n, -1, np.int32), np.full(n, -1, np.int32)
+    for src, dst in perm:
+        target[src], source[dst] = dst, src
+    me = lax.axis_index(axes)
+    to, fr = jnp.asarray(target)[me], jnp.asarray(source)[me]
+    chunks = jnp.zeros((n,) + x.shape, x.dtype)
+    chunks = jnp.where(to >= 0, lax.dynamic_update_index_in_dim(chunks, x, jnp.maximum(to, 0), 0), chunks)
+    received = lax.all_to_all(vary(chunks, axes), axes, 0, 0, tiled=True)
+    out = lax.dynamic_index_in_dim(received, jnp.maximum(fr, 0), 0, keepdims=False)
+    return jnp.where(fr >= 0, out, jnp.zeros_like(out))
 
 
 def ring_pairs(size: int, shift: int = 1) -> list[tuple[int, int]]:
@@ -21,7 +86,7 @@ def send_to_next(tree, axis_name, shift: int = 1, *, fuse: bool = False):
     size = lax.axis_size(axis_name)
     if fuse:
         return fused_ppermute(tree, axis_name, ring_pairs(size, shift))
-    return jax.tree.map(lambda x: lax.ppermute(x, axis_name, ring_pairs(size, shift)), tree)
+    return jax.tree.map(lambda x: ppermute(x, axis_name, ring_pairs(size, shift)), tree)
 
 
 def fused_ppermute(tree, axis_name, perm):
@@ -34,11 +99,11 @@ def fused_ppermute(tree, axis_name, perm):
     """
     leaves, treedef = jax.tree.flatten(tree)
     if len(leaves) <= 1:
-        return jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), tree)
+        return jax.tree.map(lambda x: ppermute(x, axis_name, perm), tree)
     leaves = common_vma(*leaves)
     as_bytes = lambda x: (x.astype(jnp.uint8) if x.dtype == jnp.bool_ else
                           lax.bitcast_convert_type(x, jnp.uint8)).reshape(-1)
-    buffer = lax.ppermute(jnp.concatenate([as_bytes(x) for x in leaves]), axis_name, perm)
+    buffer = ppermute(jnp.concatenate([as_bytes(x) for x in leaves]), axis_name, perm)
     out, start = [], 0
     for x in leaves:
         size = x.size * x.dtype.itemsize
@@ -120,7 +185,7 @@ def tree_broadcast(x, axis_name, root):
     rel = (lax.axis_index(axis_name) - root) % size
     for t in range(tree_rounds(size)):
         shift = 1 << t
-        received = lax.ppermute(x, axis_name, ring_pairs(size, shift))
+        received = ppermute(x, axis_name, ring_pairs(size, shift))
         x = jnp.where((rel >= shift) & (rel < 2 * shift), received, x)
     return x
 
@@ -135,6 +200,6 @@ def tree_reduce(x, axis_name, root):
     rel = (lax.axis_index(axis_name) - root) % size
     for t in reversed(range(tree_rounds(size))):
         shift = 1 << t
-        received = lax.ppermute(x, axis_name, ring_pairs(size, -shift))
+        received = ppermute(x, axis_name, ring_pairs(size, -shift))
         x = jnp.where((rel < shift) & (rel + shift < size), x + received, x)
     return x

@@ -175,8 +175,8 @@ def remat_policy(remat: str, zero_stage: int = 0):
 
 @dataclasses.dataclass
 class Layers:
-    """A stacked layer stack inside the step: `layers(x, call)` runs call(layer, x) for every layer under
-    `lax.scan`, materializing each layer's weights from their stored form (ZeRO) inside the scan body.
+    """A stacked layer stack inside the step: `layers(carry, call)` runs call(layer, carry) for every layer
+    under `lax.scan`, materializing each layer's weights from their stored form (ZeRO) inside the scan body.
 
     graphdef: one layer's graph; diff/const: the stacked stored leaves (see `jaxring.zero.inputs`);
     placements: their stacked Placements; stage: the ZeRO stage; remat: none/selective/full per layer.
@@ -188,12 +188,11 @@ class Layers:
     stage: int = 0
     remat: str = "none"
 
-    def __call__(self, x, call, aux=None):
-        """x: the carry (e.g. [b, s, h] activations); call(layer, x) -> x, or -> (x, aux) when aux (a pytree
-        of fp32 accumulators, e.g. MoE statistics) is given: then returns (x, summed aux)."""
+    def __call__(self, carry, call):
+        """call(layer, carry) -> carry for every layer in order, under `lax.scan`; carry: any pytree (e.g.
+        {"x": [b, s, h] activations, plus MoE statistics or DiT's conditioning}) keeping its shapes."""
         layer_placements = jax.tree.map(_per_layer, self.placements, is_leaf=_is_placement)
         const = self.const if self.const is not None else jax.tree.map(lambda _: None, self.diff)
-
         num_layers = jax.tree.leaves(self.diff)[0].shape[0]
         at = lambda tree, i: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
@@ -203,15 +202,10 @@ class Layers:
             diff, const_i = at(self.diff, i), at(const, i)
             weights = jax.tree.map(lambda d, c, pl: zero.materialize(self.stage, d, c, pl), diff, const_i,
                                    layer_placements, is_leaf=lambda v: v is None)
-            layer = nnx.merge(self.graphdef, weights)
-            if aux is None:
-                return call(layer, carry), None
-            x, acc = carry
-            x, extra = call(layer, x)
-            return (x, jax.tree.map(jnp.add, acc, extra)), None
+            return call(nnx.merge(self.graphdef, weights), carry), None
 
         body = jax.checkpoint(body, policy=remat_policy(self.remat, self.stage), prevent_cse=False)
-        carry, _ = lax.scan(body, x if aux is None else (x, aux), jnp.arange(num_layers))
+        carry, _ = lax.scan(body, carry, jnp.arange(num_layers))
         return carry
 
     @classmethod
@@ -262,9 +256,11 @@ def param_placements(state, plan: ParallelPlan) -> dict:
         if plan.ep > 1:   # experts are split over ep whatever the tensor method (their FFN dims follow it)
             spec = tuple("ep" if axis == "expert" else entry for entry, axis in zip(spec, info.logical_axes))
         _check_split(path, info.shape, spec, mesh_shape)
-        if stacked:
+        if stacked:   # the layer dim: split over pp (the pipeline's stages), else whole
             pl = zero.place(spec, info.shape, info.logical_axes, plan.replica_axes, mesh_shape)
-            pl = zero.Placement((None,) + pl.spec, None if pl.zero_dim is None else pl.zero_dim + 1, pl.replica)
+            layer_axis = "pp" if plan.pp > 1 else None
+            pl = zero.Placement((layer_axis,) + pl.spec, None if pl.zero_dim is None else pl.zero_dim + 1,
+                                pl.replica)
         else:
             pl = zero.place(spec, info.shape, info.logical_axes, plan.replica_axes, mesh_shape)
         flat[path] = pl

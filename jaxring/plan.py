@@ -7,7 +7,9 @@ names, from the registry (`jaxring/registry.py`):
   sp = 1), with its options and `layout`;
 - `tensor_parallel`: the tensor method over `tp` (megatron, optimus, metp; none when tp = 1);
 - `zero`: the ZeRO stage over the replica axes (see `jaxring/zero.py`): 0 replicated, 1 optimizer state
-  sharded, 2 gradients too, 3 parameters too (the default when fsdp > 1).
+  sharded, 2 gradients too, 3 parameters too (the default when fsdp > 1);
+- `pipeline`, `microbatches`, `virtual_stages`: the schedule over `pp` (see `jaxring/pipeline/`): the layer
+  stack splits over pp, embedding on the first stage and head on the last.
 
 `plan.mesh` is the user's mesh (`jaxring.make_mesh`); `plan.run_mesh` is the same devices with `sp` factored
 as the strategy needs (WallFacer's teams and sub-rings, USP's ring × Ulysses) and `tp` as the method needs
@@ -51,6 +53,9 @@ class ParallelPlan:
     tensor_parallel: str | None = None
     zero: int | None = None
     block_ops: str = "auto"
+    pipeline: str = "1f1b"              # pp > 1: gpipe, 1f1b, interleaved or zero-bubble (jaxring.pipeline)
+    microbatches: int | None = None     # pp > 1: micro-batches per step (default: 2·pp)
+    virtual_stages: int = 1             # interleaved: layer chunks per stage
 
     def __post_init__(self):
         strategy = sequence_strategy(self.attention)
@@ -76,7 +81,14 @@ class ParallelPlan:
         if self.zero is not None and (isinstance(self.zero, bool) or self.zero not in ZERO_STAGES):
             raise ValueError(f"zero stage {self.zero!r} must be one of {', '.join(map(str, ZERO_STAGES))}")
         if self.pp > 1:
-            raise ValueError(f"pp = {self.pp}: pipeline parallelism is not implemented yet")
+            self.schedule      # make_schedule's one-line errors (unknown schedule, m < pp, V without interleaved)
+            if self.zero_stage == 2:
+                raise ValueError("zero stage 2 does not combine with pp > 1: the pipeline accumulates each "
+                                 "stage's gradient over its micro-batches, so use --zero 1 (the same bytes: one "
+                                 "reduce-scatter per step) or --zero 3")
+        elif self.microbatches is not None or self.virtual_stages != 1:
+            raise ValueError(f"microbatches={self.microbatches!r}, virtual_stages={self.virtual_stages!r} set the "
+                             f"pipeline schedule, but pp = 1")
 
     # ------------------------------------------------------------------ degrees
     def _size(self, axis: str) -> int:
@@ -112,6 +124,33 @@ class ParallelPlan:
         if self.zero is not None:
             return self.zero
         return 3 if self.fsdp > 1 else 0
+
+    # ------------------------------------------------------------------ pipeline
+    @functools.cached_property
+    def schedule(self):
+        """The pipeline's table (`jaxring.pipeline.make_schedule`), None when pp = 1."""
+        if self.pp == 1:
+            return None
+        from jaxring.pipeline import make_schedule
+        m = 2 * self.pp if self.microbatches is None else self.microbatches
+        return make_schedule(self.pipeline, self.pp, m, self.virtual_stages)
+
+    def check_layers(self, num_layers: int) -> None:
+        """The layer stack splits into pp · virtual_stages equal chunks."""
+        if self.pp > 1 and num_layers % (self.pp * self.virtual_stages):
+            v = f" × virtual_stages {self.virtual_stages}" if self.virtual_stages > 1 else ""
+            raise ValueError(f"num_layers {num_layers} is not divisible by pp {self.pp}{v} = "
+                             f"{self.pp * self.virtual_stages} (each pipeline chunk holds the same number of layers)")
+
+    def layer_order(self, num_layers: int):
+        """Where each stored layer comes from: None (natural order), or for interleaved stages the index map
+        `stored = natural[order]` that puts pp rank s's chunks (virtual stages c·pp + s) next to each other, so
+        the stack splits over pp as P("pp")."""
+        if self.pp == 1 or self.virtual_stages == 1:
+            return None
+        v, chunk = self.virtual_stages, num_layers // (self.pp * self.virtual_stages)
+        return np.array([(c * self.pp + s) * chunk + l for s in range(self.pp) for c in range(v)
+                         for l in range(chunk)], np.int32)
 
     # ------------------------------------------------------------------ registry entries
     @property
@@ -183,9 +222,12 @@ class ParallelPlan:
 
     # ------------------------------------------------------------------ checks
     def check_batch(self, batch: int, what: str = "batch size") -> None:
-        degree = self.data_degree * self.tensor.batch_split(self)
+        split = self.tensor.batch_split(self)
+        m = self.schedule.num_microbatches if self.pp > 1 else 1
+        degree = self.data_degree * split * m
         if batch % degree:
-            extra = "" if degree == self.data_degree else f" × the {self.tensor.name} batch split"
+            extra = "" if split == 1 else f" × the {self.tensor.name} batch split {split}"
+            extra += "" if m == 1 else f" × the pipeline's micro-batches {m}"
             raise ValueError(f"{what} {batch} is not divisible by the data-parallel degree dp*fsdp*ep{extra} = "
                              f"{degree}")
 
@@ -256,6 +298,10 @@ class ParallelPlan:
             parts.append(f"tensor={self.tensor_parallel}")
         if self.zero_stage:
             parts.append(f"zero={self.zero_stage}")
+        if self.pp > 1:
+            sched = self.schedule
+            v = f", v={sched.virtual_stages}" if sched.virtual_stages > 1 else ""
+            parts.append(f"pipeline={sched.name} (m={sched.num_microbatches}{v})")
         return ", ".join(parts)
 
     def attention_options(self) -> dict:

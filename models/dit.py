@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring.nn import MLP, Attention, Layers, param_placements, stack
 from jaxring.plan import ParallelPlan
+from jaxring.train.objective import Objective
 
 TIME_SAMPLING = ("uniform", "logit_normal")
 
@@ -297,6 +298,7 @@ def check_plan(cfg: DiTConfig, plan: ParallelPlan, batch: int) -> None:
     plan.tensor.check_model(plan, num_heads=cfg.num_heads, num_kv_heads=cfg.num_heads, hidden=cfg.hidden,
                             ffn=cfg.ffn_size, vocab=None)
     plan.check_heads(cfg.num_heads, cfg.num_heads)
+    plan.check_layers(cfg.num_layers)
     plan.check_batch(batch, "micro-batch size (batch / grad-accum)")
     plan.check_seq_len(cfg.num_tokens, causal=False)
 
@@ -317,18 +319,31 @@ class DiT(nnx.Module):
         self.blocks = stack(lambda r: DiTBlock(cfg, rngs=r), cfg.num_layers, rngs)
         self.final = FinalLayer(cfg, rngs=rngs)
 
-    def velocity_tokens(self, patches, t, labels, positions, plan: ParallelPlan, layers: Layers, *,
-                        dtype=jnp.float32):
-        """Predicted velocity per patch, local [b, s, p·p·C] (activation layout, compute dtype).
-
-        patches: local [b, s, p·p·C] of x_t (activation layout); t: local fp32 [b]; labels: local int [b]
-        (num_classes = the null class); positions: local int32 [b, s] (token layout)."""
+    # The forward in three parts (the pipeline cuts it there): embed, one block at a time, the final layer.
+    def embed_patches(self, patches, t, labels, positions, plan: ParallelPlan, dtype=jnp.float32):
+        """The carry entering the blocks: {"x": local [b, s, hidden] (activation layout), "c": the conditioning
+        of this device's rows [b, hidden]}. patches: local [b, s, p·p·C] of x_t (activation layout); t: local
+        fp32 [b]; labels: local int [b] (num_classes = the null class); positions: local int32 [b, s]."""
         cfg = self.cfg
         x = self.patch_embed(patches.astype(dtype))
         x = x + pos_embed_at(plan.tensor.activation_positions(plan, positions), cfg.hidden, cfg.grid, dtype)
         c = plan.tensor.local_vector(plan, self.t_embed(t, dtype) + self.y_embed(labels, dtype))
-        x = layers(x, lambda block, x: block(x, c, positions, plan))
-        return self.final(x, c)
+        return {"x": x, "c": c}
+
+    @staticmethod
+    def block_step(block: DiTBlock, carry, positions, plan: ParallelPlan):
+        return {"x": block(carry["x"], carry["c"], positions, plan), "c": carry["c"]}
+
+    def final_tokens(self, carry):
+        """Predicted velocity per patch, local [b, s, p·p·C] (activation layout)."""
+        return self.final(carry["x"], carry["c"])
+
+    def velocity_tokens(self, patches, t, labels, positions, plan: ParallelPlan, layers: Layers, *,
+                        dtype=jnp.float32):
+        """Predicted velocity per patch, local [b, s, p·p·C] (activation layout, compute dtype)."""
+        carry = self.embed_patches(patches, t, labels, positions, plan, dtype)
+        carry = layers(carry, lambda block, carry: self.block_step(block, carry, positions, plan))
+        return self.final_tokens(carry)
 
     def sample_t(self, key, batch: int):
         """Training times fp32 [batch]: U(0, 1) or logit-normal."""
@@ -368,7 +383,7 @@ def flow_matching_inputs(cfg: DiTConfig, images, labels, key):
 
 
 @dataclasses.dataclass(frozen=True)
-class FlowMatchingObjective:
+class FlowMatchingObjective(Objective):
     """The rectified-flow loss, mean over pixels of (v_θ(x_t, t, y) − (ε − x0))², of batches {"images" [b, H, W,
     C], "labels" int [b]}: what `jaxring.train.step.TrainStep` optimizes. t, ε and the label dropout are drawn
     from the step's key on global shapes (`flow_matching_inputs`), outside the shard_map."""
@@ -382,14 +397,19 @@ class FlowMatchingObjective:
         return {"patches": plan.activation_spec(), "target": plan.activation_spec(), "t": plan.batch_spec(),
                 "labels": plan.batch_spec(), "positions": plan.token_spec()}
 
-    def local_loss(self, model: DiT, layers: Layers, inputs: dict, plan: ParallelPlan, dtype):
-        v = model.velocity_tokens(inputs["patches"], inputs["t"], inputs["labels"], inputs["positions"], plan,
-                                  layers, dtype=dtype)
-        return jnp.sum(jnp.square(v.astype(jnp.float32) - inputs["target"])), {}
-
     @property
     def loss_count(self) -> int:
         return self.batch_size * self.cfg.num_tokens * self.cfg.patch_dim
+
+    def embed(self, model: DiT, mb: dict, plan: ParallelPlan, dtype):
+        return model.embed_patches(mb["patches"], mb["t"], mb["labels"], mb["positions"], plan, dtype)
+
+    def layer(self, block: DiTBlock, carry, mb: dict, plan: ParallelPlan):
+        return DiT.block_step(block, carry, mb["positions"], plan)
+
+    def head(self, model: DiT, carry, mb: dict, plan: ParallelPlan, dtype):
+        v = model.final_tokens(carry)
+        return jnp.sum(jnp.square(v.astype(jnp.float32) - mb["target"])), {}
 
 
 # ---------------------------------------------------------------------------------------- sampling

@@ -19,6 +19,7 @@ from jaxring.moe import MoEConfig
 from jaxring.nn import MLP, Attention, Embed, LayerNorm, Layers, MoE, stack, token_cross_entropy
 from jaxring.tensor.contract import ACTIVATIONS
 from jaxring.plan import ParallelPlan
+from jaxring.train.objective import Objective
 
 
 def _check_positive_int(name, value):
@@ -147,6 +148,7 @@ def check_plan(cfg: GPTConfig, plan: ParallelPlan, batch: int, seq_len: int) -> 
     elif plan.ep > 1:
         raise ValueError(f"ep = {plan.ep} splits experts, but the model has none (num_experts is None); use the "
                          f"tiny-moe or mixtral preset, or --override num_experts=N")
+    plan.check_layers(cfg.num_layers)
     plan.check_batch(batch, "micro-batch size (batch / grad-accum)")
     plan.check_seq_len(seq_len, causal=True)
     if cfg.positions == "learned" and seq_len > cfg.max_seq_len:
@@ -204,34 +206,48 @@ class GPT(nnx.Module):
             self.head = nnx.Param(jax.random.normal(rngs.params(), (cfg.hidden, cfg.vocab_size)) * cfg.hidden ** -0.5,
                                   logical_axes=("embed", "vocab"))
 
-    def features(self, tokens, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32,
-                 with_stats: bool = False):
-        """Final hidden states, local [batch, seq, hidden] (activation layout), for local tokens and positions
-        int32 [batch, seq] (token layout); with_stats: also the MoE statistics summed over the layers (a dict
-        of fp32 scalars; empty for dense MLPs)."""
+    # The forward in three parts (the pipeline cuts it there): embed, one block at a time, the head.
+    def embed_tokens(self, tokens, positions, dtype=jnp.float32, *, plan: ParallelPlan):
+        """The carry entering the blocks: {"x": local [batch, seq, hidden] (activation layout)} for local
+        tokens and positions int32 [batch, seq] (token layout), plus {"moe": zeroed statistics} for MoE."""
         pos_table = self.pos_embed[...] if self.cfg.positions == "learned" else None
-        x = self.embed(tokens, plan, dtype, positions=positions, pos_table=pos_table)
-        if self.cfg.moe is None:
-            x, stats = layers(x, lambda block, x: block(x, positions, plan)), {}
-        else:
-            zeros = {k: jnp.zeros((), jnp.float32) for k in ("loss",) + MOE_METRICS}
-            x, stats = layers(x, lambda block, x: block(x, positions, plan), aux=zeros)
-        x = self.ln_f(x, plan)
-        return (x, stats) if with_stats else x
+        carry = {"x": self.embed(tokens, plan, dtype, positions=positions, pos_table=pos_table)}
+        if self.cfg.moe is not None:
+            carry["moe"] = {k: jnp.zeros((), jnp.float32) for k in ("loss",) + MOE_METRICS}
+        return carry
+
+    @staticmethod
+    def block_step(block: Block, carry, positions, plan: ParallelPlan):
+        """One block on the carry (MoE statistics summed over the layers)."""
+        out = block(carry["x"], positions, plan)
+        if "moe" not in carry:
+            return {"x": out}
+        x, stats = out
+        return {"x": x, "moe": jax.tree.map(jnp.add, carry["moe"], stats)}
+
+    def head_losses(self, carry, targets, plan: ParallelPlan, dtype=jnp.float32):
+        """Cross-entropy fp32 [batch, seq] (token layout) of predicting `targets` from the blocks' carry
+        (final LayerNorm and the LM head; logits never gathered under TP)."""
+        x = self.ln_f(carry["x"], plan)
+        w, tied = self.head_weight(dtype)
+        return token_cross_entropy(x, w, targets, plan, tied=tied)
+
+    def features(self, tokens, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32):
+        """Final hidden states, local [batch, seq, hidden] (activation layout)."""
+        carry = self.embed_tokens(tokens, positions, dtype, plan=plan)
+        carry = layers(carry, lambda block, carry: self.block_step(block, carry, positions, plan))
+        return self.ln_f(carry["x"], plan)
 
     def head_weight(self, dtype):
         """(w, tied): the embedding table [vocab, hidden] when tied, else the head [hidden, vocab]."""
         w = self.embed.table[...] if self.cfg.tie_embeddings else self.head[...]
         return w.astype(dtype), self.cfg.tie_embeddings
 
-    def token_losses(self, tokens, targets, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32,
-                     with_stats: bool = False):
-        """Cross-entropy fp32 [batch, seq] (token layout) of predicting `targets` (logits never gathered
-        under TP); with_stats: also the MoE statistics summed over the layers."""
-        x, stats = self.features(tokens, positions, plan, layers, dtype=dtype, with_stats=True)
-        w, tied = self.head_weight(dtype)
-        losses = token_cross_entropy(x, w, targets, plan, tied=tied)
-        return (losses, stats) if with_stats else losses
+    def token_losses(self, tokens, targets, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32):
+        """Cross-entropy fp32 [batch, seq] (token layout) of predicting `targets`."""
+        carry = self.embed_tokens(tokens, positions, dtype, plan=plan)
+        carry = layers(carry, lambda block, carry: self.block_step(block, carry, positions, plan))
+        return self.head_losses(carry, targets, plan, dtype)
 
     def logits(self, tokens, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32):
         """fp32 [batch, seq, vocab] on a plan without tensor parallelism (generation)."""
@@ -241,35 +257,35 @@ class GPT(nnx.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class NextTokenObjective:
+class NextTokenObjective(Objective):
     """Mean next-token cross-entropy of batches {"tokens", "targets", "positions"} (int32 [batch, seq], laid out
-    by the plan on the data side): what `jaxring.train.step.TrainStep` optimizes."""
+    by the plan on the data side): what `jaxring.train.step.TrainStep` optimizes. For a mixture of experts,
+    aux["extra_loss"] is the layers' load-balancing and z losses (over the whole micro-batch: the step adds it
+    to the mean token loss) and the MoE metrics are averaged over the layers."""
     batch_size: int
     seq_len: int
-
-    def prepare(self, batch, key):
-        del key
-        return batch
 
     def input_specs(self, plan: ParallelPlan) -> dict:
         return {name: plan.token_spec() for name in ("tokens", "targets", "positions")}
 
-    def local_loss(self, model: GPT, layers: Layers, inputs: dict, plan: ParallelPlan, dtype):
-        """(Σ of this device's token losses, aux). For a mixture of experts, aux["extra_loss"] is the layers'
-        load-balancing and z losses (already over the whole batch: the step adds it to the mean token loss)
-        and the MoE metrics are averaged over the layers."""
-        losses, stats = model.token_losses(inputs["tokens"], inputs["targets"], inputs["positions"], plan, layers,
-                                           dtype=dtype, with_stats=True)
-        if not stats:
-            return losses.sum(), {}
-        layers_ = model.cfg.num_layers
-        aux = {"extra_loss": stats["loss"], "moe_loss": stats["loss"]}
-        aux.update({f"moe_{k}" if k in ("aux_loss", "z_loss") else k: stats[k] / layers_ for k in MOE_METRICS})
-        return losses.sum(), aux
-
     @property
     def loss_count(self) -> int:
         return self.batch_size * self.seq_len
+
+    def embed(self, model: GPT, mb: dict, plan: ParallelPlan, dtype):
+        return model.embed_tokens(mb["tokens"], mb["positions"], dtype, plan=plan)
+
+    def layer(self, block: Block, carry, mb: dict, plan: ParallelPlan):
+        return GPT.block_step(block, carry, mb["positions"], plan)
+
+    def head(self, model: GPT, carry, mb: dict, plan: ParallelPlan, dtype):
+        losses = model.head_losses(carry, mb["targets"], plan, dtype)
+        if "moe" not in carry:
+            return losses.sum(), {}
+        stats, num_layers = carry["moe"], model.cfg.num_layers
+        aux = {"extra_loss": stats["loss"], "moe_loss": stats["loss"]}
+        aux.update({f"moe_{k}" if k in ("aux_loss", "z_loss") else k: stats[k] / num_layers for k in MOE_METRICS})
+        return losses.sum(), aux
 
 
 def generate(model: GPT, plan: ParallelPlan, prompt, num_tokens: int, *, key, window: int,

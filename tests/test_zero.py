@@ -39,7 +39,8 @@ def _compile(stage, grad_accum=1, batch=B):
     opt = abstract(jax.eval_shape(tx.init, params), step.shardings(opt_specs))
     tok = jax.ShapeDtypeStruct((batch, S), jnp.int32, sharding=plan.tokens_sharding())
     compiled = step.build(opt_specs).lower(params, opt, {"tokens": tok, "targets": tok, "positions": tok},
-                                           jax.ShapeDtypeStruct((2,), jnp.uint32)).compile()
+                                           jax.ShapeDtypeStruct((2,), jnp.uint32),
+                                           jax.ShapeDtypeStruct((), jnp.float32)).compile()
     return compiled, nnx.to_pure_dict(state)
 
 
@@ -101,7 +102,7 @@ def test_memory_falls_stage_by_stage(stages):
     params = stages[0][1]
     psi4 = 4 * _psi(params)
     layer4 = 4 * _psi(params, lambda p: p.startswith("['blocks']")) // LAYERS
-    batch = 3 * (B // N) * S * 4 + 4                                         # tokens, targets, positions; count
+    batch = 3 * (B // N) * S * 4 + 4 + 4                  # tokens, targets, positions; the step count, max_loss
     mem = {stage: compiled.memory_analysis() for stage, (compiled, _) in stages.items()}
     args = {stage: m.argument_size_in_bytes for stage, m in mem.items()}
     assert args[0] == psi4 + 2 * psi4 + batch                                   # weights and moments replicated

@@ -19,6 +19,8 @@ import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
+from jaxring.collectives import ppermute
+
 LAYOUTS = ("contiguous", "zigzag", "striped")
 
 
@@ -138,7 +140,7 @@ def to_layout(x, layout: str, axis_name, seq_dim: int = 1):
         return x.reshape(x.shape[:seq_dim] + (n,) + x.shape[seq_dim + 2:])
     perms, slots = _zigzag_tables(p)
     rank = lax.axis_index(axis_name)
-    recv = [lax.ppermute(half, axis_name, perms[j]) for j, half in enumerate(_halves(x, seq_dim))]
+    recv = [ppermute(half, axis_name, perms[j]) for j, half in enumerate(_halves(x, seq_dim))]
     first_is_slot0 = jnp.asarray(slots[0])[rank] == 0
     return jnp.where(first_is_slot0, jnp.concatenate(recv, seq_dim),
                      jnp.concatenate(recv[::-1], seq_dim))
@@ -165,5 +167,5 @@ def from_layout(x, layout: str, axis_name, seq_dim: int = 1):
     for j in range(2):
         inverse = [(dst, src) for src, dst in perms[j]]
         here = jnp.asarray(slots[j])[rank] == 0
-        sends.append(lax.ppermute(jnp.where(here, lo, hi), axis_name, inverse))
+        sends.append(ppermute(jnp.where(here, lo, hi), axis_name, inverse))
     return jnp.concatenate(sends, seq_dim)

@@ -106,7 +106,7 @@ from jaxring.attention.masking import check_qkv
 from jaxring.attention.ring import fuse_by_default
 from jaxring.attention.merge import empty_partial
 from jaxring.attention.schedule import add_block_grads, attend_block, pair_work, run_pairs
-from jaxring.collectives import ring_steps, ring_steps_accumulating, send_to_next
+from jaxring.collectives import ppermute, ring_steps, ring_steps_accumulating, send_to_next
 
 WF_AXES = ("wf_group", "wf_ring", "wf_team")
 GROUP, RING, TEAM = WF_AXES
@@ -268,7 +268,7 @@ def _init_map(tree, num_devices: int, c: int, inverse: bool = False):
     if c == 1:
         return tree
     pairs = init_pairs(num_devices, c, inverse)
-    return jax.tree.map(lambda x: lax.ppermute(x, WF_AXES, pairs), tree)
+    return jax.tree.map(lambda x: ppermute(x, WF_AXES, pairs), tree)
 
 
 def _team_combine(out_t, lse_t, c: int, zigzag: bool):

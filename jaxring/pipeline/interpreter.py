@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxring.collectives import stage_local
 from jaxring.pipeline.lowering import Branch, Lowered, lower
 from jaxring.pipeline.schedules import B, BW, F, IDLE, W, Schedule
 from jaxring.pipeline.stage_vjp import stage_vjp
@@ -34,7 +35,8 @@ from jaxring.vma import varying_axes, vary
 
 def pipeline_loss_and_grads(schedule: Schedule, *, embed_fn: Callable, stage_fn: Callable, loss_fn: Callable,
                             stage_params, shared_params, microbatches, axis_name: str = "pp",
-                            data_axes=None, reduce_data_axes: bool = True, poison: bool = False):
+                            data_axes=None, reduce_data_axes: bool = True, poison: bool = False,
+                            stage_permute: str | None = None):
     """Loss and gradients of `loss_fn(head(stage_fn^(v·p)(embed_fn(mb))))` summed over micro-batches, pipelined.
 
     Call inside `jax.shard_map` (check_vma=True or False) over a mesh with `axis_name` of size
@@ -59,6 +61,9 @@ def pipeline_loss_and_grads(schedule: Schedule, *, embed_fn: Callable, stage_fn:
         device (varying over those axes) for the caller to reduce, e.g. with psum_scatter for ZeRO.
       poison: fill every buffer slot and unsent message with NaN (a debugging aid; a correct table never reads
         them, so results stay finite).
+      stage_permute: how jaxring's point-to-point transfers inside stage_fn (ring attention's hops) reach only
+        their stage's devices: "ppermute" or "all_to_all" (`jaxring.collectives`); default: all_to_all on the
+        CPU backend, whose collective-permute waits for every device, else ppermute.
 
     Returns:
       (loss_sum, aux_sum, d_stage_params, d_shared_params): loss and aux summed over micro-batches (and, with
@@ -79,8 +84,10 @@ def pipeline_loss_and_grads(schedule: Schedule, *, embed_fn: Callable, stage_fn:
             raise ValueError(f"microbatches{jax.tree_util.keystr(path)} has shape {leaf.shape}; every leaf needs a "
                              f"leading micro-batch dimension of num_microbatches = {m}")
     lowered = lower(schedule)
+    if stage_permute is None:
+        stage_permute = "all_to_all" if jax.default_backend() == "cpu" else "ppermute"
     run = _Interpreter(lowered, embed_fn, stage_fn, loss_fn, stage_params, shared_params, microbatches,
-                       axis_name, data_axes, poison)
+                       axis_name, data_axes, poison, stage_permute)
     state = run.run()
     return run.finish(state, stage_params, shared_params, reduce_data_axes)
 
@@ -110,8 +117,9 @@ def _full(aval, count, fill, extra_vma=frozenset()):
 
 class _Interpreter:
     def __init__(self, lowered: Lowered, embed_fn, stage_fn, loss_fn, stage_params, shared_params,
-                 microbatches, axis_name, data_axes, poison):
+                 microbatches, axis_name, data_axes, poison, stage_permute):
         self.lowered, self.schedule = lowered, lowered.schedule
+        self.stage_permute = stage_permute
         self.embed_fn, self.stage_fn, self.loss_fn = embed_fn, stage_fn, loss_fn
         self.axis_name, self.fill = axis_name, float("nan") if poison else 0.0
         self.split = self.schedule.split_backward
@@ -145,7 +153,8 @@ class _Interpreter:
                 return jax.tree.map(lambda a: vary(a, x_vma), self.embed_fn(shared, mb))
             x_avals = jax.make_jaxpr(embed_x)(self.shared, mb0).out_avals
             self.x_tree = jax.tree.structure(x_shape)
-            self.vjp = stage_vjp(self.stage_fn, chunk0, self.x_tree.unflatten(x_avals), mb0, split=self.split)
+            with stage_local(self.axis_name, 0, self.stage_permute):
+                self.vjp = stage_vjp(self.stage_fn, chunk0, self.x_tree.unflatten(x_avals), mb0, split=self.split)
             y_avals = self.vjp.fwd.out_avals[:len(x_avals)]
             y_vma = frozenset().union(*(_vma(y) for y in y_avals))
             if y_vma <= x_vma:
@@ -155,6 +164,12 @@ class _Interpreter:
             raise RuntimeError("could not find varying axes that stage_fn's output keeps")
         self.x_avals = x_avals
         self.x_vma = self.x_tree.unflatten([_vma(a) for a in x_avals])
+        # one traced forward/backward per stage: its point-to-point collectives address that stage's devices
+        self.vjps = [self.vjp]
+        for s in range(1, self.schedule.num_stages):
+            with stage_local(self.axis_name, s, self.stage_permute):
+                self.vjps.append(stage_vjp(self.stage_fn, chunk0, self.x_tree.unflatten(x_avals), mb0,
+                                           split=self.split))
         y_example = self.x_tree.unflatten(x_avals)
         loss_jaxpr, (_, self.aux_shape) = jax.make_jaxpr(self.loss_fn, return_shape=True)(
             self.shared, y_example, mb0)
@@ -165,17 +180,20 @@ class _Interpreter:
 
     # ---- the state carried from tick to tick ----
     def init_state(self):
-        slots, fill = self.lowered.slots, self.fill
-        state = {"x": [_full(a, slots["x"], fill) for a in self.x_avals],
-                 "dy": [_full(a, slots["dy"], fill) for a in self.x_avals]}
+        # Every buffer is this stage's own state: typed as varying over the pipeline axis even when a traced
+        # residual is not (an integer index computed from constants, say, is per stage inside the switch).
+        slots, fill, pp = self.lowered.slots, self.fill, frozenset({self.axis_name})
+        full = lambda a, count: _full(a, count, fill, pp)
+        state = {"x": [full(a, slots["x"]) for a in self.x_avals],
+                 "dy": [full(a, slots["dy"]) for a in self.x_avals]}
         saved = self.vjp.saved_avals
         if self.split:
             sp = self.vjp.split
-            state["res"] = [_full(saved[i], slots["res"], fill) for i in sp.saved_b]
-            state["wres"] = [_full(saved[i], slots["wres"], fill) for i in sp.saved_w]
-            state["stash"] = [_full(a, slots["stash"], fill) for a in sp.stash_avals]
+            state["res"] = [full(saved[i], slots["res"]) for i in sp.saved_b]
+            state["wres"] = [full(saved[i], slots["wres"]) for i in sp.saved_w]
+            state["stash"] = [full(a, slots["stash"]) for a in sp.stash_avals]
         else:
-            state["res"] = [_full(a, slots["res"], fill) for a in saved]
+            state["res"] = [full(a, slots["res"]) for a in saved]
         state["d_stage"] = self._zeros_like(self.stage_params)
         state["d_shared"] = self._zeros_like(self.shared)
         state["loss"] = vary(jnp.zeros((), jnp.float32), self.loss_vma)
@@ -220,7 +238,8 @@ class _Interpreter:
 
     def _action(self, branch: Branch):
         """The switch branch for `branch`: (slots read, fields) -> {output name: value} (what it produces)."""
-        vjp, split = self.vjp, self.vjp.split
+        vjp = self.vjps[max(branch.stage, 0)]
+        split = vjp.split
 
         def idle(read, f):
             return {}
@@ -323,7 +342,16 @@ class _Interpreter:
                 return result
             return run
 
-        actions = [complete(self._action(b)) for b in branches]
+        def on_stage(action, stage):
+            """Traced as stage `stage`'s own branch (its collectives address that stage's devices)."""
+            def run(read, f):
+                if stage < 0:
+                    return action(read, f)
+                with stage_local(self.axis_name, stage, self.stage_permute):
+                    return action(read, f)
+            return run
+
+        actions = [on_stage(complete(self._action(b)), b.stage) for b in branches]
         out = actions[0](read, f) if len(actions) == 1 else lax.switch(f["branch"], actions, read, f)
 
         state = dict(state)

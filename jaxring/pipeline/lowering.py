@@ -27,10 +27,13 @@ BUFFERS = ("x", "dy", "res", "wres", "stash")
 
 @dataclasses.dataclass(frozen=True)
 class Branch:
-    """What one switch branch does: an action kind on the first / last virtual stage or in between."""
+    """What one switch branch does: an action kind on the first / last virtual stage or in between, on pipeline
+    stage `stage` (-1: idle, any stage). Each stage has branches of its own, so the collectives inside a branch
+    are executed by exactly the devices that take it (see `jaxring.collectives.stage_local`)."""
     kind: int
     first: bool = False
     last: bool = False
+    stage: int = -1
 
 
 @dataclasses.dataclass
@@ -113,7 +116,7 @@ def lower(schedule: Schedule, max_period: int | None = None) -> Lowered:
                 else:
                     sends_f.append((s, (s + 1) % p))
                     arrivals.append(("x", (s + 1) % p, (i, vs + 1)))
-                branch_of[t, s] = Branch(F, vs == 0, vs == last)
+                branch_of[t, s] = Branch(F, vs == 0, vs == last, s)
             elif k in (B, BW):
                 f[col["dy_slot"]] = alloc["dy"].give(s, key)
                 f[col["res_slot"]] = alloc["res"].give(s, key)
@@ -122,11 +125,11 @@ def lower(schedule: Schedule, max_period: int | None = None) -> Lowered:
                 if vs > 0:
                     sends_b.append((s, (s - 1) % p))
                     arrivals.append(("dy", (s - 1) % p, (i, vs - 1)))
-                branch_of[t, s] = Branch(k, vs == 0)
+                branch_of[t, s] = Branch(k, vs == 0, stage=s)
             elif k == W:
                 f[col["wres_slot"]] = alloc["wres"].give(s, key)
                 f[col["stash_slot"]] = alloc["stash"].give(s, key)
-                branch_of[t, s] = Branch(W)
+                branch_of[t, s] = Branch(W, stage=s)
         for buffer, s, key in arrivals:
             fields[t, s, col["recv_" + buffer + "_slot"]] = alloc[buffer].take(s, key)
         fwd_pairs.append(tuple(sends_f))
@@ -140,7 +143,7 @@ def lower(schedule: Schedule, max_period: int | None = None) -> Lowered:
         for j in range(seg.period):
             ticks = range(seg.start + j, seg.start + seg.period * seg.repeats, seg.period)
             used = sorted({branch_of[t, s] for t in ticks for s in range(p)},
-                          key=lambda b: (b.kind, b.first, b.last))
+                          key=lambda b: (b.kind, b.first, b.last, b.stage))
             seg.branches.append(used)
             for t in ticks:
                 for s in range(p):

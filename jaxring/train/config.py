@@ -47,6 +47,9 @@ class TrainConfig:
     placement: str | None = None      # wallfacer: team_inner or ring_inner
     tensor_parallel: str | None = None
     zero: int | None = None           # ZeRO stage 0-3 over the replica axes (default: 3 with fsdp > 1, else 0)
+    pipeline: str = "1f1b"            # pp > 1: gpipe, 1f1b, interleaved or zero-bubble
+    microbatches: int | None = None   # pp > 1: micro-batches per step (default 2·pp)
+    virtual_stages: int = 1           # interleaved: layer chunks per pipeline stage
     # numerics and memory
     precision: str = "fp32"
     remat: str = "none"
@@ -77,6 +80,9 @@ def check_config(cfg: TrainConfig) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name.replace('_', '-')} {value!r} must be a positive integer")
+    if cfg.pp > 1 and cfg.grad_accum > 1:
+        raise ValueError(f"--grad-accum {cfg.grad_accum} with --pp {cfg.pp}: the pipeline's micro-batches are the "
+                         f"gradient accumulation; use --microbatches instead")
     if cfg.batch_size % cfg.grad_accum:
         raise ValueError(f"batch size {cfg.batch_size} is not divisible by grad-accum {cfg.grad_accum}")
     if cfg.resume and not cfg.checkpoint_dir:
@@ -91,4 +97,5 @@ def make_plan(cfg: TrainConfig, devices=None) -> ParallelPlan:
     attention = cfg.attention or ("ring" if cfg.sp > 1 else "dense")
     return ParallelPlan(mesh, attention=attention, layout=cfg.layout, team_size=cfg.team_size,
                         ulysses_size=cfg.ulysses_size, placement=cfg.placement,
-                        tensor_parallel=cfg.tensor_parallel, zero=cfg.zero)
+                        tensor_parallel=cfg.tensor_parallel, zero=cfg.zero, pipeline=cfg.pipeline,
+                        microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages)

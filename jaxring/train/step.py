@@ -17,6 +17,8 @@ runs outside the shard_map, under the same jit.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -27,13 +29,22 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring import zero
 from jaxring.nn import Layers
-from jaxring.vma import vary_like, varying_axes
+from jaxring.vma import vary, vary_like, varying_axes
 
 
-def psum_varying(x):
-    """Sum of local x over every mesh axis it varies over (a replicated x is counted once)."""
-    axes = tuple(sorted(varying_axes(x)))
+def psum_varying(x, exclude=()):
+    """Sum of local x over every mesh axis it varies over (a replicated x is counted once), but `exclude`."""
+    axes = tuple(sorted(varying_axes(x) - set(exclude)))
     return lax.psum(x, axes) if axes else x
+
+
+def replicated(x, exclude=()):
+    """x, a value equal on every device but typed as varying (e.g. carried through the pipeline with the
+    activations), as a replicated value: the mean of its equal copies."""
+    axes = tuple(sorted(varying_axes(x) - set(exclude)))
+    if not axes:
+        return x
+    return lax.psum(x, axes) / math.prod(lax.axis_size(a) for a in axes)
 
 
 def _split(tree, placements, fn):
@@ -94,14 +105,64 @@ class TrainStep:
         model = nnx.merge(self.graphdef, {**weights, self.stack: diff[self.stack]})
         loss_sum, aux = self.task.local_loss(model, layers, inputs, self.plan, self.dtype)
         count = float(self.task.loss_count)
-        aux = {k: psum_varying(v) for k, v in aux.items()}
+        aux = {k: replicated(v) for k, v in aux.items()}
         data_loss = psum_varying(loss_sum) / count
         # "extra_loss" (e.g. MoE load balancing, already over the whole micro-batch) joins the objective; the
         # reported loss stays the data loss
         objective = data_loss + aux.pop("extra_loss", 0.0) / self.grad_accum
         return objective, {"loss": data_loss, **aux}
 
+    def _pipeline_value_and_grad(self, params, inputs):
+        """Loss, aux and gradients with the layer stack split over pp, run by the plan's schedule
+        (`jaxring.pipeline`): embed on the first virtual stage, chunks of `Layers` on every stage, the head and
+        loss on the last. The pipeline's micro-batches are the step's gradient accumulation."""
+        from jaxring.pipeline import pipeline_loss_and_grads
+        stage, plan, task = self.stage, self.plan, self.task
+        schedule = plan.schedule
+        v, m = schedule.virtual_stages, schedule.num_microbatches
+        diff, const = _split(params, self.placements, lambda p, pl: zero.inputs(stage, p, pl))
+        top = {k: x for k, x in diff.items() if k != self.stack}
+        top_const = {k: x for k, x in const.items() if k != self.stack}
+        top_pl = {k: x for k, x in self.placements.items() if k != self.stack}
+        chunks = jax.tree.map(lambda a: a.reshape((v, a.shape[0] // v) + a.shape[1:]), diff[self.stack])
+        micro = jax.tree.map(lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:]), inputs)
+        count = float(task.loss_count)
+
+        def model_of(shared):
+            weights = _map(lambda d, pl, c: zero.materialize(stage, d, c, pl), shared, top_pl, top_const)
+            return nnx.merge(self.graphdef, {**weights, self.stack: diff[self.stack]})
+
+        def embed_fn(shared, mb):
+            return task.embed(model_of(shared), mb, plan, self.dtype)
+
+        def stage_fn(chunk, carry, mb):
+            layers = Layers(self.layer_graphdef, chunk, None, self.placements[self.stack], stage, self.remat)
+            return layers(carry, lambda block, carry: task.layer(block, carry, mb, plan))
+
+        def loss_fn(shared, carry, mb):
+            # runs on the last stage alone (inside its switch branch): sums over the data axes, never over pp
+            loss_sum, aux = task.head(model_of(shared), carry, mb, plan, self.dtype)
+            aux = {k: replicated(x, exclude=("pp",)) for k, x in aux.items()}
+            data_loss = psum_varying(loss_sum, exclude=("pp",)) / count
+            objective = data_loss + aux.pop("extra_loss", 0.0) / m
+            return objective, {"loss": data_loss, **aux}
+
+        _, aux, d_chunks, d_top = pipeline_loss_and_grads(
+            schedule, embed_fn=embed_fn, stage_fn=stage_fn, loss_fn=loss_fn, stage_params=chunks,
+            shared_params=top, microbatches=micro, data_axes=plan.replica_axes, reduce_data_axes=False)
+        d_stack = jax.tree.map(lambda g: g.reshape((-1,) + g.shape[2:]), d_chunks)
+        grads = _map(lambda g, pl: zero.reduce(stage, g, pl), {**d_top, self.stack: d_stack}, self.placements)
+        # loss_fn summed its metrics over the data axes already; the interpreter (which leaves the gradients
+        # unreduced for ZeRO) types them as varying there: average the equal copies into a replicated value
+        data = plan.replica_axes
+        n = math.prod(lax.axis_size(a) for a in data)
+        same = (lambda x: lax.psum(vary(x, data), data) / n) if data else (lambda x: x)
+        aux = {k: same(x) if k == "loss" else same(x) / m for k, x in aux.items()}
+        return aux.pop("loss"), aux, grads
+
     def _value_and_grad(self, params, inputs):
+        if self.plan.pp > 1:
+            return self._pipeline_value_and_grad(params, inputs)
         stage = self.stage
         diff, const = _split(params, self.placements, lambda p, pl: zero.inputs(stage, p, pl))
         loss_fn = lambda d, x: self._loss(d, const, x, stage)
@@ -135,15 +196,16 @@ class TrainStep:
         if self.clip is not None:
             scale = jnp.where(norm <= self.clip, 1.0, self.clip / norm)
             grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
-        mine = _map(lambda p, pl: zero.update_slice(stage, p, pl), params, self.placements)
-        old_opt_state = opt_state
-        updates, opt_state = self.tx.update(grads, opt_state, mine)
-        new = optax.apply_updates(mine, updates)
-        new = _map(lambda p, pl: zero.updated(stage, p, pl), new, self.placements)
         # a non-finite loss, or one over max_loss (the divergence guard's limit), leaves the state as it was
         ok = jnp.isfinite(loss) & (loss <= max_loss)
-        keep = lambda new, old: jnp.where(ok, new, old)
-        params, opt_state = jax.tree.map(keep, (new, opt_state), (params, old_opt_state))
+
+        def update(params, opt_state):
+            mine = _map(lambda p, pl: zero.update_slice(stage, p, pl), params, self.placements)
+            updates, opt_state = self.tx.update(grads, opt_state, mine)
+            new = optax.apply_updates(mine, updates)
+            return _map(lambda p, pl: zero.updated(stage, p, pl), new, self.placements), opt_state
+
+        params, opt_state = lax.cond(ok, update, lambda p, o: (p, o), params, opt_state)
         return params, opt_state, {"loss": loss, "grad_norm": norm, "skipped": ~ok, **aux}
 
     def build(self, opt_specs):
@@ -161,12 +223,15 @@ class TrainStep:
                        out_shardings=(self.shardings(self.param_specs), self.shardings(opt_specs), replicated))
 
     def build_eval(self):
-        """The jitted held-out loss(params, batch, key) -> fp32 scalar (no gradients)."""
+        """The jitted held-out loss(params, batch, key) -> fp32 scalar (no gradients; under pp the pipeline
+        runs its whole schedule and the gradients are dropped)."""
         stage = 3 if self.stage == 3 else 0
 
         def local(params, inputs):
+            if self.plan.pp > 1:
+                return self._pipeline_value_and_grad(params, inputs)[0]
             diff, const = _split(params, self.placements, lambda p, pl: zero.inputs(stage, p, pl))
-            return self._loss(diff, const, inputs, stage)[0]
+            return self._loss(diff, const, inputs, stage)[1]["loss"]
 
         body = self.plan.shard_map(local, in_specs=(self.param_specs, self.input_specs), out_specs=P())
         return jax.jit(lambda params, batch, key: body(params, self.task.prepare(batch, key)))

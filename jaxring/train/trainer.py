@@ -6,9 +6,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -51,6 +53,13 @@ class Trainer:
                                     stack=model.STACK, layer_graphdef=nnx.split(getattr(model, model.STACK))[0])
         self.shardings = self.train_step.shardings(self.train_step.param_specs)
         host_params = nnx.to_pure_dict(state)
+        # interleaved pipelines keep the layer stack in pipeline order (each pp rank's chunks together);
+        # checkpoints and model() see the natural order
+        self.stack = model.STACK
+        self.layer_order = self.plan.layer_order(jax.tree.leaves(host_params[self.stack])[0].shape[0])
+        if self.layer_order is not None:
+            host_params = {**host_params, self.stack: jax.tree.map(lambda a: a[self.layer_order],
+                                                                   host_params[self.stack])}
         # the same seed gives the same values on any mesh: built on the host, then placed
         self.params = jax.tree.map(lambda x, s: jax.device_put(x, s), host_params, self.shardings)
         self.opt_specs = self.train_step.opt_state_specs(self.params)
@@ -75,18 +84,36 @@ class Trainer:
         return {**out, "progress": getattr(self.task, "progress", ())}
 
     def set_state(self, state: dict):
-        """Puts a state like `state()`'s back (e.g. restored)."""
+        """Puts a state like `state()`'s back (natural layer order, e.g. restored)."""
+        if self.layer_order is not None:
+            state = self._reorder(state, self.layer_order)
         self.params, self.opt_state = state["params"], state["opt_state"]
 
     def val_loss(self):
         return float(self._eval(self.params, self.task.batch(0, val=True), self.key(2 ** 31 - 1)))
 
     def model(self):
-        return nnx.merge(self.graphdef, self.params)
+        return nnx.merge(self.graphdef, self.state()["params"])
 
     # --- checkpoints
     def state(self):
-        return {"params": self.params, "opt_state": self.opt_state}
+        """{"params", "opt_state"} with the layer stack in natural order (as saved in checkpoints)."""
+        state = {"params": self.params, "opt_state": self.opt_state}
+        return state if self.layer_order is None else self._reorder(state, np.argsort(self.layer_order))
+
+    def _reorder(self, state, order):
+        """The state with every layer-stacked array (weights and their optimizer moments) taken in `order`."""
+        stacked = {k: jax.tree.map(lambda _: k == self.stack, v) for k, v in self.params.items()}
+        take = lambda a, is_stacked: a[order] if is_stacked else a
+
+        @functools.partial(jax.jit, out_shardings=(self.shardings, self.opt_shardings))
+        def reorder(params, opt_state):
+            params = jax.tree.map(take, params, stacked)
+            opt_state = optax.tree_map_params(self.tx, take, opt_state, stacked)
+            return params, opt_state
+
+        params, opt_state = reorder(state["params"], state["opt_state"])
+        return {"params": params, "opt_state": opt_state}
 
     def metadata(self):
         return {"model": self.task.metadata(), "mesh": self.plan.describe(), "config": dataclasses.asdict(self.cfg),
@@ -101,5 +128,5 @@ class Trainer:
                              f", this jaxring needs {PARAM_LAYOUT!r} (layers stacked [num_layers, ...] and scanned); "
                              f"its optimizer state does not carry over: retrain, or restore it with jaxring 0.1")
         state = ckpt.restore(step, target, expected_metadata={"model": self.task.metadata()})
-        self.params, self.opt_state = state["params"], state["opt_state"]
+        self.set_state(state)
         self.step_count = step

@@ -23,6 +23,7 @@ RULES = {
     "clip": "float>0", "grad_accum": "int>=1", "dp": "int>=1", "fsdp": "int>=1", "pp": "int>=1", "tp": "int>=1",
     "sp": "int>=1", "ep": "int>=1", "team_size": "int>=1?", "ulysses_size": "int>=1?", "checkpoint_every": "int>=0",
     "keep_checkpoints": "int>=1", "log_every": "int>=1", "sample_tokens": "int>=0", "zero": "zero?",
+    "microbatches": "int>=1?", "virtual_stages": "int>=1",
 }
 RULE_TEXT = {"int>=1": "a positive integer", "int>=0": "a non-negative integer", "float>0": "a finite number > 0",
              "float>=0": "a finite number >= 0", "float[0,1]": "a number in [0, 1]",
