@@ -73,12 +73,38 @@ def _permute_by_all_to_all(x, axes, perm):
     return jnp.where(fr >= 0, out, jnp.zeros_like(out))
 
 
-def ring_pairs(size: int, shift: int = 1) -> list[tuple[int, int]]:
+# One direction convention for every ring in jaxring (attention, RSA, WallFacer, METP): forward passes send
+# to the next rank (r -> r+1), backward passes the other way. Either is correct; a backward permutation unlike
+# the forward's also keeps XLA from merging a backward hop with the forward's when both passes are in one
+# program (that would hold every received block from forward to backward).
+FORWARD, BACKWARD = 1, -1
+
+
+def prefetch_steps(step_fn, carry, first, advance, num_steps: int):
+    """for s in 0..n-1: carry = step_fn(carry, data_s, s), with data_0 = first and data_{s+1} = advance(data_s,
+    s) issued before step s's compute (a ring hop, a broadcast of the next block), so the two can overlap.
+
+    A `lax.scan` over the first n-1 steps and the last step on its own: a step's transfer cannot be hoisted
+    out of its iteration, so a device holds the current and the next block only (not all n), and exactly n-1
+    transfers are made. Returns the final carry. The step loop of every ring and broadcast loop in jaxring.
+    """
+    def body(state, s):
+        carry, data = state
+        upcoming = advance(data, s)          # issued before this step's compute
+        return (step_fn(carry, data, s), upcoming), None
+
+    data = first
+    if num_steps > 1:
+        (carry, data), _ = lax.scan(body, (carry, data), jnp.arange(num_steps - 1))
+    return step_fn(carry, data, num_steps - 1)
+
+
+def ring_pairs(size: int, shift: int = FORWARD) -> list[tuple[int, int]]:
     """ppermute pairs sending rank i to rank (i + shift) % size."""
     return [(i, (i + shift) % size) for i in range(size)]
 
 
-def send_to_next(tree, axis_name, shift: int = 1, *, fuse: bool = False):
+def send_to_next(tree, axis_name, shift: int = FORWARD, *, fuse: bool = False):
     """ppermute every array of `tree` one hop along the ring over `axis_name` (None leaves stay None).
 
     fuse=True sends all the arrays as one buffer (`fused_ppermute`): one collective-permute per hop.
@@ -119,20 +145,10 @@ def fused_ppermute(tree, axis_name, perm):
 
 
 def ring_steps(step_fn, carry, kv, num_steps, send):
-    """for step in 0..P-1: send the K/V block on (not after the last step), then `step_fn` on it.
-
-    A `lax.scan` over the first P-1 steps and the last step on its own: a hop cannot be hoisted out of its
-    iteration, so a device holds the current and the incoming block only (O(S/P) memory, not O(S)), and
-    exactly P-1 hops are made. Returns the final carry.
-    """
-    def body(state, step):
-        carry, kv = state
-        kv_next = send(kv)  # issued before this step's compute, so the two can overlap
-        return (step_fn(carry, kv, step), kv_next), None
-
-    if num_steps > 1:
-        (carry, kv), _ = lax.scan(body, (carry, kv), jnp.arange(num_steps - 1))
-    return step_fn(carry, kv, num_steps - 1)
+    """for step in 0..P-1: send the K/V block on (not after the last step), then `step_fn` on it: the
+    `prefetch_steps` loop with the ring hop as the transfer (P-1 hops; O(S/P) memory, not O(S)). Returns the
+    final carry."""
+    return prefetch_steps(step_fn, carry, kv, lambda kv, _: send(kv), num_steps)
 
 
 def ring_steps_accumulating(step_fn, carry, blocks, num_steps, send):

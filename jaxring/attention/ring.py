@@ -44,12 +44,7 @@ from jaxring.attention.layout import RankTokens
 from jaxring.attention.masking import check_qkv
 from jaxring.attention.merge import empty_partial
 from jaxring.attention.schedule import add_block_grads, attend_block, run_work
-from jaxring.collectives import ring_steps, ring_steps_accumulating, send_to_next
-
-# The backward ring turns the other way (rank r sends to r-1). Either direction is correct; a permutation
-# different from the forward's also keeps XLA from merging the backward's K/V sends with the forward's,
-# which would hold every received K/V block alive between the passes.
-BACKWARD_SHIFT = -1
+from jaxring.collectives import BACKWARD, ring_steps, ring_steps_accumulating, send_to_next
 
 
 def ring_attention(q, k, v, segment_ids=None, *, axis_name="sp", layout: str = "zigzag", causal: bool = True,
@@ -133,13 +128,13 @@ def _ring_bwd(axis_name, tokens, causal, sm_scale, ops, fuse, residuals, dout):
 
     def grads(dq, kv, step, dkv):
         k, v, kv_seg = kv
-        kv_pos = tokens.positions((rank - BACKWARD_SHIFT * step) % p, p, n)
+        kv_pos = tokens.positions((rank - BACKWARD * step) % p, p, n)
         dk, dv = (None, None) if dkv is None else dkv
         dq, dk, dv = add_block_grads(ops, (dq, dk, dv), q, dout, lse, delta, q_pos, segment_ids, k, v, kv_pos,
                                      kv_seg, causal=causal, sm_scale=sm_scale)
         return dq, (dk, dv)  # dK/dV: summed by the ranks the block visits, home after P hops
 
-    send = lambda tree: send_to_next(tree, axis_name, shift=BACKWARD_SHIFT, fuse=fuse)
+    send = lambda tree: send_to_next(tree, axis_name, shift=BACKWARD, fuse=fuse)
     dq, (dk, dv) = ring_steps_accumulating(grads, jnp.zeros_like(q, jnp.float32), (k, v, segment_ids), p, send)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 

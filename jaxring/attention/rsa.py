@@ -59,11 +59,7 @@ from jax import lax
 
 from jaxring.attention.layout import check_seq_len, layout_permutation, layout_positions
 from jaxring.attention.masking import attention_mask, check_qkv
-from jaxring.collectives import ring_steps, send_to_next
-
-# The backward rings turn the other way (see ring.py): different permutations keep XLA from merging them with
-# the forward's sends.
-BACKWARD_SHIFT = -1
+from jaxring.collectives import BACKWARD, ring_steps, send_to_next
 
 
 def rsa_attention(q, k, v, segment_ids=None, *, axis_name="sp", layout: str = "contiguous", causal: bool = True,
@@ -162,8 +158,8 @@ def _rsa_bwd(axis_name, layout, causal, sm_scale, residuals, dout):
     num, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
     n, kv_heads = q.shape[1], k.shape[2]
     qg, dog = _grouped(q, kv_heads), _grouped(dout, kv_heads)
-    send = lambda tree: send_to_next(tree, axis_name, shift=BACKWARD_SHIFT)
-    owner_col = lambda step: ((rank - BACKWARD_SHIFT * step) % num) * n
+    send = lambda tree: send_to_next(tree, axis_name, shift=BACKWARD)
+    owner_col = lambda step: ((rank - BACKWARD * step) % num) * n
 
     # ring V: dP = dO Vᵀ, column block by owner
     def fill_dp(dp, v_o, step):

@@ -5,11 +5,14 @@ Everything here runs inside `shard_map` over one axis (`tp`) of size p, except t
 tp: rank i holds the token shard X_i = A_(i,:) and 1/p of every weight; activations never move, weights do.
 
 Generic ring, Eq. (1), Algorithms 1-2 (`metp`): rank i holds A_i (rows), B_(:,i) and C_(i,:) and owns
-O_i = Σ_r f(A_i B_r) C_r. The (B, C) blocks circulate; rank i holds block (i + j) mod p at step j:
+O_i = Σ_r f(A_i B_r) C_r. The (B, C) blocks circulate; rank i holds block (i - j) mod p at step j:
 
   for j in 0 .. p-1:
-      send (B, C) to rank i-1, receive the next pair from rank i+1 (issued before the compute: double buffer)
+      send (B, C) to rank i+1, receive the next pair from rank i-1 (issued before the compute: double buffer)
       T = A_i B^(j);  O_i += f(T) C^(j)
+
+(Algorithm 1 sends to i-1; jaxring's rings all turn one way, `collectives.FORWARD`: the direction does not
+change the sums or the bytes, see metp.md.)
 
 Backward (`jax.custom_vjp`, recompute): the residuals are A_i and the rank's own B, C blocks only (no T, no
 f(T)). The blocks go round again, with their gradient accumulators:
@@ -19,8 +22,8 @@ f(T)). The blocks go round again, with their gradient accumulators:
 
 ΔB, ΔC make p hops (not p-1) so that they end on their owner: per device the forward moves (p-1) block pairs
 and the backward (p-1) pairs plus p gradient pairs, (3p-2)/p·(k1k2 + k2n) elements in all (fp32
-accumulators). The backward ring turns the other way (rank i sends to i+1, holding block (i - j) mod p;
-either direction is correct, see metp.md) and carries the blocks transposed (Bᵀ, Cᵀ, the operands of ΔT Bᵀ
+accumulators). The backward ring turns the other way (`collectives.BACKWARD`: rank i sends to i-1, holding
+block (i + j) mod p) and carries the blocks transposed (Bᵀ, Cᵀ, the operands of ΔT Bᵀ
 and ΔO Cᵀ): a hop identical to the forward's would let XLA reuse it when both passes are in one program,
 holding the received blocks from forward to backward. The FFN is A = X, B = W_in (and W_gate for SwiGLU:
 f takes both products, both blocks circulate), C = W_out.
@@ -66,15 +69,14 @@ from jax.sharding import PartitionSpec as P
 from jaxring.attention.blockwise import BlockOps, get_block_ops
 from jaxring.attention.merge import empty_partial, merge_partials
 from jaxring.attention.schedule import when_visible
-from jaxring.collectives import ring_steps, send_to_next, tree_broadcast, tree_reduce
+from jaxring.collectives import (BACKWARD, FORWARD, prefetch_steps, ring_steps, send_to_next, tree_broadcast,
+                                 tree_reduce)
 from jaxring.mesh import DATA_AXES
 from jaxring.rope import apply_rope
 from jaxring.sharded import run_local
 from jaxring.tensor.contract import ACTIVATIONS, ParamInfo, TensorMethod, _entry
 from jaxring.vma import vary_like, varying_axes
 
-FORWARD_SHIFT = -1   # rank i sends to i-1 (Algorithm 1): at step j it holds block (i + j) mod p
-BACKWARD_SHIFT = 1   # the backward ring turns the other way: at step j rank i holds block (i - j) mod p
 
 
 def _mm(x, w):
@@ -143,7 +145,7 @@ def _metp_forward(a, bs, c, f, axis_name):
         return o + _mm(d, c_j)                          # O_i += D_ij C^(j)
 
     o = jnp.zeros_like(a, jnp.float32, shape=a.shape[:-1] + (c.shape[1],))
-    send = lambda blocks: send_to_next(blocks, axis_name, shift=FORWARD_SHIFT)
+    send = lambda blocks: send_to_next(blocks, axis_name, shift=FORWARD)
     return ring_steps(step, o, (bs, c), p, send)
 
 
@@ -165,7 +167,7 @@ def _metp_bwd(f, axis_name, residuals, do):
     """
     a, bs, c = residuals
     p = lax.axis_size(axis_name)
-    send = lambda tree: send_to_next(tree, axis_name, shift=BACKWARD_SHIFT)
+    send = lambda tree: send_to_next(tree, axis_name, shift=BACKWARD)
 
     def step(carry, blocks, j):
         da, (dbs, dc) = carry
@@ -313,14 +315,14 @@ def _inner_forward(q, k, v, positions, cfg: _MhaConfig):
                                lambda: empty_partial(q))
         return merge_partials(*acc, *part)
 
-    send = lambda kv: send_to_next(kv, cfg.axis_name, shift=FORWARD_SHIFT)
+    send = lambda kv: send_to_next(kv, cfg.axis_name, shift=FORWARD)
     return ring_steps(attend, empty_partial(q), (k, v, positions if cfg.causal else None), p, send)
 
 
 def _inner_backward(q, k, v, da, lse, delta, positions, cfg: _MhaConfig):
     """Algorithm 4: ΔQ stays, ΔK/ΔV travel with K/V (p hops: home at the end). fp32 results."""
     p = lax.axis_size(cfg.axis_name)
-    send = lambda tree: send_to_next(tree, cfg.axis_name, shift=BACKWARD_SHIFT)
+    send = lambda tree: send_to_next(tree, cfg.axis_name, shift=BACKWARD)
 
     def grads(carry, kv, j):
         dq, (dk, dv) = carry
@@ -354,15 +356,8 @@ def _outer_steps(step_fn, carry, own, axis_name, reverse: bool = False):
     broadcast = lambda root: jax.tree.map(
         lambda w: tree_broadcast(jnp.where(rank == root, w, jnp.full_like(w, fill)), axis_name, root), own)
 
-    def body(state, s):
-        carry, w = state
-        w_next = broadcast(group(s + 1))
-        return (step_fn(carry, w, group(s)), w_next), None
-
-    w = broadcast(group(0))
-    if p > 1:
-        (carry, w), _ = lax.scan(body, (carry, w), jnp.arange(p - 1))
-    return step_fn(carry, w, group(p - 1))
+    return prefetch_steps(lambda carry, w, s: step_fn(carry, w, group(s)), carry, broadcast(group(0)),
+                          lambda _, s: broadcast(group(s + 1)), p)
 
 
 def _mha_forward(x, weights, positions, cfg: _MhaConfig, keep: bool):

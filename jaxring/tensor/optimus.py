@@ -61,7 +61,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring.attention.flash import flash_attention
 from jaxring.vma import common_vma
-from jaxring.collectives import tree_broadcast, tree_reduce
+from jaxring.collectives import prefetch_steps, tree_broadcast, tree_reduce
 from jaxring.mesh import DATA_AXES, factored_mesh
 from jaxring.sharded import run_local
 from jaxring.tensor.contract import ACTIVATIONS, ParamInfo, TensorMethod, _entry, rope_qk
@@ -91,21 +91,10 @@ def _zeros(shape, dtype, like):
 
 
 def _steps(q, fetch, compute, carry):
-    """for l in 0..q-1: carry = compute(carry, fetch(l), l), with fetch(l + 1) issued before compute(.., l).
-
-    A `lax.scan` over the first q-1 steps, the last on its own: a step's broadcast stays in its iteration
-    (unrolled Python steps would let XLA issue every broadcast up front and hold all q blocks).
-    """
-    blocks = fetch(0)
-
-    def body(state, l):
-        carry, blocks = state
-        upcoming = fetch(l + 1)              # next step's broadcast, issued before this step's matmul
-        return (compute(carry, blocks, l), upcoming), None
-
-    if q > 1:
-        (carry, blocks), _ = lax.scan(body, (carry, blocks), jnp.arange(q - 1))
-    return compute(carry, blocks, q - 1)
+    """for l in 0..q-1: carry = compute(carry, fetch(l), l), with fetch(l + 1) issued before compute(.., l)
+    (`collectives.prefetch_steps`: a step's broadcast stays in its iteration, so XLA cannot issue every
+    broadcast up front and hold all q blocks)."""
+    return prefetch_steps(compute, carry, fetch(0), lambda _, l: fetch(l + 1), q)
 
 
 def _dot(a, b):
