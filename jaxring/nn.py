@@ -278,6 +278,13 @@ def _check_split(path, shape, spec, mesh_shape):
                              f"{' × '.join(axes)} = {size}")
 
 
+def weight_specs(state, plan: ParallelPlan) -> dict:
+    """PartitionSpec of every parameter as the plan's tensor method (and pipeline) split it, without ZeRO:
+    the in_specs of the weights for running blocks inside `plan.shard_map` (inference, tests, your own step).
+    Nested like `nnx.to_pure_dict(state)`."""
+    return jax.tree.map(lambda pl: pl.param_spec(0), param_placements(state, plan), is_leaf=_is_placement)
+
+
 def param_shardings(state, plan: ParallelPlan) -> dict:
     """NamedSharding of every parameter as stored between steps (ZeRO-3 shards them), nested like
     `nnx.to_pure_dict(state)`."""

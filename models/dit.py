@@ -36,7 +36,7 @@ from flax import nnx
 
 from jax.sharding import PartitionSpec as P
 
-from jaxring.nn import MLP, Attention, Layers, param_placements, stack
+from jaxring.nn import MLP, Attention, Layers, stack, weight_specs
 from jaxring.plan import ParallelPlan
 from jaxring.train.objective import Objective
 
@@ -451,12 +451,6 @@ def sample(model: DiT, plan: ParallelPlan, labels, key, *, num_steps: int = 50, 
     for i in range(num_steps):
         x = step(params, x, ts[i], ts[i] - ts[i + 1], labels, scale)
     return jnp.clip(x, -1.0, 1.0)
-
-
-def weight_specs(state, plan: ParallelPlan):
-    """PartitionSpec of every weight as the tensor method splits it (no ZeRO): for inference."""
-    return jax.tree.map(lambda pl: pl.param_spec(0), param_placements(state, plan),
-                        is_leaf=lambda x: hasattr(x, "param_spec"))
 
 
 def _freeze(tree):
