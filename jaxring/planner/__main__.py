@@ -1,0 +1,181 @@
+"""python -m jaxring.planner: the best mesh and strategies for a model, a sequence length and a cluster.
+
+    python -m jaxring.planner --model gpt --preset 7b --seq-len 131072 --global-batch-tokens 4M \\
+        --devices 64 --device h200 [--devices-per-node 8 --intra-bw 450 --inter-bw 50] [--top 10] [--json]
+    python -m jaxring.planner --model dit --preset dit-1b --seq-len 131072 --global-batch 1 --devices 32 \\
+        --device a100-40gb --inter-bw 1.5625 --only sp=32              # WallFacer's own search (C, placement)
+    python -m jaxring.planner ... --compile-check 3     # top 3 compiled for the GPU target: predicted vs compiled
+
+Prints the ranked plans (degrees, ZeRO stage, pipeline schedule and micro-batches, tensor method, sequence
+strategy and options, micro-batch), their predicted step time (compute at --efficiency of peak, exposed
+communication, pipeline bubble), predicted memory per device, and why the other candidates were rejected.
+Bandwidths are GB/s per device and direction. Sizes take K, M, G suffixes (2^10, 2^20, 2^30).
+Exit codes: 0 plans printed; 2 bad flags or nothing fits (one line on stderr naming the tightest constraint).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+EXIT_USER_ERROR = 2
+
+
+def _size(text: str) -> int:
+    """'4M' -> 4·2^20; plain integers as they are."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    t = text.strip().upper()
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (an integer, optionally with K, M or G)") from None
+
+
+def _held(text: str):
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"--only {text!r}: expected FIELD=VALUE, e.g. sp=64 or attention=ring")
+    key, value = text.split("=", 1)
+    key = key.strip().replace("-", "_")
+    if key == "tensor_parallel":
+        key = "tensor"
+    value = value.strip()
+    if value.lstrip("-").isdigit():
+        return key, int(value)
+    return key, None if value.lower() == "none" else value
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(EXIT_USER_ERROR, f"error: {message} (see python -m jaxring.planner --help)\n")
+
+
+def parse_args(argv=None):
+    from jaxring.planner.cluster import DEVICES
+    p = _Parser(prog="python -m jaxring.planner", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("workload")
+    g.add_argument("--model", choices=("gpt", "dit"), default="gpt")
+    g.add_argument("--preset", default="7b", help="gpt: tiny, 1b, 7b, mixtral, ...; dit: tiny, dit-s, dit-1b")
+    g.add_argument("--seq-len", type=_size, help="tokens per sequence (DiT: the nearest square grid, side a "
+                                                  "multiple of 8, unless --image-size)")
+    g.add_argument("--image-size", type=int, help="DiT: image (latent) side in pixels")
+    b = g.add_mutually_exclusive_group()
+    b.add_argument("--global-batch-tokens", type=_size, help="tokens per step (whole sequences, at least one)")
+    b.add_argument("--global-batch", type=int, help="sequences (images) per step")
+    g.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    g.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
+                   help="change a preset field, e.g. --override num_layers=16 (repeatable)")
+    g = p.add_argument_group("cluster")
+    g.add_argument("--devices", type=int, required=True)
+    g.add_argument("--device", choices=tuple(DEVICES), default="h200")
+    g.add_argument("--devices-per-node", type=int, help="default: 8 (or --devices if fewer)")
+    g.add_argument("--intra-bw", type=float, help="GB/s per device within a node (default: the device's NVLink)")
+    g.add_argument("--inter-bw", type=float, help="GB/s per device across nodes (default: one NIC per GPU, "
+                                                   "50 for H100/H200, 25 for A100)")
+    g.add_argument("--efficiency", type=float, default=0.5, help="fraction of dense bf16 peak the FLOPs run at")
+    g.add_argument("--memory-fraction", type=float, default=0.9, help="fraction of device memory a plan may use")
+    g = p.add_argument_group("search and output")
+    g.add_argument("--only", action="append", default=[], type=_held, metavar="FIELD=VALUE",
+                   help="hold a plan field fixed, e.g. --only sp=64 --only attention=wallfacer (repeatable)")
+    g.add_argument("--assume-remat-honoured", action="store_true",
+                   help="what-if: plan as if the train step honoured --remat selective/full (see cost.py)")
+    g.add_argument("--top", type=int, default=10, help="plans to show")
+    g.add_argument("--json", action="store_true", help="print the result as JSON")
+    g.add_argument("--compile-check", type=int, default=0, metavar="K",
+                   help="compile the top K plans' train steps for the device (deviceless GPU target, needs the "
+                        "gpu-compile extra; simulated CPU devices for --device cpu) and show compiled memory")
+    g.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # the planner runs nothing on a device; a compile check for a GPU target needs the CPU platform
+    if args.device != "cpu":
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    elif args.compile_check:
+        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
+    try:
+        return run(args)
+    except ValueError as e:
+        if args.debug:
+            raise
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def run(args) -> int:
+    from jaxring.planner import cost
+    from jaxring.planner.check import GPU_TARGETS, compiled_peak, gpu_target_available
+    from jaxring.planner.cluster import Cluster
+    from jaxring.planner.search import plan_json, search
+    from jaxring.planner.space import Workload
+    from jaxring.train.validate import parse_overrides
+
+    if args.top < 1:
+        raise ValueError(f"--top {args.top} must be a positive integer")
+    overrides = parse_overrides(args.model, args.override)
+    w = Workload.of(args.model, args.preset, seq_len=args.seq_len, image_size=args.image_size,
+                    global_batch_tokens=args.global_batch_tokens, global_batch=args.global_batch,
+                    precision=args.precision, **overrides)
+    gb = 1e9
+    cluster = Cluster.of(args.device, args.devices, devices_per_node=args.devices_per_node,
+                         intra_bw=args.intra_bw * gb if args.intra_bw else None,
+                         inter_bw=args.inter_bw * gb if args.inter_bw else None, efficiency=args.efficiency,
+                         memory_fraction=args.memory_fraction)
+    honoured = True if args.assume_remat_honoured else None
+    result = search(w, cluster, only=dict(args.only), remat_honoured=honoured)
+    note = ""
+    if args.compile_check:
+        if args.device == "cpu":
+            target, ok, why = None, True, ""
+        else:
+            target = GPU_TARGETS[args.device]
+            ok, why = gpu_target_available()
+        if ok:
+            for ev in result.ranked[:args.compile_check]:
+                ev.compiled_memory = compiled_peak(w, ev.candidate, target=target)
+            if target is not None and target != args.device:
+                note = f"compiled for the {target} target (no {args.device} target config ships with jaxring)"
+        else:
+            note = f"compile check skipped: {why}"
+    if args.json:
+        out = result.to_json(top=args.top)
+        out["remat_honoured"] = cost.REMAT_HONOURED if honoured is None else honoured
+        if note:
+            out["note"] = note
+        print(json.dumps(out, indent=1))
+        return 0
+    best = result.best
+    print(f"workload: {w.describe()}")
+    print(f"cluster:  {cluster.describe()}")
+    print(f"{result.considered:,} plans considered, {len(result.ranked):,} fit; the best {min(args.top, len(result.ranked))} "
+          f"by predicted step time:\n")
+    print(result.table(top=args.top))
+    print(f"\nbest: python train.py --model {w.model} --preset {w.preset} " + " ".join(best.candidate.train_flags())
+          + (f" --grad-accum {best.candidate.steps(w)}" if best.candidate.pp == 1 and best.candidate.steps(w) > 1
+             else "") + f" --batch-size {w.global_batch}"
+          + (f" --seq-len {w.seq_len}" if w.model == "gpt" else f" --image-size {w.config.image_size}")
+          + f" --precision {w.precision}")
+    bytes_axes = ", ".join(f"{'×'.join(k)} {v / 2**30:.2f} GiB" for k, v in
+                           sorted(best.bytes_by_axes().items(), key=lambda kv: -kv[1]))
+    print(f"      moves per device per step: {bytes_axes or 'nothing'}")
+    mem = best.memory
+    print(f"      memory per device: weights {mem.params / 2**30:.1f} + Adam {mem.optimizer / 2**30:.1f} + "
+          f"max(backward: gradients {mem.gradients / 2**30:.1f} + activations {mem.activations / 2**30:.1f} + "
+          f"working {mem.working / 2**30:.1f}, update {mem.update / 2**30:.1f}) GiB")
+    print()
+    print(result.rejections())
+    if not (cost.REMAT_HONOURED or honoured):
+        print("\nnote: remat is not searched: the train step's outer checkpoint overrides --remat today "
+              "(jaxring/planner/cost.py, REMAT_HONOURED); --assume-remat-honoured shows the what-if")
+    if note:
+        print(f"note: {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""A plan's train step compiled on abstract inputs, and its bytes per mesh-axis group read from the HLO.
+
+    compiled = compile_train_step(spec, plan)            # nothing allocated: weights are ShapeDtypeStructs
+    traffic = axis_traffic(compiled.as_text(), plan.run_mesh)   # {("sp",): bytes, ("dp", "sp"): bytes, ...}
+
+`compile_train_step` builds the same `TrainStep` the trainer builds (`jaxring.train.trainer`), on the plan's
+devices: simulated CPU devices, or a GPU topology from `jaxring.analysis.gpu.gpu_devices` (deviceless).
+
+`axis_traffic` splits what `jaxring.analysis.compiled.collective_traffic` counts (bytes received per device,
+loop bodies times their trip count, the same per-kind factors) by the run-mesh axes each op's devices differ
+in: an all-reduce over replica groups spanning dp and sp counts under ("dp", "sp"); a collective-permute
+under the axes its source-target pairs differ in. Device index i in the HLO is `run_mesh.devices.flat[i]`.
+Rank-0 (scalar) arrays are left out: the loss and the norm's pieces move a few bytes.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxring.analysis.compiled import KINDS, _ARRAY, _computations, _executions, _OP, _shape_bytes
+
+_PAIRS = re.compile(r"source_target_pairs=\{(.*?)\}\}")
+_GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_FACTOR = {"collective-permute": lambda g: 1.0, "all-gather": lambda g: (g - 1) / g,
+           "reduce-scatter": lambda g: g - 1, "all-to-all": lambda g: (g - 1) / g,
+           "all-reduce": lambda g: 2 * (g - 1) / g}
+PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+def _groups(line: str, num_devices: int) -> list[list[int]]:
+    if m := _GROUPS_IOTA.search(line):
+        shape = [int(x) for x in m.group(1).split(",")]
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape(shape[0], -1).tolist()
+    if m := _GROUPS_LIST.search(line):
+        groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+        if groups and any(groups):
+            return groups
+    return [list(range(num_devices))]
+
+
+def _axes_spanned(members, coords, names) -> tuple[str, ...]:
+    """The mesh axes along which the devices `members` differ (in mesh order)."""
+    c = np.array([coords[i] for i in members])
+    return tuple(n for j, n in enumerate(names) if len(set(c[:, j])) > 1)
+
+
+def axis_traffic(hlo_text: str, mesh, *, skip_scalars: bool = True) -> dict[tuple[str, ...], int]:
+    """{run-mesh axes an op spans: bytes received per device} for a program compiled over `mesh`."""
+    names = mesh.axis_names
+    coords = {i: np.unravel_index(i, mesh.devices.shape) for i in range(mesh.devices.size)}
+    if skip_scalars:
+        hlo_text = re.sub(r"\b(f32|s32|u32|pred|bf16|f16)\[\]", r"\1[0]", hlo_text)
+    comps, entry = _computations(hlo_text)
+    out: dict[tuple[str, ...], int] = {}
+    for name, times in _executions(comps, entry).items():
+        for line in comps[name]:
+            m = _OP.search(line)
+            if not m:
+                continue
+            shape_text, kind, start = m.groups()
+            size = _shape_bytes(shape_text)
+            if start and shape_text.startswith("("):
+                arrays = [f"{t}[{d}]" for t, d in _ARRAY.findall(shape_text)]
+                size = _shape_bytes(arrays[1]) if len(arrays) > 1 else _shape_bytes(arrays[0])
+            if size == 0:
+                continue
+            if kind == "collective-permute":
+                pairs = [(int(a), int(b)) for a, b in re.findall(r"(\d+),(\d+)", _PAIRS.search(line).group(1))]
+                axes = set()
+                for a, b in pairs:
+                    axes |= set(_axes_spanned((a, b), coords, names))
+                key, g = tuple(n for n in names if n in axes), 2
+            else:
+                groups = _groups(line, mesh.devices.size)
+                g = len(groups[0])
+                key = tuple(n for n in names if any(n in _axes_spanned(gr, coords, names) for gr in groups))
+            if not key:
+                continue                                   # a device talking to itself moves nothing
+            out[key] = out.get(key, 0) + round(size * _FACTOR[kind](g)) * times
+    return out
+
+
+def user_axes(run_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The user mesh axes (dp, pp, fsdp, ep, sp, tp) behind run-mesh axes (WallFacer's and USP's factored
+    sequence axes are sp; Optimus's grid axes are tp)."""
+    from jaxring.mesh import MESH_AXES
+    found = set()
+    for a in run_axes:
+        if a in MESH_AXES:
+            found.add(a)
+        elif a.startswith(("wf_", "usp_")):
+            found.add("sp")
+        else:
+            found.add("tp")
+    return tuple(a for a in MESH_AXES if a in found)
+
+
+# ------------------------------------------------------------------------------------ compiling a step
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def build_train_step(model_kind: str, config, plan, *, batch: int, seq_len: int | None = None,
+                     grad_accum: int = 1, precision: str = "bf16", remat: str = "full"):
+    """(step, abstract args) of the trainer's jitted update for a `config` GPT or DiT on `plan` with a global
+    batch of `batch` sequences (images), without allocating anything."""
+    from jaxring.nn import param_placements
+    from jaxring.train.step import TrainStep
+    if model_kind == "gpt":
+        from models import gpt as module
+        model_cls, objective = module.GPT, module.NextTokenObjective(batch, seq_len)
+    elif model_kind == "dit":
+        from models import dit as module
+        model_cls, objective = module.DiT, module.FlowMatchingObjective(config, batch)
+    else:
+        raise ValueError(f"unknown model {model_kind!r}; expected gpt or dit")
+    model = nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    tx = optax.adamw(1e-3)
+    step = TrainStep(plan, graphdef, param_placements(state, plan), tx, objective, dtype=PRECISIONS[precision],
+                     remat=remat, grad_accum=grad_accum, stack=model.STACK,
+                     layer_graphdef=nnx.split(getattr(model, model.STACK))[0])
+    params = _abstract(nnx.to_pure_dict(state), step.shardings(step.param_specs))
+    opt_specs = step.opt_state_specs(params)
+    opt = _abstract(jax.eval_shape(tx.init, params), step.shardings(opt_specs))
+    if model_kind == "gpt":
+        tok = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=plan.tokens_sharding())
+        data = {"tokens": tok, "targets": tok, "positions": tok}
+    else:
+        shape = (batch, config.image_size, config.image_size, config.channels)
+        data = {"images": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=plan.sharding(plan.batch_spec(4))),
+                "labels": jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=plan.sharding(plan.batch_spec(1)))}
+    args = (params, opt, data, jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((), jnp.float32))
+    return step.build(opt_specs), args
+
+
+def compile_train_step(model_kind: str, config, plan, **kwargs):
+    """The compiled train step (see `build_train_step`): `.memory_analysis()`, `.as_text()`."""
+    fn, args = build_train_step(model_kind, config, plan, **kwargs)
+    return fn.lower(*args).compile()

@@ -1,0 +1,62 @@
+"""The model's weights as a plan places them: per leaf, its per-device size and the axes its gradient is
+reduced over (read from the model and `jaxring.nn.param_placements`, never allocated).
+
+    leaves = param_leaves(workload, plan)      # [ParamLeaf(path, size, stacked, ...), ...]
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLeaf:
+    path: str
+    size: int                      # elements per device as stored without ZeRO (tensor / pipeline / expert split)
+    stacked: bool                  # a layer-stack weight (read inside the layer scan)
+    bias: bool                     # a bias (its gradient needs no weight: not read again in the backward)
+    zero_sharded: bool             # ZeRO shards it (stage >= 1) over `replica`; else it stays all-reduced
+    replica: tuple[str, ...]       # run-mesh axes (size > 1) its gradient is summed over (data and sequence)
+    unsplit_tensor: tuple[str, ...]  # tensor axes (size > 1) it is replicated over: its gradient is psummed there
+
+
+@functools.lru_cache(maxsize=16)
+def abstract_state(model: str, config):
+    """(graphdef, abstract nnx.State) of the model, nothing allocated."""
+    if model == "gpt":
+        from models.gpt import GPT as cls
+    else:
+        from models.dit import DiT as cls
+    return nnx.split(nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0))))
+
+
+def param_leaves(model: str, config, plan) -> list[ParamLeaf]:
+    from jaxring.nn import param_placements
+    from jaxring.zero import Placement
+    _, state = abstract_state(model, config)
+    placements = param_placements(state, plan)
+    shapes = nnx.to_pure_dict(state)
+    sizes = dict(plan.run_mesh.shape)
+    tensor_axes = tuple(a for a in plan.tensor_axes if sizes.get(a, 1) > 1)
+    out = []
+    flat_pl = jax.tree_util.tree_leaves_with_path(placements, is_leaf=lambda x: isinstance(x, Placement))
+    flat_shape = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(shapes)}
+    for path, pl in flat_pl:
+        key = jax.tree_util.keystr(path)
+        shape = flat_shape[key].shape
+        used = set()
+        split = 1
+        for entry in pl.spec:
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            for a in axes:
+                used.add(a)
+                split *= sizes[a]
+        replica = tuple(a for a in pl.replica if sizes.get(a, 1) > 1)
+        out.append(ParamLeaf(key, math.prod(shape) // split, key.startswith("['blocks']"),
+                             key.endswith("['bias']"), pl.zero_dim is not None, replica,
+                             tuple(a for a in tensor_axes if a not in used)))
+    return out

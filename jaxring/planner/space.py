@@ -1,0 +1,249 @@
+"""What the planner searches: a workload (model, sequence, global batch) and candidate plans for it.
+
+    workload = Workload.of("gpt", "7b", seq_len=131072, global_batch_tokens=4 * 2**20)
+    candidate = Candidate(dp=1, sp=8, tp=8, attention="wallfacer", team_size=2, tensor="megatron", zero=1)
+    plan = candidate.plan(workload)          # a jaxring.ParallelPlan on stand-in devices (validation only)
+
+A candidate is what `train.py` takes as flags: mesh degrees, the sequence strategy and its options, the tensor
+method, the ZeRO stage, the pipeline schedule, remat and the micro-batch. `plan()` builds the
+`ParallelPlan` (the library's own validation: one-line ValueErrors) on stand-in devices, so a 64-device plan can
+be checked on a laptop; `check(workload)` adds the model's own rules (`models/*.check_plan`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+MESH_DEGREES = ("dp", "pp", "fsdp", "ep", "sp", "tp")
+PRECISIONS = ("bf16", "fp32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A model (GPT or DiT config), tokens per sequence, sequences per step and the compute precision."""
+    model: str
+    config: object
+    seq_len: int
+    global_batch: int
+    precision: str = "bf16"
+    preset: str | None = None
+
+    @classmethod
+    def of(cls, model: str, preset: str, *, seq_len: int | None = None, global_batch_tokens: int | None = None,
+           global_batch: int | None = None, precision: str = "bf16", image_size: int | None = None,
+           **overrides) -> "Workload":
+        """A workload from a preset. GPT: seq_len tokens per sequence. DiT: image_size (or the square patch grid
+        nearest to seq_len, its side a multiple of 8 so the tokens split over sp). The global batch is given in
+        sequences, or in tokens (rounded down to whole sequences, at least one)."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+        if model == "gpt":
+            from models import gpt
+            config = gpt.get_config(preset, **overrides)
+            if seq_len is None:
+                raise ValueError("a GPT workload needs --seq-len")
+            tokens = seq_len
+        elif model == "dit":
+            from models import dit
+            base = dit.get_config(preset, **overrides)
+            if image_size is None:
+                if seq_len is None:
+                    image_size = base.image_size
+                else:
+                    grid = max(8, int(round(math.sqrt(seq_len) / 8)) * 8)
+                    image_size = grid * base.patch_size
+            config = dit.get_config(preset, **{**overrides, "image_size": image_size})
+            tokens = config.num_tokens
+        else:
+            raise ValueError(f"unknown model {model!r}; expected gpt or dit")
+        if not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"seq_len {tokens!r} must be a positive integer")
+        if global_batch is None:
+            if global_batch_tokens is None:
+                global_batch = 1
+            else:
+                if global_batch_tokens < 1:
+                    raise ValueError(f"global batch {global_batch_tokens} tokens must be positive")
+                global_batch = max(1, global_batch_tokens // tokens)
+        if not isinstance(global_batch, int) or global_batch < 1:
+            raise ValueError(f"global batch {global_batch!r} must be a positive number of sequences")
+        return cls(model, config, tokens, global_batch, precision, preset)
+
+    @property
+    def causal(self) -> bool:
+        return self.model == "gpt"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.global_batch
+
+    @property
+    def moe(self):
+        return getattr(self.config, "moe", None)
+
+    def flops_per_step(self) -> float:
+        """Model FLOPs of one step (the playbook's 6N per token plus attention, causal halved)."""
+        if self.model == "gpt":
+            return self.config.flops_per_token(self.seq_len, causal=True) * self.tokens_per_step
+        return self.config.flops_per_image() * self.global_batch
+
+    def describe(self) -> str:
+        name = self.preset or self.model
+        what = f"{self.seq_len:,} tokens" if self.model == "gpt" else \
+            f"{self.config.image_size}² images = {self.seq_len:,} tokens"
+        return f"{self.model} {name}, {what} × {self.global_batch} per step, {self.precision}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One plan the planner may pick (train.py's flags)."""
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    sp: int = 1
+    ep: int = 1
+    attention: str = "dense"
+    layout: str | None = None
+    team_size: int | None = None
+    ulysses_size: int | None = None
+    placement: str | None = None
+    tensor: str | None = None
+    zero: int = 0
+    pipeline: str = "1f1b"
+    microbatches: int | None = None
+    virtual_stages: int = 1
+    remat: str = "none"
+    micro_batch: int = 1          # sequences per data replica in one micro-step (pp = 1) or micro-batch (pp > 1)
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.pp * self.tp * self.sp * self.ep
+
+    @property
+    def data_degree(self) -> int:
+        return self.dp * self.ep
+
+    def mesh_degrees(self) -> dict:
+        return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "sp": self.sp, "ep": self.ep}
+
+    def plan_kwargs(self) -> dict:
+        """ParallelPlan keywords (the mesh aside)."""
+        kw = dict(attention=self.attention, layout=self.layout, team_size=self.team_size,
+                  ulysses_size=self.ulysses_size, placement=self.placement, tensor_parallel=self.tensor,
+                  zero=self.zero)
+        if self.pp > 1:
+            kw.update(pipeline=self.pipeline, microbatches=self.microbatches, virtual_stages=self.virtual_stages)
+        return kw
+
+    def steps(self, workload: Workload) -> int:
+        """Micro-steps per step: gradient accumulation (pp = 1) or the pipeline's micro-batches."""
+        return workload.global_batch // (self.data_degree * self.micro_batch)
+
+    def plan(self, devices=None, block_ops: str = "auto"):
+        """The ParallelPlan (raises the library's one-line ValueError when the combination is not allowed).
+        devices: real devices (a list of device count), or None for stand-ins (validation and the run-mesh
+        view only; nothing can be compiled on them). block_ops: the attention's per-block compute ("pallas"
+        for a GPU target compiled without a GPU, where "auto" would pick the CPU path)."""
+        from jaxring.plan import ParallelPlan
+        mesh = _mesh(self.dp, self.pp, self.tp, self.sp, self.ep) if devices is None else \
+            _real_mesh(self, devices)
+        return ParallelPlan(mesh, block_ops=block_ops, **self.plan_kwargs())
+
+    def check(self, workload: Workload, devices=None, block_ops: str = "auto"):
+        """The plan, after the model's own rules (heads, layers vs pp, experts vs ep, batch and sequence splits)
+        for this workload. Raises ValueError (one line)."""
+        plan = self.plan(devices, block_ops)
+        plan.run_mesh                   # the strategy's and the method's views of the devices (their errors)
+        steps = self.steps(workload)
+        if steps < 1 or workload.global_batch % (self.data_degree * self.micro_batch):
+            raise ValueError(f"global batch {workload.global_batch} is not divisible by data degree "
+                             f"dp*ep {self.data_degree} × micro-batch {self.micro_batch}")
+        if self.pp > 1 and plan.schedule.num_microbatches != steps:
+            raise ValueError(f"pipeline micro-batches {plan.schedule.num_microbatches} != global batch / "
+                             f"(data degree × micro-batch) = {steps}")
+        if workload.model == "gpt":
+            from models import gpt
+            gpt.check_plan(workload.config, plan, workload.global_batch // max(1, steps if self.pp == 1 else 1),
+                           workload.seq_len)
+        else:
+            from models import dit
+            dit.check_plan(workload.config, plan, workload.global_batch // max(1, steps if self.pp == 1 else 1))
+        return plan
+
+    def train_flags(self) -> list[str]:
+        """The train.py flags of this plan."""
+        flags = []
+        for axis, size in self.mesh_degrees().items():
+            if size > 1:
+                flags += [f"--{axis}", str(size)]
+        if self.sp > 1:
+            flags += ["--attention", self.attention]
+            for name in ("layout", "team_size", "ulysses_size", "placement"):
+                value = getattr(self, name)
+                if value is not None:
+                    flags += ["--" + name.replace("_", "-"), str(value)]
+        if self.tensor:
+            flags += ["--tensor-parallel", self.tensor]
+        if self.zero:
+            flags += ["--zero", str(self.zero)]
+        if self.pp > 1:
+            flags += ["--pipeline-schedule", self.pipeline]
+            if self.microbatches is not None:
+                flags += ["--microbatches", str(self.microbatches)]
+            if self.virtual_stages > 1:
+                flags += ["--virtual-stages", str(self.virtual_stages)]
+        if self.remat != "none":
+            flags += ["--remat", self.remat]
+        return flags
+
+    def describe(self) -> str:
+        degrees = " ".join(f"{a}{s}" for a, s in self.mesh_degrees().items() if s > 1) or "1 device"
+        parts = [degrees]
+        if self.sp > 1:
+            opts = []
+            if self.team_size:
+                opts.append(f"C={self.team_size}" + (f",{self.placement}" if self.placement else ""))
+            if self.ulysses_size:
+                opts.append(f"U={self.ulysses_size}")
+            parts.append(self.attention + (f"({','.join(opts)})" if opts else ""))
+        if self.tensor:
+            parts.append(self.tensor)
+        if self.zero:
+            parts.append(f"zero{self.zero}")
+        if self.pp > 1:
+            v = f",v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+            parts.append(f"{self.pipeline}(m={self.microbatches}{v})")
+        if self.remat != "none":
+            parts.append(f"remat={self.remat}")
+        parts.append(f"mb={self.micro_batch}")
+        return " ".join(parts)
+
+
+class _StandIn:
+    """A device stand-in: a mesh of these validates a plan and builds its run-mesh view (never compiled)."""
+
+    def __init__(self, i: int):
+        self.id = i
+        self.platform = "stand-in"
+        self.process_index = 0
+
+    def __repr__(self):
+        return f"StandIn({self.id})"
+
+
+@functools.lru_cache(maxsize=4096)
+def _mesh(dp, pp, tp, sp, ep) -> Mesh:
+    from jaxring.mesh import MESH_AXES
+    sizes = {"dp": dp, "pp": pp, "fsdp": 1, "ep": ep, "sp": sp, "tp": tp}
+    n = dp * pp * tp * sp * ep
+    devices = np.array([_StandIn(i) for i in range(n)], dtype=object).reshape([sizes[a] for a in MESH_AXES])
+    return Mesh(devices, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _real_mesh(c: Candidate, devices) -> Mesh:
+    from jaxring.mesh import make_mesh
+    return make_mesh(dp=c.dp, pp=c.pp, tp=c.tp, sp=c.sp, ep=c.ep, devices=list(devices))
