@@ -58,6 +58,9 @@ def parse_args(argv=None):
     for axis, text in MESH_FLAGS:
         g.add_argument(f"--{axis}", type=int, default=None, help=f"{text} parallel degree")
     g.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices when there is no accelerator")
+    g.add_argument("--plan", choices=("auto",), help="auto: the planner's best plan for the devices at hand "
+                                                     "(python -m jaxring.planner); mesh and strategy flags given "
+                                                     "with it are held fixed")
     g.add_argument("--zero", type=int, choices=ZERO_STAGES,
                    help="ZeRO stage over the data and sequence axes: 0 replicated, 1 optimizer state sharded, "
                         "2 gradients too, 3 parameters too (default: 3 with --fsdp > 1, else 0)")
@@ -155,6 +158,9 @@ def run(args) -> int:
     devices = use_cpu_devices_if_no_accelerator(args.cpu_devices)
     from jaxring.train.loop import TrainConfig, train
 
+    if args.plan == "auto":
+        from jaxring.planner.auto import apply_auto_plan
+        apply_auto_plan(args, devices, overrides)
     degrees = {a: getattr(args, a) for a, _ in MESH_FLAGS}
     if all(v is None for v in degrees.values()):
         degrees["sp"] = len(devices)        # default: one sequence-parallel ring over every device

@@ -111,7 +111,7 @@ def run(args) -> int:
     from jaxring.planner import cost
     from jaxring.planner.check import GPU_TARGETS, compiled_peak, gpu_target_available
     from jaxring.planner.cluster import Cluster
-    from jaxring.planner.search import plan_json, search
+    from jaxring.planner.search import search
     from jaxring.planner.space import Workload
     from jaxring.train.validate import parse_overrides
 

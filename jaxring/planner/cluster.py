@@ -76,6 +76,11 @@ class Cluster:
                    efficiency=efficiency, memory_fraction=memory_fraction)
 
     @property
+    def cpu(self) -> bool:
+        """Simulated CPU devices: the program takes the CPU path (jnp block ops, f32 collectives)."""
+        return self.device is DEVICES["cpu"] or self.device.name == DEVICES["cpu"].name
+
+    @property
     def usable_memory(self) -> float:
         return self.device.memory_bytes * self.memory_fraction
 

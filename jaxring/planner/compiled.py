@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxring.analysis.compiled import KINDS, _ARRAY, _computations, _executions, _OP, _shape_bytes
+from jaxring.analysis.compiled import _ARRAY, _OP, _computations, _executions, _shape_bytes
 
 _PAIRS = re.compile(r"source_target_pairs=\{(.*?)\}\}")
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")

@@ -241,10 +241,18 @@ def tensor_layer(w: Workload, c: Candidate, x: Dims) -> list[Transfer]:
     cfg, e, p = w.config, x.e, c.tp
     kv = getattr(cfg, "num_kv_heads", None) or cfg.num_heads
     mats = 3 if cfg_activation(w) == "swiglu" else 2
+    out = []
+    if w.model == "dit" and c.tensor in ("megatron", "metp"):
+        # adaLN: the 6 modulation vectors [b, h] of a block meet tokens split over tp; their gradients are summed
+        out.append(Transfer("DiT modulation gradients (shift, scale, gate × 2)", ("tp",),
+                            6 * 2 * (p - 1) / p * x.b * x.h * F32, 1))
     if c.tensor == "megatron":
         U = (p - 1) / p * x.b * x.n * x.h * e
-        out = [Transfer("Megatron attention block g, g* (5 transitions)", ("tp",), 5 * U, 5),
-               Transfer("Megatron MLP block g, g* (5 transitions)", ("tp",), 5 * U, 5)]
+        moe = w.moe is not None
+        out += [Transfer("Megatron attention block g, g* (5 transitions)", ("tp",), 5 * U, 5),
+                Transfer("Megatron MLP block g, g* (5 transitions)" if not moe else
+                         "Megatron MoE block: all-gather in, all-reduce out (7 transitions)", ("tp",),
+                         (7 if moe else 5) * U, 5)]
         return out
     if c.tensor == "metp":
         rounds = _tree_rounds(p)
@@ -253,8 +261,8 @@ def tensor_layer(w: Workload, c: Candidate, x: Dims) -> list[Transfer]:
         weights = (h * (cfg.num_heads + 2 * kv) * d + cfg.num_heads * d * h) // p
         kvb = x.b * (w.seq_len // p) * (kv // p) * d
         pos = x.b * (w.seq_len // p) if w.causal else 0
-        return [Transfer("METP FFN ring: (B, C) blocks p-1 hops forward", ("tp",), (p - 1) * ffn_blocks * e, p - 1,
-                         "ffn"),
+        return out + [Transfer("METP FFN ring: (B, C) blocks p-1 hops forward", ("tp",), (p - 1) * ffn_blocks * e,
+                               p - 1, "ffn"),
                 Transfer("METP FFN ring backward: blocks p-1 hops, fp32 gradients p hops", ("tp",),
                          (p - 1) * ffn_blocks * e + p * ffn_blocks * F32, p, "ffn"),
                 Transfer("METP MHA head-group broadcasts (forward; again with the ΔW reduces backward)", ("tp",),
@@ -288,9 +296,14 @@ def cfg_activation(w: Workload) -> str:
 
 def head_and_embedding(w: Workload, c: Candidate, x: Dims) -> list[Transfer]:
     """The embedding, final norm, head and loss outside the layer stack, one micro-step."""
-    if c.tp == 1 or w.model != "gpt":
+    if c.tp == 1:
         return []
     cfg, e, p = w.config, x.e, c.tp
+    if w.model == "dit":
+        if c.tensor not in ("megatron", "metp"):
+            return []
+        return [Transfer("DiT final layer's modulation gradients (shift, scale)", ("tp",),
+                         2 * 2 * (p - 1) / p * x.b * x.h * F32, 1)]
     if c.tensor == "megatron":
         U = (p - 1) / p * x.b * x.n * x.h * e
         rows = x.b * x.n * F32                                      # fp32 per token of the sp shard
@@ -357,7 +370,10 @@ def gradient_sync(w: Workload, c: Candidate, x: Dims, leaves) -> list[Transfer]:
     A = x.steps
     for leaf in leaves:
         psi = leaf.size * F32
-        if leaf.unsplit_tensor:
+        # the DiT's conditioning path (timestep, label, adaLN) runs on per-sequence vectors the tensor axes do not
+        # split: its gradients come out whole (the modulation vectors' gradients are summed instead, below)
+        conditioning = w.model == "dit" and any(k in leaf.path for k in ("adaLN", "t_embed", "y_embed"))
+        if leaf.unsplit_tensor and not conditioning:
             g = math.prod(x.tensor_axes[a] for a in leaf.unsplit_tensor)
             reads = 2 if (c.tensor in ("metp", None) and leaf.path == "['embed']['table']"
                           and getattr(w.config, "tie_embeddings", False)) else 1
@@ -659,6 +675,12 @@ def memory(w: Workload, c: Candidate, leaves, *, cpu: bool = False, remat_honour
 
 # ---------------------------------------------------------------------------------------------- time
 
+# Launch and loop overhead: ~40 kernels per layer per micro-step (forward and backward) at ~5 µs each, so
+# more, smaller micro-steps cost something even when their FLOPs and bytes are the same.
+KERNELS_PER_LAYER = 40
+KERNEL_OVERHEAD_S = 5e-6
+
+
 @dataclasses.dataclass(frozen=True)
 class StepTime:
     """Seconds of one step: compute, exposed communication by run-mesh axes, the pipeline bubble, the update."""
@@ -717,7 +739,7 @@ def step_time(w: Workload, c: Candidate, transfers, cluster, locality: dict, lea
     remat = c.remat if honoured else "none"
     rate = cluster.device.flops * cluster.efficiency
     flops, attn_flops, ffn_flops = compute_flops(w, c, remat)
-    compute = flops / rate
+    compute = flops / rate + c.steps(w) * (w.config.num_layers // c.pp) * KERNELS_PER_LAYER * KERNEL_OVERHEAD_S
     layer_comm: dict = {}
     step_comm: dict = {}
     overlappable = {"attention": 0.0, "ffn": 0.0}

@@ -242,9 +242,9 @@ def evaluate(w: Workload, c: Candidate, cluster: Cluster, plan=None, cache: _Cac
     cache = cache or _Cache(w, cluster)
     plan = plan or c.check(w)
     leaves = cache.param_leaves(c, plan)
-    transfers = cost.traffic(w, c, leaves)
+    transfers = cost.traffic(w, c, leaves, cpu=cluster.cpu)
     local = cache.locality(c, plan, [t.axes for t in transfers])
-    mem = cost.memory(w, c, leaves, remat_honoured=remat_honoured)
+    mem = cost.memory(w, c, leaves, cpu=cluster.cpu, remat_honoured=remat_honoured)
     time = cost.step_time(w, c, transfers, cluster, local, leaves, remat_honoured=remat_honoured)
     return Evaluated(c, w, mem, time, transfers, mem.total <= cluster.usable_memory)
 
@@ -297,8 +297,9 @@ def search(w: Workload, cluster: Cluster, *, only: dict | None = None, remat_hon
     """Every candidate validated and costed; the ones that fit, ranked by step time. Raises NoPlanError (one line
     naming the tightest constraint) when nothing fits.
 
-    only: Candidate fields held fixed (e.g. {"sp": 64} for WallFacer's own search over C and placement,
-    {"attention": "ring"}); remat_honoured: cost.REMAT_HONOURED unless given (a what-if)."""
+    only: Candidate fields held fixed, a value or a tuple of allowed values (e.g. {"sp": 64, "attention":
+    ("ring", "wallfacer")} for WallFacer's own search over C and placement); remat_honoured:
+    cost.REMAT_HONOURED unless given (a what-if)."""
     if cluster.devices < 1:
         raise NoPlanError(f"{cluster.devices} devices: nothing to plan")
     only = dict(only or {})
@@ -324,7 +325,8 @@ def search(w: Workload, cluster: Cluster, *, only: dict | None = None, remat_hon
             rejected[key] = Rejection("rule", 1, c, msg)
 
     for c in candidates(w, cluster, modes):
-        if only and any(getattr(c, k) != v for k, v in only.items()):
+        if only and not all(getattr(c, k) in v if isinstance(v, (tuple, list, set, frozenset))
+                            else getattr(c, k) == v for k, v in only.items()):
             continue
         considered += 1
         quick = _pipeline_rule(c, w)
