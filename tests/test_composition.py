@@ -49,6 +49,17 @@ def _run_block(module, plan, weights, x, positions, dy, call):
     return y, dx, dw
 
 
+def _check_against(got, reference, w, x, dy, rtol=2e-4):
+    """y, dx and every weight gradient of a block against the single-device reference(w, x)."""
+    y, dx, dw = got
+    y_ref, vjp = jax.vjp(reference, w, x)
+    dw_ref, dx_ref = vjp(dy)
+    assert_close(y, y_ref, rtol, "y")
+    assert_close(dx, dx_ref, rtol, "dx")
+    for name in dw_ref:
+        assert_close(dw[name], dw_ref[name], rtol, "d" + name)
+
+
 TPxSP = {
     "ring": dict(attention="ring"),
     "ring-contiguous": dict(attention="ring", layout="contiguous"),
@@ -71,15 +82,8 @@ def test_attention_block_tp_x_sp_matches_dense(name, causal):
     y, dx, dw = jax.jit(lambda w, x, dy: _run_block(attn, plan, w, x, positions, dy,
                                                     lambda blk, x, p: blk(x, p, plan)))(w, x, dy)
 
-    def reference(w, x):
-        return attention_block_reference(x, w, positions, HEADS, KV, causal, 10000.0)
-
-    y_ref, vjp = jax.vjp(reference, w, x)
-    dw_ref, dx_ref = vjp(dy)
-    assert_close(y, y_ref, 2e-4, "y")
-    assert_close(dx, dx_ref, 2e-4, "dx")
-    for n in ("wq", "wk", "wv", "wo"):
-        assert_close(dw[n], dw_ref[n], 2e-4, "d" + n)
+    _check_against((y, dx, dw), lambda w, x: attention_block_reference(x, w, positions, HEADS, KV, causal, 10000.0),
+                   w, x, dy)
 
 
 def test_attention_block_dp_x_tp_x_sp_with_replicated_kv_heads():
@@ -90,12 +94,8 @@ def test_attention_block_dp_x_tp_x_sp_with_replicated_kv_heads():
     x, dy, positions = _inputs(plan, True)
     y, dx, dw = jax.jit(lambda w, x, dy: _run_block(attn, plan, w, x, positions, dy,
                                                     lambda blk, x, p: blk(x, p, plan)))(w, x, dy)
-    y_ref, vjp = jax.vjp(lambda w, x: attention_block_reference(x, w, positions, HEADS, 1, True, 10000.0), w, x)
-    dw_ref, dx_ref = vjp(dy)
-    assert_close(y, y_ref, 2e-4, "y")
-    assert_close(dx, dx_ref, 2e-4, "dx")
-    for n in ("wq", "wk", "wv", "wo"):
-        assert_close(dw[n], dw_ref[n], 2e-4, "d" + n)
+    _check_against((y, dx, dw), lambda w, x: attention_block_reference(x, w, positions, HEADS, 1, True, 10000.0),
+                   w, x, dy)
 
 
 def test_mlp_block_tp_x_sp_matches_dense():
@@ -105,12 +105,7 @@ def test_mlp_block_tp_x_sp_matches_dense():
     x, dy, positions = _inputs(plan, True)
     y, dx, dw = jax.jit(lambda w, x, dy: _run_block(mlp, plan, w, x, positions, dy,
                                                     lambda blk, x, p: blk(x, plan)))(w, x, dy)
-    y_ref, vjp = jax.vjp(lambda w, x: mlp_block_reference(x, w, "swiglu"), w, x)
-    dw_ref, dx_ref = vjp(dy)
-    assert_close(y, y_ref, 2e-4, "y")
-    assert_close(dx, dx_ref, 2e-4, "dx")
-    for n in ("w_in", "w_gate", "w_out"):
-        assert_close(dw[n], dw_ref[n], 2e-4, "d" + n)
+    _check_against((y, dx, dw), lambda w, x: mlp_block_reference(x, w, "swiglu"), w, x, dy)
 
 
 def test_tp_x_sp_attention_bytes_are_megatron_plus_ring():

@@ -91,6 +91,7 @@ class TensorMethod:
     summary = "no tensor parallelism: weights replicated, the sequence split over sp"
     sequence_parallel = True        # may run together with a sequence strategy over sp > 1
     sequence_parallel_rule = ""     # why not, when it may not
+    axes: tuple[str, ...] = ()      # the mesh axes the method splits tensors over (tp, or a view of it)
 
     # --- mesh view and checks
     def view(self, mesh):
@@ -99,11 +100,11 @@ class TensorMethod:
 
     def tensor_axes(self, plan) -> tuple[str, ...]:
         """The mesh axes the method splits tensors over."""
-        return ()
+        return self.axes
 
     def check_mesh(self, plan) -> None:
         """Raises on degrees the method cannot use (called by the plan)."""
-        if plan.tp > 1:
+        if plan.tp > 1 and not self.axes:
             raise ValueError(f"tp = {plan.tp} needs a tensor-parallel method (--tensor-parallel)")
 
     def check_model(self, plan, *, num_heads: int, num_kv_heads: int, hidden: int, ffn: int,

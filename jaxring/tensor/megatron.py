@@ -522,13 +522,8 @@ class Megatron(TensorMethod):
     g* reduce-scatters back. Tokens, targets and positions are [b, s/sp] (replicated over tp).
     """
     name = "megatron"
+    axes = ("tp",)
     summary = "Megatron TP+SP: column/row linears, heads over tp, sequence over tp in the norm regions"
-
-    def tensor_axes(self, plan):
-        return ("tp",)
-
-    def check_mesh(self, plan):
-        pass
 
     def check_model(self, plan, *, num_heads, num_kv_heads, hidden, ffn, vocab):
         tp = plan.tp

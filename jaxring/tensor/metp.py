@@ -574,16 +574,11 @@ class METP(TensorMethod):
     """METP over `tp`: the sequence split over tp (activations [b, s/p, h] never move), weights circulate.
     The embedding and LM head stay replicated (the paper distributes only the blocks)."""
     name = "metp"
+    axes = ("tp",)
     summary = "METP: activations stay, weights circulate on rings (FFN) and head groups are broadcast (MHA)"
     sequence_parallel = False
     sequence_parallel_rule = ("METP already splits the sequence over tp (its K/V ring runs over tp); "
                               "use megatron for tensor × sequence parallelism")
-
-    def tensor_axes(self, plan):
-        return ("tp",)
-
-    def check_mesh(self, plan):
-        pass
 
     def check_model(self, plan, *, num_heads, num_kv_heads, hidden, ffn, vocab):
         tp = plan.tp

@@ -612,6 +612,7 @@ class Optimus(TensorMethod):
     """Optimus 2D over tp = q²: the run mesh factors tp into the (tpr, tpc) grid; activations [b/q, s, h/q]
     (batch over the data axes and the grid rows, hidden over the columns); weights in q×q blocks."""
     name = "optimus"
+    axes = GRID
     summary = "Optimus 2D: SUMMA products on a q×q grid, activations [b/q, s, h/q]"
     sequence_parallel = False
     sequence_parallel_rule = ("Optimus keeps whole sequences on each grid row (activations [b/q, s, h/q]) and "
@@ -620,8 +621,6 @@ class Optimus(TensorMethod):
     def view(self, mesh):
         return grid_mesh(mesh)[0]
 
-    def tensor_axes(self, plan):
-        return GRID
 
     def check_mesh(self, plan):
         q = math.isqrt(plan.tp)
