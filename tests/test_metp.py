@@ -220,15 +220,17 @@ def mha_bytes(p, causal, kv_heads, *, backward):
     Forward: p broadcasts × ceil(log2 p) rounds × (W_qkv_j + W_proj_j) = h(n + 2n_kv)d/p + ndh/p elements,
     and per head group p-1 hops of the K, V blocks b(s/p)(n_kv/p)d each (+ their int32 positions b·s/p when
     causal). Backward: the broadcasts again, the tree reduces of ΔW_j (same size), K/V p-1 hops, ΔK/ΔV p hops
-    (fp32), positions p-1 hops. With n_kv = n, d = h/n: forward 4·log2(p)·h² + 2(p-1)/p·bsh (the paper's
-    Table 2), backward 8·log2(p)·h² + (4p-2)/p·bsh (the paper has 4(p-1)/p: the gradients' extra hop).
+    (fp32), positions p-1 hops per group but one: the first hop of the backward ring (sent before its loop,
+    `ring_steps_accumulating`) is the same ppermute of the same positions in every head group, and XLA makes
+    it once. With n_kv = n, d = h/n: forward 4·log2(p)·h² + 2(p-1)/p·bsh (the paper's Table 2), backward
+    8·log2(p)·h² + (4p-2)/p·bsh (the paper has 4(p-1)/p: the gradients' extra hop).
     """
     b, rounds = B // data_degree(p), tree_rounds(p)
     weights = (H * (HEADS + 2 * kv_heads) * HEAD_DIM + HEADS * HEAD_DIM * H) // p
     kv = b * (S // p) * (kv_heads // p) * HEAD_DIM
     pos = b * (S // p) if causal else 0
     fwd = p * rounds * weights + p * (p - 1) * (2 * kv + pos)
-    bwd = 2 * p * rounds * weights + p * ((p - 1) + p) * 2 * kv + p * (p - 1) * pos
+    bwd = 2 * p * rounds * weights + p * ((p - 1) + p) * 2 * kv + (p - 1) * (p - 1) * pos
     return F32 * (fwd + bwd if backward else fwd)
 
 
