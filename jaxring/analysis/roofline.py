@@ -10,12 +10,27 @@ For one device's program (SPMD: every device runs the same one):
   time_s    = max(compute_s, memory_s, comm_s)   if communication overlaps compute (overlap_comm=True)
             = max(compute_s, memory_s) + comm_s  otherwise
   mfu       = model_flops / (time_s * peak_flops[dtype])   (an upper bound: no real step is faster)
+  serial_s  = compute_s + memory_s + comm_s      nothing overlaps: every flop at peak, then every byte at
+                                                 full bandwidth, then every transfer (serial_mfu from it)
 
-`model_flops` is what MFU counts (e.g. 6·params·tokens plus attention, causal halved); without it the
-compiled flops are used (a hardware-FLOPs utilisation bound). `roofline_of(report)` reads flops and bytes
-from a GPU compile report (`gpu.py`): XLA's cost analysis of the optimized module, which cannot see inside
-custom kernels (Pallas/Triton flash attention), so their flops are passed as `extra_flops`
-(`attention_flops`), and the collective bytes from the compiled HLO (`compiled.collective_traffic`).
+`model_flops` is what MFU counts (e.g. 6·params·tokens plus attention, causal halved: what the training
+loop logs); without it the compiled flops are used (a hardware-FLOPs utilisation bound).
+
+`roofline_of(report)` reads a GPU compile report (`gpu.py`):
+  flops, bytes   XLA's cost analysis of the optimized per-device module, loop bodies times their trip
+                 counts (`gpu.weighted_cost`): every matmul (cuBLAS or Triton GEMM fusion), elementwise op,
+                 reduction, copy and transpose; bytes are each op's operands plus results, as XLA counts them
+                 (no cache reuse between ops);
+  kernel flops   custom kernels are opaque to XLA (their flops are not counted, their bytes only in part):
+                 with `causal=` the flash kernels' flops are added from their launches (`gpu.flash_flops`:
+                 the matmuls each kernel runs, 9 per (query, key, dim) for fwd + dq + dkv against the usual
+                 7, since the dq and dkv kernels both recompute S and dP; half of them for causal);
+  comm bytes     collective bytes received per device from the compiled HLO (`compiled.collective_traffic`).
+What it leaves out: kernel launch and synchronisation latency, the tensor cores' efficiency below peak
+(tile shapes, pipeline bubbles: real kernels reach a fraction of it), HBM efficiency below peak, imbalance
+between devices (a causal ring with the contiguous layout; blocks a ring skips at run time are counted as
+run), NVLink latency, and the host (data loading, Python dispatch). So `mfu` bounds what a real step can
+reach; a measured MFU on the GPU will be lower.
 
 Peak figures: NVIDIA's datasheets for the SXM parts, dense (no sparsity); link bandwidth is NVLink 4's
 900 GB/s total, 450 GB/s each way.
@@ -55,6 +70,8 @@ class Roofline:
     bound: str                 # "compute", "memory" or "communication"
     model_flops: float
     mfu: float                 # model_flops / (time_s * peak): the best MFU this program allows
+    serial_s: float = 0.0      # compute_s + memory_s + comm_s: nothing overlapped
+    serial_mfu: float = 0.0    # model_flops / (serial_s * peak)
 
     @property
     def arithmetic_intensity(self) -> float:
@@ -92,18 +109,25 @@ def roofline(flops: float, bytes_accessed: float, device: str | DevicePeak = "h2
         bound = "compute" if compute_s >= memory_s else "memory"
     model = flops if model_flops is None else float(model_flops)
     mfu = model / (time_s * top) if time_s > 0 else 0.0
+    serial_s = compute_s + memory_s + comm_s
+    serial_mfu = model / (serial_s * top) if serial_s > 0 else 0.0
     return Roofline(dev.name, dtype, float(flops), float(bytes_accessed), float(comm_bytes), compute_s, memory_s,
-                    comm_s, time_s, bound, model, mfu)
+                    comm_s, time_s, bound, model, mfu, serial_s, serial_mfu)
 
 
-def roofline_of(report, device: str | DevicePeak | None = None, dtype: str = "bf16", *, extra_flops: float = 0.0,
-                extra_bytes: float = 0.0, model_flops: float | None = None, overlap_comm: bool = True) -> Roofline:
-    """Roofline of a `gpu.GpuCompileReport`: XLA's flops/bytes of the module, plus what custom kernels do."""
+def roofline_of(report, device: str | DevicePeak | None = None, dtype: str = "bf16", *, causal: bool | None = None,
+                extra_flops: float = 0.0, extra_bytes: float = 0.0, model_flops: float | None = None,
+                overlap_comm: bool = True) -> Roofline:
+    """Roofline of a `gpu.GpuCompileReport`: XLA's flops/bytes of the module (loops weighted by their trip
+    counts), plus the flash kernels' flops when `causal` is given (True/False: the attention's masking), plus
+    `extra_flops`/`extra_bytes` for other opaque kernels."""
     from jaxring.analysis.compiled import collective_traffic  # noqa: PLC0415
+    from jaxring.analysis.gpu import flash_flops  # noqa: PLC0415
     if not report.cost:
         raise ValueError("the report has no cost analysis (flops, bytes accessed)")
+    kernels = 0.0 if causal is None else flash_flops(report.hlo, causal=causal)
     moved, _ = collective_traffic(report.hlo, max(report.num_devices, 1))
-    return roofline(report.cost["flops"] + extra_flops, report.cost["bytes accessed"] + extra_bytes,
+    return roofline(report.cost["flops"] + kernels + extra_flops, report.cost["bytes accessed"] + extra_bytes,
                     device or report.target, dtype, comm_bytes=sum(moved.values()), overlap_comm=overlap_comm,
                     model_flops=model_flops)
 
