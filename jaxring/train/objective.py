@@ -12,7 +12,7 @@ device's shards inside the step's shard_map:
                                                   term of the objective, the others metrics
   prepare(batch, key) -> inputs, input_specs(plan), loss_count
 
-`local_loss` composes them over a whole `Layers` stack; the pipeline (`jaxring.pipeline`) runs embed on its
+The train step composes them over a whole `Layers` stack; the pipeline (`jaxring.pipeline`) runs embed on its
 first virtual stage, chunks of the stack on every stage and head on the last.
 """
 from __future__ import annotations
@@ -39,9 +39,3 @@ class Objective:
 
     def head(self, model, carry, mb, plan, dtype):
         raise NotImplementedError
-
-    def local_loss(self, model, layers, inputs, plan, dtype):
-        """(loss_sum, aux) of the whole stack on this device's inputs."""
-        carry = self.embed(model, inputs, plan, dtype)
-        carry = layers(carry, lambda block, carry: self.layer(block, carry, inputs, plan))
-        return self.head(model, carry, inputs, plan, dtype)

@@ -65,8 +65,8 @@ class TrainStep:
     """The jitted update and held-out loss of a model on a plan (see the module docstring).
 
     task: the objective, with `prepare(batch, key) -> inputs` (global arrays, outside the shard_map),
-    `input_specs(plan)`, `local_loss(model, layers, inputs, plan, dtype) -> (loss_sum, aux)` on local shards
-    (aux: dict of fp32 sums, e.g. MoE statistics) and `loss_count` (the global count the loss is a mean over);
+    `input_specs(plan)`, `embed`/`layer`/`head` on local shards (`jaxring.train.objective`; aux: dict of fp32
+    sums, e.g. MoE statistics) and `loss_count` (the global count the loss is a mean over);
     e.g. `models.gpt.NextTokenObjective`, `models.dit.FlowMatchingObjective`. tx may be None for
     `build_grads`/`build_eval`.
     """
@@ -95,15 +95,20 @@ class TrainStep:
 
     # ------------------------------------------------------------------ the local loss
     def _loss(self, diff, const, inputs, stage):
-        """(mean-loss contribution, aux) of one micro-batch, on local shards."""
+        """(mean-loss contribution, aux) of one micro-batch, on local shards: the objective's embed, the layer
+        stack (a scan whose layers remat by `self.remat`, `nn.remat_policy`) and head. The weights outside the
+        stack are materialized once and held through the backward (ZeRO-3: gathered once)."""
+        task, plan = self.task, self.plan
         top = {k: v for k, v in diff.items() if k != self.stack}
         top_const = {k: v for k, v in const.items() if k != self.stack}
         top_pl = {k: v for k, v in self.placements.items() if k != self.stack}
         weights = _map(lambda d, pl, c: zero.materialize(stage, d, c, pl), top, top_pl, top_const)
+        model = nnx.merge(self.graphdef, {**weights, self.stack: diff[self.stack]})
         layers = Layers(self.layer_graphdef, diff[self.stack], const[self.stack], self.placements[self.stack],
                         stage, self.remat)
-        model = nnx.merge(self.graphdef, {**weights, self.stack: diff[self.stack]})
-        loss_sum, aux = self.task.local_loss(model, layers, inputs, self.plan, self.dtype)
+        carry = task.embed(model, inputs, plan, self.dtype)
+        carry = layers(carry, lambda block, carry: task.layer(block, carry, inputs, plan))
+        loss_sum, aux = task.head(model, carry, inputs, plan, self.dtype)
         count = float(self.task.loss_count)
         aux = {k: replicated(v) for k, v in aux.items()}
         data_loss = psum_varying(loss_sum) / count
@@ -166,8 +171,6 @@ class TrainStep:
         stage = self.stage
         diff, const = _split(params, self.placements, lambda p, pl: zero.inputs(stage, p, pl))
         loss_fn = lambda d, x: self._loss(d, const, x, stage)
-        # the weights outside the layer scan are not saved for the backward either (see nn.remat_policy)
-        loss_fn = jax.checkpoint(loss_fn, policy=zero.no_weights_saved(stage))
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if self.grad_accum == 1:
             (_, aux), grads = grad_fn(diff, inputs)
