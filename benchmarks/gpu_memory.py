@@ -16,6 +16,10 @@ layer stack is one scan, so a 32-layer compile costs what a 2-layer one does: no
              XLA_PYTHON_CLIENT_MEM_FRACTION=.95), by bisection on compiles to --unit tokens; every probe is
              recorded (memory is affine in the sequence length: the probes show it). Sequence strategies shard
              the model states with ZeRO-3 over sp (--zero), so every configuration holds 1/8 of them.
+             XLA's GPU scheduler fills memory up to its limit (xla_gpu_memory_limit_slop_factor, 95% by
+             default) to overlap more, so at the default a step's peak says what XLA chose, not the least it
+             needs (ring, 64k tokens: 96 GiB at the default, 36 GiB at --slop 50); run both (--note names
+             the rows).
   wallfacer  WallFacer C=2 against ring (zigzag) at equal sequence lengths with ZeRO-2 (WallFacer's setting)
   remat      the same step with remat none / selective / full at one length (does the policy take effect?)
   mfu        roofline per step (jaxring/analysis/roofline.py): the compiled program's flops and bytes (loops
@@ -102,9 +106,12 @@ def step_program(preset, config, seq, *, zero=3, remat="selective", target="h200
     return lowered, cfg, plan
 
 
+COMPILER_OPTIONS = {}   # --slop: {"xla_gpu_memory_limit_slop_factor": percent}
+
+
 def compile_step(preset, config, seq, **kw):
     lowered, cfg, plan = step_program(preset, config, seq, **kw)
-    return gpu.compile_for_gpu(lowered, ptxas=False), cfg, plan
+    return gpu.compile_for_gpu(lowered, ptxas=False, compiler_options=COMPILER_OPTIONS or None), cfg, plan
 
 
 def memory_row(report, seq):
@@ -159,7 +166,7 @@ def longest_rows(args, record, out):
         start = time.time()
         print(f"{name}: bisection", flush=True)
         row = {"section": "longest", "config": name, "zero": args.zero if CONFIGS[name][0].get("sp", 1) > 1 else None,
-               **longest_sequence(name, budget, args.unit, args.zero)}
+               **longest_sequence(name, budget, args.unit, args.zero, first=args.first)}
         row["search_s"] = time.time() - start
         print(f"{name}: longest {row['longest_seq']} tokens ({row['search_s']:.0f} s)", flush=True)
         record["results"].append(row)
@@ -267,9 +274,17 @@ def main(argv=None):
     parser.add_argument("--zero", type=int, default=3, help="ZeRO stage over sp for sequence strategies")
     parser.add_argument("--wallfacer-seqs", type=int, nargs="*", default=[65536, 131072])
     parser.add_argument("--remat-seq", type=int, default=65536)
+    parser.add_argument("--slop", type=int, default=None,
+                        help="xla_gpu_memory_limit_slop_factor (percent of device memory XLA's GPU scheduler "
+                             "may fill; XLA's default 95): XLA trades memory for overlap up to that limit, so "
+                             "memory_analysis() at the default measures the scheduler's budget as much as the "
+                             "step's needs; a lower factor makes it schedule for memory")
+    parser.add_argument("--first", type=int, default=65536, help="the bisection's first probe (tokens)")
     parser.add_argument("--note", default="", help="recorded with the results (e.g. what was patched)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "gpu_memory.json"))
     args = parser.parse_args(argv)
+    if args.slop is not None:
+        COMPILER_OPTIONS["xla_gpu_memory_limit_slop_factor"] = args.slop
     ok, why = gpu.available()
     if not ok:
         sys.exit(f"cannot compile for GPU here: {why}")
@@ -280,11 +295,11 @@ def main(argv=None):
     import jaxlib  # noqa: PLC0415
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    STAMP.update(commit=commit, note=args.note)
+    STAMP.update(commit=commit, note=args.note, xla_gpu_memory_limit_slop_factor=args.slop)
     config = {"model": "7b", "dtype": "bfloat16", "remat": "selective", "block_ops": "pallas", "batch": 1,
               "optimizer": "adamw (fp32 weights and moments)", "zero_over_sp": args.zero,
               "device_memory_bytes": gpu_memory_bytes(args.target), "budget_fraction": args.budget_fraction,
-              "unit": args.unit}
+              "unit": args.unit, "xla_gpu_memory_limit_slop_factor": args.slop}
     record = benchmark_record("gpu_memory", gpu.gpu_devices(args.target, 8), config)
     record.update(device=f"deviceless compile for 8 x {args.target} (XLA GpuTargetConfigProto), on a CPU host: "
                          + record["device"], jaxlib=jaxlib.__version__,

@@ -289,7 +289,8 @@ def compile_for_gpu(fn, *args, target: str | None = None, ptxas: bool | str = Tr
 
 def _devices_of(compiled) -> list:
     try:
-        return list(compiled.input_shardings[0][0].device_set) if compiled.input_shardings[0] else []
+        leaves = jax.tree.leaves(compiled.input_shardings[0])        # the arguments may be pytrees
+        return list(leaves[0].device_set) if leaves else []
     except Exception:  # noqa: BLE001 - labels only
         return []
 
