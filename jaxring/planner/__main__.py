@@ -80,8 +80,6 @@ def parse_args(argv=None):
     g = p.add_argument_group("search and output")
     g.add_argument("--only", action="append", default=[], type=_held, metavar="FIELD=VALUE",
                    help="hold a plan field fixed, e.g. --only sp=64 --only attention=wallfacer (repeatable)")
-    g.add_argument("--assume-remat-honoured", action="store_true",
-                   help="what-if: plan as if the train step honoured --remat selective/full (see cost.py)")
     g.add_argument("--top", type=int, default=10, help="plans to show")
     g.add_argument("--json", action="store_true", help="print the result as JSON")
     g.add_argument("--compile-check", type=int, default=0, metavar="K",
@@ -108,7 +106,6 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    from jaxring.planner import cost
     from jaxring.planner.check import GPU_TARGETS, compiled_peak, gpu_target_available
     from jaxring.planner.cluster import Cluster
     from jaxring.planner.search import search
@@ -126,8 +123,7 @@ def run(args) -> int:
                          intra_bw=args.intra_bw * gb if args.intra_bw else None,
                          inter_bw=args.inter_bw * gb if args.inter_bw else None, efficiency=args.efficiency,
                          memory_fraction=args.memory_fraction)
-    honoured = True if args.assume_remat_honoured else None
-    result = search(w, cluster, only=dict(args.only), remat_honoured=honoured)
+    result = search(w, cluster, only=dict(args.only))
     note = ""
     if args.compile_check:
         if args.device == "cpu":
@@ -144,7 +140,6 @@ def run(args) -> int:
             note = f"compile check skipped: {why}"
     if args.json:
         out = result.to_json(top=args.top)
-        out["remat_honoured"] = cost.REMAT_HONOURED if honoured is None else honoured
         if note:
             out["note"] = note
         print(json.dumps(out, indent=1))
@@ -169,9 +164,6 @@ def run(args) -> int:
           f"working {mem.working / 2**30:.1f}, update {mem.update / 2**30:.1f}) GiB")
     print()
     print(result.rejections())
-    if not (cost.REMAT_HONOURED or honoured):
-        print("\nnote: remat is not searched: the train step's outer checkpoint overrides --remat today "
-              "(jaxring/planner/cost.py, REMAT_HONOURED); --assume-remat-honoured shows the what-if")
     if note:
         print(f"note: {note}")
     return 0

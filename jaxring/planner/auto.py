@@ -74,13 +74,13 @@ def apply_auto_plan(args, devices, overrides: dict, log=print) -> Candidate:
     fixed = {name: getattr(args, _ARGS.get(name, name)) for name in
              ("dp", "pp", "tp", "sp", "ep", "attention", "layout", "team_size", "ulysses_size", "placement",
               "tensor_parallel", "zero", "microbatches")}
+    if getattr(args, "remat", "none") != "none":
+        fixed["remat"] = args.remat               # --remat selective/full given: held; none (the default): searched
     settings, result = auto_plan(model=args.model, preset=args.preset, seq_len=args.seq_len,
                                  batch_size=args.batch_size, devices=devices, precision=args.precision,
                                  image_size=args.image_size, overrides=overrides, fixed=fixed)
     best = result.best
     for name, value in settings.items():
-        if name == "remat" and value == "none":
-            continue                              # the user's --remat stands (see cost.REMAT_HONOURED)
         setattr(args, _ARGS.get(name, name), value)
     w = result.workload
     log(f"--plan auto: {best.candidate.describe()} on {result.cluster.devices} × {result.cluster.device.name} "

@@ -481,14 +481,6 @@ def bytes_by_axes(transfers) -> dict[tuple[str, ...], float]:
 
 # ---------------------------------------------------------------------------------------------- memory
 
-# The train step wraps the whole loss in a `jax.checkpoint` whose policy saves everything but the weights
-# (jaxring/train/step.py, `_value_and_grad`); that outer policy wins over the layers' own (`nn.remat_policy`),
-# so today --remat selective/full save what --remat none saves (measured: the same compiled temp bytes). The
-# planner models the step as it is; set this True once the layers' policy is honoured, and the memory of
-# selective/full remat (formulas below, checked against a step without the outer checkpoint) takes effect.
-REMAT_HONOURED = False
-
-
 @dataclasses.dataclass(frozen=True)
 class Memory:
     """Per-device bytes. The step's stored state (weights, Adam moments, the batch) plus the larger of its two
@@ -560,7 +552,10 @@ def saved_per_layer(w: Workload, c: Candidate, x: Dims, remat: str, cpu: bool = 
     none       the residual stream and norms in fp32 (8 arrays [b, n_act, h] and 4 of statistics), a K/V
                projection, the fp32 rotary halves of q and k, the attention core's residuals (per strategy),
                6 FFN-wide arrays (the playbook's sbh(34 + 5as/h) without scores: flash attention)
-    selective  the weight matmuls' outputs (q, k, v, o, the FFN input and output) and the layer input
+    selective  the layer input and the outputs of the weight matmuls the backward needs (`jax.checkpoint`'s
+               dots_with_no_batch_dims_saveable keeps only residuals): q, k, v, the o projection (the residual
+               sum and its norm are recomputed from it) and the FFN's up (and gate) projection; the FFN's
+               down projection output is not a residual (measured per layer on the compiled CPU step)
     full       the layer input (WallFacer's and the playbook's per-layer checkpoint)
     METP keeps X_i and A_i (2bsh/p, Table 2) and the FFN input; Optimus its [b/q, s, h/q] blocks.
     """
@@ -570,7 +565,8 @@ def saved_per_layer(w: Workload, c: Candidate, x: Dims, remat: str, cpu: bool = 
         return b * na * h * em
     qkvo = b * n * (2 * x.heads + 2 * x.kv_heads) * x.d * em
     if remat == "selective":
-        return b * na * h * em + qkvo + 2 * b * n * f * em + b * na * h * em
+        up = 2 if cfg_activation(w) == "swiglu" else 1
+        return b * na * h * em + qkvo + up * b * n * f * em
     hs = h // math.isqrt(c.tp) if c.tensor == "optimus" else h      # Optimus: [b/q, s, h/q] blocks
     stream = 8 * b * na * hs * F32 + 4 * b * na * F32
     if c.tensor == "metp" and c.tp > 1:                              # METP recomputes Q, K, V and f(AB)
@@ -624,10 +620,9 @@ def _attention_working(w: Workload, c: Candidate, x: Dims, cpu: bool) -> float:
     return out
 
 
-def memory(w: Workload, c: Candidate, leaves, *, cpu: bool = False, remat_honoured: bool | None = None) -> Memory:
+def memory(w: Workload, c: Candidate, leaves, *, cpu: bool = False) -> Memory:
     """Per-device bytes of the step's peak (see `Memory`)."""
-    honoured = REMAT_HONOURED if remat_honoured is None else remat_honoured
-    remat = c.remat if honoured else "none"
+    remat = c.remat
     x = dims(w, c)
     em = DTYPE_BYTES[w.precision]
     sizes = {**batch_axes(c), **x.seq_axes}
@@ -732,11 +727,9 @@ def link(axes: tuple[str, ...], locality: dict, cluster) -> tuple[float, float]:
     return cluster.inter_bw, cluster.inter_latency
 
 
-def step_time(w: Workload, c: Candidate, transfers, cluster, locality: dict, leaves=(), *,
-              remat_honoured: bool | None = None) -> StepTime:
+def step_time(w: Workload, c: Candidate, transfers, cluster, locality: dict, leaves=()) -> StepTime:
     """The step's seconds on `cluster` (see the module docstring). locality: {axes: True when intra-node}."""
-    honoured = REMAT_HONOURED if remat_honoured is None else remat_honoured
-    remat = c.remat if honoured else "none"
+    remat = c.remat
     rate = cluster.device.flops * cluster.efficiency
     flops, attn_flops, ffn_flops = compute_flops(w, c, remat)
     compute = flops / rate + c.steps(w) * (w.config.num_layers // c.pp) * KERNELS_PER_LAYER * KERNEL_OVERHEAD_S

@@ -25,6 +25,7 @@ from jaxring.planner.params import param_leaves
 from jaxring.planner.space import Candidate, Workload
 
 SCHEDULES = ("1f1b", "interleaved", "zero-bubble", "gpipe")
+REMAT_MODES = ("none", "selective", "full")
 
 
 class NoPlanError(ValueError):
@@ -176,8 +177,7 @@ def candidates(w: Workload, cluster: Cluster, remat_modes=None):
     n = cluster.devices
     layers = w.config.num_layers
     experts = w.moe.num_experts if w.moe is not None else 1
-    if remat_modes is None:
-        remat_modes = ("none", "selective", "full") if cost.REMAT_HONOURED else ("none",)
+    remat_modes = remat_modes or REMAT_MODES
     for dp, pp, tp, sp, ep in _factorizations(n, 5):
         if ep > 1 and (w.moe is None or experts % ep):
             continue
@@ -235,8 +235,7 @@ class _Cache:
         return have
 
 
-def evaluate(w: Workload, c: Candidate, cluster: Cluster, plan=None, cache: _Cache | None = None, *,
-             remat_honoured: bool | None = None) -> Evaluated:
+def evaluate(w: Workload, c: Candidate, cluster: Cluster, plan=None, cache: _Cache | None = None) -> Evaluated:
     """The cost model's prediction for one candidate (it must be valid: see Candidate.check). plan: its
     ParallelPlan, or one of the same mesh and strategies (the cost model reads its run mesh and weights)."""
     cache = cache or _Cache(w, cluster)
@@ -244,8 +243,8 @@ def evaluate(w: Workload, c: Candidate, cluster: Cluster, plan=None, cache: _Cac
     leaves = cache.param_leaves(c, plan)
     transfers = cost.traffic(w, c, leaves, cpu=cluster.cpu)
     local = cache.locality(c, plan, [t.axes for t in transfers])
-    mem = cost.memory(w, c, leaves, cpu=cluster.cpu, remat_honoured=remat_honoured)
-    time = cost.step_time(w, c, transfers, cluster, local, leaves, remat_honoured=remat_honoured)
+    mem = cost.memory(w, c, leaves, cpu=cluster.cpu)
+    time = cost.step_time(w, c, transfers, cluster, local, leaves)
     return Evaluated(c, w, mem, time, transfers, mem.total <= cluster.usable_memory)
 
 
@@ -292,14 +291,12 @@ def _rule_key(message: str) -> str:
     return re.sub(r"\d+", "#", message)
 
 
-def search(w: Workload, cluster: Cluster, *, only: dict | None = None, remat_honoured: bool | None = None,
-           keep: int | None = None) -> Result:
+def search(w: Workload, cluster: Cluster, *, only: dict | None = None, keep: int | None = None) -> Result:
     """Every candidate validated and costed; the ones that fit, ranked by step time. Raises NoPlanError (one line
     naming the tightest constraint) when nothing fits.
 
     only: Candidate fields held fixed, a value or a tuple of allowed values (e.g. {"sp": 64, "attention":
-    ("ring", "wallfacer")} for WallFacer's own search over C and placement); remat_honoured:
-    cost.REMAT_HONOURED unless given (a what-if)."""
+    ("ring", "wallfacer")} for WallFacer's own search over C and placement)."""
     if cluster.devices < 1:
         raise NoPlanError(f"{cluster.devices} devices: nothing to plan")
     only = dict(only or {})
@@ -308,8 +305,6 @@ def search(w: Workload, cluster: Cluster, *, only: dict | None = None, remat_hon
     if unknown:
         raise ValueError(f"cannot hold {', '.join(sorted(unknown))} fixed; plan fields are {', '.join(sorted(fields))}")
     cache = _Cache(w, cluster)
-    honoured = cost.REMAT_HONOURED if remat_honoured is None else remat_honoured
-    modes = ("none", "selective", "full") if honoured else ("none",)
     fits, over, rejected, considered = [], [], {}, 0
     seen_rules: dict = {}
     structures: dict = {}
@@ -324,7 +319,7 @@ def search(w: Workload, cluster: Cluster, *, only: dict | None = None, remat_hon
         else:
             rejected[key] = Rejection("rule", 1, c, msg)
 
-    for c in candidates(w, cluster, modes):
+    for c in candidates(w, cluster):
         if only and not all(getattr(c, k) in v if isinstance(v, (tuple, list, set, frozenset))
                             else getattr(c, k) == v for k, v in only.items()):
             continue
@@ -350,7 +345,7 @@ def search(w: Workload, cluster: Cluster, *, only: dict | None = None, remat_hon
         if isinstance(plan, ValueError):
             reject(c, plan)
             continue
-        ev = evaluate(w, c, cluster, plan, cache, remat_honoured=honoured)
+        ev = evaluate(w, c, cluster, plan, cache)
         (fits if ev.fits else over).append(ev)
     if over:
         least = min(over, key=lambda ev: ev.memory.total)
