@@ -15,7 +15,8 @@ Settings (bf16, batch 1 as in both papers' long-sequence runs):
 
 For each: the planner's overall choice, its choice within the paper's own search space (WallFacer's Eq. 8:
 sp = every GPU, any C and placement; METP: tp = 8), the paper's best configuration and its baseline as the
-cost model predicts them, and the same top choice if the train step honoured --remat (cost.REMAT_HONOURED).
+cost model predicts them, with remat searched (none, selective, full) like every other option. Both papers
+checkpoint every layer (WallFacer Sec. 3.2.2, METP's recomputation): their configurations are given --remat full.
 
     python benchmarks/planner.py                                   # predictions only (a few minutes on CPU)
     JAX_PLATFORMS=cpu .venv-gpu/bin/python benchmarks/planner.py --compile-check   # + compiled GPU memory
@@ -23,7 +24,6 @@ cost model predicts them, and the same top choice if the train step honoured --r
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -42,11 +42,12 @@ def _wallfacer_best(p: int, per_node: int) -> Candidate:
     """The paper's best: C = 4 on 8-GPU nodes (C = 2 where C² = 16 does not divide P, and on 16-GPU nodes);
     ZeRO-2 as in its runs (Sec. 3.2.2); the placement is not reported: jaxring's default (teams in a node)."""
     c = 4 if p % 16 == 0 and per_node == 8 else 2
-    return Candidate(sp=p, attention="wallfacer", team_size=c, placement="team_inner", zero=2, micro_batch=1)
+    return Candidate(sp=p, attention="wallfacer", team_size=c, placement="team_inner", zero=2, remat="full",
+                     micro_batch=1)
 
 
 def _ring(p: int) -> Candidate:
-    return Candidate(sp=p, attention="ring", zero=2, micro_batch=1)
+    return Candidate(sp=p, attention="ring", zero=2, remat="full", micro_batch=1)
 
 
 def _wallfacer_space(p: int) -> dict:
@@ -89,8 +90,8 @@ for seq, p in ((128, 8), (256, 16)):                        # DiT weak scaling (
 for seq in (32, 64, 128, 256):                              # METP LLaMA-7B on 8 A100 80GB
     SETTINGS.append(dict(paper="METP", name=f"LLaMA-7B {seq}k on 8 A100-80GB", model="gpt", preset="7b",
                          seq=seq * K, device="a100-80gb", devices=8, per_node=8, inter_bw=None,
-                         paper_best=Candidate(tp=8, tensor="metp", micro_batch=1),
-                         baseline=Candidate(tp=8, tensor="megatron", micro_batch=1), space=METP_SPACE,
+                         paper_best=Candidate(tp=8, tensor="metp", remat="full", micro_batch=1),
+                         baseline=Candidate(tp=8, tensor="megatron", remat="full", micro_batch=1), space=METP_SPACE,
                          paper_note="METP above Megatron TP+SP in MFU; 2.38-2.99x the longest sequence (Sec. 5)"))
 
 
@@ -118,11 +119,10 @@ def run_setting(s, compile_check: bool):
     t = time.time()
     result, top = _search(w, cluster)
     _, in_space = _search(w, cluster, only=s["space"])
-    _, what_if = _search(w, cluster, remat_honoured=True)
     row = {"paper": s["paper"], "setting": s["name"], "workload": w.describe(), "cluster": cluster.describe(),
            "planner": top, "planner_in_paper_space": in_space, "paper_best": _predict(w, s["paper_best"], cluster),
            "paper_baseline": _predict(w, s["baseline"], cluster), "paper_says": s["paper_note"],
-           "planner_if_remat_honoured": what_if, "search_s": round(time.time() - t, 1)}
+           "search_s": round(time.time() - t, 1)}
     if compile_check and result is not None:
         target = GPU_TARGETS[s["device"]]
         t = time.time()
@@ -146,8 +146,7 @@ def _line(row):
         mem += f", compiled {comp / 2**30:.0f}" if comp else ""
         return f"{p['plan']}: {p['step_s']:.3g} s, {mem}"
     return (f"{row['setting']}\n  planner       {short(row['planner'])}\n  in paper space {short(row['planner_in_paper_space'])}"
-            f"\n  paper best    {short(row['paper_best'])}\n  paper base    {short(row['paper_baseline'])}"
-            f"\n  remat what-if {short(row['planner_if_remat_honoured'])}")
+            f"\n  paper best    {short(row['paper_best'])}\n  paper base    {short(row['paper_baseline'])}")
 
 
 def main(argv=None):
@@ -161,14 +160,12 @@ def main(argv=None):
         if not ok:
             sys.exit(f"--compile-check: {why}")
     import jax
-    from jaxring.planner import cost
     record = benchmark_record("planner", jax.devices(), {
         "compile_check": args.compile_check, "efficiency": 0.5, "memory_fraction": 0.9, "precision": "bf16",
-        "global_batch": 1, "remat_honoured": cost.REMAT_HONOURED,
+        "global_batch": 1,
         "note": "predictions of jaxring/planner/cost.py; compiled memory (when present) from the deviceless "
                 "GPU compile of the same train step"})
     if args.compile_check:
-        import jax_plugins  # noqa: F401 - the compile-only plugin's version
         from importlib.metadata import version
         record["jax_cuda12_plugin"] = version("jax-cuda12-plugin")
     for s in SETTINGS:

@@ -572,11 +572,17 @@ def saved_per_layer(w: Workload, c: Candidate, x: Dims, remat: str, cpu: bool = 
     if c.tensor == "metp" and c.tp > 1:                              # METP recomputes Q, K, V and f(AB)
         return stream + _core_saved(w, c, x, cpu)
     rope = b * n * (x.heads + x.kv_heads) * x.d * (F32 if w.model == "gpt" else em)
-    mlp = 6 * b * n * f * em
+    return stream + b * n * x.kv_heads * x.d * em + rope + _core_saved(w, c, x, cpu) + _mlp_saved(w, x)
+
+
+def _mlp_saved(w: Workload, x: Dims) -> float:
+    """The FFN's part of what a layer keeps without remat: 6 FFN-wide arrays (MoE: per routed expert, and the
+    router's fp32 probabilities)."""
+    em = DTYPE_BYTES[w.precision]
     if w.moe is not None:
-        moe, tokens = w.moe, b * n
-        mlp = 6 * tokens * moe.experts_per_token * moe.ffn * em + 2 * tokens * moe.num_experts * F32
-    return stream + b * n * x.kv_heads * x.d * em + rope + _core_saved(w, c, x, cpu) + mlp
+        moe, tokens = w.moe, x.b * x.n
+        return 6 * tokens * moe.experts_per_token * moe.ffn * em + 2 * tokens * moe.num_experts * F32
+    return 6 * x.b * x.n * x.ffn * em
 
 
 def _attention_working(w: Workload, c: Candidate, x: Dims, cpu: bool) -> float:
@@ -652,6 +658,9 @@ def memory(w: Workload, c: Candidate, leaves, *, cpu: bool = False) -> Memory:
         activations += 2 * chunks * activation_bytes(w, x)          # pipeline buffers (inbox, gradients)
     else:
         activations = x.layers * per_layer
+    # one layer's backward: with full remat its forward again, keeping every residual (tried: the FFN's freed
+    # before the attention core's buffers: under-predicts by up to 14% on the compiled CPU step); otherwise
+    # about half a layer's residuals live beside the attention core's buffers
     layer_work = saved_per_layer(w, c, x, "none", cpu) * (1.0 if remat == "full" else 0.5)
     working = layer_work + _attention_working(w, c, x, cpu)
     # the step's batch as stored (tokens, targets, positions int32; DiT: images, labels)
