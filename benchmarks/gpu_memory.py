@@ -165,7 +165,8 @@ def longest_rows(args, record, out):
     for name in args.configs:
         start = time.time()
         print(f"{name}: bisection", flush=True)
-        row = {"section": "longest", "config": name, "zero": args.zero if CONFIGS[name][0].get("sp", 1) > 1 else None,
+        row = {"section": "longest", "config": name, **STAMP,
+               "zero": args.zero if CONFIGS[name][0].get("sp", 1) > 1 else None,
                **longest_sequence(name, budget, args.unit, args.zero, first=args.first)}
         row["search_s"] = time.time() - start
         print(f"{name}: longest {row['longest_seq']} tokens ({row['search_s']:.0f} s)", flush=True)
@@ -180,8 +181,14 @@ def summarize(record):
     label = lambda r: r["config"] + (f' [{r["note"]}]' if r.get("note") else "")
     longest = {label(r): r["longest_seq"] for r in record["results"] if r.get("section") == "longest"}
     summary = record.setdefault("summary", {})
-    if longest.get("metp tp8") and longest.get("megatron tp8"):
-        summary["metp_over_megatron_longest_seq"] = longest["metp tp8"] / longest["megatron tp8"]
+    ratio = {}
+    for r in record["results"]:
+        if r.get("section") == "longest" and r["config"] == "metp tp8":
+            tag = f' [{r["note"]}]' if r.get("note") else ""
+            if longest.get("megatron tp8" + tag):
+                ratio[r.get("note") or "default"] = r["longest_seq"] / longest["megatron tp8" + tag]
+    if ratio:
+        summary["metp_over_megatron_longest_seq"] = ratio     # by note (XLA memory-limit setting)
     pairs = {}
     for r in record["results"]:
         if r.get("section") == "wallfacer":
@@ -192,12 +199,15 @@ def summarize(record):
         summary["ring_uses_less_than_wallfacer_zero2"] = less
     probed = {}                                     # the bisection's probes (ZeRO-3) at lengths both ran
     for r in record["results"]:
-        if r.get("section") == "longest" and r["config"] in ("ring zigzag", "wallfacer C=2") and not r.get("note"):
+        if r.get("section") == "longest" and r["config"] in ("ring zigzag", "wallfacer C=2"):
             for probe in r["probes"]:
-                probed.setdefault(probe["seq"], {})[r["config"]] = probe["peak_gib"]
-    less = {str(seq): 1 - p["ring zigzag"] / p["wallfacer C=2"] for seq, p in sorted(probed.items()) if len(p) == 2}
+                probed.setdefault((r.get("note") or "default", probe["seq"]), {})[r["config"]] = probe["peak_gib"]
+    less = {}
+    for (note, seq), p in sorted(probed.items()):
+        if len(p) == 2:
+            less.setdefault(note, {})[str(seq)] = 1 - p["ring zigzag"] / p["wallfacer C=2"]
     if less:
-        summary["ring_uses_less_than_wallfacer_zero3"] = less
+        summary["ring_uses_less_than_wallfacer_zero3"] = less     # by note, at the lengths both probed
     if longest:
         summary["longest_seq"] = longest
     mfu = {f'{r["preset"]} {r["config"]} {r["seq"]}': {"roofline_mfu": r["roofline"]["mfu"],
