@@ -214,23 +214,37 @@ def test_attention_matches_reference(p, causal):
     check_tree(got, ref, f"attention p={p} causal={causal}")
 
 
+def test_attention_forward_backward_repeatable():
+    """Jitted forward + backward at tp = 8 with longer sequences (S 256, hidden 64, traced positions), run three
+    times from one compilation: each run matches the reference. (An inner backward ring that sent ΔK/ΔV one
+    hop behind K/V with separate ppermutes gave wrong outputs here on XLA:CPU in most runs, or crashed.)"""
+    b, s, hidden, heads = 4, 256, 64, 8
+    cfg = dict(num_heads=heads, num_kv_heads=heads, causal=True, rope_theta=10000.0)
+    mesh = jaxring.make_mesh(tp=8)
+    x, dy = normal(21, (b, s, hidden)), normal(22, (b, s, hidden))
+    pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    params = attn_params(23, hidden, heads, heads, hidden // heads)
+    run = jax.jit(out_and_grads(lambda x, w, pos: metp.attention_block(x, w, pos, mesh=mesh, **cfg), dy))
+    ref = jax.jit(out_and_grads(lambda x, w, pos: attention_block_reference(x, w, pos, **cfg), dy))(x, params, pos)
+    for attempt in range(3):
+        check_tree(run(x, params, pos), ref, f"attention S={s} run {attempt}")
+
+
 def mha_bytes(p, causal, kv_heads, *, backward):
     """Collective-permute bytes per device of the two-level METP MHA (b = local batch).
 
     Forward: p broadcasts × ceil(log2 p) rounds × (W_qkv_j + W_proj_j) = h(n + 2n_kv)d/p + ndh/p elements,
     and per head group p-1 hops of the K, V blocks b(s/p)(n_kv/p)d each (+ their int32 positions b·s/p when
     causal). Backward: the broadcasts again, the tree reduces of ΔW_j (same size), K/V p-1 hops, ΔK/ΔV p hops
-    (fp32), positions p-1 hops per group but one: the first hop of the backward ring (sent before its loop,
-    `ring_steps_accumulating`) is the same ppermute of the same positions in every head group, and XLA makes
-    it once. With n_kv = n, d = h/n: forward 4·log2(p)·h² + 2(p-1)/p·bsh (the paper's Table 2), backward
-    8·log2(p)·h² + (4p-2)/p·bsh (the paper has 4(p-1)/p: the gradients' extra hop).
+    (fp32), positions p-1 hops. With n_kv = n, d = h/n: forward 4·log2(p)·h² + 2(p-1)/p·bsh (the paper's
+    Table 2), backward 8·log2(p)·h² + (4p-2)/p·bsh (the paper has 4(p-1)/p: the gradients' extra hop).
     """
     b, rounds = B // data_degree(p), tree_rounds(p)
     weights = (H * (HEADS + 2 * kv_heads) * HEAD_DIM + HEADS * HEAD_DIM * H) // p
     kv = b * (S // p) * (kv_heads // p) * HEAD_DIM
     pos = b * (S // p) if causal else 0
     fwd = p * rounds * weights + p * (p - 1) * (2 * kv + pos)
-    bwd = 2 * p * rounds * weights + p * ((p - 1) + p) * 2 * kv + (p - 1) * (p - 1) * pos
+    bwd = 2 * p * rounds * weights + p * ((p - 1) + p) * 2 * kv + p * (p - 1) * pos
     return F32 * (fwd + bwd if backward else fwd)
 
 

@@ -41,11 +41,13 @@ Backward (Algorithm 6, custom_vjp): residuals X_i, A_i and the logsumexp only (p
 broadcast the weights again, ΔW_proj_j = A_ijᵀ ΔO_i, recompute Q, K, V, ΔA_ij = ΔO_i W_proj_jᵀ, the inner
 backward ring (Algorithm 4, ΔK/ΔV travel with K/V and make p hops), ΔX_i += [ΔQ ΔK ΔV] W_qkv_jᵀ,
 ΔW_qkv_j = X_iᵀ [ΔQ ΔK ΔV]; then ΔW_qkv_j and ΔW_proj_j are tree-reduced onto rank j during the next step,
-round by round in the same transfers as the next group's broadcast (ΔW, ΔK, ΔV in fp32). The inner backward
-ring sends ΔK/ΔV one hop behind their K/V (`collectives.ring_steps_accumulating`): each hop is one transfer
-(fused on GPU) issued before the step's block kernels and waited for after them. Per device, elements: forward p·ceil(log2 p)·|W_j| + p(p-1)·2|K_j|;
-backward 2p·ceil(log2 p)·|W_j| + p(2p-1)·2|K_j| (|K_j| = b(s/p)(n_kv/p)d; with n_kv = n the paper's
-4·log2(p)·h² + 2(p-1)/p·bsh forward, and (4p-2)/p·bsh instead of its 4(p-1)/p·bsh backward: the extra hop).
+round by round in the same transfers as the next group's broadcast (ΔW, ΔK, ΔV in fp32). With fused sends
+(GPU) the inner backward ring sends ΔK/ΔV one hop behind their K/V (`collectives.ring_steps_accumulating`):
+each hop is one transfer issued before the step's block kernels and waited for after them; without (CPU)
+the sums are sent after the kernels (see `_inner_backward`). Per device, elements: forward
+p·ceil(log2 p)·|W_j| + p(p-1)·2|K_j|; backward 2p·ceil(log2 p)·|W_j| + p(2p-1)·2|K_j| (|K_j| = b(s/p)(n_kv/p)d;
+with n_kv = n the paper's 4·log2(p)·h² + 2(p-1)/p·bsh forward, and (4p-2)/p·bsh instead of its 4(p-1)/p·bsh
+backward: the extra hop).
 
 Causal masking (the paper omits it) uses the tokens' positions, so it is exact for any token layout: each
 K/V block travels with its int32 positions (b·s/p a hop), and a block entirely in the future of the local
@@ -324,24 +326,42 @@ def _inner_forward(q, k, v, positions, cfg: _MhaConfig):
 
 
 def _inner_backward(q, k, v, da, lse, delta, positions, cfg: _MhaConfig):
-    """Algorithm 4: ΔQ stays, ΔK/ΔV travel with K/V, one hop behind them (`ring_steps_accumulating`: a step's
-    send is issued before its block kernels and the received ΔK/ΔV are added after them), p hops: home at the
-    end. fp32 results."""
+    """Algorithm 4: ΔQ stays, ΔK/ΔV travel with K/V (p hops: home at the end). fp32 results.
+
+    With fused sends (GPU) ΔK/ΔV travel one hop behind their K/V (`ring_steps_accumulating`): a step's one
+    transfer (the next K/V, the previous step's ΔK/ΔV) is issued before its block kernels and the received
+    ΔK/ΔV are added after them. Without (CPU), the sums are sent after the kernels (`ring_steps`): with the
+    accumulating form and separate ppermutes per array, XLA:CPU's concurrent thunk runtime returned wrong
+    results in a jitted forward+backward (nondeterministic, 8 devices; tests/test_metp.py
+    test_attention_forward_backward_repeatable).
+    """
     p = lax.axis_size(cfg.axis_name)
     send = lambda tree: send_to_next(tree, cfg.axis_name, shift=BACKWARD, fuse=cfg.fuse)
+    blocks = (k, v, positions if cfg.causal else None)
 
-    def grads(dq, kv, j, dkv):
+    def block_grads(kv):
         k_j, v_j, kv_pos = kv
         zeros = lambda: (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(k_j, jnp.float32),
                          jnp.zeros_like(v_j, jnp.float32))
-        (dq_j, dk_j, dv_j), _ = when_visible(
-            cfg.causal, positions, kv_pos,
-            lambda: _block_backward(q, k_j, v_j, da, lse, delta, positions, kv_pos, cfg), zeros)
+        grads, _ = when_visible(cfg.causal, positions, kv_pos,
+                                lambda: _block_backward(q, k_j, v_j, da, lse, delta, positions, kv_pos, cfg), zeros)
+        return grads
+
+    if not cfg.fuse:
+        def grads_then_send(carry, kv, j):
+            dq, (dk, dv) = carry
+            dq_j, dk_j, dv_j = block_grads(kv)
+            return dq + dq_j, send((dk + dk_j, dv + dv_j))          # ΔK, ΔV move on with their block
+
+        init = (jnp.zeros_like(q, jnp.float32), (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)))
+        return ring_steps(grads_then_send, init, blocks, p, send)
+
+    def grads(dq, kv, j, dkv):
+        dq_j, dk_j, dv_j = block_grads(kv)
         if dkv is not None:                      # the block's sums so far, received during the kernels
             dk_j, dv_j = dkv[0] + dk_j, dkv[1] + dv_j
         return dq + dq_j, (dk_j, dv_j)
 
-    blocks = (k, v, positions if cfg.causal else None)
     return ring_steps_accumulating(grads, jnp.zeros_like(q, jnp.float32), blocks, p, send)
 
 
