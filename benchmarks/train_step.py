@@ -136,12 +136,14 @@ def compile_time(args, devices):
             cfg = TrainConfig(model="gpt", preset="tiny", seq_len=256, batch_size=8, steps=10 ** 6, sample_tokens=0,
                               progress=False, model_overrides={"num_layers": layers}, **mesh)
             trainer = Trainer(cfg, devices)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             lowered = lower_step(trainer)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             lowered.compile()
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.process_time()
             row = {"mesh": name, "layers": layers, "lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0,
+                   # CPU seconds of this process (all threads): less sensitive to other load than wall time
+                   "lower_cpu_s": c1 - c0, "compile_cpu_s": c2 - c1,
                    "stablehlo_chars": len(lowered.as_text())}   # the program's size: load-independent
             record["results"].append(row)
             save_record(record, out)
