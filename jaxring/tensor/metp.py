@@ -40,14 +40,10 @@ Two-level MHA, Algorithms 3-6 (`metp_attention`): head group j = heads j·n/p ..
 Backward (Algorithm 6, custom_vjp): residuals X_i, A_i and the logsumexp only (plus the inputs). For each j:
 broadcast the weights again, ΔW_proj_j = A_ijᵀ ΔO_i, recompute Q, K, V, ΔA_ij = ΔO_i W_proj_jᵀ, the inner
 backward ring (Algorithm 4, ΔK/ΔV travel with K/V and make p hops), ΔX_i += [ΔQ ΔK ΔV] W_qkv_jᵀ,
-ΔW_qkv_j = X_iᵀ [ΔQ ΔK ΔV]; then ΔW_qkv_j and ΔW_proj_j are tree-reduced onto rank j during the next step,
-round by round in the same transfers as the next group's broadcast (ΔW, ΔK, ΔV in fp32). With fused sends
-(GPU) the inner backward ring sends ΔK/ΔV one hop behind their K/V (`collectives.ring_steps_accumulating`):
-each hop is one transfer issued before the step's block kernels and waited for after them; without (CPU)
-the sums are sent after the kernels (see `_inner_backward`). Per device, elements: forward
-p·ceil(log2 p)·|W_j| + p(p-1)·2|K_j|; backward 2p·ceil(log2 p)·|W_j| + p(2p-1)·2|K_j| (|K_j| = b(s/p)(n_kv/p)d;
-with n_kv = n the paper's 4·log2(p)·h² + 2(p-1)/p·bsh forward, and (4p-2)/p·bsh instead of its 4(p-1)/p·bsh
-backward: the extra hop).
+ΔW_qkv_j = X_iᵀ [ΔQ ΔK ΔV]; then ΔW_qkv_j and ΔW_proj_j are tree-reduced onto rank j (at the end of step j,
+not overlapped with the next step; ΔW, ΔK, ΔV in fp32). Per device, elements: forward p·ceil(log2 p)·|W_j| + p(p-1)·2|K_j|;
+backward 2p·ceil(log2 p)·|W_j| + p(2p-1)·2|K_j| (|K_j| = b(s/p)(n_kv/p)d; with n_kv = n the paper's
+4·log2(p)·h² + 2(p-1)/p·bsh forward, and (4p-2)/p·bsh instead of its 4(p-1)/p·bsh backward: the extra hop).
 
 Causal masking (the paper omits it) uses the tokens' positions, so it is exact for any token layout: each
 K/V block travels with its int32 positions (b·s/p a hop), and a block entirely in the future of the local
@@ -73,9 +69,8 @@ from jax.sharding import PartitionSpec as P
 from jaxring.attention.blockwise import BlockOps, get_block_ops
 from jaxring.attention.merge import empty_partial, merge_partials
 from jaxring.attention.schedule import when_visible
-from jaxring.attention.ring import fuse_by_default
-from jaxring.collectives import (BACKWARD, FORWARD, fused_ppermute, ppermute, ring_pairs, ring_steps,
-                                 ring_steps_accumulating, send_to_next, tree_rounds)
+from jaxring.collectives import (BACKWARD, FORWARD, prefetch_steps, ring_steps, send_to_next, tree_broadcast,
+                                 tree_reduce)
 from jaxring.mesh import DATA_AXES
 from jaxring.rope import apply_rope
 from jaxring.sharded import run_local
@@ -115,7 +110,7 @@ def swiglu(t_gate, t_in):
 # O = f(AB)C (Algorithms 1-2)
 # ---------------------------------------------------------------------------------------------------------
 
-def metp(a, b, c, *, f=gelu, axis_name: str = "tp", fuse_sends: bool = False):
+def metp(a, b, c, *, f=gelu, axis_name: str = "tp"):
     """O_i = Σ_r f(A_i B_r) C_r on a ring over `axis_name` (call inside `shard_map`).
 
     Args:
@@ -124,8 +119,6 @@ def metp(a, b, c, *, f=gelu, axis_name: str = "tp", fuse_sends: bool = False):
         (SwiGLU: (W_gate block, W_in block)).
       c: local row block C_(i,:) [k2/p, n].
       f: element-wise function of the product(s) A_i B_r (one argument per B block).
-      fuse_sends: send each hop's blocks (in the backward with their gradient accumulators) as one buffer
-        (`collectives.fused_ppermute`): one transfer per step, which a GPU can overlap with the step's GEMMs.
     Returns: O_i [..., n] in a.dtype. Differentiable (custom_vjp: recompute, gradients ride the ring).
     """
     bs = tuple(b) if isinstance(b, (tuple, list)) else (b,)
@@ -138,10 +131,10 @@ def metp(a, b, c, *, f=gelu, axis_name: str = "tp", fuse_sends: bool = False):
         raise ValueError(f"a's last dim {a.shape[-1]} must equal B's rows k1 = {bs[0].shape[0]}")
     if c.ndim != 2 or c.shape[0] != bs[0].shape[1]:
         raise ValueError(f"c has shape {c.shape}; expected [k2/p, n] with k2/p = {bs[0].shape[1]}")
-    return _metp(a, bs, c, f, axis_name, bool(fuse_sends))
+    return _metp(a, bs, c, f, axis_name)
 
 
-def _metp_forward(a, bs, c, f, axis_name, fuse=False):
+def _metp_forward(a, bs, c, f, axis_name):
     """Algorithm 1. Returns O_i fp32."""
     p = lax.axis_size(axis_name)
 
@@ -152,48 +145,46 @@ def _metp_forward(a, bs, c, f, axis_name, fuse=False):
         return o + _mm(d, c_j)                          # O_i += D_ij C^(j)
 
     o = jnp.zeros_like(a, jnp.float32, shape=a.shape[:-1] + (c.shape[1],))
-    send = lambda blocks: send_to_next(blocks, axis_name, shift=FORWARD, fuse=fuse)
+    send = lambda blocks: send_to_next(blocks, axis_name, shift=FORWARD)
     return ring_steps(step, o, (bs, c), p, send)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _metp(a, bs, c, f, axis_name, fuse):
-    return _metp_forward(a, bs, c, f, axis_name, fuse).astype(a.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _metp(a, bs, c, f, axis_name):
+    return _metp_forward(a, bs, c, f, axis_name).astype(a.dtype)
 
 
-def _metp_fwd(a, bs, c, f, axis_name, fuse):
-    return _metp(a, bs, c, f, axis_name, fuse), (a, bs, c)   # stores A_i (and the rank's own blocks) only
+def _metp_fwd(a, bs, c, f, axis_name):
+    return _metp(a, bs, c, f, axis_name), (a, bs, c)   # stores A_i (and the rank's own blocks) only
 
 
-def _metp_bwd(f, axis_name, fuse, residuals, do):
+def _metp_bwd(f, axis_name, residuals, do):
     """Algorithm 2: recompute T, ΔB/ΔC accumulators travel with their blocks (p hops: home at the end).
 
-    The accumulators travel one hop behind their blocks (`collectives.ring_steps_accumulating`): a step's
-    send (the next blocks, the previous step's accumulators) is issued before its GEMMs and the received
-    accumulators are added after them, so the transfer can overlap the compute. The blocks circulate
-    transposed (Bᵀ, Cᵀ: the operands of ΔT Bᵀ and ΔO Cᵀ). Besides, at p = 2 both rings are the same
-    permutation, and XLA would otherwise reuse the forward's first hop in the backward when both passes are
-    in one program, holding the received blocks from forward to backward.
+    The blocks circulate transposed (Bᵀ, Cᵀ: the operands of ΔT Bᵀ and ΔO Cᵀ). Besides, at p = 2 both rings
+    are the same permutation, and XLA would otherwise reuse the forward's first hop in the backward when both
+    passes are in one program, holding the received blocks from forward to backward.
     """
     a, bs, c = residuals
     p = lax.axis_size(axis_name)
-    send = lambda tree: send_to_next(tree, axis_name, shift=BACKWARD, fuse=fuse)
+    send = lambda tree: send_to_next(tree, axis_name, shift=BACKWARD)
 
-    def step(da, blocks, j, acc):
+    def step(carry, blocks, j):
+        da, (dbs, dc) = carry
         bts_j, ct_j = blocks                                   # B^(j)ᵀ, C^(j)ᵀ
         t = [_mm(a, bt.T) for bt in bts_j]                     # T_ij = A_i B^(j)  (fp32, as forward)
         d, f_vjp = jax.vjp(f, *t)                              # D_ij = f(T_ij)
         dd = _mm(do, ct_j)                                     # ΔD_ij = ΔO_i C^(j)ᵀ
-        dc = _outer(d.astype(ct_j.dtype), do)                  # ΔC^(j) += D_ijᵀ ΔO_i
+        dc = dc + _outer(d.astype(ct_j.dtype), do)             # ΔC^(j) += D_ijᵀ ΔO_i
         dt = [g.astype(a.dtype) for g in f_vjp(dd)]            # ΔT_ij = f'(T_ij) ⊙ ΔD_ij
         da = da + sum(_mm(dt_r, bt) for dt_r, bt in zip(dt, bts_j))          # ΔA_i += ΔT_ij B^(j)ᵀ
-        dbs = tuple(_outer(a, dt_r) for dt_r in dt)                          # ΔB^(j) += A_iᵀ ΔT_ij
-        if acc is not None:                                    # the sums so far, received during the GEMMs
-            dbs, dc = tuple(x + y for x, y in zip(acc[0], dbs)), acc[1] + dc
-        return da, (dbs, dc)                                   # ΔB, ΔC move on with their block
+        dbs = tuple(db + _outer(a, dt_r) for db, dt_r in zip(dbs, dt))       # ΔB^(j) += A_iᵀ ΔT_ij
+        return da, send((dbs, dc))                             # ΔB, ΔC move on with their block
 
+    zeros = lambda w: vary_like(jnp.zeros_like(w, jnp.float32), a)
+    init = (jnp.zeros_like(a, jnp.float32), (tuple(zeros(b_) for b_ in bs), zeros(c)))
     blocks = (tuple(b_.T for b_ in bs), c.T)
-    da, (dbs, dc) = ring_steps_accumulating(step, jnp.zeros_like(a, jnp.float32), blocks, p, send)
+    da, (dbs, dc) = ring_steps(step, init, blocks, p, send)
     dbs = tuple(_sum_to(db, b_).astype(b_.dtype) for db, b_ in zip(dbs, bs))
     return da.astype(a.dtype), dbs, _sum_to(dc, c).astype(c.dtype)
 
@@ -201,21 +192,19 @@ def _metp_bwd(f, axis_name, fuse, residuals, do):
 _metp.defvjp(_metp_fwd, _metp_bwd)
 
 
-def metp_mlp(x, w_in, w_out, w_gate=None, *, activation: str = "gelu", axis_name: str = "tp",
-             fuse_sends: bool = False):
+def metp_mlp(x, w_in, w_out, w_gate=None, *, activation: str = "gelu", axis_name: str = "tp"):
     """The FFN as METP (Eq. 2), inside `shard_map`.
 
     x: local [batch, s/p, hidden]; w_in (and w_gate for swiglu): local [hidden, ffn/p]; w_out: [ffn/p, hidden].
     gelu: gelu(x W_in) W_out; swiglu: (silu(x W_gate) ⊙ x W_in) W_out (both column blocks circulate).
-    fuse_sends: one buffer per ring hop (see `metp`); the train step sets it with the Pallas block ops (GPU).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} must be one of {ACTIVATIONS}")
     if (w_gate is not None) != (activation == "swiglu"):
         raise ValueError(f"w_gate must be given exactly when activation == 'swiglu' (activation {activation!r})")
     if activation == "swiglu":
-        return metp(x, (w_gate, w_in), w_out, f=swiglu, axis_name=axis_name, fuse_sends=fuse_sends)
-    return metp(x, w_in, w_out, f=gelu, axis_name=axis_name, fuse_sends=fuse_sends)
+        return metp(x, (w_gate, w_in), w_out, f=swiglu, axis_name=axis_name)
+    return metp(x, w_in, w_out, f=gelu, axis_name=axis_name)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -232,7 +221,6 @@ class _MhaConfig:
     rope_theta: float | None
     sm_scale: float
     ops: BlockOps
-    fuse: bool            # one buffer per ring hop and tree round (GPU: one transfer to overlap)
 
 
 def metp_attention(x, wq, wk, wv, wo, positions, *, num_heads: int, num_kv_heads: int | None = None,
@@ -272,9 +260,8 @@ def metp_attention(x, wq, wk, wv, wo, positions, *, num_heads: int, num_kv_heads
         raise ValueError(f"positions has shape {positions.shape}; expected [batch, s/p] = {x.shape[:2]}")
     if rope_theta is not None and d % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {d}")
-    ops = get_block_ops(block_ops)
     cfg = _MhaConfig(axis_name, heads, kv_heads, d, bool(causal),
-                     None if rope_theta is None else float(rope_theta), d ** -0.5, ops, fuse_by_default(ops, None))
+                     None if rope_theta is None else float(rope_theta), d ** -0.5, get_block_ops(block_ops))
     return _mha(x, wq, wk, wv, wo, positions, cfg)
 
 
@@ -282,6 +269,13 @@ def _rope(q, k, positions, cfg: _MhaConfig):
     if cfg.rope_theta is None:
         return q, k
     return apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta)
+
+
+def _project(x, wq, wk, wv, positions, cfg: _MhaConfig):
+    """(Q_ij, K_ij, V_ij) = X_i W_qkv_j (+ RoPE): [b, s/p, heads, d] in x.dtype."""
+    b, n = x.shape[:2]
+    q, k, v = (_mm(x, w).astype(x.dtype).reshape(b, n, -1, cfg.head_dim) for w in (wq, wk, wv))
+    return (*_rope(q, k, positions, cfg), v)
 
 
 def _block_forward(q, k, v, q_pos, kv_pos, cfg: _MhaConfig):
@@ -321,219 +315,63 @@ def _inner_forward(q, k, v, positions, cfg: _MhaConfig):
                                lambda: empty_partial(q))
         return merge_partials(*acc, *part)
 
-    send = lambda kv: send_to_next(kv, cfg.axis_name, shift=FORWARD, fuse=cfg.fuse)
+    send = lambda kv: send_to_next(kv, cfg.axis_name, shift=FORWARD)
     return ring_steps(attend, empty_partial(q), (k, v, positions if cfg.causal else None), p, send)
 
 
 def _inner_backward(q, k, v, da, lse, delta, positions, cfg: _MhaConfig):
-    """Algorithm 4: ΔQ stays, ΔK/ΔV travel with K/V (p hops: home at the end). fp32 results.
-
-    With fused sends (GPU) ΔK/ΔV travel one hop behind their K/V (`ring_steps_accumulating`): a step's one
-    transfer (the next K/V, the previous step's ΔK/ΔV) is issued before its block kernels and the received
-    ΔK/ΔV are added after them. Without (CPU), the sums are sent after the kernels (`ring_steps`): with the
-    accumulating form and separate ppermutes per array, XLA:CPU's concurrent thunk runtime returned wrong
-    results in a jitted forward+backward (nondeterministic, 8 devices; tests/test_metp.py
-    test_attention_forward_backward_repeatable).
-    """
+    """Algorithm 4: ΔQ stays, ΔK/ΔV travel with K/V (p hops: home at the end). fp32 results."""
     p = lax.axis_size(cfg.axis_name)
-    send = lambda tree: send_to_next(tree, cfg.axis_name, shift=BACKWARD, fuse=cfg.fuse)
-    blocks = (k, v, positions if cfg.causal else None)
+    send = lambda tree: send_to_next(tree, cfg.axis_name, shift=BACKWARD)
 
-    def block_grads(kv):
+    def grads(carry, kv, j):
+        dq, (dk, dv) = carry
         k_j, v_j, kv_pos = kv
         zeros = lambda: (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(k_j, jnp.float32),
                          jnp.zeros_like(v_j, jnp.float32))
-        grads, _ = when_visible(cfg.causal, positions, kv_pos,
-                                lambda: _block_backward(q, k_j, v_j, da, lse, delta, positions, kv_pos, cfg), zeros)
-        return grads
+        (dq_j, dk_j, dv_j), _ = when_visible(
+            cfg.causal, positions, kv_pos,
+            lambda: _block_backward(q, k_j, v_j, da, lse, delta, positions, kv_pos, cfg), zeros)
+        return dq + dq_j, send((dk + dk_j, dv + dv_j))
 
-    if not cfg.fuse:
-        def grads_then_send(carry, kv, j):
-            dq, (dk, dv) = carry
-            dq_j, dk_j, dv_j = block_grads(kv)
-            return dq + dq_j, send((dk + dk_j, dv + dv_j))          # ΔK, ΔV move on with their block
-
-        init = (jnp.zeros_like(q, jnp.float32), (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)))
-        return ring_steps(grads_then_send, init, blocks, p, send)
-
-    def grads(dq, kv, j, dkv):
-        dq_j, dk_j, dv_j = block_grads(kv)
-        if dkv is not None:                      # the block's sums so far, received during the kernels
-            dk_j, dv_j = dkv[0] + dk_j, dkv[1] + dv_j
-        return dq + dq_j, (dk_j, dv_j)
-
-    return ring_steps_accumulating(grads, jnp.zeros_like(q, jnp.float32), blocks, p, send)
+    init = (jnp.zeros_like(q, jnp.float32), (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)))
+    return ring_steps(grads, init, (k, v, positions if cfg.causal else None), p, send)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Head-group broadcasts and reduces, one tree round at a time under the GEMMs
-# ---------------------------------------------------------------------------------------------------------
+def _outer_steps(step_fn, carry, own, axis_name, reverse: bool = False):
+    """for each head group j: carry = step_fn(carry, W_j, j), W_j = rank j's `own` blocks broadcast to all.
 
-def _send(tree, shift, cfg: _MhaConfig):
-    """Every rank sends `tree` to rank + shift (one buffer when cfg.fuse)."""
-    pairs = ring_pairs(lax.axis_size(cfg.axis_name), shift)
-    if cfg.fuse:
-        return fused_ppermute(tree, cfg.axis_name, pairs)
-    return jax.tree.map(lambda x: ppermute(x, cfg.axis_name, pairs), tree)
-
-
-def _tree_rounds(cfg: _MhaConfig, broadcast=None, reduce=None):
-    """The ceil(log2 p) rounds of a binomial-tree broadcast from rank `broadcast` and a binomial-tree reduce
-    onto rank `reduce` (either may be None), made together: in round t every rank sends its (broadcast,
-    reduce) blocks to rank + 2^t, as one buffer with cfg.fuse. Returns [round t: (b, r) -> (b, r)].
-
-      broadcast  (`collectives.tree_broadcast`) a rank keeps what it received when its distance after the
-                 root, (rank - root) mod p, is in [2^t, 2^(t+1));
-      reduce     the mirror tree: with d = (root - rank) mod p, a rank adds what it received when d is a
-                 multiple of 2^(t+1) and d + 2^t < p (a sender exists); after the last round the sum is on
-                 root. (`collectives.tree_reduce` sends the other way, widest first: this order gives the
-                 reduce the broadcast's permutations, so the two travel in one transfer.)
-    Each rank receives one block of each per round: ceil(log2 p) blocks a tree, the log-tree cost.
+    Groups 0..p-1 (p-1..0 when `reverse`). The next group's broadcast is issued before this group's compute
+    (double buffer): p broadcasts in all, each ceil(log2 p) ppermute rounds (`tree_broadcast`); a lax.scan
+    over the first p-1 groups and the last alone.
     """
-    p, rank = lax.axis_size(cfg.axis_name), lax.axis_index(cfg.axis_name)
-
-    def round_t(t):
-        shift = 1 << t
-
-        def run(state):
-            b, r = state
-            got_b, got_r = _send((b, r), shift, cfg)
-            if broadcast is not None:
-                after = (rank - broadcast) % p
-                keep = (after >= shift) & (after < 2 * shift)
-                b = jax.tree.map(lambda got, mine: jnp.where(keep, got, mine), got_b, b)
-            if reduce is not None:
-                before = (reduce - rank) % p
-                add = (before % (2 * shift) == 0) & (before + shift < p)
-                r = jax.tree.map(lambda got, mine: jnp.where(add, mine + got, mine), got_r, r)
-            return b, r
-        return run
-
-    return [round_t(t) for t in range(tree_rounds(p))]
-
-
-class _Rounds:
-    """Tree transfers made one ppermute round at a time, each round hidden under one GEMM (`hide`).
-
-    A tree broadcast or reduce is ceil(log2 p) dependent rounds, and XLA's GPU scheduler keeps one
-    collective-permute in flight at a time and none across the inner ring's loop (which has its own). Left to
-    itself it issued a head group's rounds back to back, around one GEMM at most: the rest waited on the links
-    with nothing to hide them. `hide(fn, *args)` pins one round to one GEMM between two
-    `lax.optimization_barrier`s: fn's inputs pass the first together with the previous round's result (so
-    neither the round nor fn starts before the previous round has arrived), the round is issued, then fn runs,
-    and the second barrier waits for both.
-    """
-
-    def __init__(self, state=None, rounds=()):
-        self.state, self._rounds = state, list(rounds)
-
-    def hide(self, fn, *args):
-        """fn(*args), with the next round in flight meanwhile (just fn(*args) when none is left)."""
-        if not self._rounds:
-            return fn(*args)
-        state, args = lax.optimization_barrier((self.state, args))
-        sent = self._rounds.pop(0)(state)
-        out = fn(*args)
-        self.state, out = lax.optimization_barrier((sent, out))
-        return out
-
-    def result(self):
-        """The transfers' result (rounds not hidden yet are made here, with nothing to hide them)."""
-        while self._rounds:
-            self.state = self._rounds.pop(0)(self.state)
-        return self.state
-
-
-def _outer_steps(step_fn, carry, own, like, cfg: _MhaConfig, *, reverse: bool = False, absorb=None):
-    """for each head group j: carry = step_fn(carry, W_j, j, rounds), W_j = rank j's `own` blocks broadcast to
-    all. `rounds` (a `_Rounds`) makes the next group's broadcast, whose rounds step_fn hides under its GEMMs
-    (double buffer: the next group's weights arrive during this group's compute).
-
-    With `absorb`, step_fn returns (carry, G_j): blocks to sum onto rank j (the weight gradients). That tree
-    reduce is made during the next step, in the same rounds as its broadcast (one transfer a round), and
-    absorb(carry, G_j summed, j) takes the result; the last group's reduce follows the loop.
-
-    Groups 0..p-1 (p-1..0 when `reverse`): p broadcasts (and reduces), each ceil(log2 p) ppermute rounds. The
-    first group's broadcast comes before the loop, with nothing to hide it; the steps that both broadcast
-    and reduce are a lax.scan (the `collectives.prefetch_steps` loop: a broadcast cannot be hoisted out of its
-    step, so a device holds the current and the next group's blocks only), the others are peeled off. The
-    broadcast blocks are typed as varying like `like` (the barriers tie them to the step's activations).
-    Only root's blocks matter in a broadcast: the other ranks send a fill, so that every round depends on
-    root (otherwise XLA sees that the first round is the same for every root and hoists it out of the loop:
-    not the paper's schedule, one more block held), and the backward fills with another value so that XLA
-    cannot merge its broadcasts with the forward's when both passes are in one program.
-    """
-    p, rank = lax.axis_size(cfg.axis_name), lax.axis_index(cfg.axis_name)
+    p, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
     group = (lambda s: p - 1 - s) if reverse else (lambda s: s)
+    # Only root's block matters; the tree never keeps what the other ranks send, so they send a fill. This
+    # makes every round depend on root: otherwise XLA sees that the first round (every rank sends its own
+    # block to rank + 1) is the same for every root and hoists it out of the loop (not the paper's schedule,
+    # one more block held). The backward fills with another value so that XLA cannot merge its broadcasts
+    # with the forward's when both passes are in one program (that would hold W_j from forward to backward).
     fill = 1.0 if reverse else 0.0
-    masked = lambda root: jax.tree.map(lambda w: vary_like(jnp.where(rank == root, w, jnp.full_like(w, fill)),
-                                                           like), own)
+    broadcast = lambda root: jax.tree.map(
+        lambda w: tree_broadcast(jnp.where(rank == root, w, jnp.full_like(w, fill)), axis_name, root), own)
 
-    def rounds_of(next_root=None, pending=None):
-        """The next group's broadcast (from next_root) and the previous group's reduce (pending: (G, root))."""
-        b = None if next_root is None else masked(next_root)
-        g, root = (None, None) if pending is None else pending
-        return _Rounds((b, g), _tree_rounds(cfg, broadcast=next_root, reduce=root))
-
-    def step(carry, w, s, rounds):
-        """One group's step; returns (carry, its gradient to reduce (None without absorb), next W)."""
-        out = step_fn(carry, w, group(s), rounds)
-        carry, g = out if absorb is not None else (out, None)
-        w_next, reduced = rounds.result()
-        return carry, g, w_next, reduced
-
-    def absorb_previous(carry, reduced, s):
-        return carry if absorb is None or reduced is None else absorb(carry, reduced, group(s - 1))
-
-    w, _ = rounds_of(group(0)).result()
-    if absorb is None:
-        def body(state, s):
-            carry, w = state
-            carry, _, w, _ = step(carry, w, s, rounds_of(group(s + 1)))
-            return (carry, w), None
-        first = 0
-        pending = None
-    else:                                   # step 0 has no previous gradient to reduce: peeled off
-        carry, g, w, _ = step(carry, w, 0, rounds_of(group(1)) if p > 1 else rounds_of())
-
-        def body(state, s):
-            carry, w, g = state
-            carry, g_next, w, reduced = step(carry, w, s, rounds_of(group(s + 1), (g, group(s - 1))))
-            return (absorb_previous(carry, reduced, s), w, g_next), None
-        first = 1
-        pending = g
-    if p - 1 > first:
-        state = (carry, w) if absorb is None else (carry, w, pending)
-        state, _ = lax.scan(body, state, jnp.arange(first, p - 1))
-        carry, w = state[:2]
-        pending = state[2] if absorb is not None else None
-    if p - 1 < first:                       # p = 1: step 0 was the only one
-        return carry if absorb is None else absorb(carry, pending, group(0))
-    last = p - 1
-    rounds = rounds_of(None, None if pending is None else (pending, group(last - 1)))
-    carry, g, _, reduced = step(carry, w, last, rounds)
-    carry = absorb_previous(carry, reduced, last)
-    if absorb is None:
-        return carry
-    _, reduced = rounds_of(None, (g, group(last))).result()     # the last group's reduce: nothing left to hide it
-    return absorb(carry, reduced, group(last))
+    return prefetch_steps(lambda carry, w, s: step_fn(carry, w, group(s)), carry, broadcast(group(0)),
+                          lambda _, s: broadcast(group(s + 1)), p)
 
 
 def _mha_forward(x, weights, positions, cfg: _MhaConfig, keep: bool):
     """Algorithm 5. Returns O_i fp32 and, when `keep`, A_i [p, b, s/p, heads, d] (x.dtype) and lse fp32."""
     p = lax.axis_size(cfg.axis_name)
     b, n, _ = x.shape
-    project = lambda x, w: _mm(x, w).astype(x.dtype).reshape(b, n, -1, cfg.head_dim)
 
-    def head_group(carry, w_j, j, rounds):
+    def head_group(carry, w_j, j):
         o, kept = carry
         wq, wk, wv, wo = w_j                                          # broadcast from rank j
-        # (Q_ij, K_ij, V_ij) = X_i W_qkv_j, one GEMM per round of the next group's broadcast
-        q, k, v = (rounds.hide(project, x, w) for w in (wq, wk, wv))
-        q, k = _rope(q, k, positions, cfg)
+        q, k, v = _project(x, wq, wk, wv, positions, cfg)             # (Q_ij, K_ij, V_ij) = X_i W_qkv_j
         a, lse = _inner_forward(q, k, v, positions, cfg)              # A_ij = METP_Attention(Q, K, V)
         a = a.astype(x.dtype)
-        o = rounds.hide(lambda o, a, wo: o + _mm(a.reshape(b, n, -1), wo), o, a, wo)   # O_i += A_ij W_proj_j
+        o = o + _mm(a.reshape(b, n, -1), wo)                          # O_i += A_ij W_proj_j
         if keep:
             kept = (kept[0].at[j].set(a), kept[1].at[j].set(lse))
         return o, kept
@@ -543,7 +381,7 @@ def _mha_forward(x, weights, positions, cfg: _MhaConfig, keep: bool):
     if keep:
         a0 = jnp.zeros_like(x, shape=(p, b, n, cfg.heads, cfg.head_dim))
         kept = (a0, jnp.zeros_like(x, jnp.float32, shape=(p, b, n, cfg.heads)))
-    return _outer_steps(head_group, (o, kept), weights, x, cfg)
+    return _outer_steps(head_group, (o, kept), weights, cfg.axis_name)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -561,44 +399,33 @@ def _mha_fwd(x, wq, wk, wv, wo, positions, cfg):
 def _mha_bwd(cfg, residuals, do):
     """Algorithm 6: broadcast W_j again, recompute Q, K, V, inner backward ring, tree-reduce ΔW_j onto rank j.
 
-    The head groups go in reverse order (any order is correct). Each step's transfers are hidden under its
-    GEMMs: the next group's broadcast, fused round by round with the reduce of the previous group's ΔW (one
-    step late), under ΔW_proj, ΔA and the Q, K, V GEMMs; the inner ring's last hop (ΔK/ΔV going home) under
-    ΔQ's GEMMs. Weight gradients are fp32 until the end.
+    The head groups go in reverse order (any order is correct). Weight gradients are fp32 until the end.
     """
     x, weights, positions, a_all, lse_all = residuals
     rank = lax.axis_index(cfg.axis_name)
     b, n, _ = x.shape
-    project = lambda x, w: _mm(x, w).astype(x.dtype).reshape(b, n, -1, cfg.head_dim)
-    rope = lambda t: t if cfg.rope_theta is None else apply_rope(t, positions, cfg.rope_theta)
-    flat = lambda g: g.astype(x.dtype).reshape(b, n, -1)
 
-    def head_group(carry, w_j, j, rounds):
+    def head_group(carry, w_j, j):
         dx, dw_own = carry
         wq, wk, wv, wo = w_j                                          # broadcast from rank j (again)
         a, lse = a_all[j], lse_all[j]
-        q, k, v = (rounds.hide(project, x, w) for w in (wq, wk, wv))  # recompute Q_ij, K_ij, V_ij
-        dwo = rounds.hide(lambda a, do: _outer(a.reshape(b, n, -1), do), a, do)       # ΔW_proj_j = A_ijᵀ ΔO_i
-        da = rounds.hide(lambda do, wo: _mm(do, wo.T).reshape(a.shape).astype(x.dtype), do, wo)   # ΔA_ij
-        (q, q_rope_vjp), (k, k_rope_vjp) = jax.vjp(rope, q), jax.vjp(rope, k)
+        dwo = _outer(a.reshape(b, n, -1), do)                         # ΔW_proj_j = A_ijᵀ ΔO_i
+        q, k, v = (_mm(x, w).astype(x.dtype).reshape(b, n, -1, cfg.head_dim) for w in (wq, wk, wv))
+        (q, k), rope_vjp = jax.vjp(lambda q, k: _rope(q, k, positions, cfg), q, k)   # recompute Q_ij, K_ij, V_ij
+        da = _mm(do, wo.T).reshape(a.shape).astype(x.dtype)           # ΔA_ij = ΔO_i W_proj_jᵀ
         delta = jnp.sum(da.astype(jnp.float32) * a.astype(jnp.float32), axis=-1)   # D_i = rowsum(ΔA ⊙ A)
         dq, (dk, dv) = _inner_backward(q, k, v, da, lse, delta, positions, cfg)
-        # ΔQ's GEMMs first: ΔK/ΔV are still on their last hop home (the barrier keeps them apart)
-        dq = flat(q_rope_vjp(dq.astype(x.dtype))[0])                  # through RoPE (a rotation: its transpose)
-        dwq, dxq = _outer(x, dq), _mm(dq, wq.T)
-        (dk, dv), (dwq, dxq) = lax.optimization_barrier(((dk, dv), (dwq, dxq)))
-        dk, dv = flat(k_rope_vjp(dk.astype(x.dtype))[0]), flat(dv)
-        dx = dx + dxq + _mm(dk, wk.T) + _mm(dv, wv.T)                  # ΔX_i += [ΔQ ΔK ΔV] W_qkv_jᵀ
-        dw = (dwq, _outer(x, dk), _outer(x, dv), dwo)                 # ΔW_qkv_j = X_iᵀ [ΔQ ΔK ΔV], ΔW_proj_j
-        return (dx, dw_own), dw                                        # ΔW_j: reduced onto rank j next step
-
-    def absorb(carry, reduced, j):                                     # rank j keeps its blocks' sums
-        dx, dw_own = carry
-        return dx, jax.tree.map(lambda new, old: jnp.where(rank == j, new, old), reduced, dw_own)
+        dq, dk = rope_vjp((dq.astype(x.dtype), dk.astype(x.dtype)))   # through RoPE (a rotation: its transpose)
+        dqkv = [g.astype(x.dtype).reshape(b, n, -1) for g in (dq, dk, dv)]
+        dx = dx + sum(_mm(g, w.T) for g, w in zip(dqkv, (wq, wk, wv)))           # ΔX_i += [ΔQ ΔK ΔV] W_qkv_jᵀ
+        dw = (*(_outer(x, g) for g in dqkv), dwo)                                # ΔW_qkv_j = X_iᵀ [ΔQ ΔK ΔV]
+        reduced = jax.tree.map(lambda g: tree_reduce(g, cfg.axis_name, j), dw)   # Reduce onto rank j
+        dw_own = jax.tree.map(lambda new, old: jnp.where(rank == j, new, old), reduced, dw_own)
+        return dx, dw_own
 
     zeros = lambda w: vary_like(jnp.zeros_like(w, jnp.float32), x)
     init = (jnp.zeros_like(x, jnp.float32), jax.tree.map(zeros, weights))
-    dx, dw = _outer_steps(head_group, init, weights, x, cfg, reverse=True, absorb=absorb)
+    dx, dw = _outer_steps(head_group, init, weights, cfg.axis_name, reverse=True)
     return (dx.astype(x.dtype), *(_sum_to(g, w).astype(w.dtype) for g, w in zip(dw, weights)), None)
 
 
@@ -784,8 +611,7 @@ class METP(TensorMethod):
                               block_ops=plan.block_ops)
 
     def mlp(self, plan, x, w, *, activation):
-        return metp_mlp(x, w["w_in"], w["w_out"], w.get("w_gate"), activation=activation, axis_name="tp",
-                        fuse_sends=fuse_by_default(get_block_ops(plan.block_ops), None))
+        return metp_mlp(x, w["w_in"], w["w_out"], w.get("w_gate"), activation=activation, axis_name="tp")
 
     def moe(self, plan, x, moe):
         raise ValueError(f"mixture-of-experts layers cannot run with tensor parallelism '{self.name}': its "
