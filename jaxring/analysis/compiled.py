@@ -116,10 +116,17 @@ def _executions(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
     return runs
 
 
-def collective_traffic(hlo_text: str, num_devices: int) -> tuple[dict[str, int], dict[str, int]]:
-    """(bytes received per device, number of op executions), each by collective kind, from compiled HLO."""
-    moved = {k: 0 for k in KINDS}
-    count = {k: 0 for k in KINDS}
+def received_factor(kind: str, group: int) -> float:
+    """Bytes a device receives per byte of an op's result, for a collective of `kind` over `group` devices
+    (ring algorithms: an all-reduce is a reduce-scatter plus an all-gather)."""
+    g = group
+    return {"collective-permute": 1.0, "all-gather": (g - 1) / g, "reduce-scatter": g - 1,
+            "all-to-all": (g - 1) / g, "all-reduce": 2 * (g - 1) / g}[kind]
+
+
+def collective_ops(hlo_text: str):
+    """Yields (line, kind, result bytes, executions) for every collective in compiled HLO; loop bodies count
+    once per iteration. Async start ops return (operand, result, ...): the result is counted."""
     comps, entry = _computations(hlo_text)
     for name, times in _executions(comps, entry).items():
         for line in comps[name]:
@@ -129,14 +136,18 @@ def collective_traffic(hlo_text: str, num_devices: int) -> tuple[dict[str, int],
             shape_text, kind, start = m.groups()
             size = _shape_bytes(shape_text)
             if start and shape_text.startswith("("):
-                # async start ops return (operand, result, ...): count the result only
                 arrays = [f"{t}[{d}]" for t, d in _ARRAY.findall(shape_text)]
                 size = _shape_bytes(arrays[1]) if len(arrays) > 1 else _shape_bytes(arrays[0])
-            g = _group_size(line, num_devices)
-            factor = {"collective-permute": 1.0, "all-gather": (g - 1) / g, "reduce-scatter": g - 1,
-                      "all-to-all": (g - 1) / g, "all-reduce": 2 * (g - 1) / g}[kind]
-            moved[kind] += round(size * factor) * times
-            count[kind] += times
+            yield line, kind, size, times
+
+
+def collective_traffic(hlo_text: str, num_devices: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(bytes received per device, number of op executions), each by collective kind, from compiled HLO."""
+    moved = {k: 0 for k in KINDS}
+    count = {k: 0 for k in KINDS}
+    for line, kind, size, times in collective_ops(hlo_text):
+        moved[kind] += round(size * received_factor(kind, _group_size(line, num_devices))) * times
+        count[kind] += times
     return moved, count
 
 

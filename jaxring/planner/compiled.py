@@ -23,14 +23,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxring.analysis.compiled import _ARRAY, _OP, _computations, _executions, _shape_bytes
+from jaxring.analysis.compiled import collective_ops, received_factor
 
 _PAIRS = re.compile(r"source_target_pairs=\{(.*?)\}\}")
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
-_FACTOR = {"collective-permute": lambda g: 1.0, "all-gather": lambda g: (g - 1) / g,
-           "reduce-scatter": lambda g: g - 1, "all-to-all": lambda g: (g - 1) / g,
-           "all-reduce": lambda g: 2 * (g - 1) / g}
 PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 
 
@@ -61,33 +58,23 @@ def axis_traffic(hlo_text: str, mesh, *, skip_scalars: bool = True) -> dict[tupl
     coords = {i: np.unravel_index(i, mesh.devices.shape) for i in range(mesh.devices.size)}
     if skip_scalars:
         hlo_text = re.sub(r"\b(f32|s32|u32|pred|bf16|f16)\[\]", r"\1[0]", hlo_text)
-    comps, entry = _computations(hlo_text)
     out: dict[tuple[str, ...], int] = {}
-    for name, times in _executions(comps, entry).items():
-        for line in comps[name]:
-            m = _OP.search(line)
-            if not m:
-                continue
-            shape_text, kind, start = m.groups()
-            size = _shape_bytes(shape_text)
-            if start and shape_text.startswith("("):
-                arrays = [f"{t}[{d}]" for t, d in _ARRAY.findall(shape_text)]
-                size = _shape_bytes(arrays[1]) if len(arrays) > 1 else _shape_bytes(arrays[0])
-            if size == 0:
-                continue
-            if kind == "collective-permute":
-                pairs = [(int(a), int(b)) for a, b in re.findall(r"(\d+),(\d+)", _PAIRS.search(line).group(1))]
-                axes = set()
-                for a, b in pairs:
-                    axes |= set(_axes_spanned((a, b), coords, names))
-                key, g = tuple(n for n in names if n in axes), 2
-            else:
-                groups = _groups(line, mesh.devices.size)
-                g = len(groups[0])
-                key = tuple(n for n in names if any(n in _axes_spanned(gr, coords, names) for gr in groups))
-            if not key:
-                continue                                   # a device talking to itself moves nothing
-            out[key] = out.get(key, 0) + round(size * _FACTOR[kind](g)) * times
+    for line, kind, size, times in collective_ops(hlo_text):
+        if size == 0:
+            continue
+        if kind == "collective-permute":
+            pairs = [(int(a), int(b)) for a, b in re.findall(r"(\d+),(\d+)", _PAIRS.search(line).group(1))]
+            axes = set()
+            for a, b in pairs:
+                axes |= set(_axes_spanned((a, b), coords, names))
+            key, g = tuple(n for n in names if n in axes), 2
+        else:
+            groups = _groups(line, mesh.devices.size)
+            g = len(groups[0])
+            key = tuple(n for n in names if any(n in _axes_spanned(gr, coords, names) for gr in groups))
+        if not key:
+            continue                                   # a device talking to itself moves nothing
+        out[key] = out.get(key, 0) + round(size * received_factor(kind, g)) * times
     return out
 
 
