@@ -4,6 +4,7 @@ The compile tests need the compile-only CUDA plugin (`pip install -e ".[dev,gpu-
 elsewhere they skip and say why. The parsers (ptxas output, scheduled HLO) and the roofline run everywhere.
 """
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -170,3 +171,45 @@ def test_ring_transfers_span_the_block_compute_forward_and_backward(strategy, de
         permutes = [c for c in loop.collectives if c.kind == "collective-permute"]
         assert len(permutes) == 1, report.summary()             # one fused transfer per step
         assert permutes[0].spans_compute and loop.overlapped, report.summary()
+
+
+@needs_plugin
+def test_metp_inner_ring_transfers_span_the_block_compute_forward_and_backward():
+    """METP attention (Algorithms 3-6) on 8 H200s with the flash kernel: in each head group's inner ring,
+    forward and backward, every hop (K, V, positions; in the backward with the previous block's fp32 ΔK/ΔV,
+    one hop behind) is one transfer started before the block kernels and waited for after them."""
+    from jaxring.tensor.metp import metp_attention
+    p, hidden, heads, head_dim, local_seq = 8, 1024, 8, 128, 2048      # one head per group
+    mesh = Mesh(np.array(gpu.gpu_devices("h200", p)), ("tp",))
+    rows, cols = P(None, "tp"), P("tp", None)
+    x = gpu.abstract((1, local_seq * p, hidden), jnp.bfloat16, mesh, rows)
+    w = gpu.abstract((hidden, heads * head_dim), jnp.bfloat16, mesh, rows)
+    wo = gpu.abstract((heads * head_dim, hidden), jnp.bfloat16, mesh, cols)
+    pos = gpu.abstract((1, local_seq * p), jnp.int32, mesh, rows)
+
+    def local(x, wq, wk, wv, wo, positions, do):
+        attend = lambda *a: metp_attention(*a, positions, num_heads=heads, block_ops="pallas")
+        out, vjp = jax.vjp(attend, x, wq, wk, wv, wo)
+        return out, vjp(do)
+
+    run = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, rows, cols, rows, rows),
+                        out_specs=(rows, (rows, rows, rows, rows, cols)))
+    report = gpu.compile_for_gpu(jax.jit(run), x, w, w, w, wo, pos, x, ptxas=False)
+    block = local_seq * (heads // p) * head_dim                        # elements of one K (or V) block
+    hop = {"forward": 2 * 2 * block + 4 * local_seq,                  # K, V bf16 + positions int32
+           "backward": 2 * 2 * block + 2 * 4 * block + 4 * local_seq}  # + ΔK, ΔV fp32
+    def size(c):                                                       # (u8[N], u8[N]): one fused buffer
+        arrays = set(re.findall(r"(\w+)\[([\d,]*)\]", c.shape))
+        return int(arrays.pop()[1]) if len(arrays) == 1 and ("u8", ) == tuple(a[0] for a in arrays) else None
+    for direction, nbytes in hop.items():
+        rings = [loop for loop in report.loops                         # the inner rings' step loops
+                 if loop.collectives and all(size(c) == nbytes for c in loop.collectives)]
+        assert rings, (direction, nbytes, report.summary())
+        for loop in rings:
+            assert len(loop.collectives) == 1 and not loop.sync_collectives, report.summary()
+            transfer = loop.collectives[0]
+            assert transfer.spans_compute and loop.overlapped, report.summary()
+            assert any(op.startswith("conditional") for op in transfer.spans), report.summary()  # block kernels
+    fused = [c for loop in report.loops for c in loop.collectives] + list(report.entry.collectives)
+    fused = [c for c in fused if size(c) is not None]          # with the peeled first and last hops
+    assert len(fused) >= 8 and all(c.spans_compute for c in fused), report.summary()

@@ -197,13 +197,14 @@ MHA_IDS = [f"p{p}-{'causal' if c else 'full'}" for p, c in MHA_CASES]
 
 
 @functools.lru_cache(maxsize=None)
-def mha_case(p, causal):
-    cfg = mha_config(p, causal)
+def mha_case(p, causal, **options):
+    cfg = {**mha_config(p, causal), **options}
     x, dy, pos = normal(11, (B, S, H)), normal(12, (B, S, H)), positions_of(B, S)
     params = attn_params(13, H, HEADS, cfg["num_kv_heads"], HEAD_DIM)
     mesh = mesh_of(p)
     got, moved = compiled_run(out_and_grads(lambda x, w, pos: metp.attention_block(x, w, pos, mesh=mesh, **cfg), dy),
                               x, params, pos)
+    cfg.pop("fuse_sends", None)
     ref = jax.jit(out_and_grads(lambda x, w, pos: attention_block_reference(x, w, pos, **cfg), dy))(x, params, pos)
     return got, ref, moved
 
@@ -214,17 +215,20 @@ def test_attention_matches_reference(p, causal):
     check_tree(got, ref, f"attention p={p} causal={causal}")
 
 
-def test_attention_forward_backward_repeatable():
+@pytest.mark.parametrize("fuse_sends", [False, True], ids=["cpu-form", "gpu-form"])
+def test_attention_forward_backward_repeatable(fuse_sends):
     """Jitted forward + backward at tp = 8 with longer sequences (S 256, hidden 64, traced positions), run three
-    times from one compilation: each run matches the reference. (An inner backward ring that sent ΔK/ΔV one
-    hop behind K/V with separate ppermutes gave wrong outputs here on XLA:CPU in most runs, or crashed.)"""
+    times from one compilation: each run matches the reference, in the CPU form of the inner rings and in the
+    GPU form (fuse_sends: one transfer a hop, ΔK/ΔV one hop behind their block). (Overlap changes of 3d11809,
+    tree rounds under the GEMMs with the accumulating ring, gave wrong outputs here on XLA:CPU, or crashed.)"""
     b, s, hidden, heads = 4, 256, 64, 8
-    cfg = dict(num_heads=heads, num_kv_heads=heads, causal=True, rope_theta=10000.0)
+    cfg = dict(num_heads=heads, num_kv_heads=heads, causal=True, rope_theta=10000.0, fuse_sends=fuse_sends)
     mesh = jaxring.make_mesh(tp=8)
     x, dy = normal(21, (b, s, hidden)), normal(22, (b, s, hidden))
     pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     params = attn_params(23, hidden, heads, heads, hidden // heads)
     run = jax.jit(out_and_grads(lambda x, w, pos: metp.attention_block(x, w, pos, mesh=mesh, **cfg), dy))
+    cfg.pop("fuse_sends")
     ref = jax.jit(out_and_grads(lambda x, w, pos: attention_block_reference(x, w, pos, **cfg), dy))(x, params, pos)
     for attempt in range(3):
         check_tree(run(x, params, pos), ref, f"attention S={s} run {attempt}")
@@ -260,6 +264,17 @@ def test_attention_bytes(p, causal):
     assert moved["collective-permute"] == mha_bytes(p, causal, cfg["num_kv_heads"], backward=True)
     assert moved["all-reduce"] == round(2 * (g - 1) / g * weights * F32)   # ΔW summed over dp/fsdp
     assert moved["all-gather"] == moved["reduce-scatter"] == moved["all-to-all"] == 0
+
+
+@pytest.mark.parametrize("p,causal", [(8, True), (4, False)], ids=["p8-causal", "p4-full"])
+def test_attention_gpu_form_matches_reference_and_bytes(p, causal):
+    """The inner rings' GPU form (fuse_sends=True: each hop one buffer; in the backward ΔK/ΔV one hop behind
+    their K/V, sent before the block kernels) on CPU: forward and every gradient against the reference, and
+    the same hops as the CPU form (exact bytes: K/V and positions p-1 hops, ΔK/ΔV p hops per head group)."""
+    got, ref, moved = mha_case(p, causal, fuse_sends=True)
+    check_tree(got, ref, f"attention gpu form p={p} causal={causal}")
+    cfg = mha_config(p, causal)
+    assert moved["collective-permute"] == mha_bytes(p, causal, cfg["num_kv_heads"], backward=True)
 
 
 @pytest.mark.parametrize("p,causal", [(8, True), (4, False)], ids=["p8-causal", "p4-full"])

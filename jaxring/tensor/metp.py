@@ -68,9 +68,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring.attention.blockwise import BlockOps, get_block_ops
 from jaxring.attention.merge import empty_partial, merge_partials
+from jaxring.attention.ring import fuse_by_default
 from jaxring.attention.schedule import when_visible
-from jaxring.collectives import (BACKWARD, FORWARD, prefetch_steps, ring_steps, send_to_next, tree_broadcast,
-                                 tree_reduce)
+from jaxring.collectives import (BACKWARD, FORWARD, prefetch_steps, ring_steps, ring_steps_accumulating,
+                                 send_to_next, tree_broadcast, tree_reduce)
 from jaxring.mesh import DATA_AXES
 from jaxring.rope import apply_rope
 from jaxring.sharded import run_local
@@ -221,11 +222,12 @@ class _MhaConfig:
     rope_theta: float | None
     sm_scale: float
     ops: BlockOps
+    fuse: bool = False    # the inner ring's hops as one buffer each, dK/dV one hop behind (GPU form)
 
 
 def metp_attention(x, wq, wk, wv, wo, positions, *, num_heads: int, num_kv_heads: int | None = None,
                    axis_name: str = "tp", causal: bool = True, rope_theta: float | None = 10000.0,
-                   block_ops: str | BlockOps = "auto"):
+                   block_ops: str | BlockOps = "auto", fuse_sends: bool | None = None):
     """Two-level METP multi-head self-attention (Algorithms 3-6), inside `shard_map` over `axis_name` (p).
 
     Args:
@@ -235,6 +237,9 @@ def metp_attention(x, wq, wk, wv, wo, positions, *, num_heads: int, num_kv_heads
         ·head_dim, hidden] (the group's rows of W_proj).
       positions: local int [batch, s/p], the tokens' true positions (RoPE and the causal mask).
       num_heads, num_kv_heads: global head counts (GQA when num_kv_heads < num_heads).
+      fuse_sends: the inner ring's GPU form: each hop's K, V and positions (in the backward with the
+        previous block's ΔK/ΔV, one hop behind) as one buffer sent before the block kernels, so a GPU
+        overlaps every hop with them. Default: with the compiled Pallas kernels (GPU) only.
     Returns: O_i [batch, s/p, hidden] in x.dtype. Differentiable in x and the weights (custom_vjp).
     """
     p = lax.axis_size(axis_name)
@@ -260,8 +265,10 @@ def metp_attention(x, wq, wk, wv, wo, positions, *, num_heads: int, num_kv_heads
         raise ValueError(f"positions has shape {positions.shape}; expected [batch, s/p] = {x.shape[:2]}")
     if rope_theta is not None and d % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {d}")
+    ops = get_block_ops(block_ops)
     cfg = _MhaConfig(axis_name, heads, kv_heads, d, bool(causal),
-                     None if rope_theta is None else float(rope_theta), d ** -0.5, get_block_ops(block_ops))
+                     None if rope_theta is None else float(rope_theta), d ** -0.5, ops,
+                     fuse_by_default(ops, fuse_sends))
     return _mha(x, wq, wk, wv, wo, positions, cfg)
 
 
@@ -315,27 +322,47 @@ def _inner_forward(q, k, v, positions, cfg: _MhaConfig):
                                lambda: empty_partial(q))
         return merge_partials(*acc, *part)
 
-    send = lambda kv: send_to_next(kv, cfg.axis_name, shift=FORWARD)
+    send = lambda kv: send_to_next(kv, cfg.axis_name, shift=FORWARD, fuse=cfg.fuse)
     return ring_steps(attend, empty_partial(q), (k, v, positions if cfg.causal else None), p, send)
 
 
 def _inner_backward(q, k, v, da, lse, delta, positions, cfg: _MhaConfig):
-    """Algorithm 4: ΔQ stays, ΔK/ΔV travel with K/V (p hops: home at the end). fp32 results."""
-    p = lax.axis_size(cfg.axis_name)
-    send = lambda tree: send_to_next(tree, cfg.axis_name, shift=BACKWARD)
+    """Algorithm 4: ΔQ stays, ΔK/ΔV travel with K/V (p hops: home at the end). fp32 results.
 
-    def grads(carry, kv, j):
-        dq, (dk, dv) = carry
+    CPU form: each step adds its block's ΔK/ΔV and sends the sums on with the block (K, V, positions and
+    ΔK, ΔV as separate transfers after the block kernels). GPU form (cfg.fuse): the sums travel one hop behind
+    their block (`collectives.ring_steps_accumulating`), so each step's one fused transfer is issued before
+    its block kernels and does not wait for them. Same sums, same hops. The CPU form stays on CPU because
+    XLA:CPU gives every collective-permute the same op id, and the freer order let its in-process rendezvous
+    pair different transfers there (see tests/test_metp.py, test_attention_forward_backward_repeatable).
+    """
+    p = lax.axis_size(cfg.axis_name)
+    send = lambda tree: send_to_next(tree, cfg.axis_name, shift=BACKWARD, fuse=cfg.fuse)
+
+    def block_grads(kv):
         k_j, v_j, kv_pos = kv
         zeros = lambda: (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(k_j, jnp.float32),
                          jnp.zeros_like(v_j, jnp.float32))
-        (dq_j, dk_j, dv_j), _ = when_visible(
-            cfg.causal, positions, kv_pos,
-            lambda: _block_backward(q, k_j, v_j, da, lse, delta, positions, kv_pos, cfg), zeros)
+        grads, _ = when_visible(cfg.causal, positions, kv_pos,
+                                lambda: _block_backward(q, k_j, v_j, da, lse, delta, positions, kv_pos, cfg),
+                                zeros)
+        return grads
+
+    kv = (k, v, positions if cfg.causal else None)
+    if cfg.fuse:
+        def accumulate(dq, kv, j, acc):
+            dq_j, dk_j, dv_j = block_grads(kv)
+            dkv = (dk_j, dv_j) if acc is None else (acc[0] + dk_j, acc[1] + dv_j)   # after the kernels
+            return dq + dq_j, dkv
+        return ring_steps_accumulating(accumulate, jnp.zeros_like(q, jnp.float32), kv, p, send)
+
+    def grads(carry, kv, j):
+        dq, (dk, dv) = carry
+        dq_j, dk_j, dv_j = block_grads(kv)
         return dq + dq_j, send((dk + dk_j, dv + dv_j))
 
     init = (jnp.zeros_like(q, jnp.float32), (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)))
-    return ring_steps(grads, init, (k, v, positions if cfg.causal else None), p, send)
+    return ring_steps(grads, init, kv, p, send)
 
 
 def _outer_steps(step_fn, carry, own, axis_name, reverse: bool = False):
@@ -404,6 +431,8 @@ def _mha_bwd(cfg, residuals, do):
     x, weights, positions, a_all, lse_all = residuals
     rank = lax.axis_index(cfg.axis_name)
     b, n, _ = x.shape
+    rope = lambda t: t if cfg.rope_theta is None else apply_rope(t, positions, cfg.rope_theta)
+    flat = lambda g: g.astype(x.dtype).reshape(b, n, -1)
 
     def head_group(carry, w_j, j):
         dx, dw_own = carry
@@ -411,14 +440,17 @@ def _mha_bwd(cfg, residuals, do):
         a, lse = a_all[j], lse_all[j]
         dwo = _outer(a.reshape(b, n, -1), do)                         # ΔW_proj_j = A_ijᵀ ΔO_i
         q, k, v = (_mm(x, w).astype(x.dtype).reshape(b, n, -1, cfg.head_dim) for w in (wq, wk, wv))
-        (q, k), rope_vjp = jax.vjp(lambda q, k: _rope(q, k, positions, cfg), q, k)   # recompute Q_ij, K_ij, V_ij
+        (q, q_rope_vjp), (k, k_rope_vjp) = jax.vjp(rope, q), jax.vjp(rope, k)   # recompute Q_ij, K_ij, V_ij
         da = _mm(do, wo.T).reshape(a.shape).astype(x.dtype)           # ΔA_ij = ΔO_i W_proj_jᵀ
         delta = jnp.sum(da.astype(jnp.float32) * a.astype(jnp.float32), axis=-1)   # D_i = rowsum(ΔA ⊙ A)
         dq, (dk, dv) = _inner_backward(q, k, v, da, lse, delta, positions, cfg)
-        dq, dk = rope_vjp((dq.astype(x.dtype), dk.astype(x.dtype)))   # through RoPE (a rotation: its transpose)
-        dqkv = [g.astype(x.dtype).reshape(b, n, -1) for g in (dq, dk, dv)]
-        dx = dx + sum(_mm(g, w.T) for g, w in zip(dqkv, (wq, wk, wv)))           # ΔX_i += [ΔQ ΔK ΔV] W_qkv_jᵀ
-        dw = (*(_outer(x, g) for g in dqkv), dwo)                                # ΔW_qkv_j = X_iᵀ [ΔQ ΔK ΔV]
+        dq = flat(q_rope_vjp(dq.astype(x.dtype))[0])                  # through RoPE (a rotation: its transpose)
+        dwq, dxq = _outer(x, dq), _mm(dq, wq.T)                       # ΔQ's GEMMs first: in the GPU form
+        if cfg.fuse:                                                  # ΔK/ΔV are still on their last hop home
+            (dk, dv), (dwq, dxq) = lax.optimization_barrier(((dk, dv), (dwq, dxq)))
+        dk, dv = flat(k_rope_vjp(dk.astype(x.dtype))[0]), flat(dv)
+        dx = dx + dxq + _mm(dk, wk.T) + _mm(dv, wv.T)                  # ΔX_i += [ΔQ ΔK ΔV] W_qkv_jᵀ
+        dw = (dwq, _outer(x, dk), _outer(x, dv), dwo)                 # ΔW_qkv_j = X_iᵀ [ΔQ ΔK ΔV], ΔW_proj_j
         reduced = jax.tree.map(lambda g: tree_reduce(g, cfg.axis_name, j), dw)   # Reduce onto rank j
         dw_own = jax.tree.map(lambda new, old: jnp.where(rank == j, new, old), reduced, dw_own)
         return dx, dw_own
@@ -501,13 +533,14 @@ def _mlp_local(x, w_in, w_out, *gate, activation):
 
 
 def attention_block(x, params, positions, *, mesh, num_heads, num_kv_heads, causal=True, rope_theta=10000.0,
-                    block_ops: str | BlockOps = "auto"):
+                    block_ops: str | BlockOps = "auto", fuse_sends: bool | None = None):
     """Self-attention with two-level METP over the mesh's tp axis (batch over dp/fsdp, sequence over tp).
 
     params {"wq": [hidden, num_heads*head_dim], "wk": [hidden, num_kv_heads*head_dim], "wv": like wk,
     "wo": [num_heads*head_dim, hidden]}; head h's columns are h*head_dim:(h+1)*head_dim, so rank j's slice
     of each is head group j. positions: global int [batch, seq] (RoPE on q and k when rope_theta is not None;
-    the causal mask uses the same positions). Returns y [batch, seq, hidden] in x.dtype.
+    the causal mask uses the same positions). fuse_sends: see `metp_attention`. Returns y [batch, seq, hidden]
+    in x.dtype.
     """
     data_axes, tp = _check_mesh(mesh)
     _check_x(x, data_axes, mesh, tp)
@@ -536,7 +569,8 @@ def attention_block(x, params, positions, *, mesh, num_heads, num_kv_heads, caus
     return run_local(_attention_local, mesh, specs, x_spec, x, *(params[n] for n in ("wq", "wk", "wv", "wo")),
                      jnp.asarray(positions, jnp.int32), check_vma=check_vma, num_heads=num_heads,
                      num_kv_heads=num_kv_heads, causal=bool(causal),
-                     rope_theta=None if rope_theta is None else float(rope_theta), block_ops=block_ops)
+                     rope_theta=None if rope_theta is None else float(rope_theta), block_ops=block_ops,
+                     fuse_sends=fuse_sends)
 
 
 def _attention_local(x, wq, wk, wv, wo, positions, **kw):
