@@ -173,10 +173,8 @@ def test_train_py_matches_the_single_device_run(flags, tmp_path, single_device_l
     np.testing.assert_allclose(losses, single_device_losses, rtol=1e-3)
 
 
-def test_remat_modes_trade_memory_in_the_train_step():
-    """--remat reaches the compiled step: the layers' checkpoint policy is not overridden by anything around
-    the stack, so per-device temporaries fall from none to selective (weight matmuls' outputs kept) to full
-    (only each layer's input kept), on an sp mesh through the step's own gradient path."""
+def _remat_step_programs(mesh_degrees, **plan_options):
+    """{remat: the compiled gradient path of a 4-layer tiny GPT's train step} for none/selective/full."""
     import jax.numpy as jnp
     from flax import nnx
     import jaxring
@@ -185,17 +183,38 @@ def test_remat_modes_trade_memory_in_the_train_step():
     from jaxring.train.step import TrainStep
     from models import gpt
     model = gpt.GPT(gpt.GPTConfig(vocab_size=128, num_layers=4, hidden=32, num_heads=4, ffn=128), rngs=nnx.Rngs(0))
-    plan = ParallelPlan(jaxring.make_mesh(sp=8), attention="ring")
+    plan = ParallelPlan(jaxring.make_mesh(**mesh_degrees), attention="ring", **plan_options)
     b, s = 8, 256
     graphdef, state = nnx.split(model)
     placements = param_placements(state, plan)
     tokens = jnp.zeros((b, s), jnp.int32)
     batch = {"tokens": tokens, "targets": tokens, "positions": jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))}
-    temp = {}
+    compiled = {}
     for remat in ("none", "selective", "full"):
         step = TrainStep(plan, graphdef, placements, None, gpt.NextTokenObjective(b, s), remat=remat,
                          stack=model.STACK, layer_graphdef=nnx.split(getattr(model, model.STACK))[0])
         params = jax.device_put(nnx.to_pure_dict(state), step.shardings(step.param_specs))
-        compiled = step.build_grads().lower(params, batch, jax.random.PRNGKey(0)).compile()
-        temp[remat] = compiled.memory_analysis().temp_size_in_bytes
+        compiled[remat] = step.build_grads().lower(params, batch, jax.random.PRNGKey(0)).compile()
+    return compiled
+
+
+def test_remat_modes_trade_memory_in_the_train_step():
+    """--remat reaches the compiled step: the layers' checkpoint policy is not overridden by anything around
+    the stack, so per-device temporaries fall from none to selective (weight matmuls' outputs kept) to full
+    (only each layer's input kept), on an sp mesh through the step's own gradient path."""
+    compiled = _remat_step_programs(dict(sp=8))
+    temp = {remat: c.memory_analysis().temp_size_in_bytes for remat, c in compiled.items()}
     assert temp["full"] < temp["selective"] < 0.6 * temp["none"], temp
+
+
+def test_selective_remat_keeps_megatron_column_linear_outputs():
+    """Megatron TP+SP x ring (tp2 x sp4): selective remat keeps the column linears' outputs (Q, K, V, the MLP's
+    inputs), though their dots are inside a custom_vjp (the all-gather's), so the backward does not gather X
+    again to recompute them: all-gather bytes as with no remat, fewer than full remat's (which recomputes
+    them); temporaries between the two. (Before the outputs were named, selective gathered as much as full.)"""
+    from jaxring.analysis.compiled import collective_traffic
+    compiled = _remat_step_programs(dict(tp=2, sp=4), tensor_parallel="megatron")
+    temp = {remat: c.memory_analysis().temp_size_in_bytes for remat, c in compiled.items()}
+    gathered = {remat: collective_traffic(c.as_text(), 8)[0]["all-gather"] for remat, c in compiled.items()}
+    assert gathered["selective"] == gathered["none"] < gathered["full"], gathered
+    assert temp["full"] < temp["selective"] < temp["none"], temp

@@ -26,6 +26,10 @@ from jaxring.rope import apply_rope
 
 ACTIVATIONS = ("gelu", "swiglu")
 
+# The name a weight matmul's output carries when it is computed inside a custom_vjp (Megatron's column linear
+# with its all-gather), where the selective remat policy cannot see the dot: `nn.remat_policy` saves it.
+MATMUL_OUTPUT = "jaxring_weight_matmul"
+
 
 # ----------------------------------------------------------------------------------------- shared math
 

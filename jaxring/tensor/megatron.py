@@ -40,13 +40,14 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring.attention.flash import flash_attention
 from jaxring.mesh import DATA_AXES
 from jaxring.sharded import run_local
-from jaxring.tensor.contract import ACTIVATIONS, ParamInfo, TensorMethod, _entry, activate, rope_qk
+from jaxring.tensor.contract import ACTIVATIONS, MATMUL_OUTPUT, ParamInfo, TensorMethod, _entry, activate, rope_qk
 from jaxring.vma import common_vma, gather_invariant, vary, varying_axes
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_sp", "scatter_to_sp", "column_parallel_linear",
@@ -141,7 +142,9 @@ def column_parallel_linear(x, w, *, axis_name: str = "tp", sequence_parallel: bo
         # a common vma, so the custom_vjp's cotangents have their primals' types: the weights' gradient
         # psum over the data axes happens in the transpose of this cast
         x, ws = common_vma(x, ws)
-        out = _gather_linear(axis_name, x, ws)
+        # named: selective remat saves them (the dots are hidden in the custom_vjp), so the backward neither
+        # gathers X nor multiplies again to recompute Q, K, V or the MLP's inputs
+        out = tuple(checkpoint_name(o, MATMUL_OUTPUT) for o in _gather_linear(axis_name, x, ws))
     else:
         y = gather_from_sp(x, axis_name)
         out = tuple(jnp.einsum("bsh,hn->bsn", y, wi) for wi in ws)
