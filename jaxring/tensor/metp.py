@@ -39,7 +39,8 @@ Two-level MHA, Algorithms 3-6 (`metp_attention`): head group j = heads j·n/p ..
 
 Backward (Algorithm 6, custom_vjp): residuals X_i, A_i and the logsumexp only (plus the inputs). For each j:
 broadcast the weights again, ΔW_proj_j = A_ijᵀ ΔO_i, recompute Q, K, V, ΔA_ij = ΔO_i W_proj_jᵀ, the inner
-backward ring (Algorithm 4, ΔK/ΔV travel with K/V and make p hops), ΔX_i += [ΔQ ΔK ΔV] W_qkv_jᵀ,
+backward ring (Algorithm 4, ΔK/ΔV travel with K/V and make p hops; on GPU one hop behind their K/V, each hop
+one fused transfer issued before the block kernels, `_inner_backward`), ΔX_i += [ΔQ ΔK ΔV] W_qkv_jᵀ,
 ΔW_qkv_j = X_iᵀ [ΔQ ΔK ΔV]; then ΔW_qkv_j and ΔW_proj_j are tree-reduced onto rank j (at the end of step j,
 not overlapped with the next step; ΔW, ΔK, ΔV in fp32). Per device, elements: forward p·ceil(log2 p)·|W_j| + p(p-1)·2|K_j|;
 backward 2p·ceil(log2 p)·|W_j| + p(2p-1)·2|K_j| (|K_j| = b(s/p)(n_kv/p)d; with n_kv = n the paper's
