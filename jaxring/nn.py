@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 from jaxring import moe as moe_lib
 from jaxring import zero
 from jaxring.plan import ParallelPlan
-from jaxring.tensor.contract import ACTIVATIONS, MATMUL_OUTPUT, ParamInfo, check_activation
+from jaxring.tensor.contract import ACTIVATIONS, KEPT_RESIDUAL, MATMUL_OUTPUT, ParamInfo, check_activation
 
 REMAT = ("none", "selective", "full")
 STACKED = "stacked"            # metadata flag of parameters with a leading layer dim
@@ -164,14 +164,14 @@ def stack(make_layer, num_layers: int, rngs: nnx.Rngs):
 def remat_policy(remat: str, zero_stage: int = 0):
     """The jax.checkpoint policy of one layer for remat none/selective/full: none saves everything it computes,
     selective only the weight matmuls' outputs (dots without batch dims, and those computed inside a custom_vjp,
-    named `MATMUL_OUTPUT`), full nothing. In every mode the weights as the layer reads them
+    named `MATMUL_OUTPUT`) and the residuals custom VJPs name `KEPT_RESIDUAL`, full nothing. In every mode the weights as the layer reads them
     are never saved for the backward (`zero.no_weights_saved`): ZeRO-3 gathers them again, the others slice
     them again from the stack."""
     if remat not in REMAT:
         raise ValueError(f"unknown remat {remat!r}; expected one of {', '.join(REMAT)}")
     selective = jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(MATMUL_OUTPUT))
+        jax.checkpoint_policies.save_only_these_names(MATMUL_OUTPUT, KEPT_RESIDUAL))
     base = {"none": None, "selective": selective, "full": jax.checkpoint_policies.nothing_saveable}[remat]
     return zero.no_weights_saved(zero_stage, base)
 

@@ -29,6 +29,9 @@ ACTIVATIONS = ("gelu", "swiglu")
 # The name a weight matmul's output carries when it is computed inside a custom_vjp (Megatron's column linear
 # with its all-gather), where the selective remat policy cannot see the dot: `nn.remat_policy` saves it.
 MATMUL_OUTPUT = "jaxring_weight_matmul"
+# The name of a residual a custom_vjp keeps that is not a matmul output (METP attention's A_i and lse): selective
+# remat keeps it, rather than running the forward again in the backward.
+KEPT_RESIDUAL = "jaxring_kept_residual"
 
 
 # ----------------------------------------------------------------------------------------- shared math

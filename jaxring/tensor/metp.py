@@ -64,6 +64,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -76,14 +77,20 @@ from jaxring.collectives import (BACKWARD, FORWARD, prefetch_steps, ring_steps, 
 from jaxring.mesh import DATA_AXES
 from jaxring.rope import apply_rope
 from jaxring.sharded import run_local
-from jaxring.tensor.contract import ACTIVATIONS, ParamInfo, TensorMethod, _entry
+from jaxring.tensor.contract import ACTIVATIONS, KEPT_RESIDUAL, MATMUL_OUTPUT, ParamInfo, TensorMethod, _entry
 from jaxring.vma import vary_like, varying_axes
 
 
 
 def _mm(x, w):
-    """x [..., k] @ w [k, n] with fp32 accumulation."""
-    return jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
+    """x [..., k] @ w [k, n] with fp32 accumulation.
+
+    Written as a dot with a unit batch dimension (XLA removes it): selective remat keeps the outputs of dots
+    without batch dimensions, and would keep these products from inside METP's loops too, though METP's
+    custom VJPs recompute them (their residuals are X_i, A_i and the lse only).
+    """
+    out = jnp.einsum("zmk,zkn->zmn", x.reshape(1, -1, x.shape[-1]), w[None], preferred_element_type=jnp.float32)
+    return out.reshape(*x.shape[:-1], w.shape[-1])
 
 
 def _sum_to(g, like):
@@ -270,7 +277,9 @@ def metp_attention(x, wq, wk, wv, wo, positions, *, num_heads: int, num_kv_heads
     cfg = _MhaConfig(axis_name, heads, kv_heads, d, bool(causal),
                      None if rope_theta is None else float(rope_theta), d ** -0.5, ops,
                      fuse_by_default(ops, fuse_sends))
-    return _mha(x, wq, wk, wv, wo, positions, cfg)
+    # O_i = Σ_j A_ij W_proj_j is a weight matmul's output: named, so selective remat keeps it (the layer's
+    # MLP input depends on it) instead of running the two-level rings again in the backward
+    return checkpoint_name(_mha(x, wq, wk, wv, wo, positions, cfg), MATMUL_OUTPUT)
 
 
 def _rope(q, k, positions, cfg: _MhaConfig):
@@ -420,7 +429,9 @@ def _mha(x, wq, wk, wv, wo, positions, cfg):
 
 def _mha_fwd(x, wq, wk, wv, wo, positions, cfg):
     o, (a, lse) = _mha_forward(x, (wq, wk, wv, wo), positions, cfg, keep=True)
-    # stored: X_i, the attention output A_i and its lse (+ the rank's own weight blocks and positions)
+    # stored: X_i, the attention output A_i and its lse (+ the rank's own weight blocks and positions); named,
+    # so that selective remat around the layer keeps them rather than running this forward again
+    a, lse = checkpoint_name(a, KEPT_RESIDUAL), checkpoint_name(lse, KEPT_RESIDUAL)
     return o.astype(x.dtype), (x, (wq, wk, wv, wo), positions, a, lse)
 
 
