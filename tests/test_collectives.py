@@ -41,3 +41,16 @@ def test_tree_broadcast_bytes_are_log_rounds():
     assert tree_rounds(n) == 3
     assert stats.bytes_moved["collective-permute"] == 3 * block[0] * block[1] * 4
     assert stats.total_bytes_moved == stats.bytes_moved["collective-permute"]
+
+
+def test_every_cpu_collective_permute_has_its_own_channel():
+    """XLA:CPU keys a collective-permute's in-process rendezvous by its channel id, and inside shard_map JAX
+    gives every collective channel 1: back-to-back permutes (a tree broadcast's rounds) could meet in one
+    rendezvous and abort (METP's tp=8 train step did, 3 runs in 5). jaxring lowers each with its own."""
+    import re
+    mesh = _mesh(8)
+    run = jax.jit(jax.shard_map(lambda a: tree_broadcast(a, "x", 0), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    x = jnp.arange(8.0)
+    channels = re.findall(r"collective-permute(?:-start)?\(.*channel_id=(\d+)", run.lower(x).compile().as_text())
+    assert len(channels) == tree_rounds(8) and len(set(channels)) == len(channels), channels
+    np.testing.assert_array_equal(run(x), np.zeros(8))
