@@ -14,6 +14,7 @@ on this device, out of memory, unsupported shape) is recorded as an error string
     python benchmarks/flash_attention.py --head-dims 64 --merge    # run in parts; --merge adds to the file
     python benchmarks/flash_attention.py --quick --out /tmp/flash_quick.json   # CPU smoke run (jnp path)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,14 +39,14 @@ IMPLS = ("jaxring", "cudnn", "xla", "pallas_mha")
 
 def attention_fn(impl: str, causal: bool, head_dim: int, jaxring_impl: str):
     """out = f(q, k, v) for one implementation (bf16 [batch, seq, heads, head_dim])."""
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     if impl == "jaxring":
         return lambda q, k, v: flash_attention(q, k, v, causal=causal, sm_scale=scale, implementation=jaxring_impl)
     if impl in ("cudnn", "xla"):
-        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                                            implementation=impl)
+        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=scale, implementation=impl)
     if impl == "pallas_mha":
         from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
         return lambda q, k, v: pallas_attention.mha(q, k, v, None, sm_scale=scale, causal=causal)
     raise ValueError(f"unknown implementation {impl!r}")
 
@@ -71,7 +72,7 @@ def timed(fn, args, warmup, runs):
     try:
         jax.block_until_ready(fn(*args))
         return median_seconds(fn, *args, runs=runs, warmup=warmup), None
-    except Exception as e:  # noqa: BLE001 - any failure is a result to record
+    except Exception as e:
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
@@ -80,8 +81,13 @@ def matmul_peak(n, warmup, runs):
     a = jax.random.normal(keys[0], (n, n), jnp.bfloat16)
     b = jax.random.normal(keys[1], (n, n), jnp.bfloat16)
     seconds, error = timed(jax.jit(lambda a, b: a @ b), (a, b), warmup, runs)
-    return {"n": n, "dtype": "bfloat16", "median_s": seconds, "error": error,
-            "tflops": None if seconds is None else 2.0 * n ** 3 / seconds / 1e12}
+    return {
+        "n": n,
+        "dtype": "bfloat16",
+        "median_s": seconds,
+        "error": error,
+        "tflops": None if seconds is None else 2.0 * n**3 / seconds / 1e12,
+    }
 
 
 def accuracy_check(fns, args):
@@ -94,18 +100,20 @@ def accuracy_check(fns, args):
 
     try:
         ours = run("jaxring")
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return {"error": f"jaxring: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
     errors = {}
     for ref_name in (n for n in ("cudnn", "xla", "pallas_mha") if n in fns):
         try:
             ref = run(ref_name)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             errors[ref_name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             continue
-        return {"reference": ref_name,
-                "max_abs_diff": {n: float(np.abs(a - b).max()) for n, a, b in zip(names, ours, ref)},
-                "max_abs_reference": {n: float(np.abs(b).max()) for n, b in zip(names, ref)}}
+        return {
+            "reference": ref_name,
+            "max_abs_diff": {n: float(np.abs(a - b).max()) for n, a, b in zip(names, ours, ref)},
+            "max_abs_reference": {n: float(np.abs(b).max()) for n, b in zip(names, ref)},
+        }
     return {"error": f"no reference ran: {errors}"}
 
 
@@ -119,27 +127,56 @@ def main(argv=None):
     parser.add_argument("--head-dims", type=int, nargs="+")
     parser.add_argument("--causal", choices=["both", "true", "false"], default="both")
     parser.add_argument("--impls", nargs="+", choices=IMPLS)
-    parser.add_argument("--jaxring-implementation", default=None,
-                        help="flash_attention(implementation=...): default 'pallas' ('jnp' with --quick)")
-    parser.add_argument("--xla-max-seq", type=int, default=16384,
-                        help="skip the XLA implementation (it materialises seq^2 scores) above this length")
+    parser.add_argument(
+        "--jaxring-implementation",
+        default=None,
+        help="flash_attention(implementation=...): default 'pallas' ('jnp' with --quick)",
+    )
+    parser.add_argument(
+        "--xla-max-seq",
+        type=int,
+        default=16384,
+        help="skip the XLA implementation (it materialises seq^2 scores) above this length",
+    )
     parser.add_argument("--tokens", type=int, help=f"batch * seq, batch >= 1 (default {TOKENS})")
     parser.add_argument("--hidden", type=int, help=f"heads * head_dim (default {HIDDEN})")
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--runs", type=int)
     parser.add_argument("--matmul-n", type=int)
-    parser.add_argument("--quick", action="store_true",
-                        help="CPU smoke run: seq 256, head dim 64, 512 tokens, 4 heads, jaxring (jnp path) "
-                             "and xla, 1 run; flags given explicitly still apply")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="CPU smoke run: seq 256, head dim 64, 512 tokens, 4 heads, jaxring (jnp path) "
+        "and xla, 1 run; flags given explicitly still apply",
+    )
     parser.add_argument("--merge", action="store_true", help="add to (replace matching rows of) the output file")
-    parser.add_argument("--out", default=None,
-                        help="output JSON (default benchmarks/results/flash_attention_<device kind>.json)")
+    parser.add_argument(
+        "--out", default=None, help="output JSON (default benchmarks/results/flash_attention_<device kind>.json)"
+    )
     args = parser.parse_args(argv)
-    defaults = dict(seqs=[1024, 2048, 4096, 8192, 16384, 32768], head_dims=[64, 128], impls=list(IMPLS),
-                    warmup=2, runs=5, matmul_n=8192, tokens=TOKENS, hidden=HIDDEN, jaxring_implementation="pallas")
+    defaults = dict(
+        seqs=[1024, 2048, 4096, 8192, 16384, 32768],
+        head_dims=[64, 128],
+        impls=list(IMPLS),
+        warmup=2,
+        runs=5,
+        matmul_n=8192,
+        tokens=TOKENS,
+        hidden=HIDDEN,
+        jaxring_implementation="pallas",
+    )
     if args.quick:
-        defaults.update(seqs=[256], head_dims=[64], impls=["jaxring", "xla"], warmup=1, runs=1, matmul_n=1024,
-                        tokens=512, hidden=256, jaxring_implementation="jnp")
+        defaults.update(
+            seqs=[256],
+            head_dims=[64],
+            impls=["jaxring", "xla"],
+            warmup=1,
+            runs=1,
+            matmul_n=1024,
+            tokens=512,
+            hidden=256,
+            jaxring_implementation="jnp",
+        )
     for name, value in defaults.items():  # flags given explicitly win over --quick
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -147,26 +184,43 @@ def main(argv=None):
 
     device = jax.devices()[0]
     device_kind = getattr(device, "device_kind", device.platform)
-    out_path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                        f"flash_attention_{slug(device_kind)}.json")
+    out_path = args.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results", f"flash_attention_{slug(device_kind)}.json"
+    )
     try:
         import jaxlib
+
         jaxlib_version = jaxlib.__version__
     except (ImportError, AttributeError):
         jaxlib_version = None
     record = {
         "benchmark": "flash_attention",
-        "command": " ".join(["python"] + [os.path.relpath(sys.argv[0])] + sys.argv[1:]) if argv is None
+        "command": " ".join(["python"] + [os.path.relpath(sys.argv[0])] + sys.argv[1:])
+        if argv is None
         else "main(" + repr(argv) + ")",
-        "device": f"{len(jax.devices())} x {device_kind} ({device.platform})", "device_kind": device_kind,
-        "platform": platform.platform(), "python": platform.python_version(), "jax": jax.__version__,
-        "jaxlib": jaxlib_version, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "config": {"dtype": "bfloat16", "tokens_per_batch": args.tokens, "hidden": args.hidden, "warmup": args.warmup,
-                   "runs": args.runs, "jaxring_implementation": jaxring_impl,
-                   "jaxring_default_tiles": {d: {k: vars(t) for k, t in default_block_config(d).items()}
-                                             for d in args.head_dims}},
+        "device": f"{len(jax.devices())} x {device_kind} ({device.platform})",
+        "device_kind": device_kind,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib_version,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "config": {
+            "dtype": "bfloat16",
+            "tokens_per_batch": args.tokens,
+            "hidden": args.hidden,
+            "warmup": args.warmup,
+            "runs": args.runs,
+            "jaxring_implementation": jaxring_impl,
+            "jaxring_default_tiles": {
+                d: {k: vars(t) for k, t in default_block_config(d).items()} for d in args.head_dims
+            },
+        },
         "flop_model": "fwd = 4*b*h*s^2*d (x0.5 causal); fwd+bwd = 3.5 x fwd (bwd = 2.5 x fwd)",
-        "matmul_peak": None, "results": [], "accuracy": [], "summary": [],
+        "matmul_peak": None,
+        "results": [],
+        "accuracy": [],
+        "summary": [],
     }
     if args.merge and os.path.exists(out_path):
         with open(out_path) as f:
@@ -183,8 +237,10 @@ def main(argv=None):
     peak = matmul_peak(args.matmul_n, args.warmup, args.runs)
     if peak["tflops"] is not None or record["matmul_peak"] is None:
         record["matmul_peak"] = peak
-    print(f"{device_kind}: bf16 {args.matmul_n}^3 matmul "
-          f"{peak['error'] or format(peak['tflops'], '.4g') + ' TFLOP/s'}", flush=True)
+    print(
+        f"{device_kind}: bf16 {args.matmul_n}^3 matmul {peak['error'] or format(peak['tflops'], '.4g') + ' TFLOP/s'}",
+        flush=True,
+    )
 
     causals = {"both": [True, False], "true": [True], "false": [False]}[args.causal]
     for head_dim in args.head_dims:
@@ -198,8 +254,16 @@ def main(argv=None):
                 flops_fwd, flops_fwd_bwd = attention_flops(batch, seq, heads, head_dim, causal)
                 fns = {}
                 for impl in args.impls:
-                    row = {"impl": impl, "seq": seq, "head_dim": head_dim, "causal": causal, "batch": batch,
-                           "heads": heads, "flops_fwd": flops_fwd, "flops_fwd_bwd": flops_fwd_bwd}
+                    row = {
+                        "impl": impl,
+                        "seq": seq,
+                        "head_dim": head_dim,
+                        "causal": causal,
+                        "batch": batch,
+                        "heads": heads,
+                        "flops_fwd": flops_fwd,
+                        "flops_fwd_bwd": flops_fwd_bwd,
+                    }
                     if impl == "xla" and seq > args.xla_max_seq:
                         row["fwd_error"] = row["fwd_bwd_error"] = f"skipped: seq {seq} > --xla-max-seq"
                     else:
@@ -207,27 +271,36 @@ def main(argv=None):
                             fns[impl] = forward_and_backward(attention_fn(impl, causal, head_dim, jaxring_impl))
                             fwd_s, fwd_err = timed(fns[impl][0], qkvd[:3], args.warmup, args.runs)
                             fb_s, fb_err = timed(fns[impl][1], qkvd, args.warmup, args.runs)
-                        except Exception as e:  # noqa: BLE001 - e.g. an import error
+                        except Exception as e:
                             fwd_s = fb_s = None
                             fwd_err = fb_err = f"{type(e).__name__}: {e}"[:300]
                         row.update(fwd_s=fwd_s, fwd_error=fwd_err, fwd_bwd_s=fb_s, fwd_bwd_error=fb_err)
                         row["fwd_tflops"] = None if fwd_s is None else flops_fwd / fwd_s / 1e12
                         row["fwd_bwd_tflops"] = None if fb_s is None else flops_fwd_bwd / fb_s / 1e12
-                    record["results"] = [r for r in record["results"] if
-                                         (r["impl"], r["seq"], r["head_dim"], r["causal"]) !=
-                                         (impl, seq, head_dim, causal)] + [row]
+                    record["results"] = [
+                        r
+                        for r in record["results"]
+                        if (r["impl"], r["seq"], r["head_dim"], r["causal"]) != (impl, seq, head_dim, causal)
+                    ] + [row]
                     fmt = lambda x, e: f"{x:7.3g}" if x is not None else f"error ({(e or '')[:60]})"
-                    print(f"d={head_dim:3d} seq={seq:6d} causal={causal!s:5} {impl:10s} "
-                          f"fwd {fmt(row.get('fwd_tflops'), row.get('fwd_error'))} "
-                          f"fwd+bwd {fmt(row.get('fwd_bwd_tflops'), row.get('fwd_bwd_error'))} TFLOP/s",
-                          flush=True)
+                    print(
+                        f"d={head_dim:3d} seq={seq:6d} causal={causal!s:5} {impl:10s} "
+                        f"fwd {fmt(row.get('fwd_tflops'), row.get('fwd_error'))} "
+                        f"fwd+bwd {fmt(row.get('fwd_bwd_tflops'), row.get('fwd_bwd_error'))} TFLOP/s",
+                        flush=True,
+                    )
                 if seq == min(args.seqs) and "jaxring" in fns and len(fns) > 1:
                     check = accuracy_check(fns, qkvd)
                     check.update(seq=seq, head_dim=head_dim, causal=causal)
-                    record["accuracy"] = [c for c in record["accuracy"] if (c["seq"], c["head_dim"], c["causal"])
-                                          != (seq, head_dim, causal)] + [check]
-                    print(f"  accuracy vs {check.get('reference')}: {check.get('max_abs_diff', check.get('error'))}",
-                          flush=True)
+                    record["accuracy"] = [
+                        c
+                        for c in record["accuracy"]
+                        if (c["seq"], c["head_dim"], c["causal"]) != (seq, head_dim, causal)
+                    ] + [check]
+                    print(
+                        f"  accuracy vs {check.get('reference')}: {check.get('max_abs_diff', check.get('error'))}",
+                        flush=True,
+                    )
                 save()
             del qkvd
     save()
@@ -245,12 +318,18 @@ def summarize(record):
     for (seq, head_dim, causal), rows in sorted(by_key.items()):
         ours, cudnn = rows.get("jaxring", {}), rows.get("cudnn", {})
         fwd, fb, cudnn_fb = ours.get("fwd_tflops"), ours.get("fwd_bwd_tflops"), cudnn.get("fwd_bwd_tflops")
-        summary.append({
-            "seq": seq, "head_dim": head_dim, "causal": causal,
-            "jaxring_fwd_tflops": fwd, "jaxring_fwd_bwd_tflops": fb, "cudnn_fwd_bwd_tflops": cudnn_fb,
-            "jaxring_fwd_over_matmul_peak": None if not (fwd and peak) else fwd / peak,
-            "jaxring_fwd_bwd_over_cudnn_fwd_bwd": None if not (fb and cudnn_fb) else fb / cudnn_fb,
-        })
+        summary.append(
+            {
+                "seq": seq,
+                "head_dim": head_dim,
+                "causal": causal,
+                "jaxring_fwd_tflops": fwd,
+                "jaxring_fwd_bwd_tflops": fb,
+                "cudnn_fwd_bwd_tflops": cudnn_fb,
+                "jaxring_fwd_over_matmul_peak": None if not (fwd and peak) else fwd / peak,
+                "jaxring_fwd_bwd_over_cudnn_fwd_bwd": None if not (fb and cudnn_fb) else fb / cudnn_fb,
+            }
+        )
     return summary
 
 

@@ -13,6 +13,7 @@ jaxring/analysis/gpu.py). Runs on the CPU host; nothing executes on a GPU.
     python benchmarks/gpu_compile.py                        # both, H200; writes benchmarks/results/gpu_compile.json
     python benchmarks/gpu_compile.py --only flash --target h100 --out /tmp/h100.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,24 +24,26 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless GPU compiles need the CPU platform selected
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from jaxring.analysis import gpu  # noqa: E402
-from jaxring.analysis.roofline import attention_flops, roofline_of  # noqa: E402
-from jaxring.attention.flash import default_block_config, flash_attention  # noqa: E402
-from jaxring.attention.ring import ring_attention  # noqa: E402
-from jaxring.attention.ulysses import usp_attention  # noqa: E402
-from jaxring.attention.wallfacer import WF_AXES, wallfacer_attention, wallfacer_mesh  # noqa: E402
-from jaxring.platform import save_record  # noqa: E402
+from jaxring.analysis import gpu
+from jaxring.analysis.roofline import attention_flops, roofline_of
+from jaxring.attention.flash import default_block_config, flash_attention
+from jaxring.attention.ring import ring_attention
+from jaxring.attention.ulysses import usp_attention
+from jaxring.attention.wallfacer import WF_AXES, wallfacer_attention, wallfacer_mesh
+from jaxring.platform import save_record
 
 
 def fwd_bwd(local):
     def run(q, k, v, dout):
         out, vjp = jax.vjp(local, q, k, v)
         return out, vjp(dout)
+
     return run
 
 
@@ -59,13 +62,13 @@ def ring_program(target, strategy, seq, heads, head_dim, devices=8, batch=1):
         local = functools.partial(ring_attention, axis_name="sp", layout="zigzag", causal=True, block_ops="pallas")
     elif strategy == "wallfacer":
         mesh, axes = wallfacer_mesh(flat, 2), WF_AXES
-        local = functools.partial(wallfacer_attention, team_size=2, layout="zigzag", causal=True,
-                                  block_ops="pallas")
+        local = functools.partial(wallfacer_attention, team_size=2, layout="zigzag", causal=True, block_ops="pallas")
     elif strategy == "usp":
         mesh = Mesh(np.array(flat.devices).reshape(devices // 2, 2), ("ring", "ulysses"))
         axes = ("ring", "ulysses")
-        local = functools.partial(usp_attention, ring_axis="ring", ulysses_axis="ulysses", layout="zigzag",
-                                  causal=True, block_ops="pallas")
+        local = functools.partial(
+            usp_attention, ring_axis="ring", ulysses_axis="ulysses", layout="zigzag", causal=True, block_ops="pallas"
+        )
     else:
         raise ValueError(f"unknown strategy {strategy!r}")
     spec = P(None, axes)
@@ -83,9 +86,19 @@ def flash_rows(target, seq, heads):
         kernels = [vars(k) | {"spills": k.spills} for k in report.custom_kernels()]
         flops = attention_flops(1, seq, seq, heads, head_dim, causal=True)
         est = roofline_of(report, extra_flops=flops, model_flops=flops)
-        rows.append({"program": f"flash fwd+bwd d{head_dim}", "head_dim": head_dim, "seq": seq, "heads": heads,
-                     "tiles": tiles, "kernels": kernels, "memory": report.memory,
-                     "compile_s": report.compile_seconds, "roofline": est.to_dict()})
+        rows.append(
+            {
+                "program": f"flash fwd+bwd d{head_dim}",
+                "head_dim": head_dim,
+                "seq": seq,
+                "heads": heads,
+                "tiles": tiles,
+                "kernels": kernels,
+                "memory": report.memory,
+                "compile_s": report.compile_seconds,
+                "roofline": est.to_dict(),
+            }
+        )
         print(report.summary(), flush=True)
     return rows
 
@@ -97,15 +110,35 @@ def ring_rows(target, seq, heads, head_dim, devices):
         devices_here = 2 * devices if strategy == "wallfacer" else devices
         fn, args = ring_program(target, strategy, seq, heads, head_dim, devices_here)
         report = gpu.compile_for_gpu(fn, *args, ptxas=False)
-        loops = [{"body": loop.body, "trip_count": loop.trip_count, "overlapped": loop.overlapped,
-                  "compute": loop.compute,
-                  "transfers": [{"kind": c.kind, "shape": c.shape, "spans_compute": c.spans_compute,
-                                 "spans": c.spans} for c in loop.collectives],
-                  "synchronous": loop.sync_collectives} for loop in report.loops]
-        rows.append({"program": f"{strategy} fwd+bwd", "strategy": strategy, "seq": seq, "heads": heads,
-                     "head_dim": head_dim, "devices": devices_here, "memory": report.memory,
-                     "peak_bytes": report.peak_bytes, "compile_s": report.compile_seconds, "loops": loops,
-                     "all_loops_overlapped": all(loop.overlapped for loop in report.loops)})
+        loops = [
+            {
+                "body": loop.body,
+                "trip_count": loop.trip_count,
+                "overlapped": loop.overlapped,
+                "compute": loop.compute,
+                "transfers": [
+                    {"kind": c.kind, "shape": c.shape, "spans_compute": c.spans_compute, "spans": c.spans}
+                    for c in loop.collectives
+                ],
+                "synchronous": loop.sync_collectives,
+            }
+            for loop in report.loops
+        ]
+        rows.append(
+            {
+                "program": f"{strategy} fwd+bwd",
+                "strategy": strategy,
+                "seq": seq,
+                "heads": heads,
+                "head_dim": head_dim,
+                "devices": devices_here,
+                "memory": report.memory,
+                "peak_bytes": report.peak_bytes,
+                "compile_s": report.compile_seconds,
+                "loops": loops,
+                "all_loops_overlapped": all(loop.overlapped for loop in report.loops),
+            }
+        )
         print(report.summary(), flush=True)
     return rows
 
@@ -113,7 +146,8 @@ def ring_rows(target, seq, heads, head_dim, devices):
 def metp_row(target, seq, heads, head_dim, devices):
     """METP attention fwd+bwd (tensor/metp.py): its inner ring's schedule (each hop one fused transfer spanning
     the block kernels, forward and backward; guarded by tests/test_gpu_compile.py)."""
-    from jaxring.tensor.metp import metp_attention  # noqa: PLC0415
+    from jaxring.tensor.metp import metp_attention
+
     mesh = Mesh(np.array(gpu.gpu_devices(target, devices)), ("tp",))
     hidden = heads * head_dim
     x = gpu.abstract((1, seq, hidden), jnp.bfloat16, mesh, P(None, "tp"))
@@ -129,12 +163,28 @@ def metp_row(target, seq, heads, head_dim, devices):
     run = jax.shard_map(local, mesh=mesh, in_specs=specs + (P(None, "tp"),), out_specs=specs, check_vma=False)
     report = gpu.compile_for_gpu(jax.jit(run), x, w, w, w, wo, pos, ptxas=False)
     print(report.summary(), flush=True)
-    return {"program": "metp attention fwd+bwd", "strategy": "metp", "seq": seq,
-            "heads": heads, "head_dim": head_dim, "devices": devices, "memory": report.memory,
-            "peak_bytes": report.peak_bytes, "compile_s": report.compile_seconds,
-            "loops": [{"body": loop.body, "trip_count": loop.trip_count, "overlapped": loop.overlapped,
-                       "transfers": [{"kind": c.kind, "shape": c.shape, "spans_compute": c.spans_compute}
-                                     for c in loop.collectives]} for loop in report.loops]}
+    return {
+        "program": "metp attention fwd+bwd",
+        "strategy": "metp",
+        "seq": seq,
+        "heads": heads,
+        "head_dim": head_dim,
+        "devices": devices,
+        "memory": report.memory,
+        "peak_bytes": report.peak_bytes,
+        "compile_s": report.compile_seconds,
+        "loops": [
+            {
+                "body": loop.body,
+                "trip_count": loop.trip_count,
+                "overlapped": loop.overlapped,
+                "transfers": [
+                    {"kind": c.kind, "shape": c.shape, "spans_compute": c.spans_compute} for c in loop.collectives
+                ],
+            }
+            for loop in report.loops
+        ],
+    }
 
 
 def main(argv=None):
@@ -151,15 +201,31 @@ def main(argv=None):
     if not ok:
         sys.exit(f"cannot compile for GPU here: {why}")
 
-    import jaxlib  # noqa: PLC0415
-    from importlib.metadata import version  # noqa: PLC0415
-    record = {"benchmark": "gpu_compile", "command": " ".join(["python"] + sys.argv),
-              "device": f"deviceless compile for {args.target} (XLA GpuTargetConfigProto), on a CPU host",
-              "host_cpus": os.cpu_count(), "python": sys.version.split()[0], "jax": jax.__version__,
-              "jaxlib": jaxlib.__version__, "jax_cuda12_plugin": version("jax-cuda12-plugin"),
-              "ptxas": version("nvidia-cuda-nvcc-cu12"), "target": args.target,
-              "config": {"dtype": "bfloat16", "causal": True, "heads": args.heads, "flash_seq": args.flash_seq,
-                         "ring_seq": args.ring_seq, "devices": args.devices}, "results": []}
+    from importlib.metadata import version
+
+    import jaxlib
+
+    record = {
+        "benchmark": "gpu_compile",
+        "command": " ".join(["python"] + sys.argv),
+        "device": f"deviceless compile for {args.target} (XLA GpuTargetConfigProto), on a CPU host",
+        "host_cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "jax_cuda12_plugin": version("jax-cuda12-plugin"),
+        "ptxas": version("nvidia-cuda-nvcc-cu12"),
+        "target": args.target,
+        "config": {
+            "dtype": "bfloat16",
+            "causal": True,
+            "heads": args.heads,
+            "flash_seq": args.flash_seq,
+            "ring_seq": args.ring_seq,
+            "devices": args.devices,
+        },
+        "results": [],
+    }
     start = time.time()
     if args.only in (None, "flash"):
         record["results"] += flash_rows(args.target, args.flash_seq, args.heads)

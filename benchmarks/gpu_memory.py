@@ -30,6 +30,7 @@ layer stack is one scan, so a 32-layer compile costs what a 2-layer one does: no
     python benchmarks/gpu_memory.py                     # everything -> benchmarks/results/gpu_memory.json
     python benchmarks/gpu_memory.py --only longest --configs "ring zigzag" metp
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,12 +41,12 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless GPU compiles need the CPU platform selected
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-from jaxring.analysis import gpu  # noqa: E402
-from jaxring.analysis.roofline import roofline_of  # noqa: E402
-from jaxring.platform import benchmark_record, save_record  # noqa: E402
+from jaxring.analysis import gpu
+from jaxring.analysis.roofline import roofline_of
+from jaxring.platform import benchmark_record, save_record
 
 # name -> make_mesh degrees and ParallelPlan options (8 GPUs each)
 CONFIGS = {
@@ -59,23 +60,24 @@ CONFIGS = {
     "megatron tp2 x ring sp4": (dict(tp=2, sp=4), dict(attention="ring", tensor_parallel="megatron")),
     "megatron tp4 x ring sp2": (dict(tp=4, sp=2), dict(attention="ring", tensor_parallel="megatron")),
 }
-MFU_RUNS = [("7b", name, 32768) for name in ("ring zigzag", "ulysses", "megatron tp8", "metp tp8")] + \
-           [("1b", "ring zigzag", 32768)]
-GIB = 2 ** 30
-STAMP = {}          # commit and note, recorded with every row
+MFU_RUNS = [("7b", name, 32768) for name in ("ring zigzag", "ulysses", "megatron tp8", "metp tp8")] + [
+    ("1b", "ring zigzag", 32768)
+]
+GIB = 2**30
+STAMP = {}  # commit and note, recorded with every row
 
 
 def step_program(preset, config, seq, *, zero=3, remat="selective", target="h200", batch=1, layers=None):
     """(lowered train step, model config, plan) of `preset` under `config` at `seq` tokens, on abstract GPUs."""
-    from flax import nnx  # noqa: PLC0415
+    from flax import nnx
 
-    import jaxring  # noqa: PLC0415
-    from jaxring.nn import param_placements  # noqa: PLC0415
-    from jaxring.plan import ParallelPlan  # noqa: PLC0415
-    from jaxring.train.config import TrainConfig  # noqa: PLC0415
-    from jaxring.train.step import TrainStep  # noqa: PLC0415
-    from jaxring.train.trainer import optimizer  # noqa: PLC0415
-    from models import gpt  # noqa: PLC0415
+    import jaxring
+    from jaxring.nn import param_placements
+    from jaxring.plan import ParallelPlan
+    from jaxring.train.config import TrainConfig
+    from jaxring.train.step import TrainStep
+    from jaxring.train.trainer import optimizer
+    from models import gpt
 
     degrees, options = CONFIGS[config] if config != "1 gpu" else ({}, {})
     devices = gpu.gpu_devices(target, math.prod(degrees.values()) if degrees else 1)
@@ -85,28 +87,41 @@ def step_program(preset, config, seq, *, zero=3, remat="selective", target="h200
     overrides = {} if layers is None else {"num_layers": layers}
     base = gpt.get_config(preset)
     if base.positions == "learned":
-        overrides["max_seq_len"] = max(base.max_seq_len, seq)      # as the GPT task does
+        overrides["max_seq_len"] = max(base.max_seq_len, seq)  # as the GPT task does
     cfg = gpt.get_config(preset, **overrides)
     gpt.check_plan(cfg, plan, batch, seq)
     model = nnx.eval_shape(lambda: gpt.GPT(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     tx = optimizer(TrainConfig(model="gpt", preset=preset, seq_len=seq, batch_size=batch, steps=1000))
-    step = TrainStep(plan, graphdef, param_placements(state, plan), tx, gpt.NextTokenObjective(batch, seq),
-                     dtype=jnp.bfloat16, remat=remat, stack=model.STACK,
-                     layer_graphdef=nnx.split(getattr(model, model.STACK))[0])
+    step = TrainStep(
+        plan,
+        graphdef,
+        param_placements(state, plan),
+        tx,
+        gpt.NextTokenObjective(batch, seq),
+        dtype=jnp.bfloat16,
+        remat=remat,
+        stack=model.STACK,
+        layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
+    )
     shaped = lambda tree, shardings: jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
     params = shaped(nnx.to_pure_dict(state), step.shardings(step.param_specs))
     opt_specs = step.opt_state_specs(params)
     opt_state = shaped(jax.eval_shape(tx.init, params), step.shardings(opt_specs))
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=plan.tokens_sharding())
-    lowered = step.build(opt_specs).lower(params, opt_state, {"tokens": tokens, "targets": tokens,
-                                                              "positions": tokens},
-                                          jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((), jnp.float32))
+    lowered = step.build(opt_specs).lower(
+        params,
+        opt_state,
+        {"tokens": tokens, "targets": tokens, "positions": tokens},
+        jax.ShapeDtypeStruct((2,), jnp.uint32),
+        jax.ShapeDtypeStruct((), jnp.float32),
+    )
     return lowered, cfg, plan
 
 
-COMPILER_OPTIONS = {}   # --slop: {"xla_gpu_memory_limit_slop_factor": percent}
+COMPILER_OPTIONS = {}  # --slop: {"xla_gpu_memory_limit_slop_factor": percent}
 
 
 def compile_step(preset, config, seq, **kw):
@@ -116,9 +131,16 @@ def compile_step(preset, config, seq, **kw):
 
 def memory_row(report, seq):
     m = report.memory
-    return {**STAMP, "seq": seq, "peak_gib": report.peak_bytes / GIB, "argument_gib": m["argument"] / GIB,
-            "temp_gib": m["temp"] / GIB, "output_gib": m["output"] / GIB, "alias_gib": m["alias"] / GIB,
-            "compile_s": report.compile_seconds}
+    return {
+        **STAMP,
+        "seq": seq,
+        "peak_gib": report.peak_bytes / GIB,
+        "argument_gib": m["argument"] / GIB,
+        "temp_gib": m["temp"] / GIB,
+        "output_gib": m["output"] / GIB,
+        "alias_gib": m["alias"] / GIB,
+        "compile_s": report.compile_seconds,
+    }
 
 
 def longest_sequence(config, budget, unit, zero, first=65536, log=print):
@@ -155,8 +177,13 @@ def longest_sequence(config, budget, unit, zero, first=65536, log=print):
         else:
             hi = mid
     rows = sorted(probes.values(), key=lambda r: r["seq"])
-    return {"longest_seq": lo, "first_too_long": hi, "at_longest": probes[lo],
-            "activation_bytes_per_token": slope, "probes": rows}
+    return {
+        "longest_seq": lo,
+        "first_too_long": hi,
+        "at_longest": probes[lo],
+        "activation_bytes_per_token": slope,
+        "probes": rows,
+    }
 
 
 def longest_rows(args, record, out):
@@ -165,9 +192,13 @@ def longest_rows(args, record, out):
     for name in args.configs:
         start = time.time()
         print(f"{name}: bisection", flush=True)
-        row = {"section": "longest", "config": name, **STAMP,
-               "zero": args.zero if CONFIGS[name][0].get("sp", 1) > 1 else None,
-               **longest_sequence(name, budget, args.unit, args.zero, first=args.first)}
+        row = {
+            "section": "longest",
+            "config": name,
+            **STAMP,
+            "zero": args.zero if CONFIGS[name][0].get("sp", 1) > 1 else None,
+            **longest_sequence(name, budget, args.unit, args.zero, first=args.first),
+        }
         row["search_s"] = time.time() - start
         print(f"{name}: longest {row['longest_seq']} tokens ({row['search_s']:.0f} s)", flush=True)
         record["results"].append(row)
@@ -178,26 +209,29 @@ def longest_rows(args, record, out):
 
 def summarize(record):
     """METP/Megatron longest-sequence ratio (paper: 2.38-2.99x) and WallFacer's memory over ring's."""
-    label = lambda r: r["config"] + (f' [{r["note"]}]' if r.get("note") else "")
+    label = lambda r: r["config"] + (f" [{r['note']}]" if r.get("note") else "")
     longest = {label(r): r["longest_seq"] for r in record["results"] if r.get("section") == "longest"}
     summary = record.setdefault("summary", {})
     ratio = {}
     for r in record["results"]:
         if r.get("section") == "longest" and r["config"] == "metp tp8":
-            tag = f' [{r["note"]}]' if r.get("note") else ""
+            tag = f" [{r['note']}]" if r.get("note") else ""
             if longest.get("megatron tp8" + tag):
                 ratio[r.get("note") or "default"] = r["longest_seq"] / longest["megatron tp8" + tag]
     if ratio:
-        summary["metp_over_megatron_longest_seq"] = ratio     # by note (XLA memory-limit setting)
+        summary["metp_over_megatron_longest_seq"] = ratio  # by note (XLA memory-limit setting)
     pairs = {}
     for r in record["results"]:
         if r.get("section") == "wallfacer":
             pairs.setdefault(r["seq"], {})[r["config"]] = r["peak_gib"]
-    less = {str(seq): 1 - p["ring zigzag"] / p["wallfacer C=2"] for seq, p in sorted(pairs.items())
-            if "ring zigzag" in p and "wallfacer C=2" in p}
+    less = {
+        str(seq): 1 - p["ring zigzag"] / p["wallfacer C=2"]
+        for seq, p in sorted(pairs.items())
+        if "ring zigzag" in p and "wallfacer C=2" in p
+    }
     if less:
         summary["ring_uses_less_than_wallfacer_zero2"] = less
-    probed = {}                                     # the bisection's probes (ZeRO-3) at lengths both ran
+    probed = {}  # the bisection's probes (ZeRO-3) at lengths both ran
     for r in record["results"]:
         if r.get("section") == "longest" and r["config"] in ("ring zigzag", "wallfacer C=2"):
             for probe in r["probes"]:
@@ -207,21 +241,26 @@ def summarize(record):
         if len(p) == 2:
             less.setdefault(note, {})[str(seq)] = 1 - p["ring zigzag"] / p["wallfacer C=2"]
     if less:
-        summary["ring_uses_less_than_wallfacer_zero3"] = less     # by note, at the lengths both probed
+        summary["ring_uses_less_than_wallfacer_zero3"] = less  # by note, at the lengths both probed
     if longest:
         summary["longest_seq"] = longest
-    mfu = {f'{r["preset"]} {r["config"]} {r["seq"]}': {"roofline_mfu": r["roofline"]["mfu"],
-                                                       "loop_mfu_at_roofline_time": r["loop_mfu_at_roofline_time"],
-                                                       "loop_mfu_with_nothing_overlapped":
-                                                           r["loop_mfu_with_nothing_overlapped"],
-                                                       "bound": r["roofline"]["bound"]}
-           for r in record["results"] if r.get("section") == "mfu"}
+    mfu = {
+        f"{r['preset']} {r['config']} {r['seq']}": {
+            "roofline_mfu": r["roofline"]["mfu"],
+            "loop_mfu_at_roofline_time": r["loop_mfu_at_roofline_time"],
+            "loop_mfu_with_nothing_overlapped": r["loop_mfu_with_nothing_overlapped"],
+            "bound": r["roofline"]["bound"],
+        }
+        for r in record["results"]
+        if r.get("section") == "mfu"
+    }
     if mfu:
         summary["mfu"] = mfu
 
 
 def gpu_memory_bytes(target):
-    import re  # noqa: PLC0415
+    import re
+
     return int(re.search(r"device_memory_size:\s*(\d+)", gpu.target_config(target)).group(1))
 
 
@@ -240,30 +279,46 @@ def wallfacer_rows(args, record, out):
 def remat_rows(args, record, out):
     for remat in ("none", "selective", "full"):
         report, _, _ = compile_step("7b", "ring zigzag", args.remat_seq, zero=args.zero, remat=remat)
-        row = {"section": "remat", "config": "ring zigzag", "remat": remat, "zero": args.zero,
-               **memory_row(report, args.remat_seq)}
+        row = {
+            "section": "remat",
+            "config": "ring zigzag",
+            "remat": remat,
+            "zero": args.zero,
+            **memory_row(report, args.remat_seq),
+        }
         print(row, flush=True)
         record["results"].append(row)
         save_record(record, out)
 
 
 def mfu_rows(args, record, out):
-    from jaxring.train.metrics import peak_flops  # noqa: PLC0415
+    from jaxring.train.metrics import peak_flops
+
     for preset, name, seq in MFU_RUNS:
         if args.mfu_configs and name not in args.mfu_configs:
             continue
         report, cfg, plan = compile_step(preset, name, seq, zero=args.zero)
         n = report.num_devices
-        model_flops = cfg.flops_per_token(seq, causal=True) * seq        # task.flops_per_step(), batch 1
+        model_flops = cfg.flops_per_token(seq, causal=True) * seq  # task.flops_per_step(), batch 1
         est = roofline_of(report, causal=True, model_flops=model_flops / n)
-        peak = peak_flops(gpu.gpu_devices(args.target, 1)[0], "bf16")   # what the training loop divides by
-        row = {"section": "mfu", "preset": preset, "config": name, "seq": seq, "devices": n, "batch": 1,
-               "flops_per_step": model_flops, "loop_peak_flops": peak,
-               "loop_mfu_at_roofline_time": model_flops / est.time_s / (peak * n),
-               "loop_mfu_with_nothing_overlapped": model_flops / est.serial_s / (peak * n),
-               "hardware_over_model_flops": est.flops / (model_flops / n),
-               "flash_flops": est.flops - report.cost["flops"], "xla_flops": report.cost["flops"],
-               "roofline": est.to_dict(), **memory_row(report, seq)}
+        peak = peak_flops(gpu.gpu_devices(args.target, 1)[0], "bf16")  # what the training loop divides by
+        row = {
+            "section": "mfu",
+            "preset": preset,
+            "config": name,
+            "seq": seq,
+            "devices": n,
+            "batch": 1,
+            "flops_per_step": model_flops,
+            "loop_peak_flops": peak,
+            "loop_mfu_at_roofline_time": model_flops / est.time_s / (peak * n),
+            "loop_mfu_with_nothing_overlapped": model_flops / est.serial_s / (peak * n),
+            "hardware_over_model_flops": est.flops / (model_flops / n),
+            "flash_flops": est.flops - report.cost["flops"],
+            "xla_flops": report.cost["flops"],
+            "roofline": est.to_dict(),
+            **memory_row(report, seq),
+        }
         print({k: v for k, v in row.items() if k != "roofline"}, flush=True)
         record["results"].append(row)
         save_record(record, out)
@@ -278,17 +333,25 @@ def main(argv=None):
     parser.add_argument("--only", nargs="*", choices=list(SECTIONS), default=list(SECTIONS))
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--mfu-configs", nargs="*", default=None)
-    parser.add_argument("--budget-fraction", type=float, default=0.95,
-                        help="fraction of the device memory a step may use (default 0.95)")
+    parser.add_argument(
+        "--budget-fraction",
+        type=float,
+        default=0.95,
+        help="fraction of the device memory a step may use (default 0.95)",
+    )
     parser.add_argument("--unit", type=int, default=8192, help="bisection resolution in tokens")
     parser.add_argument("--zero", type=int, default=3, help="ZeRO stage over sp for sequence strategies")
     parser.add_argument("--wallfacer-seqs", type=int, nargs="*", default=[65536, 131072])
     parser.add_argument("--remat-seq", type=int, default=65536)
-    parser.add_argument("--slop", type=int, default=None,
-                        help="xla_gpu_memory_limit_slop_factor (percent of device memory XLA's GPU scheduler "
-                             "may fill; XLA's default 95): XLA trades memory for overlap up to that limit, so "
-                             "memory_analysis() at the default measures the scheduler's budget as much as the "
-                             "step's needs; a lower factor makes it schedule for memory")
+    parser.add_argument(
+        "--slop",
+        type=int,
+        default=None,
+        help="xla_gpu_memory_limit_slop_factor (percent of device memory XLA's GPU scheduler "
+        "may fill; XLA's default 95): XLA trades memory for overlap up to that limit, so "
+        "memory_analysis() at the default measures the scheduler's budget as much as the "
+        "step's needs; a lower factor makes it schedule for memory",
+    )
     parser.add_argument("--first", type=int, default=65536, help="the bisection's first probe (tokens)")
     parser.add_argument("--note", default="", help="recorded with the results (e.g. what was patched)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "gpu_memory.json"))
@@ -299,27 +362,50 @@ def main(argv=None):
     if not ok:
         sys.exit(f"cannot compile for GPU here: {why}")
 
-    import subprocess  # noqa: PLC0415
-    from importlib.metadata import version  # noqa: PLC0415
+    import subprocess
+    from importlib.metadata import version
 
-    import jaxlib  # noqa: PLC0415
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    import jaxlib
+
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+    ).stdout.strip()
     STAMP.update(commit=commit, note=args.note, xla_gpu_memory_limit_slop_factor=args.slop)
-    config = {"model": "7b", "dtype": "bfloat16", "remat": "selective", "block_ops": "pallas", "batch": 1,
-              "optimizer": "adamw (fp32 weights and moments)", "zero_over_sp": args.zero,
-              "device_memory_bytes": gpu_memory_bytes(args.target), "budget_fraction": args.budget_fraction,
-              "unit": args.unit, "xla_gpu_memory_limit_slop_factor": args.slop}
+    config = {
+        "model": "7b",
+        "dtype": "bfloat16",
+        "remat": "selective",
+        "block_ops": "pallas",
+        "batch": 1,
+        "optimizer": "adamw (fp32 weights and moments)",
+        "zero_over_sp": args.zero,
+        "device_memory_bytes": gpu_memory_bytes(args.target),
+        "budget_fraction": args.budget_fraction,
+        "unit": args.unit,
+        "xla_gpu_memory_limit_slop_factor": args.slop,
+    }
     record = benchmark_record("gpu_memory", gpu.gpu_devices(args.target, 8), config)
-    record.update(device=f"deviceless compile for 8 x {args.target} (XLA GpuTargetConfigProto), on a CPU host: "
-                         + record["device"], jaxlib=jaxlib.__version__,
-                  jax_cuda12_plugin=version("jax-cuda12-plugin"), commit=commit, note=args.note)
+    record.update(
+        device=f"deviceless compile for 8 x {args.target} (XLA GpuTargetConfigProto), on a CPU host: "
+        + record["device"],
+        jaxlib=jaxlib.__version__,
+        jax_cuda12_plugin=version("jax-cuda12-plugin"),
+        commit=commit,
+        note=args.note,
+    )
     if os.path.exists(args.out):
-        import json  # noqa: PLC0415
+        import json
+
         previous = json.load(open(args.out))
         # rows this run replaces: its sections (longest: its configs) under the same note
-        replaced = lambda r: (r.get("section") in args.only and r.get("note", "") == args.note and
-                              (r.get("section") != "longest" or r.get("config") in args.configs))
+        replaced = lambda r: (
+            r.get("section") in args.only
+            and r.get("note", "") == args.note
+            and (r.get("section") != "longest" or r.get("config") in args.configs)
+        )
         record["results"] = [r for r in previous.get("results", []) if not replaced(r)]
     start = time.time()
     for section in SECTIONS:

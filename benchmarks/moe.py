@@ -20,6 +20,7 @@ layer: 4 exchanges of the dispatch buffer, (ep-1)/ep of it received, plus drople
 tests/test_moe.py), compile time, median step time of --model-steps steps after one warm-up, tokens/s, and the
 first step's loss, drop rate and load imbalance. Rows carry "scope": "model" (the block rows have no "scope").
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,14 @@ def setup(size, ep, capacity_factor, grouped_matmul, devices):
     from jaxring.moe import MoE, MoEConfig, param_specs, sharded_moe_ffn
 
     hidden, experts, k, ffn, batch, seq = SIZES[size]
-    config = MoEConfig(num_experts=experts, experts_per_token=k, ffn=ffn, activation="swiglu",
-                       capacity_factor=capacity_factor, grouped_matmul=grouped_matmul)
+    config = MoEConfig(
+        num_experts=experts,
+        experts_per_token=k,
+        ffn=ffn,
+        activation="swiglu",
+        capacity_factor=capacity_factor,
+        grouped_matmul=grouped_matmul,
+    )
     mesh = make_mesh(dp=len(devices) // ep, ep=ep, devices=devices)
     params = MoE(hidden, config, rngs=nnx.Rngs(0)).params()
     params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, param_specs(config))
@@ -59,6 +66,7 @@ def setup(size, ep, capacity_factor, grouped_matmul, devices):
         def loss(x, params):
             y, stats = sharded_moe_ffn(x, params, mesh=mesh, config=config)
             return jnp.sum(y * dy) + stats["loss"], stats
+
         (_, stats), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, params)
         return grads, stats
 
@@ -74,12 +82,22 @@ def measure(size, ep, capacity_factor, grouped_matmul, devices, runs):
     fn = jax.jit(step)
     seconds = median_seconds(fn, *args, runs=runs)
     stats = fn(*args)[1]
-    return {"size": size, "ep": ep, "dp": len(devices) // ep,
-            "dispatch": f"dropless ({grouped_matmul})" if capacity_factor is None else f"capacity {capacity_factor}",
-            "tokens": tokens, "fwd_bwd_s": seconds, "tokens_per_s": tokens / seconds,
-            "peak_bytes": s.peak_bytes, "temp_bytes": s.temp_bytes, "argument_bytes": s.argument_bytes,
-            "all_to_all_bytes": s.bytes_moved["all-to-all"], "bytes_moved": s.bytes_moved,
-            "drop_rate": float(stats["drop_rate"]), "load_imbalance": float(stats["load_imbalance"])}
+    return {
+        "size": size,
+        "ep": ep,
+        "dp": len(devices) // ep,
+        "dispatch": f"dropless ({grouped_matmul})" if capacity_factor is None else f"capacity {capacity_factor}",
+        "tokens": tokens,
+        "fwd_bwd_s": seconds,
+        "tokens_per_s": tokens / seconds,
+        "peak_bytes": s.peak_bytes,
+        "temp_bytes": s.temp_bytes,
+        "argument_bytes": s.argument_bytes,
+        "all_to_all_bytes": s.bytes_moved["all-to-all"],
+        "bytes_moved": s.bytes_moved,
+        "drop_rate": float(stats["drop_rate"]),
+        "load_imbalance": float(stats["load_imbalance"]),
+    }
 
 
 MODELS = {  # name -> (preset, overrides, batch, seq)
@@ -107,15 +125,26 @@ def measure_model(name, ep, capacity_factor, devices, steps):
     from jaxring.train.loop import TrainConfig, Trainer
 
     preset, overrides, batch, seq = MODELS[name]
-    cfg = TrainConfig(model="gpt", preset=preset, model_overrides={**overrides, "capacity_factor": capacity_factor},
-                      seq_len=seq, batch_size=batch, steps=10 ** 6, sample_tokens=0, eval_at_end=False,
-                      progress=False, ep=ep, dp=len(devices) // ep)
+    cfg = TrainConfig(
+        model="gpt",
+        preset=preset,
+        model_overrides={**overrides, "capacity_factor": capacity_factor},
+        seq_len=seq,
+        batch_size=batch,
+        steps=10**6,
+        sample_tokens=0,
+        eval_at_end=False,
+        progress=False,
+        ep=ep,
+        dp=len(devices) // ep,
+    )
     trainer = Trainer(cfg, devices)
     config = trainer.task.config
     start = time.perf_counter()
     # the trainer's own jitted step (its compiled executable is cached: the steps below reuse it)
-    compiled = trainer._step.lower(trainer.params, trainer.opt_state, trainer.task.batch(0), trainer.key(0),
-                                   jnp.float32(jnp.inf)).compile()
+    compiled = trainer._step.lower(
+        trainer.params, trainer.opt_state, trainer.task.batch(0), trainer.key(0), jnp.float32(jnp.inf)
+    ).compile()
     compile_s = time.perf_counter() - start
     mem = compiled.memory_analysis()
     moved, ops = collective_traffic(compiled.as_text(), len(devices))
@@ -124,24 +153,36 @@ def measure_model(name, ep, capacity_factor, devices, steps):
     for i in range(1 + steps):
         t0 = time.perf_counter()
         out = trainer.step()
-        loss = float(out["loss"])                                # waits for the step
+        loss = float(out["loss"])  # waits for the step
         if i:
             times.append(time.perf_counter() - t0)
         else:
-            first = {"loss": loss, "drop_rate": float(out["drop_rate"]),
-                     "load_imbalance": float(out["load_imbalance"])}
+            first = {"loss": loss, "drop_rate": float(out["drop_rate"]), "load_imbalance": float(out["load_imbalance"])}
     seconds = sorted(times)[len(times) // 2]
-    return {"scope": "model", "model": name, "ep": ep, "dp": len(devices) // ep,
-            "dispatch": "dropless" if capacity_factor is None else f"capacity {capacity_factor}",
-            "params": config.num_params(), "active_params": config.num_params(active=True),
-            "tokens": batch * seq, "compile_s": compile_s, "step_s": seconds,
-            "tokens_per_s": batch * seq / seconds,
-            "peak_bytes": mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-            - mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
-            "argument_bytes": mem.argument_size_in_bytes,
-            "all_to_all_bytes": moved["all-to-all"], "all_to_all_formula": formula,
-            "all_to_all_ops": ops["all-to-all"], "bytes_moved": moved,
-            **{f"first_step_{k}": v for k, v in first.items()}}
+    return {
+        "scope": "model",
+        "model": name,
+        "ep": ep,
+        "dp": len(devices) // ep,
+        "dispatch": "dropless" if capacity_factor is None else f"capacity {capacity_factor}",
+        "params": config.num_params(),
+        "active_params": config.num_params(active=True),
+        "tokens": batch * seq,
+        "compile_s": compile_s,
+        "step_s": seconds,
+        "tokens_per_s": batch * seq / seconds,
+        "peak_bytes": mem.argument_size_in_bytes
+        + mem.output_size_in_bytes
+        + mem.temp_size_in_bytes
+        - mem.alias_size_in_bytes,
+        "temp_bytes": mem.temp_size_in_bytes,
+        "argument_bytes": mem.argument_size_in_bytes,
+        "all_to_all_bytes": moved["all-to-all"],
+        "all_to_all_formula": formula,
+        "all_to_all_ops": ops["all-to-all"],
+        "bytes_moved": moved,
+        **{f"first_step_{k}": v for k, v in first.items()},
+    }
 
 
 def main_model(args, devices):
@@ -149,9 +190,12 @@ def main_model(args, devices):
     import json
 
     record = json.load(open(args.out)) if os.path.exists(args.out) else benchmark_record("moe", devices, {})
-    run = benchmark_record("moe", devices, {k: v for k, v in vars(args).items() if k != "out"}
-                           | {"models_def": {m: MODELS[m] for m in args.models},
-                              "models_fields": "preset, overrides, batch, seq"})
+    run = benchmark_record(
+        "moe",
+        devices,
+        {k: v for k, v in vars(args).items() if k != "out"}
+        | {"models_def": {m: MODELS[m] for m in args.models}, "models_fields": "preset, overrides, batch, seq"},
+    )
     del run["results"]
     run["host_load_average_start"] = os.getloadavg()
     record.setdefault("model_runs", []).append(run)
@@ -160,9 +204,14 @@ def main_model(args, devices):
             for cf in [None] + args.capacity_factors:
                 try:
                     row = measure_model(name, ep, cf, devices, args.model_steps)
-                except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
-                    row = {"scope": "model", "model": name, "ep": ep, "capacity_factor": cf,
-                           "error": f"{type(e).__name__}: {e}"[:500]}
+                except Exception as e:
+                    row = {
+                        "scope": "model",
+                        "model": name,
+                        "ep": ep,
+                        "capacity_factor": cf,
+                        "error": f"{type(e).__name__}: {e}"[:500],
+                    }
                 record["results"].append(row)
                 print({k: v for k, v in row.items() if k != "bytes_moved"}, flush=True)
                 run["host_load_average_end"] = os.getloadavg()
@@ -174,11 +223,19 @@ def main():
     p.add_argument("--sizes", nargs="*", default=list(SIZES))
     p.add_argument("--eps", type=int, nargs="*", default=[1, 2, 4, 8])
     p.add_argument("--capacity-factors", type=float, nargs="*", default=[1.25])
-    p.add_argument("--grouped-matmuls", nargs="*", default=["blocked", "ragged_dot"],
-                   help="dropless grouped matmul implementations to measure")
+    p.add_argument(
+        "--grouped-matmuls",
+        nargs="*",
+        default=["blocked", "ragged_dot"],
+        help="dropless grouped matmul implementations to measure",
+    )
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--scope", choices=("block", "model"), default="block",
-                   help="block: the MoE layer alone (replaces the record); model: whole MoE GPTs (adds rows)")
+    p.add_argument(
+        "--scope",
+        choices=("block", "model"),
+        default="block",
+        help="block: the MoE layer alone (replaces the record); model: whole MoE GPTs (adds rows)",
+    )
     p.add_argument("--models", nargs="*", default=list(MODELS))
     p.add_argument("--model-steps", type=int, default=3, help="timed train steps per model row")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "moe.json"))
@@ -186,8 +243,12 @@ def main():
     devices = use_cpu_devices_if_no_accelerator(8)
     if args.scope == "model":
         return main_model(args, devices)
-    record = benchmark_record("moe", devices, vars(args) | {"sizes_def": {s: SIZES[s] for s in args.sizes},
-                                                            "sizes_fields": "hidden, experts, k, ffn, batch, seq"})
+    record = benchmark_record(
+        "moe",
+        devices,
+        vars(args)
+        | {"sizes_def": {s: SIZES[s] for s in args.sizes}, "sizes_fields": "hidden, experts, k, ffn, batch, seq"},
+    )
     dispatches = [(None, gm) for gm in args.grouped_matmuls] + [(cf, "auto") for cf in args.capacity_factors]
     for size in args.sizes:
         for ep in args.eps:

@@ -10,15 +10,18 @@ compiled program; exact, no timing. What a mode recomputes shows in the bytes: a
 linear gathers its input again, a recomputed ring or METP forward makes its hops again. Writes
 benchmarks/results/remat_memory.json (each row with the commit it was measured at).
 """
+
 import argparse
 import os
 import subprocess
 
 from jaxring.platform import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
 
-MESHES = {"sp8 ring": (dict(sp=8), dict(attention="ring")),
-          "dp2 x tp2 x sp2 ring megatron": (dict(dp=2, tp=2, sp=2), dict(attention="ring", tensor_parallel="megatron")),
-          "dp2 x tp4 metp": (dict(dp=2, tp=4), dict(attention="dense", tensor_parallel="metp"))}
+MESHES = {
+    "sp8 ring": (dict(sp=8), dict(attention="ring")),
+    "dp2 x tp2 x sp2 ring megatron": (dict(dp=2, tp=2, sp=2), dict(attention="ring", tensor_parallel="megatron")),
+    "dp2 x tp4 metp": (dict(dp=2, tp=4), dict(attention="dense", tensor_parallel="metp")),
+}
 B, S = 8, 256
 
 
@@ -39,31 +42,47 @@ def main():
     from jaxring.train.step import TrainStep
     from models import gpt
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(jaxring.__file__)).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(jaxring.__file__)
+    ).stdout.strip()
     cfg = gpt.GPTConfig(vocab_size=256, num_layers=6, hidden=64, num_heads=4, ffn=256)
     model = gpt.GPT(cfg, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     tokens = jnp.zeros((B, S), jnp.int32)
-    batch = {"tokens": tokens, "targets": tokens,
-             "positions": jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))}
-    record = benchmark_record("remat_memory", devices, {"model": "gpt", "num_layers": 6, "hidden": 64,
-                                                       "batch": B, "seq_len": S, "dtype": "fp32"})
+    batch = {"tokens": tokens, "targets": tokens, "positions": jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))}
+    record = benchmark_record(
+        "remat_memory",
+        devices,
+        {"model": "gpt", "num_layers": 6, "hidden": 64, "batch": B, "seq_len": S, "dtype": "fp32"},
+    )
     record["results"] = []
     for name, (degrees, options) in MESHES.items():
         plan = ParallelPlan(jaxring.make_mesh(**degrees, devices=devices), **options)
         placements = param_placements(state, plan)
         for remat in ("none", "selective", "full"):
-            step = TrainStep(plan, graphdef, placements, None, gpt.NextTokenObjective(B, S), remat=remat,
-                             stack=model.STACK, layer_graphdef=nnx.split(getattr(model, model.STACK))[0])
+            step = TrainStep(
+                plan,
+                graphdef,
+                placements,
+                None,
+                gpt.NextTokenObjective(B, S),
+                remat=remat,
+                stack=model.STACK,
+                layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
+            )
             params = jax.device_put(nnx.to_pure_dict(state), step.shardings(step.param_specs))
             compiled = step.build_grads().lower(params, batch, jax.random.PRNGKey(0)).compile()
             memory = compiled.memory_analysis()
             moved = collective_traffic(compiled.as_text(), len(devices))[0]
-            row = {"mesh": name, "remat": remat, "temp_bytes": memory.temp_size_in_bytes,
-                   "argument_bytes": memory.argument_size_in_bytes,
-                   "collective_bytes": {kind: n for kind, n in moved.items() if n},
-                   "commit": commit, "note": args.note}
+            row = {
+                "mesh": name,
+                "remat": remat,
+                "temp_bytes": memory.temp_size_in_bytes,
+                "argument_bytes": memory.argument_size_in_bytes,
+                "collective_bytes": {kind: n for kind, n in moved.items() if n},
+                "commit": commit,
+                "note": args.note,
+            }
             record["results"].append(row)
             save_record(record, args.out)
             print(row, flush=True)

@@ -17,6 +17,7 @@ the host do not inflate, are recorded too). Memory is the compiled program's
 per-device temp bytes (`memory_analysis()`); compile time is lower + compile of the fwd+bwd program.
 "ratio" rows compare jaxring's fastest layout with the peer's fastest chunk size (time and temp memory).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,9 +55,18 @@ def load_peer(path: str | None):
 
 
 def peer_local(peer, chunk):
-    kwargs = dict(causal_block_size=1, query_chunk_size=chunk, key_chunk_size=chunk, deterministic=True,
-                  dropout_rng=None, attn_pdrop=0.0, dtype=jnp.float32, policy=jax.checkpoint_policies.nothing_saveable,
-                  precision=None, prevent_cse=True)
+    kwargs = dict(
+        causal_block_size=1,
+        query_chunk_size=chunk,
+        key_chunk_size=chunk,
+        deterministic=True,
+        dropout_rng=None,
+        attn_pdrop=0.0,
+        dtype=jnp.float32,
+        policy=jax.checkpoint_policies.nothing_saveable,
+        precision=None,
+        prevent_cse=True,
+    )
     return lambda q, k, v: peer.ring_attention(q, k, v, None, None, None, "sp", True, kwargs)
 
 
@@ -64,8 +74,10 @@ def fwd_bwd(local, mesh, check_vma=True):
     def run(q, k, v, dout):
         out, vjp = jax.vjp(local, q, k, v)
         return out, vjp(dout)
-    return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(SPEC,) * 4, out_specs=(SPEC, (SPEC,) * 3),
-                                 check_vma=check_vma))
+
+    return jax.jit(
+        jax.shard_map(run, mesh=mesh, in_specs=(SPEC,) * 4, out_specs=(SPEC, (SPEC,) * 3), check_vma=check_vma)
+    )
 
 
 def prepare(fn, args):
@@ -93,10 +105,21 @@ def main(argv=None):
     p = len(devices)
     mesh = jaxring.make_mesh(sp=p, devices=devices)
     peer = load_peer(args.peer_path)
-    record = benchmark_record("ring_attention", devices, {
-        "batch": 1, "heads": args.heads, "head_dim": args.head_dim, "causal": True, "dtype": "float32",
-        "devices": p, "rounds": args.rounds, "pass": "forward+backward",
-        "peer": "ringattention 0.1.2 (lhao499), ringattention_jax.ring_attention" if peer else None})
+    record = benchmark_record(
+        "ring_attention",
+        devices,
+        {
+            "batch": 1,
+            "heads": args.heads,
+            "head_dim": args.head_dim,
+            "causal": True,
+            "dtype": "float32",
+            "devices": p,
+            "rounds": args.rounds,
+            "pass": "forward+backward",
+            "peer": "ringattention 0.1.2 (lhao499), ringattention_jax.ring_attention" if peer else None,
+        },
+    )
     if peer is None:
         print("peer (ringattention) not importable: jaxring only (pass --peer-path)", flush=True)
     for seq in args.seqs:
@@ -110,14 +133,19 @@ def main(argv=None):
         if peer is not None:
             for chunk in args.peer_chunks:
                 if (seq // p) % chunk == 0:
-                    configs[f"peer chunk {chunk}"] = (fwd_bwd(peer_local(peer, chunk), mesh, check_vma=False),
-                                                      natural)
+                    configs[f"peer chunk {chunk}"] = (fwd_bwd(peer_local(peer, chunk), mesh, check_vma=False), natural)
         rows = {}
         for name, (fn, xs) in configs.items():
             compiled, seconds, temp = prepare(fn, xs)
             jax.block_until_ready(compiled(*xs))
-            rows[name] = {"compile_s": seconds, "temp_bytes": temp, "times_s": [], "cpu_s": [], "compiled": compiled,
-                          "xs": xs}
+            rows[name] = {
+                "compile_s": seconds,
+                "temp_bytes": temp,
+                "times_s": [],
+                "cpu_s": [],
+                "compiled": compiled,
+                "xs": xs,
+            }
         for _ in range(args.rounds):
             for name, row in rows.items():
                 start, cpu = time.perf_counter(), time.process_time()
@@ -126,33 +154,45 @@ def main(argv=None):
                 row["cpu_s"].append(time.process_time() - cpu)
         result = {"seq": seq, "configs": {}}
         for name, row in rows.items():
-            result["configs"][name] = {"min_s": min(row["times_s"]), "median_s": statistics.median(row["times_s"]),
-                                       "times_s": row["times_s"], "cpu_min_s": min(row["cpu_s"]),
-                                       "cpu_s": row["cpu_s"], "temp_bytes": row["temp_bytes"],
-                                       "compile_s": row["compile_s"]}
+            result["configs"][name] = {
+                "min_s": min(row["times_s"]),
+                "median_s": statistics.median(row["times_s"]),
+                "times_s": row["times_s"],
+                "cpu_min_s": min(row["cpu_s"]),
+                "cpu_s": row["cpu_s"],
+                "temp_bytes": row["temp_bytes"],
+                "compile_s": row["compile_s"],
+            }
             r = result["configs"][name]
-            print(f"seq {seq:6d} {name:20s} {r['min_s']:.3f} s (median {r['median_s']:.3f}, cpu {r['cpu_min_s']:.3f})"
-                  f"  temp {r['temp_bytes'] / 2**20:6.1f} MiB  compile {r['compile_s']:.1f} s", flush=True)
+            print(
+                f"seq {seq:6d} {name:20s} {r['min_s']:.3f} s (median {r['median_s']:.3f}, cpu {r['cpu_min_s']:.3f})"
+                f"  temp {r['temp_bytes'] / 2**20:6.1f} MiB  compile {r['compile_s']:.1f} s",
+                flush=True,
+            )
         ours = {n: r for n, r in result["configs"].items() if n.startswith("jaxring")}
         theirs = {n: r for n, r in result["configs"].items() if n.startswith("peer")}
         if theirs:
             best_ours = min(ours, key=lambda n: ours[n]["min_s"])
             best_peer = min(theirs, key=lambda n: theirs[n]["min_s"])
             result["ratio"] = {
-                "jaxring": best_ours, "peer": best_peer,
+                "jaxring": best_ours,
+                "peer": best_peer,
                 "time": ours[best_ours]["min_s"] / theirs[best_peer]["min_s"],
-                "time_median": min(r["median_s"] for r in ours.values()) /
-                min(r["median_s"] for r in theirs.values()),
+                "time_median": min(r["median_s"] for r in ours.values()) / min(r["median_s"] for r in theirs.values()),
                 "cpu_time": min(r["cpu_min_s"] for r in ours.values()) / min(r["cpu_min_s"] for r in theirs.values()),
                 "temp_memory": ours[best_ours]["temp_bytes"] / theirs[best_peer]["temp_bytes"],
-                "temp_memory_vs_peer_smallest": ours[best_ours]["temp_bytes"] /
-                min(r["temp_bytes"] for r in theirs.values()),
+                "temp_memory_vs_peer_smallest": ours[best_ours]["temp_bytes"]
+                / min(r["temp_bytes"] for r in theirs.values()),
                 "per_layout_time": {n: r["min_s"] / theirs[best_peer]["min_s"] for n, r in ours.items()},
-                "per_layout_temp_memory": {n: r["temp_bytes"] / theirs[best_peer]["temp_bytes"]
-                                           for n, r in ours.items()}}
+                "per_layout_temp_memory": {
+                    n: r["temp_bytes"] / theirs[best_peer]["temp_bytes"] for n, r in ours.items()
+                },
+            }
             ratio = result["ratio"]
-            print(f"  {best_ours} vs {best_peer}: time {ratio['time']:.2f}x, temp memory "
-                  f"{ratio['temp_memory']:.2f}x", flush=True)
+            print(
+                f"  {best_ours} vs {best_peer}: time {ratio['time']:.2f}x, temp memory {ratio['temp_memory']:.2f}x",
+                flush=True,
+            )
         record["results"].append(result)
         save_record(record, args.out)
     return record

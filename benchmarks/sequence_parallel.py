@@ -8,6 +8,7 @@ would need 16 GiB per simulated device there).
     python benchmarks/sequence_parallel.py                 # writes benchmarks/results/sequence_parallel.json
     python benchmarks/sequence_parallel.py --seqs 4096 --time-seqs 4096 --out /tmp/sp.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,9 +39,11 @@ CONFIGS = {
 
 def fwd_bwd(mesh, options):
     def run(q, k, v, dout):
-        out, vjp = jax.vjp(lambda q, k, v: jaxring.sharded_attention(q, k, v, mesh=mesh, causal=True, **options),
-                           q, k, v)
+        out, vjp = jax.vjp(
+            lambda q, k, v: jaxring.sharded_attention(q, k, v, mesh=mesh, causal=True, **options), q, k, v
+        )
         return out, vjp(dout)
+
     return jax.jit(run)
 
 
@@ -53,15 +56,24 @@ def main(argv=None):
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--cpu-devices", type=int, default=8)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                      "sequence_parallel.json"))
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "sequence_parallel.json"))
     args = parser.parse_args(argv)
 
     devices = use_cpu_devices_if_no_accelerator(args.cpu_devices)
     mesh = jaxring.make_mesh(sp=len(devices), devices=devices)
-    record = benchmark_record("sequence_parallel", devices, {
-        "batch": 1, "heads": args.heads, "head_dim": args.head_dim, "causal": True, "dtype": "float32",
-        "devices": len(devices), "runs": args.runs})
+    record = benchmark_record(
+        "sequence_parallel",
+        devices,
+        {
+            "batch": 1,
+            "heads": args.heads,
+            "head_dim": args.head_dim,
+            "causal": True,
+            "dtype": "float32",
+            "devices": len(devices),
+            "runs": args.runs,
+        },
+    )
     record["bytes_note"] = "per device, received, from the compiled HLO (fp32; includes the layout permutation)"
     for seq in args.seqs:
         shape = jax.ShapeDtypeStruct((1, seq, args.heads, args.head_dim), jnp.float32)
@@ -74,14 +86,20 @@ def main(argv=None):
                 fn = fwd_bwd(mesh, options)
                 try:
                     stats = compile_stats(fn, shape, shape, shape, shape)
-                    row.update(bytes_moved=stats.bytes_moved, total_bytes_moved=stats.total_bytes_moved,
-                               peak_bytes=stats.peak_bytes, temp_bytes=stats.temp_bytes)
+                    row.update(
+                        bytes_moved=stats.bytes_moved,
+                        total_bytes_moved=stats.total_bytes_moved,
+                        peak_bytes=stats.peak_bytes,
+                        temp_bytes=stats.temp_bytes,
+                    )
                     host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
                     shared_host = devices[0].platform == "cpu"
                     if seq in args.time_seqs and shared_host and stats.peak_bytes * len(devices) > 0.6 * host_bytes:
-                        row["time_skipped"] = (f"simulated devices share host memory: {len(devices)} x "
-                                               f"{stats.peak_bytes / 2**30:.1f} GiB peak > 60% of "
-                                               f"{host_bytes / 2**30:.0f} GiB")
+                        row["time_skipped"] = (
+                            f"simulated devices share host memory: {len(devices)} x "
+                            f"{stats.peak_bytes / 2**30:.1f} GiB peak > 60% of "
+                            f"{host_bytes / 2**30:.0f} GiB"
+                        )
                     elif seq in args.time_seqs:
                         keys = jax.random.split(jax.random.PRNGKey(seq), 4)
                         arrays = [jax.random.normal(k, shape.shape, jnp.float32) for k in keys]

@@ -8,6 +8,7 @@ Settings follow METP's comparison: p = 8, hidden 1024, 16 heads, ffn 4h, GELU, c
 Optimus needs p = q²: it runs as a 2×2 grid × dp 2 on 8 devices (batch must then be a multiple of q·dp = 4)
 and as 2×2 on 4 devices. The memory ratio is compared with METP's r(p) = (3+2p)/(p(4+p)).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,22 +29,31 @@ METHODS = {  # name -> (module, mesh degrees, devices, batch)
 
 def layer_fn(module, mesh, heads):
     """f(x, params, positions, dy) -> (y, grads): one pre-LN block's forward and backward on global arrays."""
+
     def block(x, params, positions):
         ln = lambda z: (z - z.mean(-1, keepdims=True)) * jax.lax.rsqrt(z.var(-1, keepdims=True) + 1e-5)
         attn = {k: params[k] for k in ("wq", "wk", "wv", "wo")}
-        x = x + module.attention_block(ln(x), attn, positions, mesh=mesh, num_heads=heads, num_kv_heads=heads,
-                                       causal=True, rope_theta=10000.0)
+        x = x + module.attention_block(
+            ln(x), attn, positions, mesh=mesh, num_heads=heads, num_kv_heads=heads, causal=True, rope_theta=10000.0
+        )
         return x + module.mlp_block(ln(x), {"w_in": params["w_in"], "w_out": params["w_out"]}, mesh=mesh)
 
     def fwd_bwd(x, params, positions, dy):
         y, vjp = jax.vjp(lambda x, p: block(x, p, positions), x, params)
         return y, vjp(dy)
+
     return fwd_bwd
 
 
 def abstract_args(module, mesh, batch, seq, hidden, ffn):
-    shapes = {"wq": (hidden, hidden), "wk": (hidden, hidden), "wv": (hidden, hidden), "wo": (hidden, hidden),
-              "w_in": (hidden, ffn), "w_out": (ffn, hidden)}
+    shapes = {
+        "wq": (hidden, hidden),
+        "wk": (hidden, hidden),
+        "wv": (hidden, hidden),
+        "wo": (hidden, hidden),
+        "w_in": (hidden, ffn),
+        "w_out": (ffn, hidden),
+    }
     specs = {}
     specs.update(module.param_specs(mesh, {k: shapes[k] for k in ("wq", "wk", "wv", "wo")}))
     specs.update(module.param_specs(mesh, {k: shapes[k] for k in ("w_in", "w_out")}))
@@ -55,15 +65,27 @@ def abstract_args(module, mesh, batch, seq, hidden, ffn):
 
 def stats(method, seq, hidden, heads, devices):
     import importlib
+
     from jaxring.analysis import compile_stats
     from jaxring.mesh import make_mesh
+
     name, degrees, count, batch = METHODS[method]
     module = importlib.import_module(f"jaxring.tensor.{name}")
     mesh = make_mesh(devices=devices[:count], **degrees)
     args = abstract_args(module, mesh, batch, seq, hidden, 4 * hidden)
     s = compile_stats(layer_fn(module, mesh, heads), *args, num_devices=count)
-    return {"peak_bytes": s.peak_bytes, "temp_bytes": s.temp_bytes, "argument_bytes": s.argument_bytes,
-            "bytes_moved": s.bytes_moved, "total_bytes_moved": s.total_bytes_moved, "batch": batch}, module, mesh
+    return (
+        {
+            "peak_bytes": s.peak_bytes,
+            "temp_bytes": s.temp_bytes,
+            "argument_bytes": s.argument_bytes,
+            "bytes_moved": s.bytes_moved,
+            "total_bytes_moved": s.total_bytes_moved,
+            "batch": batch,
+        },
+        module,
+        mesh,
+    )
 
 
 def max_seq(method, budget, hidden, heads, devices, step, limit):
@@ -73,7 +95,7 @@ def max_seq(method, budget, hidden, heads, devices, step, limit):
         mid = (lo + hi + 1) // 2
         try:
             fits = stats(method, mid * step, hidden, heads, devices)[0]["peak_bytes"] <= budget
-        except Exception:  # noqa: BLE001 - a shape the method rejects counts as not fitting
+        except Exception:
             fits = False
         lo, hi = (mid, hi) if fits else (lo, mid - 1)
     return lo * step
@@ -81,6 +103,7 @@ def max_seq(method, budget, hidden, heads, devices, step, limit):
 
 def time_fwd_bwd(method, seq, hidden, heads, devices):
     from jaxring.timing import median_seconds
+
     _, module, mesh = stats(method, seq, hidden, heads, devices)
     batch = METHODS[method][3]
     key = jax.random.PRNGKey(0)
@@ -112,15 +135,15 @@ def main():
                 row.update(stats(method, seq, args.hidden, args.heads, devices)[0])
                 if seq in args.time_seqs:
                     row["fwd_bwd_s"] = time_fwd_bwd(method, seq, args.hidden, args.heads, devices)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 row["error"] = f"{type(e).__name__}: {e}"[:500]
             rows.append(row)
             print(row, flush=True)
             save_record(record, args.out)
-    budget = int(args.budget_gib * 2 ** 30)
+    budget = int(args.budget_gib * 2**30)
     fits = {}
     for method in args.methods:
-        fits[method] = max_seq(method, budget, args.hidden, args.heads, devices, step=4096, limit=2 ** 21)
+        fits[method] = max_seq(method, budget, args.hidden, args.heads, devices, step=4096, limit=2**21)
         print(method, "max seq", fits[method], flush=True)
     record["max_seq_within_budget"] = {"budget_bytes": budget, **fits}
     summary = {}
@@ -132,7 +155,9 @@ def main():
     summary["paper_r_p8"] = (3 + 2 * p8) / (p8 * (4 + p8))
     summary["measured_peak_ratio_metp_over_megatron"] = {
         seq: by[("metp", seq)]["peak_bytes"] / by[("megatron", seq)]["peak_bytes"]
-        for seq in args.seqs if ("metp", seq) in by and ("megatron", seq) in by}
+        for seq in args.seqs
+        if ("metp", seq) in by and ("megatron", seq) in by
+    }
     record["summary"] = summary
     save_record(record, args.out)
     print(summary)

@@ -10,6 +10,7 @@ Timing runs the tiny preset (median of --steps steps after 2 warm-up steps); mem
 compiled step (`compile().memory_analysis()`, per device) for the tiny and gpt2-124m presets. Compile time
 is `lower(...).compile()` of the train step (the layer stack is one scan: it should not grow with depth).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,23 +49,33 @@ MESHES = {
 
 def lower_step(trainer):
     import jax.numpy as jnp
-    return trainer._step.lower(trainer.params, trainer.opt_state, trainer.task.batch(0), trainer.key(0),
-                               jnp.float32(jnp.inf))
+
+    return trainer._step.lower(
+        trainer.params, trainer.opt_state, trainer.task.batch(0), trainer.key(0), jnp.float32(jnp.inf)
+    )
 
 
 def step_memory(trainer):
     """Per-device bytes of the compiled train step (arguments, outputs, temporaries)."""
     compiled = lower_step(trainer).compile()
     mem = compiled.memory_analysis()
-    return {"argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
-            "temp_bytes": mem.temp_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
-            "peak_bytes": mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-            - mem.alias_size_in_bytes}
+    return {
+        "argument_bytes": mem.argument_size_in_bytes,
+        "output_bytes": mem.output_size_in_bytes,
+        "temp_bytes": mem.temp_size_in_bytes,
+        "alias_bytes": mem.alias_size_in_bytes,
+        "peak_bytes": mem.argument_size_in_bytes
+        + mem.output_size_in_bytes
+        + mem.temp_size_in_bytes
+        - mem.alias_size_in_bytes,
+    }
 
 
 def measure(cfg, devices, steps, timed):
     import jax
+
     from jaxring.train.loop import Trainer
+
     trainer = Trainer(cfg, devices)
     row = {"memory": step_memory(trainer)}
     if timed:
@@ -77,8 +88,13 @@ def measure(cfg, devices, steps, timed):
         median = sorted(times)[len(times) // 2]
         row.update(step_time_s=median, tokens_per_s=trainer.task.tokens_per_step / median)
         from jaxring.train.loop import peak_flops
+
         peak = peak_flops(jax.devices()[0], cfg.precision)
-        row["mfu"] = None if peak is None else trainer.task.flops_per_step() / median / (peak * len(trainer.plan.mesh.devices.flat))
+        row["mfu"] = (
+            None
+            if peak is None
+            else trainer.task.flops_per_step() / median / (peak * len(trainer.plan.mesh.devices.flat))
+        )
     return row
 
 
@@ -93,23 +109,37 @@ def main():
     args = p.parse_args()
     devices = use_cpu_devices_if_no_accelerator(8)
     from jaxring.train.loop import TrainConfig
+
     if args.gpu_mfu:
         return gpu_mfu(args, devices)
     if args.compile_layers:
         return compile_time(args, devices)
     out = args.out or os.path.join(os.path.dirname(__file__), "results", "train_step.json")
-    presets = {"tiny": dict(seq_len=1024, batch_size=8, timed=True),
-               "gpt2-124m": dict(seq_len=1024, batch_size=8, timed=False)}
-    record = benchmark_record("train_step", devices, {"presets": presets, "steps": args.steps,
-                                                      "precision": "fp32", "note": "memory per device"})
+    presets = {
+        "tiny": dict(seq_len=1024, batch_size=8, timed=True),
+        "gpt2-124m": dict(seq_len=1024, batch_size=8, timed=False),
+    }
+    record = benchmark_record(
+        "train_step",
+        devices,
+        {"presets": presets, "steps": args.steps, "precision": "fp32", "note": "memory per device"},
+    )
     for preset, spec in presets.items():
         if preset not in args.presets:
             continue
         for name in args.meshes:
             mesh = dict(MESHES[name])
             count = mesh.pop("devices", None)
-            cfg = TrainConfig(model="gpt", preset=preset, seq_len=spec["seq_len"], batch_size=spec["batch_size"],
-                              steps=10 ** 6, sample_tokens=0, progress=False, **mesh)
+            cfg = TrainConfig(
+                model="gpt",
+                preset=preset,
+                seq_len=spec["seq_len"],
+                batch_size=spec["batch_size"],
+                steps=10**6,
+                sample_tokens=0,
+                progress=False,
+                **mesh,
+            )
             try:
                 row = measure(cfg, devices[:count] if count else devices, args.steps, spec["timed"])
             except (ValueError, ImportError, ModuleNotFoundError) as e:
@@ -120,31 +150,53 @@ def main():
             print(row, flush=True)
 
 
-COMPILE_MESHES = {"sp8 ring zigzag": dict(sp=8, attention="ring"),
-                  "dp2 x tp2 x sp2 ring": dict(dp=2, tp=2, sp=2, attention="ring"),
-                  "dp8 zero3": dict(dp=8, zero=3)}
+COMPILE_MESHES = {
+    "sp8 ring zigzag": dict(sp=8, attention="ring"),
+    "dp2 x tp2 x sp2 ring": dict(dp=2, tp=2, sp=2, attention="ring"),
+    "dp8 zero3": dict(dp=8, zero=3),
+}
 
 
 def compile_time(args, devices):
     """Seconds to lower and compile one train step of the tiny GPT (seq 256, batch 8) at each layer count."""
     from jaxring.train.loop import TrainConfig, Trainer
+
     out = args.out or os.path.join(os.path.dirname(__file__), "results", "train_step_compile.json")
-    record = benchmark_record("train_step_compile_time", devices,
-                              {"preset": "tiny", "seq_len": 256, "batch_size": 8, "layers": args.compile_layers})
+    record = benchmark_record(
+        "train_step_compile_time",
+        devices,
+        {"preset": "tiny", "seq_len": 256, "batch_size": 8, "layers": args.compile_layers},
+    )
     for name, mesh in COMPILE_MESHES.items():
         for layers in args.compile_layers:
-            cfg = TrainConfig(model="gpt", preset="tiny", seq_len=256, batch_size=8, steps=10 ** 6, sample_tokens=0,
-                              progress=False, model_overrides={"num_layers": layers}, **mesh)
+            cfg = TrainConfig(
+                model="gpt",
+                preset="tiny",
+                seq_len=256,
+                batch_size=8,
+                steps=10**6,
+                sample_tokens=0,
+                progress=False,
+                model_overrides={"num_layers": layers},
+                **mesh,
+            )
             trainer = Trainer(cfg, devices)
             t0, c0 = time.perf_counter(), time.process_time()
             lowered = lower_step(trainer)
             t1, c1 = time.perf_counter(), time.process_time()
             lowered.compile()
             t2, c2 = time.perf_counter(), time.process_time()
-            row = {"mesh": name, "layers": layers, "lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0,
-                   # CPU seconds of this process (all threads): less sensitive to other load than wall time
-                   "lower_cpu_s": c1 - c0, "compile_cpu_s": c2 - c1,
-                   "stablehlo_chars": len(lowered.as_text())}   # the program's size: load-independent
+            row = {
+                "mesh": name,
+                "layers": layers,
+                "lower_s": t1 - t0,
+                "compile_s": t2 - t1,
+                "total_s": t2 - t0,
+                # CPU seconds of this process (all threads): less sensitive to other load than wall time
+                "lower_cpu_s": c1 - c0,
+                "compile_cpu_s": c2 - c1,
+                "stablehlo_chars": len(lowered.as_text()),
+            }  # the program's size: load-independent
             record["results"].append(row)
             save_record(record, out)
             print(row, flush=True)
@@ -152,11 +204,21 @@ def compile_time(args, devices):
 
 def gpu_mfu(args, devices):
     from jaxring.train.loop import TrainConfig
+
     out = args.out or os.path.join(os.path.dirname(__file__), "results", "train_step_gpu.json")
     record = benchmark_record("train_step_gpu_mfu", devices[:1], {"seq_len": 8192, "precision": "bf16"})
     for preset, batch in (("gpt2-124m", 1), ("1b", 1)):
-        cfg = TrainConfig(model="gpt", preset=preset, seq_len=8192, batch_size=batch, precision="bf16",
-                          remat="selective", steps=10 ** 6, sample_tokens=0, progress=False)
+        cfg = TrainConfig(
+            model="gpt",
+            preset=preset,
+            seq_len=8192,
+            batch_size=batch,
+            precision="bf16",
+            remat="selective",
+            steps=10**6,
+            sample_tokens=0,
+            progress=False,
+        )
         try:
             row = measure(cfg, devices[:1], args.steps, True)
         except Exception as e:  # record what failed (e.g. out of memory) and go on

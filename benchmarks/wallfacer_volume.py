@@ -6,6 +6,7 @@ P2P ratio against the paper's 1/C and the total ratio against its 1/C + 2(C-1)/P
 
     python benchmarks/wallfacer_volume.py            # writes benchmarks/results/wallfacer_volume.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,24 +38,36 @@ def main(argv=None):
     p = len(devices)
     mesh = jaxring.make_mesh(sp=p, devices=devices)
     x = jax.ShapeDtypeStruct((1, args.seq, 8, 64), jnp.float32)
-    record = benchmark_record("wallfacer_volume", devices, {"seq": args.seq, "batch": 1, "heads": 8,
-                                                            "head_dim": 64, "dtype": "float32", "pass": "forward"})
+    record = benchmark_record(
+        "wallfacer_volume",
+        devices,
+        {"seq": args.seq, "batch": 1, "heads": 8, "head_dim": 64, "dtype": "float32", "pass": "forward"},
+    )
     ring = forward_bytes(functools.partial(jaxring.ring_attention, layout="zigzag"), mesh, "sp", x)
     ring_p2p, ring_total = ring["collective-permute"], sum(ring.values())
     record["ring"] = ring
     for c in (1, 2, 4):
         if p % (c * c):
             continue
-        wf = forward_bytes(functools.partial(wallfacer_attention, team_size=c, layout="zigzag"),
-                           wallfacer_mesh(mesh, c), WF_AXES, x)
-        row = {"team_size": c, "bytes_moved": wf,
-               "p2p_over_ring": wf["collective-permute"] / ring_p2p, "paper_p2p_over_ring": 1 / c,
-               "total_over_ring": sum(wf.values()) / ring_total, "paper_total_over_ring": 1 / c + 2 * (c - 1) / p,
-               "ring_hops": p - 1, "paper_ring_steps": p}
+        wf = forward_bytes(
+            functools.partial(wallfacer_attention, team_size=c, layout="zigzag"), wallfacer_mesh(mesh, c), WF_AXES, x
+        )
+        row = {
+            "team_size": c,
+            "bytes_moved": wf,
+            "p2p_over_ring": wf["collective-permute"] / ring_p2p,
+            "paper_p2p_over_ring": 1 / c,
+            "total_over_ring": sum(wf.values()) / ring_total,
+            "paper_total_over_ring": 1 / c + 2 * (c - 1) / p,
+            "ring_hops": p - 1,
+            "paper_ring_steps": p,
+        }
         record["results"].append(row)
         print(row)
-    record["note"] = ("The paper counts ring attention as P sends per pass; the ring makes P-1 hops (the last "
-                      "send is skipped), so measured ratios against the real ring are (P/C)/(P-1) for P2P.")
+    record["note"] = (
+        "The paper counts ring attention as P sends per pass; the ring makes P-1 hops (the last "
+        "send is skipped), so measured ratios against the real ring are (P/C)/(P-1) for P2P."
+    )
     save_record(record, args.out)
 
 

@@ -10,6 +10,7 @@ never join. There `ppermute` addresses only the stage's own devices:
                 an all-to-all over the stage's group (grouped collectives meet per group) carrying the block to
                 its target and zeros elsewhere: the same result, (N-1) times the bytes of the ring hop.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,15 +40,17 @@ def _own_channel_per_cpu_permute():
         from jax._src.interpreters import mlir
         from jax._src.lax import parallel
         from jax._src.lib.mlir.dialects import hlo
+
         common = parallel._pcollectives_lowering_common
-    except (ImportError, AttributeError):      # JAX internals moved: keep JAX's own lowering
+    except (ImportError, AttributeError):  # JAX internals moved: keep JAX's own lowering
         return
 
     def lowering(ctx, x, *, axis_name, perm):
         full_perm, options = common(ctx, axis_name=axis_name, perm=perm, op_name="ppermute")
         if "channel_handle" in options:
-            options = dict(channel_handle=hlo.ChannelHandle.get(ctx.module_context.new_channel(),
-                                                                mlir.DEVICE_TO_DEVICE_TYPE))
+            options = dict(
+                channel_handle=hlo.ChannelHandle.get(ctx.module_context.new_channel(), mlir.DEVICE_TO_DEVICE_TYPE)
+            )
         return hlo.CollectivePermuteOp(x, mlir.dense_int_elements(full_perm), **options).results
 
     mlir.register_lowering(parallel.ppermute_p, lowering, platform="cpu")
@@ -118,9 +121,10 @@ def prefetch_steps(step_fn, carry, first, advance, num_steps: int):
     out of its iteration, so a device holds the current and the next block only (not all n), and exactly n-1
     transfers are made. Returns the final carry. The step loop of every ring and broadcast loop in jaxring.
     """
+
     def body(state, s):
         carry, data = state
-        upcoming = advance(data, s)          # issued before this step's compute
+        upcoming = advance(data, s)  # issued before this step's compute
         return (step_fn(carry, data, s), upcoming), None
 
     data = first
@@ -157,8 +161,9 @@ def fused_ppermute(tree, axis_name, perm):
     if len(leaves) <= 1:
         return jax.tree.map(lambda x: ppermute(x, axis_name, perm), tree)
     leaves = common_vma(*leaves)
-    as_bytes = lambda x: (x.astype(jnp.uint8) if x.dtype == jnp.bool_ else
-                          lax.bitcast_convert_type(x, jnp.uint8)).reshape(-1)
+    as_bytes = lambda x: (
+        x.astype(jnp.uint8) if x.dtype == jnp.bool_ else lax.bitcast_convert_type(x, jnp.uint8)
+    ).reshape(-1)
     buffer = ppermute(jnp.concatenate([as_bytes(x) for x in leaves]), axis_name, perm)
     out, start = [], 0
     for x in leaves:
@@ -204,7 +209,7 @@ def ring_steps_accumulating(step_fn, carry, blocks, num_steps, send):
 
     def middle(state, step):
         (carry, acc), blocks = state
-        nxt, received = send((blocks, acc))   # one send: with a fusing `send`, one transfer per step
+        nxt, received = send((blocks, acc))  # one send: with a fusing `send`, one transfer per step
         return (step_fn(carry, blocks, step, received), nxt), None
 
     if num_steps > 2:

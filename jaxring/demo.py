@@ -4,6 +4,7 @@ dense attention, with timing and compiled per-device memory.
     python -m jaxring.demo                      # sp=8, zigzag, causal, seq 4096
     python -m jaxring.demo --dp 2 --sp 4 --layout striped --seq 8192 --kv-heads 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,13 +50,22 @@ def main(argv=None) -> int:
 
     def fwd_bwd(strategy):
         def run(q, k, v, dout):
-            out, vjp = jax.vjp(lambda q, k, v: jaxring.sharded_attention(
-                q, k, v, mesh=mesh, strategy=strategy, causal=causal, layout=args.layout), q, k, v)
+            out, vjp = jax.vjp(
+                lambda q, k, v: jaxring.sharded_attention(
+                    q, k, v, mesh=mesh, strategy=strategy, causal=causal, layout=args.layout
+                ),
+                q,
+                k,
+                v,
+            )
             return out, vjp(dout)
+
         return jax.jit(run)
 
-    print(f"devices: {describe_devices(devices)}; mesh dp={args.dp} sp={sp}; {args.layout} layout, "
-          f"{'causal' if causal else 'full'}; q {q.shape} kv heads {kv_heads} {dtype.name}")
+    print(
+        f"devices: {describe_devices(devices)}; mesh dp={args.dp} sp={sp}; {args.layout} layout, "
+        f"{'causal' if causal else 'full'}; q {q.shape} kv heads {kv_heads} {dtype.name}"
+    )
     ring, dense = fwd_bwd("ring"), fwd_bwd("dense")
     (out, grads), (out_d, grads_d) = ring(q, k, v, dout), dense(q, k, v, dout)
     tol = 2e-4 if dtype == jnp.float32 else 2e-2
@@ -68,8 +78,10 @@ def main(argv=None) -> int:
     for name, fn in (("ring", ring), ("dense", dense)):
         stats = compile_stats(fn, q, k, v, dout)
         t = median_seconds(fn, q, k, v, dout, runs=args.runs)
-        print(f"  {name:5s} fwd+bwd {t * 1e3:9.1f} ms   per-device temp {stats.temp_bytes / 2**20:8.1f} MiB   "
-              f"args {stats.argument_bytes / 2**20:7.1f} MiB   sent {stats.total_bytes_moved / 2**20:7.1f} MiB")
+        print(
+            f"  {name:5s} fwd+bwd {t * 1e3:9.1f} ms   per-device temp {stats.temp_bytes / 2**20:8.1f} MiB   "
+            f"args {stats.argument_bytes / 2**20:7.1f} MiB   sent {stats.total_bytes_moved / 2**20:7.1f} MiB"
+        )
     return 0 if ok else 1
 
 

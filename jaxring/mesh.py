@@ -1,4 +1,5 @@
 """Device meshes with jaxring's axis names: dp, pp, fsdp, ep, sp, tp (outermost to innermost)."""
+
 from __future__ import annotations
 
 import math
@@ -13,8 +14,17 @@ MESH_AXES = ("dp", "pp", "fsdp", "ep", "sp", "tp")
 DATA_AXES = ("dp", "fsdp", "ep")
 
 
-def make_mesh(dp: int = 1, fsdp: int = 1, pp: int = 1, tp: int = 1, sp: int = 1, ep: int = 1, *, devices=None,
-              axis_types: str = "auto") -> Mesh:
+def make_mesh(
+    dp: int = 1,
+    fsdp: int = 1,
+    pp: int = 1,
+    tp: int = 1,
+    sp: int = 1,
+    ep: int = 1,
+    *,
+    devices=None,
+    axis_types: str = "auto",
+) -> Mesh:
     """A mesh with all six axes (size-1 axes included, so every PartitionSpec can name them).
 
     Args:
@@ -31,8 +41,10 @@ def make_mesh(dp: int = 1, fsdp: int = 1, pp: int = 1, tp: int = 1, sp: int = 1,
     product = math.prod(degrees.values())
     if product != len(devices):
         given = " × ".join(f"{n}={s}" for n, s in degrees.items() if s > 1) or "all 1"
-        raise ValueError(f"mesh degrees {given} multiply to {product}, but there are {len(devices)} devices; "
-                         f"the product must equal the device count")
+        raise ValueError(
+            f"mesh degrees {given} multiply to {product}, but there are {len(devices)} devices; "
+            f"the product must equal the device count"
+        )
     kinds = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
     if axis_types not in kinds:
         raise ValueError(f"axis_types {axis_types!r} must be 'auto' or 'explicit'")
@@ -57,11 +69,12 @@ def place(x, mesh: Mesh, spec: PartitionSpec):
 def factored_mesh(mesh: Mesh, axis: str, names: tuple[str, ...], sizes: tuple[int, ...]) -> Mesh:
     """The same devices with `axis` split into `names` of `sizes` (the last one innermost)."""
     if math.prod(sizes) != mesh.shape[axis]:
-        raise ValueError(f"{' × '.join(f'{n}={s}' for n, s in zip(names, sizes))} must multiply to "
-                         f"{axis} = {mesh.shape[axis]}")
+        raise ValueError(
+            f"{' × '.join(f'{n}={s}' for n, s in zip(names, sizes))} must multiply to {axis} = {mesh.shape[axis]}"
+        )
     i = mesh.axis_names.index(axis)
     devices = np.asarray(mesh.devices)
-    devices = devices.reshape(devices.shape[:i] + tuple(sizes) + devices.shape[i + 1:])
-    axis_names = mesh.axis_names[:i] + tuple(names) + mesh.axis_names[i + 1:]
-    axis_types = mesh.axis_types[:i] + (mesh.axis_types[i],) * len(names) + mesh.axis_types[i + 1:]
+    devices = devices.reshape(devices.shape[:i] + tuple(sizes) + devices.shape[i + 1 :])
+    axis_names = mesh.axis_names[:i] + tuple(names) + mesh.axis_names[i + 1 :]
+    axis_types = mesh.axis_types[:i] + (mesh.axis_types[i],) * len(names) + mesh.axis_types[i + 1 :]
     return Mesh(devices, axis_names, axis_types=axis_types)

@@ -14,6 +14,7 @@ ZeRO) and `param_shardings` into NamedShardings. Weights are kept in their dtype
 cast to the compute dtype at use. Layer stacks are stacked ([num_layers, ...] parameters, `stack`) and run
 under `lax.scan` by `Layers`, so compile time does not grow with depth.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,16 +30,17 @@ from jax.sharding import NamedSharding
 from jaxring import moe as moe_lib
 from jaxring import zero
 from jaxring.plan import ParallelPlan
-from jaxring.tensor.contract import ACTIVATIONS, KEPT_RESIDUAL, MATMUL_OUTPUT, ParamInfo, check_activation
+from jaxring.tensor.contract import KEPT_RESIDUAL, MATMUL_OUTPUT, ParamInfo, check_activation
 
 REMAT = ("none", "selective", "full")
-STACKED = "stacked"            # metadata flag of parameters with a leading layer dim
+STACKED = "stacked"  # metadata flag of parameters with a leading layer dim
 
 
 def param(rngs, shape, logical_axes, std, *, heads: int | None = None, dtype=jnp.float32):
     """A normal(0, std) nnx.Param with its logical axes (and head count along a heads axis)."""
-    return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * std, logical_axes=tuple(logical_axes),
-                     heads=heads)
+    return nnx.Param(
+        jax.random.normal(rngs.params(), shape, dtype) * std, logical_axes=tuple(logical_axes), heads=heads
+    )
 
 
 class Attention(nnx.Module):
@@ -47,9 +49,18 @@ class Attention(nnx.Module):
     Params: wq [hidden, heads·head_dim], wk/wv [hidden, kv_heads·head_dim], wo [heads·head_dim, hidden].
     """
 
-    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int | None = None, *, head_dim: int | None = None,
-                 causal: bool = True, rope_theta: float | None = 10000.0, out_std: float | None = None,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        *,
+        head_dim: int | None = None,
+        causal: bool = True,
+        rope_theta: float | None = 10000.0,
+        out_std: float | None = None,
+        rngs: nnx.Rngs,
+    ):
         num_kv_heads = num_kv_heads or num_heads
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not divisible by num_kv_heads {num_kv_heads}")
@@ -58,7 +69,7 @@ class Attention(nnx.Module):
         head_dim = head_dim or hidden // num_heads
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.causal, self.rope_theta = causal, rope_theta
-        std = hidden ** -0.5
+        std = hidden**-0.5
         self.wq = param(rngs, (hidden, num_heads * head_dim), ("embed", "heads"), std, heads=num_heads)
         self.wk = param(rngs, (hidden, num_kv_heads * head_dim), ("embed", "kv_heads"), std, heads=num_kv_heads)
         self.wv = param(rngs, (hidden, num_kv_heads * head_dim), ("embed", "kv_heads"), std, heads=num_kv_heads)
@@ -70,22 +81,31 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, plan: ParallelPlan):
         """x: local [batch, seq, hidden] (the plan's activation layout); positions: local int32 [batch, seq]
         (the plan's token layout). Returns y like x."""
-        return plan.tensor.attention(plan, x, self.weights(x.dtype), positions, num_heads=self.num_heads,
-                                     num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, causal=self.causal,
-                                     rope_theta=self.rope_theta)
+        return plan.tensor.attention(
+            plan,
+            x,
+            self.weights(x.dtype),
+            positions,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            causal=self.causal,
+            rope_theta=self.rope_theta,
+        )
 
 
 class MLP(nnx.Module):
     """GELU (w_in, w_out) or SwiGLU (w_gate, w_in, w_out) feed-forward; the tensor method from the plan."""
 
-    def __init__(self, hidden: int, ffn: int, activation: str = "gelu", *, out_std: float | None = None,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self, hidden: int, ffn: int, activation: str = "gelu", *, out_std: float | None = None, rngs: nnx.Rngs
+    ):
         check_activation(activation)
         self.activation = activation
-        self.w_in = param(rngs, (hidden, ffn), ("embed", "mlp"), hidden ** -0.5)
+        self.w_in = param(rngs, (hidden, ffn), ("embed", "mlp"), hidden**-0.5)
         if activation == "swiglu":
-            self.w_gate = param(rngs, (hidden, ffn), ("embed", "mlp"), hidden ** -0.5)
-        self.w_out = param(rngs, (ffn, hidden), ("mlp", "embed"), out_std or ffn ** -0.5)
+            self.w_gate = param(rngs, (hidden, ffn), ("embed", "mlp"), hidden**-0.5)
+        self.w_out = param(rngs, (ffn, hidden), ("mlp", "embed"), out_std or ffn**-0.5)
 
     def weights(self, dtype):
         names = ("w_in", "w_out") + (("w_gate",) if self.activation == "swiglu" else ())
@@ -131,8 +151,7 @@ class MoE(moe_lib.MoE):
     "drop_rate", "load_imbalance") and "load" int32 [E]."""
 
     def __call__(self, x, plan: ParallelPlan):
-        return plan.tensor.moe(plan, x, functools.partial(moe_lib.moe_ffn, params=self.params(),
-                                                          config=self.config))
+        return plan.tensor.moe(plan, x, functools.partial(moe_lib.moe_ffn, params=self.params(), config=self.config))
 
 
 def token_cross_entropy(x, w, targets, plan: ParallelPlan, *, tied: bool):
@@ -143,6 +162,7 @@ def token_cross_entropy(x, w, targets, plan: ParallelPlan, *, tied: bool):
 
 
 # ---------------------------------------------------------------------------------------- layer stacks
+
 
 def stack(make_layer, num_layers: int, rngs: nnx.Rngs):
     """`num_layers` layers made by make_layer(rngs), as one module whose parameters are stacked [L, ...]
@@ -171,7 +191,8 @@ def remat_policy(remat: str, zero_stage: int = 0):
         raise ValueError(f"unknown remat {remat!r}; expected one of {', '.join(REMAT)}")
     selective = jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(MATMUL_OUTPUT, KEPT_RESIDUAL))
+        jax.checkpoint_policies.save_only_these_names(MATMUL_OUTPUT, KEPT_RESIDUAL),
+    )
     base = {"none": None, "selective": selective, "full": jax.checkpoint_policies.nothing_saveable}[remat]
     return zero.no_weights_saved(zero_stage, base)
 
@@ -184,6 +205,7 @@ class Layers:
     graphdef: one layer's graph; diff/const: the stacked stored leaves (see `jaxring.zero.inputs`);
     placements: their stacked Placements; stage: the ZeRO stage; remat: none/selective/full per layer.
     """
+
     graphdef: object
     diff: object
     const: object
@@ -203,8 +225,13 @@ class Layers:
             # the stacks are read as constants, layer i sliced here: a layer's weights are never copied into
             # a stacked residual for the backward (the policy recomputes the slice)
             diff, const_i = at(self.diff, i), at(const, i)
-            weights = jax.tree.map(lambda d, c, pl: zero.materialize(self.stage, d, c, pl), diff, const_i,
-                                   layer_placements, is_leaf=lambda v: v is None)
+            weights = jax.tree.map(
+                lambda d, c, pl: zero.materialize(self.stage, d, c, pl),
+                diff,
+                const_i,
+                layer_placements,
+                is_leaf=lambda v: v is None,
+            )
             return call(nnx.merge(self.graphdef, weights), carry), None
 
         body = jax.checkpoint(body, policy=remat_policy(self.remat, self.stage), prevent_cse=False)
@@ -236,12 +263,17 @@ def _per_layer(pl: zero.Placement) -> zero.Placement:
 
 # ---------------------------------------------------------------------------------------- placements
 
+
 def _info(path, var) -> ParamInfo:
     meta = var.get_metadata()
     shape = tuple(var.shape)
     stacked = bool(meta.get(STACKED))
-    return ParamInfo(path[-1], tuple(meta.get("logical_axes") or (None,) * (len(shape) - stacked)),
-                     shape[1:] if stacked else shape, meta.get("heads")), stacked
+    return ParamInfo(
+        path[-1],
+        tuple(meta.get("logical_axes") or (None,) * (len(shape) - stacked)),
+        shape[1:] if stacked else shape,
+        meta.get("heads"),
+    ), stacked
 
 
 def param_placements(state, plan: ParallelPlan) -> dict:
@@ -256,14 +288,13 @@ def param_placements(state, plan: ParallelPlan) -> dict:
         spec = tuple(plan.tensor.param_spec(plan, info))
         if len(spec) != len(info.shape):
             raise AssertionError(f"{plan.tensor.name} param_spec {spec} for {path} of shape {info.shape}")
-        if plan.ep > 1:   # experts are split over ep whatever the tensor method (their FFN dims follow it)
+        if plan.ep > 1:  # experts are split over ep whatever the tensor method (their FFN dims follow it)
             spec = tuple("ep" if axis == "expert" else entry for entry, axis in zip(spec, info.logical_axes))
         _check_split(path, info.shape, spec, mesh_shape)
-        if stacked:   # the layer dim: split over pp (the pipeline's stages), else whole
+        if stacked:  # the layer dim: split over pp (the pipeline's stages), else whole
             pl = zero.place(spec, info.shape, info.logical_axes, plan.replica_axes, mesh_shape)
             layer_axis = "pp" if plan.pp > 1 else None
-            pl = zero.Placement((layer_axis,) + pl.spec, None if pl.zero_dim is None else pl.zero_dim + 1,
-                                pl.replica)
+            pl = zero.Placement((layer_axis,) + pl.spec, None if pl.zero_dim is None else pl.zero_dim + 1, pl.replica)
         else:
             pl = zero.place(spec, info.shape, info.logical_axes, plan.replica_axes, mesh_shape)
         flat[path] = pl
@@ -277,8 +308,9 @@ def _check_split(path, shape, spec, mesh_shape):
         for a in axes:
             size *= mesh_shape[a]
         if dim % size:
-            raise ValueError(f"parameter {'.'.join(map(str, path))} dim {dim} is not divisible by "
-                             f"{' × '.join(axes)} = {size}")
+            raise ValueError(
+                f"parameter {'.'.join(map(str, path))} dim {dim} is not divisible by {' × '.join(axes)} = {size}"
+            )
 
 
 def weight_specs(state, plan: ParallelPlan) -> dict:
@@ -292,5 +324,8 @@ def param_shardings(state, plan: ParallelPlan) -> dict:
     """NamedSharding of every parameter as stored between steps (ZeRO-3 shards them), nested like
     `nnx.to_pure_dict(state)`."""
     stage = plan.zero_stage
-    return jax.tree.map(lambda pl: NamedSharding(plan.run_mesh, pl.param_spec(stage)),
-                        param_placements(state, plan), is_leaf=_is_placement)
+    return jax.tree.map(
+        lambda pl: NamedSharding(plan.run_mesh, pl.param_spec(stage)),
+        param_placements(state, plan),
+        is_leaf=_is_placement,
+    )

@@ -20,6 +20,7 @@ over which a weight is replicated and its gradient reduced.
 The causal load-balance layout is applied once on the data side (`layout_tokens`): tokens, targets and
 positions are permuted together, and the model never permutes per layer.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,6 +45,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 @dataclasses.dataclass(frozen=True)
 class ParallelPlan:
     """How a model runs on `mesh` (a mesh from `jaxring.make_mesh`)."""
+
     mesh: Mesh
     attention: str = "dense"
     layout: str | None = None
@@ -53,19 +55,28 @@ class ParallelPlan:
     tensor_parallel: str | None = None
     zero: int | None = None
     block_ops: str = "auto"
-    pipeline: str = "1f1b"              # pp > 1: gpipe, 1f1b, interleaved or zero-bubble (jaxring.pipeline)
-    microbatches: int | None = None     # pp > 1: micro-batches per step (default: 2·pp)
-    virtual_stages: int = 1             # interleaved: layer chunks per stage
+    pipeline: str = "1f1b"  # pp > 1: gpipe, 1f1b, interleaved or zero-bubble (jaxring.pipeline)
+    microbatches: int | None = None  # pp > 1: micro-batches per step (default: 2·pp)
+    virtual_stages: int = 1  # interleaved: layer chunks per stage
 
     def __post_init__(self):
         strategy = sequence_strategy(self.attention)
         if self.sp > 1 and self.attention == "dense":
-            raise ValueError(f"sp = {self.sp} splits the sequence, but attention 'dense' does not; pick one of "
-                             f"{', '.join(s for s in SEQUENCE_STRATEGIES if s != 'dense')}")
+            raise ValueError(
+                f"sp = {self.sp} splits the sequence, but attention 'dense' does not; pick one of "
+                f"{', '.join(s for s in SEQUENCE_STRATEGIES if s != 'dense')}"
+            )
         if self.sp == 1 and self.attention != "dense":
             raise ValueError(f"attention {self.attention!r} splits the sequence over sp, but sp = 1")
-        given = {k: v for k, v in (("team_size", self.team_size), ("ulysses_size", self.ulysses_size),
-                                   ("placement", self.placement)) if v is not None}
+        given = {
+            k: v
+            for k, v in (
+                ("team_size", self.team_size),
+                ("ulysses_size", self.ulysses_size),
+                ("placement", self.placement),
+            )
+            if v is not None
+        }
         object.__setattr__(self, "_options", strategy.resolve_options(given, self.sp))
         if self.layout is not None:
             strategy.layout_for(self.layout, causal=True)
@@ -75,20 +86,25 @@ class ParallelPlan:
         if self.tensor_parallel is not None and self.tp == 1:
             raise ValueError(f"tensor parallelism {self.tensor_parallel!r} needs tp > 1, got tp = 1")
         if self.sp > 1 and not method.sequence_parallel:
-            raise ValueError(f"tensor parallelism {method.name!r} cannot run with sp = {self.sp}: "
-                             f"{method.sequence_parallel_rule}")
+            raise ValueError(
+                f"tensor parallelism {method.name!r} cannot run with sp = {self.sp}: {method.sequence_parallel_rule}"
+            )
         method.check_mesh(self)
         if self.zero is not None and (isinstance(self.zero, bool) or self.zero not in ZERO_STAGES):
             raise ValueError(f"zero stage {self.zero!r} must be one of {', '.join(map(str, ZERO_STAGES))}")
         if self.pp > 1:
-            self.schedule      # make_schedule's one-line errors (unknown schedule, m < pp, V without interleaved)
+            self.schedule  # make_schedule's one-line errors (unknown schedule, m < pp, V without interleaved)
             if self.zero_stage == 2:
-                raise ValueError("zero stage 2 does not combine with pp > 1: the pipeline accumulates each "
-                                 "stage's gradient over its micro-batches, so use --zero 1 (the same bytes: one "
-                                 "reduce-scatter per step) or --zero 3")
+                raise ValueError(
+                    "zero stage 2 does not combine with pp > 1: the pipeline accumulates each "
+                    "stage's gradient over its micro-batches, so use --zero 1 (the same bytes: one "
+                    "reduce-scatter per step) or --zero 3"
+                )
         elif self.microbatches is not None or self.virtual_stages != 1:
-            raise ValueError(f"microbatches={self.microbatches!r}, virtual_stages={self.virtual_stages!r} set the "
-                             f"pipeline schedule, but pp = 1")
+            raise ValueError(
+                f"microbatches={self.microbatches!r}, virtual_stages={self.virtual_stages!r} set the "
+                f"pipeline schedule, but pp = 1"
+            )
 
     # ------------------------------------------------------------------ degrees
     def _size(self, axis: str) -> int:
@@ -132,6 +148,7 @@ class ParallelPlan:
         if self.pp == 1:
             return None
         from jaxring.pipeline import make_schedule
+
         m = 2 * self.pp if self.microbatches is None else self.microbatches
         return make_schedule(self.pipeline, self.pp, m, self.virtual_stages)
 
@@ -139,8 +156,10 @@ class ParallelPlan:
         """The layer stack splits into pp · virtual_stages equal chunks."""
         if self.pp > 1 and num_layers % (self.pp * self.virtual_stages):
             v = f" × virtual_stages {self.virtual_stages}" if self.virtual_stages > 1 else ""
-            raise ValueError(f"num_layers {num_layers} is not divisible by pp {self.pp}{v} = "
-                             f"{self.pp * self.virtual_stages} (each pipeline chunk holds the same number of layers)")
+            raise ValueError(
+                f"num_layers {num_layers} is not divisible by pp {self.pp}{v} = "
+                f"{self.pp * self.virtual_stages} (each pipeline chunk holds the same number of layers)"
+            )
 
     def layer_order(self, num_layers: int):
         """Where each stored layer comes from: None (natural order), or for interleaved stages the index map
@@ -149,8 +168,9 @@ class ParallelPlan:
         if self.pp == 1 or self.virtual_stages == 1:
             return None
         v, chunk = self.virtual_stages, num_layers // (self.pp * self.virtual_stages)
-        return np.array([(c * self.pp + s) * chunk + l for s in range(self.pp) for c in range(v)
-                         for l in range(chunk)], np.int32)
+        return np.array(
+            [(c * self.pp + s) * chunk + l for s in range(self.pp) for c in range(v) for l in range(chunk)], np.int32
+        )
 
     # ------------------------------------------------------------------ registry entries
     @property
@@ -215,10 +235,27 @@ class ParallelPlan:
         are shared by the batch rows (they come from the data-side layout)."""
         if self.sp == 1:
             pos = positions[0]
-            return flash_attention(q, k, v, causal=causal, q_positions=pos, kv_positions=pos,
-                                   implementation=local_implementation(self.block_ops))
-        return self.strategy.attend(q, k, v, None, seq_axes=self.seq_axes, layout=self.seq_layout(causal),
-                                    causal=causal, sm_scale=None, block_ops=self.block_ops, **self._options)
+            return flash_attention(
+                q,
+                k,
+                v,
+                causal=causal,
+                q_positions=pos,
+                kv_positions=pos,
+                implementation=local_implementation(self.block_ops),
+            )
+        return self.strategy.attend(
+            q,
+            k,
+            v,
+            None,
+            seq_axes=self.seq_axes,
+            layout=self.seq_layout(causal),
+            causal=causal,
+            sm_scale=None,
+            block_ops=self.block_ops,
+            **self._options,
+        )
 
     # ------------------------------------------------------------------ checks
     def check_batch(self, batch: int, what: str = "batch size") -> None:
@@ -228,8 +265,9 @@ class ParallelPlan:
         if batch % degree:
             extra = "" if split == 1 else f" × the {self.tensor.name} batch split {split}"
             extra += "" if m == 1 else f" × the pipeline's micro-batches {m}"
-            raise ValueError(f"{what} {batch} is not divisible by the data-parallel degree dp*fsdp*ep{extra} = "
-                             f"{degree}")
+            raise ValueError(
+                f"{what} {batch} is not divisible by the data-parallel degree dp*fsdp*ep{extra} = {degree}"
+            )
 
     def check_seq_len(self, seq_len: int, causal: bool = True) -> None:
         """seq must split over sp in the layout, and further as the tensor method needs."""

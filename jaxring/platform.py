@@ -1,4 +1,5 @@
 """Choosing devices: the accelerator when there is one, else N simulated CPU devices."""
+
 from __future__ import annotations
 
 import jax
@@ -32,9 +33,18 @@ def benchmark_record(name: str, devices, config: dict) -> dict:
 
     import numpy as np
 
-    return {"benchmark": name, "command": " ".join(["python"] + sys.argv), "device": describe_devices(devices),
-            "host_cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "jax": jax.__version__, "numpy": np.__version__, "config": config, "results": []}
+    return {
+        "benchmark": name,
+        "command": " ".join(["python"] + sys.argv),
+        "device": describe_devices(devices),
+        "host_cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "numpy": np.__version__,
+        "config": config,
+        "results": [],
+    }
 
 
 def save_record(record: dict, path: str) -> None:

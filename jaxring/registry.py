@@ -14,10 +14,12 @@ A sequence strategy entry gives:
   check_heads(q_heads, kv_heads, sp, options): the head rule (Ulysses splits heads over sp).
 Tensor methods share the `TensorMethod` contract of `jaxring/tensor/contract.py`.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from jax.sharding import Mesh
 
@@ -25,8 +27,15 @@ from jaxring.attention.allgather import allgather_attention
 from jaxring.attention.ring import ring_attention
 from jaxring.attention.rsa import rsa_attention
 from jaxring.attention.ulysses import check_heads_split, ulysses_attention, usp_attention
-from jaxring.attention.wallfacer import (PLACEMENTS, WF_AXES, WF_LAYOUTS, check_placement, check_team_size,
-                                         wallfacer_attention, wallfacer_mesh)
+from jaxring.attention.wallfacer import (
+    PLACEMENTS,
+    WF_AXES,
+    WF_LAYOUTS,
+    check_placement,
+    check_team_size,
+    wallfacer_attention,
+    wallfacer_mesh,
+)
 from jaxring.mesh import factored_mesh
 
 ALL_LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -37,6 +46,7 @@ USP_AXES = ("usp_ring", "usp_ulysses")
 class Option:
     """A strategy option: its name, its check(value, sp), whether it must be given, its default, and how a
     command line takes it (`type`, `choices`: train.py builds its flags from these)."""
+
     name: str
     help: str
     check: Callable[[Any, int], None]
@@ -50,13 +60,13 @@ class Option:
 class SequenceStrategy:
     name: str
     summary: str
-    attend: Callable | None                 # None: "dense" (no sequence parallelism)
-    default_layout: str = "zigzag"          # for causal attention
+    attend: Callable | None  # None: "dense" (no sequence parallelism)
+    default_layout: str = "zigzag"  # for causal attention
     layouts: tuple[str, ...] = ALL_LAYOUTS
     options: tuple[Option, ...] = ()
     view: Callable[[Mesh, dict, str], tuple[Mesh, tuple[str, ...]]] | None = None
     check_heads: Callable[[int, int, int, dict], None] | None = None
-    uses_block_ops: bool = True             # takes `block_ops` (jnp / Pallas per-block compute)
+    uses_block_ops: bool = True  # takes `block_ops` (jnp / Pallas per-block compute)
 
     def option_names(self) -> tuple[str, ...]:
         return tuple(o.name for o in self.options)
@@ -66,8 +76,7 @@ class SequenceStrategy:
         unknown = set(given) - set(self.option_names())
         if unknown:
             takes = ", ".join(self.option_names()) or "no options"
-            raise ValueError(f"strategy {self.name!r} takes no option {', '.join(sorted(unknown))} "
-                             f"(it takes {takes})")
+            raise ValueError(f"strategy {self.name!r} takes no option {', '.join(sorted(unknown))} (it takes {takes})")
         options = {}
         for o in self.options:
             value = given.get(o.name, o.default)
@@ -85,8 +94,9 @@ class SequenceStrategy:
         if layout not in ALL_LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(ALL_LAYOUTS)}")
         if layout not in self.layouts:
-            raise ValueError(f"layout {layout!r} is not supported by {self.name}; expected one of "
-                             f"{', '.join(self.layouts)}")
+            raise ValueError(
+                f"layout {layout!r} is not supported by {self.name}; expected one of {', '.join(self.layouts)}"
+            )
         return layout
 
     def seq_view(self, mesh: Mesh, options: dict, axis: str = "sp") -> tuple[Mesh, tuple[str, ...]]:
@@ -97,6 +107,7 @@ class SequenceStrategy:
 
 
 # ------------------------------------------------------------------------------------ option checks
+
 
 def _check_ulysses_size(u, sp: int) -> None:
     if isinstance(u, bool) or not isinstance(u, int) or u < 1 or sp % u:
@@ -124,6 +135,7 @@ def _usp_heads(q_heads: int, kv_heads: int, sp: int, options: dict) -> None:
 
 # ------------------------------------------------------------------------------------ factored views
 
+
 def _usp_view(mesh: Mesh, options: dict, axis: str):
     sp, u = mesh.shape[axis], options["ulysses_size"]
     return factored_mesh(mesh, axis, USP_AXES, (sp // u, u)), USP_AXES
@@ -136,62 +148,114 @@ def _wallfacer_view(mesh: Mesh, options: dict, axis: str):
 # ------------------------------------------------------------------------------------ local functions
 # Every entry takes the same keywords; each adapts them to its strategy's local function.
 
+
 def _ring(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops):
-    return ring_attention(q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal,
-                          sm_scale=sm_scale, block_ops=block_ops)
+    return ring_attention(
+        q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops
+    )
 
 
 def _rsa(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops):
     del block_ops  # RSA materialises its score rows: no per-block compute
-    return rsa_attention(q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal,
-                         sm_scale=sm_scale)
+    return rsa_attention(q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale)
 
 
 def _ulysses(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops):
-    return ulysses_attention(q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal,
-                             sm_scale=sm_scale, block_ops=block_ops)
+    return ulysses_attention(
+        q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops
+    )
 
 
 def _allgather(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops):
-    return allgather_attention(q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal,
-                               sm_scale=sm_scale, block_ops=block_ops)
+    return allgather_attention(
+        q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops
+    )
 
 
 def _usp(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, ulysses_size):
     del ulysses_size  # the factored view carries it
     ring_axis, ulysses_axis = seq_axes
-    return usp_attention(q, k, v, segment_ids, ring_axis=ring_axis, ulysses_axis=ulysses_axis, layout=layout,
-                         causal=causal, sm_scale=sm_scale, block_ops=block_ops)
+    return usp_attention(
+        q,
+        k,
+        v,
+        segment_ids,
+        ring_axis=ring_axis,
+        ulysses_axis=ulysses_axis,
+        layout=layout,
+        causal=causal,
+        sm_scale=sm_scale,
+        block_ops=block_ops,
+    )
 
 
-def _wallfacer(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, team_size,
-               placement="team_inner"):
+def _wallfacer(
+    q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, team_size, placement="team_inner"
+):
     del seq_axes, placement  # WF_AXES, laid out by the factored view
-    return wallfacer_attention(q, k, v, segment_ids, team_size=team_size, causal=causal, sm_scale=sm_scale,
-                               layout=layout, block_ops=block_ops)
+    return wallfacer_attention(
+        q, k, v, segment_ids, team_size=team_size, causal=causal, sm_scale=sm_scale, layout=layout, block_ops=block_ops
+    )
 
 
-SEQUENCE_STRATEGIES: dict[str, SequenceStrategy] = {s.name: s for s in (
-    SequenceStrategy("dense", "no sequence parallelism: every device attends its own whole sequences", None,
-                     default_layout="contiguous", layouts=("contiguous",)),
-    SequenceStrategy("ring", "ring attention: K/V blocks circulate with ppermute, online softmax (Playbook)",
-                     _ring),
-    SequenceStrategy("rsa", "Ring Self-Attention: K then V rings over materialised score rows (Li et al.)",
-                     _rsa, default_layout="contiguous", uses_block_ops=False),
-    SequenceStrategy("ulysses", "DeepSpeed-Ulysses: all-to-all sequence <-> heads around local attention",
-                     _ulysses, default_layout="contiguous", check_heads=_ulysses_heads),
-    SequenceStrategy("wallfacer", "WallFacer: teams of C devices, C² sub-rings, 1/C of the ring's P2P volume",
-                     _wallfacer, layouts=WF_LAYOUTS, view=_wallfacer_view, options=(
-                         Option("team_size", "--team-size C, C² dividing sp", _check_team_size, required=True),
-                         Option("placement", "which devices are neighbours: team members or sub-ring members",
-                                _check_placement, default="team_inner", type=str, choices=PLACEMENTS))),
-    SequenceStrategy("allgather", "all-gather context parallelism: gather K/V, reduce-scatter dK/dV (Llama 3)",
-                     _allgather),
-    SequenceStrategy("usp", "USP: Ulysses over U devices × ring over sp / U", _usp, view=_usp_view,
-                     check_heads=_usp_heads, options=(
-                         Option("ulysses_size", "--ulysses-size U, U dividing sp", _check_ulysses_size,
-                                required=True),)),
-)}
+SEQUENCE_STRATEGIES: dict[str, SequenceStrategy] = {
+    s.name: s
+    for s in (
+        SequenceStrategy(
+            "dense",
+            "no sequence parallelism: every device attends its own whole sequences",
+            None,
+            default_layout="contiguous",
+            layouts=("contiguous",),
+        ),
+        SequenceStrategy(
+            "ring", "ring attention: K/V blocks circulate with ppermute, online softmax (Playbook)", _ring
+        ),
+        SequenceStrategy(
+            "rsa",
+            "Ring Self-Attention: K then V rings over materialised score rows (Li et al.)",
+            _rsa,
+            default_layout="contiguous",
+            uses_block_ops=False,
+        ),
+        SequenceStrategy(
+            "ulysses",
+            "DeepSpeed-Ulysses: all-to-all sequence <-> heads around local attention",
+            _ulysses,
+            default_layout="contiguous",
+            check_heads=_ulysses_heads,
+        ),
+        SequenceStrategy(
+            "wallfacer",
+            "WallFacer: teams of C devices, C² sub-rings, 1/C of the ring's P2P volume",
+            _wallfacer,
+            layouts=WF_LAYOUTS,
+            view=_wallfacer_view,
+            options=(
+                Option("team_size", "--team-size C, C² dividing sp", _check_team_size, required=True),
+                Option(
+                    "placement",
+                    "which devices are neighbours: team members or sub-ring members",
+                    _check_placement,
+                    default="team_inner",
+                    type=str,
+                    choices=PLACEMENTS,
+                ),
+            ),
+        ),
+        SequenceStrategy(
+            "allgather", "all-gather context parallelism: gather K/V, reduce-scatter dK/dV (Llama 3)", _allgather
+        ),
+        SequenceStrategy(
+            "usp",
+            "USP: Ulysses over U devices × ring over sp / U",
+            _usp,
+            view=_usp_view,
+            check_heads=_usp_heads,
+            options=(Option("ulysses_size", "--ulysses-size U, U dividing sp", _check_ulysses_size, required=True),),
+        ),
+    )
+}
 
 
 def strategy_options() -> dict[str, tuple[Option, tuple[str, ...]]]:
@@ -213,8 +277,11 @@ def sequence_strategy(name: str) -> SequenceStrategy:
 def tensor_method(name: str | None):
     """The TensorMethod registered as `name` (None: no tensor parallelism)."""
     from jaxring.tensor import TENSOR_METHODS
+
     key = "none" if name is None else name
     if key not in TENSOR_METHODS:
-        raise ValueError(f"unknown tensor parallelism {name!r}; expected one of "
-                         f"{', '.join(n for n in TENSOR_METHODS if n != 'none')}")
+        raise ValueError(
+            f"unknown tensor parallelism {name!r}; expected one of "
+            f"{', '.join(n for n in TENSOR_METHODS if n != 'none')}"
+        )
     return TENSOR_METHODS[key]

@@ -3,6 +3,7 @@
 Positions follow the tokens: under a causal load-balance layout (zigzag, striped) each token keeps its
 original position, so RoPE stays exact whatever order the sequence is stored in.
 """
+
 import jax.numpy as jnp
 
 
@@ -21,7 +22,7 @@ def apply_rope(x, positions, theta: float = 10000.0):
     Returns: same shape and dtype as x (computed in fp32).
     """
     freqs = rope_frequencies(x.shape[-1], theta)
-    angles = jnp.asarray(positions, jnp.float32)[..., None] * freqs          # [(b,) s, d/2]
+    angles = jnp.asarray(positions, jnp.float32)[..., None] * freqs  # [(b,) s, d/2]
     if angles.ndim == 2:
         angles = angles[None]
     cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]

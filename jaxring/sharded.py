@@ -5,6 +5,7 @@ entry points on global arrays (`sharded_attention`, the tensor methods' `mlp_blo
 are thin wrappers: they place their arguments and call `run_local`, which jits one shard_map per
 (function, mesh, specs, static options) and reuses it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,8 +19,10 @@ def run_local(local_fn, mesh, in_specs, out_specs, *args, check_vma: bool = True
     """`local_fn(*args, **static)` inside `shard_map` over `mesh`, on global args placed as `in_specs` says.
 
     static: hashable keyword options (they key the compiled program)."""
-    placed = [{k: place(v, mesh, spec[k]) for k, v in a.items()} if isinstance(a, dict) else place(a, mesh, spec)
-              for a, spec in zip(args, in_specs)]
+    placed = [
+        {k: place(v, mesh, spec[k]) for k, v in a.items()} if isinstance(a, dict) else place(a, mesh, spec)
+        for a, spec in zip(args, in_specs)
+    ]
     return _compiled(local_fn, mesh, _freeze(in_specs), out_specs, check_vma, tuple(sorted(static.items())))(*placed)
 
 
@@ -43,5 +46,4 @@ def _thaw(specs):
 @functools.lru_cache(maxsize=512)
 def _compiled(local_fn, mesh, in_specs, out_specs, check_vma, static):
     fn = functools.partial(local_fn, **dict(static))
-    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=_thaw(in_specs), out_specs=out_specs,
-                                 check_vma=check_vma))
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=_thaw(in_specs), out_specs=out_specs, check_vma=check_vma))

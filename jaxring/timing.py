@@ -1,4 +1,5 @@
 """Wall-clock timing of jitted functions: warm-up, then the median of several runs."""
+
 from __future__ import annotations
 
 import statistics

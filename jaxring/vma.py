@@ -3,6 +3,7 @@
 Casting a replicated value to "varying" is the identity forward; its transpose is a psum over the added
 axes, which is how a weight replicated over the data axes gets its summed gradient.
 """
+
 from __future__ import annotations
 
 import jax
@@ -41,9 +42,11 @@ def gather_invariant(x, axes, axis: int):
         from jax._src.lax.parallel import all_gather_invariant
     except ImportError:
         import math
+
         import jax.numpy as jnp
+
         n = math.prod(lax.axis_size(a) for a in (axes if isinstance(axes, tuple) else (axes,)))
-        full = jnp.zeros(x.shape[:axis] + (x.shape[axis] * n,) + x.shape[axis + 1:], x.dtype)
+        full = jnp.zeros(x.shape[:axis] + (x.shape[axis] * n,) + x.shape[axis + 1 :], x.dtype)
         start = lax.axis_index(axes) * x.shape[axis]
         return lax.psum(lax.dynamic_update_slice_in_dim(full, x, start, axis), axes)
     return all_gather_invariant(x, axes, axis=axis, tiled=True)

@@ -23,6 +23,7 @@ How the step uses this module, per weight leaf (`Placement`):
   g = reduce(stage, grad_of_diff)           the gradient in the optimizer's layout
   p, opt = update(...)                      the sharded (or replicated) update, then the all-gather
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,6 +42,7 @@ from jaxring.vma import gather_invariant, vary, varying_axes
 class Placement:
     """Where one weight lives. spec: mesh axes per dim from the tensor method and the pipeline (not ZeRO);
     zero_dim: the dim sharded over `replica` (None: not sharded by ZeRO); replica: R for this weight."""
+
     spec: tuple
     zero_dim: int | None
     replica: tuple[str, ...]
@@ -73,8 +75,9 @@ def _axes_of(entry) -> tuple:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def place(spec: tuple, shape: tuple, logical_axes, replica: tuple[str, ...], mesh_shape: dict,
-          zero_sharding: bool = True) -> Placement:
+def place(
+    spec: tuple, shape: tuple, logical_axes, replica: tuple[str, ...], mesh_shape: dict, zero_sharding: bool = True
+) -> Placement:
     """The Placement of a weight of `shape` split as `spec`, replicated over `replica` (size N)."""
     used = {a for e in spec for a in _axes_of(e)}
     replica = tuple(a for a in replica if a not in used)
@@ -92,6 +95,7 @@ def place(spec: tuple, shape: tuple, logical_axes, replica: tuple[str, ...], mes
 
 
 # ---------------------------------------------------------------------------------------- collectives
+
 
 def _scatter(x, placement: Placement):
     return lax.psum_scatter(x, placement.replica, scatter_dimension=placement.zero_dim, tiled=True)
@@ -130,14 +134,15 @@ _attach.defvjp(_attach_fwd, _attach_bwd)
 
 # ---------------------------------------------------------------------------------------- the stages
 
+
 def inputs(stage: int, p, placement: Placement):
     """(diff, const) for weight p as stored: the step differentiates the loss w.r.t. diff."""
     if placement.zero_dim is None or stage in (0, 1):
-        return vary(p, placement.replica), None       # each rank's own, unreduced gradient
+        return vary(p, placement.replica), None  # each rank's own, unreduced gradient
     if stage == 2:
         shard = vary(jnp.zeros_like(_slice(p, placement)), placement.replica)
         return shard, p
-    return p, None                                    # stage 3: the shard itself
+    return p, None  # stage 3: the shard itself
 
 
 def materialize(stage: int, diff, const, placement: Placement):
@@ -150,7 +155,7 @@ def materialize(stage: int, diff, const, placement: Placement):
     # never saves (`no_weights_saved`), so the backward gathers it again. Backward: reduce-scatter.
     zd = placement.zero_dim
     w = lax.all_gather(diff, placement.replica, axis=zd, tiled=False)
-    return w.reshape(diff.shape[:zd] + (-1,) + diff.shape[zd + 1:])
+    return w.reshape(diff.shape[:zd] + (-1,) + diff.shape[zd + 1 :])
 
 
 def reduce(stage: int, g, placement: Placement):
@@ -159,7 +164,7 @@ def reduce(stage: int, g, placement: Placement):
         return lax.psum(g, placement.replica) if placement.replica else g
     if stage == 1:
         return _scatter(g, placement)
-    return g                                          # stages 2, 3: reduce-scattered by the backward itself
+    return g  # stages 2, 3: reduce-scattered by the backward itself
 
 
 def update_slice(stage: int, p, placement: Placement):
@@ -195,8 +200,22 @@ def is_weight_gather(prim, params) -> bool:
 # Ops that only move, cast or view data: free to recompute. A weight reaches its matmuls through these alone
 # (a slice, a cast to the compute dtype, a reshape into heads, the varying cast), so when none of them is
 # saved, the backward rebuilds each weight from its stored form instead of keeping a copy of it.
-_FREE_OPS = frozenset({"pvary", "reshape", "convert_element_type", "broadcast_in_dim", "transpose", "squeeze",
-                       "expand_dims", "slice", "dynamic_slice", "concatenate", "copy", "copy_p"})
+_FREE_OPS = frozenset(
+    {
+        "pvary",
+        "reshape",
+        "convert_element_type",
+        "broadcast_in_dim",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "slice",
+        "dynamic_slice",
+        "concatenate",
+        "copy",
+        "copy_p",
+    }
+)
 
 
 def _free_custom_vjp(prim, params) -> bool:
@@ -212,9 +231,11 @@ def no_weights_saved(stage: int, policy=None):
     """A remat policy that saves what `policy` saves (None: everything computed), except the weights as the
     layers read them: stage 3's all-gathered weights are gathered again in the backward (3Ψ moved), stage 2's
     replicated weights are read again from their stored copy. Free data movement (`_FREE_OPS`) is recomputed."""
+
     def keep(prim, *args, **params):
         if is_weight_gather(prim, params) or prim.name in _FREE_OPS or _free_custom_vjp(prim, params):
             return False
         return True if policy is None else policy(prim, *args, **params)
+
     del stage
     return keep

@@ -23,6 +23,7 @@ C channels (no learned Σ: flow matching has no variance to learn), and the null
     loss = model.loss(images, labels, key, plan)          # images [b, H, W, C] in [-1, 1], labels int [b]
     images = sample(model, plan, labels, key, num_steps=50, cfg_scale=4.0)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,7 +34,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
 from jax.sharding import PartitionSpec as P
 
 from jaxring.nn import MLP, Attention, Layers, stack, weight_specs
@@ -45,7 +45,7 @@ TIME_SAMPLING = ("uniform", "logit_normal")
 
 @dataclasses.dataclass(frozen=True)
 class DiTConfig:
-    image_size: int = 16                  # square images (or latents) of image_size × image_size × channels
+    image_size: int = 16  # square images (or latents) of image_size × image_size × channels
     channels: int = 1
     patch_size: int = 2
     num_classes: int = 10
@@ -53,13 +53,21 @@ class DiTConfig:
     hidden: int = 64
     num_heads: int = 4
     mlp_ratio: float = 4.0
-    class_dropout: float = 0.1            # label → null class with this probability in training (for CFG)
-    freq_dim: int = 256                   # sinusoidal timestep features before the MLP
-    time_sampling: str = "uniform"        # t ~ U(0, 1), or "logit_normal": t = sigmoid(n), n ~ N(0, 1) (SD3)
+    class_dropout: float = 0.1  # label → null class with this probability in training (for CFG)
+    freq_dim: int = 256  # sinusoidal timestep features before the MLP
+    time_sampling: str = "uniform"  # t ~ U(0, 1), or "logit_normal": t = sigmoid(n), n ~ N(0, 1) (SD3)
 
     def __post_init__(self):
-        for name in ("image_size", "channels", "patch_size", "num_classes", "num_layers", "hidden", "num_heads",
-                     "freq_dim"):
+        for name in (
+            "image_size",
+            "channels",
+            "patch_size",
+            "num_classes",
+            "num_layers",
+            "hidden",
+            "num_heads",
+            "freq_dim",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} {value!r} must be a positive integer")
@@ -68,8 +76,10 @@ class DiTConfig:
         if self.hidden % self.num_heads:
             raise ValueError(f"hidden {self.hidden} is not divisible by num_heads {self.num_heads}")
         if self.hidden % 4:
-            raise ValueError(f"hidden {self.hidden} must be divisible by 4 (2D sin-cos position embedding: "
-                             f"sin and cos for each of the two axes)")
+            raise ValueError(
+                f"hidden {self.hidden} must be divisible by 4 (2D sin-cos position embedding: "
+                f"sin and cos for each of the two axes)"
+            )
         if self.freq_dim % 2:
             raise ValueError(f"freq_dim {self.freq_dim} must be even (cos and sin halves)")
         if not 0.0 <= self.class_dropout <= 1.0:
@@ -86,11 +96,11 @@ class DiTConfig:
 
     @property
     def num_tokens(self) -> int:
-        return self.grid ** 2
+        return self.grid**2
 
     @property
     def patch_dim(self) -> int:
-        return self.patch_size ** 2 * self.channels
+        return self.patch_size**2 * self.channels
 
     @property
     def ffn_size(self) -> int:
@@ -103,13 +113,23 @@ class DiTConfig:
     def _param_counts(self) -> tuple[int, int]:
         """(weights applied to every token, weights applied once per image)."""
         h, pd = self.hidden, self.patch_dim
-        per_token = (pd * h + h                               # patch embedding
-                     + self.num_layers * (4 * h * h + 2 * h * self.ffn_size)   # attention + MLP
-                     + h * pd + pd)                           # final linear
-        per_image = (self.freq_dim * h + h + h * h + h        # timestep MLP
-                     + (self.num_classes + 1) * h             # class table with the null class
-                     + self.num_layers * (h * 6 * h + 6 * h)  # adaLN-Zero modulation
-                     + h * 2 * h + 2 * h)                     # final adaLN
+        per_token = (
+            pd * h
+            + h  # patch embedding
+            + self.num_layers * (4 * h * h + 2 * h * self.ffn_size)  # attention + MLP
+            + h * pd
+            + pd
+        )  # final linear
+        per_image = (
+            self.freq_dim * h
+            + h
+            + h * h
+            + h  # timestep MLP
+            + (self.num_classes + 1) * h  # class table with the null class
+            + self.num_layers * (h * 6 * h + 6 * h)  # adaLN-Zero modulation
+            + h * 2 * h
+            + 2 * h
+        )  # final adaLN
         return per_token, per_image
 
     def num_params(self) -> int:
@@ -128,15 +148,16 @@ class DiTConfig:
 
 PRESETS = {
     # seconds on CPU: 16×16 grey images, 64 tokens (e.g. the digits data set upscaled)
-    "tiny": DiTConfig(image_size=16, channels=1, patch_size=2, num_classes=10, num_layers=2, hidden=64,
-                      num_heads=4),
+    "tiny": DiTConfig(image_size=16, channels=1, patch_size=2, num_classes=10, num_layers=2, hidden=64, num_heads=4),
     # DiT-S/2 on ImageNet 256² latents (32×32×4): 256 tokens, 33M parameters
-    "dit-s": DiTConfig(image_size=32, channels=4, patch_size=2, num_classes=1000, num_layers=12, hidden=384,
-                       num_heads=6),
+    "dit-s": DiTConfig(
+        image_size=32, channels=4, patch_size=2, num_classes=1000, num_layers=12, hidden=384, num_heads=6
+    ),
     # WallFacer's DiT 1B (24 heads, 24 layers, hidden 1536; SD3-like 16-channel latents). 128² latents give
     # 4096 tokens; long-sequence runs override image_size (e.g. 724 → 362² = 131,044 tokens).
-    "dit-1b": DiTConfig(image_size=128, channels=16, patch_size=2, num_classes=1000, num_layers=24, hidden=1536,
-                        num_heads=24),
+    "dit-1b": DiTConfig(
+        image_size=128, channels=16, patch_size=2, num_classes=1000, num_layers=24, hidden=1536, num_heads=24
+    ),
 }
 
 
@@ -147,6 +168,7 @@ def get_config(preset: str, **overrides) -> DiTConfig:
 
 
 # ---------------------------------------------------------------------------------------- fixed embeddings
+
 
 def _sincos_1d(dim: int, pos):
     """[len(pos), dim]: sin(pos·ω) ‖ cos(pos·ω), ω_i = 10000^(−i/(dim/2))."""
@@ -166,10 +188,12 @@ def pos_embed_2d(hidden: int, grid: int) -> np.ndarray:
 def pos_embed_at(positions, hidden: int, grid: int, dtype=jnp.float32):
     """The rows of `pos_embed_2d(hidden, grid)` for token positions int [..., n], computed on the fly (no
     [grid², hidden] table is stored): [..., n, hidden]."""
+
     def sincos(pos, dim):
         omega = 1.0 / 10000 ** (jnp.arange(dim // 2, dtype=jnp.float32) / (dim / 2))
         out = pos.astype(jnp.float32)[..., None] * omega
         return jnp.concatenate([jnp.sin(out), jnp.cos(out)], axis=-1)
+
     rows, cols = positions // grid, positions % grid
     return jnp.concatenate([sincos(cols, hidden // 2), sincos(rows, hidden // 2)], axis=-1).astype(dtype)
 
@@ -183,6 +207,7 @@ def timestep_features(t, dim: int, max_period: float = 10000.0):
 
 
 # ---------------------------------------------------------------------------------------- patches
+
 
 def patchify(images, p: int):
     """[b, H, W, C] → [b, (H/p)(W/p), p·p·C]; tokens in row-major patch order, features (dy, dx, c)."""
@@ -200,6 +225,7 @@ def unpatchify(tokens, p: int, channels: int):
 
 
 # ---------------------------------------------------------------------------------------- layers
+
 
 class Dense(nnx.Module):
     """y = x @ w + b with w [d_in, d_out]; fp32 master weights cast to x's dtype.
@@ -251,8 +277,9 @@ class LabelEmbedder(nnx.Module):
     """Class table [num_classes + 1, hidden]; row num_classes is the null class of classifier-free guidance."""
 
     def __init__(self, cfg: DiTConfig, *, rngs: nnx.Rngs):
-        self.table = nnx.Param(jax.random.normal(rngs.params(), (cfg.num_classes + 1, cfg.hidden)) * 0.02,
-                               logical_axes=(None, "embed"))
+        self.table = nnx.Param(
+            jax.random.normal(rngs.params(), (cfg.num_classes + 1, cfg.hidden)) * 0.02, logical_axes=(None, "embed")
+        )
 
     def __call__(self, labels, dtype):
         return jnp.take(self.table[...].astype(dtype), labels, axis=0)
@@ -270,7 +297,8 @@ class DiTBlock(nnx.Module):
         """x: local [b, s, hidden] (the plan's activation layout), c: local [b, hidden] (the conditioning of
         this device's rows), positions: local int32 [b, s] (token layout)."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = jnp.split(
-            self.adaLN(jax.nn.silu(c)), 6, axis=-1)
+            self.adaLN(jax.nn.silu(c)), 6, axis=-1
+        )
         x = x + gate_msa[:, None] * self.attn(_modulate(_layer_norm(x), shift_msa, scale_msa), positions, plan)
         return x + gate_mlp[:, None] * self.mlp(_modulate(_layer_norm(x), shift_mlp, scale_mlp), plan)
 
@@ -289,14 +317,18 @@ class FinalLayer(nnx.Module):
 
 # ---------------------------------------------------------------------------------------- model
 
+
 def check_plan(cfg: DiTConfig, plan: ParallelPlan, batch: int) -> None:
     """Raises (one line naming the value and the rule) when a `cfg` DiT cannot run on `plan` with micro-batches
     of `batch` images."""
     if plan.tensor.name == "optimus":
-        raise ValueError("the DiT cannot use tensor parallelism 'optimus': its adaLN modulation needs whole "
-                         "hidden vectors, which Optimus splits over the grid columns; use megatron or metp")
-    plan.tensor.check_model(plan, num_heads=cfg.num_heads, num_kv_heads=cfg.num_heads, hidden=cfg.hidden,
-                            ffn=cfg.ffn_size, vocab=None)
+        raise ValueError(
+            "the DiT cannot use tensor parallelism 'optimus': its adaLN modulation needs whole "
+            "hidden vectors, which Optimus splits over the grid columns; use megatron or metp"
+        )
+    plan.tensor.check_model(
+        plan, num_heads=cfg.num_heads, num_kv_heads=cfg.num_heads, hidden=cfg.hidden, ffn=cfg.ffn_size, vocab=None
+    )
     plan.check_heads(cfg.num_heads, cfg.num_heads)
     plan.check_layers(cfg.num_layers)
     plan.check_batch(batch, "micro-batch size (batch / grad-accum)")
@@ -309,6 +341,7 @@ class DiT(nnx.Module):
     The compute methods are *local* (inside the plan's shard_map, on this device's shards); `layers` is the
     block stack as the step materializes it (`Layers.of(model.blocks)` outside a train step).
     """
+
     STACK = "blocks"
 
     def __init__(self, cfg: DiTConfig, *, rngs: nnx.Rngs):
@@ -338,8 +371,7 @@ class DiT(nnx.Module):
         """Predicted velocity per patch, local [b, s, p·p·C] (activation layout)."""
         return self.final(carry["x"], carry["c"])
 
-    def velocity_tokens(self, patches, t, labels, positions, plan: ParallelPlan, layers: Layers, *,
-                        dtype=jnp.float32):
+    def velocity_tokens(self, patches, t, labels, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32):
         """Predicted velocity per patch, local [b, s, p·p·C] (activation layout, compute dtype)."""
         carry = self.embed_patches(patches, t, labels, positions, plan, dtype)
         carry = layers(carry, lambda block, carry: self.block_step(block, carry, positions, plan))
@@ -362,8 +394,10 @@ def flow_matching_inputs(cfg: DiTConfig, images, labels, key):
     images, labels = jnp.asarray(images), jnp.asarray(labels)
     shape = (cfg.image_size, cfg.image_size, cfg.channels)
     if images.ndim != 4 or tuple(images.shape[1:]) != shape:
-        raise ValueError(f"images shape {tuple(images.shape)} must be [batch, {', '.join(map(str, shape))}] "
-                         f"(image_size × image_size × channels of the config)")
+        raise ValueError(
+            f"images shape {tuple(images.shape)} must be [batch, {', '.join(map(str, shape))}] "
+            f"(image_size × image_size × channels of the config)"
+        )
     b = images.shape[0]
     if labels.shape != (b,) or not jnp.issubdtype(labels.dtype, jnp.integer):
         raise ValueError(f"labels {labels.dtype}{tuple(labels.shape)} must be integers of shape [batch] = ({b},)")
@@ -378,8 +412,13 @@ def flow_matching_inputs(cfg: DiTConfig, images, labels, key):
     labels = jnp.where(drop, cfg.num_classes, labels.astype(jnp.int32))
     x_t = (1 - t)[:, None, None, None] * x0 + t[:, None, None, None] * eps
     positions = jnp.broadcast_to(jnp.arange(cfg.num_tokens, dtype=jnp.int32), (b, cfg.num_tokens))
-    return {"patches": patchify(x_t, cfg.patch_size), "target": patchify(eps - x0, cfg.patch_size), "t": t,
-            "labels": labels, "positions": positions}
+    return {
+        "patches": patchify(x_t, cfg.patch_size),
+        "target": patchify(eps - x0, cfg.patch_size),
+        "t": t,
+        "labels": labels,
+        "positions": positions,
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,6 +426,7 @@ class FlowMatchingObjective(Objective):
     """The rectified-flow loss, mean over pixels of (v_θ(x_t, t, y) − (ε − x0))², of batches {"images" [b, H, W,
     C], "labels" int [b]}: what `jaxring.train.step.TrainStep` optimizes. t, ε and the label dropout are drawn
     from the step's key on global shapes (`flow_matching_inputs`), outside the shard_map."""
+
     cfg: DiTConfig
     batch_size: int
 
@@ -394,8 +434,13 @@ class FlowMatchingObjective(Objective):
         return flow_matching_inputs(self.cfg, batch["images"], batch["labels"], key)
 
     def input_specs(self, plan: ParallelPlan) -> dict:
-        return {"patches": plan.activation_spec(), "target": plan.activation_spec(), "t": plan.batch_spec(),
-                "labels": plan.batch_spec(), "positions": plan.token_spec()}
+        return {
+            "patches": plan.activation_spec(),
+            "target": plan.activation_spec(),
+            "t": plan.batch_spec(),
+            "labels": plan.batch_spec(),
+            "positions": plan.token_spec(),
+        }
 
     @property
     def loss_count(self) -> int:
@@ -414,8 +459,10 @@ class FlowMatchingObjective(Objective):
 
 # ---------------------------------------------------------------------------------------- sampling
 
-def sample(model: DiT, plan: ParallelPlan, labels, key, *, num_steps: int = 50, cfg_scale: float = 1.0,
-           dtype=jnp.float32):
+
+def sample(
+    model: DiT, plan: ParallelPlan, labels, key, *, num_steps: int = 50, cfg_scale: float = 1.0, dtype=jnp.float32
+):
     """Euler integration of dx/dt = v_θ from noise (t = 1) to data (t = 0) in `num_steps` uniform steps.
 
     With cfg_scale != 1 each step runs the batch twice (labels and the null class) and uses
@@ -429,8 +476,10 @@ def sample(model: DiT, plan: ParallelPlan, labels, key, *, num_steps: int = 50, 
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
         raise ValueError(f"labels {labels.dtype}{labels.shape} must be a 1-D integer array [batch]")
     if labels.size and (labels.min() < 0 or labels.max() > cfg.num_classes):
-        raise ValueError(f"labels must lie in [0, num_classes = {cfg.num_classes}] (num_classes = null class); "
-                         f"got {labels.min()}..{labels.max()}")
+        raise ValueError(
+            f"labels must lie in [0, num_classes = {cfg.num_classes}] (num_classes = null class); "
+            f"got {labels.min()}..{labels.max()}"
+        )
     if not isinstance(num_steps, (int, np.integer)) or num_steps < 1:
         raise ValueError(f"num_steps {num_steps!r} must be a positive integer")
     b = labels.shape[0]
@@ -441,8 +490,9 @@ def sample(model: DiT, plan: ParallelPlan, labels, key, *, num_steps: int = 50, 
 
     graphdef, state = nnx.split(model)
     specs = weight_specs(state, plan)
-    params = jax.device_put(nnx.to_pure_dict(state), jax.tree.map(lambda s: plan.sharding(s), specs,
-                                                                  is_leaf=lambda x: isinstance(x, P)))
+    params = jax.device_put(
+        nnx.to_pure_dict(state), jax.tree.map(lambda s: plan.sharding(s), specs, is_leaf=lambda x: isinstance(x, P))
+    )
     step = _euler_step(graphdef, plan, guided, jnp.dtype(dtype), _freeze(specs))
     x = _noise(plan, (b, cfg.image_size, cfg.image_size, cfg.channels))(key)
     labels = jax.device_put(jnp.asarray(labels, jnp.int32), plan.sharding(plan.batch_spec()))
@@ -459,6 +509,7 @@ def _freeze(tree):
 
 def _thaw(frozen):
     from flax.traverse_util import unflatten_dict
+
     return unflatten_dict({tuple(k.key for k in path): spec for path, spec in frozen})
 
 
@@ -469,19 +520,24 @@ def _images_sharding(plan: ParallelPlan):
 @functools.lru_cache(maxsize=32)
 def _noise(plan: ParallelPlan, shape):
     """jit(key) → x_1 ~ N(0, 1) float32 `shape`, laid out as the step's output (so the step compiles once)."""
-    return jax.jit(lambda key: jax.lax.with_sharding_constraint(jax.random.normal(key, shape, jnp.float32),
-                                                                _images_sharding(plan)))
+    return jax.jit(
+        lambda key: jax.lax.with_sharding_constraint(jax.random.normal(key, shape, jnp.float32), _images_sharding(plan))
+    )
 
 
 def velocity_fn(graphdef, plan: ParallelPlan, dtype, specs):
     """velocity(params, x_t [b, H, W, C], t [b], labels [b]) -> v [b, H, W, C] on global arrays: the local
     model in the plan's shard_map (params placed as `specs`)."""
+
     def local(params, patches, t, labels, positions):
         m = nnx.merge(graphdef, params)
         return m.velocity_tokens(patches, t, labels, positions, plan, Layers.of(m.blocks), dtype=dtype)
 
-    body = plan.shard_map(local, in_specs=(specs, plan.activation_spec(), plan.batch_spec(), plan.batch_spec(),
-                                           plan.token_spec()), out_specs=plan.activation_spec())
+    body = plan.shard_map(
+        local,
+        in_specs=(specs, plan.activation_spec(), plan.batch_spec(), plan.batch_spec(), plan.token_spec()),
+        out_specs=plan.activation_spec(),
+    )
 
     def velocity(params, x, t, labels):
         cfg = nnx.merge(graphdef, params).cfg
@@ -531,6 +587,6 @@ def save_image_grid(images, path, nrow: int = 8, padding: int = 2):
     for i, img in enumerate(pixels):
         r, q = divmod(i, nrow)
         y, x = padding + r * (h + padding), padding + q * (w + padding)
-        grid[y:y + h, x:x + w] = img
+        grid[y : y + h, x : x + w] = img
     Image.fromarray(grid[..., 0] if c == 1 else grid).save(path)  # uint8 2-D → "L", [.., 3] → "RGB"
     return path

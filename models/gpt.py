@@ -7,6 +7,7 @@ strategy is not part of the model: every call takes a `ParallelPlan`, so the sam
     trainer = jaxring.train.Trainer(...)                    # or, inside plan.shard_map on local shards:
     losses = model.token_losses(tokens, targets, positions, plan, Layers.of(model.blocks))
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,8 @@ from flax import nnx
 
 from jaxring.moe import MoEConfig
 from jaxring.nn import MLP, Attention, Embed, LayerNorm, Layers, MoE, stack, token_cross_entropy
-from jaxring.tensor.contract import ACTIVATIONS
 from jaxring.plan import ParallelPlan
+from jaxring.tensor.contract import ACTIVATIONS
 from jaxring.train.objective import Objective
 
 
@@ -34,16 +35,16 @@ class GPTConfig:
     hidden: int = 128
     num_heads: int = 8
     num_kv_heads: int | None = None
-    ffn: int | None = None                # default 4 * hidden
-    positions: str = "rope"               # "rope" or "learned"
-    max_seq_len: int = 1024               # learned positions only
-    activation: str = "gelu"              # "gelu" or "swiglu"
+    ffn: int | None = None  # default 4 * hidden
+    positions: str = "rope"  # "rope" or "learned"
+    max_seq_len: int = 1024  # learned positions only
+    activation: str = "gelu"  # "gelu" or "swiglu"
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
     # mixture of experts in every block's FFN (None: a dense MLP); see jaxring.moe.MoEConfig
     num_experts: int | None = None
     experts_per_token: int = 2
-    expert_ffn: int | None = None         # each expert's hidden size (default: ffn)
+    expert_ffn: int | None = None  # each expert's hidden size (default: ffn)
     shared_expert_ffn: int | None = None
     capacity_factor: float | None = None  # None: dropless
     aux_loss_weight: float = 0.01
@@ -62,7 +63,7 @@ class GPTConfig:
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r}: expected one of {', '.join(ACTIVATIONS)}")
         if self.num_experts is not None:
-            self.moe   # MoEConfig's own checks (top-k <= experts, capacity > 0, ...)
+            self.moe  # MoEConfig's own checks (top-k <= experts, capacity > 0, ...)
         if self.positions not in ("rope", "learned"):
             raise ValueError(f"positions {self.positions!r}: expected 'rope' or 'learned'")
         if self.hidden % self.num_heads:
@@ -83,10 +84,16 @@ class GPTConfig:
         """The blocks' mixture-of-experts FFN, or None for dense MLPs."""
         if self.num_experts is None:
             return None
-        return MoEConfig(num_experts=self.num_experts, experts_per_token=self.experts_per_token,
-                         ffn=self.expert_ffn or self.ffn_size, activation=self.activation,
-                         shared_expert_ffn=self.shared_expert_ffn, capacity_factor=self.capacity_factor,
-                         aux_loss_weight=self.aux_loss_weight, z_loss_weight=self.z_loss_weight)
+        return MoEConfig(
+            num_experts=self.num_experts,
+            experts_per_token=self.experts_per_token,
+            ffn=self.expert_ffn or self.ffn_size,
+            activation=self.activation,
+            shared_expert_ffn=self.shared_expert_ffn,
+            capacity_factor=self.capacity_factor,
+            aux_loss_weight=self.aux_loss_weight,
+            z_loss_weight=self.z_loss_weight,
+        )
 
     def num_params(self, embeddings: bool = True, active: bool = False) -> int:
         """Parameters (all of them, or `active`: those one token uses, k of the E experts)."""
@@ -98,8 +105,11 @@ class GPTConfig:
             mlp = matrices * self.hidden * self.ffn_size
         else:
             experts = moe.experts_per_token if active else moe.num_experts
-            mlp = (experts * matrices * self.hidden * moe.ffn + self.hidden * moe.num_experts
-                   + matrices * self.hidden * (moe.shared_expert_ffn or 0))
+            mlp = (
+                experts * matrices * self.hidden * moe.ffn
+                + self.hidden * moe.num_experts
+                + matrices * self.hidden * (moe.shared_expert_ffn or 0)
+            )
         per_layer = attn + mlp + 4 * self.hidden
         emb = self.vocab_size * self.hidden * (1 if self.tie_embeddings else 2)
         emb += self.max_seq_len * self.hidden if self.positions == "learned" else 0
@@ -115,21 +125,43 @@ class GPTConfig:
 PRESETS = {
     # runs in seconds on CPU; byte-level vocabulary
     "tiny": GPTConfig(vocab_size=256, num_layers=4, hidden=128, num_heads=8, ffn=512),
-    "gpt2-124m": GPTConfig(vocab_size=50304, num_layers=12, hidden=768, num_heads=12, positions="learned",
-                           max_seq_len=1024),
-    "1b": GPTConfig(vocab_size=50304, num_layers=24, hidden=2048, num_heads=16, activation="swiglu",
-                    ffn=5632, tie_embeddings=False),
+    "gpt2-124m": GPTConfig(
+        vocab_size=50304, num_layers=12, hidden=768, num_heads=12, positions="learned", max_seq_len=1024
+    ),
+    "1b": GPTConfig(
+        vocab_size=50304, num_layers=24, hidden=2048, num_heads=16, activation="swiglu", ffn=5632, tie_embeddings=False
+    ),
     # GPT 7B of WallFacer / LLaMA-7B of METP: 32 layers, 32 heads, hidden 4096
-    "7b": GPTConfig(vocab_size=32000, num_layers=32, hidden=4096, num_heads=32, activation="swiglu",
-                    ffn=11008, tie_embeddings=False),
+    "7b": GPTConfig(
+        vocab_size=32000, num_layers=32, hidden=4096, num_heads=32, activation="swiglu", ffn=11008, tie_embeddings=False
+    ),
     # seconds on CPU: 8 experts, top-2, dropless
-    "tiny-moe": GPTConfig(vocab_size=256, num_layers=2, hidden=64, num_heads=4, ffn=128, activation="swiglu",
-                          num_experts=8, experts_per_token=2),
+    "tiny-moe": GPTConfig(
+        vocab_size=256,
+        num_layers=2,
+        hidden=64,
+        num_heads=4,
+        ffn=128,
+        activation="swiglu",
+        num_experts=8,
+        experts_per_token=2,
+    ),
     # Mixtral 8x7B's shape: 32 layers, hidden 4096, 32 heads (8 K/V), 8 experts of 14336, top-2; 46.7B params,
     # 12.9B active
-    "mixtral": GPTConfig(vocab_size=32000, num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8,
-                         activation="swiglu", ffn=14336, tie_embeddings=False, rope_theta=1e6, max_seq_len=32768,
-                         num_experts=8, experts_per_token=2),
+    "mixtral": GPTConfig(
+        vocab_size=32000,
+        num_layers=32,
+        hidden=4096,
+        num_heads=32,
+        num_kv_heads=8,
+        activation="swiglu",
+        ffn=14336,
+        tie_embeddings=False,
+        rope_theta=1e6,
+        max_seq_len=32768,
+        num_experts=8,
+        experts_per_token=2,
+    ),
 }
 
 
@@ -137,17 +169,22 @@ def check_plan(cfg: GPTConfig, plan: ParallelPlan, batch: int, seq_len: int) -> 
     """Raises (one line naming the value and the rule) when a `cfg` model cannot run on `plan` with
     micro-batches of `batch` sequences of `seq_len` tokens."""
     num_kv = cfg.num_kv_heads or cfg.num_heads
-    plan.tensor.check_model(plan, num_heads=cfg.num_heads, num_kv_heads=num_kv, hidden=cfg.hidden,
-                            ffn=cfg.ffn_size, vocab=cfg.vocab_size)
+    plan.tensor.check_model(
+        plan, num_heads=cfg.num_heads, num_kv_heads=num_kv, hidden=cfg.hidden, ffn=cfg.ffn_size, vocab=cfg.vocab_size
+    )
     plan.check_heads(cfg.num_heads, num_kv)
     if cfg.moe is not None:
         if plan.tensor.name not in ("none", "megatron"):
-            raise ValueError(f"mixture-of-experts layers cannot run with tensor parallelism '{plan.tensor.name}'; "
-                             f"use megatron (or none) with --ep")
+            raise ValueError(
+                f"mixture-of-experts layers cannot run with tensor parallelism '{plan.tensor.name}'; "
+                f"use megatron (or none) with --ep"
+            )
         cfg.moe.check_parallel(plan.ep, plan.tp)
     elif plan.ep > 1:
-        raise ValueError(f"ep = {plan.ep} splits experts, but the model has none (num_experts is None); use the "
-                         f"tiny-moe or mixtral preset, or --override num_experts=N")
+        raise ValueError(
+            f"ep = {plan.ep} splits experts, but the model has none (num_experts is None); use the "
+            f"tiny-moe or mixtral preset, or --override num_experts=N"
+        )
     plan.check_layers(cfg.num_layers)
     plan.check_batch(batch, "micro-batch size (batch / grad-accum)")
     plan.check_seq_len(seq_len, causal=True)
@@ -161,15 +198,22 @@ def get_config(preset: str, **overrides) -> GPTConfig:
     return dataclasses.replace(PRESETS[preset], **overrides)
 
 
-MOE_METRICS = ("aux_loss", "z_loss", "drop_rate", "load_imbalance")   # averaged over the layers
+MOE_METRICS = ("aux_loss", "z_loss", "drop_rate", "load_imbalance")  # averaged over the layers
 
 
 class Block(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-        out_std = (2 * cfg.num_layers) ** -0.5 * cfg.hidden ** -0.5  # GPT-2's scaled residual init
+        out_std = (2 * cfg.num_layers) ** -0.5 * cfg.hidden**-0.5  # GPT-2's scaled residual init
         self.ln1 = LayerNorm(cfg.hidden)
-        self.attn = Attention(cfg.hidden, cfg.num_heads, cfg.num_kv_heads, causal=True, out_std=out_std,
-                              rope_theta=cfg.rope_theta if cfg.positions == "rope" else None, rngs=rngs)
+        self.attn = Attention(
+            cfg.hidden,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            causal=True,
+            out_std=out_std,
+            rope_theta=cfg.rope_theta if cfg.positions == "rope" else None,
+            rngs=rngs,
+        )
         self.ln2 = LayerNorm(cfg.hidden)
         if cfg.moe is None:
             self.mlp = MLP(cfg.hidden, cfg.ffn_size, cfg.activation, out_std=out_std, rngs=rngs)
@@ -192,19 +236,23 @@ class GPT(nnx.Module):
     `plan.shard_map`) on this device's shards; `layers` is the block stack as the step materializes it
     (`jaxring.nn.Layers`; `Layers.of(model.blocks)` outside a train step).
     """
+
     STACK = "blocks"
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = Embed(cfg.vocab_size, cfg.hidden, rngs=rngs)
         if cfg.positions == "learned":
-            self.pos_embed = nnx.Param(jax.random.normal(rngs.params(), (cfg.max_seq_len, cfg.hidden)) * 0.01,
-                                       logical_axes=(None, "embed"))
+            self.pos_embed = nnx.Param(
+                jax.random.normal(rngs.params(), (cfg.max_seq_len, cfg.hidden)) * 0.01, logical_axes=(None, "embed")
+            )
         self.blocks = stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, rngs)
         self.ln_f = LayerNorm(cfg.hidden)
         if not cfg.tie_embeddings:
-            self.head = nnx.Param(jax.random.normal(rngs.params(), (cfg.hidden, cfg.vocab_size)) * cfg.hidden ** -0.5,
-                                  logical_axes=("embed", "vocab"))
+            self.head = nnx.Param(
+                jax.random.normal(rngs.params(), (cfg.hidden, cfg.vocab_size)) * cfg.hidden**-0.5,
+                logical_axes=("embed", "vocab"),
+            )
 
     # The forward in three parts (the pipeline cuts it there): embed, one block at a time, the head.
     def embed_tokens(self, tokens, positions, dtype=jnp.float32, *, plan: ParallelPlan):
@@ -262,6 +310,7 @@ class NextTokenObjective(Objective):
     by the plan on the data side): what `jaxring.train.step.TrainStep` optimizes. For a mixture of experts,
     aux["extra_loss"] is the layers' load-balancing and z losses (over the whole micro-batch: the step adds it
     to the mean token loss) and the MoE metrics are averaged over the layers."""
+
     batch_size: int
     seq_len: int
 
@@ -288,8 +337,7 @@ class NextTokenObjective(Objective):
         return losses.sum(), aux
 
 
-def generate(model: GPT, plan: ParallelPlan, prompt, num_tokens: int, *, key, window: int,
-             temperature: float = 0.8):
+def generate(model: GPT, plan: ParallelPlan, prompt, num_tokens: int, *, key, window: int, temperature: float = 0.8):
     """Samples `num_tokens` after `prompt` (int list) on one device (a plan with all degrees 1), recomputing a
     causal window of fixed length (one compile). Returns the generated ids (list of int)."""
     if plan.mesh.devices.size != 1:
@@ -306,7 +354,7 @@ def generate(model: GPT, plan: ParallelPlan, prompt, num_tokens: int, *, key, wi
     out = []
     for _ in range(num_tokens):
         ctx = ids[-window:]
-        tokens = jnp.zeros((1, window), jnp.int32).at[0, :len(ctx)].set(jnp.asarray(ctx, jnp.int32))
+        tokens = jnp.zeros((1, window), jnp.int32).at[0, : len(ctx)].set(jnp.asarray(ctx, jnp.int32))
         logits = next_logits(state, tokens, len(ctx) - 1)
         key, sub = jax.random.split(key)
         token = int(jax.random.categorical(sub, logits / max(temperature, 1e-6)))

@@ -8,6 +8,7 @@ The sources are in the "percent" format that Jupytext, VS Code and PyCharm read:
 code cells a commented `# %pip ...` line is the `%pip` magic (so the source stays valid Python). Edit the
 source, run this script, and commit both; `tests/test_notebooks.py` checks that they agree.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,11 +36,11 @@ def _markdown(text: str) -> str:
 def cells(source: str) -> list[tuple[str, str]]:
     """[(cell_type, text)] of a percent-format source."""
     marks = list(_CELL.finditer(source))
-    if not marks or source[:marks[0].start()].strip():
+    if not marks or source[: marks[0].start()].strip():
         raise ValueError("a notebook source must start with a '# %%' cell marker")
     out = []
     for mark, after in zip(marks, marks[1:] + [None]):
-        body = source[mark.end():after.start() if after else len(source)].strip("\n")
+        body = source[mark.end() : after.start() if after else len(source)].strip("\n")
         if mark.group(1):
             out.append(("markdown", _markdown(body)))
         else:
@@ -51,9 +52,11 @@ def notebook(source_path: pathlib.Path) -> nbformat.NotebookNode:
     """The notebook of one source: cells without outputs, stable ids, Colab and kernel metadata."""
     name = source_path.stem + ".ipynb"
     nb = nbformat.v4.new_notebook()
-    nb.metadata = {"colab": {"name": name, "provenance": []},
-                   "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
-                   "language_info": {"name": "python"}}
+    nb.metadata = {
+        "colab": {"name": name, "provenance": []},
+        "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+        "language_info": {"name": "python"},
+    }
     for i, (kind, text) in enumerate(cells(source_path.read_text())):
         new = nbformat.v4.new_markdown_cell if kind == "markdown" else nbformat.v4.new_code_cell
         nb.cells.append(new(text, id=f"cell-{i:02d}"))

@@ -1,4 +1,5 @@
 """Shared test helpers: random inputs and a relative-error assertion."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,8 +41,8 @@ def with_reference(fn, q, k, v, dout, *, causal, segment_ids=None):
         def both(f):
             out, vjp = jax.vjp(f, q, k, v)
             return out, vjp(dout)
-        return both(fn), both(lambda q, k, v: attention_reference(q, k, v, causal=causal,
-                                                                   segment_ids=segment_ids)[0])
+
+        return both(fn), both(lambda q, k, v: attention_reference(q, k, v, causal=causal, segment_ids=segment_ids)[0])
 
     return run(q, k, v, dout)
 
@@ -62,7 +63,7 @@ def padded_segments(layout, seq, sp, padded_device=3):
     seg = np.ones((2, seq), np.int32)
     a, b, c = (seq * 5) // 16, (seq * 45) // 64, (seq * 7) // 8
     seg[0, a:b], seg[0, b:c], seg[0, c:] = 2, 3, 0
-    seg[1, seq // 2:] = 2
+    seg[1, seq // 2 :] = 2
     seg[1, layout_permutation(layout, seq, sp).reshape(sp, -1)[padded_device]] = 0
     return seg
 
@@ -78,6 +79,7 @@ def attention_block_reference(x, params, positions, num_heads, num_kv_heads, cau
     """The tensor modules' attention contract on one device: projections, RoPE, dense attention, output."""
     from jaxring import attention_reference
     from jaxring.rope import apply_rope
+
     b, s, _ = x.shape
     d = params["wq"].shape[1] // num_heads
     q = (x @ params["wq"]).reshape(b, s, num_heads, d)

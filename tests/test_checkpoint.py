@@ -1,11 +1,13 @@
 """Checkpointer: bit-exact round trips, retention, atomicity, restoring onto another mesh, clear errors."""
+
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxring.mesh import make_mesh
 from jaxring.train.checkpoint import Checkpointer
@@ -27,22 +29,32 @@ def dp2_sp4():
 def make_state(mesh, seed=0):
     """A train-state-like pytree: sharded f32 weights, bf16, int32, an optimizer NamedTuple, python ints."""
     import optax
+
     k = jax.random.split(jax.random.key(seed), 3)
-    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))   # noqa: E731
-    params = {"w": put(jax.random.normal(k[0], (16, 8)), P("sp", None)),
-              "b": put(jax.random.normal(k[1], (8,)).astype(jnp.bfloat16), P())}
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+    params = {
+        "w": put(jax.random.normal(k[0], (16, 8)), P("sp", None)),
+        "b": put(jax.random.normal(k[1], (8,)).astype(jnp.bfloat16), P()),
+    }
     opt = optax.adam(1e-3).init(params)
-    return {"params": params, "opt": opt, "step": 7, "tokens": put(jnp.arange(64, dtype=jnp.int32), P("sp")),
-            "rng": jax.random.key_data(k[2])}
+    return {
+        "params": params,
+        "opt": opt,
+        "step": 7,
+        "tokens": put(jnp.arange(64, dtype=jnp.int32), P("sp")),
+        "rng": jax.random.key_data(k[2]),
+    }
 
 
 def as_target(state, mesh=None, spec_of=None):
     """ShapeDtypeStructs carrying the shardings to restore onto (the state's own, or `mesh` + spec_of)."""
+
     def one(path, x):
         if not isinstance(x, jax.Array):
             return x
         sharding = x.sharding if mesh is None else NamedSharding(mesh, spec_of(path, x))
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
     return jax.tree_util.tree_map_with_path(one, state)
 
 
@@ -87,7 +99,7 @@ def test_restore_onto_another_mesh(tmp_path, sp8, dp2_sp4):
     w = restored["params"]["w"]
     assert w.sharding == NamedSharding(dp2_sp4, P("dp", "sp"))
     full = np.asarray(state["params"]["w"])
-    for shard in w.addressable_shards:            # each device holds its [8, 2] block of the new layout
+    for shard in w.addressable_shards:  # each device holds its [8, 2] block of the new layout
         assert shard.data.shape == (8, 2)
         np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
     assert restored["tokens"].sharding == NamedSharding(dp2_sp4, P("sp"))
@@ -102,7 +114,7 @@ def test_keep_last_k(tmp_path, sp8):
         assert ck.all_steps() == [30, 40]
     on_disk = sorted(int(n) for n in os.listdir(tmp_path / "ck") if n.isdigit())
     assert on_disk == [30, 40]
-    assert Checkpointer(tmp_path / "ck").all_steps() == [30, 40]      # a fresh reader sees the same
+    assert Checkpointer(tmp_path / "ck").all_steps() == [30, 40]  # a fresh reader sees the same
 
 
 def test_async_save_then_wait(tmp_path, sp8):
@@ -144,8 +156,11 @@ def test_incompatible_model_and_shape_errors(tmp_path, sp8):
     ck = Checkpointer(tmp_path / "ck", async_save=False)
     ck.save(1, state, metadata=META)
     other = {"model": {**MODEL, "num_layers": 4, "attention": {"strategy": "ring", "layout": "striped"}}}
-    with pytest.raises(ValueError, match=r"incompatible model: attention.layout zigzag != striped, "
-                                         r"num_layers 2 != 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"incompatible model: attention.layout zigzag != striped, "
+        r"num_layers 2 != 4",
+    ):
         ck.restore(1, as_target(state), expected_metadata=other)
     with pytest.raises(ValueError, match=r"vocab <absent> != 100"):
         ck.restore(1, as_target(state), expected_metadata={"model": {**MODEL, "vocab": 100}})
@@ -175,7 +190,7 @@ def test_save_errors_and_repeats(tmp_path, sp8):
     with pytest.raises(ValueError, match="step -1 must be a non-negative integer"):
         ck.save(-1, state, metadata=META)
     assert ck.save(4, state, metadata=META)
-    assert not ck.save(4, state, metadata=META)                   # already saved: nothing written
+    assert not ck.save(4, state, metadata=META)  # already saved: nothing written
     with pytest.raises(ValueError, match="step 2 is before the latest checkpoint step 4"):
         ck.save(2, state, metadata=META)
     ck.close()
@@ -187,7 +202,7 @@ def test_missing_directory(tmp_path, sp8):
     state = make_state(sp8)
     ck = Checkpointer(tmp_path / "nowhere")
     assert ck.latest_step() is None
-    assert not (tmp_path / "nowhere").exists()           # opening does not create it
+    assert not (tmp_path / "nowhere").exists()  # opening does not create it
     with pytest.raises(FileNotFoundError, match="checkpoint directory .*nowhere' does not exist"):
         ck.restore(None, as_target(state))
     (tmp_path / "nowhere").mkdir()
@@ -200,6 +215,7 @@ def test_missing_directory(tmp_path, sp8):
 
 
 # ---- damage, checksums, non-finite states -------------------------------------------------------------
+
 
 def _largest_array_file(step_dir):
     """The largest data file of the step: the chunks of its largest array (small arrays sit inline in the
@@ -229,8 +245,13 @@ DAMAGE = {
 def two_steps(tmp_path_factory, sp8):
     """Steps 1 and 2 of two different states, saved once; each test damages its own copy."""
     root = tmp_path_factory.mktemp("two_steps")
-    states = {s: {**make_state(sp8, seed=s), "big": jax.device_put(jax.random.normal(jax.random.key(s), (64, 64)),
-                                                                  NamedSharding(sp8, P("sp")))} for s in (1, 2)}
+    states = {
+        s: {
+            **make_state(sp8, seed=s),
+            "big": jax.device_put(jax.random.normal(jax.random.key(s), (64, 64)), NamedSharding(sp8, P("sp"))),
+        }
+        for s in (1, 2)
+    }
     with Checkpointer(root / "ck", async_save=False) as ck:
         for step, state in states.items():
             ck.save(step, state, metadata=META)
@@ -239,6 +260,7 @@ def two_steps(tmp_path_factory, sp8):
 
 def _copy(src, tmp_path):
     import shutil
+
     dst = tmp_path / "ck"
     shutil.copytree(src, dst)
     return dst
@@ -251,7 +273,7 @@ def test_damaged_latest_step_falls_back_to_the_previous(damage, two_steps, tmp_p
     if damage in DAMAGE:
         DAMAGE[damage](ck_dir / "2")
         bad = 2
-    else:                                   # a numeric directory that is no checkpoint
+    else:  # a numeric directory that is no checkpoint
         (ck_dir / "3").mkdir()
         if damage == "junk step directory":
             (ck_dir / "3" / "junk").write_text("x")
@@ -265,10 +287,10 @@ def test_damaged_latest_step_falls_back_to_the_previous(damage, two_steps, tmp_p
     assert len(lines) == 2 and all("\n" not in line for line in lines)
     assert lines[0].startswith(f"warning: checkpoint step {bad} in ") and lines[0].endswith(f"trying step {good}")
     if damage == "bit-flipped array file":
-        assert "checksum mismatch in" in lines[0]           # only the checksums see it (see below)
+        assert "checksum mismatch in" in lines[0]  # only the checksums see it (see below)
     assert f"moved damaged checkpoint step {bad} aside" in lines[1]
     assert (ck_dir / f"{bad}.damaged").is_dir() and ck.all_steps() == list(range(1, good + 1))
-    assert ck.save(bad, states[2], metadata=META)           # that step number can be saved again
+    assert ck.save(bad, states[2], metadata=META)  # that step number can be saved again
     ck.close()
 
 
@@ -279,10 +301,14 @@ def test_bit_flip_restores_silently_without_checksums(two_steps, tmp_path):
     _flip_bytes(_largest_array_file(ck_dir / "2"))
     ck = Checkpointer(ck_dir)
     unverified = ck.restore(2, as_target(states[2]), verify=False)
-    differs = [not np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-               for a, b in zip(jax.tree.leaves(unverified), jax.tree.leaves(states[2])) if isinstance(b, jax.Array)]
+    differs = [
+        not np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        for a, b in zip(jax.tree.leaves(unverified), jax.tree.leaves(states[2]))
+        if isinstance(b, jax.Array)
+    ]
     assert any(differs)
     from jaxring.train.checkpoint import DamagedCheckpointError
+
     with pytest.raises(DamagedCheckpointError, match=r"checkpoint step 2 .*checksum mismatch in '"):
         ck.restore(2, as_target(states[2]))
     ck.close()
@@ -290,6 +316,7 @@ def test_bit_flip_restores_silently_without_checksums(two_steps, tmp_path):
 
 def test_every_step_damaged_is_an_error(two_steps, tmp_path):
     from jaxring.train.checkpoint import DamagedCheckpointError
+
     src, states = two_steps
     ck_dir = _copy(src, tmp_path)
     for step in (1, 2):
@@ -313,6 +340,7 @@ def test_another_model_is_not_damage(two_steps, tmp_path):
 
 def test_non_finite_state_is_never_saved(tmp_path, sp8):
     from jaxring.train.checkpoint import NonFiniteStateError
+
     state = make_state(sp8)
     state["params"]["w"] = state["params"]["w"].at[3, 1].set(jnp.nan)
     with Checkpointer(tmp_path / "ck", async_save=False) as ck:
@@ -326,9 +354,11 @@ def test_checksums_do_not_depend_on_the_layout(sp8, dp2_sp4):
     """Integer sums mod 2^32 are order-free: the same array on another mesh has the same checksums, and a
     single flipped bit changes them."""
     from jaxring.train.checksum import state_checksums
+
     state = make_state(sp8)
-    other = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(dp2_sp4, new_spec(None, x)))
-                         if isinstance(x, jax.Array) else x, state)
+    other = jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(dp2_sp4, new_spec(None, x))) if isinstance(x, jax.Array) else x, state
+    )
     sums = state_checksums(state)
     assert sums == state_checksums(other)
     assert all(s["finite"] for s in sums.values())

@@ -1,4 +1,5 @@
 """Tree broadcast and reduce (used by Optimus SUMMA and METP's head-group weights): values and bytes."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +23,7 @@ def test_tree_broadcast_and_reduce(n):
     def both(a, root):
         def local(a):
             return tree_broadcast(a, "x", root[0]), tree_reduce(a, "x", root[0])
+
         return jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=(P("x"), P("x")))(a)
 
     for root in range(n):
@@ -48,6 +50,7 @@ def test_every_cpu_collective_permute_has_its_own_channel():
     gives every collective channel 1: back-to-back permutes (a tree broadcast's rounds) could meet in one
     rendezvous and abort (METP's tp=8 train step did, 3 runs in 5). jaxring lowers each with its own."""
     import re
+
     mesh = _mesh(8)
     run = jax.jit(jax.shard_map(lambda a: tree_broadcast(a, "x", 0), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
     x = jnp.arange(8.0)

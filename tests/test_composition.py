@@ -1,11 +1,13 @@
 """Tensor × sequence parallelism in one shard_map: jaxring.nn blocks under Megatron over tp with every sequence
 strategy over sp, forward and every gradient against the dense single-device reference; the bytes of a tp×sp
 layer are Megatron's plus the ring's; the registry's refusals."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import assert_close, attention_block_reference, mlp_block_reference
 from jax.sharding import PartitionSpec as P
 
 import jaxring
@@ -14,14 +16,12 @@ from jaxring.nn import MLP, Attention, param_placements
 from jaxring.plan import ParallelPlan
 from jaxring.registry import SEQUENCE_STRATEGIES
 
-from helpers import assert_close, attention_block_reference, mlp_block_reference
-
 B, S, H, HEADS, KV = 2, 64, 32, 8, 4
 
 
 def _weights(module):
     pure = nnx.to_pure_dict(nnx.split(module)[1])
-    rng = np.random.default_rng(1)   # away from the init so every gradient is informative
+    rng = np.random.default_rng(1)  # away from the init so every gradient is informative
     return jax.tree.map(lambda a: jnp.asarray(a + 0.05 * rng.standard_normal(a.shape, np.float32)), pure)
 
 
@@ -36,14 +36,18 @@ def _inputs(plan, causal):
 def _run_block(module, plan, weights, x, positions, dy, call):
     """(y, dx, dweights) of `call(block, x, positions)` run inside plan.shard_map on local shards."""
     graphdef = nnx.split(module)[0]
-    specs = jax.tree.map(lambda pl: pl.param_spec(0), param_placements(nnx.split(module)[1], plan),
-                         is_leaf=lambda v: hasattr(v, "param_spec"))
+    specs = jax.tree.map(
+        lambda pl: pl.param_spec(0),
+        param_placements(nnx.split(module)[1], plan),
+        is_leaf=lambda v: hasattr(v, "param_spec"),
+    )
 
     def local(w, x, positions):
         return call(nnx.merge(graphdef, w), x, positions)
 
-    fn = plan.shard_map(local, in_specs=(specs, plan.activation_spec(), plan.token_spec()),
-                        out_specs=plan.activation_spec())
+    fn = plan.shard_map(
+        local, in_specs=(specs, plan.activation_spec(), plan.token_spec()), out_specs=plan.activation_spec()
+    )
     y, vjp = jax.vjp(lambda w, x: fn(w, x, positions), weights, x)
     dw, dx = vjp(dy)
     return y, dx, dw
@@ -79,11 +83,13 @@ def test_attention_block_tp_x_sp_matches_dense(name, causal):
     attn = Attention(H, HEADS, KV, causal=causal, rngs=nnx.Rngs(0))
     w = _weights(attn)
     x, dy, positions = _inputs(plan, causal)
-    y, dx, dw = jax.jit(lambda w, x, dy: _run_block(attn, plan, w, x, positions, dy,
-                                                    lambda blk, x, p: blk(x, p, plan)))(w, x, dy)
+    y, dx, dw = jax.jit(
+        lambda w, x, dy: _run_block(attn, plan, w, x, positions, dy, lambda blk, x, p: blk(x, p, plan))
+    )(w, x, dy)
 
-    _check_against((y, dx, dw), lambda w, x: attention_block_reference(x, w, positions, HEADS, KV, causal, 10000.0),
-                   w, x, dy)
+    _check_against(
+        (y, dx, dw), lambda w, x: attention_block_reference(x, w, positions, HEADS, KV, causal, 10000.0), w, x, dy
+    )
 
 
 def test_attention_block_dp_x_tp_x_sp_with_replicated_kv_heads():
@@ -92,10 +98,12 @@ def test_attention_block_dp_x_tp_x_sp_with_replicated_kv_heads():
     attn = Attention(H, HEADS, 1, rngs=nnx.Rngs(0))
     w = _weights(attn)
     x, dy, positions = _inputs(plan, True)
-    y, dx, dw = jax.jit(lambda w, x, dy: _run_block(attn, plan, w, x, positions, dy,
-                                                    lambda blk, x, p: blk(x, p, plan)))(w, x, dy)
-    _check_against((y, dx, dw), lambda w, x: attention_block_reference(x, w, positions, HEADS, 1, True, 10000.0),
-                   w, x, dy)
+    y, dx, dw = jax.jit(
+        lambda w, x, dy: _run_block(attn, plan, w, x, positions, dy, lambda blk, x, p: blk(x, p, plan))
+    )(w, x, dy)
+    _check_against(
+        (y, dx, dw), lambda w, x: attention_block_reference(x, w, positions, HEADS, 1, True, 10000.0), w, x, dy
+    )
 
 
 def test_mlp_block_tp_x_sp_matches_dense():
@@ -103,8 +111,9 @@ def test_mlp_block_tp_x_sp_matches_dense():
     mlp = MLP(H, 64, "swiglu", rngs=nnx.Rngs(0))
     w = _weights(mlp)
     x, dy, positions = _inputs(plan, True)
-    y, dx, dw = jax.jit(lambda w, x, dy: _run_block(mlp, plan, w, x, positions, dy,
-                                                    lambda blk, x, p: blk(x, plan)))(w, x, dy)
+    y, dx, dw = jax.jit(lambda w, x, dy: _run_block(mlp, plan, w, x, positions, dy, lambda blk, x, p: blk(x, plan)))(
+        w, x, dy
+    )
     _check_against((y, dx, dw), lambda w, x: mlp_block_reference(x, w, "swiglu"), w, x, dy)
 
 
@@ -117,11 +126,12 @@ def test_tp_x_sp_attention_bytes_are_megatron_plus_ring():
     attn = Attention(H, HEADS, HEADS, rngs=nnx.Rngs(0))
     w = _weights(attn)
     x, dy, positions = _inputs(plan, True)
-    stats = compile_stats(lambda w, x, dy: _run_block(attn, plan, w, x, positions, dy,
-                                                      lambda blk, x, p: blk(x, p, plan)), w, x, dy)
-    n = S // sp                                                   # the sp shard Megatron gathers
+    stats = compile_stats(
+        lambda w, x, dy: _run_block(attn, plan, w, x, positions, dy, lambda blk, x, p: blk(x, p, plan)), w, x, dy
+    )
+    n = S // sp  # the sp shard Megatron gathers
     megatron = 5 * (tp - 1) * B * n * H * 4 // tp
-    kv_block = B * n * (HEADS // tp) * (H // HEADS) * 4           # one K (or V) block of the local heads
+    kv_block = B * n * (HEADS // tp) * (H // HEADS) * 4  # one K (or V) block of the local heads
     ring = 2 * (sp - 1) * kv_block + 2 * (sp - 1) * kv_block + 2 * sp * kv_block
     assert stats.bytes_moved["all-gather"] + stats.bytes_moved["reduce-scatter"] == megatron
     assert stats.bytes_moved["collective-permute"] == ring
@@ -129,6 +139,7 @@ def test_tp_x_sp_attention_bytes_are_megatron_plus_ring():
 
 
 # ---------------------------------------------------------------------------------------- refusals
+
 
 @pytest.mark.parametrize("method", ["optimus", "metp"])
 def test_methods_that_split_the_sequence_themselves_refuse_sp(method):
@@ -156,20 +167,28 @@ def test_refusals_name_the_value_and_the_rule():
         ParallelPlan(mesh, attention="ring", zero=4)
     plan = ParallelPlan(mesh, attention="ulysses")
     with pytest.raises(ValueError, match="query heads 2 are not divisible by the Ulysses degree sp = 4"):
-        plan.check_heads(4, 4)        # 4 heads / tp 2 = 2 local heads over sp = 4
+        plan.check_heads(4, 4)  # 4 heads / tp 2 = 2 local heads over sp = 4
     plan = ParallelPlan(mesh, attention="ring")
-    with pytest.raises(ValueError, match="the sp = 4 shard of 8 tokens is not divisible by tp = 2|"
-                                         "seq 36 is not divisible by 2\\*sp = 8"):
+    with pytest.raises(
+        ValueError,
+        match="the sp = 4 shard of 8 tokens is not divisible by tp = 2|seq 36 is not divisible by 2\\*sp = 8",
+    ):
         plan.check_seq_len(36)
     with pytest.raises(ValueError, match="num_heads 6 is not divisible by tp = 4"):
         ParallelPlan(jaxring.make_mesh(tp=4, sp=2), attention="ring").tensor.check_model(
-            ParallelPlan(jaxring.make_mesh(tp=4, sp=2), attention="ring"), num_heads=6, num_kv_heads=6, hidden=48,
-            ffn=96, vocab=256)
+            ParallelPlan(jaxring.make_mesh(tp=4, sp=2), attention="ring"),
+            num_heads=6,
+            num_kv_heads=6,
+            hidden=48,
+            ffn=96,
+            vocab=256,
+        )
 
 
 def test_plan_axes_and_specs():
-    plan = ParallelPlan(jaxring.make_mesh(dp=2, tp=2, sp=2), tensor_parallel="megatron", attention="usp",
-                        ulysses_size=2)
+    plan = ParallelPlan(
+        jaxring.make_mesh(dp=2, tp=2, sp=2), tensor_parallel="megatron", attention="usp", ulysses_size=2
+    )
     assert plan.seq_axes == ("usp_ring", "usp_ulysses") and plan.batch_axes == ("dp",)
     assert plan.activation_spec() == P("dp", ("usp_ring", "usp_ulysses", "tp"), None)
     assert plan.token_spec() == P("dp", ("usp_ring", "usp_ulysses"))

@@ -1,10 +1,10 @@
 """Training data: deterministic (seed, step) batches, per-host rows, every source kind, every error."""
+
 import numpy as np
 import pytest
 from PIL import Image
 
-from jaxring.train.data import (STDLIB_FILES, ImageBatches, TokenBatches, load_images, load_tokens,
-                                stdlib_files)
+from jaxring.train.data import STDLIB_FILES, ImageBatches, TokenBatches, load_images, load_tokens, stdlib_files
 
 
 @pytest.fixture(scope="module")
@@ -18,6 +18,7 @@ def digits():
 
 
 # ---- tokens ----------------------------------------------------------------------------------------
+
 
 def test_stdlib_corpus_train_val_disjoint(stdlib_train):
     val = load_tokens(None, split="val")
@@ -40,27 +41,30 @@ def test_token_batches_deterministic_and_shape(stdlib_train):
     b = TokenBatches(stdlib_train, batch_size=8, seq_len=32, seed=3)
     x = a.get(5)
     assert x.shape == (8, 33) and x.dtype == np.int32
-    np.testing.assert_array_equal(x, b.get(5))                       # same (seed, step): same batch
+    np.testing.assert_array_equal(x, b.get(5))  # same (seed, step): same batch
     a.get(6)
-    np.testing.assert_array_equal(a.get(5), x)                       # independent of call history
-    assert not np.array_equal(a.get(6), x)                           # another step: another batch
+    np.testing.assert_array_equal(a.get(5), x)  # independent of call history
+    assert not np.array_equal(a.get(6), x)  # another step: another batch
     c = TokenBatches(stdlib_train, batch_size=8, seq_len=32, seed=4)
-    assert not np.array_equal(c.get(5), x)                           # another seed: another batch
+    assert not np.array_equal(c.get(5), x)  # another seed: another batch
     starts = a.starts(5)
-    for row, s in zip(x, starts):                                    # rows are contiguous corpus windows
-        np.testing.assert_array_equal(row, stdlib_train.tokens[s:s + 33])
+    for row, s in zip(x, starts):  # rows are contiguous corpus windows
+        np.testing.assert_array_equal(row, stdlib_train.tokens[s : s + 33])
 
 
 def test_per_host_rows_concatenate_to_one_host_batch(stdlib_train):
     whole = TokenBatches(stdlib_train, batch_size=8, seq_len=16, seed=1).get(2)
-    parts = [TokenBatches(stdlib_train, batch_size=8, seq_len=16, seed=1, process_index=i,
-                          process_count=4).get(2) for i in range(4)]
+    parts = [
+        TokenBatches(stdlib_train, batch_size=8, seq_len=16, seed=1, process_index=i, process_count=4).get(2)
+        for i in range(4)
+    ]
     assert all(p.shape == (2, 17) for p in parts)
     np.testing.assert_array_equal(np.concatenate(parts), whole)
 
 
 class ReadCounter:
     """A token array that records which windows were read."""
+
     def __init__(self, tokens):
         self.tokens, self.reads = tokens, []
         self.shape = tokens.shape
@@ -72,6 +76,7 @@ class ReadCounter:
 
 def test_each_host_reads_only_its_rows(stdlib_train):
     import dataclasses
+
     counted = ReadCounter(stdlib_train.tokens)
     src = dataclasses.replace(stdlib_train, tokens=counted)
     batches = TokenBatches(src, batch_size=8, seq_len=16, seed=1, process_index=3, process_count=4)
@@ -85,7 +90,7 @@ def test_text_file_and_directory(tmp_path):
     f.write_text(text, encoding="utf-8")
     train, val = load_tokens(f), load_tokens(str(f), split="val")
     raw = np.frombuffer(text.encode(), np.uint8).astype(np.int32)
-    np.testing.assert_array_equal(np.concatenate([train.tokens, val.tokens]), raw)   # val = last 10%
+    np.testing.assert_array_equal(np.concatenate([train.tokens, val.tokens]), raw)  # val = last 10%
     assert len(val) == len(raw) - round(0.9 * len(raw))
     assert train.vocab_size == 256 and train.decode(train.encode("wörld")) == "wörld"
     d = tmp_path / "docs"
@@ -108,7 +113,7 @@ def test_bin_files(tmp_path):
     assert isinstance(train.tokens, np.memmap) and train.tokens.dtype == np.uint16
     assert train.vocab_size == 50257 and len(train) == 2700 and len(val) == 300
     np.testing.assert_array_equal(np.concatenate([train.tokens, val.tokens]), ids)
-    assert train.decode([1, 50256]) == "1 50256"                    # no tokenizer: the ids as text
+    assert train.decode([1, 50256]) == "1 50256"  # no tokenizer: the ids as text
     np.testing.assert_array_equal(train.encode("1 50256"), [1, 50256])
     with pytest.raises(ValueError, match="has no tokenizer"):
         train.encode("hello")
@@ -142,7 +147,7 @@ def test_token_errors(tmp_path, stdlib_train):
     (tmp_path / "t.txt").write_text("abcdefghij" * 2)
     with pytest.raises(ValueError, match="vocab_size 500 given for byte-level text"):
         load_tokens(tmp_path / "t.txt", vocab_size=500)
-    short = load_tokens(tmp_path / "t.txt")                          # 18 tokens
+    short = load_tokens(tmp_path / "t.txt")  # 18 tokens
     with pytest.raises(ValueError, match=r"has 18 tokens, fewer than seq_len \+ 1 = 33"):
         TokenBatches(short, batch_size=2, seq_len=32, seed=0)
     with pytest.raises(ValueError, match="batch_size 6 is not divisible by process_count 4"):
@@ -163,6 +168,7 @@ def test_token_errors(tmp_path, stdlib_train):
 
 # ---- images ----------------------------------------------------------------------------------------
 
+
 def test_digits(digits):
     assert digits.images.shape == (1797, 16, 16, 1) and digits.images.dtype == np.float32
     assert digits.labels.shape == (1797,) and digits.labels.dtype == np.int32
@@ -179,11 +185,10 @@ def test_image_batches_deterministic_epochs_and_hosts(digits):
     np.testing.assert_array_equal(x, x2)
     np.testing.assert_array_equal(y, y2)
     assert not np.array_equal(ImageBatches(digits, batch_size=64, seed=1).indices(3), b.indices(3))
-    parts = [ImageBatches(digits, batch_size=64, seed=0, process_index=i, process_count=4).get(3)
-             for i in range(4)]
+    parts = [ImageBatches(digits, batch_size=64, seed=0, process_index=i, process_count=4).get(3) for i in range(4)]
     np.testing.assert_array_equal(np.concatenate([p[0] for p in parts]), x)
     np.testing.assert_array_equal(np.concatenate([p[1] for p in parts]), y)
-    small = ImageBatches(digits, batch_size=599, seed=0)              # 3 steps = one epoch of 1797
+    small = ImageBatches(digits, batch_size=599, seed=0)  # 3 steps = one epoch of 1797
     epoch = np.concatenate([small.indices(s) for s in range(3)])
     assert sorted(epoch) == list(range(1797))
     with pytest.raises(ValueError, match="batch_size 10 is not divisible by process_count 4"):
@@ -203,7 +208,7 @@ def test_image_folder(tmp_path):
     assert src.images.shape == (3, 4, 4, 3) and src.num_classes == 2 and src.class_names == ("cat", "dog")
     np.testing.assert_array_equal(src.labels, [0, 0, 1])
     np.testing.assert_allclose(src.images[2, 0, 0], [-1, -1, 1])
-    np.testing.assert_allclose(src.images[0, 0, 0], [1, -1, -1], atol=0.02)   # jpg: lossy
+    np.testing.assert_allclose(src.images[0, 0, 0], [1, -1, -1], atol=0.02)  # jpg: lossy
     _write_image(tmp_path / "flat" / "x.png", (0, 255, 0))
     flat = load_images(tmp_path / "flat", image_size=5)
     assert flat.images.shape == (1, 5, 5, 3) and flat.num_classes == 1 and list(flat.labels) == [0]
@@ -236,9 +241,9 @@ def test_damaged_data_files_name_the_file(tmp_path):
     folder.mkdir()
     Image.new("RGB", (8, 8), (10, 20, 30)).save(folder / "good.png")
     good = (folder / "good.png").read_bytes()
-    (folder / "cut.png").write_bytes(good[: len(good) // 2])           # truncated
+    (folder / "cut.png").write_bytes(good[: len(good) // 2])  # truncated
     with pytest.raises(ValueError, match=r"image '.*cut.png' cannot be read \(.*\); remove or replace it"):
         load_images(folder, image_size=8)
-    (folder / "cut.png").write_bytes(b"not an image at all")           # junk with an image suffix
+    (folder / "cut.png").write_bytes(b"not an image at all")  # junk with an image suffix
     with pytest.raises(ValueError, match=r"image '.*cut.png' cannot be read"):
         load_images(folder, image_size=8)

@@ -1,26 +1,39 @@
 """DiT: shapes, fixed embeddings, adaLN-Zero init, the flow-matching loss and every gradient against a plain jnp
 reference on one device and under sequence/tensor-parallel plans, the Euler/CFG sampler, the PNG grid, errors."""
+
 import math
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import assert_close
 from PIL import Image
 
 import jaxring
 from jaxring.nn import Layers, remat_policy
 from jaxring.plan import ParallelPlan
 from jaxring.train.step import value_and_grad
-from models.dit import (DiT, DiTConfig, FlowMatchingObjective, _euler_step, _freeze, check_plan,
-                        flow_matching_inputs, get_config, patchify, pos_embed_2d, pos_embed_at, sample,
-                        save_image_grid, unpatchify, weight_specs)
+from models.dit import (
+    DiT,
+    DiTConfig,
+    FlowMatchingObjective,
+    _euler_step,
+    _freeze,
+    check_plan,
+    flow_matching_inputs,
+    get_config,
+    patchify,
+    pos_embed_2d,
+    pos_embed_at,
+    sample,
+    save_image_grid,
+    unpatchify,
+    weight_specs,
+)
 
-from helpers import assert_close
-
-CFG = get_config("tiny", class_dropout=0.5, num_layers=1)   # 16×16×1, patch 2 → 64 tokens, hidden 64
+CFG = get_config("tiny", class_dropout=0.5, num_layers=1)  # 16×16×1, patch 2 → 64 tokens, hidden 64
 BATCH = 4
 KEY = jax.random.PRNGKey(3)
 
@@ -45,6 +58,7 @@ def setup():
 
 # ---------------------------------------------------------------------------------------- the jnp reference
 
+
 def _ln(v):
     return (v - v.mean(-1, keepdims=True)) / jnp.sqrt(v.var(-1, keepdims=True) + 1e-6)
 
@@ -64,7 +78,7 @@ def reference_velocity(p, x, t, y, cfg=CFG):
     c = _lin(p["t_embed"]["fc2"], jax.nn.silu(_lin(p["t_embed"]["fc1"], temb))) + p["y_embed"]["table"][y]
     heads, s = cfg.num_heads, g * g
     for i in range(cfg.num_layers):
-        blk = jax.tree.map(lambda a: a[i], p["blocks"])        # the stacked layers' slice i
+        blk = jax.tree.map(lambda a: a[i], p["blocks"])  # the stacked layers' slice i
         sh1, sc1, g1, sh2, sc2, g2 = jnp.split(_lin(blk["adaLN"], jax.nn.silu(c))[:, None], 6, -1)
         z = _ln(h) * (1 + sc1) + sh1
         q, k, v = (z @ blk["attn"][n] for n in ("wq", "wk", "wv"))
@@ -102,6 +116,7 @@ def reference(setup):
 
 # ---------------------------------------------------------------------------------------- layout pieces
 
+
 def test_shapes_patchify_and_position_embedding():
     cfg = get_config("tiny")
     assert (cfg.grid, cfg.num_tokens, cfg.patch_dim) == (8, 64, 4)
@@ -110,7 +125,7 @@ def test_shapes_patchify_and_position_embedding():
     assert tok.shape == (2, 6, 48)
     for r in range(2):
         for c in range(3):  # token r*3 + c is the patch at row r, column c, features (dy, dx, channel)
-            np.testing.assert_array_equal(tok[:, r * 3 + c], x[:, 4 * r:4 * r + 4, 4 * c:4 * c + 4].reshape(2, -1))
+            np.testing.assert_array_equal(tok[:, r * 3 + c], x[:, 4 * r : 4 * r + 4, 4 * c : 4 * c + 4].reshape(2, -1))
     sq = x[:, :8, :8]
     np.testing.assert_array_equal(unpatchify(patchify(jnp.asarray(sq), 2), 2, 3), sq)
 
@@ -119,6 +134,7 @@ def test_shapes_patchify_and_position_embedding():
         omega = 1.0 / 10000 ** (np.arange(d // 2, dtype=np.float64) / (d / 2.0))
         out = np.einsum("m,d->md", pos.reshape(-1), omega)
         return np.concatenate([np.sin(out), np.cos(out)], axis=1)
+
     grid = np.stack(np.meshgrid(np.arange(5, dtype=np.float32), np.arange(5, dtype=np.float32)), 0)
     expected = np.concatenate([one_d(8, grid[0]), one_d(8, grid[1])], axis=1)
     np.testing.assert_allclose(pos_embed_2d(16, 5), expected, rtol=1e-6, atol=1e-6)
@@ -128,7 +144,7 @@ def test_shapes_patchify_and_position_embedding():
     state = nnx.state(model)
     assert len(jax.tree.leaves(state)) == len(jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert sum(a.size for a in jax.tree.leaves(state)) == cfg.num_params() == 178_436
-    final = model.final   # zero-initialised output layer and its modulation: v = 0 at init
+    final = model.final  # zero-initialised output layer and its modulation: v = 0 at init
     assert all(np.abs(np.asarray(a)).max() == 0 for a in jax.tree.leaves(nnx.state(final)))
 
 
@@ -153,7 +169,7 @@ def test_adaln_zero_blocks_start_as_identity(setup):
         layer = jax.tree.map(lambda a: a[i], fresh)
         assert np.abs(np.asarray(layer["adaLN"]["w"])).max() == 0
         np.testing.assert_array_equal(run(layer, x, c), x)
-    perturbed = jax.tree.map(lambda a: a[0], pure["blocks"])   # the check can fail: a trained block is no identity
+    perturbed = jax.tree.map(lambda a: a[0], pure["blocks"])  # the check can fail: a trained block is no identity
     assert np.abs(np.asarray(run(perturbed, x, c) - x)).max() > 1e-3
 
 
@@ -197,13 +213,13 @@ def test_time_sampling_and_label_dropout_rules():
     key = jax.random.PRNGKey(0)
     t = model.sample_t(key, 1000)
     np.testing.assert_allclose(t, jax.nn.sigmoid(jax.random.normal(key, (1000,))), rtol=1e-6)
-    assert 0 < float(t.min()) and float(t.max()) < 1 and abs(float(jnp.median(t)) - 0.5) < 0.05
+    assert float(t.min()) > 0 and float(t.max()) < 1 and abs(float(jnp.median(t)) - 0.5) < 0.05
 
 
 def test_remat_modes_trade_memory(setup):
     """The layer stack is one checkpointed scan body; remat full saves nothing, selective the weight matmuls'
     outputs, none everything it computes: compiled temporaries order as full < selective <= none."""
-    cfg = get_config("tiny", num_layers=6)   # residuals across layers are what remat trades
+    cfg = get_config("tiny", num_layers=6)  # residuals across layers are what remat trades
     graphdef, state = nnx.split(DiT(cfg, rngs=nnx.Rngs(0)))
     pure = nnx.to_pure_dict(state)
     plan = _single_plan()
@@ -212,15 +228,18 @@ def test_remat_modes_trade_memory(setup):
     pos = jnp.broadcast_to(jnp.arange(cfg.num_tokens, dtype=jnp.int32), (8, cfg.num_tokens))
     temp = {}
     for remat in ("none", "selective", "full"):
+
         def out(p):
             m = nnx.merge(graphdef, p)
             return Layers.of(m.blocks, remat)(x, lambda blk, x: blk(x, c, pos, plan)).sum()
+
         assert str(jax.make_jaxpr(jax.grad(out))(pure)).count("scan[") >= 1, remat
         temp[remat] = jax.jit(jax.grad(out)).lower(pure).compile().memory_analysis().temp_size_in_bytes
     assert temp["full"] < temp["selective"] <= temp["none"], temp
 
 
 # ---------------------------------------------------------------------------------------- sampling and images
+
 
 def test_sample_is_euler_with_guidance(setup):
     """2 Euler steps with cfg 3 on sp=8 ring equal the same steps written with the jnp reference."""
@@ -249,7 +268,7 @@ def test_save_image_grid(tmp_path):
     grey = np.stack([np.full((4, 5, 1), v, np.float32) for v in (-1.0, 0.0, 1.0)])
     path = save_image_grid(grey, tmp_path / "grey.png", nrow=2, padding=1)
     img = np.asarray(Image.open(path))
-    assert img.shape == (2 * 5 + 1, 2 * 6 + 1)            # 2 rows × 2 columns of 4×5 with 1-pixel borders
+    assert img.shape == (2 * 5 + 1, 2 * 6 + 1)  # 2 rows × 2 columns of 4×5 with 1-pixel borders
     assert (img[1, 1], img[1, 7], img[6, 1], img[0, 0], img[6, 7]) == (0, 128, 255, 0, 0)
     rgb = np.random.default_rng(0).uniform(-1, 1, (5, 3, 3, 3))
     img = Image.open(save_image_grid(rgb, tmp_path / "rgb.png", nrow=8))
@@ -258,18 +277,19 @@ def test_save_image_grid(tmp_path):
 
 # ---------------------------------------------------------------------------------------- presets and errors
 
+
 def test_presets_parameters_and_flops():
     dit_s = get_config("dit-s")
     assert (dit_s.hidden, dit_s.num_heads, dit_s.num_layers, dit_s.patch_size, dit_s.num_tokens) == (384, 6, 12, 2, 256)
-    assert abs(dit_s.num_params() / 33e6 - 1) < 0.02          # DiT paper, Table 1/4: DiT-S/2 has 33M params
+    assert abs(dit_s.num_params() / 33e6 - 1) < 0.02  # DiT paper, Table 1/4: DiT-S/2 has 33M params
     assert abs(dit_s.flops_per_image() / 6 / 6.06e9 - 1) < 0.01  # Table 4: 6.06 GFLOPs (multiply-adds) forward
     big = get_config("dit-1b")
     assert (big.num_heads, big.num_layers, big.hidden) == (24, 24, 1536)
     assert 1.0e9 < big.num_params() < 1.1e9
     long = get_config("dit-1b", image_size=724)
-    assert long.num_tokens == 362 ** 2
+    assert long.num_tokens == 362**2
     per_token, per_image = long._param_counts()
-    assert long.flops_per_image() == 6 * per_token * long.num_tokens + 6 * per_image + 12 * 24 * 1536 * 362 ** 4
+    assert long.flops_per_image() == 6 * per_token * long.num_tokens + 6 * per_image + 12 * 24 * 1536 * 362**4
 
 
 def test_errors(tmp_path):
@@ -295,12 +315,14 @@ def test_errors(tmp_path):
         flow_matching_inputs(CFG, jnp.zeros((4, 16, 16, 3)), y, key)
     with pytest.raises(ValueError, match=r"labels float32\(4,\) must be integers"):
         flow_matching_inputs(CFG, x, jnp.zeros((4,)), key)
-    with pytest.raises(ValueError, match="micro-batch size .* 3 is not divisible by the data-parallel degree "
-                                         "dp\\*fsdp\\*ep = 2"):
+    with pytest.raises(
+        ValueError, match="micro-batch size .* 3 is not divisible by the data-parallel degree dp\\*fsdp\\*ep = 2"
+    ):
         check_plan(CFG, ParallelPlan(jaxring.make_mesh(dp=2, sp=4), attention="ring"), 3)
-    with pytest.raises(ValueError, match="seq 9 is not divisible by sp = 8"):   # 9 tokens over sp = 8
-        check_plan(get_config("tiny", image_size=6, num_layers=1), ParallelPlan(jaxring.make_mesh(sp=8),
-                                                                               attention="ring"), 1)
+    with pytest.raises(ValueError, match="seq 9 is not divisible by sp = 8"):  # 9 tokens over sp = 8
+        check_plan(
+            get_config("tiny", image_size=6, num_layers=1), ParallelPlan(jaxring.make_mesh(sp=8), attention="ring"), 1
+        )
     with pytest.raises(ValueError, match="cannot use tensor parallelism 'optimus'"):
         check_plan(CFG, ParallelPlan(jaxring.make_mesh(dp=2, tp=4), tensor_parallel="optimus"), 8)
     with pytest.raises(ValueError, match="unknown remat 'some'"):

@@ -3,17 +3,18 @@
 Every case checks out, lse and dq/dk/dv (with a cotangent on lse too). Small shapes and 16/32 tiles keep the
 interpreter fast while still giving several tiles per row, partial tiles and skipped tiles.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_close
 from jax.sharding import PartitionSpec as P
 
 from jaxring import attention_reference, merge_partials
 from jaxring.attention import flash_kernels, flash_tiles
 from jaxring.attention.blockwise import BlockOps
 from jaxring.attention.flash import flash_attention, flash_block_backward, flash_block_forward, flash_block_ops
-from helpers import assert_close
 
 INTERPRET = dict(implementation="pallas_interpret", block_q=16, block_k=16)
 
@@ -36,11 +37,11 @@ def assert_lse_close(lse, lse_ref, rtol):
 
 def check_against_reference(q, k, v, dout, dlse, rtol=2e-4, **kwargs):
     """flash_attention (interpreted kernel) vs attention_reference: out, lse, dq, dk, dv; no NaN anywhere."""
-    options = {**INTERPRET, **{n: kwargs.pop(n) for n in ("block_q", "block_k", "implementation")
-                               if n in kwargs}}
+    options = {**INTERPRET, **{n: kwargs.pop(n) for n in ("block_q", "block_k", "implementation") if n in kwargs}}
     flash_fn = lambda q, k, v: flash_attention(q, k, v, return_lse=True, **options, **kwargs)
-    ref_fn = lambda q, k, v: attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
-                                                 v.astype(jnp.float32), **kwargs)
+    ref_fn = lambda q, k, v: attention_reference(
+        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **kwargs
+    )
     (out, lse), vjp = jax.vjp(flash_fn, q, k, v)
     (out_r, lse_r), vjp_r = jax.vjp(ref_fn, q, k, v)
     assert out.dtype == q.dtype and out.shape == q.shape
@@ -59,12 +60,16 @@ def check_against_reference(q, k, v, dout, dlse, rtol=2e-4, **kwargs):
 # Shapes: causal / full, GQA / MQA, lengths that are not a multiple of the tile, odd head dims
 # --------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("causal,q_len,kv_len,q_heads,kv_heads,head_dim,blocks", [
-    (True, 64, 64, 2, 2, 64, (32, 16)),     # plain causal self-attention, several tiles per row
-    (False, 40, 40, 4, 2, 24, (16, 16)),    # full, GQA, 40 = 2.5 tiles, head_dim 24 padded to 32
-    (True, 40, 72, 4, 1, 80, (16, 32)),     # causal MQA, different lengths, head_dim 80 padded to 128
-    (False, 24, 56, 2, 1, 64, (16, 16)),    # full cross-attention with MQA, partial tiles on both sides
-])
+
+@pytest.mark.parametrize(
+    "causal,q_len,kv_len,q_heads,kv_heads,head_dim,blocks",
+    [
+        (True, 64, 64, 2, 2, 64, (32, 16)),  # plain causal self-attention, several tiles per row
+        (False, 40, 40, 4, 2, 24, (16, 16)),  # full, GQA, 40 = 2.5 tiles, head_dim 24 padded to 32
+        (True, 40, 72, 4, 1, 80, (16, 32)),  # causal MQA, different lengths, head_dim 80 padded to 128
+        (False, 24, 56, 2, 1, 64, (16, 16)),  # full cross-attention with MQA, partial tiles on both sides
+    ],
+)
 def test_matches_reference(causal, q_len, kv_len, q_heads, kv_heads, head_dim, blocks):
     q, k, v, dout, dlse = make_inputs(0, 2, q_len, kv_len, q_heads, kv_heads, head_dim)
     check_against_reference(q, k, v, dout, dlse, causal=causal, block_q=blocks[0], block_k=blocks[1])
@@ -93,12 +98,12 @@ def test_sm_scale():
 # Positions: offset blocks, batched and unsorted positions; fully masked rows
 # --------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("q_offset,kv_offset", [(48, 0), (0, 40), (16, 0)], ids=["after", "before", "overlap"])
 def test_offset_blocks(q_offset, kv_offset):
     q, k, v, dout, dlse = make_inputs(4, 2, 32, 48, 4, 2, 32)
     q_pos, kv_pos = jnp.arange(32) + q_offset, jnp.arange(48) + kv_offset
-    out, lse, grads = check_against_reference(q, k, v, dout, dlse, causal=True, q_positions=q_pos,
-                                              kv_positions=kv_pos)
+    out, lse, grads = check_against_reference(q, k, v, dout, dlse, causal=True, q_positions=q_pos, kv_positions=kv_pos)
     if q_offset < kv_offset:  # every query precedes every key: nothing is visible
         assert (out == 0).all() and jnp.isneginf(lse).all()
         assert all((g == 0).all() for g in grads)
@@ -111,17 +116,20 @@ def test_batched_and_unsorted_positions():
     q, k, v, dout, dlse = make_inputs(5, 2, 48, 48, 2, 2, 16)
     perm = jax.random.permutation(jax.random.PRNGKey(7), 48)
     q_pos = jnp.stack([perm, jnp.arange(48) + 50])
-    kv_pos = jnp.stack([jnp.arange(48), jnp.concatenate([jnp.arange(16), jnp.arange(16) + 100,
-                                                         jnp.arange(16) + 16])])
+    kv_pos = jnp.stack([jnp.arange(48), jnp.concatenate([jnp.arange(16), jnp.arange(16) + 100, jnp.arange(16) + 16])])
     check_against_reference(q, k, v, dout, dlse, causal=True, q_positions=q_pos, kv_positions=kv_pos)
 
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_segment_ids_with_padding(causal):
     q, k, v, dout, dlse = make_inputs(6, 3, 40, 40, 2, 1, 32)
-    seg = jnp.array([[1] * 10 + [0] * 4 + [2] * 18 + [0] * 8,   # packed sequences with padding inside a tile
-                     [0] * 40,                                   # a fully padded batch row
-                     [3] * 40])                                  # one sequence
+    seg = jnp.array(
+        [
+            [1] * 10 + [0] * 4 + [2] * 18 + [0] * 8,  # packed sequences with padding inside a tile
+            [0] * 40,  # a fully padded batch row
+            [3] * 40,
+        ]
+    )  # one sequence
     out, lse, grads = check_against_reference(q, k, v, dout, dlse, causal=causal, segment_ids=seg)
     assert (out[1] == 0).all() and jnp.isneginf(lse[1]).all()
     assert jnp.isneginf(lse[0, 10:14]).all() and jnp.isneginf(lse[0, 32:]).all()
@@ -134,27 +142,29 @@ def test_block_ranges_skip_hidden_tiles():
     pos = jnp.broadcast_to(jnp.arange(64, dtype=jnp.int32), (1, 64))
     vis, full = flash_tiles.visibility(True, pos, pos, None, None, 1, 64, 64, 64, 16, 16)
     ranges = np.asarray(flash_tiles.loop_ranges(vis, full))[0]
-    np.testing.assert_array_equal(ranges, [[i, i, i, i + 1] if i == 0 else [0, 0, i, i + 1]
-                                           for i in range(4)])
+    np.testing.assert_array_equal(ranges, [[i, i, i, i + 1] if i == 0 else [0, 0, i, i + 1] for i in range(4)])
     # Queries entirely before the keys: nothing to loop over.
     vis, full = flash_tiles.visibility(True, pos, pos + 100, None, None, 1, 64, 64, 64, 16, 16)
     assert (np.asarray(flash_tiles.loop_ranges(vis, full)) == 0).all()
     # Segments: two 32-token documents, no causal mask: tiles of the other document are skipped.
     seg = jnp.array([[1] * 32 + [2] * 32], jnp.int32)
     vis, full = flash_tiles.visibility(False, None, None, seg, seg, 1, 64, 64, 64, 16, 16)
-    np.testing.assert_array_equal(np.asarray(flash_tiles.loop_ranges(vis, full))[0],
-                                  [[0, 0, 2, 2], [0, 0, 2, 2], [2, 2, 4, 4], [2, 2, 4, 4]])
+    np.testing.assert_array_equal(
+        np.asarray(flash_tiles.loop_ranges(vis, full))[0], [[0, 0, 2, 2], [0, 0, 2, 2], [2, 2, 4, 4], [2, 2, 4, 4]]
+    )
 
 
 # --------------------------------------------------------------------------------------------------------
 # Block interface (BlockOps) with global lse / delta, alone and inside shard_map
 # --------------------------------------------------------------------------------------------------------
 
+
 def test_block_entry_points_sum_to_reference():
     q, k, v, dout, _ = make_inputs(8, 2, 32, 64, 4, 2, 32)
-    q_pos, kv_pos = jnp.arange(32) + 24, jnp.arange(64)   # queries overlap the second K/V half
-    ref = lambda q, k, v: attention_reference(q, k, v, causal=True, q_positions=q_pos, kv_positions=kv_pos,
-                                              sm_scale=0.3)
+    q_pos, kv_pos = jnp.arange(32) + 24, jnp.arange(64)  # queries overlap the second K/V half
+    ref = lambda q, k, v: attention_reference(
+        q, k, v, causal=True, q_positions=q_pos, kv_positions=kv_pos, sm_scale=0.3
+    )
     (out_r, lse_r), vjp_r = jax.vjp(ref, q, k, v)
     dq_r, dk_r, dv_r = vjp_r((dout, jnp.zeros_like(lse_r)))
 
@@ -169,9 +179,11 @@ def test_block_entry_points_sum_to_reference():
     assert_close(out, out_r, 2e-4, "merged out")
     assert_lse_close(lse, lse_r, 2e-4)
 
-    delta = jnp.sum(dout * out_r, axis=-1)                # global delta, from the global out
-    grads = [ops.backward(q, kb, vb, dout, lse_r, delta, q_pos, pb, None, None, causal=True, sm_scale=0.3)
-             for kb, vb, pb in halves]
+    delta = jnp.sum(dout * out_r, axis=-1)  # global delta, from the global out
+    grads = [
+        ops.backward(q, kb, vb, dout, lse_r, delta, q_pos, pb, None, None, causal=True, sm_scale=0.3)
+        for kb, vb, pb in halves
+    ]
     assert_close(grads[0][0] + grads[1][0], dq_r, 2e-4, "dq")
     assert_close(jnp.concatenate([grads[0][1], grads[1][1]], 1), dk_r, 2e-4, "dk")
     assert_close(jnp.concatenate([grads[0][2], grads[1][2]], 1), dv_r, 2e-4, "dv")
@@ -194,8 +206,9 @@ def test_block_forward_inside_shard_map():
         return out, lse_block, dq, jax.lax.psum(dk, "sp"), jax.lax.psum(dv, "sp")
 
     seq = P(None, "sp")
-    run = jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, seq, P(), P()),
-                        out_specs=(seq, seq, seq, P(), P()), check_vma=False)
+    run = jax.shard_map(
+        local, mesh=mesh, in_specs=(seq, seq, seq, seq, P(), P()), out_specs=(seq, seq, seq, P(), P()), check_vma=False
+    )
     out, lse, dq, dk, dv = jax.jit(run)(q, dout, ref_lse, delta, k, v)
     _, vjp = jax.vjp(lambda q, k, v: attention_reference(q, k, v, causal=True)[0], q, k, v)
     assert_close(out, ref_out, 2e-4, "out")
@@ -204,8 +217,13 @@ def test_block_forward_inside_shard_map():
         assert_close(g, g_r, 2e-4, "d" + name)
 
     if flash_kernels.JAX_VERSION < (0, 11):  # the interpreter cannot type-check varying axes: a clear error
-        strict = jax.shard_map(local, mesh=mesh, in_specs=(seq, seq, seq, seq, P(), P()),
-                               out_specs=(seq, seq, seq, P(), P()), check_vma=True)
+        strict = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(seq, seq, seq, seq, P(), P()),
+            out_specs=(seq, seq, seq, P(), P()),
+            check_vma=True,
+        )
         with pytest.raises(ValueError, match="pass check_vma=False"):
             jax.jit(strict)(q, dout, ref_lse, delta, k, v)
 
@@ -214,13 +232,24 @@ def test_block_forward_inside_shard_map():
 # Implementations, GPU lowering, errors
 # --------------------------------------------------------------------------------------------------------
 
+
 def test_jnp_implementation_and_auto_on_cpu():
     q, k, v, dout, dlse = make_inputs(10, 2, 40, 40, 4, 2, 16)
     seg = jnp.array([[1] * 30 + [0] * 10, [2] * 40])
-    pos = jnp.stack([jnp.arange(40), jnp.arange(40) + 3])   # batched positions take the vmapped jnp path
+    pos = jnp.stack([jnp.arange(40), jnp.arange(40) + 3])  # batched positions take the vmapped jnp path
     for implementation in ("jnp", None):
-        check_against_reference(q, k, v, dout, dlse, causal=True, segment_ids=seg, q_positions=pos,
-                                kv_positions=pos, implementation=implementation)
+        check_against_reference(
+            q,
+            k,
+            v,
+            dout,
+            dlse,
+            causal=True,
+            segment_ids=seg,
+            q_positions=pos,
+            kv_positions=pos,
+            implementation=implementation,
+        )
     assert flash_tiles.resolve_implementation(None) == ("pallas" if jax.default_backend() == "gpu" else "jnp")
 
 
@@ -234,13 +263,19 @@ def test_kernels_lower_to_triton_for_gpu():
 
     def loss(q, k, v, seg):
         pos = jnp.arange(100) + jax.lax.axis_index("sp") * 100
-        out = flash_attention(q, k, v, causal=True, q_positions=pos, kv_positions=pos, segment_ids=seg,
-                              implementation="pallas")
+        out = flash_attention(
+            q, k, v, causal=True, q_positions=pos, kv_positions=pos, segment_ids=seg, implementation="pallas"
+        )
         return jax.lax.psum(out.astype(jnp.float32).sum(), "sp")
 
     grad = jax.grad(loss, argnums=(0, 1, 2))
-    run = jax.shard_map(grad, mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (P(None, "sp"),),
-                        out_specs=(P(None, "sp"),) * 3, check_vma=True)
+    run = jax.shard_map(
+        grad,
+        mesh=mesh,
+        in_specs=(P(None, "sp"),) * 3 + (P(None, "sp"),),
+        out_specs=(P(None, "sp"),) * 3,
+        check_vma=True,
+    )
     try:
         text = jax.jit(run).trace(x, kv, kv, seg).lower(lowering_platforms=("cuda",)).as_text()
     except (RuntimeError, NotImplementedError) as e:
@@ -271,12 +306,25 @@ def test_errors_name_the_value_and_rule():
     with pytest.raises(ValueError, match=r"q_positions has shape \(8,\); expected \(16,\)"):
         flash_attention(q, q, q, q_positions=jnp.arange(8))
     with pytest.raises(ValueError, match="lse has shape"):
-        flash_block_backward(q, q, q, q, jnp.zeros((1, 16)), jnp.zeros((1, 16, 4)), jnp.arange(16),
-                             jnp.arange(16), causal=True, sm_scale=1.0)
+        flash_block_backward(
+            q,
+            q,
+            q,
+            q,
+            jnp.zeros((1, 16)),
+            jnp.zeros((1, 16, 4)),
+            jnp.arange(16),
+            jnp.arange(16),
+            causal=True,
+            sm_scale=1.0,
+        )
 
 
-@pytest.mark.parametrize("shape", [(1, 16, 4, 0), (1, 0, 4, 32), (0, 16, 4, 32), (1, 16, 0, 32)],
-                         ids=["head_dim0", "seq0", "batch0", "heads0"])
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 16, 4, 0), (1, 0, 4, 32), (0, 16, 4, 32), (1, 16, 0, 32)],
+    ids=["head_dim0", "seq0", "batch0", "heads0"],
+)
 def test_degenerate_shapes_raise_one_line_errors(shape):
     x = jnp.zeros(shape)
     with pytest.raises(ValueError, match=r"must all be >= 1") as info:

@@ -3,6 +3,7 @@
 The compile tests need the compile-only CUDA plugin (`pip install -e ".[dev,gpu-compile]"`, its own venv);
 elsewhere they skip and say why. The parsers (ptxas output, scheduled HLO) and the roofline run everywhere.
 """
+
 import functools
 import re
 
@@ -10,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxring.analysis import gpu
 from jaxring.analysis.roofline import PEAKS, attention_flops, roofline
@@ -21,11 +23,12 @@ needs_plugin = pytest.mark.skipif(not AVAILABLE, reason=f"deviceless GPU compile
 
 # ------------------------------------------------------------------------------ everywhere (plain install)
 
+
 def test_target_configs_ship_as_package_data():
     for target in gpu.TARGETS:
         text = gpu.target_config(target)
         assert "gpu_device_info" in text and "sm_9.0a" in text
-        assert "collective_memory_granularity:" not in text     # a field unknown to jax 0.10.2's XLA
+        assert "collective_memory_granularity:" not in text  # a field unknown to jax 0.10.2's XLA
     assert "H200" in gpu.target_config("h200") and "H100" in gpu.target_config("h100")
     with pytest.raises(ValueError, match="unknown GPU target 'a100'"):
         gpu.target_config("a100")
@@ -94,17 +97,17 @@ def test_schedule_analysis_finds_transfers_that_span_compute():
     assert loop.trip_count == 3 and loop.compute == ["k"]
     first, second = loop.collectives
     assert first.spans == ["k"] and first.spans_compute
-    assert second.spans == [] and not second.spans_compute   # started after the kernel, done right away
+    assert second.spans == [] and not second.spans_compute  # started after the kernel, done right away
     assert not loop.overlapped
 
 
 def test_roofline():
     h200 = PEAKS["h200"]
-    est = roofline(2 * 989.4e12, 1.0e12, "h200")                         # 2 s of compute, 0.21 s of HBM
+    est = roofline(2 * 989.4e12, 1.0e12, "h200")  # 2 s of compute, 0.21 s of HBM
     assert est.bound == "compute" and est.time_s == pytest.approx(2.0) and est.mfu == pytest.approx(1.0)
     est = roofline(989.4e12, 9.6e12, "h200", model_flops=0.5 * 989.4e12)  # 1 s compute, 2 s memory
     assert est.bound == "memory" and est.time_s == pytest.approx(2.0) and est.mfu == pytest.approx(0.25)
-    est = roofline(989.4e12, 0.0, h200, comm_bytes=900e9, overlap_comm=False)   # + 2 s on the links
+    est = roofline(989.4e12, 0.0, h200, comm_bytes=900e9, overlap_comm=False)  # + 2 s on the links
     assert est.time_s == pytest.approx(3.0)
     assert roofline(989.4e12, 0.0, h200, comm_bytes=900e9).bound == "communication"
     assert attention_flops(1, 1024, 1024, 8, 64, causal=True, backward=False) == 2 * 1024 * 1024 * 8 * 64
@@ -114,10 +117,12 @@ def test_roofline():
 
 # ------------------------------------------------------------------------------- with the CUDA plugin
 
+
 def _fwd_bwd(local):
     def run(q, k, v, dout):
         out, vjp = jax.vjp(local, q, k, v)
         return out, vjp(dout)
+
     return run
 
 
@@ -125,6 +130,7 @@ def _fwd_bwd(local):
 @pytest.mark.parametrize("head_dim,kv_heads", [(64, 8), (128, 8), (128, 2)], ids=["d64", "d128", "d128-gqa"])
 def test_flash_kernels_compile_without_spills_or_serialized_wgmma(head_dim, kv_heads):
     from jaxring.attention.flash import flash_attention
+
     mesh = Mesh(np.array(gpu.gpu_devices("h200", 1)), ("x",))
     q = gpu.abstract((1, 4096, 8, head_dim), jnp.bfloat16, mesh)
     kv = gpu.abstract((1, 4096, kv_heads, head_dim), jnp.bfloat16, mesh)
@@ -142,15 +148,22 @@ def _strategy(name, devices):
     from jaxring.attention.ring import ring_attention
     from jaxring.attention.ulysses import usp_attention
     from jaxring.attention.wallfacer import WF_AXES, wallfacer_attention, wallfacer_mesh
+
     flat = Mesh(np.array(gpu.gpu_devices("h200", devices)), ("sp",))
     if name == "ring":
         return flat, "sp", functools.partial(ring_attention, axis_name="sp", layout="zigzag", block_ops="pallas")
     if name == "wallfacer":
-        return wallfacer_mesh(flat, 2), WF_AXES, functools.partial(wallfacer_attention, team_size=2,
-                                                                  layout="zigzag", block_ops="pallas")
+        return (
+            wallfacer_mesh(flat, 2),
+            WF_AXES,
+            functools.partial(wallfacer_attention, team_size=2, layout="zigzag", block_ops="pallas"),
+        )
     mesh = Mesh(np.array(flat.devices).reshape(devices // 2, 2), ("ring", "ulysses"))
-    return mesh, ("ring", "ulysses"), functools.partial(usp_attention, ring_axis="ring", ulysses_axis="ulysses",
-                                                        layout="zigzag", block_ops="pallas")
+    return (
+        mesh,
+        ("ring", "ulysses"),
+        functools.partial(usp_attention, ring_axis="ring", ulysses_axis="ulysses", layout="zigzag", block_ops="pallas"),
+    )
 
 
 @needs_plugin
@@ -165,11 +178,11 @@ def test_ring_transfers_span_the_block_compute_forward_and_backward(strategy, de
     x = gpu.abstract((1, 4096 * devices, 8, 128), jnp.bfloat16, mesh, spec)
     run = jax.shard_map(_fwd_bwd(local), mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, (spec,) * 3))
     report = gpu.compile_for_gpu(jax.jit(run), x, x, x, x, ptxas=False)
-    assert len(report.loops) == 2, report.summary()            # the forward ring and the backward ring
+    assert len(report.loops) == 2, report.summary()  # the forward ring and the backward ring
     for loop in report.loops:
         assert loop.compute and not loop.sync_collectives, report.summary()
         permutes = [c for c in loop.collectives if c.kind == "collective-permute"]
-        assert len(permutes) == 1, report.summary()             # one fused transfer per step
+        assert len(permutes) == 1, report.summary()  # one fused transfer per step
         assert permutes[0].spans_compute and loop.overlapped, report.summary()
 
 
@@ -179,7 +192,8 @@ def test_metp_inner_ring_transfers_span_the_block_compute_forward_and_backward()
     forward and backward, every hop (K, V, positions; in the backward with the previous block's fp32 ΔK/ΔV,
     one hop behind) is one transfer started before the block kernels and waited for after them."""
     from jaxring.tensor.metp import metp_attention
-    p, hidden, heads, head_dim, local_seq = 8, 1024, 8, 128, 2048      # one head per group
+
+    p, hidden, heads, head_dim, local_seq = 8, 1024, 8, 128, 2048  # one head per group
     mesh = Mesh(np.array(gpu.gpu_devices("h200", p)), ("tp",))
     rows, cols = P(None, "tp"), P("tp", None)
     x = gpu.abstract((1, local_seq * p, hidden), jnp.bfloat16, mesh, rows)
@@ -192,18 +206,29 @@ def test_metp_inner_ring_transfers_span_the_block_compute_forward_and_backward()
         out, vjp = jax.vjp(attend, x, wq, wk, wv, wo)
         return out, vjp(do)
 
-    run = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, rows, cols, rows, rows),
-                        out_specs=(rows, (rows, rows, rows, rows, cols)))
+    run = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(rows, rows, rows, rows, cols, rows, rows),
+        out_specs=(rows, (rows, rows, rows, rows, cols)),
+    )
     report = gpu.compile_for_gpu(jax.jit(run), x, w, w, w, wo, pos, x, ptxas=False)
-    block = local_seq * (heads // p) * head_dim                        # elements of one K (or V) block
-    hop = {"forward": 2 * 2 * block + 4 * local_seq,                  # K, V bf16 + positions int32
-           "backward": 2 * 2 * block + 2 * 4 * block + 4 * local_seq}  # + ΔK, ΔV fp32
-    def size(c):                                                       # (u8[N], u8[N]): one fused buffer
+    block = local_seq * (heads // p) * head_dim  # elements of one K (or V) block
+    hop = {
+        "forward": 2 * 2 * block + 4 * local_seq,  # K, V bf16 + positions int32
+        "backward": 2 * 2 * block + 2 * 4 * block + 4 * local_seq,
+    }  # + ΔK, ΔV fp32
+
+    def size(c):  # (u8[N], u8[N]): one fused buffer
         arrays = set(re.findall(r"(\w+)\[([\d,]*)\]", c.shape))
-        return int(arrays.pop()[1]) if len(arrays) == 1 and ("u8", ) == tuple(a[0] for a in arrays) else None
+        return int(arrays.pop()[1]) if len(arrays) == 1 and tuple(a[0] for a in arrays) == ("u8",) else None
+
     for direction, nbytes in hop.items():
-        rings = [loop for loop in report.loops                         # the inner rings' step loops
-                 if loop.collectives and all(size(c) == nbytes for c in loop.collectives)]
+        rings = [
+            loop
+            for loop in report.loops  # the inner rings' step loops
+            if loop.collectives and all(size(c) == nbytes for c in loop.collectives)
+        ]
         assert rings, (direction, nbytes, report.summary())
         for loop in rings:
             assert len(loop.collectives) == 1 and not loop.sync_collectives, report.summary()
@@ -211,5 +236,5 @@ def test_metp_inner_ring_transfers_span_the_block_compute_forward_and_backward()
             assert transfer.spans_compute and loop.overlapped, report.summary()
             assert any(op.startswith("conditional") for op in transfer.spans), report.summary()  # block kernels
     fused = [c for loop in report.loops for c in loop.collectives] + list(report.entry.collectives)
-    fused = [c for c in fused if size(c) is not None]          # with the peeled first and last hops
+    fused = [c for c in fused if size(c) is not None]  # with the peeled first and last hops
     assert len(fused) >= 8 and all(c.spans_compute for c in fused), report.summary()

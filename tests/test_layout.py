@@ -1,4 +1,5 @@
 """Layout round-trips with rank-coded inputs: every token's value is its natural position."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,8 +18,9 @@ def test_round_trip_is_exact(layout, sp):
     mesh = jaxring.make_mesh(**MESHES[sp])
     seq = 2 * sp * sp
     # [batch=2, seq, heads=3] coded with the position (and batch/head offsets so nothing aliases)
-    x = (jnp.arange(seq)[None, :, None] + 1000 * jnp.arange(2)[:, None, None]
-         + 100000 * jnp.arange(3)[None, None, :]).astype(jnp.int32)
+    x = (
+        jnp.arange(seq)[None, :, None] + 1000 * jnp.arange(2)[:, None, None] + 100000 * jnp.arange(3)[None, None, :]
+    ).astype(jnp.int32)
     spec = P(None, "sp", None)
     there = jax.shard_map(lambda a: to_layout(a, layout, "sp"), mesh=mesh, in_specs=spec, out_specs=spec)
     back = jax.shard_map(lambda a: from_layout(a, layout, "sp"), mesh=mesh, in_specs=spec, out_specs=spec)

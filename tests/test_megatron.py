@@ -1,5 +1,6 @@
 """Megatron TP+SP (jaxring.tensor.megatron) against unsharded jnp references: forward and every gradient;
 communication counted on the compiled program; saved residuals of the gather-recompute column-linear."""
+
 import functools
 
 import jax
@@ -7,22 +8,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_close, attention_block_reference, mlp_block_reference
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxring
 from jaxring.analysis import compile_stats
 from jaxring.tensor import megatron as mt
-from helpers import assert_close, attention_block_reference, mlp_block_reference
 
 B, S, H, FFN, VOCAB, HEADS, HEAD_DIM = 4, 16, 32, 64, 64, 8, 4
 RTOL = 1e-4
 
-MESHES = {"dp2-fsdp2-tp2": dict(dp=2, fsdp=2, tp=2), "tp4": dict(tp=4), "tp8": dict(tp=8),
-          "dp2-tp4": dict(dp=2, tp=4)}
+MESHES = {"dp2-fsdp2-tp2": dict(dp=2, fsdp=2, tp=2), "tp4": dict(tp=4), "tp8": dict(tp=8), "dp2-tp4": dict(dp=2, tp=4)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mesh_of(name):
     kw = MESHES[name]
     n = int(np.prod(list(kw.values())))
@@ -44,6 +44,7 @@ def out_and_grads(fn, args, cotangent):
     def run(args, ct):
         out, vjp = jax.vjp(fn, *args)
         return out, vjp(ct)
+
     return run(args, cotangent)
 
 
@@ -51,16 +52,21 @@ def out_and_grads(fn, args, cotangent):
 # References (one device, the contract's formulas)
 # ------------------------------------------------------------------------------------------------------
 
+
 def mlp_params(activation, h=H, ffn=FFN):
-    p = {"w_in": normal(1, (h, ffn), h ** -0.5), "w_out": normal(2, (ffn, h), ffn ** -0.5)}
+    p = {"w_in": normal(1, (h, ffn), h**-0.5), "w_out": normal(2, (ffn, h), ffn**-0.5)}
     if activation == "swiglu":
-        p["w_gate"] = normal(3, (h, ffn), h ** -0.5)
+        p["w_gate"] = normal(3, (h, ffn), h**-0.5)
     return p
 
 
 def attention_params(num_heads, num_kv_heads, h=H, d=HEAD_DIM):
-    return {"wq": normal(4, (h, num_heads * d), h ** -0.5), "wk": normal(5, (h, num_kv_heads * d), h ** -0.5),
-            "wv": normal(6, (h, num_kv_heads * d), h ** -0.5), "wo": normal(7, (num_heads * d, h), 0.3)}
+    return {
+        "wq": normal(4, (h, num_heads * d), h**-0.5),
+        "wk": normal(5, (h, num_kv_heads * d), h**-0.5),
+        "wv": normal(6, (h, num_kv_heads * d), h**-0.5),
+        "wo": normal(7, (num_heads * d, h), 0.3),
+    }
 
 
 def shuffled_positions(b=B, s=S):
@@ -73,8 +79,11 @@ def shuffled_positions(b=B, s=S):
 # Contract blocks: forward and grads of x and every weight
 # ------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mesh_name,activation", [("dp2-fsdp2-tp2", "gelu"), ("tp4", "swiglu"), ("tp8", "gelu"),
-                                                  ("dp2-tp4", "gelu"), ("dp2-tp4", "swiglu")])
+
+@pytest.mark.parametrize(
+    "mesh_name,activation",
+    [("dp2-fsdp2-tp2", "gelu"), ("tp4", "swiglu"), ("tp8", "gelu"), ("dp2-tp4", "gelu"), ("dp2-tp4", "swiglu")],
+)
 def test_mlp_block(mesh_name, activation):
     mesh = mesh_of(mesh_name)
     x, dy, p = normal(10, (B, S, H)), normal(11, (B, S, H)), mlp_params(activation)
@@ -85,9 +94,9 @@ def test_mlp_block(mesh_name, activation):
 
 ATTENTION_CASES = [  # mesh, q heads, kv heads, causal, rope
     ("dp2-fsdp2-tp2", 8, 8, True, 10000.0),
-    ("tp4", 8, 4, True, 10000.0),       # GQA, 2 q heads and 1 kv head per rank
-    ("tp8", 8, 2, True, 500.0),         # kv heads < tp: each kv head replicated on 4 ranks
-    ("dp2-tp4", 8, 1, False, None),     # MQA (replicated), full attention, no RoPE
+    ("tp4", 8, 4, True, 10000.0),  # GQA, 2 q heads and 1 kv head per rank
+    ("tp8", 8, 2, True, 500.0),  # kv heads < tp: each kv head replicated on 4 ranks
+    ("dp2-tp4", 8, 1, False, None),  # MQA (replicated), full attention, no RoPE
 ]
 
 
@@ -98,8 +107,9 @@ def test_attention_block(mesh_name, num_heads, num_kv_heads, causal, rope_theta)
     p = attention_params(num_heads, num_kv_heads)
     kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, causal=causal, rope_theta=rope_theta)
     got = out_and_grads(lambda x, p: mt.attention_block(x, p, pos, mesh=mesh, **kw), (x, p), dy)
-    ref = out_and_grads(lambda x, p: attention_block_reference(x, p, pos, num_heads, num_kv_heads, causal, rope_theta),
-                        (x, p), dy)
+    ref = out_and_grads(
+        lambda x, p: attention_block_reference(x, p, pos, num_heads, num_kv_heads, causal, rope_theta), (x, p), dy
+    )
     check_all(got, ref)
 
 
@@ -115,14 +125,15 @@ def test_norms_in_sequence_parallel_region(mesh_name):
     cts = (normal(18, (B, S, H)), normal(19, (B, S, H)), normal(20, (B, S, H)))
 
     def norms(x, p):
-        return (mt.layer_norm(x, p["gamma"], p["beta"]), mt.rms_norm(x, p["scale"]),
-                mt.layer_norm(x, p["gamma"]))
+        return (mt.layer_norm(x, p["gamma"], p["beta"]), mt.rms_norm(x, p["scale"]), mt.layer_norm(x, p["gamma"]))
 
     def sharded(x, p):
-        sp_out = jax.shard_map(norms, mesh=mesh, in_specs=(P(data, "tp", None), P()),
-                               out_specs=P(data, "tp", None))(x, p)
-        tp_out = jax.shard_map(lambda x, p: norms(x, p)[0], mesh=mesh, in_specs=(P(data, None, None), P()),
-                               out_specs=P(data, None, None))(x, p)  # plain TP: x replicated over tp
+        sp_out = jax.shard_map(norms, mesh=mesh, in_specs=(P(data, "tp", None), P()), out_specs=P(data, "tp", None))(
+            x, p
+        )
+        tp_out = jax.shard_map(
+            lambda x, p: norms(x, p)[0], mesh=mesh, in_specs=(P(data, None, None), P()), out_specs=P(data, None, None)
+        )(x, p)  # plain TP: x replicated over tp
         return sp_out + (tp_out,)
 
     def reference(x, p):
@@ -163,10 +174,10 @@ def test_plain_tensor_parallel_mlp_f_and_f_star():
     """sequence_parallel=False: f (identity / all-reduce) and f* (all-reduce / identity) on replicated x."""
     mesh = mesh_of("dp2-tp4")
     x, dy, p = normal(28, (B, S, H)), normal(29, (B, S, H)), mlp_params("swiglu")
-    local = lambda x, w_in, w_gate, w_out: mt.mlp(x, w_in, w_out, w_gate, activation="swiglu",
-                                                  sequence_parallel=False)
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(P("dp"), P(None, "tp"), P(None, "tp"), P("tp", None)),
-                       out_specs=P("dp"))
+    local = lambda x, w_in, w_gate, w_out: mt.mlp(x, w_in, w_out, w_gate, activation="swiglu", sequence_parallel=False)
+    fn = jax.shard_map(
+        local, mesh=mesh, in_specs=(P("dp"), P(None, "tp"), P(None, "tp"), P("tp", None)), out_specs=P("dp")
+    )
     got = out_and_grads(lambda x, p: fn(x, p["w_in"], p["w_gate"], p["w_out"]), (x, p), dy)
     check_all(got, out_and_grads(lambda x, p: mlp_block_reference(x, p, "swiglu"), (x, p), dy))
 
@@ -178,10 +189,12 @@ def test_plain_tensor_parallel_mlp_f_and_f_star():
 # elements moves (p-1)/p·|y|; a reduce-scatter with per-device result b·(s/p)·h moves (p-1)·|y| = (p-1)/p·bsh.
 # So each transition g or g* of a [b, s, h] activation moves (p-1)/p·bsh elements, 4 bytes each in fp32.
 
+
 def _fwd_and_bwd(fn):
     def run(x, p, dy):
         y, vjp = jax.vjp(fn, x, p)
         return y, vjp(dy)
+
     return run
 
 
@@ -197,10 +210,15 @@ def _tp4_stats(fn, x, p, backward):
 def test_ffn_moves_two_transitions_forward_five_with_backward():
     p_, b, s, h = 4, 2, 16, 32
     x, p = normal(30, (b, s, h)), mlp_params("gelu", h, 4 * h)
-    unit = (p_ - 1) / p_ * b * s * h * 4                                # one transition, bytes
+    unit = (p_ - 1) / p_ * b * s * h * 4  # one transition, bytes
     fwd = _tp4_stats(lambda x, p, mesh: mt.mlp_block(x, p, mesh=mesh), x, p, backward=False)
-    assert fwd.bytes_moved == {"collective-permute": 0, "all-gather": unit, "reduce-scatter": unit,
-                               "all-to-all": 0, "all-reduce": 0}
+    assert fwd.bytes_moved == {
+        "collective-permute": 0,
+        "all-gather": unit,
+        "reduce-scatter": unit,
+        "all-to-all": 0,
+        "all-reduce": 0,
+    }
     both = _tp4_stats(lambda x, p, mesh: mt.mlp_block(x, p, mesh=mesh), x, p, backward=True)
     # forward AG(X) + RS(O); backward AG(dO) + AG(X) again + RS(dY): 5 (p-1)/p·bsh
     assert both.collective_ops["all-gather"] == 3 and both.collective_ops["reduce-scatter"] == 2
@@ -221,7 +239,7 @@ def test_attention_block_moves_five_transitions_and_the_positions():
     pos = jnp.tile(jnp.arange(s, dtype=jnp.int32), (b, 1))
     block = lambda x, p, mesh: mt.attention_block(x, p, pos, mesh=mesh, num_heads=8, num_kv_heads=4)
     unit = (p_ - 1) / p_ * b * s * h * 4
-    positions = (p_ - 1) / p_ * b * s * 4                               # int32 positions gathered once
+    positions = (p_ - 1) / p_ * b * s * 4  # int32 positions gathered once
     fwd = _tp4_stats(block, x, p, backward=False)
     assert fwd.bytes_moved["all-gather"] == unit + positions and fwd.bytes_moved["reduce-scatter"] == unit
     both = _tp4_stats(block, x, p, backward=True)
@@ -233,6 +251,7 @@ def test_attention_block_moves_five_transitions_and_the_positions():
 # ------------------------------------------------------------------------------------------------------
 # Memory after forward: what the column-linear with gather saves
 # ------------------------------------------------------------------------------------------------------
+
 
 def test_ffn_saves_the_local_shard_not_the_gathered_input():
     """Residuals of jax.vjp (what stays alive from forward to backward), per device: the gather-recompute
@@ -248,8 +267,9 @@ def test_ffn_saves_the_local_shard_not_the_gathered_input():
 
     def residual_bytes(recompute_gather):
         local = lambda x, w_in, w_out: mt.mlp(x, w_in, w_out, recompute_gather=recompute_gather)
-        fn = jax.shard_map(local, mesh=mesh, in_specs=(specs[0], specs[1]["w_in"], specs[1]["w_out"]),
-                           out_specs=specs[0])
+        fn = jax.shard_map(
+            local, mesh=mesh, in_specs=(specs[0], specs[1]["w_in"], specs[1]["w_out"]), out_specs=specs[0]
+        )
         res = jax.jit(lambda x, p: jax.vjp(lambda x, p: fn(x, p["w_in"], p["w_out"]), x, p)[1])(x, p)
         return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(res))
 
@@ -262,6 +282,7 @@ def test_ffn_saves_the_local_shard_not_the_gathered_input():
 # ------------------------------------------------------------------------------------------------------
 # Validation
 # ------------------------------------------------------------------------------------------------------
+
 
 def test_errors_name_the_values():
     mesh = mesh_of("tp4")
@@ -292,12 +313,20 @@ def test_errors_name_the_values():
 
 def test_param_specs():
     mesh = mesh_of("tp4")
-    shapes = {**mlp_params("swiglu"), **attention_params(8, 2), "table": (64, 32), "w_head": (32, 64),
-              "gamma": (32,)}
+    shapes = {**mlp_params("swiglu"), **attention_params(8, 2), "table": (64, 32), "w_head": (32, 64), "gamma": (32,)}
     specs = mt.param_specs(mesh, shapes, num_kv_heads=2)
     assert {k: tuple(v.spec) for k, v in specs.items()} == {
-        "w_in": (None, "tp"), "w_gate": (None, "tp"), "w_out": ("tp", None), "wq": (None, "tp"),
-        "wk": (), "wv": (), "wo": ("tp", None), "table": ("tp", None), "w_head": (None, "tp"), "gamma": ()}
+        "w_in": (None, "tp"),
+        "w_gate": (None, "tp"),
+        "w_out": ("tp", None),
+        "wq": (None, "tp"),
+        "wk": (),
+        "wv": (),
+        "wo": ("tp", None),
+        "table": ("tp", None),
+        "w_head": (None, "tp"),
+        "gamma": (),
+    }
     assert tuple(mt.param_specs(mesh, attention_params(8, 4))["wk"].spec) == (None, "tp")
     with pytest.raises(ValueError, match="unknown Megatron parameter names \\['bias'\\]"):
         mt.param_specs(mesh, {"bias": (32,)})

@@ -1,11 +1,12 @@
 """make_mesh and sharded_attention with unsharded, Auto- and Explicit-sharded inputs."""
+
 import jax
 import pytest
+from helpers import assert_close, qkv
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxring
-from helpers import assert_close, qkv
 
 
 def test_axes_and_degrees():
@@ -35,13 +36,14 @@ def test_attention_on_auto_and_explicit_meshes(axis_types, presharded):
     assert_close(out_jit, expected, 2e-5, "jit")
 
 
-@pytest.mark.parametrize("strategy,options", [("rsa", {}), ("ulysses", {}), ("allgather", {}),
-                                              ("usp", dict(ulysses_size=2)), ("wallfacer", dict(team_size=2))])
+@pytest.mark.parametrize(
+    "strategy,options",
+    [("rsa", {}), ("ulysses", {}), ("allgather", {}), ("usp", dict(ulysses_size=2)), ("wallfacer", dict(team_size=2))],
+)
 def test_every_strategy_on_an_explicit_mesh(strategy, options):
     """Factored views (USP, WallFacer) keep the axis types; inputs sharded the caller's way are resharded."""
     mesh = jaxring.make_mesh(dp=2, sp=4, axis_types="explicit")
     q, k, v, _ = qkv(1, 2, 32, 4, 2, 8)
     q, k, v = (jax.device_put(x, NamedSharding(mesh, P("dp"))) for x in (q, k, v))
-    out = jax.jit(lambda q, k, v: jaxring.sharded_attention(q, k, v, mesh=mesh, strategy=strategy, **options))(
-        q, k, v)
+    out = jax.jit(lambda q, k, v: jaxring.sharded_attention(q, k, v, mesh=mesh, strategy=strategy, **options))(q, k, v)
     assert_close(out, jaxring.attention_reference(q, k, v, causal=True)[0], 2e-5, strategy)

@@ -5,12 +5,14 @@ Bytes are per device, as jaxring.analysis counts them: the bytes a device receiv
 collective kind, loop bodies weighted by their trip count (a collective-permute of an array of N bytes counts
 N; an all-reduce over g devices 2(g-1)/g·N). fp32 everywhere (XLA:CPU would widen bf16 collectives).
 """
+
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_close, attention_block_reference, mlp_block_reference
 from jax.sharding import PartitionSpec as P
 
 import jaxring
@@ -18,10 +20,9 @@ from jaxring.analysis import compile_stats
 from jaxring.analysis.compiled import collective_traffic
 from jaxring.collectives import tree_rounds
 from jaxring.tensor import megatron, metp
-from helpers import assert_close, attention_block_reference, mlp_block_reference
 
 RTOL = 2e-4
-MESHES = {2: dict(dp=2, fsdp=2, tp=2), 4: dict(dp=2, tp=4), 8: dict(tp=8)}   # p = tp; batch over dp/fsdp
+MESHES = {2: dict(dp=2, fsdp=2, tp=2), 4: dict(dp=2, tp=4), 8: dict(tp=8)}  # p = tp; batch over dp/fsdp
 B, S, H, FFN = 4, 32, 16, 64
 HEADS, HEAD_DIM = 8, 4
 F32 = 4
@@ -47,9 +48,11 @@ def compiled_run(fn, *args):
 
 def out_and_grads(fn, cotangent):
     """(x, params, ...) -> (fn's output, its VJP w.r.t. x and params for `cotangent`)."""
+
     def run(x, params, *rest):
         out, vjp = jax.vjp(lambda x, params: fn(x, params, *rest), x, params)
         return out, vjp(cotangent)
+
     return run
 
 
@@ -63,24 +66,26 @@ def check_tree(got, ref, name):
 # FFN: O = f(X W_in) W_out on the (W_in, W_out) ring
 # ---------------------------------------------------------------------------------------------------------
 
+
 def mlp_params(seed, hidden, ffn, activation):
-    p = {"w_in": normal(seed, (hidden, ffn), hidden ** -0.5), "w_out": normal(seed + 1, (ffn, hidden), ffn ** -0.5)}
+    p = {"w_in": normal(seed, (hidden, ffn), hidden**-0.5), "w_out": normal(seed + 1, (ffn, hidden), ffn**-0.5)}
     if activation == "swiglu":
-        p["w_gate"] = normal(seed + 2, (hidden, ffn), hidden ** -0.5)
+        p["w_gate"] = normal(seed + 2, (hidden, ffn), hidden**-0.5)
     return p
 
 
 FFN_CASES = [(2, "gelu"), (4, "swiglu"), (8, "gelu")]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ffn_case(p, activation):
     """METP and reference (output, grads) and the bytes of METP's forward+backward program."""
     x, dy = normal(1, (B, S, H)), normal(2, (B, S, H))
     params = mlp_params(3, H, FFN, activation)
     mesh = mesh_of(p)
-    got, moved = compiled_run(out_and_grads(lambda x, w: metp.mlp_block(x, w, mesh=mesh, activation=activation),
-                                            dy), x, params)
+    got, moved = compiled_run(
+        out_and_grads(lambda x, w: metp.mlp_block(x, w, mesh=mesh, activation=activation), dy), x, params
+    )
     ref = jax.jit(out_and_grads(lambda x, w: mlp_block_reference(x, w, activation), dy))(x, params)
     return got, ref, moved
 
@@ -135,10 +140,16 @@ def test_mlp_forward_memory_does_not_grow_with_width():
     p, b, s, h = 8, 2, 512, 8
     mesh = mesh_of(p)
     specs = (P(None, "tp", None), P(None, "tp"), P("tp", None))
-    plain_ring = jax.shard_map(lambda x, w_in, w_out: metp._metp_forward(x, (w_in,), w_out, metp.gelu, "tp"),
-                               mesh=mesh, in_specs=specs, out_specs=specs[0])
-    layers = {"metp": lambda x, w: metp.mlp_block(x, w, mesh=mesh),
-              "plain": lambda x, w: plain_ring(x, w["w_in"], w["w_out"])}
+    plain_ring = jax.shard_map(
+        lambda x, w_in, w_out: metp._metp_forward(x, (w_in,), w_out, metp.gelu, "tp"),
+        mesh=mesh,
+        in_specs=specs,
+        out_specs=specs[0],
+    )
+    layers = {
+        "metp": lambda x, w: metp.mlp_block(x, w, mesh=mesh),
+        "plain": lambda x, w: plain_ring(x, w["w_in"], w["w_out"]),
+    }
 
     def memory(name, ffn):
         x = jax.ShapeDtypeStruct((b, s, h), jnp.float32)
@@ -147,10 +158,11 @@ def test_mlp_forward_memory_does_not_grow_with_width():
         def forward_with_residuals(x, w):
             out, vjp = jax.vjp(layers[name], x, w)
             return out, jax.tree.leaves(vjp)
+
         stats = compile_stats(forward_with_residuals, x, w)
         return stats.temp_bytes + stats.output_bytes
 
-    activation = b * (s // p) * 64 * F32          # one [b, s/p, Δffn] fp32 activation per device
+    activation = b * (s // p) * 64 * F32  # one [b, s/p, Δffn] fp32 activation per device
     growth = {name: memory(name, 128) - memory(name, 64) for name in layers}
     assert growth["metp"] < activation / 2 < activation < growth["plain"], (growth, activation)
 
@@ -172,11 +184,14 @@ def test_mlp_bf16():
 # MHA: two-level METP
 # ---------------------------------------------------------------------------------------------------------
 
+
 def attn_params(seed, hidden, heads, kv_heads, d):
-    return {"wq": normal(seed, (hidden, heads * d), hidden ** -0.5),
-            "wk": normal(seed + 1, (hidden, kv_heads * d), hidden ** -0.5),
-            "wv": normal(seed + 2, (hidden, kv_heads * d), hidden ** -0.5),
-            "wo": normal(seed + 3, (heads * d, hidden), (heads * d) ** -0.5)}
+    return {
+        "wq": normal(seed, (hidden, heads * d), hidden**-0.5),
+        "wk": normal(seed + 1, (hidden, kv_heads * d), hidden**-0.5),
+        "wv": normal(seed + 2, (hidden, kv_heads * d), hidden**-0.5),
+        "wo": normal(seed + 3, (heads * d, hidden), (heads * d) ** -0.5),
+    }
 
 
 def positions_of(b, s):
@@ -196,14 +211,15 @@ MHA_CASES = [(p, c) for p in (2, 4, 8) for c in (True, False)]
 MHA_IDS = [f"p{p}-{'causal' if c else 'full'}" for p, c in MHA_CASES]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mha_case(p, causal, **options):
     cfg = {**mha_config(p, causal), **options}
     x, dy, pos = normal(11, (B, S, H)), normal(12, (B, S, H)), positions_of(B, S)
     params = attn_params(13, H, HEADS, cfg["num_kv_heads"], HEAD_DIM)
     mesh = mesh_of(p)
-    got, moved = compiled_run(out_and_grads(lambda x, w, pos: metp.attention_block(x, w, pos, mesh=mesh, **cfg), dy),
-                              x, params, pos)
+    got, moved = compiled_run(
+        out_and_grads(lambda x, w, pos: metp.attention_block(x, w, pos, mesh=mesh, **cfg), dy), x, params, pos
+    )
     cfg.pop("fuse_sends", None)
     ref = jax.jit(out_and_grads(lambda x, w, pos: attention_block_reference(x, w, pos, **cfg), dy))(x, params, pos)
     return got, ref, moved
@@ -252,8 +268,9 @@ def mha_bytes(p, causal, kv_heads, *, backward):
     return F32 * (fwd + bwd if backward else fwd)
 
 
-@pytest.mark.parametrize("p,causal", [c for c in MHA_CASES if c != (2, True)],
-                         ids=[i for c, i in zip(MHA_CASES, MHA_IDS) if c != (2, True)])
+@pytest.mark.parametrize(
+    "p,causal", [c for c in MHA_CASES if c != (2, True)], ids=[i for c, i in zip(MHA_CASES, MHA_IDS) if c != (2, True)]
+)
 def test_attention_bytes(p, causal):
     """Forward + backward, exact. (p = 2 causal is left out: its one-hop loops are unrolled and XLA then sends
     the positions, the same for every head group, once instead of once per group.)"""
@@ -262,7 +279,7 @@ def test_attention_bytes(p, causal):
     g = data_degree(p)
     weights = (H * (HEADS + 2 * cfg["num_kv_heads"]) * HEAD_DIM + HEADS * HEAD_DIM * H) // p
     assert moved["collective-permute"] == mha_bytes(p, causal, cfg["num_kv_heads"], backward=True)
-    assert moved["all-reduce"] == round(2 * (g - 1) / g * weights * F32)   # ΔW summed over dp/fsdp
+    assert moved["all-reduce"] == round(2 * (g - 1) / g * weights * F32)  # ΔW summed over dp/fsdp
     assert moved["all-gather"] == moved["reduce-scatter"] == moved["all-to-all"] == 0
 
 
@@ -291,14 +308,18 @@ def test_attention_forward_bytes_and_residuals(p, causal):
         return out, jax.tree.leaves(vjp)
 
     (_, saved), moved = compiled_run(forward_with_residuals, x, params, pos)
-    assert moved == {**dict.fromkeys(moved, 0),
-                     "collective-permute": mha_bytes(p, causal, cfg["num_kv_heads"], backward=False)}
+    assert moved == {
+        **dict.fromkeys(moved, 0),
+        "collective-permute": mha_bytes(p, causal, cfg["num_kv_heads"], backward=False),
+    }
     extra = [(r.shape, r.dtype) for r in saved]
     for a in (x, pos, *params.values()):
-        extra.remove((a.shape, a.dtype))          # the inputs, kept by reference
+        extra.remove((a.shape, a.dtype))  # the inputs, kept by reference
     # lse and A, sharded over all devices: [p, b, s/p, n/p, (d)] each, i.e. bsh/p (+ bsn/p) per device
     assert sorted((np.prod(shape), dtype) for shape, dtype in extra) == [
-        (B * S * HEADS, jnp.float32), (B * S * HEADS * HEAD_DIM, jnp.float32)], extra
+        (B * S * HEADS, jnp.float32),
+        (B * S * HEADS * HEAD_DIM, jnp.float32),
+    ], extra
 
 
 def test_layer_peak_below_megatron():
@@ -308,8 +329,14 @@ def test_layer_peak_below_megatron():
     mesh = mesh_of(p)
     x = jax.ShapeDtypeStruct((b, s, h), jnp.float32)
     pos = jax.ShapeDtypeStruct((b, s), jnp.int32)
-    shapes = {"wq": (h, heads * d), "wk": (h, heads * d), "wv": (h, heads * d), "wo": (heads * d, h),
-              "w_in": (h, ffn), "w_out": (ffn, h)}
+    shapes = {
+        "wq": (h, heads * d),
+        "wk": (h, heads * d),
+        "wv": (h, heads * d),
+        "wo": (heads * d, h),
+        "w_in": (h, ffn),
+        "w_out": (ffn, h),
+    }
     params = {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in shapes.items()}
 
     def train_step(module):
@@ -321,6 +348,7 @@ def test_layer_peak_below_megatron():
         def step(x, w, pos, dy):
             out, vjp = jax.vjp(lambda x, w: layer(x, w, pos), x, w)
             return out, vjp(dy)
+
         return compile_stats(step, x, params, pos, x)
 
     ours, theirs = train_step(metp), train_step(megatron)
@@ -330,6 +358,7 @@ def test_layer_peak_below_megatron():
 # ---------------------------------------------------------------------------------------------------------
 # Errors and parameter specs
 # ---------------------------------------------------------------------------------------------------------
+
 
 def test_errors():
     mesh = mesh_of(4)

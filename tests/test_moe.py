@@ -1,6 +1,7 @@
 """Mixture of experts (jaxring.moe): the block against a dense per-token reference (forward, every gradient,
 losses and load, dropless and capacity), expert parallelism on four meshes against one device, the
 all-to-all bytes on the compiled program, load balancing in a short run, and every validation error."""
+
 import dataclasses
 import functools
 
@@ -10,29 +11,46 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import assert_close
 from jax.sharding import PartitionSpec as P
 
 import jaxring
 from jaxring.analysis import compile_stats
 from jaxring.moe import MoE, MoEConfig, RouterBias, moe_ffn, param_specs, sharded_moe_ffn, update_router_bias
-from helpers import assert_close
 
 H, E, K, FFN, SHARED = 16, 8, 2, 32, 16
 RTOL = 1e-4
-LOSS_SCALE = 10.0    # the MoE losses enter the checked objective with this weight, so their gradients count
+LOSS_SCALE = 10.0  # the MoE losses enter the checked objective with this weight, so their gradients count
 
-MESHES = {"ep8": dict(ep=8), "dp2-ep4": dict(dp=2, ep=4), "sp4-ep2": dict(sp=4, ep=2),
-          "tp2-ep4": dict(tp=2, ep=4)}
+MESHES = {"ep8": dict(ep=8), "dp2-ep4": dict(dp=2, ep=4), "sp4-ep2": dict(sp=4, ep=2), "tp2-ep4": dict(tp=2, ep=4)}
 
 # blocked grouped matmul with blocks of 4 rows: groups span several blocks and end mid-block
-DROPLESS = MoEConfig(num_experts=E, experts_per_token=K, ffn=FFN, activation="swiglu", shared_expert_ffn=SHARED,
-                     aux_loss_weight=0.5, z_loss_weight=0.1, grouped_matmul="blocked", block_rows=4)
+DROPLESS = MoEConfig(
+    num_experts=E,
+    experts_per_token=K,
+    ffn=FFN,
+    activation="swiglu",
+    shared_expert_ffn=SHARED,
+    aux_loss_weight=0.5,
+    z_loss_weight=0.1,
+    grouped_matmul="blocked",
+    block_rows=4,
+)
 # gelu, raw top-k gates, a selection bias, and a capacity small enough to drop
-CAPACITY = MoEConfig(num_experts=E, experts_per_token=K, ffn=FFN, activation="gelu", capacity_factor=1.0,
-                     renormalize=False, router_bias=True, aux_loss_weight=0.5, z_loss_weight=0.1)
+CAPACITY = MoEConfig(
+    num_experts=E,
+    experts_per_token=K,
+    ffn=FFN,
+    activation="gelu",
+    capacity_factor=1.0,
+    renormalize=False,
+    router_bias=True,
+    aux_loss_weight=0.5,
+    z_loss_weight=0.1,
+)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mesh_of(name):
     return jaxring.make_mesh(**MESHES[name])
 
@@ -43,12 +61,16 @@ def normal(seed, shape, scale=1.0):
 
 def make_params(config, seed=0):
     names = ("w_in", "w_gate", "w_out") if config.activation == "swiglu" else ("w_in", "w_out")
-    p = {"router": normal(seed, (H, E)),
-         "experts": {n: normal(seed + i + 1, (E, FFN, H) if n == "w_out" else (E, H, FFN), H ** -0.5)
-                     for i, n in enumerate(names)}}
+    p = {
+        "router": normal(seed, (H, E)),
+        "experts": {
+            n: normal(seed + i + 1, (E, FFN, H) if n == "w_out" else (E, H, FFN), H**-0.5) for i, n in enumerate(names)
+        },
+    }
     if config.shared_expert_ffn:
-        p["shared"] = {n: normal(seed + i + 5, (SHARED, H) if n == "w_out" else (H, SHARED), H ** -0.5)
-                       for i, n in enumerate(names)}
+        p["shared"] = {
+            n: normal(seed + i + 5, (SHARED, H) if n == "w_out" else (H, SHARED), H**-0.5) for i, n in enumerate(names)
+        }
     if config.router_bias:
         p["router_bias"] = normal(seed + 9, (E,), 0.2)
     return p
@@ -57,6 +79,7 @@ def make_params(config, seed=0):
 # ------------------------------------------------------------------------------------------------------
 # The dense per-token reference
 # ------------------------------------------------------------------------------------------------------
+
 
 def reference_routing(x, params, config, groups=None):
     """numpy float64: top-k choices [T, k] and the kept mask [T, k].
@@ -70,7 +93,7 @@ def reference_routing(x, params, config, groups=None):
     probs = np.exp(logits - logits.max(1, keepdims=True))
     probs /= probs.sum(1, keepdims=True)
     scores = probs + np.asarray(params.get("router_bias", np.zeros(E)), np.float64)
-    choice = np.argsort(-scores, axis=1, kind="stable")[:, :config.experts_per_token]
+    choice = np.argsort(-scores, axis=1, kind="stable")[:, : config.experts_per_token]
     keep = np.ones(choice.shape, bool)
     if not config.dropless:
         groups = np.zeros(len(x2), int) if groups is None else groups
@@ -139,13 +162,16 @@ def reference_grads(x, params, config, cotangent, groups=None):
 
 def moe_grads(fn, x, params, cotangent):
     """(y, grads wrt (x, params), stats) of fn(x, params) -> (y, stats), jitted once."""
+
     @jax.jit
     def run(x, params, cotangent):
         def f(x, params):
             y, stats = fn(x, params)
             return objective(y, stats["loss"], cotangent), (y, stats)
+
         (_, (y, stats)), grads = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(x, params)
         return y, grads, stats
+
     return run(x, params, cotangent)
 
 
@@ -160,8 +186,12 @@ def check_stats(stats, ref):
 # One device against the reference
 # ------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("config", [DROPLESS, dataclasses.replace(DROPLESS, grouped_matmul="ragged_dot"), CAPACITY],
-                         ids=["dropless-blocked", "dropless-ragged_dot", "capacity"])
+
+@pytest.mark.parametrize(
+    "config",
+    [DROPLESS, dataclasses.replace(DROPLESS, grouped_matmul="ragged_dot"), CAPACITY],
+    ids=["dropless-blocked", "dropless-ragged_dot", "capacity"],
+)
 def test_block_matches_per_token_reference(config):
     x, ct = normal(11, (2, 16, H)), normal(12, (2, 16, H))
     params = make_params(config)
@@ -173,7 +203,7 @@ def test_block_matches_per_token_reference(config):
     if not config.dropless:
         assert 0 < stats_ref["dropped"] < 32, "the capacity case must drop some assignments, not most"
         assert_close(stats["drop_rate"], stats_ref["dropped"] / (32 * K), 1e-6, "drop_rate")
-        assert np.abs(np.asarray(grads[1]["router_bias"])).max() == 0   # selection only
+        assert np.abs(np.asarray(grads[1]["router_bias"])).max() == 0  # selection only
     load = stats_ref["load"]
     assert_close(stats["load_imbalance"], load.max() / load.mean(), 1e-6, "load_imbalance")
 
@@ -181,6 +211,7 @@ def test_block_matches_per_token_reference(config):
 # ------------------------------------------------------------------------------------------------------
 # Expert parallelism on meshes
 # ------------------------------------------------------------------------------------------------------
+
 
 def token_groups(mesh, batch, seq):
     """The device group of every token (row-major [batch, seq]) under batch over dp·fsdp·ep, seq over sp."""
@@ -232,10 +263,12 @@ def test_grads_taken_inside_shard_map_are_already_reduced():
         def loss(x, params):
             y, stats = moe_ffn(x, params, config=DROPLESS, ep_axis="ep", tp_axis="tp")
             return jax.lax.psum(jnp.sum(y * ct), ("ep", "sp")) + LOSS_SCALE * stats["loss"]
+
         return jax.grad(loss, argnums=(0, 1))(x, params)
 
     got = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(x_spec, specs, x_spec), out_specs=(x_spec, specs)))(
-        x, params, ct)
+        x, params, ct
+    )
     ref = moe_grads(lambda x, p: moe_ffn(x, p, config=DROPLESS, ep_axis=None), x, params, ct)[1]
     check_tree(got, ref, name="grad")
 
@@ -244,8 +277,11 @@ def test_grads_taken_inside_shard_map_are_already_reduced():
 # Bytes moved per MoE layer (compiled program)
 # ------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mesh_name,dropless", [("ep8", True), ("dp2-ep4", True), ("tp2-ep4", True),
-                                                ("sp4-ep2", True), ("ep8", False), ("dp2-ep4", False)])
+
+@pytest.mark.parametrize(
+    "mesh_name,dropless",
+    [("ep8", True), ("dp2-ep4", True), ("tp2-ep4", True), ("sp4-ep2", True), ("ep8", False), ("dp2-ep4", False)],
+)
 def test_all_to_all_bytes(mesh_name, dropless):
     """Per device, each all_to_all receives (ep-1)/ep of the exchanged fp32 buffer:
 
@@ -275,8 +311,9 @@ def test_all_to_all_bytes(mesh_name, dropless):
         return sharded_moe_ffn(x, p, mesh=mesh, config=config)
 
     def train(x, p):
-        return jax.grad(lambda x, p: objective(*(lambda y, s: (y, s["loss"]))(*forward(x, p)), ct),
-                        argnums=(0, 1))(x, p)
+        return jax.grad(lambda x, p: objective(*(lambda y, s: (y, s["loss"]))(*forward(x, p)), ct), argnums=(0, 1))(
+            x, p
+        )
 
     fwd, bwd = compile_stats(forward, x, params), compile_stats(train, x, params)
     assert fwd.bytes_moved["all-to-all"] == 2 * exchange + counts
@@ -289,11 +326,19 @@ def test_all_to_all_bytes(mesh_name, dropless):
 # Load balancing
 # ------------------------------------------------------------------------------------------------------
 
+
 def skewed_setup():
     """Tokens with a common direction and a router column leaning towards it: expert 0 is most tokens' first
     choice (load max/mean 3.44, of at most 4)."""
-    config = MoEConfig(num_experts=E, experts_per_token=K, ffn=FFN, activation="gelu", aux_loss_weight=1.0,
-                       z_loss_weight=0.0, router_bias=True)
+    config = MoEConfig(
+        num_experts=E,
+        experts_per_token=K,
+        ffn=FFN,
+        activation="gelu",
+        aux_loss_weight=1.0,
+        z_loss_weight=0.0,
+        router_bias=True,
+    )
     x = normal(51, (4, 64, H)) + 0.5
     params = make_params(config, seed=7)
     params["router"] = normal(52, (H, E), 0.3).at[:, 0].add(0.4)
@@ -310,6 +355,7 @@ def test_aux_loss_balances_a_skewed_router():
         def loss(router):
             _, stats = moe_ffn(x, {**params, "router": router}, config=config, ep_axis=None)
             return stats["loss"], stats["load_imbalance"]
+
         (_, imbalance), g = jax.value_and_grad(loss, has_aux=True)(router)
         updates, state = opt.update(g, state)
         return optax.apply_updates(router, updates), state, imbalance
@@ -339,6 +385,7 @@ def test_bias_update_balances_without_gradients():
 # The NNX module
 # ------------------------------------------------------------------------------------------------------
 
+
 def test_module_init_axes_and_call():
     config = MoEConfig(num_experts=E, experts_per_token=K, ffn=FFN, shared_expert_ffn=SHARED, router_bias=True)
     a, b, c = (MoE(H, config, rngs=nnx.Rngs(s)) for s in (0, 0, 1))
@@ -346,15 +393,20 @@ def test_module_init_axes_and_call():
     check_tree(pa, pb, rtol=0)
     assert not np.allclose(pa["experts"]["w_in"], pc["experts"]["w_in"])
     axes = {"/".join(map(str, path)): v.get_metadata()["logical_axes"] for path, v in nnx.to_flat_state(nnx.state(a))}
-    assert axes == {"router": ("embed", None), "router_bias": (None,),
-                    "experts/w_in": ("expert", "embed", "mlp"), "experts/w_gate": ("expert", "embed", "mlp"),
-                    "experts/w_out": ("expert", "mlp", "embed"), "shared/w_in": ("embed", "mlp"),
-                    "shared/w_gate": ("embed", "mlp"), "shared/w_out": ("mlp", "embed")}
+    assert axes == {
+        "router": ("embed", None),
+        "router_bias": (None,),
+        "experts/w_in": ("expert", "embed", "mlp"),
+        "experts/w_gate": ("expert", "embed", "mlp"),
+        "experts/w_out": ("expert", "mlp", "embed"),
+        "shared/w_in": ("embed", "mlp"),
+        "shared/w_gate": ("embed", "mlp"),
+        "shared/w_out": ("mlp", "embed"),
+    }
     assert "router_bias" not in nnx.state(a, nnx.Param)
     assert isinstance(a.router_bias, RouterBias)
     x = normal(61, (2, 8, H))
-    y, y_ref = nnx.jit(lambda m, x: (m(x, ep_axis=None)[0],
-                                     moe_ffn(x, pa, config=config, ep_axis=None)[0]))(a, x)
+    y, y_ref = nnx.jit(lambda m, x: (m(x, ep_axis=None)[0], moe_ffn(x, pa, config=config, ep_axis=None)[0]))(a, x)
     assert_close(y, y_ref, 0, "y")
 
 
@@ -362,16 +414,20 @@ def test_module_init_axes_and_call():
 # Validation
 # ------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(experts_per_token=9), "experts_per_token=9 must be <= num_experts=8"),
-    (dict(capacity_factor=0.0), "capacity_factor=0.0 must be > 0"),
-    (dict(capacity_factor=-1.0), "capacity_factor=-1.0 must be > 0"),
-    (dict(num_experts=0), "num_experts=0 must be a positive integer"),
-    (dict(activation="relu"), "activation='relu' must be one of swiglu, gelu"),
-    (dict(shared_expert_ffn=0), "shared_expert_ffn=0 must be a positive integer or None"),
-    (dict(grouped_matmul="dense"), "grouped_matmul='dense' must be one of auto, ragged_dot, blocked"),
-    (dict(block_rows=0), "block_rows=0 must be a positive integer"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(experts_per_token=9), "experts_per_token=9 must be <= num_experts=8"),
+        (dict(capacity_factor=0.0), "capacity_factor=0.0 must be > 0"),
+        (dict(capacity_factor=-1.0), "capacity_factor=-1.0 must be > 0"),
+        (dict(num_experts=0), "num_experts=0 must be a positive integer"),
+        (dict(activation="relu"), "activation='relu' must be one of swiglu, gelu"),
+        (dict(shared_expert_ffn=0), "shared_expert_ffn=0 must be a positive integer or None"),
+        (dict(grouped_matmul="dense"), "grouped_matmul='dense' must be one of auto, ragged_dot, blocked"),
+        (dict(block_rows=0), "block_rows=0 must be a positive integer"),
+    ],
+)
 def test_config_errors(kwargs, message):
     args = dict(num_experts=E, experts_per_token=K, ffn=FFN) | kwargs
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
@@ -379,20 +435,28 @@ def test_config_errors(kwargs, message):
     assert "\n" not in str(err.value)
 
 
-def _trace_local(mesh_name, config, params, x_spec=P(("dp", "fsdp", "ep"), "sp", None), specs=None,
-                 tp_axis="tp"):
+def _trace_local(mesh_name, config, params, x_spec=P(("dp", "fsdp", "ep"), "sp", None), specs=None, tp_axis="tp"):
     mesh = mesh_of(mesh_name)
     specs = specs if specs is not None else jax.tree.map(lambda _: P(), params)
-    fn = jax.shard_map(lambda x, p: moe_ffn(x, p, config=config, ep_axis="ep", tp_axis=tp_axis)[0],
-                       mesh=mesh, in_specs=(x_spec, specs), out_specs=x_spec)
+    fn = jax.shard_map(
+        lambda x, p: moe_ffn(x, p, config=config, ep_axis="ep", tp_axis=tp_axis)[0],
+        mesh=mesh,
+        in_specs=(x_spec, specs),
+        out_specs=x_spec,
+    )
     jax.eval_shape(fn, jax.ShapeDtypeStruct((8, 16, H), jnp.float32), params)
 
 
 def test_parallel_errors():
     config = MoEConfig(num_experts=12, experts_per_token=K, ffn=FFN)
-    params = {"router": jnp.zeros((H, 12)), "experts": {"w_in": jnp.zeros((12, H, FFN)),
-                                                        "w_gate": jnp.zeros((12, H, FFN)),
-                                                        "w_out": jnp.zeros((12, FFN, H))}}
+    params = {
+        "router": jnp.zeros((H, 12)),
+        "experts": {
+            "w_in": jnp.zeros((12, H, FFN)),
+            "w_gate": jnp.zeros((12, H, FFN)),
+            "w_out": jnp.zeros((12, FFN, H)),
+        },
+    }
     with pytest.raises(ValueError, match=r"num_experts=12 is not divisible by ep=8"):
         _trace_local("ep8", config, params)
     with pytest.raises(ValueError, match=r"expert ffn=30 is not divisible by tp=4"):
@@ -405,8 +469,9 @@ def test_parallel_errors():
         _trace_local("tp2-ep4", DROPLESS, params)
     # a sequence split over tp: the experts' FFN is split there, the tokens must not be
     with pytest.raises(ValueError, match=r"x varies over tp_axis='tp'"):
-        _trace_local("tp2-ep4", DROPLESS, params, x_spec=P(("dp", "fsdp", "ep"), "tp", None),
-                     specs=param_specs(DROPLESS))
+        _trace_local(
+            "tp2-ep4", DROPLESS, params, x_spec=P(("dp", "fsdp", "ep"), "tp", None), specs=param_specs(DROPLESS)
+        )
     with pytest.raises(ValueError, match=r"ep_axis='ep' is not an axis of the enclosing shard_map"):
         moe_ffn(jnp.zeros((1, 4, H)), params, config=DROPLESS)
     with pytest.raises(ValueError, match=r"moe_ffn x shape \(4, 16\) must be \[batch, seq, hidden\]"):

@@ -1,6 +1,7 @@
 """The mixture-of-experts GPT through train.py: dropless expert parallelism gives the 1-device losses on every
 mesh, the MoE metrics reach the metrics file, and bad MoE settings get one line and exit 2. (The block itself,
 its bytes and its load balancing are tested in test_moe.py.)"""
+
 import json
 
 import jax
@@ -10,8 +11,23 @@ import pytest
 import train as cli
 from models import gpt
 
-COMMON = ["--preset", "tiny-moe", "--steps", "3", "--batch-size", "8", "--seq-len", "32", "--lr", "3e-3",
-          "--warmup", "1", "--sample-tokens", "0", "--no-progress"]
+COMMON = [
+    "--preset",
+    "tiny-moe",
+    "--steps",
+    "3",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "32",
+    "--lr",
+    "3e-3",
+    "--warmup",
+    "1",
+    "--sample-tokens",
+    "0",
+    "--no-progress",
+]
 
 
 def _losses(tmp_path, flags, name):
@@ -24,19 +40,31 @@ def _losses(tmp_path, flags, name):
 def one_device():
     """The 1-device run, in process (the command line uses every device)."""
     from jaxring.train.loop import TrainConfig, train
-    cfg = TrainConfig(model="gpt", preset="tiny-moe", steps=3, batch_size=8, seq_len=32, lr=3e-3, warmup=1,
-                      sample_tokens=0, progress=False)
+
+    cfg = TrainConfig(
+        model="gpt",
+        preset="tiny-moe",
+        steps=3,
+        batch_size=8,
+        seq_len=32,
+        lr=3e-3,
+        warmup=1,
+        sample_tokens=0,
+        progress=False,
+    )
     return [dict(r) for r in train(cfg, devices=jax.devices()[:1], log=lambda *a: None)]
 
 
-@pytest.mark.parametrize("flags", [["--ep", "8"], ["--dp", "2", "--ep", "4"], ["--sp", "4", "--ep", "2"],
-                                   ["--tp", "2", "--ep", "4"]], ids=["ep8", "dp2-ep4", "sp4-ep2", "tp2-ep4"])
+@pytest.mark.parametrize(
+    "flags",
+    [["--ep", "8"], ["--dp", "2", "--ep", "4"], ["--sp", "4", "--ep", "2"], ["--tp", "2", "--ep", "4"]],
+    ids=["ep8", "dp2-ep4", "sp4-ep2", "tp2-ep4"],
+)
 def test_expert_parallel_meshes_match_one_device(flags, tmp_path, one_device):
     rows = _losses(tmp_path, flags, "run")
     np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in one_device], rtol=1e-3)
-    np.testing.assert_allclose([r["moe_aux_loss"] for r in rows], [r["moe_aux_loss"] for r in one_device],
-                               rtol=1e-3)
-    for r in rows:   # dropless: nothing dropped; the router's balance is reported
+    np.testing.assert_allclose([r["moe_aux_loss"] for r in rows], [r["moe_aux_loss"] for r in one_device], rtol=1e-3)
+    for r in rows:  # dropless: nothing dropped; the router's balance is reported
         assert r["drop_rate"] == 0 and r["load_imbalance"] >= 1.0 and r["moe_loss"] > 0
 
 
@@ -45,13 +73,18 @@ def test_capacity_path_drops_and_reports_it(tmp_path):
     assert all(0 < r["drop_rate"] < 1 for r in rows)
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--ep", "8", "--override", "num_experts=12"], "num_experts=12 is not divisible by ep=8"),
-    (["--override", "experts_per_token=9"], "experts_per_token=9 must be <= num_experts=8"),
-    (["--override", "capacity_factor=0"], "capacity_factor"),
-    (["--tp", "4", "--dp", "2", "--tensor-parallel", "optimus"], "mixture-of-experts layers cannot run with "
-                                                                 "tensor parallelism 'optimus'"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--ep", "8", "--override", "num_experts=12"], "num_experts=12 is not divisible by ep=8"),
+        (["--override", "experts_per_token=9"], "experts_per_token=9 must be <= num_experts=8"),
+        (["--override", "capacity_factor=0"], "capacity_factor"),
+        (
+            ["--tp", "4", "--dp", "2", "--tensor-parallel", "optimus"],
+            "mixture-of-experts layers cannot run with tensor parallelism 'optimus'",
+        ),
+    ],
+)
 def test_bad_moe_settings_get_one_line(flags, message, capsys):
     assert cli.main(COMMON + flags) == 2
     err = capsys.readouterr().err.strip().splitlines()

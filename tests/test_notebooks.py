@@ -7,6 +7,7 @@ sizes (JAXRING_NOTEBOOK_FAST=1) and 8 CPU devices. XLA's backend optimisation le
 on CPU by about 40% (most of a notebook's time is compiling); the bytes moved and buffer sizes that the
 notebooks print came out the same with and without it.
 """
+
 import importlib.util
 import json
 import pathlib
@@ -55,8 +56,11 @@ def test_notebooks_match_their_sources():
 
 def test_build_reads_markdown_code_and_magics():
     build = _build_module()
-    source = '# %% [markdown]\n# # Title\n#\n# text\n\n# %%\nif x:\n    # %pip install -q y\n# a comment\n'
-    assert build.cells(source) == [("markdown", "# Title\n\ntext"), ("code", "if x:\n    %pip install -q y\n# a comment")]
+    source = "# %% [markdown]\n# # Title\n#\n# text\n\n# %%\nif x:\n    # %pip install -q y\n# a comment\n"
+    assert build.cells(source) == [
+        ("markdown", "# Title\n\ntext"),
+        ("code", "if x:\n    %pip install -q y\n# a comment"),
+    ]
     with pytest.raises(ValueError, match="does not start with '# '"):
         build.cells("# %% [markdown]\nplain text\n")
 
@@ -65,8 +69,12 @@ def _kernel_manager(tmp_path) -> KernelManager:
     """A KernelManager whose kernel is `sys.executable -m ipykernel_launcher` with KERNEL_ENV."""
     spec_dir = tmp_path / "kernels" / "jaxring-test"
     spec_dir.mkdir(parents=True)
-    spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-            "display_name": "jaxring test kernel", "language": "python", "env": KERNEL_ENV}
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "jaxring test kernel",
+        "language": "python",
+        "env": KERNEL_ENV,
+    }
     (spec_dir / "kernel.json").write_text(json.dumps(spec))
     specs = KernelSpecManager(kernel_dirs=[str(spec_dir.parent)], ensure_native_kernel=False)
     return KernelManager(kernel_name="jaxring-test", kernel_spec_manager=specs)
@@ -75,10 +83,16 @@ def _kernel_manager(tmp_path) -> KernelManager:
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path):
     nb = nbformat.read(path, as_version=4)
-    assert not any(c.get("outputs") or c.get("execution_count") for c in nb.cells if c.cell_type == "code"), \
+    assert not any(c.get("outputs") or c.get("execution_count") for c in nb.cells if c.cell_type == "code"), (
         f"{path.name} is stored with outputs; clear them (keep the repository lean)"
-    client = nbclient.NotebookClient(nb, km=_kernel_manager(tmp_path), timeout=CELL_TIMEOUT_S,
-                                     allow_errors=False, resources={"metadata": {"path": str(NOTEBOOKS_DIR)}})
+    )
+    client = nbclient.NotebookClient(
+        nb,
+        km=_kernel_manager(tmp_path),
+        timeout=CELL_TIMEOUT_S,
+        allow_errors=False,
+        resources={"metadata": {"path": str(NOTEBOOKS_DIR)}},
+    )
     start = time.perf_counter()
     client.execute()  # raises CellExecutionError (with the cell and its traceback) on any error
     print(f"{path.name}: {time.perf_counter() - start:.1f} s")

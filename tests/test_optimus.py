@@ -2,6 +2,7 @@
 layernorm, embedding and cross-entropy blocks against plain jnp (forward and every gradient) on q = 2 (tp = 4)
 and dp = 2 × tp = 4, bytes moved against the paper's log-tree counts (Table 1), the one-block memory claim
 (stepwise SUMMA vs gathered panels, at q = 4 in a 16-device subprocess) and error messages."""
+
 import json
 import math
 import os
@@ -12,13 +13,13 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import assert_close, attention_block_reference, mlp_block_reference
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring import make_mesh
 from jaxring.analysis import compile_stats
 from jaxring.tensor import optimus
-from helpers import assert_close, attention_block_reference, mlp_block_reference
 
 RTOL = 1e-4
 BLOCK = P("tpr", "tpc")
@@ -57,6 +58,7 @@ def _compare(ours, ref, args, cotangent, names):
 # plain jnp references
 # ---------------------------------------------------------------------------------------------------------
 
+
 def layer_norm_ref(x, scale, bias, eps=1e-5):
     mean = x.mean(-1, keepdims=True)
     var = ((x - mean) ** 2).mean(-1, keepdims=True)
@@ -73,14 +75,17 @@ def cross_entropy_ref(x, w_head, targets):
 # SUMMA products
 # ---------------------------------------------------------------------------------------------------------
 
+
 def _summa(form, grid):
     fn = {"ab": optimus.summa_ab, "abt": optimus.summa_abt, "atb": optimus.summa_atb}[form]
     return jax.shard_map(fn, mesh=grid, in_specs=(BLOCK, BLOCK), out_specs=BLOCK)
 
 
-FORMS = {"ab": (lambda a, b: a @ b, (8, 12), (12, 16)),       # C [8, 16]
-         "abt": (lambda a, b: a @ b.T, (8, 12), (16, 12)),
-         "atb": (lambda a, b: a.T @ b, (12, 8), (12, 16))}
+FORMS = {
+    "ab": (lambda a, b: a @ b, (8, 12), (12, 16)),  # C [8, 16]
+    "abt": (lambda a, b: a @ b.T, (8, 12), (16, 12)),
+    "atb": (lambda a, b: a.T @ b, (12, 8), (12, 16)),
+}
 
 
 def test_summa_forms_and_gradients(meshes):
@@ -91,8 +96,9 @@ def test_summa_forms_and_gradients(meshes):
     ref = jax.jit(lambda inputs: {f: _value_and_vjp(FORMS[f][0], (a, b), g) for f, (a, b, g) in inputs.items()})
     got, want = ours(inputs), ref(inputs)
     for form in FORMS:
-        _check_all([got[form][0], *got[form][1]], [want[form][0], *want[form][1]],
-                   [f"{form} C", f"{form} dA", f"{form} dB"])
+        _check_all(
+            [got[form][0], *got[form][1]], [want[form][0], *want[form][1]], [f"{form} C", f"{form} dA", f"{form} dB"]
+        )
 
 
 def test_summa_block_shape_errors():
@@ -108,6 +114,7 @@ def test_summa_block_shape_errors():
 # Transformer blocks against jnp (forward and the gradient of every input)
 # ---------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("mesh_name,activation", [("q2", "gelu"), ("dp2_q2", "swiglu")])
 def test_mlp_block(meshes, mesh_name, activation):
     mesh = meshes[mesh_name]
@@ -115,23 +122,34 @@ def test_mlp_block(meshes, mesh_name, activation):
     x, w_in, w_out, w_gate, dy = _normal(1, (b, s, h), (h, f), (f, h), (h, f), (b, s, h), scale=0.5)
     params = {"w_in": w_in, "w_out": w_out} | ({"w_gate": w_gate} if activation == "swiglu" else {})
 
-    _compare(lambda x, p: optimus.mlp_block(x, p, mesh=mesh, activation=activation),
-             lambda x, p: mlp_block_reference(x, p, activation), (x, params), dy, ["y", "dx", "dparams"])
+    _compare(
+        lambda x, p: optimus.mlp_block(x, p, mesh=mesh, activation=activation),
+        lambda x, p: mlp_block_reference(x, p, activation),
+        (x, params),
+        dy,
+        ["y", "dx", "dparams"],
+    )
 
 
 @pytest.mark.parametrize("mesh_name,causal,kv_heads", [("q2", True, 4), ("dp2_q2", False, 2)])
 def test_attention_block(meshes, mesh_name, causal, kv_heads):
     mesh = meshes[mesh_name]
     b, s, h, n, d = 4, 8, 16, 4, 4
-    x, wq, wk, wv, wo, dy = _normal(2, (b, s, h), (h, n * d), (h, kv_heads * d), (h, kv_heads * d),
-                                    (n * d, h), (b, s, h), scale=0.5)
+    x, wq, wk, wv, wo, dy = _normal(
+        2, (b, s, h), (h, n * d), (h, kv_heads * d), (h, kv_heads * d), (n * d, h), (b, s, h), scale=0.5
+    )
     params = {"wq": wq, "wk": wk, "wv": wv, "wo": wo}
     positions = jnp.arange(s, dtype=jnp.int32)[None, :] + 3 * jnp.arange(b, dtype=jnp.int32)[:, None]
 
-    _compare(lambda x, p: optimus.attention_block(x, p, positions, mesh=mesh, num_heads=n,
-                                                  num_kv_heads=kv_heads, causal=causal),
-             lambda x, p: attention_block_reference(x, p, positions, n, kv_heads, causal, 10000.0), (x, params), dy,
-             ["y", "dx", "dparams"])
+    _compare(
+        lambda x, p: optimus.attention_block(
+            x, p, positions, mesh=mesh, num_heads=n, num_kv_heads=kv_heads, causal=causal
+        ),
+        lambda x, p: attention_block_reference(x, p, positions, n, kv_heads, causal, 10000.0),
+        (x, params),
+        dy,
+        ["y", "dx", "dparams"],
+    )
 
 
 def test_layer_norm(meshes):
@@ -139,8 +157,13 @@ def test_layer_norm(meshes):
     x, scale, bias, dy = _normal(3, (4, 4, 8), (8,), (8,), (4, 4, 8))
     x = 3.0 * x + 1.0
 
-    _compare(lambda *a: optimus.layer_norm(*a, mesh=mesh), layer_norm_ref, (x, scale, bias), dy,
-             ["y", "dx", "dscale", "dbias"])
+    _compare(
+        lambda *a: optimus.layer_norm(*a, mesh=mesh),
+        layer_norm_ref,
+        (x, scale, bias),
+        dy,
+        ["y", "dx", "dscale", "dbias"],
+    )
 
 
 def test_embed_and_cross_entropy(meshes):
@@ -155,10 +178,13 @@ def test_embed_and_cross_entropy(meshes):
         def fn(table, w_head):
             x = embed(tokens, table)
             return x, ce(x, w_head, targets, False), ce(x, table, targets, True)
+
         return fn
 
-    ours = model(lambda t, e: optimus.embed(t, e, mesh=mesh),
-                 lambda x, w, y, tied: optimus.cross_entropy(x, w, y, mesh=mesh, tied=tied))
+    ours = model(
+        lambda t, e: optimus.embed(t, e, mesh=mesh),
+        lambda x, w, y, tied: optimus.cross_entropy(x, w, y, mesh=mesh, tied=tied),
+    )
     ref = model(lambda t, e: e[t], lambda x, w, y, tied: cross_entropy_ref(x, w.T if tied else w, y))
 
     loss = jax.jit(ours)(table, w_head)[1]
@@ -177,6 +203,7 @@ def test_embed_and_cross_entropy(meshes):
 #   AB: bcast(A) + bcast(B),  ABᵀ: bcast(B) + reduce(C),  AᵀB: bcast(A) + reduce(C)
 # and against the paper's Table 1 every term is scaled by (1 + q(R-1)) / (qR) (1/2 at q = 2).
 # ---------------------------------------------------------------------------------------------------------
+
 
 def _rounds(q):
     return math.ceil(math.log2(q))
@@ -202,16 +229,18 @@ def _permute_elements(fn, *args, devices=4):
 
 def test_summa_bytes(meshes):
     grid, q, _ = optimus.grid_mesh(meshes["q2"])
-    m, k, n = 16, 64, 32                                 # global; local blocks (m/q)×(k/q) etc.
+    m, k, n = 16, 64, 32  # global; local blocks (m/q)×(k/q) etc.
     blk = lambda r, c: (r // q) * (c // q)
     shapes = {"ab": ((m, k), (k, n)), "abt": ((m, k), (n, k)), "atb": ((k, m), (k, n))}
-    expected = {"ab": bcast(q, blk(m, k)) + bcast(q, blk(k, n)),
-                "abt": bcast(q, blk(n, k)) + reduce(q, blk(m, n)),
-                "atb": bcast(q, blk(k, m)) + reduce(q, blk(m, n))}
+    expected = {
+        "ab": bcast(q, blk(m, k)) + bcast(q, blk(k, n)),
+        "abt": bcast(q, blk(n, k)) + reduce(q, blk(m, n)),
+        "atb": bcast(q, blk(k, m)) + reduce(q, blk(m, n)),
+    }
     for form, (sa, sb) in shapes.items():
         got = _permute_elements(_summa(form, grid), _sds(grid, sa, BLOCK), _sds(grid, sb, BLOCK))
         assert got == expected[form], (form, got, expected[form])
-    assert expected["ab"] * 2 == q * _rounds(q) * (blk(m, k) + blk(k, n))   # the paper's count, at q = 2
+    assert expected["ab"] * 2 == q * _rounds(q) * (blk(m, k) + blk(k, n))  # the paper's count, at q = 2
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -242,8 +271,9 @@ def test_layer_forward_bytes_against_table1(meshes):
     positions = _sds(grid, (b, s), tok_spec, jnp.int32)
 
     mlp_fwd = _permute_elements(lambda x, w: optimus.mlp_block(x, w, mesh=mesh), x, mlp)
-    attn_fwd = _permute_elements(lambda x, w, pos: optimus.attention_block(x, w, pos, mesh=mesh, num_heads=n,
-                                                                           num_kv_heads=n), x, attn, positions)
+    attn_fwd = _permute_elements(
+        lambda x, w, pos: optimus.attention_block(x, w, pos, mesh=mesh, num_heads=n, num_kv_heads=n), x, attn, positions
+    )
     assert mlp_fwd == factor * (5 * b * s * h + 8 * h * h)
     assert attn_fwd == factor * (2 * b * s * h + 4 * h * h)
     assert mlp_fwd + attn_fwd == factor * (7 * b * s * h + 12 * h * h)
@@ -270,9 +300,10 @@ def test_embedding_bytes(meshes):
 # Memory: a few blocks in flight (stepwise) vs gathered row/column panels (collapsed all_gather)
 # ---------------------------------------------------------------------------------------------------------
 
+
 def collapsed_ab(a, b):
     """Algorithm 1 with the whole row panel of A and column panel of B gathered at once (q blocks each)."""
-    return (jax.lax.all_gather(a, "tpc", axis=1, tiled=True) @ jax.lax.all_gather(b, "tpr", axis=0, tiled=True))
+    return jax.lax.all_gather(a, "tpc", axis=1, tiled=True) @ jax.lax.all_gather(b, "tpr", axis=0, tiled=True)
 
 
 def _memory_stats(grid, q, block_rows=16, block_cols=1024):
@@ -282,17 +313,18 @@ def _memory_stats(grid, q, block_rows=16, block_cols=1024):
     args = (_sds(grid, (m, k), BLOCK), _sds(grid, (k, m), BLOCK))
     out = {}
     for name, fn in (("stepwise", optimus.summa_ab), ("collapsed", collapsed_ab)):
-        stats = compile_stats(jax.shard_map(fn, mesh=grid, in_specs=(BLOCK, BLOCK), out_specs=BLOCK), *args,
-                              num_devices=q * q)
+        stats = compile_stats(
+            jax.shard_map(fn, mesh=grid, in_specs=(BLOCK, BLOCK), out_specs=BLOCK), *args, num_devices=q * q
+        )
         out[name] = {"temp": stats.temp_bytes, "moved": stats.total_bytes_moved}
-    return out, 2 * block_rows * block_cols * 4                     # |A block| + |B block| in bytes
+    return out, 2 * block_rows * block_cols * 4  # |A block| + |B block| in bytes
 
 
 def test_stepwise_summa_uses_less_memory_than_panels(meshes):
     grid, q, _ = optimus.grid_mesh(meshes["q2"])
     r, blocks = _memory_stats(grid, q)
     assert r["stepwise"]["temp"] < r["collapsed"]["temp"], r
-    assert r["stepwise"]["moved"] == bcast(q, blocks) == r["collapsed"]["moved"]   # q = 2: one block each
+    assert r["stepwise"]["moved"] == bcast(q, blocks) == r["collapsed"]["moved"]  # q = 2: one block each
 
 
 MEMORY_SCRIPT = textwrap.dedent("""
@@ -312,23 +344,26 @@ def test_stepwise_memory_is_constant_in_q_panels_grow():
     """At q = 8 (64 simulated devices, compiled only, in a subprocess): stepwise SUMMA holds a constant
     number of blocks (the shared round-0 block, the current and the prefetched one, and one round in flight:
     under 4 per matrix), the collapsed form q-block panels (at least 2q = 16)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=64", JAX_PLATFORMS="cpu",
-               JAX_NUM_CPU_DEVICES="64")
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=64", JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="64"
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT], env=env, cwd=root, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", MEMORY_SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     r = json.loads(result.stdout.strip().splitlines()[-1])
-    q, blocks = r["q"], r["blocks"]                          # blocks: |A block| + |B block| in bytes
+    q, blocks = r["q"], r["blocks"]  # blocks: |A block| + |B block| in bytes
     assert q == 8
     assert r["stepwise"]["temp"] < 4 * blocks, r
     assert r["collapsed"]["temp"] >= q * blocks, r
-    assert r["stepwise"]["moved"] == bcast(q, blocks), r     # (1 + 8·2) blocks of A and of B
+    assert r["stepwise"]["moved"] == bcast(q, blocks), r  # (1 + 8·2) blocks of A and of B
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Validation
 # ---------------------------------------------------------------------------------------------------------
+
 
 def test_errors(meshes):
     x = jnp.zeros((4, 4, 8))

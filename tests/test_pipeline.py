@@ -5,6 +5,7 @@ tp with a psum, as Megatron) -> norm-scaled head and cross-entropy. The activati
 pytree (hidden [b, s, h], and a per-sequence auxiliary sum that each layer adds to and the head puts into the
 loss, the way an MoE balance loss travels), so gradients flow through both.
 """
+
 import re
 
 import jax
@@ -14,18 +15,18 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxring
-from jaxring.pipeline import (SCHEDULES, lower, make_schedule, peak_in_flight, pipeline_loss_and_grads,
-                              simulate)
-from jaxring.pipeline.schedules import B, BW, F, W
+from jaxring.pipeline import SCHEDULES, lower, make_schedule, peak_in_flight, pipeline_loss_and_grads, simulate
+from jaxring.pipeline.schedules import BW, B, F, W
 from jaxring.pipeline.traffic import permute_bytes_by_pair, stage_link_bytes
 from jaxring.vma import varying_axes
 from tests.helpers import assert_close
 
-VOCAB, HIDDEN, SEQ, BATCH = 32, 16, 8, 2      # BATCH: micro-batch size per data-parallel rank
+VOCAB, HIDDEN, SEQ, BATCH = 32, 16, 8, 2  # BATCH: micro-batch size per data-parallel rank
 AUX_WEIGHT = 0.01
 
 
 # ---------------------------------------------------------------- schedules and the simulator (no compiling)
+
 
 @pytest.mark.parametrize("p,m", [(2, 2), (2, 6), (3, 5), (4, 4), (4, 8), (4, 12), (8, 16)])
 def test_simulated_bubble_matches_the_formulas(p, m):
@@ -60,7 +61,7 @@ def test_in_flight_micro_batches():
     p, m = 4, 12
     assert peak_in_flight(make_schedule("gpipe", p, m)) == [m] * p
     assert peak_in_flight(make_schedule("1f1b", p, m)) == [p - s for s in range(p)]
-    assert peak_in_flight(make_schedule("zero-bubble", p, m)) == [p] * p     # F..W; as 1f1b's peak on stage 0
+    assert peak_in_flight(make_schedule("zero-bubble", p, m)) == [p] * p  # F..W; as 1f1b's peak on stage 0
     # residual slots (the interpreter's memory) follow the same counts
     assert lower(make_schedule("gpipe", p, m)).slots["res"] == m
     assert lower(make_schedule("1f1b", p, m)).slots["res"] == p
@@ -78,9 +79,9 @@ def test_tables_respect_dependencies_and_chart():
                 ticks[(kind, i, c * 4 + s)] = t
         last = 4 * v - 1
         for (kind, i, vs), t in ticks.items():
-            if kind == F and vs > 0:                            # F after the previous virtual stage's F
+            if kind == F and vs > 0:  # F after the previous virtual stage's F
                 assert ticks[(F, i, vs - 1)] < t
-            if kind in (B, BW):                                 # B / BW after own F and the next stage's
+            if kind in (B, BW):  # B / BW after own F and the next stage's
                 assert ticks[(F, i, vs)] < t and (vs == last or ticks[(kind, i, vs + 1)] < t)
             if kind == W:
                 assert ticks[(B, i, vs)] < t
@@ -91,23 +92,28 @@ def test_tables_respect_dependencies_and_chart():
 
 def test_schedule_picture():
     import matplotlib
+
     matplotlib.use("Agg")
     from jaxring.pipeline import plot_schedule
+
     schedule = make_schedule("zero-bubble", 4, 8)
     ax = plot_schedule(schedule, costs="paper", lockstep=False)
-    assert len(ax.patches) == 3 * 8 * 4                          # one box per action
+    assert len(ax.patches) == 3 * 8 * 4  # one box per action
     assert ax.get_xlim()[1] == pytest.approx(simulate(schedule).makespan)
 
 
-@pytest.mark.parametrize("args,message", [
-    (("pipedream", 4, 8), "unknown pipeline schedule 'pipedream'"),
-    (("1f1b", 4, 2), "num_microbatches=2 is less than pp=4"),
-    (("gpipe", 4, 8, 2), "virtual_stages=2 applies only to the 'interleaved' schedule, not 'gpipe'"),
-    (("zero-bubble", 2, 4, 2), "virtual_stages=2 applies only to the 'interleaved' schedule"),
-    (("interleaved", 4, 6, 2), "num_microbatches=6 is not divisible by pp=4"),
-    (("interleaved", 4, 8, 1), "virtual_stages=1: the 'interleaved' schedule needs at least 2"),
-    (("1f1b", 0, 8), "pp (num_stages)=0 must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("pipedream", 4, 8), "unknown pipeline schedule 'pipedream'"),
+        (("1f1b", 4, 2), "num_microbatches=2 is less than pp=4"),
+        (("gpipe", 4, 8, 2), "virtual_stages=2 applies only to the 'interleaved' schedule, not 'gpipe'"),
+        (("zero-bubble", 2, 4, 2), "virtual_stages=2 applies only to the 'interleaved' schedule"),
+        (("interleaved", 4, 6, 2), "num_microbatches=6 is not divisible by pp=4"),
+        (("interleaved", 4, 8, 1), "virtual_stages=1: the 'interleaved' schedule needs at least 2"),
+        (("1f1b", 0, 8), "pp (num_stages)=0 must be a positive integer"),
+    ],
+)
 def test_refused_schedules(args, message):
     with pytest.raises(ValueError, match=re.escape(message)) as info:
         make_schedule(*args)
@@ -116,14 +122,19 @@ def test_refused_schedules(args, message):
 
 # ---------------------------------------------------------------- the toy model
 
+
 def init(num_layers, seed=0):
     k = jax.random.split(jax.random.PRNGKey(seed), 6)
-    stack = {"w1": jax.random.normal(k[0], (num_layers, HIDDEN, 4 * HIDDEN)) * HIDDEN ** -0.5,
-             "b1": jax.random.normal(k[1], (num_layers, 4 * HIDDEN)) * 0.1,
-             "w2": jax.random.normal(k[2], (num_layers, 4 * HIDDEN, HIDDEN)) * (4 * HIDDEN) ** -0.5}
-    shared = {"embed": jax.random.normal(k[3], (VOCAB, HIDDEN)),
-              "head": jax.random.normal(k[4], (HIDDEN, VOCAB)) * HIDDEN ** -0.5,
-              "norm": 1 + 0.1 * jax.random.normal(k[5], (HIDDEN,))}
+    stack = {
+        "w1": jax.random.normal(k[0], (num_layers, HIDDEN, 4 * HIDDEN)) * HIDDEN**-0.5,
+        "b1": jax.random.normal(k[1], (num_layers, 4 * HIDDEN)) * 0.1,
+        "w2": jax.random.normal(k[2], (num_layers, 4 * HIDDEN, HIDDEN)) * (4 * HIDDEN) ** -0.5,
+    }
+    shared = {
+        "embed": jax.random.normal(k[3], (VOCAB, HIDDEN)),
+        "head": jax.random.normal(k[4], (HIDDEN, VOCAB)) * HIDDEN**-0.5,
+        "norm": 1 + 0.1 * jax.random.normal(k[5], (HIDDEN,)),
+    }
     return stack, shared
 
 
@@ -137,8 +148,10 @@ def make_stage_fn(tp_axis):
         def layer(x, w):
             out = jax.nn.gelu(x["h"] @ w["w1"] + w["b1"]) @ w["w2"]
             out = lax.psum(out, tp_axis) if tp_axis else out
-            return {"h": x["h"] + out, "aux": x["aux"] + jnp.mean(out ** 2, axis=(1, 2))}, None
+            return {"h": x["h"] + out, "aux": x["aux"] + jnp.mean(out**2, axis=(1, 2))}, None
+
         return lax.scan(layer, x, chunk)[0]
+
     return stage_fn
 
 
@@ -147,7 +160,7 @@ def loss_fn(shared, x, mb):
     lse = jax.nn.logsumexp(logits, -1)
     target = jnp.take_along_axis(logits, mb["targets"][..., None], -1)[..., 0]
     balance = jnp.sum(x["aux"])
-    return jnp.sum(lse - target) + AUX_WEIGHT * balance, {"balance": balance, "z": jnp.sum(lse ** 2)}
+    return jnp.sum(lse - target) + AUX_WEIGHT * balance, {"balance": balance, "z": jnp.sum(lse**2)}
 
 
 def sequential(stack, shared, microbatches):
@@ -157,14 +170,18 @@ def sequential(stack, shared, microbatches):
     def total(stack, shared):
         def one(mb):
             return loss_fn(shared, stage_fn(stack, embed_fn(shared, mb), mb), mb)
+
         losses, aux = jax.vmap(one)(microbatches)
         return losses.sum(), jax.tree.map(jnp.sum, aux)
 
     return jax.jit(jax.value_and_grad(total, argnums=(0, 1), has_aux=True))(stack, shared)
 
 
-STACK_SPEC = {"w1": P("pp", None, None, None, "tp"), "b1": P("pp", None, None, "tp"),
-              "w2": P("pp", None, None, "tp", None)}
+STACK_SPEC = {
+    "w1": P("pp", None, None, None, "tp"),
+    "b1": P("pp", None, None, "tp"),
+    "w2": P("pp", None, None, "tp", None),
+}
 
 
 def pipelined_step(mesh, schedule, check_vma=True, **options):
@@ -174,8 +191,15 @@ def pipelined_step(mesh, schedule, check_vma=True, **options):
     def body(staged, shared, microbatches):
         chunks = jax.tree.map(lambda a: a[0], staged)
         out = pipeline_loss_and_grads(
-            schedule, embed_fn=embed_fn, stage_fn=make_stage_fn("tp"), loss_fn=loss_fn, stage_params=chunks,
-            shared_params=shared, microbatches=microbatches, **options)
+            schedule,
+            embed_fn=embed_fn,
+            stage_fn=make_stage_fn("tp"),
+            loss_fn=loss_fn,
+            stage_params=chunks,
+            shared_params=shared,
+            microbatches=microbatches,
+            **options,
+        )
         if not options.get("reduce_data_axes", True):
             assert all("dp" in varying_axes(a) for a in jax.tree.leaves(out)), "unreduced results must vary over dp"
             out = lax.psum(out, "dp")
@@ -183,8 +207,15 @@ def pipelined_step(mesh, schedule, check_vma=True, **options):
         return loss, aux, jax.tree.map(lambda a: a[None], d_stage), d_shared
 
     batch_spec = {"tokens": P(None, "dp"), "targets": P(None, "dp")}
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(STACK_SPEC, P(), batch_spec),
-                                 out_specs=(P(), P(), STACK_SPEC, P()), check_vma=check_vma))
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(STACK_SPEC, P(), batch_spec),
+            out_specs=(P(), P(), STACK_SPEC, P()),
+            check_vma=check_vma,
+        )
+    )
 
 
 def to_stages(stack, pp, v):
@@ -198,8 +229,10 @@ def from_stages(staged):
 
 def make_batch(m, dp, seed=1):
     k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    return {"tokens": jax.random.randint(k1, (m, BATCH * dp, SEQ), 0, VOCAB),
-            "targets": jax.random.randint(k2, (m, BATCH * dp, SEQ), 0, VOCAB)}
+    return {
+        "tokens": jax.random.randint(k1, (m, BATCH * dp, SEQ), 0, VOCAB),
+        "targets": jax.random.randint(k2, (m, BATCH * dp, SEQ), 0, VOCAB),
+    }
 
 
 # (schedule, m, v, layers per chunk, mesh degrees, options): pp=4 alone, pp=2 x dp=4, pp=2 x tp=2 x dp=2; one
@@ -246,13 +279,13 @@ def test_pipelined_gradients_equal_sequential(name, m, v, layers, degrees, optio
     # bytes between stages: one micro-batch's activation (hidden + aux) per message, 2m per boundary per step
     activation = 4 * BATCH * SEQ * HIDDEN + 4 * BATCH
     want = {}
-    for s in range(pp - 1):                                      # within each loop over the stages: v·m each way
+    for s in range(pp - 1):  # within each loop over the stages: v·m each way
         want[(s, s + 1)] = want[(s + 1, s)] = v * m * activation
-    if v > 1:                                                    # the wrap-around link: (v-1)·m each way
+    if v > 1:  # the wrap-around link: (v-1)·m each way
         want[(pp - 1, 0)] = want.get((pp - 1, 0), 0) + (v - 1) * m * activation
         want[(0, pp - 1)] = want.get((0, pp - 1), 0) + (v - 1) * m * activation
     hlo = compiled.as_text()
-    assert stage_link_bytes(hlo, mesh) == dict(sorted(want.items()))    # the same on every dp / tp replica
+    assert stage_link_bytes(hlo, mesh) == dict(sorted(want.items()))  # the same on every dp / tp replica
     assert sum(permute_bytes_by_pair(hlo).values()) == sum(want.values()) * (n // pp)
     # 2·m activations per boundary between consecutive virtual stages, v·pp - 1 boundaries
     assert sum(want.values()) == 2 * m * activation * (v * pp - 1)
@@ -262,16 +295,16 @@ def compiled_temp_bytes(name, pp, m):
     mesh = jaxring.make_mesh(pp=pp, devices=jax.devices()[:pp])
     stack, shared = init(pp)
     step = pipelined_step(mesh, make_schedule(name, pp, m))
-    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                        (to_stages(stack, pp, 1), shared, make_batch(m, 1)))
+    args = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (to_stages(stack, pp, 1), shared, make_batch(m, 1))
+    )
     return step.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
 def test_compiled_memory_grows_with_m_only_for_gpipe():
     """gpipe keeps m micro-batches' residuals; 1f1b and zero-bubble at most pp, whatever m."""
     pp = 2
-    temp = {(name, m): compiled_temp_bytes(name, pp, m) for name in ("gpipe", "1f1b", "zero-bubble")
-            for m in (4, 8)}
+    temp = {(name, m): compiled_temp_bytes(name, pp, m) for name in ("gpipe", "1f1b", "zero-bubble") for m in (4, 8)}
     gpipe_growth = temp[("gpipe", 8)] - temp[("gpipe", 4)]
     # residuals of 4 more micro-batches: per micro-batch at least the MLP's hidden activation
     assert gpipe_growth > 4 * BATCH * SEQ * 4 * HIDDEN * 4
@@ -280,16 +313,22 @@ def test_compiled_memory_grows_with_m_only_for_gpipe():
     assert temp[("1f1b", 8)] < temp[("gpipe", 8)] and temp[("zero-bubble", 8)] < temp[("gpipe", 8)]
 
 
-@pytest.mark.parametrize("case,message", [
-    ("stages", "schedule has 2 stages but mesh axis 'pp' has size 4"),
-    ("chunks", "every leaf needs a leading chunk dimension of virtual_stages = 2"),
-    ("microbatches", "every leaf needs a leading micro-batch dimension of num_microbatches = 8"),
-])
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("stages", "schedule has 2 stages but mesh axis 'pp' has size 4"),
+        ("chunks", "every leaf needs a leading chunk dimension of virtual_stages = 2"),
+        ("microbatches", "every leaf needs a leading micro-batch dimension of num_microbatches = 8"),
+    ],
+)
 def test_refused_calls(case, message):
     mesh = jaxring.make_mesh(pp=4, devices=jax.devices()[:4])
     stack, shared = init(8)
-    schedule = {"stages": make_schedule("1f1b", 2, 4), "chunks": make_schedule("interleaved", 4, 4, 2),
-                "microbatches": make_schedule("1f1b", 4, 8)}[case]
+    schedule = {
+        "stages": make_schedule("1f1b", 2, 4),
+        "chunks": make_schedule("interleaved", 4, 4, 2),
+        "microbatches": make_schedule("1f1b", 4, 8),
+    }[case]
     step = pipelined_step(mesh, schedule)
     with pytest.raises(ValueError, match=re.escape(message)) as info:
         step.lower(to_stages(stack, 4, 1), shared, make_batch(4, 1))

@@ -1,6 +1,7 @@
 """Pipeline parallelism in the GPT train step, through train.py: every schedule gives the 1-device losses, on
 pp alone and composed with dp, sp (ring attention inside the stages), tp and ZeRO; refused settings get one
 line and exit 2. (Schedules, the simulator and the interpreter on their own: test_pipeline.py.)"""
+
 import json
 
 import jax
@@ -9,18 +10,40 @@ import pytest
 
 import train as cli
 
-SMALL = ["--override", "num_layers=4", "--override", "hidden=64", "--override", "num_heads=8", "--override",
-         "ffn=128"]
-COMMON = SMALL + ["--steps", "3", "--batch-size", "8", "--seq-len", "64", "--lr", "3e-3", "--warmup", "1",
-                  "--sample-tokens", "0", "--no-progress"]
+SMALL = ["--override", "num_layers=4", "--override", "hidden=64", "--override", "num_heads=8", "--override", "ffn=128"]
+COMMON = SMALL + [
+    "--steps",
+    "3",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "64",
+    "--lr",
+    "3e-3",
+    "--warmup",
+    "1",
+    "--sample-tokens",
+    "0",
+    "--no-progress",
+]
 
 
 @pytest.fixture(scope="module")
 def one_device():
     from jaxring.train.loop import TrainConfig, train
-    cfg = TrainConfig(model="gpt", preset="tiny", model_overrides={"num_layers": 4, "hidden": 64, "num_heads": 8,
-                                                                   "ffn": 128},
-                      steps=3, batch_size=8, seq_len=64, lr=3e-3, warmup=1, sample_tokens=0, progress=False)
+
+    cfg = TrainConfig(
+        model="gpt",
+        preset="tiny",
+        model_overrides={"num_layers": 4, "hidden": 64, "num_heads": 8, "ffn": 128},
+        steps=3,
+        batch_size=8,
+        seq_len=64,
+        lr=3e-3,
+        warmup=1,
+        sample_tokens=0,
+        progress=False,
+    )
     return [r["loss"] for r in train(cfg, devices=jax.devices()[:1], log=lambda *a: None)]
 
 
@@ -33,8 +56,18 @@ def _losses(tmp_path, flags):
 RUNS = {
     "pp2-gpipe": ["--pp", "2", "--dp", "4", "--microbatches", "2", "--pipeline-schedule", "gpipe"],
     "pp2-1f1b": ["--pp", "2", "--dp", "4", "--microbatches", "2", "--pipeline-schedule", "1f1b"],
-    "pp2-interleaved": ["--pp", "2", "--dp", "4", "--microbatches", "2", "--pipeline-schedule", "interleaved",
-                        "--virtual-stages", "2"],
+    "pp2-interleaved": [
+        "--pp",
+        "2",
+        "--dp",
+        "4",
+        "--microbatches",
+        "2",
+        "--pipeline-schedule",
+        "interleaved",
+        "--virtual-stages",
+        "2",
+    ],
     "pp2-zero-bubble": ["--pp", "2", "--dp", "4", "--microbatches", "2", "--pipeline-schedule", "zero-bubble"],
     "pp4-1f1b": ["--pp", "4", "--dp", "2", "--microbatches", "4", "--pipeline-schedule", "1f1b"],
     "pp4-zero-bubble": ["--pp", "4", "--dp", "2", "--microbatches", "4", "--pipeline-schedule", "zero-bubble"],
@@ -49,16 +82,21 @@ def test_pipelined_training_matches_one_device(name, tmp_path, one_device):
     np.testing.assert_allclose(_losses(tmp_path, RUNS[name]), one_device, rtol=1e-3)
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--pp", "4", "--dp", "2", "--microbatches", "2"], "num_microbatches=2 is less than pp=4"),
-    (["--pp", "2", "--dp", "4", "--microbatches", "2", "--virtual-stages", "2"],
-     "virtual_stages=2 applies only to the 'interleaved' schedule"),
-    (["--pp", "8", "--microbatches", "8"], "num_layers 4 is not divisible by pp 8"),
-    (["--pp", "2", "--dp", "4", "--microbatches", "2", "--zero", "2"], "zero stage 2 does not combine with pp > 1"),
-    (["--pp", "2", "--dp", "4", "--grad-accum", "2"], "the pipeline's micro-batches are the gradient accumulation"),
-    (["--pp", "2", "--dp", "4", "--microbatches", "4"], "is not divisible by the data-parallel degree"),
-    (["--dp", "8", "--microbatches", "2"], "set the pipeline schedule, but pp = 1"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--pp", "4", "--dp", "2", "--microbatches", "2"], "num_microbatches=2 is less than pp=4"),
+        (
+            ["--pp", "2", "--dp", "4", "--microbatches", "2", "--virtual-stages", "2"],
+            "virtual_stages=2 applies only to the 'interleaved' schedule",
+        ),
+        (["--pp", "8", "--microbatches", "8"], "num_layers 4 is not divisible by pp 8"),
+        (["--pp", "2", "--dp", "4", "--microbatches", "2", "--zero", "2"], "zero stage 2 does not combine with pp > 1"),
+        (["--pp", "2", "--dp", "4", "--grad-accum", "2"], "the pipeline's micro-batches are the gradient accumulation"),
+        (["--pp", "2", "--dp", "4", "--microbatches", "4"], "is not divisible by the data-parallel degree"),
+        (["--dp", "8", "--microbatches", "2"], "set the pipeline schedule, but pp = 1"),
+    ],
+)
 def test_refused_pipelines_get_one_line(flags, message, capsys):
     assert cli.main(COMMON + flags) == 2
     err = capsys.readouterr().err.strip().splitlines()

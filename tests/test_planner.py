@@ -7,6 +7,7 @@ top plan for three small workloads on the 8 simulated CPU devices, predicted wit
 program's peak, and of one of them with --remat selective and full. Formulas: the papers' ratios (WallFacer 1/C, Megatron 5(p-1)/p·bsh, METP (3p-2)/p, Optimus
 Table 1). Impossible requests: one line naming the tightest constraint.
 """
+
 import dataclasses
 import json
 import math
@@ -38,10 +39,17 @@ def _compile(w: Workload, c: Candidate):
     """The compiled train step of c for w on the simulated CPU devices (once per (w, c) in this module)."""
     key = (w, c)
     if key not in _COMPILED:
-        plan = c.check(w, devices=jax.devices()[:c.devices])
-        _COMPILED[key] = compile_train_step(w.model, w.config, plan, batch=w.global_batch, seq_len=w.seq_len,
-                                            precision=w.precision, remat=c.remat,
-                                            grad_accum=c.steps(w) if c.pp == 1 else 1)
+        plan = c.check(w, devices=jax.devices()[: c.devices])
+        _COMPILED[key] = compile_train_step(
+            w.model,
+            w.config,
+            plan,
+            batch=w.global_batch,
+            seq_len=w.seq_len,
+            precision=w.precision,
+            remat=c.remat,
+            grad_accum=c.steps(w) if c.pp == 1 else 1,
+        )
     return _COMPILED[key]
 
 
@@ -51,7 +59,7 @@ def _predicted_bytes(w: Workload, c: Candidate) -> dict:
 
 
 def _measured_bytes(compiled, c: Candidate, w: Workload) -> dict:
-    plan = c.check(w, devices=jax.devices()[:c.devices])
+    plan = c.check(w, devices=jax.devices()[: c.devices])
     return axis_traffic(compiled.as_text(), plan.run_mesh)
 
 
@@ -59,13 +67,20 @@ def _measured_bytes(compiled, c: Candidate, w: Workload) -> dict:
 
 BYTES_CASES = {
     "ring": ("gpt", GPT, 8, Candidate(sp=8, attention="ring", micro_batch=8)),
-    "ulysses x megatron, zero1": ("gpt", GPT, 8, Candidate(tp=2, sp=4, attention="ulysses", tensor="megatron",
-                                                             zero=1, micro_batch=8)),
-    "allgather, zero2, accumulation": ("gpt", GPT, 8, Candidate(dp=2, sp=4, attention="allgather", zero=2,
-                                                                  micro_batch=2)),
+    "ulysses x megatron, zero1": (
+        "gpt",
+        GPT,
+        8,
+        Candidate(tp=2, sp=4, attention="ulysses", tensor="megatron", zero=1, micro_batch=8),
+    ),
+    "allgather, zero2, accumulation": (
+        "gpt",
+        GPT,
+        8,
+        Candidate(dp=2, sp=4, attention="allgather", zero=2, micro_batch=2),
+    ),
     "usp, zero3": ("gpt", GPT, 8, Candidate(sp=8, attention="usp", ulysses_size=2, zero=3, micro_batch=8)),
-    "wallfacer, zero1": ("gpt", GPT, 8, Candidate(sp=8, attention="wallfacer", team_size=2, zero=1,
-                                                    micro_batch=8)),
+    "wallfacer, zero1": ("gpt", GPT, 8, Candidate(sp=8, attention="wallfacer", team_size=2, zero=1, micro_batch=8)),
     "rsa": ("gpt", GPT, 8, Candidate(sp=8, attention="rsa", micro_batch=8)),
     # the DiT: non-causal (GPT's causal METP sends int32 positions with K/V, and XLA merges some of those
     # sends depending on the shapes: cost.py counts p² - 1 hops, the compiled step may send fewer)
@@ -73,8 +88,7 @@ BYTES_CASES = {
     "optimus": ("gpt", GPT, 8, Candidate(dp=2, tp=4, tensor="optimus", micro_batch=4)),
     "pipeline 1f1b": ("gpt", GPT, 16, Candidate(dp=4, pp=2, pipeline="1f1b", microbatches=4, micro_batch=1)),
     "experts": ("gpt", MOE, 8, Candidate(dp=2, ep=4, micro_batch=1)),
-    "dit ring x megatron": ("dit", DIT, 8, Candidate(tp=2, sp=4, attention="ring", tensor="megatron",
-                                                     micro_batch=8)),
+    "dit ring x megatron": ("dit", DIT, 8, Candidate(tp=2, sp=4, attention="ring", tensor="megatron", micro_batch=8)),
 }
 
 
@@ -90,10 +104,11 @@ def test_axis_traffic_splits_what_collective_traffic_counts():
     """The per-axis counter is compiled.collective_traffic split by replica groups: the totals agree (less the
     scalars it leaves out)."""
     from jaxring.analysis.compiled import collective_traffic
+
     model, config, batch, c = BYTES_CASES["wallfacer, zero1"]
     w = _workload(model, config, batch)
     compiled = _compile(w, c)
-    plan = c.check(w, devices=jax.devices()[:c.devices])
+    plan = c.check(w, devices=jax.devices()[: c.devices])
     total = sum(axis_traffic(compiled.as_text(), plan.run_mesh, skip_scalars=False).values())
     assert total == sum(collective_traffic(compiled.as_text(), c.devices)[0].values())
 
@@ -102,11 +117,12 @@ def test_axis_traffic_splits_what_collective_traffic_counts():
 
 MEMORY_CASES = {
     # one long sequence: the sequence must be split
-    "gpt, one sequence of 1024": (Workload("gpt", dataclasses.replace(GPT, num_layers=4), 1024, 1, "fp32"),
-                                  {}),
+    "gpt, one sequence of 1024": (Workload("gpt", dataclasses.replace(GPT, num_layers=4), 1024, 1, "fp32"), {}),
     # a wider model, a batch: data parallel and ZeRO
-    "gpt, 16 × 128": (Workload("gpt", gpt.GPTConfig(vocab_size=512, num_layers=4, hidden=128, num_heads=8,
-                                                    ffn=512), 128, 16, "fp32"), {}),
+    "gpt, 16 × 128": (
+        Workload("gpt", gpt.GPTConfig(vocab_size=512, num_layers=4, hidden=128, num_heads=8, ffn=512), 128, 16, "fp32"),
+        {},
+    ),
     "dit, 8 images": (Workload("dit", dataclasses.replace(DIT, image_size=32), 256, 8, "fp32"), {}),
 }
 
@@ -155,6 +171,7 @@ def test_predicted_memory_with_remat_within_15_percent(top_plans, remat):
 
 # ------------------------------------------------------------------------------------------ the papers' formulas
 
+
 def _dims(w, c):
     return cost.dims(w, c)
 
@@ -165,31 +182,36 @@ def test_wallfacer_p2p_is_one_over_c_of_the_ring_and_collectives_are_eq_3():
     w = Workload("gpt", gpt.PRESETS["7b"], 65536, 1, "fp32")
     P, C, e = 64, 4, 4
     ring = cost.sequence_attention(w, Candidate(sp=P, attention="ring"), _dims(w, Candidate(sp=P)))
-    wall = cost.sequence_attention(w, Candidate(sp=P, attention="wallfacer", team_size=C),
-                                   _dims(w, Candidate(sp=P)))
+    wall = cost.sequence_attention(w, Candidate(sp=P, attention="wallfacer", team_size=C), _dims(w, Candidate(sp=P)))
     kv = 1 * (65536 // P) * 32 * 128 * e
-    assert ring[0].bytes == 2 * (P - 1) * kv                        # the last hop is skipped
+    assert ring[0].bytes == 2 * (P - 1) * kv  # the last hop is skipped
     p2p = sum(t.bytes for t in wall if "forward" in t.what and ("init" in t.what or "sub-ring" in t.what))
-    assert p2p == P * 2 * kv / C                                    # 2BNH/(CW): 1/C of the ring's P sends
+    assert p2p == P * 2 * kv / C  # 2BNH/(CW): 1/C of the ring's P sends
     team = next(t for t in wall if t.axes == ("wf_team",) and "forward" in t.what)
     rows = (65536 // P) * 32 * 4
-    assert team.bytes == (C - 1) * 3 * kv + 2 * (C - 1) * rows + (C - 1) * kv   # Eq. 3's 3 gathers + 1 scatter
+    assert team.bytes == (C - 1) * 3 * kv + 2 * (C - 1) * rows + (C - 1) * kv  # Eq. 3's 3 gathers + 1 scatter
 
 
 def test_megatron_metp_optimus_layer_bytes_are_their_papers():
-    w = Workload("gpt", gpt.GPTConfig(vocab_size=256, num_layers=2, hidden=256, num_heads=8, ffn=1024), 1024, 4,
-                 "fp32")
+    w = Workload("gpt", gpt.GPTConfig(vocab_size=256, num_layers=2, hidden=256, num_heads=8, ffn=1024), 1024, 4, "fp32")
     b, s, h, p = 4, 1024, 256, 4
-    mega = cost.tensor_layer(w, Candidate(tp=p, tensor="megatron", micro_batch=b),
-                             _dims(w, Candidate(tp=p, tensor="megatron", micro_batch=b)))
-    assert all(t.bytes == 5 * (p - 1) / p * b * s * h * 4 for t in mega)           # 5(p-1)/p·bsh per block
-    metp = cost.tensor_layer(w, Candidate(tp=p, tensor="metp", micro_batch=b),
-                             _dims(w, Candidate(tp=p, tensor="metp", micro_batch=b)))
+    mega = cost.tensor_layer(
+        w,
+        Candidate(tp=p, tensor="megatron", micro_batch=b),
+        _dims(w, Candidate(tp=p, tensor="megatron", micro_batch=b)),
+    )
+    assert all(t.bytes == 5 * (p - 1) / p * b * s * h * 4 for t in mega)  # 5(p-1)/p·bsh per block
+    metp = cost.tensor_layer(
+        w, Candidate(tp=p, tensor="metp", micro_batch=b), _dims(w, Candidate(tp=p, tensor="metp", micro_batch=b))
+    )
     ffn = sum(t.bytes for t in metp if "FFN" in t.what)
-    assert ffn == (3 * p - 2) / p * (h * 1024 + 1024 * h) * 4                       # METP (3p-2)/p·(k1k2+k2n)
+    assert ffn == (3 * p - 2) / p * (h * 1024 + 1024 * h) * 4  # METP (3p-2)/p·(k1k2+k2n)
     q = 2
-    opt = cost.tensor_layer(w, Candidate(tp=q * q, tensor="optimus", micro_batch=b),
-                            _dims(w, Candidate(tp=q * q, tensor="optimus", micro_batch=b)))
+    opt = cost.tensor_layer(
+        w,
+        Candidate(tp=q * q, tensor="optimus", micro_batch=b),
+        _dims(w, Candidate(tp=q * q, tensor="optimus", micro_batch=b)),
+    )
     # Table 1 forward log(p)/(2√p)·(7bsh + 12h²) counts qR blocks per broadcast; the binomial tree's shared
     # round 0 makes it 1 + q(R-1) (tensor/optimus.py): half at q = 2. Forward + backward is 2 broadcasts and
     # 1 reduce (qR blocks) per operand: 4× the forward's blocks, plus the 2D layer norms
@@ -202,11 +224,12 @@ def test_pipeline_bubble_is_the_simulators_lockstep_clock():
     """One SPMD program runs the table in lockstep (a tick lasts its slowest action), so 1F1B's bubble is more
     than the papers' (p-1)/m, which assumes each stage runs on as soon as its inputs are there."""
     from jaxring.pipeline import make_schedule, simulate
+
     info = cost.pipeline_info("1f1b", 4, 8, 1)
     lockstep = simulate(make_schedule("1f1b", 4, 8), "paper", lockstep=True).bubble
     assert (info.makespan - info.busy) / info.busy == pytest.approx(lockstep)
     assert lockstep > simulate(make_schedule("1f1b", 4, 8), "paper").bubble == pytest.approx(3 / 8)
-    assert info.peak_in_flight == 4                                            # 1F1B holds p micro-batches
+    assert info.peak_in_flight == 4  # 1F1B holds p micro-batches
 
 
 def test_wallfacer_placement_decides_which_axis_stays_in_a_node():
@@ -218,6 +241,7 @@ def test_wallfacer_placement_decides_which_axis_stays_in_a_node():
 
 
 # ------------------------------------------------------------------------------------------ search and errors
+
 
 def test_search_ranks_by_predicted_time_and_explains_rejections():
     w = Workload.of("gpt", "7b", seq_len=131072, global_batch=1)
@@ -245,8 +269,22 @@ def test_no_valid_plan_gives_one_line_naming_the_rule():
 
 
 def test_command_line_table_json_and_errors(capsys):
-    argv = ["--model", "gpt", "--preset", "1b", "--seq-len", "32K", "--global-batch-tokens", "256K",
-            "--devices", "8", "--device", "h100", "--top", "3"]
+    argv = [
+        "--model",
+        "gpt",
+        "--preset",
+        "1b",
+        "--seq-len",
+        "32K",
+        "--global-batch-tokens",
+        "256K",
+        "--devices",
+        "8",
+        "--device",
+        "h100",
+        "--top",
+        "3",
+    ]
     assert planner_main(argv) == 0
     out = capsys.readouterr().out
     assert "best: python train.py --model gpt --preset 1b" in out and "rejected" in out
@@ -254,16 +292,35 @@ def test_command_line_table_json_and_errors(capsys):
     data = json.loads(capsys.readouterr().out)
     assert len(data["plans"]) == 3 and data["workload"]["global_batch"] == 8
     assert set(data["plans"][0]["memory_bytes"]) >= {"params", "activations", "total"}
-    assert planner_main(["--model", "gpt", "--preset", "7b", "--seq-len", "2M", "--global-batch", "1",
-                         "--devices", "8", "--device", "h100"]) == 2
+    assert (
+        planner_main(
+            [
+                "--model",
+                "gpt",
+                "--preset",
+                "7b",
+                "--seq-len",
+                "2M",
+                "--global-batch",
+                "1",
+                "--devices",
+                "8",
+                "--device",
+                "h100",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith("error: no plan fits in memory") and err.count("\n") == 1
 
 
 def test_auto_plan_gives_train_settings():
     from jaxring.planner.auto import auto_plan
-    settings, result = auto_plan(model="gpt", preset="tiny", seq_len=256, batch_size=8, devices=jax.devices(),
-                                 fixed={"sp": 8})
+
+    settings, result = auto_plan(
+        model="gpt", preset="tiny", seq_len=256, batch_size=8, devices=jax.devices(), fixed={"sp": 8}
+    )
     assert settings["sp"] == 8 and settings["attention"] is not None
     assert settings["dp"] * settings["tp"] * settings["pp"] * settings["ep"] == 1
     assert result.best.candidate.sp == 8
@@ -283,6 +340,7 @@ def test_predicted_memory_of_the_top_plan_on_the_gpu_target(name):
     """The same check on the program compiled for the GPU (Pallas attention kernels, bf16): needs the
     compile-only CUDA plugin (pip install -e ".[dev,gpu-compile]", its own venv); skips elsewhere."""
     from jaxring.planner.check import compiled_peak, gpu_target_available
+
     ok, why = gpu_target_available()
     if not ok:
         pytest.skip(f"deviceless GPU compile unavailable: {why}")

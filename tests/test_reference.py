@@ -1,12 +1,13 @@
 """The dense reference against jax.nn.dot_product_attention and against first principles."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_close, qkv, value_and_grads
 
 from jaxring import attention_reference, merge_partials
 from jaxring.attention.merge import empty_partial
-from helpers import assert_close, qkv, value_and_grads
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -14,8 +15,9 @@ from helpers import assert_close, qkv, value_and_grads
 def test_matches_jax_nn(causal, q_heads, kv_heads):
     q, k, v, dout = qkv(0, 2, 24, q_heads, kv_heads, 16)
     out, grads = value_and_grads(lambda q, k, v: attention_reference(q, k, v, causal=causal)[0], q, k, v, dout)
-    out_nn, grads_nn = value_and_grads(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal),
-                                       q, k, v, dout)
+    out_nn, grads_nn = value_and_grads(
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal), q, k, v, dout
+    )
     assert_close(out, out_nn, 1e-5, "out")
     for name, g, g_nn in zip("qkv", grads, grads_nn):
         assert_close(g, g_nn, 1e-5, "d" + name)
@@ -32,10 +34,12 @@ def test_segments_match_jax_nn_with_mask():
     q, k, v, dout = qkv(2, 2, 20, 4, 2, 8)
     seg = jnp.array([[1] * 7 + [2] * 13, [3] * 12 + [4] * 8])
     out, grads = value_and_grads(
-        lambda q, k, v: attention_reference(q, k, v, causal=True, segment_ids=seg)[0], q, k, v, dout)
+        lambda q, k, v: attention_reference(q, k, v, causal=True, segment_ids=seg)[0], q, k, v, dout
+    )
     mask = (seg[:, :, None] == seg[:, None, :]) & jnp.tril(jnp.ones((20, 20), bool))
     out_nn, grads_nn = value_and_grads(
-        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask[:, None]), q, k, v, dout)
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask[:, None]), q, k, v, dout
+    )
     assert_close(out, out_nn, 1e-5, "out")
     for name, g, g_nn in zip("qkv", grads, grads_nn):
         assert_close(g, g_nn, 1e-5, "d" + name)

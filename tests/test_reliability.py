@@ -4,6 +4,7 @@ Every user error ends in one line on stderr and exit code 2; a damaged newest ch
 previous one; SIGTERM finishes the step, saves it and a resume continues bit-exactly; a non-finite state is
 never saved; a lone multi-host process times out with a message naming the coordinator and its id.
 """
+
 import dataclasses
 import importlib.util
 import json
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from PIL import Image
+from test_train import BASE
 
 from jaxring.train import loop
 from jaxring.train.guard import Diverged, DivergenceGuard
@@ -28,11 +30,23 @@ from jaxring.train.metrics import drop_rows_after, progress_postfix, step_metric
 from jaxring.train.multihost import MultiHostError, _rendezvous_coordinator, _rendezvous_peer, initialize
 from jaxring.train.signals import GracefulStop, Interrupted
 from jaxring.train.validate import parse_overrides
-from test_train import BASE
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL_FLAGS = ["--override=num_layers=1", "--override=hidden=64", "--override=num_heads=8", "--override=ffn=128",
-               "--seq-len", "64", "--batch-size", "4", "--warmup", "1", "--sample-tokens", "0", "--no-progress"]
+SMALL_FLAGS = [
+    "--override=num_layers=1",
+    "--override=hidden=64",
+    "--override=num_heads=8",
+    "--override=ffn=128",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "4",
+    "--warmup",
+    "1",
+    "--sample-tokens",
+    "0",
+    "--no-progress",
+]
 
 
 def _load_cli():
@@ -52,6 +66,7 @@ def _env():
 
 
 # ---- user errors: one line, exit code 2 ----------------------------------------------------------------
+
 
 def _data(tmp_path, kind):
     if kind == "empty-bin":
@@ -90,15 +105,23 @@ BAD_INPUTS = [
     (["--steps", "abc"], r"argument --steps: invalid int value: 'abc'"),
     (["--spike-factor", "0.5"], r"--spike-factor 0.5 must be a number > 1"),
     (["--metrics-file", "no/such/dir/m.jsonl"], r"--metrics-file 'no/such/dir/m.jsonl': directory .* does not exist"),
-    (["--num-processes", "2", "--process-id", "2", "--coordinator", "127.0.0.1:1"],
-     r"--process-id 2 must be in \[0, --num-processes = 2\)"),
-    (["--num-processes", "0", "--process-id", "0", "--coordinator", "127.0.0.1:1"],
-     r"--num-processes 0 must be a positive integer"),
-    (["--num-processes", "2", "--process-id", "1", "--coordinator", "nohost"],
-     r"--coordinator 'nohost' must be HOST:PORT"),
+    (
+        ["--num-processes", "2", "--process-id", "2", "--coordinator", "127.0.0.1:1"],
+        r"--process-id 2 must be in \[0, --num-processes = 2\)",
+    ),
+    (
+        ["--num-processes", "0", "--process-id", "0", "--coordinator", "127.0.0.1:1"],
+        r"--num-processes 0 must be a positive integer",
+    ),
+    (
+        ["--num-processes", "2", "--process-id", "1", "--coordinator", "nohost"],
+        r"--coordinator 'nohost' must be HOST:PORT",
+    ),
     (["--num-processes", "2"], r"missing --coordinator, --process-id"),
-    (["--init-timeout", "-1", "--num-processes", "1", "--process-id", "0", "--coordinator", "h:1"],
-     r"--init-timeout -1.0 must be a positive number"),
+    (
+        ["--init-timeout", "-1", "--num-processes", "1", "--process-id", "0", "--coordinator", "h:1"],
+        r"--init-timeout -1.0 must be a positive number",
+    ),
     (["--data", "DATA:empty-bin"], r"token file '.*empty.bin' is empty \(0 bytes\)"),
     (["--model", "dit", "--data", "DATA:corrupt-image"], r"image '.*5.png' cannot be read"),
 ]
@@ -111,7 +134,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys, monke
     code = None
     try:
         code = CLI.main(argv + ["--steps", "1"])
-    except SystemExit as e:           # argparse's own errors
+    except SystemExit as e:  # argparse's own errors
         code = e.code
     err = capsys.readouterr().err
     assert code == 2, err
@@ -138,10 +161,15 @@ def test_debug_shows_the_traceback():
 
 
 def test_override_values_take_the_field_type():
-    assert parse_overrides("gpt", ["num_layers=2", "rope_theta=5e5", "tie_embeddings=false",
-                                   "num_kv_heads=none", "positions=learned"]) == {
-        "num_layers": 2, "rope_theta": 500000.0, "tie_embeddings": False, "num_kv_heads": None,
-        "positions": "learned"}
+    assert parse_overrides(
+        "gpt", ["num_layers=2", "rope_theta=5e5", "tie_embeddings=false", "num_kv_heads=none", "positions=learned"]
+    ) == {
+        "num_layers": 2,
+        "rope_theta": 500000.0,
+        "tie_embeddings": False,
+        "num_kv_heads": None,
+        "positions": "learned",
+    }
     with pytest.raises(ValueError, match=r"--override num_layers='2.5': GPTConfig.num_layers must be an integer"):
         parse_overrides("gpt", ["num_layers=2.5"])
     with pytest.raises(ValueError, match=r"--override hidden='none': GPTConfig.hidden must be an integer"):
@@ -152,6 +180,7 @@ def test_override_values_take_the_field_type():
 
 # ---- the lone multi-host process, and the set-up checks -------------------------------------------------
 
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -161,19 +190,38 @@ def _free_port():
 def test_lone_multihost_process_times_out_with_its_message():
     """A real train.py process 1 of 2 with nobody at the coordinator: one line, exit 2, no hang."""
     port = _free_port()
-    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--coordinator", f"127.0.0.1:{port}",
-                          "--num-processes", "2", "--process-id", "1", "--init-timeout", "2"],
-                         env=_env(), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "--coordinator",
+            f"127.0.0.1:{port}",
+            "--num-processes",
+            "2",
+            "--process-id",
+            "1",
+            "--init-timeout",
+            "2",
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
-    assert out.stderr.startswith(f"error: coordinator 127.0.0.1:{port}, process 1 of 2: could not reach the "
-                                 f"coordinator within 2 s")
+    assert out.stderr.startswith(
+        f"error: coordinator 127.0.0.1:{port}, process 1 of 2: could not reach the coordinator within 2 s"
+    )
 
 
 def test_lone_coordinator_times_out_naming_the_missing_process():
     port = _free_port()
-    with pytest.raises(MultiHostError, match=rf"coordinator 127.0.0.1:{port}, process 0 of 3: timed out after "
-                                             rf"1 s waiting for process\(es\) \[1, 2\]"):
+    with pytest.raises(
+        MultiHostError,
+        match=rf"coordinator 127.0.0.1:{port}, process 0 of 3: timed out after "
+        rf"1 s waiting for process\(es\) \[1, 2\]",
+    ):
         initialize(f"127.0.0.1:{port}", 3, 0, timeout_s=1)
 
 
@@ -212,6 +260,7 @@ def test_duplicate_ids_and_wrong_counts_are_caught_before_any_hang():
 
 # ---- training runs with faults (one device, a 1-layer model) ---------------------------------------------
 
+
 def _run(log=None, guard=None, **changes):
     cfg = dataclasses.replace(BASE, **{"steps": 4, "log_every": 1, **changes})
     lines = []
@@ -239,7 +288,7 @@ def test_sigterm_saves_the_step_and_resume_is_bit_exact(straight, tmp_path):
     def log(line):
         lines.append(line)
         if line.startswith("step 2:"):
-            os.kill(os.getpid(), signal.SIGTERM)      # preempted during step 2's logging
+            os.kill(os.getpid(), signal.SIGTERM)  # preempted during step 2's logging
 
     with pytest.raises(Interrupted) as stop:
         _run(log=log, checkpoint_dir=ck, metrics_file=str(tmp_path / "m.jsonl"))
@@ -247,18 +296,33 @@ def test_sigterm_saves_the_step_and_resume_is_bit_exact(straight, tmp_path):
     assert lines[-1] == f"SIGTERM: stopped after step 2 and saved it to {tmp_path / 'ck'}; continue with --resume"
     assert sorted(os.listdir(ck)) == ["2"]
     resumed, _ = _run(checkpoint_dir=ck, resume=True, metrics_file=str(tmp_path / "m.jsonl"))
-    assert resumed == full[2:]                                   # bit-exact
+    assert resumed == full[2:]  # bit-exact
     assert [r["step"] for r in _rows(tmp_path / "m.jsonl")] == [1, 2, 3, 4]
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL    # handlers put back
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers put back
 
 
 def test_sigterm_to_train_py_saves_and_exits_143(tmp_path):
     """The real process: SIGTERM during step 2 → step finished, saved, one message, exit 143, no traceback."""
     ck = tmp_path / "ck"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *SMALL_FLAGS, "--cpu-devices", "1",
-                             "--log-every", "1", "--steps", "500", "--checkpoint-dir", str(ck)],
-                            env={**_env(), "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            *SMALL_FLAGS,
+            "--cpu-devices",
+            "1",
+            "--log-every",
+            "1",
+            "--steps",
+            "500",
+            "--checkpoint-dir",
+            str(ck),
+        ],
+        env={**_env(), "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for line in proc.stdout:
             if line.startswith("step 2:"):
@@ -279,10 +343,12 @@ def test_damaged_latest_checkpoint_falls_back_and_reruns_bit_exactly(straight, t
     ck = tmp_path / "ck"
     shutil.copytree(root / "ck", ck)
     shutil.copy(root / "m.jsonl", tmp_path / "m.jsonl")
-    data = max((p for p in (ck / "4" / "state").rglob("*") if p.is_file() and p.parent.name == "d"),
-               key=lambda p: p.stat().st_size)
+    data = max(
+        (p for p in (ck / "4" / "state").rglob("*") if p.is_file() and p.parent.name == "d"),
+        key=lambda p: p.stat().st_size,
+    )
     blob = bytearray(data.read_bytes())
-    blob[len(blob) // 2] ^= 0x10                                   # one flipped bit in the newest step
+    blob[len(blob) // 2] ^= 0x10  # one flipped bit in the newest step
     data.write_bytes(bytes(blob))
     lines = []
     losses, _ = _run(log=lines.append, checkpoint_dir=str(ck), resume=True, metrics_file=str(tmp_path / "m.jsonl"))
@@ -290,10 +356,10 @@ def test_damaged_latest_checkpoint_falls_back_and_reruns_bit_exactly(straight, t
     assert lines[0].startswith(f"warning: checkpoint step 4 in '{ck}': checksum mismatch in '")
     assert lines[0].endswith("trying step 3")
     assert "dropped 1 rows after step 3" in lines[2] and lines[3] == f"resumed from {ck} at step 3"
-    assert losses == full[3:]                                    # step 4 again, from step 3: bit-exact
+    assert losses == full[3:]  # step 4 again, from step 3: bit-exact
     rows = _rows(tmp_path / "m.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[3]["loss"] == full[3]
-    assert (ck / "4.damaged").is_dir() and (ck / "4").is_dir()   # kept aside; step 4 saved anew
+    assert (ck / "4.damaged").is_dir() and (ck / "4").is_dir()  # kept aside; step 4 saved anew
 
 
 def test_resume_says_nothing_is_left_and_warns_about_the_schedule(straight, tmp_path):
@@ -306,14 +372,17 @@ def test_resume_says_nothing_is_left_and_warns_about_the_schedule(straight, tmp_
     lines.clear()
     losses, _ = _run(log=lines.append, steps=5, checkpoint_dir=str(ck), resume=True)
     assert len(losses) == 1
-    assert lines[0] == ("warning: resuming step 4 with other settings than the run that saved it (--steps 4 -> 5): "
-                        "the learning-rate schedule or the batches change, so the losses differ from one "
-                        "uninterrupted run")
+    assert lines[0] == (
+        "warning: resuming step 4 with other settings than the run that saved it (--steps 4 -> 5): "
+        "the learning-rate schedule or the batches change, so the losses differ from one "
+        "uninterrupted run"
+    )
 
 
 class PoisonedTrainer(loop.Trainer):
     """Fault injection: at step `at` (1-based) the update makes every parameter NaN; `bad_loss` also reports
     a NaN loss for that step (a bad batch), else the loss is the true (finite) one. Adds an extra metric."""
+
     at, bad_loss = 2, False
 
     def step(self, max_loss=None):
@@ -330,13 +399,19 @@ class PoisonedTrainer(loop.Trainer):
 def test_nan_parameters_are_never_saved(tmp_path, monkeypatch):
     monkeypatch.setattr(loop, "Trainer", PoisonedTrainer)
     ck = tmp_path / "ck"
-    with pytest.raises(Diverged, match=r"not saving step 2: NaN or Inf values in 'params/.*; stopping "
-                                       r"\(newest checkpoint: step 1\)"):
+    with pytest.raises(
+        Diverged,
+        match=r"not saving step 2: NaN or Inf values in 'params/.*; stopping "
+        r"\(newest checkpoint: step 1\)",
+    ):
         _run(checkpoint_dir=str(ck), checkpoint_every=1)
     assert sorted(os.listdir(ck)) == ["1"]
     # without a save due, the next step's NaN loss stops the run, and the final save is not made
-    with pytest.raises(Diverged, match=r"diverged at step 3: loss nan is not finite; stopping .*"
-                                       r"\(newest checkpoint: step 1\)"):
+    with pytest.raises(
+        Diverged,
+        match=r"diverged at step 3: loss nan is not finite; stopping .*"
+        r"\(newest checkpoint: step 1\)",
+    ):
         _run(checkpoint_dir=str(ck), resume=True)
     assert sorted(os.listdir(ck)) == ["1"]
 
@@ -347,9 +422,8 @@ def test_skip_mode_undoes_the_bad_step_and_logs_every_metric(tmp_path, monkeypat
         too-high loss would) and it reports a NaN loss, as such a batch would."""
 
         def step(self, max_loss=None):
-            if self.step_count == 3:          # after the skip of step 3: the state after step 2 is back
-                assert all(np.array_equal(np.asarray(a), b) for a, b in zip(jax.tree.leaves(self.state()),
-                                                                             self.kept))
+            if self.step_count == 3:  # after the skip of step 3: the state after step 2 is back
+                assert all(np.array_equal(np.asarray(a), b) for a, b in zip(jax.tree.leaves(self.state()), self.kept))
             bad = self.step_count == 2
             out = dict(super().step(max_loss=-np.inf if bad else max_loss))
             out["aux_metric"] = jnp.float32(self.step_count * 0.5)
@@ -363,18 +437,20 @@ def test_skip_mode_undoes_the_bad_step_and_logs_every_metric(tmp_path, monkeypat
 
     monkeypatch.setattr(loop, "Trainer", BadBatch)
     lines = []
-    losses, history = _run(log=lines.append, steps=5, metrics_file=str(tmp_path / "m.jsonl"),
-                           guard=DivergenceGuard(mode="skip"))
+    losses, history = _run(
+        log=lines.append, steps=5, metrics_file=str(tmp_path / "m.jsonl"), guard=DivergenceGuard(mode="skip")
+    )
     assert "step 3: loss nan is not finite; skipped (its update undone, 1 in a row)" in lines
     assert np.isnan(losses[2]) and np.isfinite(losses[3:]).all() and losses[4] < losses[0]
     rows = _rows(tmp_path / "m.jsonl")
     assert [r.get("skipped", False) for r in rows] == [False, False, True, False, False]
-    assert rows[2]["loss"] is None                              # NaN is written as null (valid JSON)
-    assert [r["aux_metric"] for r in rows] == [0.5, 1.0, 1.5, 2.0, 2.5]   # every scalar of the step is logged
+    assert rows[2]["loss"] is None  # NaN is written as null (valid JSON)
+    assert [r["aux_metric"] for r in rows] == [0.5, 1.0, 1.5, 2.0, 2.5]  # every scalar of the step is logged
     assert {"grad_norm", "tokens_per_s", "mfu", "step_time_s"} <= set(rows[0])
 
 
 # ---- the pieces on their own ---------------------------------------------------------------------------
+
 
 def test_guard_stops_on_nan_jumps_and_slow_climbs():
     guard = DivergenceGuard(spike_factor=3.0, window=3)
@@ -382,11 +458,12 @@ def test_guard_stops_on_nan_jumps_and_slow_climbs():
     assert guard.lowest_mean == pytest.approx(7 / 3)
     verdict = guard.check(6, 7.5)
     assert verdict.action == "stop" and verdict.message.startswith(
-        "diverged at step 6: loss 7.5 is 3.2x its lowest running mean 2.333 (limit 3x, --spike-factor)")
-    climb = DivergenceGuard(spike_factor=3.0, window=3)       # each step 1.3x the last: no single jump
-    verdicts = [climb.check(i + 1, 2.0 * 1.3 ** i) for i in range(12)]
+        "diverged at step 6: loss 7.5 is 3.2x its lowest running mean 2.333 (limit 3x, --spike-factor)"
+    )
+    climb = DivergenceGuard(spike_factor=3.0, window=3)  # each step 1.3x the last: no single jump
+    verdicts = [climb.check(i + 1, 2.0 * 1.3**i) for i in range(12)]
     first = next(i for i, v in enumerate(verdicts) if v is not None)
-    assert 2.0 * 1.3 ** first > 3 * 2.0 and verdicts[first].action == "stop"
+    assert 2.0 * 1.3**first > 3 * 2.0 and verdicts[first].action == "stop"
     assert DivergenceGuard(spike_factor=0).check(1, 1e9) is None
     assert DivergenceGuard().check(1, float("inf")).message.startswith("diverged at step 1: loss inf is not finite")
 
@@ -401,8 +478,11 @@ def test_guard_skip_mode_gives_up_and_state_round_trips():
     other = DivergenceGuard()
     other.load_state_dict(json.loads(json.dumps(guard.state_dict())))
     assert list(other.recent) == [4.0] and other.lowest_mean == 4.0
-    for bad, message in ((dict(mode="retry"), "--on-divergence 'retry'"),
-                         (dict(spike_factor=1.0), "--spike-factor 1.0"), (dict(window=0), "--spike-window 0")):
+    for bad, message in (
+        (dict(mode="retry"), "--on-divergence 'retry'"),
+        (dict(spike_factor=1.0), "--spike-factor 1.0"),
+        (dict(window=0), "--spike-window 0"),
+    ):
         with pytest.raises(ValueError, match=message):
             DivergenceGuard(**bad)
 
@@ -418,21 +498,31 @@ def test_second_signal_exits_at_once():
 
 
 def test_step_metrics_and_progress_convention():
-    out = {"loss": jnp.float32(2.5), "grad_norm": jnp.float32(1.0), "tokens": jnp.int32(7),
-           "dropped": jnp.bool_(False), "expert_load": jnp.arange(4, dtype=jnp.float32),
-           "big": jnp.zeros((2, 2)), "progress": ("expert_load", "tokens")}
+    out = {
+        "loss": jnp.float32(2.5),
+        "grad_norm": jnp.float32(1.0),
+        "tokens": jnp.int32(7),
+        "dropped": jnp.bool_(False),
+        "expert_load": jnp.arange(4, dtype=jnp.float32),
+        "big": jnp.zeros((2, 2)),
+        "progress": ("expert_load", "tokens"),
+    }
     record, progress = step_metrics(out)
-    assert record == {"loss": 2.5, "grad_norm": 1.0, "tokens": 7, "dropped": False,
-                      "expert_load": [0.0, 1.0, 2.0, 3.0]}
+    assert record == {"loss": 2.5, "grad_norm": 1.0, "tokens": 7, "dropped": False, "expert_load": [0.0, 1.0, 2.0, 3.0]}
     assert progress == ("expert_load", "tokens")
     shown = progress_postfix({**record, "tokens_per_s": 1234.0, "mfu": None}, progress)
-    assert shown == {"loss": "2.5000", "expert_load": "[0.0, 1.0, 2.0, 3.0]", "tokens": "7", "tok_s": "1,234",
-                     "mfu": "n/a"}
+    assert shown == {
+        "loss": "2.5000",
+        "expert_load": "[0.0, 1.0, 2.0, 3.0]",
+        "tokens": "7",
+        "tok_s": "1,234",
+        "mfu": "n/a",
+    }
 
 
 def test_drop_rows_after(tmp_path):
     path = tmp_path / "m.jsonl"
-    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "lo')     # the last row cut by a kill
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "lo')  # the last row cut by a kill
     assert drop_rows_after(path, 2) == 2
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
     assert drop_rows_after(tmp_path / "none.jsonl", 2) == 0

@@ -1,10 +1,12 @@
 """Ring attention against the dense reference and jax.nn.dot_product_attention, forward and dQ/dK/dV."""
+
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_close, check, padded_segments, qkv, with_reference
 from jax.sharding import PartitionSpec as P
 
 import jaxring
@@ -12,16 +14,16 @@ from jaxring import attention_reference
 from jaxring.analysis import compile_stats
 from jaxring.attention.blockwise import BlockOps, block_backward, block_forward
 from jaxring.attention.layout import RankTokens
-from jaxring.attention.ring import ring_attention, ring_forward, get_block_ops
-from helpers import assert_close, check, padded_segments, qkv, with_reference
+from jaxring.attention.ring import get_block_ops, ring_attention, ring_forward
 
 MESHES = {"sp2": dict(sp=2, dp=4), "sp4": dict(sp=4, dp=2), "sp8": dict(sp=8), "dp2xsp4": dict(dp=2, sp=4)}
 
 
 def ring_and_reference(mesh, q, k, v, dout, *, causal, layout, segment_ids=None):
     """(out, grads) of the ring and of the reference, each from one jitted forward + VJP."""
-    ring = lambda q, k, v: jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="ring", causal=causal,
-                                                     layout=layout, segment_ids=segment_ids)
+    ring = lambda q, k, v: jaxring.sharded_attention(
+        q, k, v, mesh=mesh, strategy="ring", causal=causal, layout=layout, segment_ids=segment_ids
+    )
     return with_reference(ring, q, k, v, dout, causal=causal, segment_ids=segment_ids)
 
 
@@ -37,8 +39,11 @@ def test_matches_reference(mesh_name, layout, causal):
     check(*ring_and_reference(mesh, q, k, v, dout, causal=causal, layout=layout), 2e-4)
 
 
-@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(8, 2, 16), (8, 1, 16), (4, 4, 64), (4, 2, 80)],
-                         ids=["gqa8/2", "mqa", "dim64", "dim80"])
+@pytest.mark.parametrize(
+    "q_heads,kv_heads,head_dim",
+    [(8, 2, 16), (8, 1, 16), (4, 4, 64), (4, 2, 80)],
+    ids=["gqa8/2", "mqa", "dim64", "dim80"],
+)
 def test_heads_and_dims_against_jax_nn(q_heads, kv_heads, head_dim):
     mesh = jaxring.make_mesh(dp=2, sp=4)
     q, k, v, dout = qkv(1, 2, 32, q_heads, kv_heads, head_dim)
@@ -67,8 +72,7 @@ def test_segments_with_padding_and_an_all_padding_device(layout, causal):
     mesh = jaxring.make_mesh(sp=sp)
     seg = padded_segments(layout, seq, sp)
     q, k, v, dout = qkv(3, 2, seq, 4, 2, 16)
-    ring, ref = ring_and_reference(mesh, q, k, v, dout, causal=causal, layout=layout,
-                                   segment_ids=jnp.asarray(seg))
+    ring, ref = ring_and_reference(mesh, q, k, v, dout, causal=causal, layout=layout, segment_ids=jnp.asarray(seg))
     check(ring, ref, 2e-4)
     out, grads = ring
     assert np.all(np.asarray(out)[seg == 0] == 0)
@@ -106,8 +110,7 @@ def test_zigzag_balances_causal_work(sp):
 
 def _local_ring(mesh, **kw):
     spec = P(None, "sp", None, None)
-    return jax.shard_map(lambda q, k, v: ring_attention(q, k, v, **kw), mesh=mesh, in_specs=(spec,) * 3,
-                         out_specs=spec)
+    return jax.shard_map(lambda q, k, v: ring_attention(q, k, v, **kw), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
@@ -121,7 +124,7 @@ def test_bytes_moved_match_the_ring_formula(layout):
     chunk = batch * (seq // sp) * kv_heads * head_dim
     fwd = compile_stats(ring, q, kv, kv)
     assert fwd.collective_ops["collective-permute"] == 2 * (sp - 1)
-    assert fwd.bytes_moved["collective-permute"] == 2 * (sp - 1) * chunk * 4   # K and V
+    assert fwd.bytes_moved["collective-permute"] == 2 * (sp - 1) * chunk * 4  # K and V
     grad = lambda q, k, v: jax.grad(lambda *a: ring(*a).sum(), argnums=(0, 1, 2))(q, k, v)
     both = compile_stats(grad, q, kv, kv)
     # forward 2(P-1) K/V; backward 2(P-1) K/V again (not kept from the forward) + 2P fp32 dK/dV
@@ -141,8 +144,7 @@ def _ring_grad_temp_bytes(sp, seq, block_ops="auto"):
 def test_memory_is_linear_in_local_sequence():
     """Doubling the sequence at a fixed tile size doubles temp memory: no S² term."""
     tiles = functools.partial
-    ops = BlockOps("jnp-16", tiles(block_forward, q_tile=16, kv_tile=16),
-                   tiles(block_backward, q_tile=16, kv_tile=16))
+    ops = BlockOps("jnp-16", tiles(block_forward, q_tile=16, kv_tile=16), tiles(block_backward, q_tile=16, kv_tile=16))
     temps = [_ring_grad_temp_bytes(8, seq, ops) for seq in (512, 1024)]
     assert temps[1] / temps[0] < 2.3, temps  # an S² term would give 4
 
@@ -190,8 +192,14 @@ def test_ring_with_the_pallas_kernel_interpreted(layout, causal):
 
     @jax.jit
     def run(q, k, v, dout):
-        out, vjp = jax.vjp(lambda q, k, v: jaxring.sharded_attention(
-            q, k, v, mesh=mesh, causal=causal, layout=layout, block_ops="pallas_interpret"), q, k, v)
+        out, vjp = jax.vjp(
+            lambda q, k, v: jaxring.sharded_attention(
+                q, k, v, mesh=mesh, causal=causal, layout=layout, block_ops="pallas_interpret"
+            ),
+            q,
+            k,
+            v,
+        )
         return out, vjp(dout)
 
     out_r, vjp_r = jax.vjp(lambda q, k, v: attention_reference(q, k, v, causal=causal)[0], q, k, v)
@@ -203,8 +211,11 @@ def test_million_token_sequences_trace(strategy, options):
     """Blocks of more than 2³¹ query-key pairs: nothing may overflow int32 while tracing."""
     mesh = jaxring.make_mesh(sp=8)
     x = jax.ShapeDtypeStruct((1, 1 << 20, 2, 16), jnp.bfloat16)
-    grad = jax.grad(lambda q, k, v: jaxring.sharded_attention(q, k, v, mesh=mesh, strategy=strategy,
-                                                              **options).astype(jnp.float32).sum())
+    grad = jax.grad(
+        lambda q, k, v: (
+            jaxring.sharded_attention(q, k, v, mesh=mesh, strategy=strategy, **options).astype(jnp.float32).sum()
+        )
+    )
     assert jax.eval_shape(grad, x, x, x).shape == x.shape
 
 
@@ -228,8 +239,7 @@ def test_fused_sends_match_and_move_the_same_bytes():
     inv = np.argsort(perm)
     check((out[:, inv], tuple(g[:, inv] for g in vjp(dout[:, perm]))), (out_r, vjp_r(dout)), 2e-4)
     struct = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in laid]
-    loss = lambda fuse: (lambda *a: jax.grad(lambda q, k, v: ring(fuse)(q, k, v, a[3]).sum(),
-                                             argnums=(0, 1, 2))(*a[:3]))
+    loss = lambda fuse: lambda *a: jax.grad(lambda q, k, v: ring(fuse)(q, k, v, a[3]).sum(), argnums=(0, 1, 2))(*a[:3])
     fused, unfused = compile_stats(loss(True), *struct), compile_stats(loss(False), *struct)
     assert fused.bytes_moved == unfused.bytes_moved
     assert fused.collective_ops["collective-permute"] < unfused.collective_ops["collective-permute"]

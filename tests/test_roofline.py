@@ -3,6 +3,7 @@
 XLA's own cost analysis counts a `while` body once; `gpu.weighted_cost` multiplies each body by its trip
 count (nested loops too). Checked on CPU-compiled programs whose matmul count is known.
 """
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -12,7 +13,7 @@ from jaxring.analysis.gpu import weighted_cost
 from jaxring.analysis.roofline import roofline
 
 M, K, LAYERS = 32, 64, 7
-MATMUL = 2 * M * K * K                      # flops of one [M, K] @ [K, K]
+MATMUL = 2 * M * K * K  # flops of one [M, K] @ [K, K]
 
 
 def _layers(h, ws):
@@ -34,8 +35,8 @@ def test_scan_body_counted_once_per_iteration():
     cost = weighted_cost(compiled.as_text())
     assert cost["loops_weighted"] == 1.0
     assert LAYERS * MATMUL <= cost["flops"] <= LAYERS * MATMUL + _bookkeeping(LAYERS, 1)
-    assert cost["transcendentals"] == LAYERS * M * K                 # one tanh per element per layer
-    xla_once = compiled.cost_analysis()["flops"]                     # XLA's own: the body once
+    assert cost["transcendentals"] == LAYERS * M * K  # one tanh per element per layer
+    xla_once = compiled.cost_analysis()["flops"]  # XLA's own: the body once
     assert xla_once < 2 * MATMUL
     # every layer reads its weight block: at least the stack's bytes
     assert cost["bytes accessed"] >= LAYERS * K * K * 4

@@ -1,15 +1,16 @@
 """Ring Self-Attention (seed 001) against the dense reference: forward, dQ/dK/dV, bytes moved, memory, errors."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_close, check, padded_segments, qkv
 from jax.sharding import PartitionSpec as P
 
 import jaxring
 from jaxring import attention_reference, layout_permutation
 from jaxring.analysis import compile_stats
 from jaxring.attention.rsa import rsa_attention
-from helpers import assert_close, check, padded_segments, qkv
 
 SPEC = P(("dp", "fsdp"), "sp", None, None)
 SEG_SPEC = P(("dp", "fsdp"), "sp")
@@ -19,8 +20,11 @@ MESHES = {"sp8": dict(sp=8), "dp2xsp4": dict(dp=2, sp=4)}
 def _local_rsa(mesh, with_segments=False, **kw):
     """A jitted shard_map of rsa_attention on inputs already in the layout's order."""
     specs = (SPEC,) * 3 + ((SEG_SPEC,) if with_segments else ())
-    return jax.jit(jax.shard_map(lambda q, k, v, *seg: rsa_attention(q, k, v, *seg, **kw), mesh=mesh,
-                                 in_specs=specs, out_specs=SPEC))
+    return jax.jit(
+        jax.shard_map(
+            lambda q, k, v, *seg: rsa_attention(q, k, v, *seg, **kw), mesh=mesh, in_specs=specs, out_specs=SPEC
+        )
+    )
 
 
 def rsa_and_reference(mesh, q, k, v, dout, *, causal, layout, segment_ids=None):
@@ -47,19 +51,29 @@ def rsa_and_reference(mesh, q, k, v, dout, *, causal, layout, segment_ids=None):
         def both(fn):
             out, vjp = jax.vjp(fn, q, k, v)
             return out, vjp(dout)
+
         return both(rsa), both(ref)
 
     return run(q, k, v, dout)
 
 
-@pytest.mark.parametrize("mesh_name,layout,causal,q_heads,kv_heads,head_dim", [
-    ("sp8", "contiguous", True, 4, 2, 32),
-    ("sp8", "zigzag", False, 4, 2, 64),
-    ("sp8", "striped", True, 4, 1, 32),
-    ("dp2xsp4", "zigzag", True, 4, 2, 64),
-    ("dp2xsp4", "contiguous", False, 4, 4, 32),
-], ids=["sp8-contiguous-causal-gqa-d32", "sp8-zigzag-full-gqa-d64", "sp8-striped-causal-mqa-d32",
-        "dp2xsp4-zigzag-causal-gqa-d64", "dp2xsp4-contiguous-full-mha-d32"])
+@pytest.mark.parametrize(
+    "mesh_name,layout,causal,q_heads,kv_heads,head_dim",
+    [
+        ("sp8", "contiguous", True, 4, 2, 32),
+        ("sp8", "zigzag", False, 4, 2, 64),
+        ("sp8", "striped", True, 4, 1, 32),
+        ("dp2xsp4", "zigzag", True, 4, 2, 64),
+        ("dp2xsp4", "contiguous", False, 4, 4, 32),
+    ],
+    ids=[
+        "sp8-contiguous-causal-gqa-d32",
+        "sp8-zigzag-full-gqa-d64",
+        "sp8-striped-causal-mqa-d32",
+        "dp2xsp4-zigzag-causal-gqa-d64",
+        "dp2xsp4-contiguous-full-mha-d32",
+    ],
+)
 def test_matches_reference(mesh_name, layout, causal, q_heads, kv_heads, head_dim):
     kw = MESHES[mesh_name]
     mesh = jaxring.make_mesh(**kw)
@@ -103,7 +117,9 @@ def test_all_padding_gives_zeros_and_no_nan():
     mesh = jaxring.make_mesh(sp=8)
     q, k, v, dout = qkv(4, 1, 32, 4, 2, 32)
     seg = jnp.zeros((1, 32), jnp.int32)
-    (out, grads), _ = rsa_and_reference(mesh, q, k, v, dout, causal=False, layout="contiguous", segment_ids=jnp.asarray(seg))
+    (out, grads), _ = rsa_and_reference(
+        mesh, q, k, v, dout, causal=False, layout="contiguous", segment_ids=jnp.asarray(seg)
+    )
     for name, x in zip(("out", "dq", "dk", "dv"), (out, *grads)):
         assert_close(x, jnp.zeros_like(x), 0.0, name)
 
@@ -129,7 +145,7 @@ def test_bytes_moved_match_the_paper_formula():
     # value_and_grad: with jax.grad alone XLA drops pass 2 (the output itself is then unused)
     grad = lambda q, k, v: jax.value_and_grad(lambda *a: rsa(*a).sum(), argnums=(0, 1, 2))(q, k, v)
     both = compile_stats(grad, q, kv, kv)
-    assert both.bytes_moved["collective-permute"] == 57344 + 57344   # no forward ring is re-run
+    assert both.bytes_moved["collective-permute"] == 57344 + 57344  # no forward ring is re-run
     assert both.collective_ops["collective-permute"] == 28
     assert both.bytes_moved["reduce-scatter"] == 57344
     assert both.collective_ops["reduce-scatter"] == 2

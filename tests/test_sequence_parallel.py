@@ -1,9 +1,11 @@
 """Every strategy through sharded_attention against the dense reference; Ulysses, all-gather and USP traffic."""
+
 import functools
 
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import assert_close, check, qkv, with_reference
 from jax.sharding import PartitionSpec as P
 
 import jaxring
@@ -11,12 +13,11 @@ from jaxring import attention_reference
 from jaxring.analysis import compile_stats
 from jaxring.attention.allgather import allgather_attention
 from jaxring.attention.ulysses import ulysses_attention, usp_attention
-from helpers import assert_close, check, qkv, with_reference
 
 CASES = [  # strategy, options, mesh, layout, causal, q heads, kv heads, head dim
-    ("ulysses", {}, dict(sp=8), "zigzag", True, 8, 2, 32),       # GQA, kv heads < P: repeated as needed
+    ("ulysses", {}, dict(sp=8), "zigzag", True, 8, 2, 32),  # GQA, kv heads < P: repeated as needed
     ("ulysses", {}, dict(dp=2, sp=4), "contiguous", False, 4, 4, 64),
-    ("ulysses", {}, dict(sp=8), "striped", True, 8, 1, 32),      # MQA
+    ("ulysses", {}, dict(sp=8), "striped", True, 8, 1, 32),  # MQA
     ("allgather", {}, dict(sp=8), "zigzag", True, 4, 2, 32),
     ("allgather", {}, dict(dp=2, sp=4), "striped", False, 4, 1, 64),
     ("usp", dict(ulysses_size=2), dict(sp=8), "zigzag", True, 4, 2, 32),
@@ -27,24 +28,37 @@ CASES = [  # strategy, options, mesh, layout, causal, q heads, kv heads, head di
 ]
 
 
-@pytest.mark.parametrize("strategy,options,mesh_kw,layout,causal,q_heads,kv_heads,head_dim", CASES,
-                         ids=[f"{c[0]}-{'x'.join(f'{k}{v}' for k, v in c[2].items())}-{c[3]}-"
-                              f"{'causal' if c[4] else 'full'}-{c[5]}/{c[6]}-d{c[7]}" for c in CASES])
+@pytest.mark.parametrize(
+    "strategy,options,mesh_kw,layout,causal,q_heads,kv_heads,head_dim",
+    CASES,
+    ids=[
+        f"{c[0]}-{'x'.join(f'{k}{v}' for k, v in c[2].items())}-{c[3]}-"
+        f"{'causal' if c[4] else 'full'}-{c[5]}/{c[6]}-d{c[7]}"
+        for c in CASES
+    ],
+)
 def test_matches_reference(strategy, options, mesh_kw, layout, causal, q_heads, kv_heads, head_dim):
     mesh = jaxring.make_mesh(**mesh_kw)
     q, k, v, dout = qkv(7, 2, 64, q_heads, kv_heads, head_dim)
 
-    sharded = lambda q, k, v: jaxring.sharded_attention(q, k, v, mesh=mesh, strategy=strategy, causal=causal,
-                                                        layout=layout, **options)
+    sharded = lambda q, k, v: jaxring.sharded_attention(
+        q, k, v, mesh=mesh, strategy=strategy, causal=causal, layout=layout, **options
+    )
     check(*with_reference(sharded, q, k, v, dout, causal=causal))
+
 
 def test_segments_with_padding():
     mesh = jaxring.make_mesh(sp=4, dp=2)
     q, k, v, _ = qkv(8, 2, 32, 4, 2, 16)
     seg = jnp.array([[1] * 12 + [2] * 14 + [0] * 6, [3] * 32])
     expected = attention_reference(q, k, v, causal=True, segment_ids=seg)[0]
-    for strategy, options in (("ulysses", {}), ("allgather", {}), ("usp", dict(ulysses_size=2)), ("rsa", {}),
-                              ("wallfacer", dict(team_size=2))):
+    for strategy, options in (
+        ("ulysses", {}),
+        ("allgather", {}),
+        ("usp", dict(ulysses_size=2)),
+        ("rsa", {}),
+        ("wallfacer", dict(team_size=2)),
+    ):
         out = jaxring.sharded_attention(q, k, v, mesh=mesh, strategy=strategy, segment_ids=seg, **options)
         assert_close(out, expected, 2e-4, strategy)
 
@@ -60,11 +74,13 @@ def _stats(local, mesh, seq_spec, kv_heads, backward, seq=S):
     kv = jax.ShapeDtypeStruct((B, seq, kv_heads, D), jnp.float32)
     if not backward:
         return compile_stats(fn, q, kv, kv)
+
     # the output is used and the cotangent is an argument, as in a training step (XLA would drop the output
     # all-to-all of an unused output, and fold the transpose of a constant cotangent)
     def out_and_grads(q, k, v, dout):
         out, vjp = jax.vjp(fn, q, k, v)
         return out, vjp(dout)
+
     return compile_stats(out_and_grads, q, kv, kv, q)
 
 
@@ -113,6 +129,7 @@ def test_usp_traffic_is_ulysses_over_u_plus_ring_over_r():
 
 def test_allgather_memory_grows_with_devices_ring_does_not():
     """Same local length on 2 and 8 devices: all-gather keeps S tokens of K/V, the ring one block."""
+
     def temp(local, p, local_len=64):
         mesh = jaxring.make_mesh(sp=p, dp=8 // p)
         local = functools.partial(local, layout="contiguous", causal=False)
@@ -147,14 +164,16 @@ def test_errors():
         jaxring.sharded_attention(q, k, v, mesh=mesh, causal="yes")
 
 
-@pytest.mark.parametrize("strategy,options", [("ring", {}), ("ulysses", {}), ("usp", {"ulysses_size": 2}),
-                                              ("wallfacer", {"team_size": 2})])
+@pytest.mark.parametrize(
+    "strategy,options", [("ring", {}), ("ulysses", {}), ("usp", {"ulysses_size": 2}), ("wallfacer", {"team_size": 2})]
+)
 def test_laid_out_tokens_need_no_relayout(strategy, options):
     """Tokens laid out once on the data side (as the models do) give the laid-out rows of the natural output."""
     mesh = jaxring.make_mesh(sp=8)
     q, k, v, _ = qkv(3, 1, 64, 8, 8, 16) if strategy != "ring" else qkv(3, 1, 64, 8, 2, 16)
     perm = jaxring.layout_permutation("zigzag", 64, 8)
     natural = jaxring.sharded_attention(q, k, v, mesh=mesh, strategy=strategy, layout="zigzag", **options)
-    laid = jaxring.sharded_attention(q[:, perm], k[:, perm], v[:, perm], mesh=mesh, strategy=strategy,
-                                     layout="zigzag", laid_out=True, **options)
+    laid = jaxring.sharded_attention(
+        q[:, perm], k[:, perm], v[:, perm], mesh=mesh, strategy=strategy, layout="zigzag", laid_out=True, **options
+    )
     assert_close(laid, natural[:, perm], 1e-5, strategy)

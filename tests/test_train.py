@@ -1,4 +1,5 @@
 """The training loop: loss parity across meshes and strategies, checkpoints, errors."""
+
 import dataclasses
 import json
 import shutil
@@ -7,11 +8,22 @@ import jax
 import numpy as np
 import pytest
 
-from jaxring.train.loop import Trainer, TrainConfig, train
+from jaxring.train.loop import TrainConfig, Trainer, train
 
 SMALL = {"num_layers": 1, "hidden": 64, "num_heads": 8, "ffn": 128}
-BASE = TrainConfig(model="gpt", preset="tiny", model_overrides=SMALL, steps=3, batch_size=4, seq_len=64,
-                   lr=3e-3, warmup=1, sample_tokens=0, progress=False, eval_at_end=False)
+BASE = TrainConfig(
+    model="gpt",
+    preset="tiny",
+    model_overrides=SMALL,
+    steps=3,
+    batch_size=4,
+    seq_len=64,
+    lr=3e-3,
+    warmup=1,
+    sample_tokens=0,
+    progress=False,
+    eval_at_end=False,
+)
 
 
 def run(steps=3, devices=None, **changes):
@@ -106,16 +118,22 @@ def test_metrics_file(tmp_path):
         assert r["tokens_per_s"] > 0 and r["mfu"] is None  # CPU: no peak FLOP/s, so no MFU
 
 
-@pytest.mark.parametrize("changes,message", [
-    (dict(dp=3), "product|multiply|device"),
-    (dict(preset="huge", sp=8), "unknown GPT preset 'huge'"),
-    (dict(sp=8, seq_len=72, layout="zigzag", attention="ring"), "seq 72 is not divisible by 2\\*sp = 16"),
-    (dict(data="/no/such/file.txt"), "/no/such/file.txt"),
-    (dict(sp=8, attention="dense"), "sp = 8 splits the sequence"),
-    (dict(sp=8, attention="wallfacer"), "needs team_size"),
-    (dict(batch_size=6, dp=4, sp=2), r"grad-accum\) 6 is not divisible by the data-parallel degree dp\*fsdp\*ep = 4"),
-    (dict(precision="fp8"), "unknown precision 'fp8'"),
-])
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        (dict(dp=3), "product|multiply|device"),
+        (dict(preset="huge", sp=8), "unknown GPT preset 'huge'"),
+        (dict(sp=8, seq_len=72, layout="zigzag", attention="ring"), "seq 72 is not divisible by 2\\*sp = 16"),
+        (dict(data="/no/such/file.txt"), "/no/such/file.txt"),
+        (dict(sp=8, attention="dense"), "sp = 8 splits the sequence"),
+        (dict(sp=8, attention="wallfacer"), "needs team_size"),
+        (
+            dict(batch_size=6, dp=4, sp=2),
+            r"grad-accum\) 6 is not divisible by the data-parallel degree dp\*fsdp\*ep = 4",
+        ),
+        (dict(precision="fp8"), "unknown precision 'fp8'"),
+    ],
+)
 def test_bad_flags_get_clear_errors(changes, message):
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         Trainer(dataclasses.replace(BASE, **changes))
@@ -128,13 +146,33 @@ def test_bf16_compute_tracks_fp32(single_device_losses):
 
 def test_dit_trains_with_sequence_parallelism_and_samples(tmp_path):
     path = tmp_path / "samples.png"
-    history = train(dataclasses.replace(BASE, model="dit", preset="tiny", model_overrides={"num_layers": 1},
-                                        seq_len=None, dp=2, sp=4, steps=3, batch_size=8, sample_tokens=1,
-                                        sample_path=str(path)), log=lambda *a: None)
+    history = train(
+        dataclasses.replace(
+            BASE,
+            model="dit",
+            preset="tiny",
+            model_overrides={"num_layers": 1},
+            seq_len=None,
+            dp=2,
+            sp=4,
+            steps=3,
+            batch_size=8,
+            sample_tokens=1,
+            sample_path=str(path),
+        ),
+        log=lambda *a: None,
+    )
     losses = [r["loss"] for r in history]
-    single = [r["loss"] for r in train(dataclasses.replace(
-        BASE, model="dit", preset="tiny", model_overrides={"num_layers": 1}, seq_len=None, steps=3, batch_size=8),
-        devices=jax.devices()[:1], log=lambda *a: None)]
+    single = [
+        r["loss"]
+        for r in train(
+            dataclasses.replace(
+                BASE, model="dit", preset="tiny", model_overrides={"num_layers": 1}, seq_len=None, steps=3, batch_size=8
+            ),
+            devices=jax.devices()[:1],
+            log=lambda *a: None,
+        )
+    ]
     np.testing.assert_allclose(losses, single, rtol=1e-3)
     assert path.stat().st_size > 0
 
@@ -142,6 +180,7 @@ def test_dit_trains_with_sequence_parallelism_and_samples(tmp_path):
 def test_checkpoint_of_the_per_layer_layout_is_refused(tmp_path):
     """A checkpoint saved before layers were stacked (no param_layout in its metadata) gets one clear line."""
     import json
+
     ckpt = str(tmp_path / "ckpt")
     run(steps=1, devices=jax.devices()[:1], checkpoint_dir=ckpt)
     meta_files = [p for p in (tmp_path / "ckpt").rglob("*") if p.is_file() and p.parent.name == "metadata"]
@@ -158,16 +197,38 @@ def test_checkpoint_of_the_per_layer_layout_is_refused(tmp_path):
         run(steps=2, devices=jax.devices()[:1], checkpoint_dir=ckpt, resume=True)
 
 
-@pytest.mark.parametrize("flags", [["--tp", "2", "--sp", "4"], ["--dp", "2", "--tp", "2", "--sp", "2"],
-                                   ["--dp", "2", "--sp", "4", "--zero", "3"]], ids=["tp2-sp4", "dp2-tp2-sp2", "zero3"])
+@pytest.mark.parametrize(
+    "flags",
+    [["--tp", "2", "--sp", "4"], ["--dp", "2", "--tp", "2", "--sp", "2"], ["--dp", "2", "--sp", "4", "--zero", "3"]],
+    ids=["tp2-sp4", "dp2-tp2-sp2", "zero3"],
+)
 def test_train_py_matches_the_single_device_run(flags, tmp_path, single_device_losses):
     """Through the command line: tensor × sequence parallel meshes and ZeRO-3 give the 1-device losses."""
     import train as cli
+
     metrics = tmp_path / "m.jsonl"
     small = [x for k, v in SMALL.items() for x in ("--override", f"{k}={v}")]
-    rc = cli.main(flags + small + ["--steps", "3", "--batch-size", "4", "--seq-len", "64", "--lr", "3e-3",
-                                   "--warmup", "1", "--sample-tokens", "0", "--no-progress",
-                                   "--metrics-file", str(metrics)])
+    rc = cli.main(
+        flags
+        + small
+        + [
+            "--steps",
+            "3",
+            "--batch-size",
+            "4",
+            "--seq-len",
+            "64",
+            "--lr",
+            "3e-3",
+            "--warmup",
+            "1",
+            "--sample-tokens",
+            "0",
+            "--no-progress",
+            "--metrics-file",
+            str(metrics),
+        ]
+    )
     assert rc == 0
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     np.testing.assert_allclose(losses, single_device_losses, rtol=1e-3)
@@ -177,11 +238,13 @@ def _remat_step_programs(mesh_degrees, **plan_options):
     """{remat: the compiled gradient path of a 4-layer tiny GPT's train step} for none/selective/full."""
     import jax.numpy as jnp
     from flax import nnx
+
     import jaxring
     from jaxring.nn import param_placements
     from jaxring.plan import ParallelPlan
     from jaxring.train.step import TrainStep
     from models import gpt
+
     model = gpt.GPT(gpt.GPTConfig(vocab_size=128, num_layers=4, hidden=32, num_heads=4, ffn=128), rngs=nnx.Rngs(0))
     plan = ParallelPlan(jaxring.make_mesh(**mesh_degrees), **{"attention": "ring", **plan_options})
     b, s = 8, 256
@@ -191,8 +254,16 @@ def _remat_step_programs(mesh_degrees, **plan_options):
     batch = {"tokens": tokens, "targets": tokens, "positions": jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))}
     compiled = {}
     for remat in ("none", "selective", "full"):
-        step = TrainStep(plan, graphdef, placements, None, gpt.NextTokenObjective(b, s), remat=remat,
-                         stack=model.STACK, layer_graphdef=nnx.split(getattr(model, model.STACK))[0])
+        step = TrainStep(
+            plan,
+            graphdef,
+            placements,
+            None,
+            gpt.NextTokenObjective(b, s),
+            remat=remat,
+            stack=model.STACK,
+            layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
+        )
         params = jax.device_put(nnx.to_pure_dict(state), step.shardings(step.param_specs))
         compiled[remat] = step.build_grads().lower(params, batch, jax.random.PRNGKey(0)).compile()
     return compiled
@@ -213,6 +284,7 @@ def test_selective_remat_keeps_megatron_column_linear_outputs():
     again to recompute them: all-gather bytes as with no remat, fewer than full remat's (which recomputes
     them); temporaries between the two. (Before the outputs were named, selective gathered as much as full.)"""
     from jaxring.analysis.compiled import collective_traffic
+
     compiled = _remat_step_programs(dict(tp=2, sp=4), tensor_parallel="megatron")
     temp = {remat: c.memory_analysis().temp_size_in_bytes for remat, c in compiled.items()}
     gathered = {remat: collective_traffic(c.as_text(), 8)[0]["all-gather"] for remat, c in compiled.items()}
@@ -227,6 +299,7 @@ def test_selective_remat_keeps_metp_residuals_and_nothing_inside_its_rings():
     dim). Before, selective kept those products and still ran the rings again (benchmarks/remat_memory.py,
     results/remat_memory_before_fixes.json)."""
     from jaxring.analysis.compiled import collective_traffic
+
     compiled = _remat_step_programs(dict(dp=2, tp=4), tensor_parallel="metp", attention="dense")
     temp = {remat: c.memory_analysis().temp_size_in_bytes for remat, c in compiled.items()}
     ring = {remat: collective_traffic(c.as_text(), 8)[0]["collective-permute"] for remat, c in compiled.items()}

@@ -5,11 +5,11 @@ reduce-scatter of Ψ and an all-gather of Ψ, stage 3 3Ψ (all-gather forward an
 times (N−1)/N; memory 2Ψ + 2Ψ + kΨ/N, 2Ψ + (2Ψ + kΨ)/N, (2Ψ + 2Ψ + kΨ)/N, here with fp32 weights, fp32 gradients
 and k = 8 bytes of Adam moments. Scalars (the loss, the norm's pieces) are left out of the byte counts.
 """
+
 import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -30,17 +30,34 @@ def _compile(stage, grad_accum=1, batch=B):
     graphdef, state = nnx.split(model)
     plan = ParallelPlan(jaxring.make_mesh(dp=N), zero=stage)
     tx = optax.adamw(1e-3)
-    step = TrainStep(plan, graphdef, param_placements(state, plan), tx, gpt.NextTokenObjective(batch, S),
-                     grad_accum=grad_accum, stack="blocks", layer_graphdef=nnx.split(model.blocks)[0])
+    step = TrainStep(
+        plan,
+        graphdef,
+        param_placements(state, plan),
+        tx,
+        gpt.NextTokenObjective(batch, S),
+        grad_accum=grad_accum,
+        stack="blocks",
+        layer_graphdef=nnx.split(model.blocks)[0],
+    )
     abstract = lambda tree, shardings: jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
     params = abstract(nnx.to_pure_dict(state), step.shardings(step.param_specs))
     opt_specs = step.opt_state_specs(params)
     opt = abstract(jax.eval_shape(tx.init, params), step.shardings(opt_specs))
     tok = jax.ShapeDtypeStruct((batch, S), jnp.int32, sharding=plan.tokens_sharding())
-    compiled = step.build(opt_specs).lower(params, opt, {"tokens": tok, "targets": tok, "positions": tok},
-                                           jax.ShapeDtypeStruct((2,), jnp.uint32),
-                                           jax.ShapeDtypeStruct((), jnp.float32)).compile()
+    compiled = (
+        step.build(opt_specs)
+        .lower(
+            params,
+            opt,
+            {"tokens": tok, "targets": tok, "positions": tok},
+            jax.ShapeDtypeStruct((2,), jnp.uint32),
+            jax.ShapeDtypeStruct((), jnp.float32),
+        )
+        .compile()
+    )
     return compiled, nnx.to_pure_dict(state)
 
 
@@ -56,8 +73,7 @@ def _bytes(compiled):
 
 
 def _psi(params, select=lambda path: True):
-    return sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(params)
-               if select(jax.tree_util.keystr(path)))
+    return sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(params) if select(jax.tree_util.keystr(path)))
 
 
 def test_every_weight_is_sharded(stages):
@@ -71,9 +87,9 @@ def test_bytes_moved_per_stage(stages):
     psi4 = 4 * _psi(stages[0][1])
     share = (N - 1) / N
     moved = {stage: _bytes(compiled) for stage, (compiled, _) in stages.items()}
-    assert moved[0]["all-reduce"] == round(2 * share * psi4)                     # 2Ψ
+    assert moved[0]["all-reduce"] == round(2 * share * psi4)  # 2Ψ
     assert moved[0]["reduce-scatter"] == moved[0]["all-gather"] == 0
-    for stage in (1, 2):                                                          # Ψ + Ψ
+    for stage in (1, 2):  # Ψ + Ψ
         assert moved[stage]["reduce-scatter"] == moved[stage]["all-gather"] == round(share * psi4), stage
         assert moved[stage]["all-reduce"] == 0
     # 3Ψ for the weights the backward reads again: the layers' weights, not their LayerNorm biases (read only
@@ -102,12 +118,12 @@ def test_memory_falls_stage_by_stage(stages):
     params = stages[0][1]
     psi4 = 4 * _psi(params)
     layer4 = 4 * _psi(params, lambda p: p.startswith("['blocks']")) // LAYERS
-    batch = 3 * (B // N) * S * 4 + 4 + 4                  # tokens, targets, positions; the step count, max_loss
+    batch = 3 * (B // N) * S * 4 + 4 + 4  # tokens, targets, positions; the step count, max_loss
     mem = {stage: compiled.memory_analysis() for stage, (compiled, _) in stages.items()}
     args = {stage: m.argument_size_in_bytes for stage, m in mem.items()}
-    assert args[0] == psi4 + 2 * psi4 + batch                                   # weights and moments replicated
-    assert args[1] == args[2] == psi4 + 2 * psi4 // N + batch                   # moments sharded
-    assert args[3] == 3 * psi4 // N + batch                                     # everything sharded
+    assert args[0] == psi4 + 2 * psi4 + batch  # weights and moments replicated
+    assert args[1] == args[2] == psi4 + 2 * psi4 // N + batch  # moments sharded
+    assert args[3] == 3 * psi4 // N + batch  # everything sharded
     temp = {stage: m.temp_size_in_bytes for stage, m in mem.items()}
     total = {stage: args[stage] + temp[stage] for stage in mem}
     formula = {0: 4 * psi4, 1: 2 * psi4 + 2 * psi4 // N, 2: psi4 + 3 * psi4 // N, 3: 4 * psi4 // N}

@@ -20,6 +20,7 @@ count; a loop without one raises if it holds collectives, rather than give a wro
 loops without collectives, like the jnp tile loops, move nothing). Ops in both branches of a conditional
 count once each (jaxring puts no collectives in conditionals).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,8 +30,25 @@ import re
 import jax
 
 KINDS = ("collective-permute", "all-gather", "reduce-scatter", "all-to-all", "all-reduce")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+}
 _OP = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(KINDS) + r")(-start)?\(")
 _ARRAY = re.compile(r"([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[0-9,]*\})")
@@ -101,8 +119,7 @@ def _executions(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
                 trip = _TRIP.search(line)
                 if trip is None:
                     if _has_collectives(m.group(1), comps):
-                        raise ValueError(f"while loop {m.group(1)} has no known trip count; its traffic is "
-                                         f"unknown")
+                        raise ValueError(f"while loop {m.group(1)} has no known trip count; its traffic is unknown")
                     continue  # a data-dependent loop without collectives (e.g. a tile loop): moves nothing
                 visit(m.group(1), times * int(trip.group(1)))
             for callee in _CALLEES.findall(line):
@@ -120,8 +137,13 @@ def received_factor(kind: str, group: int) -> float:
     """Bytes a device receives per byte of an op's result, for a collective of `kind` over `group` devices
     (ring algorithms: an all-reduce is a reduce-scatter plus an all-gather)."""
     g = group
-    return {"collective-permute": 1.0, "all-gather": (g - 1) / g, "reduce-scatter": g - 1,
-            "all-to-all": (g - 1) / g, "all-reduce": 2 * (g - 1) / g}[kind]
+    return {
+        "collective-permute": 1.0,
+        "all-gather": (g - 1) / g,
+        "reduce-scatter": g - 1,
+        "all-to-all": (g - 1) / g,
+        "all-reduce": 2 * (g - 1) / g,
+    }[kind]
 
 
 def collective_ops(hlo_text: str):
@@ -154,6 +176,7 @@ def collective_traffic(hlo_text: str, num_devices: int) -> tuple[dict[str, int],
 @dataclasses.dataclass
 class CompiledStats:
     """Per-device figures of one compiled program."""
+
     bytes_moved: dict[str, int]
     collective_ops: dict[str, int]
     argument_bytes: int
@@ -176,5 +199,11 @@ def compile_stats(fn, *args, num_devices: int | None = None, **kwargs) -> Compil
     compiled = jax.jit(fn).lower(*args, **kwargs).compile()
     mem = compiled.memory_analysis()
     moved, count = collective_traffic(compiled.as_text(), num_devices or jax.device_count())
-    return CompiledStats(moved, count, mem.argument_size_in_bytes, mem.output_size_in_bytes,
-                         mem.temp_size_in_bytes, mem.alias_size_in_bytes)
+    return CompiledStats(
+        moved,
+        count,
+        mem.argument_size_in_bytes,
+        mem.output_size_in_bytes,
+        mem.temp_size_in_bytes,
+        mem.alias_size_in_bytes,
+    )

@@ -29,6 +29,7 @@ machine without a GPU otherwise. `available()` says whether all of this holds, a
 
 Target configs (XLA's GpuTargetConfigProto, `gpu_targets/*.txtpb`, from openxla/xla) ship as package data.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,6 +51,7 @@ SM_ARCH = "sm_90a"
 
 # ---------------------------------------------------------------------------------------------- set-up
 
+
 def target_config(target: str = DEFAULT_TARGET) -> str:
     """The GpuTargetConfigProto text of a target ("h100" or "h200")."""
     if target not in TARGETS:
@@ -60,7 +62,8 @@ def target_config(target: str = DEFAULT_TARGET) -> str:
 def ptxas_path() -> str | None:
     """ptxas from the nvidia-cuda-nvcc-cu12 wheel (or PATH), or None."""
     try:
-        import nvidia.cuda_nvcc  # noqa: PLC0415 - optional, from the gpu-compile extra
+        import nvidia.cuda_nvcc
+
         for root in list(getattr(nvidia.cuda_nvcc, "__path__", [])):
             candidate = os.path.join(root, "bin", "ptxas")
             if os.access(candidate, os.X_OK):
@@ -71,7 +74,8 @@ def ptxas_path() -> str | None:
 
 
 def _cuda_plugin_installed() -> bool:
-    import importlib.util  # noqa: PLC0415
+    import importlib.util
+
     try:
         return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
     except ImportError:
@@ -81,23 +85,28 @@ def _cuda_plugin_installed() -> bool:
 def available() -> tuple[bool, str]:
     """(True, "") when GPU targets can be compiled here, else (False, the reason)."""
     if not _cuda_plugin_installed():
-        return False, ("the compile-only CUDA plugin (jax-cuda12-plugin) is not installed: "
-                       "pip install -e \".[gpu-compile]\" in a separate venv")
+        return False, (
+            "the compile-only CUDA plugin (jax-cuda12-plugin) is not installed: "
+            'pip install -e ".[gpu-compile]" in a separate venv'
+        )
     platforms = jax.config.jax_platforms
     if platforms not in ("cpu", None, ""):
         return False, f"jax_platforms is {platforms!r}; deviceless GPU compilation needs 'cpu' (JAX_PLATFORMS=cpu)"
     if not platforms and _backends_started():
-        return False, ("JAX started its backends without jax_platforms='cpu'; set JAX_PLATFORMS=cpu before "
-                       "JAX starts (the CUDA plugin's device check fails without a GPU)")
+        return False, (
+            "JAX started its backends without jax_platforms='cpu'; set JAX_PLATFORMS=cpu before "
+            "JAX starts (the CUDA plugin's device check fails without a GPU)"
+        )
     try:
         _topology(DEFAULT_TARGET, 1)
-    except Exception as e:  # noqa: BLE001 - the reason is the answer
+    except Exception as e:
         return False, f"the cuda topology is not available: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
     return True, ""
 
 
 def _backends_started() -> bool:
-    from jax._src import xla_bridge  # noqa: PLC0415
+    from jax._src import xla_bridge
+
     return bool(getattr(xla_bridge, "_backends", None))
 
 
@@ -107,12 +116,14 @@ def use_deviceless() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _topology(target: str, num_devices: int):
-    from jax.experimental import topologies  # noqa: PLC0415
+    from jax.experimental import topologies
+
     use_deviceless()
-    return topologies.get_topology_desc(platform="cuda", target_config=target_config(target),
-                                        topology=f"1x1x{num_devices}")
+    return topologies.get_topology_desc(
+        platform="cuda", target_config=target_config(target), topology=f"1x1x{num_devices}"
+    )
 
 
 def gpu_devices(target: str = DEFAULT_TARGET, num_devices: int = 8) -> list:
@@ -124,35 +135,39 @@ def gpu_devices(target: str = DEFAULT_TARGET, num_devices: int = 8) -> list:
 
 def gpu_mesh(axes: dict[str, int], target: str = DEFAULT_TARGET):
     """A `jax.sharding.Mesh` (Auto axes) of abstract GPUs, e.g. gpu_mesh({"sp": 8})."""
-    import math  # noqa: PLC0415
+    import math
 
-    import numpy as np  # noqa: PLC0415
-    from jax.sharding import Mesh  # noqa: PLC0415
+    import numpy as np
+    from jax.sharding import Mesh
+
     devices = gpu_devices(target, math.prod(axes.values()))
     return Mesh(np.array(devices).reshape(tuple(axes.values())), tuple(axes))
 
 
 def abstract(shape, dtype, mesh, spec=None):
     """A `jax.ShapeDtypeStruct` sharded as `spec` (default replicated) over `mesh`."""
-    from jax.sharding import NamedSharding, PartitionSpec  # noqa: PLC0415
+    from jax.sharding import NamedSharding, PartitionSpec
+
     return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=NamedSharding(mesh, spec or PartitionSpec()))
 
 
 # ---------------------------------------------------------------------------------------------- report
 
+
 @dataclasses.dataclass
 class Kernel:
     """One GPU kernel: launch shape from the thunk sequence, resources from ptxas."""
+
     name: str
     launches: int
     grid: tuple[int, int, int]
     threads: tuple[int, int, int]
-    shared_memory: int                  # bytes per block
-    registers: int | None = None        # per thread (None: ptxas not run)
-    spill_stores: int | None = None     # bytes
+    shared_memory: int  # bytes per block
+    registers: int | None = None  # per thread (None: ptxas not run)
+    spill_stores: int | None = None  # bytes
     spill_loads: int | None = None
     stack_frame: int | None = None
-    wgmma_serialized: bool | None = None   # ptxas C7511
+    wgmma_serialized: bool | None = None  # ptxas C7511
     ptxas_notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -163,11 +178,12 @@ class Kernel:
 @dataclasses.dataclass
 class AsyncCollective:
     """One async collective in a loop body and what the schedule puts between its start and its done."""
+
     name: str
     kind: str
     shape: str
-    spans: list[str]                    # compute ops (kernels) scheduled between start and done
-    carried: bool = False               # started in an earlier iteration (or before the loop)
+    spans: list[str]  # compute ops (kernels) scheduled between start and done
+    carried: bool = False  # started in an earlier iteration (or before the loop)
 
     @property
     def spans_compute(self) -> bool:
@@ -177,11 +193,12 @@ class AsyncCollective:
 @dataclasses.dataclass
 class CommLoop:
     """A `while` loop whose body holds collectives (a ring)."""
+
     body: str
     trip_count: int | None
-    compute: list[str]                  # compute ops of the body, in schedule order
+    compute: list[str]  # compute ops of the body, in schedule order
     collectives: list[AsyncCollective]
-    sync_collectives: list[str]         # collectives issued synchronously (no start/done pair)
+    sync_collectives: list[str]  # collectives issued synchronously (no start/done pair)
 
     @property
     def overlapped(self) -> bool:
@@ -199,7 +216,7 @@ class GpuCompileReport:
     cost: dict[str, float]
     hlo: str = dataclasses.field(repr=False)
     compile_seconds: float = 0.0
-    entry: CommLoop | None = None       # collectives outside loops, with the same overlap analysis
+    entry: CommLoop | None = None  # collectives outside loops, with the same overlap analysis
 
     def kernel(self, name: str) -> Kernel:
         """The kernel called `name` (exactly, or as the only kernel whose name starts with it)."""
@@ -228,13 +245,17 @@ class GpuCompileReport:
         return d
 
     def summary(self, kernel_prefix: str = "jaxring_") -> str:
-        lines = [f"{self.target} x {self.num_devices}: compiled in {self.compile_seconds:.1f} s; per device "
-                 f"args {self.memory['argument'] / 2**20:.1f} MiB, temp {self.memory['temp'] / 2**20:.1f} MiB, "
-                 f"out {self.memory['output'] / 2**20:.1f} MiB"]
+        lines = [
+            f"{self.target} x {self.num_devices}: compiled in {self.compile_seconds:.1f} s; per device "
+            f"args {self.memory['argument'] / 2**20:.1f} MiB, temp {self.memory['temp'] / 2**20:.1f} MiB, "
+            f"out {self.memory['output'] / 2**20:.1f} MiB"
+        ]
         for k in self.custom_kernels(kernel_prefix) or self.kernels:
-            lines.append(f"  kernel {k.name}: grid {list(k.grid)}, threads {k.threads[0]}, smem {k.shared_memory} B,"
-                         f" regs {k.registers}, spills {k.spill_stores}/{k.spill_loads} B, "
-                         f"wgmma serialized {k.wgmma_serialized}")
+            lines.append(
+                f"  kernel {k.name}: grid {list(k.grid)}, threads {k.threads[0]}, smem {k.shared_memory} B,"
+                f" regs {k.registers}, spills {k.spill_stores}/{k.spill_loads} B, "
+                f"wgmma serialized {k.wgmma_serialized}"
+            )
         for loop in self.loops + ([self.entry] if self.entry else []):
             what = "outside loops" if loop is self.entry else f"loop {loop.body} (x{loop.trip_count})"
             lines.append(f"  {what}: {len(loop.compute)} compute ops, overlapped {loop.overlapped}")
@@ -248,8 +269,16 @@ class GpuCompileReport:
 
 # -------------------------------------------------------------------------------------------- compiling
 
-def compile_for_gpu(fn, *args, target: str | None = None, ptxas: bool | str = True, dump_dir: str | None = None,
-                    compiler_options: dict | None = None, **kwargs) -> GpuCompileReport:
+
+def compile_for_gpu(
+    fn,
+    *args,
+    target: str | None = None,
+    ptxas: bool | str = True,
+    dump_dir: str | None = None,
+    compiler_options: dict | None = None,
+    **kwargs,
+) -> GpuCompileReport:
     """Compiles `fn(*args, **kwargs)` for the GPUs its arguments are sharded on, and reports on it.
 
     fn: a `jax.jit`-ed function, a plain function (jitted here), or a `Lowered` (then no args). Its abstract
@@ -261,7 +290,8 @@ def compile_for_gpu(fn, *args, target: str | None = None, ptxas: bool | str = Tr
     compiler_options: extra XLA debug options for this compile (e.g. {"xla_gpu_enable_latency_hiding_scheduler":
       True}).
     """
-    import time  # noqa: PLC0415
+    import time
+
     lowered = fn if hasattr(fn, "compile") and not args and not kwargs and hasattr(fn, "as_text") else None
     if lowered is None:
         jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
@@ -280,18 +310,31 @@ def compile_for_gpu(fn, *args, target: str | None = None, ptxas: bool | str = Tr
         if own_dir:
             shutil.rmtree(dump_dir, ignore_errors=True)
     mem = compiled.memory_analysis()
-    memory = {"argument": mem.argument_size_in_bytes, "output": mem.output_size_in_bytes,
-              "temp": mem.temp_size_in_bytes, "alias": mem.alias_size_in_bytes}
+    memory = {
+        "argument": mem.argument_size_in_bytes,
+        "output": mem.output_size_in_bytes,
+        "temp": mem.temp_size_in_bytes,
+        "alias": mem.alias_size_in_bytes,
+    }
     name = target or _target_of(devices)
-    return GpuCompileReport(name, len(devices) if devices else 0, kernels, memory, communication_loops(hlo),
-                            host_cost_analysis(compiled), hlo, seconds, entry_collectives(hlo))
+    return GpuCompileReport(
+        name,
+        len(devices) if devices else 0,
+        kernels,
+        memory,
+        communication_loops(hlo),
+        host_cost_analysis(compiled),
+        hlo,
+        seconds,
+        entry_collectives(hlo),
+    )
 
 
 def _devices_of(compiled) -> list:
     try:
-        leaves = jax.tree.leaves(compiled.input_shardings[0])        # the arguments may be pytrees
+        leaves = jax.tree.leaves(compiled.input_shardings[0])  # the arguments may be pytrees
         return list(leaves[0].device_set) if leaves else []
-    except Exception:  # noqa: BLE001 - labels only
+    except Exception:
         return []
 
 
@@ -310,14 +353,15 @@ def host_cost_analysis(compiled) -> dict[str, float]:
     (every loop body counted once)."""
     try:
         return weighted_cost(compiled.as_text())
-    except Exception:  # noqa: BLE001 - fall back to XLA's unweighted figures
+    except Exception:
         pass
     try:
-        from jax._src import xla_bridge  # noqa: PLC0415
-        from jax._src.lib import _jax  # noqa: PLC0415
+        from jax._src import xla_bridge
+        from jax._src.lib import _jax
+
         modules = compiled.runtime_executable().hlo_modules()
         costs = [_jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), m) for m in modules]
-    except Exception:  # noqa: BLE001 - cost is optional
+    except Exception:
         return {}
     return {k: float(sum(c.get(k, 0.0) for c in costs)) for k in _COST_KEYS} | {"loops_weighted": 0.0}
 
@@ -332,13 +376,14 @@ def weighted_cost(hlo: str) -> dict[str, float]:
     (nested loops recursively; a loop without a known trip count counts once). Conditionals are XLA's
     (the costlier branch).
     """
-    from jax._src import xla_bridge  # noqa: PLC0415
-    from jax._src.lib import _jax  # noqa: PLC0415
-    import jaxlib._hlo as hlo_lib  # noqa: PLC0415
+    import jaxlib._hlo as hlo_lib
+    from jax._src import xla_bridge
+    from jax._src.lib import _jax
+
     lines = hlo.split("\n")
     if not lines or not lines[0].startswith("HloModule"):
         raise ValueError("not an HLO module text (no 'HloModule' header)")
-    lines[0] = lines[0].split(",")[0]           # drop schedule, aliasing and layout attributes
+    lines[0] = lines[0].split(",")[0]  # drop schedule, aliasing and layout attributes
     unrooted = "\n".join(lines)
     entry = re.search(r"^ENTRY %([\w.\-]+) ", unrooted, re.M)
     if entry is None:
@@ -361,8 +406,7 @@ def weighted_cost(hlo: str) -> dict[str, float]:
         for instr in comps.get(name, []):
             if instr.opcode == "while":
                 trip = _TRIP.search(instr.rest)
-                found.append((re.search(r"body=%([\w.\-]+)", instr.rest).group(1),
-                              int(trip.group(1)) if trip else 1))
+                found.append((re.search(r"body=%([\w.\-]+)", instr.rest).group(1), int(trip.group(1)) if trip else 1))
             elif instr.opcode in ("conditional", "call", "async-start"):
                 for callee in _callees(instr):
                     if callee not in seen:
@@ -386,9 +430,11 @@ def weighted_cost(hlo: str) -> dict[str, float]:
 
 
 # flash kernels: matmuls per (query row, key column, head dim) of each kernel, 2 flops a multiply-add
-_FLASH_MATMULS = {"jaxring_flash_fwd": 2,    # S = Q Kᵀ, O += P V
-                  "jaxring_flash_dq": 3,     # S, dP = dO Vᵀ, dQ += dS K
-                  "jaxring_flash_dkv": 4}    # S, dP, dV += Pᵀ dO, dK += dSᵀ Q
+_FLASH_MATMULS = {
+    "jaxring_flash_fwd": 2,  # S = Q Kᵀ, O += P V
+    "jaxring_flash_dq": 3,  # S, dP = dO Vᵀ, dQ += dS K
+    "jaxring_flash_dkv": 4,
+}  # S, dP, dV += Pᵀ dO, dK += dSᵀ Q
 _LAUNCH_NAME = re.compile(r"\b(jaxring_flash_(?:fwd|dq|dkv))\b")
 _CONSTRAINTS = re.compile(r"operand_layout_constraints=\{(.*?)\}, [a-z_]+=")
 
@@ -397,7 +443,8 @@ def kernel_executions(hlo: str) -> dict[str, list[tuple[list[str], int]]]:
     """The flash kernels' launches of one program execution: name -> [(operand shapes, executions)], one
     entry per launch site, executions from the enclosing loops' trip counts (both branches of a conditional
     count, as if no block were skipped)."""
-    from jaxring.analysis.compiled import _computations, _executions  # noqa: PLC0415
+    from jaxring.analysis.compiled import _computations, _executions
+
     comps, entry = _computations(hlo)
     runs = _executions(comps, entry)
     found: dict[str, list] = {}
@@ -418,7 +465,7 @@ def flash_flops(hlo: str, causal: bool = True) -> float:
     total = 0.0
     for name, launches in kernel_executions(hlo).items():
         for shapes, times in launches:
-            four_d = [[int(d) for d in s[s.index("[") + 1:-1].split(",")] for s in shapes if s.count(",") == 3]
+            four_d = [[int(d) for d in s[s.index("[") + 1 : -1].split(",")] for s in shapes if s.count(",") == 3]
             if len(four_d) < 2:
                 raise ValueError(f"{name}: cannot read q and k shapes from its launch ({shapes})")
             (b, n, h, d), (_, m, _, _) = four_d[0], four_d[1]
@@ -428,8 +475,10 @@ def flash_flops(hlo: str, causal: bool = True) -> float:
 
 # ------------------------------------------------------------------------------------------- kernels
 
-_THUNK = re.compile(r"kCustomKernel.*?\]\s+(\S+)\s+grid:\s*\[(\d+),\s*(\d+),\s*(\d+)\]\s+threads:\s*"
-                    r"\[(\d+),\s*(\d+),\s*(\d+)\]\s+shared_memory:\s*(\d+)")
+_THUNK = re.compile(
+    r"kCustomKernel.*?\]\s+(\S+)\s+grid:\s*\[(\d+),\s*(\d+),\s*(\d+)\]\s+threads:\s*"
+    r"\[(\d+),\s*(\d+),\s*(\d+)\]\s+shared_memory:\s*(\d+)"
+)
 _ENTRY = re.compile(r"\.visible\s+\.entry\s+([\w$.]+)\(")
 _PTXAS_FN = re.compile(r"Function properties for ([\w$.]+)")
 _SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -467,8 +516,9 @@ def read_kernels(dump_dir: str, ptxas: bool | str = True) -> list[Kernel]:
 def run_ptxas(ptx_path: str, exe: str | None = None) -> dict[str, dict]:
     """`ptxas -arch=sm_90a -v` on one PTX file: see `parse_ptxas`."""
     exe = exe or ptxas_path()
-    out = subprocess.run([exe, f"-arch={SM_ARCH}", "-v", ptx_path, "-o", os.devnull], capture_output=True,
-                         text=True, check=False)
+    out = subprocess.run(
+        [exe, f"-arch={SM_ARCH}", "-v", ptx_path, "-o", os.devnull], capture_output=True, text=True, check=False
+    )
     if out.returncode:
         raise RuntimeError(f"ptxas failed on {ptx_path}: {(out.stdout + out.stderr)[-2000:]}")
     return parse_ptxas(out.stdout + out.stderr)
@@ -503,11 +553,35 @@ _OPERANDS = re.compile(r"%([\w.\-]+)")
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_COLLECTIVES = ("collective-permute", "all-gather", "all-reduce", "reduce-scatter", "all-to-all",
-                "collective-broadcast", "ragged-all-to-all")
-_NOT_COMPUTE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-start", "copy-done",
-                "partition-id", "replica-id", "after-all", "add-dependency", "opt-barrier", "iota",
-                "send", "send-done", "recv", "recv-done", "copy"}
+_COLLECTIVES = (
+    "collective-permute",
+    "all-gather",
+    "all-reduce",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-broadcast",
+    "ragged-all-to-all",
+)
+_NOT_COMPUTE = {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "copy-start",
+    "copy-done",
+    "partition-id",
+    "replica-id",
+    "after-all",
+    "add-dependency",
+    "opt-barrier",
+    "iota",
+    "send",
+    "send-done",
+    "recv",
+    "recv-done",
+    "copy",
+}
 
 
 @dataclasses.dataclass
@@ -554,8 +628,7 @@ def _is_compute(instr: _Instr, comps, memo: dict) -> bool:
     """Heavy work: custom calls (Pallas/Triton kernels, cuBLAS/cuDNN), dots and convolutions, fusions holding
     them, and control flow (conditional, call, while) holding any of these. Elementwise fusions, copies and
     slices do not count: overlap is about hiding a transfer behind the block compute."""
-    if instr.opcode in _NOT_COMPUTE or instr.opcode.endswith(("-start", "-done")) or \
-            _collective_kind(instr, comps):
+    if instr.opcode in _NOT_COMPUTE or instr.opcode.endswith(("-start", "-done")) or _collective_kind(instr, comps):
         return False
     if instr.opcode in ("custom-call", "dot", "convolution"):
         return True
@@ -613,14 +686,20 @@ def _loop_report(body: str, comps, memo, trip) -> CommLoop | None:
             continue
         if instr.opcode.endswith("-start"):
             started.add(instr.name)
-            done = next((j for j in instrs[n + 1:] if j.opcode.endswith("-done")
-                         and instr.name in _OPERANDS.findall(j.rest.split("),")[0] + ")")), None)
+            done = next(
+                (
+                    j
+                    for j in instrs[n + 1 :]
+                    if j.opcode.endswith("-done") and instr.name in _OPERANDS.findall(j.rest.split("),")[0] + ")")
+                ),
+                None,
+            )
             end = position[done.name] if done else len(instrs)
             spans = [c for c, at in compute_at.items() if n < at < end]
             asyncs.append(AsyncCollective(instr.name, kind, _short(instr.shape), spans, carried=done is None))
         elif instr.opcode.endswith("-done"):
             start = _OPERANDS.findall(instr.rest)
-            if start and start[0] not in position:   # started outside this body: in flight across iterations
+            if start and start[0] not in position:  # started outside this body: in flight across iterations
                 asyncs.append(AsyncCollective(start[0], kind, _short(instr.shape), [], carried=True))
         else:
             sync.append(instr.name)

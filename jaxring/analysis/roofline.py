@@ -35,6 +35,7 @@ reach; a measured MFU on the GPU will be lower.
 Peak figures: NVIDIA's datasheets for the SXM parts, dense (no sparsity); link bandwidth is NVLink 4's
 900 GB/s total, 450 GB/s each way.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,9 +44,9 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class DevicePeak:
     name: str
-    flops_per_s: dict          # dtype name -> dense peak FLOP/s (tensor cores where they apply)
+    flops_per_s: dict  # dtype name -> dense peak FLOP/s (tensor cores where they apply)
     hbm_bytes_per_s: float
-    link_bytes_per_s: float    # per direction
+    link_bytes_per_s: float  # per direction
     memory_bytes: int
 
 
@@ -67,11 +68,11 @@ class Roofline:
     memory_s: float
     comm_s: float
     time_s: float
-    bound: str                 # "compute", "memory" or "communication"
+    bound: str  # "compute", "memory" or "communication"
     model_flops: float
-    mfu: float                 # model_flops / (time_s * peak): the best MFU this program allows
-    serial_s: float = 0.0      # compute_s + memory_s + comm_s: nothing overlapped
-    serial_mfu: float = 0.0    # model_flops / (serial_s * peak)
+    mfu: float  # model_flops / (time_s * peak): the best MFU this program allows
+    serial_s: float = 0.0  # compute_s + memory_s + comm_s: nothing overlapped
+    serial_mfu: float = 0.0  # model_flops / (serial_s * peak)
 
     @property
     def arithmetic_intensity(self) -> float:
@@ -89,8 +90,16 @@ def peak(device: str | DevicePeak) -> DevicePeak:
     return PEAKS[device]
 
 
-def roofline(flops: float, bytes_accessed: float, device: str | DevicePeak = "h200", dtype: str = "bf16", *,
-             comm_bytes: float = 0.0, overlap_comm: bool = True, model_flops: float | None = None) -> Roofline:
+def roofline(
+    flops: float,
+    bytes_accessed: float,
+    device: str | DevicePeak = "h200",
+    dtype: str = "bf16",
+    *,
+    comm_bytes: float = 0.0,
+    overlap_comm: bool = True,
+    model_flops: float | None = None,
+) -> Roofline:
     """The roofline time of one device's program and the MFU it allows (see the module docstring)."""
     dev = peak(device)
     if dtype not in dev.flops_per_s:
@@ -111,29 +120,67 @@ def roofline(flops: float, bytes_accessed: float, device: str | DevicePeak = "h2
     mfu = model / (time_s * top) if time_s > 0 else 0.0
     serial_s = compute_s + memory_s + comm_s
     serial_mfu = model / (serial_s * top) if serial_s > 0 else 0.0
-    return Roofline(dev.name, dtype, float(flops), float(bytes_accessed), float(comm_bytes), compute_s, memory_s,
-                    comm_s, time_s, bound, model, mfu, serial_s, serial_mfu)
+    return Roofline(
+        dev.name,
+        dtype,
+        float(flops),
+        float(bytes_accessed),
+        float(comm_bytes),
+        compute_s,
+        memory_s,
+        comm_s,
+        time_s,
+        bound,
+        model,
+        mfu,
+        serial_s,
+        serial_mfu,
+    )
 
 
-def roofline_of(report, device: str | DevicePeak | None = None, dtype: str = "bf16", *, causal: bool | None = None,
-                extra_flops: float = 0.0, extra_bytes: float = 0.0, model_flops: float | None = None,
-                overlap_comm: bool = True) -> Roofline:
+def roofline_of(
+    report,
+    device: str | DevicePeak | None = None,
+    dtype: str = "bf16",
+    *,
+    causal: bool | None = None,
+    extra_flops: float = 0.0,
+    extra_bytes: float = 0.0,
+    model_flops: float | None = None,
+    overlap_comm: bool = True,
+) -> Roofline:
     """Roofline of a `gpu.GpuCompileReport`: XLA's flops/bytes of the module (loops weighted by their trip
     counts), plus the flash kernels' flops when `causal` is given (True/False: the attention's masking), plus
     `extra_flops`/`extra_bytes` for other opaque kernels."""
-    from jaxring.analysis.compiled import collective_traffic  # noqa: PLC0415
-    from jaxring.analysis.gpu import flash_flops  # noqa: PLC0415
+    from jaxring.analysis.compiled import collective_traffic
+    from jaxring.analysis.gpu import flash_flops
+
     if not report.cost:
         raise ValueError("the report has no cost analysis (flops, bytes accessed)")
     kernels = 0.0 if causal is None else flash_flops(report.hlo, causal=causal)
     moved, _ = collective_traffic(report.hlo, max(report.num_devices, 1))
-    return roofline(report.cost["flops"] + kernels + extra_flops, report.cost["bytes accessed"] + extra_bytes,
-                    device or report.target, dtype, comm_bytes=sum(moved.values()), overlap_comm=overlap_comm,
-                    model_flops=model_flops)
+    return roofline(
+        report.cost["flops"] + kernels + extra_flops,
+        report.cost["bytes accessed"] + extra_bytes,
+        device or report.target,
+        dtype,
+        comm_bytes=sum(moved.values()),
+        overlap_comm=overlap_comm,
+        model_flops=model_flops,
+    )
 
 
-def attention_flops(batch: int, q_len: int, kv_len: int, q_heads: int, head_dim: int, *, causal: bool,
-                    backward: bool = True, recompute: bool = True) -> float:
+def attention_flops(
+    batch: int,
+    q_len: int,
+    kv_len: int,
+    q_heads: int,
+    head_dim: int,
+    *,
+    causal: bool,
+    backward: bool = True,
+    recompute: bool = True,
+) -> float:
     """Matmul FLOPs of attention (the FlashAttention papers' count): forward 4·b·h·Sq·Skv·d (QKᵀ and PV),
     causal halved; the backward adds 2.5× the forward with recomputation of QKᵀ (2× without)."""
     fwd = 4.0 * batch * q_heads * q_len * kv_len * head_dim * (0.5 if causal else 1.0)

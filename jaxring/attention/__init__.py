@@ -1,4 +1,5 @@
 """Attention: the dense reference, the per-block compute, layouts and the sequence-parallel strategies."""
+
 from jaxring.attention.api import STRATEGIES, sharded_attention
 from jaxring.attention.blockwise import BlockOps, get_block_ops
 from jaxring.attention.flash import flash_attention, flash_block_ops

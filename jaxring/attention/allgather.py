@@ -10,6 +10,7 @@ Backward (the transpose of the all-gather): dK, dV of the whole sequence are red
 again as reduce-scatters of dK/dV (in the input dtype). Simpler than the ring and it overlaps nothing, and it
 keeps the gathered K/V (S tokens) alive for the backward: memory O(S) per device, unlike the ring's O(S/P).
 """
+
 from __future__ import annotations
 
 from jax import lax
@@ -20,8 +21,18 @@ from jaxring.attention.masking import check_qkv
 from jaxring.attention.ulysses import local_implementation
 
 
-def allgather_attention(q, k, v, segment_ids=None, *, axis_name="sp", layout: str = "zigzag",
-                        causal: bool = True, sm_scale: float | None = None, block_ops="auto"):
+def allgather_attention(
+    q,
+    k,
+    v,
+    segment_ids=None,
+    *,
+    axis_name="sp",
+    layout: str = "zigzag",
+    causal: bool = True,
+    sm_scale: float | None = None,
+    block_ops="auto",
+):
     """All-gather attention inside `shard_map`, sequence already in `layout`; shapes as `ring_attention`."""
     check_qkv(q, k, v)
     p, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
@@ -30,6 +41,15 @@ def allgather_attention(q, k, v, segment_ids=None, *, axis_name="sp", layout: st
     kv_positions = gathered_positions(layout, 0, p, p, n)  # every rank's tokens, in rank order
     k, v = (lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k, v))
     kv_seg = None if segment_ids is None else lax.all_gather(segment_ids, axis_name, axis=1, tiled=True)
-    return flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, q_positions=q_positions,
-                           kv_positions=kv_positions, segment_ids=segment_ids, kv_segment_ids=kv_seg,
-                           implementation=local_implementation(block_ops))
+    return flash_attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        sm_scale=sm_scale,
+        q_positions=q_positions,
+        kv_positions=kv_positions,
+        segment_ids=segment_ids,
+        kv_segment_ids=kv_seg,
+        implementation=local_implementation(block_ops),
+    )

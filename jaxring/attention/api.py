@@ -3,6 +3,7 @@
 A thin wrapper over the strategies' local functions from the registry (`jaxring/registry.py`): it checks the
 inputs, lays the sequence out, and runs the strategy's `attend` in a shard_map over its view of the mesh.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,9 +41,22 @@ def check_attention_inputs(q, k, v, causal) -> None:
         raise ValueError(f"causal {causal!r} must be True or False")
 
 
-def sharded_attention(q, k, v, *, mesh, strategy: str = "ring", causal: bool = True, layout: str | None = None,
-                      segment_ids=None, sm_scale: float | None = None, block_ops="auto", seq_axis: str = "sp",
-                      laid_out: bool = False, **options):
+def sharded_attention(
+    q,
+    k,
+    v,
+    *,
+    mesh,
+    strategy: str = "ring",
+    causal: bool = True,
+    layout: str | None = None,
+    segment_ids=None,
+    sm_scale: float | None = None,
+    block_ops="auto",
+    seq_axis: str = "sp",
+    laid_out: bool = False,
+    **options,
+):
     """Attention over global arrays, computed with a sequence-parallel strategy on `mesh`.
 
     Args:
@@ -68,8 +82,7 @@ def sharded_attention(q, k, v, *, mesh, strategy: str = "ring", causal: bool = T
     layout = entry.layout_for(layout, causal=True)
     sm_scale = None if sm_scale is None else float(sm_scale)  # a cache key: no traced or array scales
     if not entry.uses_block_ops and block_ops != "auto":
-        raise ValueError(f"block_ops {block_ops!r}: {strategy} materialises its score rows and has no block "
-                         f"compute")
+        raise ValueError(f"block_ops {block_ops!r}: {strategy} materialises its score rows and has no block compute")
     batch, seq = q.shape[:2]
     if k.shape[1] != seq:
         raise ValueError(f"k/v seq {k.shape[1]} must equal q seq {seq} for self-attention")
@@ -83,8 +96,9 @@ def sharded_attention(q, k, v, *, mesh, strategy: str = "ring", causal: bool = T
         return attention_reference(q, k, v, causal=causal, segment_ids=segment_ids, sm_scale=sm_scale)[0]
 
     if seq_axis not in mesh.axis_names:
-        raise ValueError(f"mesh axes {mesh.axis_names} have no {seq_axis!r} axis; strategy {strategy!r} "
-                         f"splits the sequence over it")
+        raise ValueError(
+            f"mesh axes {mesh.axis_names} have no {seq_axis!r} axis; strategy {strategy!r} splits the sequence over it"
+        )
     sp = mesh.shape[seq_axis]
     options = entry.resolve_options(options, sp)
     check_seq_len(seq, sp, layout, relayout=not laid_out)
@@ -104,16 +118,28 @@ def sharded_attention(q, k, v, *, mesh, strategy: str = "ring", causal: bool = T
     args = (q, k, v) + ((segment_ids,) if segment_ids is not None else ())
     # The Pallas interpreter of JAX 0.10 cannot type-check varying mesh axes (see flash.py).
     check_vma = get_block_ops(block_ops).name != "pallas_interpret"
-    return run_local(_local, run_mesh, specs, x_spec, *args, check_vma=check_vma, strategy=strategy,
-                     seq_axes=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops,
-                     laid_out=laid_out, options=tuple(sorted(options.items())))
+    return run_local(
+        _local,
+        run_mesh,
+        specs,
+        x_spec,
+        *args,
+        check_vma=check_vma,
+        strategy=strategy,
+        seq_axes=seq_axes,
+        layout=layout,
+        causal=causal,
+        sm_scale=sm_scale,
+        block_ops=block_ops,
+        laid_out=laid_out,
+        options=tuple(sorted(options.items())),
+    )
 
 
 def _local(q, k, v, *segment_ids, strategy, seq_axes, layout, causal, sm_scale, block_ops, laid_out, options):
     """The per-device body: re-layout (unless laid out), the strategy's local attention, back to natural."""
     attend = SEQUENCE_STRATEGIES[strategy].attend
-    kw = dict(seq_axes=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops,
-              **dict(options))
+    kw = dict(seq_axes=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops, **dict(options))
     seg = segment_ids[0] if segment_ids else None
     if laid_out:
         return attend(q, k, v, seg, **kw)

@@ -30,11 +30,12 @@ causal mask hides are skipped exactly. With `into=` the pair continues a running
 from (out, lse); gradients added to (dq, dk, dv)), so a ring needs no merge or add pass per step
 (`BlockOps.accumulates`). The Pallas kernel in `flash.py` provides the same pair on GPU.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +57,7 @@ class BlockOps:
     accumulates: forward and backward also take `into=` (the running (out, lse), or (dq, dk, dv)) and
     return it updated, saving the ring a merge or an add pass per step (the jnp pair does).
     """
+
     name: str
     forward: Callable
     backward: Callable
@@ -81,14 +83,16 @@ def _check_positions(q, k, q_positions, kv_positions):
     """Positions are shared by the batch: int [n] (per-row positions would be split along the wrong axis)."""
     for name, pos, n in (("q_positions", q_positions, q.shape[1]), ("kv_positions", kv_positions, k.shape[1])):
         if pos.shape != (n,):
-            raise ValueError(f"{name} shape {pos.shape} must be [{n}] (one position per token, shared by the "
-                             f"batch; vmap over rows for per-row positions)")
+            raise ValueError(
+                f"{name} shape {pos.shape} must be [{n}] (one position per token, shared by the "
+                f"batch; vmap over rows for per-row positions)"
+            )
 
 
-def tile_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, *, causal: bool, q_tile: int,
-                kv_tile: int):
+def tile_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, *, causal: bool, q_tile: int, kv_tile: int):
     """int32 [nq / q_tile, 4]: for each Q tile the K/V tile loop (lo, full_lo, full_hi, hi), batch-wide."""
-    from jaxring.attention.flash_tiles import loop_ranges, visibility  # noqa: PLC0415 (flash imports us)
+    from jaxring.attention.flash_tiles import loop_ranges, visibility
+
     nq, nk = q_positions.shape[0], kv_positions.shape[0]
     seg = q_segment_ids is not None
     batch = q_segment_ids.shape[0] if seg else 1
@@ -132,9 +136,21 @@ def _mask_scores(s, qpos, kpos, qseg, kseg, causal):
     return s if mask is None else jnp.where(mask[:, None, None], s, -jnp.inf)
 
 
-def block_forward(q, k, v, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, *,
-                  causal: bool, sm_scale: float, q_tile: int = FORWARD_TILE, kv_tile: int = FORWARD_TILE,
-                  into=None):
+def block_forward(
+    q,
+    k,
+    v,
+    q_positions,
+    kv_positions,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    *,
+    causal: bool,
+    sm_scale: float,
+    q_tile: int = FORWARD_TILE,
+    kv_tile: int = FORWARD_TILE,
+    into=None,
+):
     """Attention of one Q block over one K/V block; see the module docstring for shapes.
 
     into: optional running (out, lse) fp32 of the same queries over other keys; the online softmax then
@@ -146,14 +162,13 @@ def block_forward(q, k, v, q_positions, kv_positions, q_segment_ids=None, kv_seg
     hkv = k.shape[2]
     g = hq // hkv
     tq, tk = _tiles(q, k, q_tile, kv_tile)
-    ranges = tile_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal=causal, q_tile=tq,
-                         kv_tile=tk)
+    ranges = tile_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal=causal, q_tile=tq, kv_tile=tk)
     inputs = (q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, ranges)
 
     def q_tile_body(i, outputs):
         out, lse = outputs
         rows = i * tq
-        q_i = _heads_major(_slice(q, rows, tq).astype(jnp.float32) * sm_scale, hkv)   # [b, hkv, g, tq, d]
+        q_i = _heads_major(_slice(q, rows, tq).astype(jnp.float32) * sm_scale, hkv)  # [b, hkv, g, tq, d]
         qpos_i, qseg_i = _slice(q_positions, rows, tq, 0), _slice(q_segment_ids, rows, tq)
 
         def kv_tile_body(j, carry, *, masked):
@@ -161,18 +176,22 @@ def block_forward(q, k, v, q_positions, kv_positions, q_segment_ids=None, kv_seg
             keys = j * tk
             s = jnp.einsum("bhgqd,bkhd->bhgqk", q_i, _slice(k, keys, tk).astype(jnp.float32))
             if masked:
-                s = _mask_scores(s, qpos_i, _slice(kv_positions, keys, tk, 0), qseg_i,
-                                 _slice(kv_segment_ids, keys, tk), causal)
+                s = _mask_scores(
+                    s, qpos_i, _slice(kv_positions, keys, tk, 0), qseg_i, _slice(kv_segment_ids, keys, tk), causal
+                )
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-            m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)          # rows with no key yet: no NaN
+            m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # rows with no key yet: no NaN
             p = jnp.exp(s - m_safe[..., None])
             alpha = jnp.exp(m - m_safe)
             pv = jnp.einsum("bhgqk,bkhd->bhgqd", p, _slice(v, keys, tk).astype(jnp.float32))
             return acc * alpha[..., None] + pv, m_new, l * alpha + jnp.sum(p, axis=-1)
 
         if into is None:
-            init = (jnp.zeros((b, hkv, g, tq, d), jnp.float32), jnp.full((b, hkv, g, tq), -jnp.inf, jnp.float32),
-                    jnp.zeros((b, hkv, g, tq), jnp.float32))
+            init = (
+                jnp.zeros((b, hkv, g, tq, d), jnp.float32),
+                jnp.full((b, hkv, g, tq), -jnp.inf, jnp.float32),
+                jnp.zeros((b, hkv, g, tq), jnp.float32),
+            )
         else:  # continue from the running result: acc = out, m = lse, l = 1 (l = 0 on rows seen empty)
             lse_in = jnp.transpose(_slice(lse, rows, tq).reshape(b, tq, hkv, g), (0, 2, 3, 1))
             init = (_heads_major(_slice(out, rows, tq), hkv), lse_in, jnp.where(jnp.isneginf(lse_in), 0.0, 1.0))
@@ -189,9 +208,24 @@ def block_forward(q, k, v, q_positions, kv_positions, q_segment_ids=None, kv_seg
     return lax.fori_loop(0, nq // tq, q_tile_body, _varying(inputs, into))
 
 
-def block_backward(q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids=None,
-                   kv_segment_ids=None, *, causal: bool, sm_scale: float, q_tile: int = BACKWARD_TILE,
-                   kv_tile: int = BACKWARD_TILE, into=None):
+def block_backward(
+    q,
+    k,
+    v,
+    dout,
+    lse,
+    delta,
+    q_positions,
+    kv_positions,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    *,
+    causal: bool,
+    sm_scale: float,
+    q_tile: int = BACKWARD_TILE,
+    kv_tile: int = BACKWARD_TILE,
+    into=None,
+):
     """Gradients of one (Q block, K/V block) pair given the global lse and delta; fp32 results.
 
     into: optional fp32 (dq, dk, dv) accumulators; this pair's gradients are added to them in place.
@@ -201,8 +235,7 @@ def block_backward(q, k, v, dout, lse, delta, q_positions, kv_positions, q_segme
     nk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
     tq, tk = _tiles(q, k, q_tile, kv_tile)
-    ranges = tile_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal=causal, q_tile=tq,
-                         kv_tile=tk)
+    ranges = tile_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal=causal, q_tile=tq, kv_tile=tk)
     inputs = (q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids, kv_segment_ids, ranges)
     # [b, tq, hq] -> [b, hkv, g, tq]
     as_rows = lambda x: jnp.transpose(x.reshape(b, tq, hkv, g), (0, 2, 3, 1))
@@ -210,10 +243,10 @@ def block_backward(q, k, v, dout, lse, delta, q_positions, kv_positions, q_segme
     def q_tile_body(i, grads):
         dq, dk, dv = grads
         rows = i * tq
-        q_i = _heads_major(_slice(q, rows, tq).astype(jnp.float32) * sm_scale, hkv)   # [b, hkv, g, tq, d]
+        q_i = _heads_major(_slice(q, rows, tq).astype(jnp.float32) * sm_scale, hkv)  # [b, hkv, g, tq, d]
         do_i = _heads_major(_slice(dout, rows, tq).astype(jnp.float32), hkv)
         lse_i = as_rows(_slice(lse, rows, tq))
-        lse_i = jnp.where(jnp.isneginf(lse_i), 0.0, lse_i)[..., None]    # rows that see nothing: P = 0
+        lse_i = jnp.where(jnp.isneginf(lse_i), 0.0, lse_i)[..., None]  # rows that see nothing: P = 0
         delta_i = as_rows(_slice(delta, rows, tq))[..., None]
         qpos_i, qseg_i = _slice(q_positions, rows, tq, 0), _slice(q_segment_ids, rows, tq)
 
@@ -224,8 +257,9 @@ def block_backward(q, k, v, dout, lse, delta, q_positions, kv_positions, q_segme
             v_j = _slice(v, keys, tk).astype(jnp.float32)
             s = jnp.einsum("bhgqd,bkhd->bhgqk", q_i, k_j)
             if masked:
-                s = _mask_scores(s, qpos_i, _slice(kv_positions, keys, tk, 0), qseg_i,
-                                 _slice(kv_segment_ids, keys, tk), causal)
+                s = _mask_scores(
+                    s, qpos_i, _slice(kv_positions, keys, tk, 0), qseg_i, _slice(kv_segment_ids, keys, tk), causal
+                )
             p = jnp.exp(s - lse_i)
             dp = jnp.einsum("bhgqd,bkhd->bhgqk", do_i, v_j)
             ds = p * (dp - delta_i)
@@ -242,8 +276,11 @@ def block_backward(q, k, v, dout, lse, delta, q_positions, kv_positions, q_segme
         return lax.dynamic_update_slice_in_dim(dq, dq_i, rows, 1), dk, dv
 
     if into is None:
-        into = (jnp.zeros((b, nq, hq, d), jnp.float32), jnp.zeros((b, nk, hkv, d), jnp.float32),
-                jnp.zeros((b, nk, hkv, d), jnp.float32))
+        into = (
+            jnp.zeros((b, nq, hq, d), jnp.float32),
+            jnp.zeros((b, nk, hkv, d), jnp.float32),
+            jnp.zeros((b, nk, hkv, d), jnp.float32),
+        )
     return lax.fori_loop(0, nq // tq, q_tile_body, _varying(inputs, into))
 
 
@@ -264,6 +301,8 @@ def get_block_ops(impl: str | BlockOps = "auto") -> BlockOps:
         return JNP_BLOCK_OPS
     if impl in ("pallas", "pallas_interpret"):
         from jaxring.attention.flash import flash_block_ops  # flash.py imports this module
+
         return flash_block_ops(interpret=impl == "pallas_interpret")
-    raise ValueError(f"unknown block implementation {impl!r}; expected 'auto', 'jnp', 'pallas', "
-                     f"'pallas_interpret' or a BlockOps")
+    raise ValueError(
+        f"unknown block implementation {impl!r}; expected 'auto', 'jnp', 'pallas', 'pallas_interpret' or a BlockOps"
+    )

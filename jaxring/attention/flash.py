@@ -25,6 +25,7 @@ in blockwise.py (fp32 results, caller-supplied *global* lse and delta), and `fla
 packages them for the distributed strategies. Padded query rows carry dO = 0 and lse = +inf in the backward,
 so they contribute exactly nothing.
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,12 +35,25 @@ import jax.numpy as jnp
 
 from jaxring.attention.blockwise import BlockOps, block_backward, block_forward
 from jaxring.attention.flash_kernels import pallas_backward, pallas_forward
-from jaxring.attention.flash_tiles import (IMPLEMENTATIONS, default_block_config, kernel_tiles, make_config,
-                                           pad_axis, pad_tokens, prepare)
+from jaxring.attention.flash_tiles import (
+    IMPLEMENTATIONS,
+    default_block_config,
+    kernel_tiles,
+    make_config,
+    pad_axis,
+    pad_tokens,
+    prepare,
+)
 from jaxring.attention.masking import check_qkv
 
-__all__ = ["flash_attention", "flash_block_forward", "flash_block_backward", "flash_block_ops",
-           "IMPLEMENTATIONS", "default_block_config"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "default_block_config",
+    "flash_attention",
+    "flash_block_backward",
+    "flash_block_forward",
+    "flash_block_ops",
+]
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -48,15 +62,20 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(j
 # Validation
 # ----------------------------------------------------------------------------------------------------------
 
+
 def _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
     check_qkv(q, k, v)  # ranks, batch, head_dim, GQA divisibility
     for name, x in (("q", q), ("k", k), ("v", v)):
         if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has dtype {jnp.dtype(x.dtype).name}; flash attention supports bfloat16, "
-                            f"float16 and float32 inputs (fp32 accumulation)")
+            raise TypeError(
+                f"{name} has dtype {jnp.dtype(x.dtype).name}; flash attention supports bfloat16, "
+                f"float16 and float32 inputs (fp32 accumulation)"
+            )
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share one dtype; got {jnp.dtype(q.dtype).name}, "
-                        f"{jnp.dtype(k.dtype).name} and {jnp.dtype(v.dtype).name}")
+        raise TypeError(
+            f"q, k and v must share one dtype; got {jnp.dtype(q.dtype).name}, "
+            f"{jnp.dtype(k.dtype).name} and {jnp.dtype(v.dtype).name}"
+        )
     batch, q_len, kv_len = q.shape[0], q.shape[1], k.shape[1]
     for name, x, n in (("q_positions", q_positions, q_len), ("kv_positions", kv_positions, kv_len)):
         if x is None:
@@ -76,10 +95,10 @@ def _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
             raise ValueError(f"{name} have shape {x.shape}; expected ({batch}, {n})")
 
 
-
 # ----------------------------------------------------------------------------------------------------------
 # Unpadded forward / backward on one (Q, K/V) pair, for every implementation
 # ----------------------------------------------------------------------------------------------------------
+
 
 def _jnp_call(fn, q_positions, kv_positions, args, kwargs):
     """block_forward/backward take [n] positions; batched [b, n] positions run them per batch row."""
@@ -108,43 +127,53 @@ def _forward(cfg, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
     """-> out [b, nq, hq, d] (out_dtype), lse [b, nq, hq] fp32."""
     if cfg.implementation == "jnp":
         qp, kp = _default_positions(q_positions, kv_positions, q.shape[1], k.shape[1])
-        out, lse = _jnp_call(block_forward, qp, kp, (q, k, v, qp, kp, q_segment_ids, kv_segment_ids),
-                             dict(causal=cfg.causal, sm_scale=cfg.sm_scale))
+        out, lse = _jnp_call(
+            block_forward,
+            qp,
+            kp,
+            (q, k, v, qp, kp, q_segment_ids, kv_segment_ids),
+            dict(causal=cfg.causal, sm_scale=cfg.sm_scale),
+        )
         return out.astype(out_dtype), lse
     tiles = kernel_tiles(cfg, q.shape[3], q.shape[1], k.shape[1])
-    *padded, layout = prepare(cfg, tiles, q, k, v, q_positions, kv_positions, q_segment_ids,
-                               kv_segment_ids)
+    *padded, layout = prepare(cfg, tiles, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     out, lse = pallas_forward(cfg, tiles, layout, *padded, out_dtype)
     q_len, d = layout["q_len"], layout["head_dim"]
     return out[:, :q_len, :, :d], jnp.swapaxes(lse, 1, 2)[:, :q_len]
 
 
-def _backward(cfg, q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-              dtypes):
+def _backward(cfg, q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids, kv_segment_ids, dtypes):
     """lse, delta [b, nq, hq] (global values) -> dq, dk, dv in `dtypes`."""
     if cfg.implementation == "jnp":
         qp, kp = _default_positions(q_positions, kv_positions, q.shape[1], k.shape[1])
-        grads = _jnp_call(block_backward, qp, kp,
-                          (q, k, v, dout, lse, delta, qp, kp, q_segment_ids, kv_segment_ids),
-                          dict(causal=cfg.causal, sm_scale=cfg.sm_scale))
+        grads = _jnp_call(
+            block_backward,
+            qp,
+            kp,
+            (q, k, v, dout, lse, delta, qp, kp, q_segment_ids, kv_segment_ids),
+            dict(causal=cfg.causal, sm_scale=cfg.sm_scale),
+        )
         return tuple(g.astype(dt) for g, dt in zip(grads, dtypes))
     tiles = kernel_tiles(cfg, q.shape[3], q.shape[1], k.shape[1])
     q_p, k_p, v_p, qpos, kpos, qseg, kseg, layout = prepare(
-        cfg, tiles, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+        cfg, tiles, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids
+    )
     nq, d_pad = layout["nq"], layout["d_pad"]
     # dO in the inputs' dtype for the tensor-core matmuls; padded rows: dO = 0, lse = +inf, delta = 0.
     do_p = pad_tokens(dout.astype(q.dtype), nq, d_pad)
     lse_p = pad_axis(jnp.swapaxes(lse.astype(jnp.float32), 1, 2), 2, nq, jnp.inf)
     delta_p = pad_axis(jnp.swapaxes(delta.astype(jnp.float32), 1, 2), 2, nq, 0.0)
-    dq, dk, dv = pallas_backward(cfg, tiles, layout, q_p, k_p, v_p, do_p, lse_p, delta_p, qpos, kpos,
-                                  qseg, kseg, dtypes)
+    dq, dk, dv = pallas_backward(
+        cfg, tiles, layout, q_p, k_p, v_p, do_p, lse_p, delta_p, qpos, kpos, qseg, kseg, dtypes
+    )
     d = layout["head_dim"]
-    return dq[:, :layout["q_len"], :, :d], dk[:, :layout["kv_len"], :, :d], dv[:, :layout["kv_len"], :, :d]
+    return dq[:, : layout["q_len"], :, :d], dk[:, : layout["kv_len"], :, :d], dv[:, : layout["kv_len"], :, :d]
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Differentiable attention (custom_vjp: FA2 backward from out and lse)
 # ----------------------------------------------------------------------------------------------------------
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(cfg, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
@@ -161,8 +190,20 @@ def _attention_bwd(cfg, res, cts):
     dout, dlse = cts
     # delta = rowsum(dO * O); d lse / d S = P, so a cotangent on lse enters as delta - dlse.
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - dlse.astype(jnp.float32)
-    dq, dk, dv = _backward(cfg, q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids,
-                           kv_segment_ids, (q.dtype, k.dtype, v.dtype))
+    dq, dk, dv = _backward(
+        cfg,
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        q_positions,
+        kv_positions,
+        q_segment_ids,
+        kv_segment_ids,
+        (q.dtype, k.dtype, v.dtype),
+    )
     return dq, dk, dv, None, None, None, None
 
 
@@ -170,10 +211,24 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 _attention_jit = jax.jit(_attention, static_argnums=0)
 
 
-def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None, q_positions=None,
-                    kv_positions=None, segment_ids=None, kv_segment_ids=None, return_lse: bool = False,
-                    block_q: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                    num_stages: int | None = None, implementation: str | None = None):
+def flash_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    q_positions=None,
+    kv_positions=None,
+    segment_ids=None,
+    kv_segment_ids=None,
+    return_lse: bool = False,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    implementation: str | None = None,
+):
     """Memory-efficient exact attention; differentiable (FA2 backward).
 
     Args:
@@ -205,22 +260,36 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
 # Block interface (see blockwise.py): used by the distributed strategies
 # ----------------------------------------------------------------------------------------------------------
 
+
 @functools.partial(jax.jit, static_argnums=0)
 def _block_forward_jit(cfg, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
     return _forward(cfg, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _block_backward_jit(cfg, q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids,
-                        kv_segment_ids):
-    return _backward(cfg, q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids,
-                     kv_segment_ids, (jnp.float32,) * 3)
+def _block_backward_jit(cfg, q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
+    return _backward(
+        cfg, q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids, kv_segment_ids, (jnp.float32,) * 3
+    )
 
 
-def flash_block_forward(q, k, v, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, *,
-                        causal: bool, sm_scale: float, implementation: str | None = None,
-                        block_q: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                        num_stages: int | None = None):
+def flash_block_forward(
+    q,
+    k,
+    v,
+    q_positions,
+    kv_positions,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    *,
+    causal: bool,
+    sm_scale: float,
+    implementation: str | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+):
     """BlockOps forward: attention of one Q block over one K/V block.
 
     Returns out fp32 [b, nq, hq, d] (normalised over this block's keys) and lse fp32 [b, nq, hq] (-inf on
@@ -231,11 +300,26 @@ def flash_block_forward(q, k, v, q_positions, kv_positions, q_segment_ids=None, 
     return _block_forward_jit(cfg, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
 
 
-def flash_block_backward(q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids=None,
-                         kv_segment_ids=None, *, causal: bool, sm_scale: float,
-                         implementation: str | None = None, block_q: int | None = None,
-                         block_k: int | None = None, num_warps: int | None = None,
-                         num_stages: int | None = None):
+def flash_block_backward(
+    q,
+    k,
+    v,
+    dout,
+    lse,
+    delta,
+    q_positions,
+    kv_positions,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    *,
+    causal: bool,
+    sm_scale: float,
+    implementation: str | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+):
     """BlockOps backward: fp32 (dq, dk, dv) of one (Q block, K/V block) pair.
 
     lse and delta = rowsum(dout * out) are the *global* per-row values [b, nq, hq] (over all K/V blocks), so
@@ -248,8 +332,7 @@ def flash_block_backward(q, k, v, dout, lse, delta, q_positions, kv_positions, q
         if x.shape != want:
             raise ValueError(f"{name} has shape {x.shape}; expected {want}")
     cfg = make_config(causal, sm_scale, q.shape[3], implementation, block_q, block_k, num_warps, num_stages)
-    return _block_backward_jit(cfg, q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids,
-                               kv_segment_ids)
+    return _block_backward_jit(cfg, q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
 
 
 def flash_block_ops(interpret: bool = False, **kernel_options) -> BlockOps:
@@ -258,5 +341,8 @@ def flash_block_ops(interpret: bool = False, **kernel_options) -> BlockOps:
     `kernel_options` (block_q, block_k, num_warps, num_stages) are passed to both functions.
     """
     name = "pallas_interpret" if interpret else "pallas"
-    return BlockOps(name, functools.partial(flash_block_forward, implementation=name, **kernel_options),
-                    functools.partial(flash_block_backward, implementation=name, **kernel_options))
+    return BlockOps(
+        name,
+        functools.partial(flash_block_forward, implementation=name, **kernel_options),
+        functools.partial(flash_block_backward, implementation=name, **kernel_options),
+    )

@@ -18,6 +18,7 @@ cast to a common set of varying mesh axes (`lax.pcast`) and the pallas_call outp
 The Pallas *interpreter* of JAX 0.10 cannot run under check_vma=True (it type-checks the kernel body without
 vma), so "pallas_interpret" inside shard_map needs check_vma=False; it raises a clear error otherwise.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,27 +32,30 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxring.attention.flash_tiles import visibility, loop_ranges
+from jaxring.attention.flash_tiles import loop_ranges, visibility
 from jaxring.vma import vary, varying_axes
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
-_CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
+_CompilerParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
 
 
 # ----------------------------------------------------------------------------------------------------------
 # shard_map support: pallas_call outputs must state their varying mesh axes when check_vma=True
 # ----------------------------------------------------------------------------------------------------------
 
+
 def common_vma(*xs, interpret: bool = False):
     """Casts every array to the union of their varying mesh axes (a no-op outside shard_map)."""
     axes = frozenset().union(*(varying_axes(x) for x in xs if x is not None))
     if axes and interpret and JAX_VERSION < (0, 11):
-        raise ValueError(f"implementation='pallas_interpret' inside jax.shard_map with check_vma=True (inputs "
-                         f"vary over mesh axes {sorted(axes)}) is not supported by the Pallas interpreter of "
-                         f"jax {jax.__version__}; pass check_vma=False to shard_map, or use 'pallas' (GPU) or "
-                         f"'jnp'")
+        raise ValueError(
+            f"implementation='pallas_interpret' inside jax.shard_map with check_vma=True (inputs "
+            f"vary over mesh axes {sorted(axes)}) is not supported by the Pallas interpreter of "
+            f"jax {jax.__version__}; pass check_vma=False to shard_map, or use 'pallas' (GPU) or "
+            f"'jnp'"
+        )
     return [None if x is None else vary(x, axes) for x in xs]
 
 
@@ -69,16 +73,15 @@ def _out_struct(shape, dtype, like):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-
 # ----------------------------------------------------------------------------------------------------------
 # Kernel helpers
 # ----------------------------------------------------------------------------------------------------------
 
+
 def _dot_general(a, b, contract):
     # fp32 inputs: full-precision (ieee) products; Triton's default for fp32 would be tf32.
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return lax.dot_general(a, b, (contract, ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32)
 
 
 def _dot_nt(a, b):
@@ -130,8 +133,24 @@ def _load_rows_lse(lse_ref, idx):
 # Forward kernel
 # ----------------------------------------------------------------------------------------------------------
 
-def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *,
-                causal, sm_scale, block_k, index_mask_len):
+
+def _fwd_kernel(
+    ranges_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    qpos_ref,
+    kpos_ref,
+    qseg_ref,
+    kseg_ref,
+    o_ref,
+    lse_ref,
+    *,
+    causal,
+    sm_scale,
+    block_k,
+    index_mask_len,
+):
     """One (q block, batch, q head): out = softmax(q k^T * scale) v over the visible keys, and lse.
 
     q_ref [block_q, d]; k_ref, v_ref [nk, d] (the whole padded K/V of the shared head); positions and
@@ -149,28 +168,39 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, qpos_ref, kpos_ref, qseg_ref, k
         start = pl.multiple_of(j * block_k, block_k)
         keys = pl.ds(start, block_k)
         k = k_ref[keys, :]
-        s = _dot_nt(q, k) * qk_scale                                   # S = Q K^T  [block_q, block_k]
+        s = _dot_nt(q, k) * qk_scale  # S = Q K^T  [block_q, block_k]
         if masked:
-            mask = _tile_mask(causal, index_mask_len, qpos, kpos_ref[keys] if causal else None, qseg,
-                              kseg_ref[keys] if qseg is not None else None, start, block_k)
+            mask = _tile_mask(
+                causal,
+                index_mask_len,
+                qpos,
+                kpos_ref[keys] if causal else None,
+                qseg,
+                kseg_ref[keys] if qseg is not None else None,
+                start,
+                block_k,
+            )
             if mask is not None:
                 s = jnp.where(mask, s, -jnp.inf)
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))                # running row max
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)              # rows with no key yet: no NaN
-        alpha = jnp.exp2(m_prev - m_safe)                              # rescales the old partial sums
-        p = jnp.exp2(s - m_safe[:, None])                              # P~ = exp(S - m)
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))  # running row max
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet: no NaN
+        alpha = jnp.exp2(m_prev - m_safe)  # rescales the old partial sums
+        p = jnp.exp2(s - m_safe[:, None])  # P~ = exp(S - m)
         l_new = alpha * l_prev + jnp.sum(p, axis=1)
         v = v_ref[keys, :]
-        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)        # O~ = diag(alpha) O~ + P~ V
+        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)  # O~ = diag(alpha) O~ + P~ V
         return acc, m_new, l_new
 
-    init = (jnp.zeros(o_ref.shape, jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
-            jnp.zeros((block_q,), jnp.float32))
+    init = (
+        jnp.zeros(o_ref.shape, jnp.float32),
+        jnp.full((block_q,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
     acc, m, l = _three_loops(ranges_ref, i, body, init)
 
-    empty = l == 0.0                                                   # no visible key in the whole row
+    empty = l == 0.0  # no visible key in the whole row
     l_safe = jnp.where(empty, 1.0, l)
-    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)          # O = diag(l)^-1 O~
+    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)  # O = diag(l)^-1 O~
     lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)  # natural-log lse
 
 
@@ -179,11 +209,11 @@ def pallas_forward(cfg, tiles, layout, q, k, v, qpos, kpos, qseg, kseg, out_dtyp
     t = tiles["fwd"]
     b, hq, hkv, nq, nk, d_pad = (layout[n] for n in ("batch", "q_heads", "kv_heads", "nq", "nk", "d_pad"))
     groups = hq // hkv
-    vis, full = visibility(cfg.causal, qpos, kpos, qseg, kseg, b, nq, nk, layout["kv_len"],
-                            t.block_q, t.block_k)
-    ranges = loop_ranges(vis, full)                                   # [b, nq/bq, 4]
+    vis, full = visibility(cfg.causal, qpos, kpos, qseg, kseg, b, nq, nk, layout["kv_len"], t.block_q, t.block_k)
+    ranges = loop_ranges(vis, full)  # [b, nq/bq, 4]
     q, k, v, qpos, kpos, qseg, kseg, ranges = common_vma(
-        q, k, v, qpos, kpos, qseg, kseg, ranges, interpret=cfg.implementation == "pallas_interpret")
+        q, k, v, qpos, kpos, qseg, kseg, ranges, interpret=cfg.implementation == "pallas_interpret"
+    )
     nqb = nq // t.block_q
     seg = qseg is not None
     index_mask_len = layout["kv_len"] if nk > layout["kv_len"] and not (cfg.causal or seg) else None
@@ -194,18 +224,28 @@ def pallas_forward(cfg, tiles, layout, q, k, v, qpos, kpos, qseg, kseg, out_dtyp
     k_row = pl.BlockSpec((None, nk), lambda i, bi, h: (bi, 0))
     in_specs = [
         pl.BlockSpec((None, nqb, 4), lambda i, bi, h: (bi, 0, 0)),
-        q_tile, kv_all, kv_all,
-        q_row if cfg.causal else None, k_row if cfg.causal else None,
-        q_row if seg else None, k_row if seg else None,
+        q_tile,
+        kv_all,
+        kv_all,
+        q_row if cfg.causal else None,
+        k_row if cfg.causal else None,
+        q_row if seg else None,
+        k_row if seg else None,
     ]
     out_specs = [q_tile, pl.BlockSpec((None, None, t.block_q), lambda i, bi, h: (bi, h, i))]
     out_shape = [_out_struct(q.shape, out_dtype, q), _out_struct((b, hq, nq), jnp.float32, q)]
-    kernel = functools.partial(_fwd_kernel, causal=cfg.causal, sm_scale=cfg.sm_scale, block_k=t.block_k,
-                               index_mask_len=index_mask_len)
+    kernel = functools.partial(
+        _fwd_kernel, causal=cfg.causal, sm_scale=cfg.sm_scale, block_k=t.block_k, index_mask_len=index_mask_len
+    )
     return pl.pallas_call(
-        kernel, grid=(nqb, b, hq), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        kernel,
+        grid=(nqb, b, hq),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=_CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
-        interpret=cfg.implementation == "pallas_interpret", name="jaxring_flash_fwd",
+        interpret=cfg.implementation == "pallas_interpret",
+        name="jaxring_flash_fwd",
     )(ranges, q, k, v, qpos, kpos, qseg, kseg)
 
 
@@ -213,8 +253,28 @@ def pallas_forward(cfg, tiles, layout, q, k, v, qpos, kpos, qseg, kseg, out_dtyp
 # Backward kernels
 # ----------------------------------------------------------------------------------------------------------
 
-def _dkv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref,
-                kseg_ref, dk_ref, dv_ref, *, causal, sm_scale, block_q, groups, index_mask_len):
+
+def _dkv_kernel(
+    ranges_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    qpos_ref,
+    kpos_ref,
+    qseg_ref,
+    kseg_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    causal,
+    sm_scale,
+    block_q,
+    groups,
+    index_mask_len,
+):
     """One (k block, batch, kv head): dK, dV summed over the q blocks of all `groups` query heads.
 
     k_ref, v_ref [block_k, d]; q_ref, do_ref [nq, groups, d] (the query heads sharing this K/V head);
@@ -233,17 +293,25 @@ def _dkv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpo
         rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
         q = q_ref[rows, head, :]
         do = do_ref[rows, head, :]
-        s = _dot_nt(q, k) * qk_scale                                   # S [block_q, block_k], log2 units
+        s = _dot_nt(q, k) * qk_scale  # S [block_q, block_k], log2 units
         if masked:
-            mask = _tile_mask(causal, index_mask_len, qpos_ref[rows] if causal else None, kpos,
-                              qseg_ref[rows] if kseg is not None else None, kseg, k_start, block_k)
+            mask = _tile_mask(
+                causal,
+                index_mask_len,
+                qpos_ref[rows] if causal else None,
+                kpos,
+                qseg_ref[rows] if kseg is not None else None,
+                kseg,
+                k_start,
+                block_k,
+            )
             if mask is not None:
                 s = jnp.where(mask, s, -jnp.inf)
-        p = jnp.exp2(s - _load_rows_lse(lse_ref, (head, rows))[:, None])   # P = exp(S - lse)
-        dv = dv + _dot_tn(p.astype(do.dtype), do)                      # dV += P^T dO
-        dp = _dot_nt(do, v)                                            # dP = dO V^T
-        ds = p * (dp - delta_ref[head, rows][:, None])                 # dS = P * (dP - delta)
-        dk = dk + _dot_tn(ds.astype(q.dtype), q)                       # dK += dS^T Q   (scale at the end)
+        p = jnp.exp2(s - _load_rows_lse(lse_ref, (head, rows))[:, None])  # P = exp(S - lse)
+        dv = dv + _dot_tn(p.astype(do.dtype), do)  # dV += P^T dO
+        dp = _dot_nt(do, v)  # dP = dO V^T
+        ds = p * (dp - delta_ref[head, rows][:, None])  # dS = P * (dP - delta)
+        dk = dk + _dot_tn(ds.astype(q.dtype), q)  # dK += dS^T Q   (scale at the end)
         return dk, dv
 
     def one_head(head, carry):
@@ -258,8 +326,25 @@ def _dkv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpo
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref,
-               kseg_ref, dq_ref, *, causal, sm_scale, block_k, index_mask_len):
+def _dq_kernel(
+    ranges_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    qpos_ref,
+    kpos_ref,
+    qseg_ref,
+    kseg_ref,
+    dq_ref,
+    *,
+    causal,
+    sm_scale,
+    block_k,
+    index_mask_len,
+):
     """One (q block, batch, q head): dQ = scale * sum over K/V tiles of dS K.
 
     q_ref, do_ref [block_q, d]; k_ref, v_ref [nk, d]; lse_ref, delta_ref [block_q];
@@ -279,14 +364,22 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos
         k, v = k_ref[keys, :], v_ref[keys, :]
         s = _dot_nt(q, k) * qk_scale
         if masked:
-            mask = _tile_mask(causal, index_mask_len, qpos, kpos_ref[keys] if causal else None, qseg,
-                              kseg_ref[keys] if qseg is not None else None, start, block_k)
+            mask = _tile_mask(
+                causal,
+                index_mask_len,
+                qpos,
+                kpos_ref[keys] if causal else None,
+                qseg,
+                kseg_ref[keys] if qseg is not None else None,
+                start,
+                block_k,
+            )
             if mask is not None:
                 s = jnp.where(mask, s, -jnp.inf)
-        p = jnp.exp2(s - lse[:, None])                                 # P = exp(S - lse)
-        dp = _dot_nt(do, v)                                            # dP = dO V^T
-        ds = p * (dp - delta[:, None])                                 # dS = P * (dP - delta)
-        return dq + _dot(ds.astype(k.dtype), k)                        # dQ += dS K
+        p = jnp.exp2(s - lse[:, None])  # P = exp(S - lse)
+        dp = _dot_nt(do, v)  # dP = dO V^T
+        ds = p * (dp - delta[:, None])  # dS = P * (dP - delta)
+        return dq + _dot(ds.astype(k.dtype), k)  # dQ += dS K
 
     dq = _three_loops(ranges_ref, i, body, jnp.zeros(dq_ref.shape, jnp.float32))
     dq_ref[...] = (dq * sm_scale).astype(dq_ref.dtype)
@@ -299,13 +392,13 @@ def pallas_backward(cfg, tiles, layout, q, k, v, do, lse, delta, qpos, kpos, qse
     seg = qseg is not None
     interpret = cfg.implementation == "pallas_interpret"
     index_mask_len = layout["kv_len"] if nk > layout["kv_len"] and not (cfg.causal or seg) else None
-    (q, k, v, do, lse, delta, qpos, kpos, qseg, kseg) = common_vma(q, k, v, do, lse, delta, qpos, kpos,
-                                                                    qseg, kseg, interpret=interpret)
+    (q, k, v, do, lse, delta, qpos, kpos, qseg, kseg) = common_vma(
+        q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, interpret=interpret
+    )
 
     # dK/dV: grid over (k block, batch, kv head); loops over q blocks of the group's query heads.
     t = tiles["dkv"]
-    vis, full = visibility(cfg.causal, qpos, kpos, qseg, kseg, b, nq, nk, layout["kv_len"],
-                            t.block_q, t.block_k)
+    vis, full = visibility(cfg.causal, qpos, kpos, qseg, kseg, b, nq, nk, layout["kv_len"], t.block_q, t.block_k)
     ranges = loop_ranges(jnp.swapaxes(vis, 1, 2), jnp.swapaxes(full, 1, 2))  # [b, nk/bk, 4]
     (ranges,) = common_vma(ranges, q)[:1]
     nkb = nk // t.block_k
@@ -315,23 +408,38 @@ def pallas_backward(cfg, tiles, layout, q, k, v, do, lse, delta, qpos, kpos, qse
     q_row = pl.BlockSpec((None, nq), lambda j, bi, h: (bi, 0))
     k_row = pl.BlockSpec((None, t.block_k), lambda j, bi, h: (bi, j))
     dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, causal=cfg.causal, sm_scale=cfg.sm_scale, block_q=t.block_q,
-                          groups=groups, index_mask_len=index_mask_len),
+        functools.partial(
+            _dkv_kernel,
+            causal=cfg.causal,
+            sm_scale=cfg.sm_scale,
+            block_q=t.block_q,
+            groups=groups,
+            index_mask_len=index_mask_len,
+        ),
         grid=(nkb, b, hkv),
-        in_specs=[pl.BlockSpec((None, nkb, 4), lambda j, bi, h: (bi, 0, 0)),
-                  q_group, k_tile, k_tile, q_group, row_group, row_group,
-                  q_row if cfg.causal else None, k_row if cfg.causal else None,
-                  q_row if seg else None, k_row if seg else None],
+        in_specs=[
+            pl.BlockSpec((None, nkb, 4), lambda j, bi, h: (bi, 0, 0)),
+            q_group,
+            k_tile,
+            k_tile,
+            q_group,
+            row_group,
+            row_group,
+            q_row if cfg.causal else None,
+            k_row if cfg.causal else None,
+            q_row if seg else None,
+            k_row if seg else None,
+        ],
         out_specs=[k_tile, k_tile],
         out_shape=[_out_struct(k.shape, dtypes[1], q), _out_struct(v.shape, dtypes[2], q)],
         compiler_params=_CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
-        interpret=interpret, name="jaxring_flash_dkv",
+        interpret=interpret,
+        name="jaxring_flash_dkv",
     )(ranges, q, k, v, do, lse, delta, qpos, kpos, qseg, kseg)
 
     # dQ: grid over (q block, batch, q head); loops over k blocks.
     t = tiles["dq"]
-    vis, full = visibility(cfg.causal, qpos, kpos, qseg, kseg, b, nq, nk, layout["kv_len"],
-                            t.block_q, t.block_k)
+    vis, full = visibility(cfg.causal, qpos, kpos, qseg, kseg, b, nq, nk, layout["kv_len"], t.block_q, t.block_k)
     (ranges,) = common_vma(loop_ranges(vis, full), q)[:1]
     nqb = nq // t.block_q
     q_tile = pl.BlockSpec((None, t.block_q, None, d_pad), lambda i, bi, h: (bi, i, h, 0))
@@ -340,17 +448,27 @@ def pallas_backward(cfg, tiles, layout, q, k, v, do, lse, delta, qpos, kpos, qse
     q_row = pl.BlockSpec((None, t.block_q), lambda i, bi, h: (bi, i))
     k_row = pl.BlockSpec((None, nk), lambda i, bi, h: (bi, 0))
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, causal=cfg.causal, sm_scale=cfg.sm_scale, block_k=t.block_k,
-                          index_mask_len=index_mask_len),
+        functools.partial(
+            _dq_kernel, causal=cfg.causal, sm_scale=cfg.sm_scale, block_k=t.block_k, index_mask_len=index_mask_len
+        ),
         grid=(nqb, b, hq),
-        in_specs=[pl.BlockSpec((None, nqb, 4), lambda i, bi, h: (bi, 0, 0)),
-                  q_tile, kv_all, kv_all, q_tile, row_tile, row_tile,
-                  q_row if cfg.causal else None, k_row if cfg.causal else None,
-                  q_row if seg else None, k_row if seg else None],
+        in_specs=[
+            pl.BlockSpec((None, nqb, 4), lambda i, bi, h: (bi, 0, 0)),
+            q_tile,
+            kv_all,
+            kv_all,
+            q_tile,
+            row_tile,
+            row_tile,
+            q_row if cfg.causal else None,
+            k_row if cfg.causal else None,
+            q_row if seg else None,
+            k_row if seg else None,
+        ],
         out_specs=q_tile,
         out_shape=_out_struct(q.shape, dtypes[0], q),
         compiler_params=_CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
-        interpret=interpret, name="jaxring_flash_dq",
+        interpret=interpret,
+        name="jaxring_flash_dq",
     )(ranges, q, k, v, do, lse, delta, qpos, kpos, qseg, kseg)
     return dq, dk, dv
-

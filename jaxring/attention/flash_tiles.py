@@ -14,6 +14,7 @@ position per block for causal, min/max non-zero segment id per block) and give e
 [lo, hi) of tiles that may hold a visible pair, and inside it a sub-range [full_lo, full_hi) of tiles where
 every pair is visible; the kernels run masked [lo, full_lo), unmasked [full_lo, full_hi), masked [full_hi, hi).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,9 +34,11 @@ MIN_BLOCK = 16  # Triton's dot needs every tile dimension >= 16.
 # Configuration
 # ----------------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Static settings of one call (hashable: a jit static argument)."""
+
     causal: bool
     sm_scale: float
     implementation: str  # resolved: "pallas", "pallas_interpret" or "jnp"
@@ -48,6 +51,7 @@ class Config:
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """Tile sizes and launch settings of one kernel."""
+
     block_q: int
     block_k: int
     num_warps: int
@@ -115,16 +119,22 @@ def make_config(causal, sm_scale, head_dim, implementation, block_q, block_k, nu
     for name, value in (("num_warps", num_warps), ("num_stages", num_stages)):
         if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
             raise ValueError(f"{name}={value!r} must be a positive integer")
-    scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
-    return Config(bool(causal), scale, resolve_implementation(implementation),
-                   None if block_q is None else int(block_q), None if block_k is None else int(block_k),
-                   num_warps, num_stages)
-
+    scale = head_dim**-0.5 if sm_scale is None else float(sm_scale)
+    return Config(
+        bool(causal),
+        scale,
+        resolve_implementation(implementation),
+        None if block_q is None else int(block_q),
+        None if block_k is None else int(block_k),
+        num_warps,
+        num_stages,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Padding and block ranges (plain jnp, outside the kernels)
 # ----------------------------------------------------------------------------------------------------------
+
 
 def pad_axis(x, axis: int, size: int, value=0):
     if x is None or x.shape[axis] == size:
@@ -176,10 +186,17 @@ def visibility(causal, qpos, kpos, qseg, kseg, batch, nq, nk, kv_len, bq, bk):
             vis = vis & (qs["pmax"][:, :, None] >= ks["pmin"][:, None, :])
             full = full & (qs["pmin"][:, :, None] >= ks["pmax"][:, None, :])
         if qseg is not None:
-            vis = vis & (qs["smin"][:, :, None] <= ks["smax"][:, None, :]) \
-                      & (ks["smin"][:, None, :] <= qs["smax"][:, :, None])
-            full = full & qs["uniform"][:, :, None] & ks["uniform"][:, None, :] \
-                        & (qs["smin"][:, :, None] == ks["smin"][:, None, :])
+            vis = (
+                vis
+                & (qs["smin"][:, :, None] <= ks["smax"][:, None, :])
+                & (ks["smin"][:, None, :] <= qs["smax"][:, :, None])
+            )
+            full = (
+                full
+                & qs["uniform"][:, :, None]
+                & ks["uniform"][:, None, :]
+                & (qs["smin"][:, :, None] == ks["smin"][:, None, :])
+            )
     if nk > kv_len:  # tiles holding padded keys always take the masked path
         has_pad = (jnp.arange(nkb) + 1) * bk > kv_len
         full = full & ~has_pad[None, None, :]
@@ -225,8 +242,14 @@ def prepare(cfg, tiles, q, k, v, q_positions, kv_positions, q_segment_ids, kv_se
         qpos = kpos = None
     qseg = as_batched(q_segment_ids, b, q_len, nq, 0)
     kseg = as_batched(kv_segment_ids, b, kv_len, nk, 0)
-    layout = dict(batch=b, q_len=q_len, kv_len=kv_len, q_heads=hq, kv_heads=hkv, head_dim=d,
-                  d_pad=d_pad, nq=nq, nk=nk)
-    return (pad_tokens(q, nq, d_pad), pad_tokens(k, nk, d_pad), pad_tokens(v, nk, d_pad),
-            qpos, kpos, qseg, kseg, layout)
-
+    layout = dict(batch=b, q_len=q_len, kv_len=kv_len, q_heads=hq, kv_heads=hkv, head_dim=d, d_pad=d_pad, nq=nq, nk=nk)
+    return (
+        pad_tokens(q, nq, d_pad),
+        pad_tokens(k, nk, d_pad),
+        pad_tokens(v, nk, d_pad),
+        qpos,
+        kpos,
+        qseg,
+        kseg,
+        layout,
+    )

@@ -11,12 +11,13 @@ With P devices and a global sequence of S tokens, each device holds n = S / P to
 point-to-point `ppermute`s for zigzag (each device sends and receives two half chunks) and one `all_to_all`
 for striped; `layout_permutation` gives the same map on a global array, for the data side and for tests.
 """
+
 from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxring.collectives import ppermute
@@ -39,7 +40,7 @@ def check_seq_len(seq_len: int, num_devices: int, layout: str, *, relayout: bool
     if layout == "zigzag":
         multiple, rule = 2 * num_devices, f"2*sp = {2 * num_devices}, needed by the zigzag layout"
     elif layout == "striped" and relayout:
-        multiple, rule = num_devices ** 2, f"sp² = {num_devices ** 2}, needed to re-layout to striped"
+        multiple, rule = num_devices**2, f"sp² = {num_devices**2}, needed to re-layout to striped"
     if seq_len % multiple:
         raise ValueError(f"seq {seq_len} is not divisible by {rule}")
 
@@ -61,8 +62,7 @@ def layout_positions(layout: str, rank, num_devices: int, local_len: int):
 
 def gathered_positions(layout: str, first_rank, count: int, num_devices: int, local_len: int):
     """Positions of the shards of `count` consecutive layout ranks from `first_rank`, concatenated."""
-    return jnp.concatenate([layout_positions(layout, first_rank + u, num_devices, local_len)
-                            for u in range(count)])
+    return jnp.concatenate([layout_positions(layout, first_rank + u, num_devices, local_len) for u in range(count)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +73,7 @@ class RankTokens:
     zig-zag the gathered shards [A_0 B_0 A_1 B_1 ...] (A_u the early chunk, B_u the late one) are put in run
     order [A_0 .. A_{U-1} B_{U-1} .. B_0] by `run_order`, so a rank still holds two contiguous runs.
     """
+
     layout: str
     inner: int = 1
 
@@ -135,15 +136,14 @@ def to_layout(x, layout: str, axis_name, seq_dim: int = 1):
         return x
     if layout == "striped":
         n = x.shape[seq_dim]
-        x = x.reshape(x.shape[:seq_dim] + (n // p, p) + x.shape[seq_dim + 1:])
+        x = x.reshape(x.shape[:seq_dim] + (n // p, p) + x.shape[seq_dim + 1 :])
         x = lax.all_to_all(x, axis_name, split_axis=seq_dim + 1, concat_axis=seq_dim, tiled=True)
-        return x.reshape(x.shape[:seq_dim] + (n,) + x.shape[seq_dim + 2:])
+        return x.reshape(x.shape[:seq_dim] + (n,) + x.shape[seq_dim + 2 :])
     perms, slots = _zigzag_tables(p)
     rank = lax.axis_index(axis_name)
     recv = [ppermute(half, axis_name, perms[j]) for j, half in enumerate(_halves(x, seq_dim))]
     first_is_slot0 = jnp.asarray(slots[0])[rank] == 0
-    return jnp.where(first_is_slot0, jnp.concatenate(recv, seq_dim),
-                     jnp.concatenate(recv[::-1], seq_dim))
+    return jnp.where(first_is_slot0, jnp.concatenate(recv, seq_dim), jnp.concatenate(recv[::-1], seq_dim))
 
 
 def from_layout(x, layout: str, axis_name, seq_dim: int = 1):
@@ -154,12 +154,12 @@ def from_layout(x, layout: str, axis_name, seq_dim: int = 1):
         return x
     if layout == "striped":
         n = x.shape[seq_dim]
-        x = x.reshape(x.shape[:seq_dim] + (p, n // p) + x.shape[seq_dim + 1:])
+        x = x.reshape(x.shape[:seq_dim] + (p, n // p) + x.shape[seq_dim + 1 :])
         x = lax.all_to_all(x, axis_name, split_axis=seq_dim, concat_axis=seq_dim + 1, tiled=True)
         # received blocks arrive source-major: (source rank j, index a) -> natural index a*P + j
-        x = x.reshape(x.shape[:seq_dim] + (p, n // p) + x.shape[seq_dim + 2:])
+        x = x.reshape(x.shape[:seq_dim] + (p, n // p) + x.shape[seq_dim + 2 :])
         x = jnp.swapaxes(x, seq_dim, seq_dim + 1)
-        return x.reshape(x.shape[:seq_dim] + (n,) + x.shape[seq_dim + 2:])
+        return x.reshape(x.shape[:seq_dim] + (n,) + x.shape[seq_dim + 2 :])
     perms, slots = _zigzag_tables(p)
     rank = lax.axis_index(axis_name)
     lo, hi = _halves(x, seq_dim)

@@ -3,6 +3,7 @@
 Masks are built from *positions*, never from array indices, so a block whose queries and keys come from any
 ring step or any layout is masked exactly.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -11,8 +12,7 @@ import jax.numpy as jnp
 def check_heads(q_heads: int, kv_heads: int) -> int:
     """Returns the GQA group size Hq // Hkv, or raises if the heads don't divide."""
     if kv_heads < 1 or q_heads % kv_heads:
-        raise ValueError(
-            f"query heads {q_heads} must be a multiple of key/value heads {kv_heads} (GQA/MQA groups)")
+        raise ValueError(f"query heads {q_heads} must be a multiple of key/value heads {kv_heads} (GQA/MQA groups)")
     return q_heads // kv_heads
 
 

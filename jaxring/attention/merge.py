@@ -1,4 +1,5 @@
 """The one online-softmax merge of partial attention results (out, lse)."""
+
 from __future__ import annotations
 
 import jax.numpy as jnp

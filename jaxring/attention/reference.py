@@ -2,6 +2,7 @@
 
 It materialises the full [batch, heads, q_len, kv_len] score matrix, so use it for tests and small inputs.
 """
+
 from __future__ import annotations
 
 import jax
@@ -10,8 +11,18 @@ import jax.numpy as jnp
 from jaxring.attention.masking import attention_mask, check_qkv
 
 
-def attention_reference(q, k, v, *, causal: bool = True, q_positions=None, kv_positions=None,
-                        segment_ids=None, kv_segment_ids=None, sm_scale: float | None = None):
+def attention_reference(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = True,
+    q_positions=None,
+    kv_positions=None,
+    segment_ids=None,
+    kv_segment_ids=None,
+    sm_scale: float | None = None,
+):
     """Softmax attention computed densely in fp32.
 
     Args:
@@ -31,7 +42,7 @@ def attention_reference(q, k, v, *, causal: bool = True, q_positions=None, kv_po
     batch, q_len, q_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     groups = q_heads // kv_heads
-    scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+    scale = head_dim**-0.5 if sm_scale is None else sm_scale
     if q_positions is None:
         q_positions = jnp.arange(q_len)
     if kv_positions is None:

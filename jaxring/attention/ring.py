@@ -31,6 +31,7 @@ Communication per rank: forward 2(P-1) K/V blocks; backward 2(P-1) K/V blocks + 
 (plus the int32 segment ids with K/V when given). The per-block compute is a `BlockOps` pair
 (`blockwise.py`): jnp on CPU, the Pallas flash kernel on GPU.
 """
+
 from __future__ import annotations
 
 import functools
@@ -47,9 +48,20 @@ from jaxring.attention.schedule import add_block_grads, attend_block, run_work
 from jaxring.collectives import BACKWARD, ring_steps, ring_steps_accumulating, send_to_next
 
 
-def ring_attention(q, k, v, segment_ids=None, *, axis_name="sp", layout: str = "zigzag", causal: bool = True,
-                   sm_scale: float | None = None, block_ops: str | BlockOps = "auto", inner_ranks: int = 1,
-                   fuse_sends: bool | None = None):
+def ring_attention(
+    q,
+    k,
+    v,
+    segment_ids=None,
+    *,
+    axis_name="sp",
+    layout: str = "zigzag",
+    causal: bool = True,
+    sm_scale: float | None = None,
+    block_ops: str | BlockOps = "auto",
+    inner_ranks: int = 1,
+    fuse_sends: bool | None = None,
+):
     """Ring attention over `axis_name`; call inside `shard_map` with the sequence already in `layout`.
 
     Args:
@@ -68,8 +80,10 @@ def ring_attention(q, k, v, segment_ids=None, *, axis_name="sp", layout: str = "
         raise ValueError(f"k/v local seq {k.shape[1]} must equal q local seq {q.shape[1]} (self-attention)")
     tokens = RankTokens(layout, inner_ranks)
     if q.shape[1] % (tokens.runs() * inner_ranks):
-        raise ValueError(f"local seq {q.shape[1]} must split into {inner_ranks} rank shards of "
-                         f"{tokens.runs()} position runs each ({layout} layout)")
+        raise ValueError(
+            f"local seq {q.shape[1]} must split into {inner_ranks} rank shards of "
+            f"{tokens.runs()} position runs each ({layout} layout)"
+        )
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     ops = get_block_ops(block_ops)
     return _ring(q, k, v, segment_ids, axis_name, tokens, causal, scale, ops, fuse_by_default(ops, fuse_sends))
@@ -85,8 +99,9 @@ def _parts(tokens: RankTokens, causal):
     return tokens.runs() if causal else 1
 
 
-def ring_forward(q, k, v, segment_ids, axis_name, tokens: RankTokens, causal, sm_scale, ops: BlockOps,
-                 fuse: bool = False):
+def ring_forward(
+    q, k, v, segment_ids, axis_name, tokens: RankTokens, causal, sm_scale, ops: BlockOps, fuse: bool = False
+):
     """The forward ring. Returns out fp32, lse fp32 [b, n, hq] and the work here: query-key pairs of the
     (Q run, K/V run) pairs the causal mask does not hide entirely (fp32)."""
     p, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
@@ -97,13 +112,13 @@ def ring_forward(q, k, v, segment_ids, axis_name, tokens: RankTokens, causal, sm
         acc, work = carry
         k, v, kv_seg = kv
         kv_pos = tokens.positions((rank - step) % p, p, n)
-        acc = attend_block(ops, acc, q, q_pos, segment_ids, k, v, kv_pos, kv_seg, causal=causal,
-                           sm_scale=sm_scale)
+        acc = attend_block(ops, acc, q, q_pos, segment_ids, k, v, kv_pos, kv_seg, causal=causal, sm_scale=sm_scale)
         return acc, work + run_work(q_pos, kv_pos, parts, causal)
 
     init = (empty_partial(q), jnp.zeros_like(q_pos[0], jnp.float32))
-    (out, lse), work = ring_steps(attend, init, (k, v, segment_ids), p,
-                                      lambda kv: send_to_next(kv, axis_name, fuse=fuse))
+    (out, lse), work = ring_steps(
+        attend, init, (k, v, segment_ids), p, lambda kv: send_to_next(kv, axis_name, fuse=fuse)
+    )
     return out, lse, work
 
 
@@ -130,8 +145,22 @@ def _ring_bwd(axis_name, tokens, causal, sm_scale, ops, fuse, residuals, dout):
         k, v, kv_seg = kv
         kv_pos = tokens.positions((rank - BACKWARD * step) % p, p, n)
         dk, dv = (None, None) if dkv is None else dkv
-        dq, dk, dv = add_block_grads(ops, (dq, dk, dv), q, dout, lse, delta, q_pos, segment_ids, k, v, kv_pos,
-                                     kv_seg, causal=causal, sm_scale=sm_scale)
+        dq, dk, dv = add_block_grads(
+            ops,
+            (dq, dk, dv),
+            q,
+            dout,
+            lse,
+            delta,
+            q_pos,
+            segment_ids,
+            k,
+            v,
+            kv_pos,
+            kv_seg,
+            causal=causal,
+            sm_scale=sm_scale,
+        )
         return dq, (dk, dv)  # dK/dV: summed by the ranks the block visits, home after P hops
 
     send = lambda tree: send_to_next(tree, axis_name, shift=BACKWARD, fuse=fuse)

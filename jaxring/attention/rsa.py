@@ -49,6 +49,7 @@ With segment_ids, the forward's pass 1 also carries the K chunk's int32 ids: +(N
 bytes (the backward needs none). At fp32 (s = 4): forward 8(N-1)·c bytes; forward + backward 16(N-1)·c bytes
 of collective-permute and 8(N-1)·c bytes of reduce-scatter.
 """
+
 from __future__ import annotations
 
 import functools
@@ -62,8 +63,17 @@ from jaxring.attention.masking import attention_mask, check_qkv
 from jaxring.collectives import BACKWARD, ring_steps, send_to_next
 
 
-def rsa_attention(q, k, v, segment_ids=None, *, axis_name="sp", layout: str = "contiguous", causal: bool = True,
-                  sm_scale: float | None = None):
+def rsa_attention(
+    q,
+    k,
+    v,
+    segment_ids=None,
+    *,
+    axis_name="sp",
+    layout: str = "contiguous",
+    causal: bool = True,
+    sm_scale: float | None = None,
+):
     """Ring Self-Attention over `axis_name`; call inside `shard_map` with the sequence already in `layout`.
 
     Args:

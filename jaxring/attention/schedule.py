@@ -5,6 +5,7 @@ tiles a causal mask hides (by the tiles' true positions), and a block hidden ent
 `lax.cond`. The work a rank must do is counted at the granularity of its position runs (one run per rank,
 two for zig-zag): a (Q run, K/V run) pair counts unless the causal mask hides all of it.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -52,14 +53,20 @@ def run_work(q_pos, kv_pos, parts: int, causal: bool):
 def attend_block(ops, acc, q, q_pos, q_seg, k, v, kv_pos, kv_seg, *, causal, sm_scale):
     """acc (out, lse fp32) merged with the attention of Q over one K/V block (skipped if hidden)."""
     if ops.accumulates:
-        return when_visible(causal, q_pos, kv_pos,
-                            lambda: ops.forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal=causal,
-                                                sm_scale=sm_scale, into=acc),
-                            lambda: acc)[0]
+        return when_visible(
+            causal,
+            q_pos,
+            kv_pos,
+            lambda: ops.forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal=causal, sm_scale=sm_scale, into=acc),
+            lambda: acc,
+        )[0]
     part, _ = when_visible(
-        causal, q_pos, kv_pos,
+        causal,
+        q_pos,
+        kv_pos,
         lambda: ops.forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal=causal, sm_scale=sm_scale),
-        lambda: empty_partial(q))
+        lambda: empty_partial(q),
+    )
     return merge_partials(*acc, *part)
 
 
@@ -72,18 +79,23 @@ def add_block_grads(ops, grads, q, dout, lse, delta, q_pos, q_seg, k, v, kv_pos,
     """
     dq, dk, dv = grads
     if ops.accumulates:
-        into = tuple(jnp.zeros_like(x, jnp.float32) if acc is None else acc
-                     for acc, x in ((dq, q), (dk, k), (dv, v)))
-        return when_visible(causal, q_pos, kv_pos,
-                            lambda: ops.backward(q, k, v, dout, lse, delta, q_pos, kv_pos, q_seg, kv_seg,
-                                                 causal=causal, sm_scale=sm_scale, into=into),
-                            lambda: into)[0]
-    zeros = lambda: (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(k, jnp.float32),
-                     jnp.zeros_like(v, jnp.float32))
+        into = tuple(jnp.zeros_like(x, jnp.float32) if acc is None else acc for acc, x in ((dq, q), (dk, k), (dv, v)))
+        return when_visible(
+            causal,
+            q_pos,
+            kv_pos,
+            lambda: ops.backward(
+                q, k, v, dout, lse, delta, q_pos, kv_pos, q_seg, kv_seg, causal=causal, sm_scale=sm_scale, into=into
+            ),
+            lambda: into,
+        )[0]
+    zeros = lambda: (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
     (dq_j, dk_j, dv_j), _ = when_visible(
-        causal, q_pos, kv_pos,
-        lambda: ops.backward(q, k, v, dout, lse, delta, q_pos, kv_pos, q_seg, kv_seg, causal=causal,
-                             sm_scale=sm_scale),
-        zeros)
+        causal,
+        q_pos,
+        kv_pos,
+        lambda: ops.backward(q, k, v, dout, lse, delta, q_pos, kv_pos, q_seg, kv_seg, causal=causal, sm_scale=sm_scale),
+        zeros,
+    )
     add = lambda acc, x: x if acc is None else acc + x
     return add(dq, dq_j), add(dk, dk_j), add(dv, dv_j)

@@ -16,6 +16,7 @@ over the U devices of a Ulysses group, which then holds the tokens of U layout r
 attention over the R groups finishes the job. Traffic: 4 all-to-alls over U, plus ring attention over R on
 blocks U times larger with H/U heads.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,14 +37,18 @@ def local_implementation(block_ops) -> str | None:
     name = block_ops.name if isinstance(block_ops, BlockOps) else block_ops
     if name in ("auto", "jnp", "pallas", "pallas_interpret"):
         return None if name == "auto" else name
-    raise ValueError(f"block_ops {name!r}: this strategy computes locally with flash_attention, which takes "
-                     f"'auto', 'jnp', 'pallas' or 'pallas_interpret'")
+    raise ValueError(
+        f"block_ops {name!r}: this strategy computes locally with flash_attention, which takes "
+        f"'auto', 'jnp', 'pallas' or 'pallas_interpret'"
+    )
 
 
 def check_heads_split(q_heads: int, degree: int, what: str = "sp") -> None:
     if q_heads % degree:
-        raise ValueError(f"query heads {q_heads} are not divisible by the Ulysses degree {what} = {degree}: "
-                         f"each device takes query heads / {what} of them")
+        raise ValueError(
+            f"query heads {q_heads} are not divisible by the Ulysses degree {what} = {degree}: "
+            f"each device takes query heads / {what} of them"
+        )
 
 
 def repeat_kv_for_split(k, degree: int):
@@ -63,8 +68,18 @@ def heads_to_seq(x, axis_name):
     return lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
 
 
-def ulysses_attention(q, k, v, segment_ids=None, *, axis_name="sp", layout: str = "contiguous",
-                      causal: bool = True, sm_scale: float | None = None, block_ops="auto"):
+def ulysses_attention(
+    q,
+    k,
+    v,
+    segment_ids=None,
+    *,
+    axis_name="sp",
+    layout: str = "contiguous",
+    causal: bool = True,
+    sm_scale: float | None = None,
+    block_ops="auto",
+):
     """Ulysses attention inside `shard_map`, sequence already in `layout`; shapes as `ring_attention`."""
     check_qkv(q, k, v)
     p = lax.axis_size(axis_name)
@@ -74,13 +89,33 @@ def ulysses_attention(q, k, v, segment_ids=None, *, axis_name="sp", layout: str 
     positions = gathered_positions(layout, 0, p, p, n)  # every rank's tokens, in rank order
     seg = None if segment_ids is None else lax.all_gather(segment_ids, axis_name, axis=1, tiled=True)
     q, k, v = (seq_to_heads(x, axis_name) for x in (q, k, v))
-    out = flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, q_positions=positions,
-                          kv_positions=positions, segment_ids=seg, implementation=local_implementation(block_ops))
+    out = flash_attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        sm_scale=sm_scale,
+        q_positions=positions,
+        kv_positions=positions,
+        segment_ids=seg,
+        implementation=local_implementation(block_ops),
+    )
     return heads_to_seq(out, axis_name)
 
 
-def usp_attention(q, k, v, segment_ids=None, *, ring_axis, ulysses_axis, layout: str = "zigzag",
-                  causal: bool = True, sm_scale: float | None = None, block_ops="auto"):
+def usp_attention(
+    q,
+    k,
+    v,
+    segment_ids=None,
+    *,
+    ring_axis,
+    ulysses_axis,
+    layout: str = "zigzag",
+    causal: bool = True,
+    sm_scale: float | None = None,
+    block_ops="auto",
+):
     """USP inside `shard_map` over (ring_axis, ulysses_axis); the sequence rank is ring * U + ulysses."""
     check_qkv(q, k, v)
     u = lax.axis_size(ulysses_axis)
@@ -92,8 +127,18 @@ def usp_attention(q, k, v, segment_ids=None, *, ring_axis, ulysses_axis, layout:
     if order is not None:
         q, k, v = (x[:, order] for x in (q, k, v))
         seg = None if seg is None else seg[:, order]
-    out = ring_attention(q, k, v, seg, axis_name=ring_axis, layout=layout, causal=causal, sm_scale=sm_scale,
-                         block_ops=block_ops, inner_ranks=u)
+    out = ring_attention(
+        q,
+        k,
+        v,
+        seg,
+        axis_name=ring_axis,
+        layout=layout,
+        causal=causal,
+        sm_scale=sm_scale,
+        block_ops=block_ops,
+        inner_ranks=u,
+    )
     if order is not None:
         out = out[:, np.argsort(order)]
     return heads_to_seq(out, ulysses_axis)

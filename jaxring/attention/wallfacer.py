@@ -90,21 +90,22 @@ With H = hq·d = hkv·d the forward collectives are 3(C−1)BNH/P + (C−1)BNH/P
 ring.py's K/V-rotating one: (P−1)·b·n·(2·hq·d + 2·hq) + P·b·n·hq·d elements instead of
 (4P−2)·b·n·hkv·d (less for MHA, more for GQA).
 """
+
 from __future__ import annotations
 
 import functools
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
 from jaxring.attention.blockwise import BlockOps, get_block_ops
 from jaxring.attention.layout import check_seq_len
 from jaxring.attention.masking import check_qkv
-from jaxring.attention.ring import fuse_by_default
 from jaxring.attention.merge import empty_partial
+from jaxring.attention.ring import fuse_by_default
 from jaxring.attention.schedule import add_block_grads, attend_block, pair_work, run_pairs
 from jaxring.collectives import ppermute, ring_steps, ring_steps_accumulating, send_to_next
 
@@ -115,6 +116,7 @@ WF_LAYOUTS = ("contiguous", "zigzag")
 
 
 # ----------------------------------------------------------------------------------------------- checks
+
 
 def check_team_size(team_size, sp: int) -> int:
     """Returns tgs = sp / C² (the sub-ring length), or raises naming C, sp and the rule."""
@@ -132,11 +134,11 @@ def check_placement(placement: str) -> None:
 
 def check_wf_layout(layout: str) -> None:
     if layout not in WF_LAYOUTS:
-        raise ValueError(f"layout {layout!r} is not supported by wallfacer; expected one of "
-                         f"{', '.join(WF_LAYOUTS)}")
+        raise ValueError(f"layout {layout!r} is not supported by wallfacer; expected one of {', '.join(WF_LAYOUTS)}")
 
 
 # -------------------------------------------------------------------------------------- mesh and maps
+
 
 def wallfacer_mesh(mesh: Mesh, team_size: int, placement: str = "team_inner", seq_axis: str = "sp") -> Mesh:
     """The same devices with `seq_axis` (size P) replaced by ("wf_group", "wf_ring", "wf_team") of sizes
@@ -147,21 +149,22 @@ def wallfacer_mesh(mesh: Mesh, team_size: int, placement: str = "team_inner", se
     g·P/C + a·P/C² + j (sub-ring neighbours adjacent).
     """
     if seq_axis not in mesh.axis_names:
-        raise ValueError(f"mesh axes {mesh.axis_names} have no {seq_axis!r} axis; wallfacer splits the "
-                         f"sequence over it")
+        raise ValueError(
+            f"mesh axes {mesh.axis_names} have no {seq_axis!r} axis; wallfacer splits the sequence over it"
+        )
     sp = mesh.shape[seq_axis]
     tgs = check_team_size(team_size, sp)
     check_placement(placement)
     c = team_size
     i = mesh.axis_names.index(seq_axis)
     devices = np.asarray(mesh.devices)
-    pre, post = devices.shape[:i], devices.shape[i + 1:]
+    pre, post = devices.shape[:i], devices.shape[i + 1 :]
     if placement == "team_inner":
         devices = devices.reshape(pre + (c, tgs, c) + post)
     else:  # sp index g·P/C + a·tgs + j
         devices = np.swapaxes(devices.reshape(pre + (c, c, tgs) + post), i + 1, i + 2)
-    names = mesh.axis_names[:i] + WF_AXES + mesh.axis_names[i + 1:]
-    types = mesh.axis_types[:i] + (mesh.axis_types[i],) * 3 + mesh.axis_types[i + 1:]
+    names = mesh.axis_names[:i] + WF_AXES + mesh.axis_names[i + 1 :]
+    types = mesh.axis_types[:i] + (mesh.axis_types[i],) * 3 + mesh.axis_types[i + 1 :]
     return Mesh(devices, names, axis_types=types)
 
 
@@ -189,6 +192,7 @@ def init_pairs(num_devices: int, team_size: int, inverse: bool = False) -> list[
 
 # ------------------------------------------------------------------------------------------ positions
 
+
 def team_positions(layout: str, team, num_devices: int, team_size: int, local_len: int):
     """int32 [C·n]: the true positions of team `team`'s tokens in team order (int or traced team)."""
     check_wf_layout(layout)
@@ -206,10 +210,10 @@ def _team_order(x, c: int, zigzag: bool, axis: int = 1):
     if not zigzag or c == 1 or x is None:
         return x
     h = x.shape[axis] // (2 * c)
-    x = x.reshape(x.shape[:axis] + (c, 2, h) + x.shape[axis + 1:])
-    first = lax.index_in_dim(x, 0, axis + 1, keepdims=False)                  # chunk T, slices 0..C-1
+    x = x.reshape(x.shape[:axis] + (c, 2, h) + x.shape[axis + 1 :])
+    first = lax.index_in_dim(x, 0, axis + 1, keepdims=False)  # chunk T, slices 0..C-1
     second = jnp.flip(lax.index_in_dim(x, 1, axis + 1, keepdims=False), axis)  # chunk 2P/C-1-T, ascending
-    flat = lambda y: y.reshape(y.shape[:axis] + (c * h,) + y.shape[axis + 2:])
+    flat = lambda y: y.reshape(y.shape[:axis] + (c * h,) + y.shape[axis + 2 :])
     return jnp.concatenate([flat(first), flat(second)], axis)
 
 
@@ -219,9 +223,9 @@ def _member_order(x, c: int, zigzag: bool, axis: int = 1):
         return x
     h = x.shape[axis] // (2 * c)
     first, second = (lax.slice_in_dim(x, s * c * h, (s + 1) * c * h, axis=axis) for s in range(2))
-    split = lambda y: y.reshape(y.shape[:axis] + (c, h) + y.shape[axis + 1:])
-    x = jnp.stack([split(first), jnp.flip(split(second), axis)], axis + 1)     # [.., C, 2, h, ..]
-    return x.reshape(x.shape[:axis] + (2 * c * h,) + x.shape[axis + 3:])
+    split = lambda y: y.reshape(y.shape[:axis] + (c, h) + y.shape[axis + 1 :])
+    x = jnp.stack([split(first), jnp.flip(split(second), axis)], axis + 1)  # [.., C, 2, h, ..]
+    return x.reshape(x.shape[:axis] + (2 * c * h,) + x.shape[axis + 3 :])
 
 
 def wallfacer_positions(layout: str, rank, num_devices: int, team_size: int, local_len: int):
@@ -243,11 +247,13 @@ def wallfacer_permutation(layout: str, seq_len: int, num_devices: int, team_size
     check_wf_seq_len(seq_len, num_devices, layout)
     n = seq_len // num_devices
     with jax.ensure_compile_time_eval():  # concrete even when called under jit
-        return np.concatenate([np.asarray(wallfacer_positions(layout, r, num_devices, team_size, n))
-                               for r in range(num_devices)])
+        return np.concatenate(
+            [np.asarray(wallfacer_positions(layout, r, num_devices, team_size, n)) for r in range(num_devices)]
+        )
 
 
 # ------------------------------------------------------------------------------------- communication
+
 
 def _gather(x, c: int, zigzag: bool):
     """The team's C·n tokens of x (team order) from every member's n tokens."""
@@ -280,11 +286,10 @@ def _team_combine(out_t, lse_t, c: int, zigzag: bool):
     parts = lax.all_to_all(lse_m.reshape(b, c, cn // c, hq), TEAM, split_axis=1, concat_axis=1, tiled=True)
     top = jnp.max(parts, axis=1)
     top = jnp.where(jnp.isneginf(top), 0.0, top)
-    lse_own = top + jnp.log(jnp.sum(jnp.exp(parts - top[:, None]), axis=1))     # -inf where nothing visible
-    lse_all = lax.all_gather(lse_own, TEAM, axis=1, tiled=True)                 # member order
+    lse_own = top + jnp.log(jnp.sum(jnp.exp(parts - top[:, None]), axis=1))  # -inf where nothing visible
+    lse_all = lax.all_gather(lse_own, TEAM, axis=1, tiled=True)  # member order
     weight = jnp.exp(lse_m - jnp.where(jnp.isneginf(lse_all), 0.0, lse_all))
-    out = lax.psum_scatter(_member_order(out_t, c, zigzag) * weight[..., None], TEAM, scatter_dimension=1,
-                           tiled=True)
+    out = lax.psum_scatter(_member_order(out_t, c, zigzag) * weight[..., None], TEAM, scatter_dimension=1, tiled=True)
     return out, lse_own, _team_order(lse_all, c, zigzag)
 
 
@@ -296,6 +301,7 @@ def _visible_pairs(q_pos, kv_pos, causal):
 
 
 # --------------------------------------------------------------------------------------------- forward
+
 
 def _coords():
     g, j, a = (lax.axis_index(x) for x in WF_AXES)
@@ -314,9 +320,8 @@ def _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops: Blo
     def attend(carry, kv, step):
         acc, work = carry
         k_c, v_c, kseg_c = kv
-        kv_pos = team_positions(layout, ((j - step) % tgs) * c + a, p, c, n)   # the team chunk held now
-        acc = attend_block(ops, acc, q_t, q_pos, seg_t, k_c, v_c, kv_pos, kseg_c, causal=causal,
-                           sm_scale=sm_scale)
+        kv_pos = team_positions(layout, ((j - step) % tgs) * c + a, p, c, n)  # the team chunk held now
+        acc = attend_block(ops, acc, q_t, q_pos, seg_t, k_c, v_c, kv_pos, kseg_c, causal=causal, sm_scale=sm_scale)
         for qpos_i, kpos_j, computed in run_pairs(q_pos, kv_pos, parts, causal):
             seen = jnp.where(computed, _visible_pairs(qpos_i, kpos_j, causal), 0.0)
             work = work + jnp.stack([pair_work(qpos_i, kpos_j, computed), seen]).astype(work.dtype)
@@ -345,13 +350,15 @@ def _wallfacer(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, f
 
 
 def _wallfacer_fwd(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, fuse):
-    out, _, _, (q_t, seg_t, kv, lse_team) = _forward(q, k, v, segment_ids, team_size, layout, causal,
-                                                      sm_scale, ops, fuse)
+    out, _, _, (q_t, seg_t, kv, lse_team) = _forward(
+        q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, fuse
+    )
     out = out.astype(q.dtype)
     return out, (q_t, seg_t, kv, out, lse_team)
 
 
 # -------------------------------------------------------------------------------------------- backward
+
 
 def _wallfacer_bwd(team_size, layout, causal, sm_scale, ops, fuse, residuals, dout):
     q_t, qseg_t, (k_u, v_u, kseg_u), out, lse_t = residuals
@@ -367,8 +374,22 @@ def _wallfacer_bwd(team_size, layout, causal, sm_scale, ops, fuse, residuals, do
     def grads(dkv, q_side, step, dq):
         q_c, do_c, lse_c, delta_c, qseg_c = q_side
         q_pos = team_positions(layout, g * tgs + (j - step) % tgs, p, c, n)
-        dq, dk, dv = add_block_grads(ops, (dq, *dkv), q_c, do_c, lse_c, delta_c, q_pos, qseg_c, k_u, v_u, kv_pos,
-                                     kseg_u, causal=causal, sm_scale=sm_scale)
+        dq, dk, dv = add_block_grads(
+            ops,
+            (dq, *dkv),
+            q_c,
+            do_c,
+            lse_c,
+            delta_c,
+            q_pos,
+            qseg_c,
+            k_u,
+            v_u,
+            kv_pos,
+            kseg_u,
+            causal=causal,
+            sm_scale=sm_scale,
+        )
         return (dk, dv), dq  # dQ travels with its Q (one hop behind); the tgs-th hop brings it home
 
     init = (jnp.zeros_like(k_u, jnp.float32), jnp.zeros_like(v_u, jnp.float32))
@@ -384,9 +405,20 @@ _wallfacer.defvjp(_wallfacer_fwd, _wallfacer_bwd)
 
 # ---------------------------------------------------------------------------------------- public API
 
-def wallfacer_attention(q, k, v, segment_ids=None, *, team_size: int, causal: bool = True,
-                        sm_scale: float | None = None, layout: str = "contiguous",
-                        block_ops: str | BlockOps = "auto", fuse_sends: bool | None = None):
+
+def wallfacer_attention(
+    q,
+    k,
+    v,
+    segment_ids=None,
+    *,
+    team_size: int,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    layout: str = "contiguous",
+    block_ops: str | BlockOps = "auto",
+    fuse_sends: bool | None = None,
+):
     """WallFacer attention; call inside `shard_map` over a `wallfacer_mesh` with the sequence sharded over
     ("wf_group", "wf_ring", "wf_team") in `layout` (see `wallfacer_permutation`).
 
@@ -404,8 +436,10 @@ def wallfacer_attention(q, k, v, segment_ids=None, *, team_size: int, causal: bo
     check_wf_layout(layout)
     sizes = tuple(lax.axis_size(x) for x in WF_AXES)
     if sizes != (team_size, sizes[1], team_size):
-        raise ValueError(f"team_size C={team_size} does not match the mesh: (wf_group, wf_ring, wf_team) = "
-                         f"{sizes} must be (C, P/C², C)")
+        raise ValueError(
+            f"team_size C={team_size} does not match the mesh: (wf_group, wf_ring, wf_team) = "
+            f"{sizes} must be (C, P/C², C)"
+        )
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"local seq {q.shape[1]} must be even for the zigzag layout")
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)

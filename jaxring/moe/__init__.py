@@ -1,14 +1,27 @@
 """Mixture of experts with expert parallelism: router, dropless and capacity dispatch over `ep`.
 
-    config = MoEConfig(num_experts=8, experts_per_token=2, ffn=128)
-    y, stats = moe_ffn(x, params, config=config, ep_axis="ep")   # inside the caller's shard_map
-    loss = task_loss + stats["loss"]
+config = MoEConfig(num_experts=8, experts_per_token=2, ffn=128)
+y, stats = moe_ffn(x, params, config=config, ep_axis="ep")   # inside the caller's shard_map
+loss = task_loss + stats["loss"]
 """
+
 from jaxring.moe.config import MoEConfig
 from jaxring.moe.dispatch import sort_by_expert
 from jaxring.moe.layer import TOKEN_AXES, moe_ffn, param_specs, sharded_moe_ffn
 from jaxring.moe.module import MoE, RouterBias
 from jaxring.moe.router import Routing, balance_losses, route, update_router_bias
 
-__all__ = ["MoEConfig", "moe_ffn", "sharded_moe_ffn", "param_specs", "MoE", "RouterBias", "route", "Routing",
-           "balance_losses", "update_router_bias", "sort_by_expert", "TOKEN_AXES"]
+__all__ = [
+    "TOKEN_AXES",
+    "MoE",
+    "MoEConfig",
+    "RouterBias",
+    "Routing",
+    "balance_losses",
+    "moe_ffn",
+    "param_specs",
+    "route",
+    "sharded_moe_ffn",
+    "sort_by_expert",
+    "update_router_bias",
+]

@@ -1,4 +1,5 @@
 """MoEConfig: the mixture-of-experts hyper-parameters and their validation."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,6 +27,7 @@ class MoEConfig:
     grouped_matmul: the dropless grouped matmul, "ragged_dot", "blocked" (row blocks of `block_rows`, one
       expert each) or "auto" (blocked on CPU, where jax's ragged_dot is a masked dense matmul; else ragged_dot).
     """
+
     num_experts: int
     experts_per_token: int
     ffn: int
@@ -45,20 +47,24 @@ class MoEConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"MoEConfig {name}={value!r} must be a positive integer")
         if self.experts_per_token > self.num_experts:
-            raise ValueError(f"MoEConfig experts_per_token={self.experts_per_token} must be <= "
-                             f"num_experts={self.num_experts} (top-k picks distinct experts)")
+            raise ValueError(
+                f"MoEConfig experts_per_token={self.experts_per_token} must be <= "
+                f"num_experts={self.num_experts} (top-k picks distinct experts)"
+            )
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"MoEConfig activation={self.activation!r} must be one of {', '.join(ACTIVATIONS)}")
-        if self.shared_expert_ffn is not None and (not isinstance(self.shared_expert_ffn, int)
-                                                   or self.shared_expert_ffn < 1):
-            raise ValueError(f"MoEConfig shared_expert_ffn={self.shared_expert_ffn!r} must be a positive "
-                             f"integer or None")
+        if self.shared_expert_ffn is not None and (
+            not isinstance(self.shared_expert_ffn, int) or self.shared_expert_ffn < 1
+        ):
+            raise ValueError(
+                f"MoEConfig shared_expert_ffn={self.shared_expert_ffn!r} must be a positive integer or None"
+            )
         if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"MoEConfig capacity_factor={self.capacity_factor!r} must be > 0 "
-                             f"(or None for dropless)")
+            raise ValueError(f"MoEConfig capacity_factor={self.capacity_factor!r} must be > 0 (or None for dropless)")
         if self.grouped_matmul not in GROUPED_MATMULS:
-            raise ValueError(f"MoEConfig grouped_matmul={self.grouped_matmul!r} must be one of "
-                             f"{', '.join(GROUPED_MATMULS)}")
+            raise ValueError(
+                f"MoEConfig grouped_matmul={self.grouped_matmul!r} must be one of {', '.join(GROUPED_MATMULS)}"
+            )
         if not isinstance(self.block_rows, int) or self.block_rows < 1:
             raise ValueError(f"MoEConfig block_rows={self.block_rows!r} must be a positive integer")
         for name in ("aux_loss_weight", "z_loss_weight"):
@@ -77,11 +83,14 @@ class MoEConfig:
     def check_parallel(self, ep: int = 1, tp: int = 1) -> None:
         """Raises ValueError unless the experts split evenly over ep and every FFN over tp."""
         if self.num_experts % ep:
-            raise ValueError(f"num_experts={self.num_experts} is not divisible by ep={ep} "
-                             f"(each ep rank holds num_experts/ep whole experts)")
+            raise ValueError(
+                f"num_experts={self.num_experts} is not divisible by ep={ep} "
+                f"(each ep rank holds num_experts/ep whole experts)"
+            )
         if self.ffn % tp:
-            raise ValueError(f"expert ffn={self.ffn} is not divisible by tp={tp} (the experts' FFN is split "
-                             f"over tp)")
+            raise ValueError(f"expert ffn={self.ffn} is not divisible by tp={tp} (the experts' FFN is split over tp)")
         if self.shared_expert_ffn is not None and self.shared_expert_ffn % tp:
-            raise ValueError(f"shared_expert_ffn={self.shared_expert_ffn} is not divisible by tp={tp} "
-                             f"(the shared expert's FFN is split over tp)")
+            raise ValueError(
+                f"shared_expert_ffn={self.shared_expert_ffn} is not divisible by tp={tp} "
+                f"(the shared expert's FFN is split over tp)"
+            )

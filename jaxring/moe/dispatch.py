@@ -25,6 +25,7 @@ over ep the slots of rank d's experts go to rank d ([ep, E_l, C, h] all_to_all),
 
 The backward of each all_to_all is an all_to_all (autodiff's transpose): four token exchanges per layer.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -40,11 +41,12 @@ from jaxring.vma import vary
 
 class Assignments(NamedTuple):
     """This device's T*k (token, choice) assignments sorted by expert (row r = r-th in that order)."""
-    order: jax.Array    # int32 [T*k]: assignment index j*T + t of sorted row r
-    token: jax.Array    # int32 [T*k]: its token t
-    expert: jax.Array   # int32 [T*k]: its expert (non-decreasing in r)
-    counts: jax.Array   # int32 [E]: assignments per expert (the load, before any drop)
-    starts: jax.Array   # int32 [E]: first sorted row of each expert
+
+    order: jax.Array  # int32 [T*k]: assignment index j*T + t of sorted row r
+    token: jax.Array  # int32 [T*k]: its token t
+    expert: jax.Array  # int32 [T*k]: its expert (non-decreasing in r)
+    counts: jax.Array  # int32 [E]: assignments per expert (the load, before any drop)
+    starts: jax.Array  # int32 [E]: first sorted row of each expert
 
 
 def _exclusive_cumsum(x, axis=-1):
@@ -58,7 +60,7 @@ def _inverse_permutation(perm):
 def sort_by_expert(experts, num_experts: int) -> Assignments:
     """experts int32 [T, k] -> the assignments sorted by expert, choice-rank-major within an expert."""
     num_tokens = experts.shape[0]
-    flat = experts.T.reshape(-1)                                  # i = j*T + t
+    flat = experts.T.reshape(-1)  # i = j*T + t
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     return Assignments(order, order % num_tokens, flat[order], counts, _exclusive_cumsum(counts))
@@ -81,6 +83,7 @@ def _slots(x, assignments: Assignments, starts, counts, size: int):
 
 # -------------------------------------------------------------------------------------------- dropless
 
+
 def _grouped(rows, experts, group_sizes, config: MoEConfig):
     return grouped_ffn(rows, experts, group_sizes, config.activation, config.grouped_matmul, config.block_rows)
 
@@ -97,17 +100,21 @@ def _regroup_received(recv_counts, buffer_rows: int):
     padding. Returns position int32 [ep*B] (padding rows after all real ones) and group_sizes int32 [E_l].
     """
     ep, experts_local = recv_counts.shape
-    chunk_start = _exclusive_cumsum(recv_counts, axis=1)                  # within a source's buffer
+    chunk_start = _exclusive_cumsum(recv_counts, axis=1)  # within a source's buffer
     chunk_end = chunk_start + recv_counts
     p = jnp.arange(buffer_rows, dtype=jnp.int32)
-    expert = jnp.sum(p[None, :, None] >= chunk_end[:, None, :], axis=-1)   # [ep, B]; E_l = padding
+    expert = jnp.sum(p[None, :, None] >= chunk_end[:, None, :], axis=-1)  # [ep, B]; E_l = padding
     valid = (expert < experts_local).reshape(-1)
     e = jnp.minimum(expert, experts_local - 1)
     group_sizes = jnp.sum(recv_counts, axis=0)
     group_start = _exclusive_cumsum(group_sizes)
-    earlier_sources = _exclusive_cumsum(recv_counts, axis=0)                # rows of e from sources < s
-    position = (group_start[e] + jnp.take_along_axis(earlier_sources, e, axis=1) + p[None]
-                - jnp.take_along_axis(chunk_start, e, axis=1)).reshape(-1)
+    earlier_sources = _exclusive_cumsum(recv_counts, axis=0)  # rows of e from sources < s
+    position = (
+        group_start[e]
+        + jnp.take_along_axis(earlier_sources, e, axis=1)
+        + p[None]
+        - jnp.take_along_axis(chunk_start, e, axis=1)
+    ).reshape(-1)
     padding_rank = jnp.cumsum(~valid) - 1
     position = jnp.where(valid, position, jnp.sum(group_sizes) + padding_rank).astype(jnp.int32)
     return position, group_sizes
@@ -123,15 +130,15 @@ def dropless_exchange(x, assignments: Assignments, experts, config: MoEConfig, e
     buffer_rows = num_tokens * min(k, experts_local)
     rank_counts = assignments.counts.reshape(ep, experts_local)
     rank_starts = _exclusive_cumsum(jnp.sum(rank_counts, axis=1))
-    send = _slots(x, assignments, rank_starts, jnp.sum(rank_counts, axis=1), buffer_rows)   # [ep, B, h]
+    send = _slots(x, assignments, rank_starts, jnp.sum(rank_counts, axis=1), buffer_rows)  # [ep, B, h]
 
-    recv = lax.all_to_all(vary(send, (ep_axis,)), ep_axis, 0, 0, tiled=True)          # [ep(source), B, h]
+    recv = lax.all_to_all(vary(send, (ep_axis,)), ep_axis, 0, 0, tiled=True)  # [ep(source), B, h]
     recv_counts = lax.all_to_all(vary(rank_counts, (ep_axis,)), ep_axis, 0, 0, tiled=True)
     position, group_sizes = _regroup_received(recv_counts, buffer_rows)
     rows = recv.reshape(ep * buffer_rows, hidden)
     out = _grouped(rows[_inverse_permutation(position)], experts, group_sizes, config)
     out = out[position].reshape(ep, buffer_rows, hidden)
-    back = lax.all_to_all(out, ep_axis, 0, 0, tiled=True)                             # [ep(dest), B, h]
+    back = lax.all_to_all(out, ep_axis, 0, 0, tiled=True)  # [ep(dest), B, h]
 
     rank = assignments.expert // experts_local
     slot = jnp.arange(assignments.order.shape[0], dtype=jnp.int32) - rank_starts[rank]
@@ -140,16 +147,18 @@ def dropless_exchange(x, assignments: Assignments, experts, config: MoEConfig, e
 
 # -------------------------------------------------------------------------------------------- capacity
 
-def capacity_dispatch(x, assignments: Assignments, capacity: int, experts, config: MoEConfig,
-                      ep_axis: str | None, ep: int):
+
+def capacity_dispatch(
+    x, assignments: Assignments, capacity: int, experts, config: MoEConfig, ep_axis: str | None, ep: int
+):
     """x [T, h] -> (sorted expert outputs [T*k, h] with dropped rows 0, dropped count int32 scalar)."""
     num_experts = assignments.counts.shape[0]
     hidden = x.shape[-1]
-    slots = _slots(x, assignments, assignments.starts, assignments.counts, capacity)       # [E, C, h]
+    slots = _slots(x, assignments, assignments.starts, assignments.counts, capacity)  # [E, C, h]
     if ep > 1:
         experts_local = num_experts // ep
         send = slots.reshape(ep, experts_local, capacity, hidden)
-        recv = lax.all_to_all(vary(send, (ep_axis,)), ep_axis, 0, 0, tiled=True)     # [ep(source), E_l, C, h]
+        recv = lax.all_to_all(vary(send, (ep_axis,)), ep_axis, 0, 0, tiled=True)  # [ep(source), E_l, C, h]
         local = recv.transpose(1, 0, 2, 3).reshape(experts_local, ep * capacity, hidden)
         out = batched_ffn(local, experts, config.activation)
         out = out.reshape(experts_local, ep, capacity, hidden).transpose(1, 0, 2, 3)
@@ -158,7 +167,8 @@ def capacity_dispatch(x, assignments: Assignments, capacity: int, experts, confi
         out = batched_ffn(slots, experts, config.activation)
     position = jnp.arange(assignments.order.shape[0], dtype=jnp.int32) - assignments.starts[assignments.expert]
     kept = position < capacity
-    rows = jnp.where(kept[:, None], out[assignments.expert, jnp.minimum(position, capacity - 1)],
-                     jnp.zeros((), out.dtype))
+    rows = jnp.where(
+        kept[:, None], out[assignments.expert, jnp.minimum(position, capacity - 1)], jnp.zeros((), out.dtype)
+    )
     dropped = jnp.sum(jnp.maximum(assignments.counts - capacity, 0))
     return rows, dropped

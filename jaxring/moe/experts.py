@@ -15,6 +15,7 @@ result is a partial sum over tp that the caller adds up once).
   batched_ffn  capacity: rows [E_local, C, h], one slot array per expert (a batched matmul)
   dense_ffn    the shared expert (and any plain MLP): rows [T, h], weights [h, f] / [f, h]
 """
+
 from __future__ import annotations
 
 import functools
@@ -65,11 +66,15 @@ def _blocks_forward(activation, blocks, block_expert, block_used, experts):
         return _act(activation, up, gate) @ w["w_out"], up, gate
 
     def skip(x, e):
-        return (jnp.zeros_like(x), vary_like(jnp.zeros((bm, f), x.dtype), x),
-                vary_like(jnp.zeros((bm, gate_width), x.dtype), x))
+        return (
+            jnp.zeros_like(x),
+            vary_like(jnp.zeros((bm, f), x.dtype), x),
+            vary_like(jnp.zeros((bm, gate_width), x.dtype), x),
+        )
 
-    _, (out, up, gate) = lax.scan(lambda _, b: (None, lax.cond(b[2], run, skip, b[0], b[1])), None,
-                                  (blocks, block_expert, block_used))
+    _, (out, up, gate) = lax.scan(
+        lambda _, b: (None, lax.cond(b[2], run, skip, b[0], b[1])), None, (blocks, block_expert, block_used)
+    )
     return out, up, gate
 
 
@@ -110,7 +115,7 @@ def _blocks_ffn_bwd(activation, residuals, d_out):
         x, e, used, up, gate, dy = b
         return lax.cond(used, run, skip, dw, x, e, up, gate, dy)
 
-    dw0 = {n: vary_like(jnp.zeros(w.shape, jnp.float32), w) for n, w in experts.items()}   # fp32 sums
+    dw0 = {n: vary_like(jnp.zeros(w.shape, jnp.float32), w) for n, w in experts.items()}  # fp32 sums
     dw, d_blocks = lax.scan(step, dw0, (blocks, block_expert, block_used, up, gate, d_out))
     return d_blocks, None, None, {n: dw[n].astype(experts[n].dtype) for n in dw}
 
@@ -118,8 +123,7 @@ def _blocks_ffn_bwd(activation, residuals, d_out):
 _blocks_ffn.defvjp(_blocks_ffn_fwd, _blocks_ffn_bwd)
 
 
-def grouped_ffn(rows, experts, group_sizes, activation: str, implementation: str = "auto",
-                block_rows: int = 128):
+def grouped_ffn(rows, experts, group_sizes, activation: str, implementation: str = "auto", block_rows: int = 128):
     """rows [M, h] grouped by expert, experts {"w_in", "w_gate"?, "w_out"} [E_local, ...], group_sizes int32
     [E_local] -> [M, h] (partial over tp). implementation: "ragged_dot", "blocked", or "auto" (blocked on
     CPU, ragged_dot elsewhere)."""
@@ -136,11 +140,11 @@ def grouped_ffn(rows, experts, group_sizes, activation: str, implementation: str
     num_rows, hidden = rows.shape
     num_groups = group_sizes.shape[0]
     bm = max(1, min(block_rows, num_rows))
-    num_blocks = -(-(num_rows + num_groups * (bm - 1)) // bm)          # worst case: every group ends mid-block
+    num_blocks = -(-(num_rows + num_groups * (bm - 1)) // bm)  # worst case: every group ends mid-block
     padded_sizes = -(-group_sizes // bm) * bm
     padded_start, group_start = _exclusive_cumsum(padded_sizes), _exclusive_cumsum(group_sizes)
 
-    q = jnp.arange(num_blocks * bm, dtype=jnp.int32)                    # padded position -> source row
+    q = jnp.arange(num_blocks * bm, dtype=jnp.int32)  # padded position -> source row
     g = jnp.minimum(_group_of(q, padded_start + padded_sizes), num_groups - 1)
     offset = q - padded_start[g]
     valid = (q < jnp.sum(padded_sizes)) & (offset < group_sizes[g])
@@ -150,7 +154,7 @@ def grouped_ffn(rows, experts, group_sizes, activation: str, implementation: str
     block_used = jnp.arange(num_blocks) * bm < jnp.sum(padded_sizes)
 
     out = _blocks_ffn(activation, blocks, block_expert, block_used, experts)
-    r = jnp.arange(num_rows, dtype=jnp.int32)                           # row -> padded position
+    r = jnp.arange(num_rows, dtype=jnp.int32)  # row -> padded position
     gr = _group_of(r, group_start + group_sizes)
     position = padded_start[jnp.minimum(gr, num_groups - 1)] + r - group_start[jnp.minimum(gr, num_groups - 1)]
     out = out.reshape(num_blocks * bm, hidden)[jnp.minimum(position, num_blocks * bm - 1)]

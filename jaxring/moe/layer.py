@@ -6,6 +6,7 @@ The caller's shard_map hands in this device's tokens (batch split over the data 
 sequence possibly over sp: the MoE just sees local tokens). The experts are split over `ep_axis` (expert e on
 ep rank e // E_l) and each expert's FFN over `tp_axis` (Megatron column/row split; x replicated over tp).
 """
+
 from __future__ import annotations
 
 import math
@@ -32,29 +33,41 @@ def _axis_size(name: str | None, role: str) -> int:
     try:
         return lax.axis_size(name)
     except NameError:
-        raise ValueError(f"{role}={name!r} is not an axis of the enclosing shard_map; call moe_ffn inside "
-                         f"one with that axis, or pass {role}=None") from None
+        raise ValueError(
+            f"{role}={name!r} is not an axis of the enclosing shard_map; call moe_ffn inside "
+            f"one with that axis, or pass {role}=None"
+        ) from None
 
 
 def _check_params(params, config: MoEConfig, hidden: int, ep: int, tp: int):
     num_experts, experts_local = config.num_experts, config.num_experts // ep
     if params["router"].shape != (hidden, num_experts):
-        raise ValueError(f"router shape {params['router'].shape} must be [hidden, num_experts] = "
-                         f"{(hidden, num_experts)}")
+        raise ValueError(
+            f"router shape {params['router'].shape} must be [hidden, num_experts] = {(hidden, num_experts)}"
+        )
     names = ("w_in", "w_gate", "w_out") if config.activation == "swiglu" else ("w_in", "w_out")
     ffn = config.ffn // tp
     for name in names:
         want = (experts_local, ffn, hidden) if name == "w_out" else (experts_local, hidden, ffn)
         got = params["experts"][name].shape
         if got != want:
-            raise ValueError(f"experts {name} shape {got} must be the local shard {want} "
-                             f"(num_experts/ep = {num_experts}/{ep}, ffn/tp = {config.ffn}/{tp})")
+            raise ValueError(
+                f"experts {name} shape {got} must be the local shard {want} "
+                f"(num_experts/ep = {num_experts}/{ep}, ffn/tp = {config.ffn}/{tp})"
+            )
     if config.shared_expert_ffn is not None and "shared" not in params:
         raise ValueError("config.shared_expert_ffn is set but params has no 'shared' weights")
 
 
-def moe_ffn(x, params, *, config: MoEConfig, ep_axis: str | None = "ep", tp_axis: str | None = None,
-            token_axes: tuple[str, ...] | None = None):
+def moe_ffn(
+    x,
+    params,
+    *,
+    config: MoEConfig,
+    ep_axis: str | None = "ep",
+    tp_axis: str | None = None,
+    token_axes: tuple[str, ...] | None = None,
+):
     """The MoE FFN on this device's tokens.
 
     Args:
@@ -85,8 +98,10 @@ def moe_ffn(x, params, *, config: MoEConfig, ep_axis: str | None = "ep", tp_axis
     _check_params(params, config, hidden, ep, tp)
     vma = varying_axes(x)
     if tp_axis is not None and tp_axis in vma:
-        raise ValueError(f"moe_ffn x varies over tp_axis={tp_axis!r}; the experts' FFN is split over tp, the "
-                         f"tokens must be replicated there (gather a sequence-parallel x first)")
+        raise ValueError(
+            f"moe_ffn x varies over tp_axis={tp_axis!r}; the experts' FFN is split over tp, the "
+            f"tokens must be replicated there (gather a sequence-parallel x first)"
+        )
     if token_axes is None:
         token_axes = tuple(a for a in dict.fromkeys(TOKEN_AXES + ((ep_axis,) if ep_axis else ())) if a in vma)
     token_axes = tuple(token_axes)
@@ -104,23 +119,29 @@ def moe_ffn(x, params, *, config: MoEConfig, ep_axis: str | None = "ep", tp_axis
             rows = dropless_local(tokens, assignments, experts, config)
         dropped = jnp.zeros((), jnp.int32)
     else:
-        rows, dropped = capacity_dispatch(tokens, assignments, config.capacity(num_tokens), experts, config,
-                                          ep_axis, ep)
+        rows, dropped = capacity_dispatch(
+            tokens, assignments, config.capacity(num_tokens), experts, config, ep_axis, ep
+        )
     y = combine(rows, assignments, routing.gates).astype(x.dtype)
     if config.shared_expert_ffn is not None:
         shared = {name: w.astype(x.dtype) for name, w in params["shared"].items()}
         y = y + dense_ffn(tokens, shared, config.activation)
     if tp_axis is not None:
-        y = lax.psum(y, tp_axis)                     # routed + shared partial sums, once (free when tp = 1)
+        y = lax.psum(y, tp_axis)  # routed + shared partial sums, once (free when tp = 1)
 
     total_tokens = num_tokens * math.prod(lax.axis_size(a) for a in token_axes)
     load = sum_over(assignments.counts, token_axes)
     aux, z = balance_losses(routing, load, total_tokens, token_axes)
     dropped = sum_over(dropped.astype(jnp.int32), token_axes)
-    stats = {"loss": config.aux_loss_weight * aux + config.z_loss_weight * z, "aux_loss": aux, "z_loss": z,
-             "load": load, "dropped": dropped,
-             "drop_rate": dropped.astype(jnp.float32) / (total_tokens * config.experts_per_token),
-             "load_imbalance": jnp.max(load).astype(jnp.float32) / jnp.mean(load.astype(jnp.float32))}
+    stats = {
+        "loss": config.aux_loss_weight * aux + config.z_loss_weight * z,
+        "aux_loss": aux,
+        "z_loss": z,
+        "load": load,
+        "dropped": dropped,
+        "drop_rate": dropped.astype(jnp.float32) / (total_tokens * config.experts_per_token),
+        "load_imbalance": jnp.max(load).astype(jnp.float32) / jnp.mean(load.astype(jnp.float32)),
+    }
     return y.reshape(batch, seq, hidden), stats
 
 
@@ -129,8 +150,10 @@ def param_specs(config: MoEConfig, ep_axis: str | None = "ep", tp_axis: str | No
     router (and bias) replicated."""
     names = ("w_in", "w_gate", "w_out") if config.activation == "swiglu" else ("w_in", "w_out")
     col, row = P(None, tp_axis), P(tp_axis, None)
-    specs = {"router": P(), "experts": {n: P(ep_axis, tp_axis, None) if n == "w_out" else P(ep_axis, None, tp_axis)
-                                        for n in names}}
+    specs = {
+        "router": P(),
+        "experts": {n: P(ep_axis, tp_axis, None) if n == "w_out" else P(ep_axis, None, tp_axis) for n in names},
+    }
     if config.shared_expert_ffn is not None:
         specs["shared"] = {n: row if n == "w_out" else col for n in names}
     if config.router_bias:

@@ -1,4 +1,5 @@
 """MoE: the Flax NNX module around `moe_ffn` (parameters with logical axes, deterministic init)."""
+
 from __future__ import annotations
 
 import jax
@@ -21,10 +22,10 @@ class SharedExpert(nnx.Module):
     """A dense FFN every token goes through: w_in, w_gate (swiglu) [hidden, ffn], w_out [ffn, hidden]."""
 
     def __init__(self, hidden: int, ffn: int, activation: str, *, out_std: float | None, rngs: nnx.Rngs):
-        self.w_in = _param(rngs, (hidden, ffn), ("embed", "mlp"), hidden ** -0.5)
+        self.w_in = _param(rngs, (hidden, ffn), ("embed", "mlp"), hidden**-0.5)
         if activation == "swiglu":
-            self.w_gate = _param(rngs, (hidden, ffn), ("embed", "mlp"), hidden ** -0.5)
-        self.w_out = _param(rngs, (ffn, hidden), ("mlp", "embed"), out_std or ffn ** -0.5)
+            self.w_gate = _param(rngs, (hidden, ffn), ("embed", "mlp"), hidden**-0.5)
+        self.w_out = _param(rngs, (ffn, hidden), ("mlp", "embed"), out_std or ffn**-0.5)
 
 
 class Experts(nnx.Module):
@@ -32,10 +33,10 @@ class Experts(nnx.Module):
 
     def __init__(self, hidden: int, config: MoEConfig, *, out_std: float | None, rngs: nnx.Rngs):
         e, f = config.num_experts, config.ffn
-        self.w_in = _param(rngs, (e, hidden, f), ("expert", "embed", "mlp"), hidden ** -0.5)
+        self.w_in = _param(rngs, (e, hidden, f), ("expert", "embed", "mlp"), hidden**-0.5)
         if config.activation == "swiglu":
-            self.w_gate = _param(rngs, (e, hidden, f), ("expert", "embed", "mlp"), hidden ** -0.5)
-        self.w_out = _param(rngs, (e, f, hidden), ("expert", "mlp", "embed"), out_std or f ** -0.5)
+            self.w_gate = _param(rngs, (e, hidden, f), ("expert", "embed", "mlp"), hidden**-0.5)
+        self.w_out = _param(rngs, (e, f, hidden), ("expert", "mlp", "embed"), out_std or f**-0.5)
 
 
 class MoE(nnx.Module):
@@ -52,30 +53,35 @@ class MoE(nnx.Module):
     `__call__` runs on local arrays inside the caller's shard_map (experts split over ep, ffn over tp).
     """
 
-    def __init__(self, hidden: int, config: MoEConfig, *, out_std: float | None = None,
-                 router_std: float | None = None, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        hidden: int,
+        config: MoEConfig,
+        *,
+        out_std: float | None = None,
+        router_std: float | None = None,
+        rngs: nnx.Rngs,
+    ):
         self.config = config
-        self.router = _param(rngs, (hidden, config.num_experts), ("embed", None), router_std or hidden ** -0.5)
+        self.router = _param(rngs, (hidden, config.num_experts), ("embed", None), router_std or hidden**-0.5)
         self.experts = Experts(hidden, config, out_std=out_std, rngs=rngs)
         if config.shared_expert_ffn is not None:
-            self.shared = SharedExpert(hidden, config.shared_expert_ffn, config.activation, out_std=out_std,
-                                       rngs=rngs)
+            self.shared = SharedExpert(hidden, config.shared_expert_ffn, config.activation, out_std=out_std, rngs=rngs)
         if config.router_bias:
             self.router_bias = RouterBias(jnp.zeros((config.num_experts,), jnp.float32), logical_axes=(None,))
 
     def params(self) -> dict:
         """The arrays moe_ffn takes (whatever shards this module holds)."""
         names = ("w_in", "w_gate", "w_out") if self.config.activation == "swiglu" else ("w_in", "w_out")
-        out = {"router": self.router[...],
-               "experts": {n: getattr(self.experts, n)[...] for n in names}}
+        out = {"router": self.router[...], "experts": {n: getattr(self.experts, n)[...] for n in names}}
         if self.config.shared_expert_ffn is not None:
             out["shared"] = {n: getattr(self.shared, n)[...] for n in names}
         if self.config.router_bias:
             out["router_bias"] = self.router_bias[...]
         return out
 
-    def __call__(self, x, *, ep_axis: str | None = "ep", tp_axis: str | None = None,
-                 token_axes: tuple[str, ...] | None = None):
+    def __call__(
+        self, x, *, ep_axis: str | None = "ep", tp_axis: str | None = None, token_axes: tuple[str, ...] | None = None
+    ):
         """x [batch, seq, hidden] local tokens -> (y [batch, seq, hidden], stats); see moe_ffn."""
-        return moe_ffn(x, self.params(), config=self.config, ep_axis=ep_axis, tp_axis=tp_axis,
-                       token_axes=token_axes)
+        return moe_ffn(x, self.params(), config=self.config, ep_axis=ep_axis, tp_axis=tp_axis, token_axes=token_axes)

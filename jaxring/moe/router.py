@@ -15,6 +15,7 @@ over, so every mesh gives the one-device value):
   aux = E sum_e f_e P_e          (Switch Transformer eq. 4; GShard's with k choices; 1 when balanced)
   z   = (1/N) sum_t logsumexp(logits_t)^2          (ST-MoE router z-loss)
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -29,10 +30,11 @@ from jaxring.vma import vary
 
 class Routing(NamedTuple):
     """A router's decision for T tokens."""
-    experts: jax.Array   # int32 [T, k]: chosen experts, best first
-    gates: jax.Array     # fp32 [T, k]: their combine weights
-    logits: jax.Array    # fp32 [T, E]
-    probs: jax.Array     # fp32 [T, E]
+
+    experts: jax.Array  # int32 [T, k]: chosen experts, best first
+    gates: jax.Array  # fp32 [T, k]: their combine weights
+    logits: jax.Array  # fp32 [T, E]
+    probs: jax.Array  # fp32 [T, E]
 
 
 def route(x, router, config: MoEConfig, bias=None) -> Routing:

@@ -7,10 +7,20 @@ simulator driven by the same tables, and the interpreter that runs them over the
     loss, aux, d_stage, d_shared = pipeline_loss_and_grads(schedule, embed_fn=..., stage_fn=..., loss_fn=...,
                                                            stage_params=..., shared_params=..., microbatches=...)
 """
+
 from jaxring.pipeline.interpreter import pipeline_loss_and_grads
 from jaxring.pipeline.lowering import lower
 from jaxring.pipeline.schedules import SCHEDULES, Schedule, make_schedule
 from jaxring.pipeline.simulate import bubble_fraction, peak_in_flight, plot_schedule, simulate
 
-__all__ = ["SCHEDULES", "Schedule", "make_schedule", "simulate", "bubble_fraction", "peak_in_flight",
-           "plot_schedule", "pipeline_loss_and_grads", "lower"]
+__all__ = [
+    "SCHEDULES",
+    "Schedule",
+    "bubble_fraction",
+    "lower",
+    "make_schedule",
+    "peak_in_flight",
+    "pipeline_loss_and_grads",
+    "plot_schedule",
+    "simulate",
+]

@@ -18,9 +18,10 @@ Loop structure (see lowering.py): ticks whose send pattern repeats periodically 
 period; the others are unrolled. So the compiled program sends exactly what the schedule sends: 2·m activations
 per stage boundary per step (v·m forward over each link for interleaved, (v-1)·m over the wrap-around link).
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,15 +29,26 @@ from jax import lax
 
 from jaxring.collectives import stage_local
 from jaxring.pipeline.lowering import Branch, Lowered, lower
-from jaxring.pipeline.schedules import B, BW, F, IDLE, W, Schedule
+from jaxring.pipeline.schedules import BW, IDLE, B, F, Schedule, W
 from jaxring.pipeline.stage_vjp import stage_vjp
-from jaxring.vma import varying_axes, vary
+from jaxring.vma import vary, varying_axes
 
 
-def pipeline_loss_and_grads(schedule: Schedule, *, embed_fn: Callable, stage_fn: Callable, loss_fn: Callable,
-                            stage_params, shared_params, microbatches, axis_name: str = "pp",
-                            data_axes=None, reduce_data_axes: bool = True, poison: bool = False,
-                            stage_permute: str | None = None):
+def pipeline_loss_and_grads(
+    schedule: Schedule,
+    *,
+    embed_fn: Callable,
+    stage_fn: Callable,
+    loss_fn: Callable,
+    stage_params,
+    shared_params,
+    microbatches,
+    axis_name: str = "pp",
+    data_axes=None,
+    reduce_data_axes: bool = True,
+    poison: bool = False,
+    stage_permute: str | None = None,
+):
     """Loss and gradients of `loss_fn(head(stage_fn^(v·p)(embed_fn(mb))))` summed over micro-batches, pipelined.
 
     Call inside `jax.shard_map` (check_vma=True or False) over a mesh with `axis_name` of size
@@ -77,17 +89,32 @@ def pipeline_loss_and_grads(schedule: Schedule, *, embed_fn: Callable, stage_fn:
         raise ValueError(f"schedule has {p} stages but mesh axis {axis_name!r} has size {pp_size}")
     for path, leaf in jax.tree_util.tree_leaves_with_path(stage_params):
         if leaf.ndim < 1 or leaf.shape[0] != v:
-            raise ValueError(f"stage_params{jax.tree_util.keystr(path)} has shape {leaf.shape}; every leaf needs a "
-                             f"leading chunk dimension of virtual_stages = {v}")
+            raise ValueError(
+                f"stage_params{jax.tree_util.keystr(path)} has shape {leaf.shape}; every leaf needs a "
+                f"leading chunk dimension of virtual_stages = {v}"
+            )
     for path, leaf in jax.tree_util.tree_leaves_with_path(microbatches):
         if leaf.ndim < 1 or leaf.shape[0] != m:
-            raise ValueError(f"microbatches{jax.tree_util.keystr(path)} has shape {leaf.shape}; every leaf needs a "
-                             f"leading micro-batch dimension of num_microbatches = {m}")
+            raise ValueError(
+                f"microbatches{jax.tree_util.keystr(path)} has shape {leaf.shape}; every leaf needs a "
+                f"leading micro-batch dimension of num_microbatches = {m}"
+            )
     lowered = lower(schedule)
     if stage_permute is None:
         stage_permute = "all_to_all" if jax.default_backend() == "cpu" else "ppermute"
-    run = _Interpreter(lowered, embed_fn, stage_fn, loss_fn, stage_params, shared_params, microbatches,
-                       axis_name, data_axes, poison, stage_permute)
+    run = _Interpreter(
+        lowered,
+        embed_fn,
+        stage_fn,
+        loss_fn,
+        stage_params,
+        shared_params,
+        microbatches,
+        axis_name,
+        data_axes,
+        poison,
+        stage_permute,
+    )
     state = run.run()
     return run.finish(state, stage_params, shared_params, reduce_data_axes)
 
@@ -101,8 +128,10 @@ def _read(buffers: list, slot) -> list:
 
 
 def _write(buffers: list, slot, values: list) -> list:
-    return [lax.dynamic_update_index_in_dim(b, vary(x.astype(b.dtype), varying_axes(b)), slot, 0)
-            for b, x in zip(buffers, values)]
+    return [
+        lax.dynamic_update_index_in_dim(b, vary(x.astype(b.dtype), varying_axes(b)), slot, 0)
+        for b, x in zip(buffers, values)
+    ]
 
 
 def _vma(aval) -> frozenset:
@@ -116,8 +145,20 @@ def _full(aval, count, fill, extra_vma=frozenset()):
 
 
 class _Interpreter:
-    def __init__(self, lowered: Lowered, embed_fn, stage_fn, loss_fn, stage_params, shared_params,
-                 microbatches, axis_name, data_axes, poison, stage_permute):
+    def __init__(
+        self,
+        lowered: Lowered,
+        embed_fn,
+        stage_fn,
+        loss_fn,
+        stage_params,
+        shared_params,
+        microbatches,
+        axis_name,
+        data_axes,
+        poison,
+        stage_permute,
+    ):
         self.lowered, self.schedule = lowered, lowered.schedule
         self.stage_permute = stage_permute
         self.embed_fn, self.stage_fn, self.loss_fn = embed_fn, stage_fn, loss_fn
@@ -149,13 +190,15 @@ class _Interpreter:
         x_vma = frozenset().union(*(_vma(a) for a in jax.make_jaxpr(self.embed_fn)(self.shared, mb0).out_avals))
         x_vma |= pp | self.data_axes
         for _ in range(3):
+
             def embed_x(shared, mb, x_vma=x_vma):
                 return jax.tree.map(lambda a: vary(a, x_vma), self.embed_fn(shared, mb))
+
             x_avals = jax.make_jaxpr(embed_x)(self.shared, mb0).out_avals
             self.x_tree = jax.tree.structure(x_shape)
             with stage_local(self.axis_name, 0, self.stage_permute):
                 self.vjp = stage_vjp(self.stage_fn, chunk0, self.x_tree.unflatten(x_avals), mb0, split=self.split)
-            y_avals = self.vjp.fwd.out_avals[:len(x_avals)]
+            y_avals = self.vjp.fwd.out_avals[: len(x_avals)]
             y_vma = frozenset().union(*(_vma(y) for y in y_avals))
             if y_vma <= x_vma:
                 break
@@ -168,15 +211,17 @@ class _Interpreter:
         self.vjps = [self.vjp]
         for s in range(1, self.schedule.num_stages):
             with stage_local(self.axis_name, s, self.stage_permute):
-                self.vjps.append(stage_vjp(self.stage_fn, chunk0, self.x_tree.unflatten(x_avals), mb0,
-                                           split=self.split))
+                self.vjps.append(
+                    stage_vjp(self.stage_fn, chunk0, self.x_tree.unflatten(x_avals), mb0, split=self.split)
+                )
         y_example = self.x_tree.unflatten(x_avals)
-        loss_jaxpr, (_, self.aux_shape) = jax.make_jaxpr(self.loss_fn, return_shape=True)(
-            self.shared, y_example, mb0)
+        loss_jaxpr, (_, self.aux_shape) = jax.make_jaxpr(self.loss_fn, return_shape=True)(self.shared, y_example, mb0)
         self.loss_avals = loss_jaxpr.out_avals
         if self.loss_avals[0].shape != ():
-            raise ValueError(f"loss_fn must return (loss_sum, aux) with a scalar loss_sum; got loss_sum of shape "
-                             f"{self.loss_avals[0].shape}")
+            raise ValueError(
+                f"loss_fn must return (loss_sum, aux) with a scalar loss_sum; got loss_sum of shape "
+                f"{self.loss_avals[0].shape}"
+            )
 
     # ---- the state carried from tick to tick ----
     def init_state(self):
@@ -184,8 +229,7 @@ class _Interpreter:
         # residual is not (an integer index computed from constants, say, is per stage inside the switch).
         slots, fill, pp = self.lowered.slots, self.fill, frozenset({self.axis_name})
         full = lambda a, count: _full(a, count, fill, pp)
-        state = {"x": [full(a, slots["x"]) for a in self.x_avals],
-                 "dy": [full(a, slots["dy"]) for a in self.x_avals]}
+        state = {"x": [full(a, slots["x"]) for a in self.x_avals], "dy": [full(a, slots["dy"]) for a in self.x_avals]}
         saved = self.vjp.saved_avals
         if self.split:
             sp = self.vjp.split
@@ -206,7 +250,7 @@ class _Interpreter:
 
     @property
     def loss_vma(self):
-        return (frozenset().union(*(_vma(a) for a in self.loss_avals)) | {self.axis_name} | self.data_axes)
+        return frozenset().union(*(_vma(a) for a in self.loss_avals)) | {self.axis_name} | self.data_axes
 
     # ---- the actions ----
     # A branch gets the buffer slots its tick reads (read before the switch) and returns only small values:
@@ -227,14 +271,19 @@ class _Interpreter:
         return embed_vjp(self.x_tree.unflatten(dx_leaves))[0]
 
     def _nothing(self):
-        return [vary(jnp.full(a.shape, self.fill if jnp.issubdtype(a.dtype, jnp.floating) else 0, a.dtype),
-                     _vma(a)) for a in self.x_avals]
+        return [
+            vary(jnp.full(a.shape, self.fill if jnp.issubdtype(a.dtype, jnp.floating) else 0, a.dtype), _vma(a))
+            for a in self.x_avals
+        ]
 
     def _stage_grads(self, grads: dict):
         """{chunk leaf index: gradient} -> a full chunk gradient (fp32, zeros elsewhere)."""
-        return [vary(grads[j].astype(jnp.float32), varying_axes(a)) if j in grads else
-                vary(jnp.zeros(a.shape[1:], jnp.float32), varying_axes(a))
-                for j, a in enumerate(jax.tree.leaves(self.stage_params))]
+        return [
+            vary(grads[j].astype(jnp.float32), varying_axes(a))
+            if j in grads
+            else vary(jnp.zeros(a.shape[1:], jnp.float32), varying_axes(a))
+            for j, a in enumerate(jax.tree.leaves(self.stage_params))
+        ]
 
     def _action(self, branch: Branch):
         """The switch branch for `branch`: (slots read, fields) -> {output name: value} (what it produces)."""
@@ -255,12 +304,13 @@ class _Interpreter:
                 out = {"res": saved}
             if not branch.last:
                 return {**out, "send_f": y}
-            (loss, loss_vjp, aux) = jax.vjp(lambda shared, y_: self.loss_fn(shared, y_, mb), self.shared,
-                                            self.x_tree.unflatten(y), has_aux=True)
+            (loss, loss_vjp, aux) = jax.vjp(
+                lambda shared, y_: self.loss_fn(shared, y_, mb), self.shared, self.x_tree.unflatten(y), has_aux=True
+            )
             d_shared, dy = loss_vjp(jnp.ones_like(loss))
             return {**out, "d_shared": d_shared, "loss": (loss, aux), "dy": jax.tree.leaves(dy)}
 
-        def backward(read, f):             # BW (whole) or B (input gradient)
+        def backward(read, f):  # BW (whole) or B (input gradient)
             mb = _index(self.microbatches, f["mb"])
             chunk = jax.tree.leaves(self._chunk(f["chunk"]))
             if branch.kind == BW:
@@ -273,7 +323,7 @@ class _Interpreter:
                 return {**out, "d_shared": self._embed_grad(mb, dx)}
             return {**out, "send_b": dx}
 
-        def weight(read, f):               # W
+        def weight(read, f):  # W
             mb = _index(self.microbatches, f["mb"])
             chunk = jax.tree.leaves(self._chunk(f["chunk"]))
             late = split.backward_weight(chunk, read["wres"], read["stash"], jax.tree.leaves(mb))
@@ -286,9 +336,21 @@ class _Interpreter:
 
     def _tick(self, state, t, branches: list[Branch], fwd_pairs, bwd_pairs):
         row = self.table[t, self.stage]
-        f = {name: row[self.lowered.field(name)] for name in
-             ("branch", "mb", "chunk", "x_slot", "dy_slot", "res_slot", "wres_slot", "stash_slot",
-              "recv_x_slot", "recv_dy_slot")}
+        f = {
+            name: row[self.lowered.field(name)]
+            for name in (
+                "branch",
+                "mb",
+                "chunk",
+                "x_slot",
+                "dy_slot",
+                "res_slot",
+                "wres_slot",
+                "stash_slot",
+                "recv_x_slot",
+                "recv_dy_slot",
+            )
+        }
         kinds = {b.kind for b in branches}
         # which buffers this tick position reads (r) and writes (w), and which results it produces: static
         reads = {"x"} if any(b.kind == F and not b.first for b in branches) else set()
@@ -318,6 +380,7 @@ class _Interpreter:
         def complete(action):
             """Runs a branch and fills in what it does not produce: a written slot keeps its content, messages
             are `fill`, contributions zero; every value cast to one type across branches."""
+
             def run(read, f):
                 out = action(read, f)
                 result = {}
@@ -326,29 +389,35 @@ class _Interpreter:
                         value = out.get(name, read[name])
                         result[name] = [vary(v, varying_axes(b)) for v, b in zip(value, read[name])]
                     elif name in ("send_f", "send_b"):
-                        result[name] = [vary(v, _vma(a)) for v, a in zip(out.get(name) or self._nothing(),
-                                                                           self.x_avals)]
+                        result[name] = [
+                            vary(v, _vma(a)) for v, a in zip(out.get(name) or self._nothing(), self.x_avals)
+                        ]
                     elif name == "d_stage":
                         result[name] = out.get(name) or self._stage_grads({})
                     elif name == "d_shared":
                         zeros = self._zeros_like(self.shared)
-                        result[name] = jax.tree.map(lambda g, z: vary(g.astype(jnp.float32), varying_axes(z)),
-                                                    out.get(name, zeros), zeros)
+                        result[name] = jax.tree.map(
+                            lambda g, z: vary(g.astype(jnp.float32), varying_axes(z)), out.get(name, zeros), zeros
+                        )
                     elif name == "loss":
-                        loss, aux = out.get(name, (jnp.zeros((), jnp.float32),
-                                                   jax.tree.map(lambda a: jnp.zeros(a.shape), self.aux_shape)))
-                        result[name] = jax.tree.map(lambda a: vary(a.astype(jnp.float32), self.loss_vma),
-                                                    (loss, aux))
+                        loss, aux = out.get(
+                            name,
+                            (jnp.zeros((), jnp.float32), jax.tree.map(lambda a: jnp.zeros(a.shape), self.aux_shape)),
+                        )
+                        result[name] = jax.tree.map(lambda a: vary(a.astype(jnp.float32), self.loss_vma), (loss, aux))
                 return result
+
             return run
 
         def on_stage(action, stage):
             """Traced as stage `stage`'s own branch (its collectives address that stage's devices)."""
+
             def run(read, f):
                 if stage < 0:
                     return action(read, f)
                 with stage_local(self.axis_name, stage, self.stage_permute):
                     return action(read, f)
+
             return run
 
         actions = [on_stage(complete(self._action(b)), b.stage) for b in branches]
@@ -365,8 +434,10 @@ class _Interpreter:
             loss, aux = out["loss"]
             state["loss"] = state["loss"] + loss
             state["aux"] = jax.tree.map(jnp.add, state["aux"], aux)
-        for pairs, message, inbox, recv in ((fwd_pairs, "send_f", "x", "recv_x_slot"),
-                                            (bwd_pairs, "send_b", "dy", "recv_dy_slot")):
+        for pairs, message, inbox, recv in (
+            (fwd_pairs, "send_f", "x", "recv_x_slot"),
+            (bwd_pairs, "send_b", "dy", "recv_dy_slot"),
+        ):
             if pairs:
                 received = [lax.ppermute(a, self.axis_name, list(pairs)) for a in out[message]]
                 state[inbox] = self._receive(state[inbox], f[recv], received)
@@ -377,8 +448,10 @@ class _Interpreter:
         if self.schedule.virtual_stages == 1:
             leaves = [acc.at[0].add(g) for acc, g in zip(leaves, grads)]
         else:
-            leaves = [lax.dynamic_update_index_in_dim(acc, lax.dynamic_index_in_dim(acc, c, keepdims=False) + g, c, 0)
-                      for acc, g in zip(leaves, grads)]
+            leaves = [
+                lax.dynamic_update_index_in_dim(acc, lax.dynamic_index_in_dim(acc, c, keepdims=False) + g, c, 0)
+                for acc, g in zip(leaves, grads)
+            ]
         return tree.unflatten(leaves)
 
     @staticmethod
@@ -393,12 +466,14 @@ class _Interpreter:
         lowered = self.lowered
         state = self.init_state()
         for seg in lowered.segments:
+
             def period(state, r, seg=seg):
                 for j in range(seg.period):
                     t0 = seg.start + j
                     t = t0 if isinstance(r, int) else t0 + r * seg.period
                     state = self._tick(state, t, seg.branches[j], lowered.fwd_pairs[t0], lowered.bwd_pairs[t0])
                 return state
+
             if seg.repeats == 1:
                 state = period(state, 0)
             else:
@@ -414,10 +489,10 @@ class _Interpreter:
             g = lax.psum(g, axes) if axes else g
             return g.astype(like.dtype)
 
-        d_stage = jax.tree.map(lambda g, a: reduce(g, a, data - varying_axes(a)),
-                               state["d_stage"], stage_params)
-        d_shared = jax.tree.map(lambda g, a: reduce(g, a, (data | pp) - varying_axes(a)),
-                                state["d_shared"], shared_params)
+        d_stage = jax.tree.map(lambda g, a: reduce(g, a, data - varying_axes(a)), state["d_stage"], stage_params)
+        d_shared = jax.tree.map(
+            lambda g, a: reduce(g, a, (data | pp) - varying_axes(a)), state["d_shared"], shared_params
+        )
         loss = reduce(state["loss"], state["loss"], data | pp)
         aux = jax.tree.map(lambda a: reduce(a, a, data | pp), state["aux"])
         return loss, aux, d_stage, d_shared

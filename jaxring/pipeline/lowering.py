@@ -12,16 +12,27 @@ Slots are allocated per stage by replaying the table (a slot freed by a read in 
 arrives at the end of tick t); a buffer has as many slots as the busiest stage needs (SPMD shapes are equal on
 every stage). So the residual buffer holds m slots for gpipe and at most p for 1f1b and zero-bubble.
 """
+
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
 
-from jaxring.pipeline.schedules import B, BW, F, IDLE, W, Schedule
+from jaxring.pipeline.schedules import BW, IDLE, B, F, Schedule, W
 
-FIELDS = ("branch", "mb", "chunk", "x_slot", "dy_slot", "res_slot", "wres_slot", "stash_slot", "recv_x_slot",
-          "recv_dy_slot")
+FIELDS = (
+    "branch",
+    "mb",
+    "chunk",
+    "x_slot",
+    "dy_slot",
+    "res_slot",
+    "wres_slot",
+    "stash_slot",
+    "recv_x_slot",
+    "recv_dy_slot",
+)
 BUFFERS = ("x", "dy", "res", "wres", "stash")
 
 
@@ -30,6 +41,7 @@ class Branch:
     """What one switch branch does: an action kind on the first / last virtual stage or in between, on pipeline
     stage `stage` (-1: idle, any stage). Each stage has branches of its own, so the collectives inside a branch
     are executed by exactly the devices that take it (see `jaxring.collectives.stage_local`)."""
+
     kind: int
     first: bool = False
     last: bool = False
@@ -40,6 +52,7 @@ class Branch:
 class Segment:
     """Ticks [start, start + period * repeats): one loop of `repeats` iterations over `period` unrolled ticks
     (repeats == 1: plain ticks). branches[j]: the branches tick position j can take."""
+
     start: int
     period: int
     repeats: int
@@ -49,9 +62,9 @@ class Segment:
 @dataclasses.dataclass
 class Lowered:
     schedule: Schedule
-    fields: np.ndarray                    # int32 [ticks, stages, len(FIELDS)]; -1 where unused
-    slots: dict[str, int]                 # slots per buffer (at least 1)
-    fwd_pairs: list[tuple[tuple[int, int], ...]]   # per tick: (source, target) stages on the pp axis
+    fields: np.ndarray  # int32 [ticks, stages, len(FIELDS)]; -1 where unused
+    slots: dict[str, int]  # slots per buffer (at least 1)
+    fwd_pairs: list[tuple[tuple[int, int], ...]]  # per tick: (source, target) stages on the pp axis
     bwd_pairs: list[tuple[tuple[int, int], ...]]
     segments: list[Segment]
 
@@ -93,7 +106,7 @@ def lower(schedule: Schedule, max_period: int | None = None) -> Lowered:
     alloc = {name: _Slots(p) for name in BUFFERS}
     fwd_pairs, bwd_pairs, branch_of = [], [], np.empty((T, p), object)
     for t in range(T):
-        arrivals = []                                         # (buffer, stage, key) arriving at the end of t
+        arrivals = []  # (buffer, stage, key) arriving at the end of t
         sends_f, sends_b = [], []
         for s in range(p):
             k = int(schedule.kind[t, s])
@@ -112,7 +125,7 @@ def lower(schedule: Schedule, max_period: int | None = None) -> Lowered:
                 if split:
                     f[col["wres_slot"]] = alloc["wres"].take(s, key)
                 if vs == last:
-                    f[col["dy_slot"]] = alloc["dy"].take(s, key)       # the loss gradient, kept for B/BW
+                    f[col["dy_slot"]] = alloc["dy"].take(s, key)  # the loss gradient, kept for B/BW
                 else:
                     sends_f.append((s, (s + 1) % p))
                     arrivals.append(("x", (s + 1) % p, (i, vs + 1)))
@@ -142,8 +155,9 @@ def lower(schedule: Schedule, max_period: int | None = None) -> Lowered:
     for seg in segments:
         for j in range(seg.period):
             ticks = range(seg.start + j, seg.start + seg.period * seg.repeats, seg.period)
-            used = sorted({branch_of[t, s] for t in ticks for s in range(p)},
-                          key=lambda b: (b.kind, b.first, b.last, b.stage))
+            used = sorted(
+                {branch_of[t, s] for t in ticks for s in range(p)}, key=lambda b: (b.kind, b.first, b.last, b.stage)
+            )
             seg.branches.append(used)
             for t in ticks:
                 for s in range(p):
@@ -155,11 +169,13 @@ def _segments(signature: list, max_period: int) -> list[Segment]:
     """Greedy cover of the ticks by periodic runs (at least 2 repeats) and single ticks."""
     T, t, out = len(signature), 0, []
     while t < T:
-        best = (1, 1)                                         # (period, repeats)
+        best = (1, 1)  # (period, repeats)
         for period in range(1, max_period + 1):
             repeats = 1
-            while (t + (repeats + 1) * period <= T and
-                   signature[t + repeats * period: t + (repeats + 1) * period] == signature[t: t + period]):
+            while (
+                t + (repeats + 1) * period <= T
+                and signature[t + repeats * period : t + (repeats + 1) * period] == signature[t : t + period]
+            ):
                 repeats += 1
             if repeats >= 2 and period * repeats > best[0] * best[1] + (period - best[0]):
                 best = (period, repeats)

@@ -21,6 +21,7 @@ tick t+1), without reordering a stage's actions:
                then (F, B, W) triples, then (B, W), then the s held-back Ws that fill the tail bubble. At most
                p-s micro-batches are between their F and their W on stage s, as 1F1B keeps between F and BW.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,6 +36,7 @@ KIND_NAMES = {IDLE: ".", F: "F", B: "B", W: "W", BW: "BW"}
 @dataclasses.dataclass(frozen=True, eq=False)
 class Schedule:
     """A schedule's table. Arrays are int32 [num_ticks, num_stages]; idle cells hold kind IDLE and -1 elsewhere."""
+
     name: str
     num_stages: int
     num_microbatches: int
@@ -57,33 +59,44 @@ class Schedule:
 
     def actions(self, stage: int) -> list[tuple[int, int, int, int]]:
         """Stage `stage`'s actions in order, as (tick, kind, microbatch, chunk)."""
-        return [(t, int(self.kind[t, stage]), int(self.microbatch[t, stage]), int(self.chunk[t, stage]))
-                for t in range(self.num_ticks) if self.kind[t, stage] != IDLE]
+        return [
+            (t, int(self.kind[t, stage]), int(self.microbatch[t, stage]), int(self.chunk[t, stage]))
+            for t in range(self.num_ticks)
+            if self.kind[t, stage] != IDLE
+        ]
 
     def chart(self) -> str:
         """The table as text: one row per stage, one column per tick; cells like F3 (F of micro-batch 3), with
         the chunk after a colon when v > 1 (F3:1)."""
+
         def cell(t, s):
             k = int(self.kind[t, s])
             if k == IDLE:
                 return "."
             text = f"{KIND_NAMES[k]}{self.microbatch[t, s]}"
             return text + (f":{self.chunk[t, s]}" if self.virtual_stages > 1 else "")
+
         cells = [[cell(t, s) for t in range(self.num_ticks)] for s in range(self.num_stages)]
         width = max(len(c) for row in cells for c in row)
         return "\n".join(f"stage {s}: " + " ".join(c.ljust(width) for c in row) for s, row in enumerate(cells))
 
     def __str__(self) -> str:
-        return (f"{self.name} schedule, pp={self.num_stages}, m={self.num_microbatches}, "
-                f"v={self.virtual_stages}, {self.num_ticks} ticks\n{self.chart()}")
+        return (
+            f"{self.name} schedule, pp={self.num_stages}, m={self.num_microbatches}, "
+            f"v={self.virtual_stages}, {self.num_ticks} ticks\n{self.chart()}"
+        )
 
 
 def make_schedule(name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
     """The table of schedule `name` (one of SCHEDULES) for p = num_stages, m = num_microbatches, v chunks."""
     _validate(name, num_stages, num_microbatches, virtual_stages)
     p, m, v = num_stages, num_microbatches, virtual_stages
-    orders = [{"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved,
-               "zero-bubble": _zero_bubble_h1}[name](s, p, m, v) for s in range(p)]
+    orders = [
+        {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved, "zero-bubble": _zero_bubble_h1}[name](
+            s, p, m, v
+        )
+        for s in range(p)
+    ]
     kind, mb, chunk = _timetable(orders, p, v)
     return Schedule(name, p, m, v, kind, mb, chunk)
 
@@ -95,20 +108,27 @@ def _validate(name, p, m, v):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{label}={value!r} must be a positive integer")
     if m < p:
-        raise ValueError(f"num_microbatches={m} is less than pp={p}: every stage needs a micro-batch in flight, "
-                         f"so a pipeline of {p} stages needs at least {p} micro-batches")
+        raise ValueError(
+            f"num_microbatches={m} is less than pp={p}: every stage needs a micro-batch in flight, "
+            f"so a pipeline of {p} stages needs at least {p} micro-batches"
+        )
     if name != "interleaved" and v != 1:
         raise ValueError(f"virtual_stages={v} applies only to the 'interleaved' schedule, not {name!r}")
     if name == "interleaved":
         if v < 2:
-            raise ValueError(f"virtual_stages={v}: the 'interleaved' schedule needs at least 2 chunks per stage "
-                             f"(with 1 it is '1f1b')")
+            raise ValueError(
+                f"virtual_stages={v}: the 'interleaved' schedule needs at least 2 chunks per stage "
+                f"(with 1 it is '1f1b')"
+            )
         if m % p:
-            raise ValueError(f"num_microbatches={m} is not divisible by pp={p}, which the 'interleaved' schedule "
-                             f"needs (it runs micro-batches in groups of pp per chunk)")
+            raise ValueError(
+                f"num_microbatches={m} is not divisible by pp={p}, which the 'interleaved' schedule "
+                f"needs (it runs micro-batches in groups of pp per chunk)"
+            )
 
 
 # Each order is a list of (kind, microbatch, chunk) for one stage.
+
 
 def _gpipe(s, p, m, v):
     return [(F, i, 0) for i in range(m)] + [(BW, i, 0) for i in range(m)]
@@ -123,7 +143,7 @@ def _one_f_one_b(s, p, m, v):
 
 
 def _interleaved(s, p, m, v):
-    def unit(k, backward):          # the k-th chunk-step of this stage: (microbatch, chunk)
+    def unit(k, backward):  # the k-th chunk-step of this stage: (microbatch, chunk)
         group, r = divmod(k, p * v)
         c = r // p
         return group * p + r % p, (v - 1 - c if backward else c)
@@ -140,22 +160,22 @@ def _zero_bubble_h1(s, p, m, v):
     warmup = p - 1 - s
     order = [(F, i, 0) for i in range(warmup)]
     f, b, w = warmup, 0, 0
-    for _ in range(s):                                       # F, B: W held back
+    for _ in range(s):  # F, B: W held back
         order += [(F, f, 0), (B, b, 0)]
         f, b = f + 1, b + 1
-    while f < m:                                             # F, B, W
+    while f < m:  # F, B, W
         order += [(F, f, 0), (B, b, 0), (W, w, 0)]
         f, b, w = f + 1, b + 1, w + 1
-    while b < m:                                             # B, W
+    while b < m:  # B, W
         order += [(B, b, 0), (W, w, 0)]
         b, w = b + 1, w + 1
-    return order + [(W, i, 0) for i in range(w, m)]        # the held-back Ws fill the tail
+    return order + [(W, i, 0) for i in range(w, m)]  # the held-back Ws fill the tail
 
 
 def _timetable(orders, p, v):
     """Places each stage's ordered actions on ticks as early as their inputs allow (lockstep, one per tick)."""
     last = v * p - 1
-    done: dict[tuple[int, int, int], int] = {}      # (kind, microbatch, virtual stage) -> tick it ran
+    done: dict[tuple[int, int, int], int] = {}  # (kind, microbatch, virtual stage) -> tick it ran
     position = [0] * p
     rows = []
     while any(position[s] < len(orders[s]) for s in range(p)):
@@ -180,7 +200,7 @@ def _timetable(orders, p, v):
             if kind != IDLE:
                 done[(kind, i, c * p + s)] = t
         if all(k == IDLE for k, _, _ in row):
-            raise RuntimeError("pipeline schedule deadlocked")   # the orders above never do this
+            raise RuntimeError("pipeline schedule deadlocked")  # the orders above never do this
         rows.append(row)
     table = np.array(rows, dtype=np.int32).reshape(len(rows), p, 3)
     return table[..., 0], table[..., 1], table[..., 2]

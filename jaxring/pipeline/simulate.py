@@ -21,13 +21,14 @@ Two clocks:
 In flight: micro-batch-chunks whose forward has run on a stage and whose backward has not finished (BW, or W
 for split backwards): what the stage holds residuals for. It depends on the table only.
 """
+
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
 
-from jaxring.pipeline.schedules import B, BW, F, IDLE, KIND_NAMES, W, Schedule
+from jaxring.pipeline.schedules import BW, IDLE, KIND_NAMES, B, F, Schedule, W
 
 COSTS = {"paper": {F: 1.0, B: 1.0, W: 1.0, BW: 2.0}, "unit": {F: 1.0, B: 1.0, W: 1.0, BW: 1.0}}
 
@@ -37,10 +38,10 @@ class Simulation:
     schedule: Schedule
     costs: dict
     lockstep: bool
-    start: np.ndarray          # float [ticks, stages]: when each action starts (NaN for idle cells)
-    end: np.ndarray            # float [ticks, stages]
+    start: np.ndarray  # float [ticks, stages]: when each action starts (NaN for idle cells)
+    end: np.ndarray  # float [ticks, stages]
     makespan: float
-    busy: float                # useful time per stage (the same on every stage)
+    busy: float  # useful time per stage (the same on every stage)
     peak_in_flight: list[int]  # per stage
 
     @property
@@ -72,7 +73,7 @@ def simulate(schedule: Schedule, costs="paper", lockstep: bool = False) -> Simul
         end[busy_cells] = start[busy_cells] + duration[busy_cells]
         makespan = float(tick_len.sum())
     else:
-        finish: dict[tuple[int, int, int], float] = {}   # (kind, microbatch, virtual stage) -> end time
+        finish: dict[tuple[int, int, int], float] = {}  # (kind, microbatch, virtual stage) -> end time
         free = [0.0] * p
         last = v * p - 1
         # visit cells in tick order: every dependency sits in an earlier tick of the table
@@ -147,8 +148,17 @@ def plot_schedule(schedule: Schedule, costs="unit", lockstep: bool = True, ax=No
     ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
     ax.set_xlabel("time (lockstep ticks)" if lockstep else "time")
     kinds = [k for k in (F, BW, B, W) if (schedule.kind == k).any()]
-    ax.legend(handles=[Patch(color=_COLORS[k], label=KIND_NAMES[k]) for k in kinds], loc="lower right",
-              bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=len(kinds), frameon=False)
-    ax.set_title(f"{schedule.name}: pp={p}, m={schedule.num_microbatches}, v={schedule.virtual_stages}, "
-                 f"bubble {sim.bubble:.3f}", loc="left", fontsize=9)
+    ax.legend(
+        handles=[Patch(color=_COLORS[k], label=KIND_NAMES[k]) for k in kinds],
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=7,
+        ncol=len(kinds),
+        frameon=False,
+    )
+    ax.set_title(
+        f"{schedule.name}: pp={p}, m={schedule.num_microbatches}, v={schedule.virtual_stages}, bubble {sim.bubble:.3f}",
+        loc="left",
+        fontsize=9,
+    )
     return ax

@@ -20,10 +20,12 @@ does (the weight-gradient matmuls) is W, and the values W needs from B (the grad
 outputs, stacked over a scanned layer stack) become the `stash` that B hands to W. No work is repeated: B + W
 is exactly the whole backward, as in the zero-bubble paper (Qi et al. 2023, section 2).
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from jax._src.interpreters import partial_eval as pe
@@ -49,13 +51,14 @@ class StageVJP:
     Built by `stage_vjp(...)`. Leaves are flat lists: chunk (parameters of one chunk), x / y / dy (the activation
     pytree passed between stages), mb (one micro-batch).
     """
+
     x_tree: Any
     chunk_tree: Any
-    saved_avals: list            # residuals stored from F until the backward, per micro-batch
-    fwd: ClosedJaxpr             # (chunk, x, mb) -> (y, saved)
-    bwd: ClosedJaxpr             # (used inputs of chunk, saved, dy, mb) -> (dchunk, dx)
-    bwd_used: list[bool]         # which of (chunk, saved, dy, mb) bwd reads
-    split: "SplitBackward | None" = None
+    saved_avals: list  # residuals stored from F until the backward, per micro-batch
+    fwd: ClosedJaxpr  # (chunk, x, mb) -> (y, saved)
+    bwd: ClosedJaxpr  # (used inputs of chunk, saved, dy, mb) -> (dchunk, dx)
+    bwd_used: list[bool]  # which of (chunk, saved, dy, mb) bwd reads
+    split: SplitBackward | None = None
 
     def forward(self, chunk: list, x: list, mb: list) -> tuple[list, list]:
         out = _eval(self.fwd, [*chunk, *x, *mb])
@@ -71,20 +74,21 @@ class StageVJP:
 @dataclasses.dataclass
 class SplitBackward:
     """The backward split into B and W (zero-bubble). Indices refer to `StageVJP.saved` and the chunk's leaves."""
-    saved_b: list[int]           # residuals B reads (freed after B)
-    saved_w: list[int]           # residuals only W reads (kept until W)
-    early_leaves: list[int]      # chunk leaves whose gradient B already produces (e.g. a bias: sum of dy)
-    late_leaves: list[int]       # chunk leaves whose gradient W produces
-    stash_avals: list            # what B hands to W, per micro-batch
-    b_jaxpr: ClosedJaxpr         # known inputs -> (known outputs, residuals)
-    b_inputs: list[tuple[str, int]]   # ("chunk"|"saved"|"dy"|"mb", index) per input of b_jaxpr
-    b_dx: list[int]              # positions of dx leaves among b_jaxpr's known outputs
-    b_early: list[int]           # positions of early dchunk leaves among them
+
+    saved_b: list[int]  # residuals B reads (freed after B)
+    saved_w: list[int]  # residuals only W reads (kept until W)
+    early_leaves: list[int]  # chunk leaves whose gradient B already produces (e.g. a bias: sum of dy)
+    late_leaves: list[int]  # chunk leaves whose gradient W produces
+    stash_avals: list  # what B hands to W, per micro-batch
+    b_jaxpr: ClosedJaxpr  # known inputs -> (known outputs, residuals)
+    b_inputs: list[tuple[str, int]]  # ("chunk"|"saved"|"dy"|"mb", index) per input of b_jaxpr
+    b_dx: list[int]  # positions of dx leaves among b_jaxpr's known outputs
+    b_early: list[int]  # positions of early dchunk leaves among them
     n_known_out: int
-    stash_from: list[int]        # positions (among b_jaxpr's residual outputs) stored in the stash
-    w_jaxpr: ClosedJaxpr         # (residuals, unknown inputs) -> late dchunk leaves
+    stash_from: list[int]  # positions (among b_jaxpr's residual outputs) stored in the stash
+    w_jaxpr: ClosedJaxpr  # (residuals, unknown inputs) -> late dchunk leaves
     w_residuals: list[tuple[str, Any]]  # per residual input of w_jaxpr: ("stash", i) | ("chunk", i) | ("mb", i)
-                                         # | ("const", value)
+    # | ("const", value)
     w_unknown_inputs: list[int]  # saved indices of w_jaxpr's unknown inputs (in order)
 
     def backward_input(self, chunk: list, saved_b: list, dy: list, mb: list):
@@ -93,7 +97,7 @@ class SplitBackward:
         source = {"chunk": chunk, "dy": dy, "mb": mb}
         args = [saved[i] if kind == "saved" else source[kind][i] for kind, i in self.b_inputs]
         out = _eval(self.b_jaxpr, args)
-        known, residuals = out[:self.n_known_out], out[self.n_known_out:]
+        known, residuals = out[: self.n_known_out], out[self.n_known_out :]
         dx = [known[i] for i in self.b_dx]
         early = {leaf: known[i] for leaf, i in zip(self.early_leaves, self.b_early)}
         return dx, [residuals[i] for i in self.stash_from], early
@@ -128,8 +132,10 @@ def stage_vjp(stage_fn: Callable, chunk, x, mb, *, split: bool) -> StageVJP:
     n_res = len(full.out_avals) - nx
     for got, want in zip(full.out_avals[:nx], x_leaves):
         if got.shape != want.shape or got.dtype != want.dtype:
-            raise ValueError(f"stage_fn must keep the activation's shape and dtype: {want.shape} {want.dtype} "
-                             f"in, {got.shape} {got.dtype} out")
+            raise ValueError(
+                f"stage_fn must keep the activation's shape and dtype: {want.shape} {want.dtype} "
+                f"in, {got.shape} {got.dtype} out"
+            )
     # a residual is stored per micro-batch when it depends on the activation or the micro-batch
     saved_idx = []
     for k in range(n_res):
@@ -167,10 +173,14 @@ def stage_vjp(stage_fn: Callable, chunk, x, mb, *, split: bool) -> StageVJP:
 
 def _split(bwd: ClosedJaxpr, bwd_used: list[bool], nc: int, ns: int, nx: int, nm: int) -> SplitBackward:
     """B/W split of the backward jaxpr (inputs: the used ones of chunk, saved, dy, mb; outputs: dchunk, dx)."""
-    names = [("chunk", i) for i in range(nc)] + [("saved", i) for i in range(ns)] + \
-            [("dy", i) for i in range(nx)] + [("mb", i) for i in range(nm)]
+    names = (
+        [("chunk", i) for i in range(nc)]
+        + [("saved", i) for i in range(ns)]
+        + [("dy", i) for i in range(nx)]
+        + [("mb", i) for i in range(nm)]
+    )
     inputs = _pick(names, bwd_used)
-    n_out = len(bwd.out_avals)                       # nc dchunk leaves, then nx dx leaves
+    n_out = len(bwd.out_avals)  # nc dchunk leaves, then nx dx leaves
     reads_b = _used_inputs(bwd.jaxpr, [j >= nc for j in range(n_out)])
     saved_b = sorted(i for (kind, i), r in zip(inputs, reads_b) if kind == "saved" and r)
     saved_w = sorted(i for (kind, i), r in zip(inputs, reads_b) if kind == "saved" and not r)
@@ -201,6 +211,19 @@ def _split(bwd: ClosedJaxpr, bwd_used: list[bool], nc: int, ns: int, nx: int, nm
             w_residuals.append(("stash", len(stash_from)))
             stash_from.append(r)
             stash_avals.append(var.aval)
-    return SplitBackward(saved_b, saved_w, early_leaves, late_leaves, stash_avals, b_jaxpr, b_inputs,
-                         [pos[nc + i] for i in range(nx)], [pos[j] for j in early_leaves], n_known_out,
-                         stash_from, w_jaxpr, w_residuals, w_unknown_inputs)
+    return SplitBackward(
+        saved_b,
+        saved_w,
+        early_leaves,
+        late_leaves,
+        stash_avals,
+        b_jaxpr,
+        b_inputs,
+        [pos[nc + i] for i in range(nx)],
+        [pos[j] for j in early_leaves],
+        n_known_out,
+        stash_from,
+        w_jaxpr,
+        w_residuals,
+        w_unknown_inputs,
+    )

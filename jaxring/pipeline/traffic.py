@@ -5,6 +5,7 @@ pairs that really send, so what matters is per (source, target) pair: every coll
 are added to each of its source-target pairs, loop bodies weighted by their trip count (the same conventions
 and HLO walk as compiled.py).
 """
+
 from __future__ import annotations
 
 import re
@@ -27,7 +28,7 @@ def permute_bytes_by_pair(hlo_text: str) -> dict[tuple[int, int], int]:
             if not op:
                 continue
             size = _shape_bytes(op.group(1))
-            if op.group(2):                      # async start: (operand, result, ...): the result
+            if op.group(2):  # async start: (operand, result, ...): the result
                 size = _shape_bytes(_ARRAY.findall(op.group(1))[1])
             pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", line).group(1)
             for a, b in re.findall(r"(\d+),(\d+)", pairs):
@@ -46,14 +47,17 @@ def stage_link_bytes(hlo_text: str, mesh, axis_name: str = "pp") -> dict[tuple[i
         a, b = coords[src], coords[dst]
         rest = tuple(np.delete(a, axis))
         if rest != tuple(np.delete(b, axis)):
-            raise ValueError(f"a collective-permute connects devices {src} and {dst}, which differ outside "
-                             f"{axis_name!r}")
+            raise ValueError(
+                f"a collective-permute connects devices {src} and {dst}, which differ outside {axis_name!r}"
+            )
         per_link.setdefault((int(a[axis]), int(b[axis])), {})[rest] = size
     replicas = mesh.devices.size // mesh.shape[axis_name]
     out = {}
     for link, sizes in per_link.items():
         if len(sizes) != replicas or len(set(sizes.values())) != 1:
-            raise ValueError(f"stage link {link} moves {sorted(sizes.values())} bytes over {len(sizes)} of "
-                             f"{replicas} replicas; expected the same on every replica")
+            raise ValueError(
+                f"stage link {link} moves {sorted(sizes.values())} bytes over {len(sizes)} of "
+                f"{replicas} replicas; expected the same on every replica"
+            )
         out[link] = next(iter(sizes.values()))
     return dict(sorted(out.items()))

@@ -10,8 +10,9 @@
 device, step time) is `jaxring/planner/cost.py`; its byte terms equal the compiled train step's
 (`jaxring.planner.compiled.axis_traffic`), tests/test_planner.py checks them and the memory predictions.
 """
+
 from jaxring.planner.cluster import DEVICES, Cluster
 from jaxring.planner.search import NoPlanError, Result, evaluate, search
 from jaxring.planner.space import Candidate, Workload
 
-__all__ = ["Cluster", "DEVICES", "Workload", "Candidate", "search", "evaluate", "Result", "NoPlanError"]
+__all__ = ["DEVICES", "Candidate", "Cluster", "NoPlanError", "Result", "Workload", "evaluate", "search"]

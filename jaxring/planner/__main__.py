@@ -12,6 +12,7 @@ communication, pipeline bubble), predicted memory per device, and why the other 
 Bandwidths are GB/s per device and direction. Sizes take K, M, G suffixes (2^10, 2^20, 2^30).
 Exit codes: 0 plans printed; 2 bad flags or nothing fits (one line on stderr naming the tightest constraint).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,37 +55,61 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv=None):
     from jaxring.planner.cluster import DEVICES
-    p = _Parser(prog="python -m jaxring.planner", description=__doc__,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    p = _Parser(
+        prog="python -m jaxring.planner", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     g = p.add_argument_group("workload")
     g.add_argument("--model", choices=("gpt", "dit"), default="gpt")
     g.add_argument("--preset", default="7b", help="gpt: tiny, 1b, 7b, mixtral, ...; dit: tiny, dit-s, dit-1b")
-    g.add_argument("--seq-len", type=_size, help="tokens per sequence (DiT: the nearest square grid, side a "
-                                                  "multiple of 8, unless --image-size)")
+    g.add_argument(
+        "--seq-len",
+        type=_size,
+        help="tokens per sequence (DiT: the nearest square grid, side a multiple of 8, unless --image-size)",
+    )
     g.add_argument("--image-size", type=int, help="DiT: image (latent) side in pixels")
     b = g.add_mutually_exclusive_group()
     b.add_argument("--global-batch-tokens", type=_size, help="tokens per step (whole sequences, at least one)")
     b.add_argument("--global-batch", type=int, help="sequences (images) per step")
     g.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
-    g.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
-                   help="change a preset field, e.g. --override num_layers=16 (repeatable)")
+    g.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="change a preset field, e.g. --override num_layers=16 (repeatable)",
+    )
     g = p.add_argument_group("cluster")
     g.add_argument("--devices", type=int, required=True)
     g.add_argument("--device", choices=tuple(DEVICES), default="h200")
     g.add_argument("--devices-per-node", type=int, help="default: 8 (or --devices if fewer)")
     g.add_argument("--intra-bw", type=float, help="GB/s per device within a node (default: the device's NVLink)")
-    g.add_argument("--inter-bw", type=float, help="GB/s per device across nodes (default: one NIC per GPU, "
-                                                   "50 for H100/H200, 25 for A100)")
+    g.add_argument(
+        "--inter-bw",
+        type=float,
+        help="GB/s per device across nodes (default: one NIC per GPU, 50 for H100/H200, 25 for A100)",
+    )
     g.add_argument("--efficiency", type=float, default=0.5, help="fraction of dense bf16 peak the FLOPs run at")
     g.add_argument("--memory-fraction", type=float, default=0.9, help="fraction of device memory a plan may use")
     g = p.add_argument_group("search and output")
-    g.add_argument("--only", action="append", default=[], type=_held, metavar="FIELD=VALUE",
-                   help="hold a plan field fixed, e.g. --only sp=64 --only attention=wallfacer (repeatable)")
+    g.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        type=_held,
+        metavar="FIELD=VALUE",
+        help="hold a plan field fixed, e.g. --only sp=64 --only attention=wallfacer (repeatable)",
+    )
     g.add_argument("--top", type=int, default=10, help="plans to show")
     g.add_argument("--json", action="store_true", help="print the result as JSON")
-    g.add_argument("--compile-check", type=int, default=0, metavar="K",
-                   help="compile the top K plans' train steps for the device (deviceless GPU target, needs the "
-                        "gpu-compile extra; simulated CPU devices for --device cpu) and show compiled memory")
+    g.add_argument(
+        "--compile-check",
+        type=int,
+        default=0,
+        metavar="K",
+        help="compile the top K plans' train steps for the device (deviceless GPU target, needs the "
+        "gpu-compile extra; simulated CPU devices for --device cpu) and show compiled memory",
+    )
     g.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return p.parse_args(argv)
 
@@ -115,14 +140,26 @@ def run(args) -> int:
     if args.top < 1:
         raise ValueError(f"--top {args.top} must be a positive integer")
     overrides = parse_overrides(args.model, args.override)
-    w = Workload.of(args.model, args.preset, seq_len=args.seq_len, image_size=args.image_size,
-                    global_batch_tokens=args.global_batch_tokens, global_batch=args.global_batch,
-                    precision=args.precision, **overrides)
+    w = Workload.of(
+        args.model,
+        args.preset,
+        seq_len=args.seq_len,
+        image_size=args.image_size,
+        global_batch_tokens=args.global_batch_tokens,
+        global_batch=args.global_batch,
+        precision=args.precision,
+        **overrides,
+    )
     gb = 1e9
-    cluster = Cluster.of(args.device, args.devices, devices_per_node=args.devices_per_node,
-                         intra_bw=args.intra_bw * gb if args.intra_bw else None,
-                         inter_bw=args.inter_bw * gb if args.inter_bw else None, efficiency=args.efficiency,
-                         memory_fraction=args.memory_fraction)
+    cluster = Cluster.of(
+        args.device,
+        args.devices,
+        devices_per_node=args.devices_per_node,
+        intra_bw=args.intra_bw * gb if args.intra_bw else None,
+        inter_bw=args.inter_bw * gb if args.inter_bw else None,
+        efficiency=args.efficiency,
+        memory_fraction=args.memory_fraction,
+    )
     result = search(w, cluster, only=dict(args.only))
     note = ""
     if args.compile_check:
@@ -132,7 +169,7 @@ def run(args) -> int:
             target = GPU_TARGETS[args.device]
             ok, why = gpu_target_available()
         if ok:
-            for ev in result.ranked[:args.compile_check]:
+            for ev in result.ranked[: args.compile_check]:
                 ev.compiled_memory = compiled_peak(w, ev.candidate, target=target)
             if target is not None and target != args.device:
                 note = f"compiled for the {target} target (no {args.device} target config ships with jaxring)"
@@ -147,21 +184,29 @@ def run(args) -> int:
     best = result.best
     print(f"workload: {w.describe()}")
     print(f"cluster:  {cluster.describe()}")
-    print(f"{result.considered:,} plans considered, {len(result.ranked):,} fit; the best {min(args.top, len(result.ranked))} "
-          f"by predicted step time:\n")
+    print(
+        f"{result.considered:,} plans considered, {len(result.ranked):,} fit; the best {min(args.top, len(result.ranked))} "
+        f"by predicted step time:\n"
+    )
     print(result.table(top=args.top))
-    print(f"\nbest: python train.py --model {w.model} --preset {w.preset} " + " ".join(best.candidate.train_flags())
-          + (f" --grad-accum {best.candidate.steps(w)}" if best.candidate.pp == 1 and best.candidate.steps(w) > 1
-             else "") + f" --batch-size {w.global_batch}"
-          + (f" --seq-len {w.seq_len}" if w.model == "gpt" else f" --image-size {w.config.image_size}")
-          + f" --precision {w.precision}")
-    bytes_axes = ", ".join(f"{'×'.join(k)} {v / 2**30:.2f} GiB" for k, v in
-                           sorted(best.bytes_by_axes().items(), key=lambda kv: -kv[1]))
+    print(
+        f"\nbest: python train.py --model {w.model} --preset {w.preset} "
+        + " ".join(best.candidate.train_flags())
+        + (f" --grad-accum {best.candidate.steps(w)}" if best.candidate.pp == 1 and best.candidate.steps(w) > 1 else "")
+        + f" --batch-size {w.global_batch}"
+        + (f" --seq-len {w.seq_len}" if w.model == "gpt" else f" --image-size {w.config.image_size}")
+        + f" --precision {w.precision}"
+    )
+    bytes_axes = ", ".join(
+        f"{'×'.join(k)} {v / 2**30:.2f} GiB" for k, v in sorted(best.bytes_by_axes().items(), key=lambda kv: -kv[1])
+    )
     print(f"      moves per device per step: {bytes_axes or 'nothing'}")
     mem = best.memory
-    print(f"      memory per device: weights {mem.params / 2**30:.1f} + Adam {mem.optimizer / 2**30:.1f} + "
-          f"max(backward: gradients {mem.gradients / 2**30:.1f} + activations {mem.activations / 2**30:.1f} + "
-          f"working {mem.working / 2**30:.1f}, update {mem.update / 2**30:.1f}) GiB")
+    print(
+        f"      memory per device: weights {mem.params / 2**30:.1f} + Adam {mem.optimizer / 2**30:.1f} + "
+        f"max(backward: gradients {mem.gradients / 2**30:.1f} + activations {mem.activations / 2**30:.1f} + "
+        f"working {mem.working / 2**30:.1f}, update {mem.update / 2**30:.1f}) GiB"
+    )
     print()
     print(result.rejections())
     if note:

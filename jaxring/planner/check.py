@@ -8,6 +8,7 @@ allocated. For a GPU target the attention runs its Pallas kernels (block_ops="pa
 CPU path, as a deviceless compile runs on the CPU platform). Peak = arguments + outputs + temporaries - aliased
 (donated weights and optimizer state come back in place).
 """
+
 from __future__ import annotations
 
 from jaxring.planner.space import Candidate, Workload
@@ -17,6 +18,7 @@ GPU_TARGETS = {"h100": "h100", "h200": "h200", "a100-40gb": "h100", "a100-80gb":
 
 def gpu_target_available() -> tuple[bool, str]:
     from jaxring.analysis import gpu
+
     return gpu.available()
 
 
@@ -26,18 +28,27 @@ def compiled_peak(w: Workload, c: Candidate, *, target: str | None = None, devic
     import jax
 
     from jaxring.planner.compiled import compile_train_step
+
     block_ops = "auto"
     if target is not None:
         from jaxring.analysis import gpu
+
         devices = gpu.gpu_devices(target, c.devices)
         block_ops = "pallas"
     elif devices is None:
-        devices = jax.devices()[:c.devices]
+        devices = jax.devices()[: c.devices]
         if len(devices) < c.devices:
             raise ValueError(f"the plan needs {c.devices} devices; this process has {len(jax.devices())}")
     plan = c.check(w, devices=devices, block_ops=block_ops)
-    compiled = compile_train_step(w.model, w.config, plan, batch=w.global_batch, seq_len=w.seq_len,
-                                  precision=w.precision, remat=c.remat,
-                                  grad_accum=c.steps(w) if c.pp == 1 else 1)
+    compiled = compile_train_step(
+        w.model,
+        w.config,
+        plan,
+        batch=w.global_batch,
+        seq_len=w.seq_len,
+        precision=w.precision,
+        remat=c.remat,
+        grad_accum=c.steps(w) if c.pp == 1 else 1,
+    )
     m = compiled.memory_analysis()
     return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)

@@ -9,6 +9,7 @@ nodes the default is one 400 Gb/s (H100/H200, ConnectX-7) or 200 Gb/s (A100, HDR
 Latency per message: 10 µs within a node, 20 µs across (NCCL's small-message times are of this order).
 The compute efficiency (fraction of dense bf16 peak a step's FLOPs run at) is stated, default 0.5.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,18 +20,30 @@ from jaxring.analysis.roofline import PEAKS
 @dataclasses.dataclass(frozen=True)
 class Device:
     name: str
-    flops: float               # dense bf16 peak FLOP/s
+    flops: float  # dense bf16 peak FLOP/s
     hbm_bytes_per_s: float
     memory_bytes: float
     nvlink_bytes_per_s: float  # per direction
-    nic_bytes_per_s: float     # default inter-node bandwidth per device and direction
+    nic_bytes_per_s: float  # default inter-node bandwidth per device and direction
 
 
 DEVICES = {
-    "h100": Device(PEAKS["h100"].name, PEAKS["h100"].flops_per_s["bf16"], PEAKS["h100"].hbm_bytes_per_s,
-                   PEAKS["h100"].memory_bytes, PEAKS["h100"].link_bytes_per_s, 50e9),
-    "h200": Device(PEAKS["h200"].name, PEAKS["h200"].flops_per_s["bf16"], PEAKS["h200"].hbm_bytes_per_s,
-                   PEAKS["h200"].memory_bytes, PEAKS["h200"].link_bytes_per_s, 50e9),
+    "h100": Device(
+        PEAKS["h100"].name,
+        PEAKS["h100"].flops_per_s["bf16"],
+        PEAKS["h100"].hbm_bytes_per_s,
+        PEAKS["h100"].memory_bytes,
+        PEAKS["h100"].link_bytes_per_s,
+        50e9,
+    ),
+    "h200": Device(
+        PEAKS["h200"].name,
+        PEAKS["h200"].flops_per_s["bf16"],
+        PEAKS["h200"].hbm_bytes_per_s,
+        PEAKS["h200"].memory_bytes,
+        PEAKS["h200"].link_bytes_per_s,
+        50e9,
+    ),
     # NVIDIA's A100 SXM datasheet: 312 TFLOP/s dense bf16, HBM2 1.555 / HBM2e 2.039 TB/s, NVLink 3 600 GB/s
     "a100-40gb": Device("NVIDIA A100 SXM 40GB", 312e12, 1.555e12, 40 * 10**9, 300e9, 25e9),
     "a100-80gb": Device("NVIDIA A100 SXM 80GB", 312e12, 2.039e12, 80 * 10**9, 300e9, 25e9),
@@ -49,12 +62,21 @@ class Cluster:
     intra_latency: float = 10e-6
     inter_latency: float = 20e-6
     efficiency: float = 0.5
-    memory_fraction: float = 0.9   # of device memory a plan may use (the rest: allocator, runtime, fragments)
+    memory_fraction: float = 0.9  # of device memory a plan may use (the rest: allocator, runtime, fragments)
 
     @classmethod
-    def of(cls, device: str, devices: int, *, devices_per_node: int | None = None, intra_bw: float | None = None,
-           inter_bw: float | None = None, efficiency: float = 0.5, memory_fraction: float = 0.9,
-           memory_bytes: float | None = None) -> "Cluster":
+    def of(
+        cls,
+        device: str,
+        devices: int,
+        *,
+        devices_per_node: int | None = None,
+        intra_bw: float | None = None,
+        inter_bw: float | None = None,
+        efficiency: float = 0.5,
+        memory_fraction: float = 0.9,
+        memory_bytes: float | None = None,
+    ) -> Cluster:
         if device not in DEVICES:
             raise ValueError(f"unknown device {device!r}; expected one of {', '.join(DEVICES)}")
         if not isinstance(devices, int) or devices < 1:
@@ -72,8 +94,15 @@ class Cluster:
         for name, value in (("intra_bw", intra_bw), ("inter_bw", inter_bw)):
             if value is not None and value <= 0:
                 raise ValueError(f"{name} {value} must be positive (bytes per second)")
-        return cls(spec, devices, per_node, intra_bw or spec.nvlink_bytes_per_s, inter_bw or spec.nic_bytes_per_s,
-                   efficiency=efficiency, memory_fraction=memory_fraction)
+        return cls(
+            spec,
+            devices,
+            per_node,
+            intra_bw or spec.nvlink_bytes_per_s,
+            inter_bw or spec.nic_bytes_per_s,
+            efficiency=efficiency,
+            memory_fraction=memory_fraction,
+        )
 
     @property
     def cpu(self) -> bool:
@@ -86,7 +115,9 @@ class Cluster:
 
     def describe(self) -> str:
         nodes = -(-self.devices // self.devices_per_node)
-        return (f"{self.devices} × {self.device.name} ({nodes} node{'s' * (nodes > 1)} of {self.devices_per_node}), "
-                f"{self.intra_bw / 1e9:g} GB/s within a node, {self.inter_bw / 1e9:g} GB/s across, compute at "
-                f"{self.efficiency:.0%} of {self.device.flops / 1e12:g} TFLOP/s, "
-                f"{self.usable_memory / 2**30:.1f} GiB usable")
+        return (
+            f"{self.devices} × {self.device.name} ({nodes} node{'s' * (nodes > 1)} of {self.devices_per_node}), "
+            f"{self.intra_bw / 1e9:g} GB/s within a node, {self.inter_bw / 1e9:g} GB/s across, compute at "
+            f"{self.efficiency:.0%} of {self.device.flops / 1e12:g} TFLOP/s, "
+            f"{self.usable_memory / 2**30:.1f} GiB usable"
+        )

@@ -12,6 +12,7 @@ in: an all-reduce over replica groups spanning dp and sp counts under ("dp", "sp
 under the axes its source-target pairs differ in. Device index i in the HLO is `run_mesh.devices.flat[i]`.
 Rank-0 (scalar) arrays are left out: the loss and the norm's pieces move a few bytes.
 """
+
 from __future__ import annotations
 
 import math
@@ -73,7 +74,7 @@ def axis_traffic(hlo_text: str, mesh, *, skip_scalars: bool = True) -> dict[tupl
             g = len(groups[0])
             key = tuple(n for n in names if any(n in _axes_spanned(gr, coords, names) for gr in groups))
         if not key:
-            continue                                   # a device talking to itself moves nothing
+            continue  # a device talking to itself moves nothing
         out[key] = out.get(key, 0) + round(size * received_factor(kind, g)) * times
     return out
 
@@ -82,6 +83,7 @@ def user_axes(run_axes: tuple[str, ...]) -> tuple[str, ...]:
     """The user mesh axes (dp, pp, fsdp, ep, sp, tp) behind run-mesh axes (WallFacer's and USP's factored
     sequence axes are sp; Optimus's grid axes are tp)."""
     from jaxring.mesh import MESH_AXES
+
     found = set()
     for a in run_axes:
         if a in MESH_AXES:
@@ -95,30 +97,52 @@ def user_axes(run_axes: tuple[str, ...]) -> tuple[str, ...]:
 
 # ------------------------------------------------------------------------------------ compiling a step
 
+
 def _abstract(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def build_train_step(model_kind: str, config, plan, *, batch: int, seq_len: int | None = None,
-                     grad_accum: int = 1, precision: str = "bf16", remat: str = "full"):
+def build_train_step(
+    model_kind: str,
+    config,
+    plan,
+    *,
+    batch: int,
+    seq_len: int | None = None,
+    grad_accum: int = 1,
+    precision: str = "bf16",
+    remat: str = "full",
+):
     """(step, abstract args) of the trainer's jitted update for a `config` GPT or DiT on `plan` with a global
     batch of `batch` sequences (images), without allocating anything."""
     from jaxring.nn import param_placements
     from jaxring.train.step import TrainStep
+
     if model_kind == "gpt":
         from models import gpt as module
+
         model_cls, objective = module.GPT, module.NextTokenObjective(batch, seq_len)
     elif model_kind == "dit":
         from models import dit as module
+
         model_cls, objective = module.DiT, module.FlowMatchingObjective(config, batch)
     else:
         raise ValueError(f"unknown model {model_kind!r}; expected gpt or dit")
     model = nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     tx = optax.adamw(1e-3)
-    step = TrainStep(plan, graphdef, param_placements(state, plan), tx, objective, dtype=PRECISIONS[precision],
-                     remat=remat, grad_accum=grad_accum, stack=model.STACK,
-                     layer_graphdef=nnx.split(getattr(model, model.STACK))[0])
+    step = TrainStep(
+        plan,
+        graphdef,
+        param_placements(state, plan),
+        tx,
+        objective,
+        dtype=PRECISIONS[precision],
+        remat=remat,
+        grad_accum=grad_accum,
+        stack=model.STACK,
+        layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
+    )
     params = _abstract(nnx.to_pure_dict(state), step.shardings(step.param_specs))
     opt_specs = step.opt_state_specs(params)
     opt = _abstract(jax.eval_shape(tx.init, params), step.shardings(opt_specs))
@@ -127,8 +151,10 @@ def build_train_step(model_kind: str, config, plan, *, batch: int, seq_len: int 
         data = {"tokens": tok, "targets": tok, "positions": tok}
     else:
         shape = (batch, config.image_size, config.image_size, config.channels)
-        data = {"images": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=plan.sharding(plan.batch_spec(4))),
-                "labels": jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=plan.sharding(plan.batch_spec(1)))}
+        data = {
+            "images": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=plan.sharding(plan.batch_spec(4))),
+            "labels": jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=plan.sharding(plan.batch_spec(1))),
+        }
     args = (params, opt, data, jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((), jnp.float32))
     return step.build(opt_specs), args
 

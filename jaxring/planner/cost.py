@@ -40,6 +40,7 @@ Step time = compute (model FLOPs + recomputation, at a stated efficiency of peak
 attention compute, as the GPU compile shows (`benchmarks/results/gpu_compile.json`); every other collective is
 exposed) + the pipeline bubble + the optimizer update (HBM-bound).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,32 +60,35 @@ CPU_COLLECTIVE_BYTES = 4
 class Transfer:
     """Bytes one device receives per step over the run-mesh axes `axes`, in `messages` sequential messages;
     `overlap` names the compute it hides behind ("attention": a ring loop's per-step transfer), or None."""
+
     what: str
     axes: tuple[str, ...]
     bytes: float
     messages: int = 1
     overlap: str | None = None
-    phase: str = "layer"          # "layer": inside the micro-steps (pipeline ticks); "step": once per update
+    phase: str = "layer"  # "layer": inside the micro-steps (pipeline ticks); "step": once per update
 
 
 # ---------------------------------------------------------------------------------------------- dimensions
 
+
 @dataclasses.dataclass(frozen=True)
 class Dims:
     """Per-device sizes of one micro-step (see the module docstring)."""
-    steps: int            # micro-steps per step
-    b: int                # local rows (sequences) per micro-step
-    n: int                # tokens of the sequence shard (s / sp)
-    n_act: int            # tokens of the residual stream per device (activation layout)
+
+    steps: int  # micro-steps per step
+    b: int  # local rows (sequences) per micro-step
+    n: int  # tokens of the sequence shard (s / sp)
+    n_act: int  # tokens of the residual stream per device (activation layout)
     h: int
-    heads: int            # query heads on this device (after the tensor split)
-    kv_heads: int         # K/V heads on this device
+    heads: int  # query heads on this device (after the tensor split)
+    kv_heads: int  # K/V heads on this device
     d: int
-    ffn: int              # FFN columns on this device
-    layers: int           # layers on this device (L / pp)
-    e: int                # activation bytes
-    seq_axes: dict        # run-mesh sequence axes and sizes (size > 1)
-    tensor_axes: dict     # run-mesh tensor axes and sizes (size > 1)
+    ffn: int  # FFN columns on this device
+    layers: int  # layers on this device (L / pp)
+    e: int  # activation bytes
+    seq_axes: dict  # run-mesh sequence axes and sizes (size > 1)
+    tensor_axes: dict  # run-mesh tensor axes and sizes (size > 1)
 
 
 def seq_axes(c: Candidate) -> dict:
@@ -129,24 +133,51 @@ def dims(w: Workload, c: Candidate, cpu: bool = False) -> Dims:
         loc_heads, loc_kv, n_act = heads // q, kv // q, n
     elif tensor == "metp":
         loc_heads, loc_kv, n_act = heads, kv, n // c.tp
-        n = n_act                                     # METP's attention works on the device's s/p tokens
+        n = n_act  # METP's attention works on the device's s/p tokens
     else:
         loc_heads, loc_kv, n_act = heads, kv, n
     split = {"megatron": c.tp, "metp": c.tp, "optimus": q}.get(tensor, 1)
     e = CPU_COLLECTIVE_BYTES if cpu else DTYPE_BYTES[w.precision]
-    return Dims(c.steps(w), b, n, n_act, cfg.hidden, loc_heads, loc_kv, d, cfg.ffn_size // split,
-                cfg.num_layers // c.pp, e, seq_axes(c), tensor_axes(c))
+    return Dims(
+        c.steps(w),
+        b,
+        n,
+        n_act,
+        cfg.hidden,
+        loc_heads,
+        loc_kv,
+        d,
+        cfg.ffn_size // split,
+        cfg.num_layers // c.pp,
+        e,
+        seq_axes(c),
+        tensor_axes(c),
+    )
 
 
 def _axes(*names_sizes: dict) -> tuple[str, ...]:
     """Axis names (size > 1) in run-mesh order."""
-    order = ("dp", "pp", "fsdp", "ep", "sp", "usp_ring", "usp_ulysses", "wf_group", "wf_ring", "wf_team",
-             "tp", "tpr", "tpc")
+    order = (
+        "dp",
+        "pp",
+        "fsdp",
+        "ep",
+        "sp",
+        "usp_ring",
+        "usp_ulysses",
+        "wf_group",
+        "wf_ring",
+        "wf_team",
+        "tp",
+        "tpr",
+        "tpc",
+    )
     have = {a for ns in names_sizes for a, s in ns.items() if s > 1}
     return tuple(a for a in order if a in have)
 
 
 # ---------------------------------------------------------------------------------------- sequence strategies
+
 
 def sequence_attention(w: Workload, c: Candidate, x: Dims) -> list[Transfer]:
     """One layer's attention core over the sequence axes, forward and backward, one micro-step."""
@@ -160,34 +191,45 @@ def sequence_attention(w: Workload, c: Candidate, x: Dims) -> list[Transfer]:
     rows = x.b * x.n * x.heads * F32
     sp = ("sp",)
     if c.attention == "ring":
-        return [Transfer("ring K/V forward", sp, 2 * (P - 1) * KV, P - 1, "attention"),
-                Transfer("ring K/V + fp32 dK/dV backward", sp, 2 * (P - 1) * KV + 2 * P * KV32, P, "attention")]
+        return [
+            Transfer("ring K/V forward", sp, 2 * (P - 1) * KV, P - 1, "attention"),
+            Transfer("ring K/V + fp32 dK/dV backward", sp, 2 * (P - 1) * KV + 2 * P * KV32, P, "attention"),
+        ]
     if c.attention == "rsa":
-        return [Transfer("RSA K then V rings forward", sp, 2 * (P - 1) * KV, 2 * (P - 1), "attention"),
-                Transfer("RSA V then K rings backward", sp, 2 * (P - 1) * KV, 2 * (P - 1), "attention"),
-                Transfer("RSA dK, dV reduce-scatter", sp, 2 * (P - 1) * KV32, 2)]
+        return [
+            Transfer("RSA K then V rings forward", sp, 2 * (P - 1) * KV, 2 * (P - 1), "attention"),
+            Transfer("RSA V then K rings backward", sp, 2 * (P - 1) * KV, 2 * (P - 1), "attention"),
+            Transfer("RSA dK, dV reduce-scatter", sp, 2 * (P - 1) * KV32, 2),
+        ]
     if c.attention == "ulysses":
         kv_sent = math.lcm(x.kv_heads, P)
         one = (P - 1) / P * x.b * x.n * x.d * e * (2 * x.heads + 2 * kv_sent)
-        return [Transfer("Ulysses all-to-alls forward (q, k, v, out)", sp, one, 4),
-                Transfer("Ulysses all-to-alls backward", sp, one, 4)]
+        return [
+            Transfer("Ulysses all-to-alls forward (q, k, v, out)", sp, one, 4),
+            Transfer("Ulysses all-to-alls backward", sp, one, 4),
+        ]
     if c.attention == "allgather":
-        return [Transfer("all-gather K/V forward", sp, 2 * (P - 1) * KV, 2),
-                Transfer("reduce-scatter dK/dV backward", sp, 2 * (P - 1) * KV, 2)]
+        return [
+            Transfer("all-gather K/V forward", sp, 2 * (P - 1) * KV, 2),
+            Transfer("reduce-scatter dK/dV backward", sp, 2 * (P - 1) * KV, 2),
+        ]
     if c.attention == "usp":
         U = c.ulysses_size
         r = P // U
         kv_u = math.lcm(x.kv_heads, U)
         a2a = (U - 1) / U * x.b * x.n * x.d * e * (2 * x.heads + 2 * kv_u)
-        blk = x.b * x.n * U * (kv_u // U) * x.d           # the ring's block: U× the tokens, 1/U of the heads
+        blk = x.b * x.n * U * (kv_u // U) * x.d  # the ring's block: U× the tokens, 1/U of the heads
         out = []
         if U > 1:
-            out += [Transfer("USP Ulysses all-to-alls forward", ("usp_ulysses",), a2a, 4),
-                    Transfer("USP Ulysses all-to-alls backward", ("usp_ulysses",), a2a, 4)]
+            out += [
+                Transfer("USP Ulysses all-to-alls forward", ("usp_ulysses",), a2a, 4),
+                Transfer("USP Ulysses all-to-alls backward", ("usp_ulysses",), a2a, 4),
+            ]
         if r > 1:
-            out += [Transfer("USP ring K/V forward", ("usp_ring",), 2 * (r - 1) * blk * e, r - 1, "attention"),
-                    Transfer("USP ring backward", ("usp_ring",), 2 * (r - 1) * blk * e + 2 * r * blk * F32, r,
-                             "attention")]
+            out += [
+                Transfer("USP ring K/V forward", ("usp_ring",), 2 * (r - 1) * blk * e, r - 1, "attention"),
+                Transfer("USP ring backward", ("usp_ring",), 2 * (r - 1) * blk * e + 2 * r * blk * F32, r, "attention"),
+            ]
         return out
     if c.attention == "wallfacer":
         C = c.team_size
@@ -196,21 +238,39 @@ def sequence_attention(w: Workload, c: Candidate, x: Dims) -> list[Transfer]:
         init = _axes(x.seq_axes)
         out = []
         if C > 1:
-            out += [Transfer("WallFacer team all-gather Q, K, V + lse exchange, reduce-scatter O (forward)", team,
-                             (C - 1) * (Q + 2 * KV) + 2 * (C - 1) * rows + (C - 1) * Q32, 4),
-                    Transfer("WallFacer team all-gather dO, Δ; reduce-scatter dQ, dK, dV (backward)", team,
-                             (C - 1) * (Q + rows) + (C - 1) * Q32 + 2 * (C - 1) * KV32, 5),
-                    Transfer("WallFacer init map K/V (forward)", init, 2 * C * KV, 1),
-                    Transfer("WallFacer inverse init map dK/dV (backward)", init, 2 * C * KV32, 1)]
+            out += [
+                Transfer(
+                    "WallFacer team all-gather Q, K, V + lse exchange, reduce-scatter O (forward)",
+                    team,
+                    (C - 1) * (Q + 2 * KV) + 2 * (C - 1) * rows + (C - 1) * Q32,
+                    4,
+                ),
+                Transfer(
+                    "WallFacer team all-gather dO, Δ; reduce-scatter dQ, dK, dV (backward)",
+                    team,
+                    (C - 1) * (Q + rows) + (C - 1) * Q32 + 2 * (C - 1) * KV32,
+                    5,
+                ),
+                Transfer("WallFacer init map K/V (forward)", init, 2 * C * KV, 1),
+                Transfer("WallFacer inverse init map dK/dV (backward)", init, 2 * C * KV32, 1),
+            ]
         if tgs > 1:
-            out += [Transfer("WallFacer sub-ring K/V forward", ring, (tgs - 1) * 2 * C * KV, tgs - 1, "attention"),
-                    Transfer("WallFacer sub-ring Q, dO, lse, Δ and dQ backward", ring,
-                             (tgs - 1) * C * (2 * Q + 2 * rows) + tgs * C * Q32, tgs, "attention")]
+            out += [
+                Transfer("WallFacer sub-ring K/V forward", ring, (tgs - 1) * 2 * C * KV, tgs - 1, "attention"),
+                Transfer(
+                    "WallFacer sub-ring Q, dO, lse, Δ and dQ backward",
+                    ring,
+                    (tgs - 1) * C * (2 * Q + 2 * rows) + tgs * C * Q32,
+                    tgs,
+                    "attention",
+                ),
+            ]
         return out
     raise ValueError(f"no cost formula for attention {c.attention!r}")
 
 
 # ---------------------------------------------------------------------------------------------- tensor methods
+
 
 def _tree_rounds(q: int) -> int:
     return max(q - 1, 0).bit_length()
@@ -244,49 +304,82 @@ def tensor_layer(w: Workload, c: Candidate, x: Dims) -> list[Transfer]:
     out = []
     if w.model == "dit" and c.tensor in ("megatron", "metp"):
         # adaLN: the 6 modulation vectors [b, h] of a block meet tokens split over tp; their gradients are summed
-        out.append(Transfer("DiT modulation gradients (shift, scale, gate × 2)", ("tp",),
-                            6 * 2 * (p - 1) / p * x.b * x.h * F32, 1))
+        out.append(
+            Transfer(
+                "DiT modulation gradients (shift, scale, gate × 2)", ("tp",), 6 * 2 * (p - 1) / p * x.b * x.h * F32, 1
+            )
+        )
     if c.tensor == "megatron":
         U = (p - 1) / p * x.b * x.n * x.h * e
         moe = w.moe is not None
-        out += [Transfer("Megatron attention block g, g* (5 transitions)", ("tp",), 5 * U, 5),
-                Transfer("Megatron MLP block g, g* (5 transitions)" if not moe else
-                         "Megatron MoE block: all-gather in, all-reduce out (7 transitions)", ("tp",),
-                         (7 if moe else 5) * U, 5)]
+        out += [
+            Transfer("Megatron attention block g, g* (5 transitions)", ("tp",), 5 * U, 5),
+            Transfer(
+                "Megatron MLP block g, g* (5 transitions)"
+                if not moe
+                else "Megatron MoE block: all-gather in, all-reduce out (7 transitions)",
+                ("tp",),
+                (7 if moe else 5) * U,
+                5,
+            ),
+        ]
         return out
     if c.tensor == "metp":
         rounds = _tree_rounds(p)
         h, d = x.h, x.d
-        ffn_blocks = (mats * h * cfg.ffn_size) // p                 # (k1·k2 + k2·n)/p, W_gate too for SwiGLU
+        ffn_blocks = (mats * h * cfg.ffn_size) // p  # (k1·k2 + k2·n)/p, W_gate too for SwiGLU
         weights = (h * (cfg.num_heads + 2 * kv) * d + cfg.num_heads * d * h) // p
         kvb = x.b * (w.seq_len // p) * (kv // p) * d
         pos = x.b * (w.seq_len // p) if w.causal else 0
-        return out + [Transfer("METP FFN ring: (B, C) blocks p-1 hops forward", ("tp",), (p - 1) * ffn_blocks * e,
-                               p - 1, "ffn"),
-                Transfer("METP FFN ring backward: blocks p-1 hops, fp32 gradients p hops", ("tp",),
-                         (p - 1) * ffn_blocks * e + p * ffn_blocks * F32, p, "ffn"),
-                Transfer("METP MHA head-group broadcasts (forward; again with the ΔW reduces backward)", ("tp",),
-                         p * rounds * weights * e + p * rounds * weights * (e + F32), 3 * p * rounds),
-                Transfer("METP MHA K/V ring: p(p-1) hops forward, p(p-1) + p² (fp32 dK/dV) backward; positions",
-                         ("tp",), p * (p - 1) * 2 * kvb * e + p * (p - 1) * 2 * kvb * e + p * p * 2 * kvb * F32
-                         # causal positions ride with K/V: p(p-1) hops forward; backward they are the same for
-                         # every head group and XLA sends them once per hop (p-1); p = 2 unrolls and sends less
-                         + (p * p - 1) * pos * 4, 2 * p * p, "attention")]
+        return out + [
+            Transfer("METP FFN ring: (B, C) blocks p-1 hops forward", ("tp",), (p - 1) * ffn_blocks * e, p - 1, "ffn"),
+            Transfer(
+                "METP FFN ring backward: blocks p-1 hops, fp32 gradients p hops",
+                ("tp",),
+                (p - 1) * ffn_blocks * e + p * ffn_blocks * F32,
+                p,
+                "ffn",
+            ),
+            Transfer(
+                "METP MHA head-group broadcasts (forward; again with the ΔW reduces backward)",
+                ("tp",),
+                p * rounds * weights * e + p * rounds * weights * (e + F32),
+                3 * p * rounds,
+            ),
+            Transfer(
+                "METP MHA K/V ring: p(p-1) hops forward, p(p-1) + p² (fp32 dK/dV) backward; positions",
+                ("tp",),
+                p * (p - 1) * 2 * kvb * e
+                + p * (p - 1) * 2 * kvb * e
+                + p * p * 2 * kvb * F32
+                # causal positions ride with K/V: p(p-1) hops forward; backward they are the same for
+                # every head group and XLA sends them once per hop (p-1); p = 2 unrolls and sends less
+                + (p * p - 1) * pos * 4,
+                2 * p * p,
+                "attention",
+            ),
+        ]
     if c.tensor == "optimus":
         q = math.isqrt(p)
-        rows = x.b * w.seq_len                                     # [b/q·s] rows of the local activation block
+        rows = x.b * w.seq_len  # [b/q·s] rows of the local activation block
         hq, fq = x.h // q, cfg.ffn_size // q
         qkv = (cfg.num_heads + 2 * kv) * x.d // q
-        products = [(rows * hq, hq * qkv), (rows * cfg.num_heads * x.d // q, cfg.num_heads * x.d // q * hq),
-                    (rows * hq, hq * (mats - 1) * fq), (rows * fq, fq * hq)]
+        products = [
+            (rows * hq, hq * qkv),
+            (rows * cfg.num_heads * x.d // q, cfg.num_heads * x.d // q * hq),
+            (rows * hq, hq * (mats - 1) * fq),
+            (rows * fq, fq * hq),
+        ]
         row = col = 0.0
         for a, bb in products:
             r_, c_ = _summa_ab(q, a, bb, e)
             row, col = row + r_, col + c_
         # two 2D layernorms: Σx, Σx² all-reduced in the row forward, Σx̂g, Σg backward (fp32 per row)
         ln = 2 * 2 * (2 * 2 * (q - 1) / q * rows * F32)
-        return [Transfer("Optimus SUMMA within rows (activation blocks)", ("tpc",), row + ln, 8 * q),
-                Transfer("Optimus SUMMA down columns (weight blocks)", ("tpr",), col, 8 * q)]
+        return [
+            Transfer("Optimus SUMMA within rows (activation blocks)", ("tpc",), row + ln, 8 * q),
+            Transfer("Optimus SUMMA down columns (weight blocks)", ("tpr",), col, 8 * q),
+        ]
     raise ValueError(f"no cost formula for tensor parallelism {c.tensor!r}")
 
 
@@ -302,14 +395,23 @@ def head_and_embedding(w: Workload, c: Candidate, x: Dims) -> list[Transfer]:
     if w.model == "dit":
         if c.tensor not in ("megatron", "metp"):
             return []
-        return [Transfer("DiT final layer's modulation gradients (shift, scale)", ("tp",),
-                         2 * 2 * (p - 1) / p * x.b * x.h * F32, 1)]
+        return [
+            Transfer(
+                "DiT final layer's modulation gradients (shift, scale)",
+                ("tp",),
+                2 * 2 * (p - 1) / p * x.b * x.h * F32,
+                1,
+            )
+        ]
     if c.tensor == "megatron":
         U = (p - 1) / p * x.b * x.n * x.h * e
-        rows = x.b * x.n * F32                                      # fp32 per token of the sp shard
-        return [Transfer("Megatron vocab-parallel embedding and head (5 transitions)", ("tp",), 5 * U, 5),
-                Transfer("Megatron vocab-parallel cross-entropy (max, Σexp, label)", ("tp",),
-                         3 * 2 * (p - 1) / p * rows, 3)]
+        rows = x.b * x.n * F32  # fp32 per token of the sp shard
+        return [
+            Transfer("Megatron vocab-parallel embedding and head (5 transitions)", ("tp",), 5 * U, 5),
+            Transfer(
+                "Megatron vocab-parallel cross-entropy (max, Σexp, label)", ("tp",), 3 * 2 * (p - 1) / p * rows, 3
+            ),
+        ]
     if c.tensor == "optimus":
         q = math.isqrt(p)
         rows = x.b * w.seq_len
@@ -327,12 +429,15 @@ def head_and_embedding(w: Workload, c: Candidate, x: Dims) -> list[Transfer]:
             row = r_
         ln = 2 * (2 * 2 * (q - 1) / q * rows * F32)
         ce = 3 * 2 * (q - 1) / q * rows * F32
-        return [Transfer("Optimus embedding and head within rows; norm; cross-entropy", ("tpc",), row + ln + ce, 6),
-                Transfer("Optimus embedding and head down columns", ("tpr",), col, 4)]
+        return [
+            Transfer("Optimus embedding and head within rows; norm; cross-entropy", ("tpc",), row + ln + ce, 6),
+            Transfer("Optimus embedding and head down columns", ("tpr",), col, 4),
+        ]
     return []
 
 
 # ---------------------------------------------------------------------------------------------- experts
+
 
 def moe_layer(w: Workload, c: Candidate, x: Dims) -> list[Transfer]:
     """One MoE layer's expert exchange over ep (dispatch and combine, forward and backward) and its routing
@@ -355,12 +460,16 @@ def moe_layer(w: Workload, c: Candidate, x: Dims) -> list[Transfer]:
     else:
         cap = min(tokens, math.ceil(moe.capacity_factor * tokens * k / E))
         buffer, counts = E * cap * x.h * x.e, 0
-    out.append(Transfer("MoE dispatch + combine all-to-alls (forward and backward)", ("ep",),
-                        4 * (ep - 1) / ep * buffer + counts, 5))
+    out.append(
+        Transfer(
+            "MoE dispatch + combine all-to-alls (forward and backward)", ("ep",), 4 * (ep - 1) / ep * buffer + counts, 5
+        )
+    )
     return out
 
 
 # ---------------------------------------------------------------------------------------------- gradients
+
 
 def gradient_sync(w: Workload, c: Candidate, x: Dims, leaves) -> list[Transfer]:
     """Weight gradients: psums over the tensor axes a weight is replicated on (each micro-step), the pipeline's
@@ -375,8 +484,15 @@ def gradient_sync(w: Workload, c: Candidate, x: Dims, leaves) -> list[Transfer]:
         conditioning = w.model == "dit" and any(k in leaf.path for k in ("adaLN", "t_embed", "y_embed"))
         if leaf.unsplit_tensor and not conditioning:
             g = math.prod(x.tensor_axes[a] for a in leaf.unsplit_tensor)
-            reads = 2 if (c.tensor in ("metp", None) and leaf.path == "['embed']['table']"
-                          and getattr(w.config, "tie_embeddings", False)) else 1
+            reads = (
+                2
+                if (
+                    c.tensor in ("metp", None)
+                    and leaf.path == "['embed']['table']"
+                    and getattr(w.config, "tie_embeddings", False)
+                )
+                else 1
+            )
             key = ("tensor", tuple(leaf.unsplit_tensor))
             by_axes.setdefault(key, {}).setdefault("psum", 0.0)
             by_axes[key]["psum"] += A * reads * 2 * (g - 1) / g * psi
@@ -402,21 +518,29 @@ def gradient_sync(w: Workload, c: Candidate, x: Dims, leaves) -> list[Transfer]:
             reread = 1 if (leaf.stacked and not leaf.bias) else 0
             kinds["reduce-scatter"] = kinds.get("reduce-scatter", 0.0) + A * share
             kinds["all-gather"] = kinds.get("all-gather", 0.0) + A * (1 + reread) * share
-    names = {"all-reduce": "gradient all-reduce (ZeRO-0: 2Ψ)", "reduce-scatter": "gradient reduce-scatter",
-             "all-gather": "weight all-gather", "psum": "gradient psum"}
+    names = {
+        "all-reduce": "gradient all-reduce (ZeRO-0: 2Ψ)",
+        "reduce-scatter": "gradient reduce-scatter",
+        "all-gather": "weight all-gather",
+        "psum": "gradient psum",
+    }
     for (kind, axes), kinds in by_axes.items():
         for k, v in kinds.items():
-            what = {"tensor": "replicated weights' " + names[k] + " over the tensor axes",
-                    "pp": "shared weights' gradient psum over pp (embedding, head, final norm)",
-                    "zero": f"ZeRO-{c.zero} " + names[k]}[kind]
-            per_micro_step = kind == "tensor" or (kind == "zero" and (c.zero == 3 or (c.zero == 2 and
-                                                                                    k == "reduce-scatter")))
+            what = {
+                "tensor": "replicated weights' " + names[k] + " over the tensor axes",
+                "pp": "shared weights' gradient psum over pp (embedding, head, final norm)",
+                "zero": f"ZeRO-{c.zero} " + names[k],
+            }[kind]
+            per_micro_step = kind == "tensor" or (
+                kind == "zero" and (c.zero == 3 or (c.zero == 2 and k == "reduce-scatter"))
+            )
             messages = A * x.layers if per_micro_step else 1
             out.append(Transfer(what, axes, v, messages, None, "layer" if per_micro_step else "step"))
     return out
 
 
 # ---------------------------------------------------------------------------------------------- pipeline
+
 
 def activation_bytes(w: Workload, x: Dims) -> float:
     """One micro-batch's residual stream as it crosses a stage boundary (DiT: plus its conditioning row)."""
@@ -431,6 +555,7 @@ class PipelineInfo:
     """What the cost model reads from a schedule's table: ticks that send (forward, backward), the most
     micro-batch-chunks a stage holds, and the lockstep makespan and busy time with a micro-batch's stage work
     costing 1 (F 1/3, B and W 1/3 each, BW 2/3: the playbook's t_b = 2 t_f)."""
+
     send_ticks: int
     peak_in_flight: int
     makespan: float
@@ -440,7 +565,8 @@ class PipelineInfo:
 @functools.lru_cache(maxsize=1024)
 def pipeline_info(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> PipelineInfo:
     from jaxring.pipeline import lower, make_schedule, peak_in_flight, simulate
-    from jaxring.pipeline.schedules import B, BW, F, W
+    from jaxring.pipeline.schedules import BW, B, F, W
+
     sched = make_schedule(schedule, pp, microbatches, virtual_stages)
     low = lower(sched)
     ticks = sum(1 for pairs in low.fwd_pairs if pairs) + sum(1 for pairs in low.bwd_pairs if pairs)
@@ -452,20 +578,33 @@ def pipeline_sends(w: Workload, c: Candidate, x: Dims) -> list[Transfer]:
     if c.pp == 1:
         return []
     ticks = pipeline_info(c.pipeline, c.pp, x.steps, c.virtual_stages).send_ticks
-    return [Transfer("pipeline activations and their gradients (one per sending tick)", ("pp",),
-                     ticks * activation_bytes(w, x), ticks, None, "pipeline")]
+    return [
+        Transfer(
+            "pipeline activations and their gradients (one per sending tick)",
+            ("pp",),
+            ticks * activation_bytes(w, x),
+            ticks,
+            None,
+            "pipeline",
+        )
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- the step
+
 
 def traffic(w: Workload, c: Candidate, leaves, cpu: bool = False) -> list[Transfer]:
     """Every transfer of one step, per device (bytes of a layer times the layers and micro-steps)."""
     x = dims(w, c, cpu)
     per_layer = sequence_attention(w, c, x) + tensor_layer(w, c, x) + moe_layer(w, c, x)
-    out = [dataclasses.replace(t, bytes=t.bytes * x.layers * x.steps, messages=t.messages * x.layers * x.steps)
-           for t in per_layer]
-    out += [dataclasses.replace(t, bytes=t.bytes * x.steps, messages=t.messages * x.steps)
-            for t in head_and_embedding(w, c, x)]
+    out = [
+        dataclasses.replace(t, bytes=t.bytes * x.layers * x.steps, messages=t.messages * x.layers * x.steps)
+        for t in per_layer
+    ]
+    out += [
+        dataclasses.replace(t, bytes=t.bytes * x.steps, messages=t.messages * x.steps)
+        for t in head_and_embedding(w, c, x)
+    ]
     out += gradient_sync(w, c, x, leaves)
     out += pipeline_sends(w, c, x)
     return [t for t in out if t.bytes > 0 and t.axes]
@@ -481,12 +620,14 @@ def bytes_by_axes(transfers) -> dict[tuple[str, ...], float]:
 
 # ---------------------------------------------------------------------------------------------- memory
 
+
 @dataclasses.dataclass(frozen=True)
 class Memory:
     """Per-device bytes. The step's stored state (weights, Adam moments, the batch) plus the larger of its two
     peaks: the start of the backward (gradient buffers, every saved activation, one layer's backward working
     set) and the update (gradients, their reduction, the new moments: 16 bytes a parameter at ZeRO-0,
     measured on the compiled GPU program)."""
+
     params: float
     optimizer: float
     gradients: float
@@ -514,6 +655,7 @@ def _q_tiles(n: int, cpu: bool) -> int:
     if not cpu:
         return 1
     from jaxring.attention.blockwise import FORWARD_TILE, _tile_size
+
     return n // _tile_size(n, FORWARD_TILE)
 
 
@@ -525,9 +667,9 @@ def _core_saved(w: Workload, c: Candidate, x: Dims, cpu: bool) -> float:
     rows = x.b * x.n * x.heads * F32
     P = c.sp
     if c.tensor == "metp" and c.tp > 1:
-        return Q32 + rows                                          # A_i and its lse (METP Table 2: 2bsh/p)
+        return Q32 + rows  # A_i and its lse (METP Table 2: 2bsh/p)
     if P == 1 or c.attention == "dense":
-        return Q32 + rows                                          # flash: out and lse
+        return Q32 + rows  # flash: out and lse
     if c.attention == "ring":
         return (P if cpu else 1) * _q_tiles(x.n, cpu) * (Q32 + rows)
     if c.attention == "usp":
@@ -536,10 +678,10 @@ def _core_saved(w: Workload, c: Candidate, x: Dims, cpu: bool) -> float:
     if c.attention == "ulysses":
         return 3 * Q32 + 2 * x.b * x.n * x.d * math.lcm(x.kv_heads, P) * F32 + rows
     if c.attention == "allgather":
-        return 2 * P * KV32 + Q32 + rows                           # the gathered K/V, whole sequence
+        return 2 * P * KV32 + Q32 + rows  # the gathered K/V, whole sequence
     if c.attention == "wallfacer":
         C = c.team_size
-        return 2 * C * Q32 + 2 * C * KV32 + 2 * C * rows + Q32     # the team's Q, K, V and lse
+        return 2 * C * Q32 + 2 * C * KV32 + 2 * C * rows + Q32  # the team's Q, K, V and lse
     if c.attention == "rsa":
         em = DTYPE_BYTES[w.precision]
         return x.b * x.heads * x.n * w.seq_len * F32 + (x.b * x.n * (x.heads + 2 * x.kv_heads) * x.d * em)
@@ -567,9 +709,9 @@ def saved_per_layer(w: Workload, c: Candidate, x: Dims, remat: str, cpu: bool = 
     if remat == "selective":
         up = 2 if cfg_activation(w) == "swiglu" else 1
         return b * na * h * em + qkvo + up * b * n * f * em
-    hs = h // math.isqrt(c.tp) if c.tensor == "optimus" else h      # Optimus: [b/q, s, h/q] blocks
+    hs = h // math.isqrt(c.tp) if c.tensor == "optimus" else h  # Optimus: [b/q, s, h/q] blocks
     stream = 8 * b * na * hs * F32 + 4 * b * na * F32
-    if c.tensor == "metp" and c.tp > 1:                              # METP recomputes Q, K, V and f(AB)
+    if c.tensor == "metp" and c.tp > 1:  # METP recomputes Q, K, V and f(AB)
         return stream + _core_saved(w, c, x, cpu)
     rope = b * n * (x.heads + x.kv_heads) * x.d * (F32 if w.model == "gpt" else em)
     return stream + b * n * x.kv_heads * x.d * em + rope + _core_saved(w, c, x, cpu) + _mlp_saved(w, x)
@@ -613,13 +755,14 @@ def _attention_working(w: Workload, c: Candidate, x: Dims, cpu: bool) -> float:
     else:
         out = 0.0
     if c.tensor == "megatron" and c.tp > 1:
-        out += 2 * x.b * x.n * x.h * F32             # the tp-gathered input of a block and its gradient
+        out += 2 * x.b * x.n * x.h * F32  # the tp-gathered input of a block and its gradient
     if cpu:
         # the jnp block ops' score tiles: S and P of one forward tile, or S/P, dP, dS of a backward tile
         from jaxring.attention.blockwise import BACKWARD_TILE, FORWARD_TILE, _tile_size
+
         heads = x.heads if c.attention != "ulysses" else max(1, x.heads // P)
         if c.tensor == "metp" and c.tp > 1:
-            heads = max(1, x.heads // c.tp)         # one head group at a time
+            heads = max(1, x.heads // c.tp)  # one head group at a time
         fwd = 2 * _tile_size(block_q, FORWARD_TILE) * _tile_size(block_k, FORWARD_TILE)
         bwd = 3 * _tile_size(block_q, BACKWARD_TILE) * _tile_size(block_k, BACKWARD_TILE)
         out += x.b * heads * max(fwd, bwd) * F32
@@ -649,16 +792,16 @@ def memory(w: Workload, c: Candidate, leaves, *, cpu: bool = False) -> Memory:
         if leaf.stacked:
             layer_grad += psi / max(x.layers, 1)
     if x.steps > 1 and c.pp == 1:
-        grads *= 2                                  # the accumulator and one micro-batch's gradients
+        grads *= 2  # the accumulator and one micro-batch's gradients
     if c.zero >= 2:
-        grads += layer_grad                         # one layer's gradient before its reduce-scatter
+        grads += layer_grad  # one layer's gradient before its reduce-scatter
     if c.zero == 3:
-        grads += 2 * layer_grad / F32 * em          # one layer's weights gathered (forward and backward)
+        grads += 2 * layer_grad / F32 * em  # one layer's weights gathered (forward and backward)
     per_layer = saved_per_layer(w, c, x, remat, cpu)
     if c.pp > 1:
         chunks = pipeline_info(c.pipeline, c.pp, x.steps, c.virtual_stages).peak_in_flight
         activations = chunks * (x.layers // c.virtual_stages) * per_layer
-        activations += 2 * chunks * activation_bytes(w, x)          # pipeline buffers (inbox, gradients)
+        activations += 2 * chunks * activation_bytes(w, x)  # pipeline buffers (inbox, gradients)
     else:
         activations = x.layers * per_layer
     # one layer's backward: with full remat its forward again, keeping every residual (tried: the FFN's freed
@@ -671,7 +814,7 @@ def memory(w: Workload, c: Candidate, leaves, *, cpu: bool = False) -> Memory:
     if w.model == "gpt":
         other = 3 * rows * w.seq_len // (c.sp * (c.tp if c.tensor == "metp" else 1)) * 4
     else:
-        other = rows * (w.config.image_size ** 2 * w.config.channels * 4 + 4)
+        other = rows * (w.config.image_size**2 * w.config.channels * 4 + 4)
     if w.model == "gpt":
         vocab = w.config.vocab_size // (c.tp if c.tensor == "megatron" else 1)
         if c.tensor == "optimus":
@@ -692,9 +835,10 @@ KERNEL_OVERHEAD_S = 5e-6
 @dataclasses.dataclass(frozen=True)
 class StepTime:
     """Seconds of one step: compute, exposed communication by run-mesh axes, the pipeline bubble, the update."""
+
     compute: float
     communication: dict
-    hidden: float                 # communication hidden behind compute (ring loops), not in the total
+    hidden: float  # communication hidden behind compute (ring loops), not in the total
     bubble: float
     optimizer: float
 
@@ -715,15 +859,16 @@ def compute_flops(w: Workload, c: Candidate, remat: str) -> tuple[float, float, 
     if w.model == "gpt":
         mats = 3 if cfg.activation == "swiglu" else 2
         moe = w.moe
-        ffn_params = (mats * cfg.hidden * cfg.ffn_size if moe is None else
-                      moe.experts_per_token * mats * cfg.hidden * moe.ffn)
+        ffn_params = (
+            mats * cfg.hidden * cfg.ffn_size if moe is None else moe.experts_per_token * mats * cfg.hidden * moe.ffn
+        )
     else:
         ffn_params = 2 * cfg.hidden * cfg.ffn_size
     ffn = 6 * cfg.num_layers * ffn_params * tokens
     total = w.flops_per_step()
     layers = total - (6 * cfg.vocab_size * cfg.hidden * tokens if w.model == "gpt" else 0)
     extra = 0.0
-    if remat == "full" or c.tensor == "metp" and c.tp > 1:
+    if remat == "full" or (c.tensor == "metp" and c.tp > 1):
         extra += layers / 3
     elif remat == "selective":
         extra += attention / 3
@@ -758,7 +903,7 @@ def step_time(w: Workload, c: Candidate, transfers, cluster, locality: dict, lea
         target = step_comm if t.phase == "step" else layer_comm
         target[t.axes] = target.get(t.axes, 0.0) + seconds
     exposed_attention = max(0.0, overlappable["attention"] - attn_flops / rate)
-    exposed_ffn = max(0.0, overlappable["ffn"] - ffn_flops / (3 * rate))     # the forward FFN matmuls
+    exposed_ffn = max(0.0, overlappable["ffn"] - ffn_flops / (3 * rate))  # the forward FFN matmuls
     hidden = overlappable["attention"] + overlappable["ffn"] - exposed_attention - exposed_ffn
     if exposed_attention or exposed_ffn:
         key = tuple(sorted({a for t in transfers if t.overlap for a in t.axes}))
@@ -771,8 +916,9 @@ def step_time(w: Workload, c: Candidate, transfers, cluster, locality: dict, lea
         bubble = max(0.0, (info.makespan - info.busy) * inside)
     # the update: read weights, gradients and both moments, write weights and moments (fp32), HBM-bound
     sizes = {**batch_axes(c), **seq_axes(c)}
-    updated = sum(l.size / (math.prod(sizes[a] for a in l.replica) if l.zero_sharded and c.zero >= 1 else 1)
-                  for l in leaves)
+    updated = sum(
+        l.size / (math.prod(sizes[a] for a in l.replica) if l.zero_sharded and c.zero >= 1 else 1) for l in leaves
+    )
     optimizer = 28 * updated / cluster.device.hbm_bytes_per_s
     comm = dict(layer_comm)
     for k, v in step_comm.items():
@@ -784,6 +930,7 @@ def locality(plan, axes_list, devices_per_node: int) -> dict:
     """{axes: True when every group of devices that differ only along `axes` lies within one node} for the
     run mesh of `plan` (stand-in or real devices; device i is on node i // devices_per_node)."""
     import numpy as np
+
     mesh = plan.run_mesh
     ids = np.vectorize(lambda d: d.id)(np.asarray(mesh.devices, dtype=object))
     names = list(mesh.axis_names)
@@ -793,6 +940,6 @@ def locality(plan, axes_list, devices_per_node: int) -> dict:
             out[axes] = True
             continue
         moved = np.moveaxis(ids, [names.index(a) for a in axes], list(range(-len(axes), 0)))
-        groups = (moved.reshape(-1, math.prod(mesh.shape[a] for a in axes)) // devices_per_node)
+        groups = moved.reshape(-1, math.prod(mesh.shape[a] for a in axes)) // devices_per_node
         out[axes] = bool((groups == groups[:, :1]).all())
     return out

@@ -3,6 +3,7 @@ reduced over (read from the model and `jaxring.nn.param_placements`, never alloc
 
     leaves = param_leaves(workload, plan)      # [ParamLeaf(path, size, stacked, ...), ...]
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,11 +17,11 @@ from flax import nnx
 @dataclasses.dataclass(frozen=True)
 class ParamLeaf:
     path: str
-    size: int                      # elements per device as stored without ZeRO (tensor / pipeline / expert split)
-    stacked: bool                  # a layer-stack weight (read inside the layer scan)
-    bias: bool                     # a bias (its gradient needs no weight: not read again in the backward)
-    zero_sharded: bool             # ZeRO shards it (stage >= 1) over `replica`; else it stays all-reduced
-    replica: tuple[str, ...]       # run-mesh axes (size > 1) its gradient is summed over (data and sequence)
+    size: int  # elements per device as stored without ZeRO (tensor / pipeline / expert split)
+    stacked: bool  # a layer-stack weight (read inside the layer scan)
+    bias: bool  # a bias (its gradient needs no weight: not read again in the backward)
+    zero_sharded: bool  # ZeRO shards it (stage >= 1) over `replica`; else it stays all-reduced
+    replica: tuple[str, ...]  # run-mesh axes (size > 1) its gradient is summed over (data and sequence)
     unsplit_tensor: tuple[str, ...]  # tensor axes (size > 1) it is replicated over: its gradient is psummed there
 
 
@@ -37,6 +38,7 @@ def abstract_state(model: str, config):
 def param_leaves(model: str, config, plan) -> list[ParamLeaf]:
     from jaxring.nn import param_placements
     from jaxring.zero import Placement
+
     _, state = abstract_state(model, config)
     placements = param_placements(state, plan)
     shapes = nnx.to_pure_dict(state)
@@ -56,7 +58,15 @@ def param_leaves(model: str, config, plan) -> list[ParamLeaf]:
                 used.add(a)
                 split *= sizes[a]
         replica = tuple(a for a in pl.replica if sizes.get(a, 1) > 1)
-        out.append(ParamLeaf(key, math.prod(shape) // split, key.startswith("['blocks']"),
-                             key.endswith("['bias']"), pl.zero_dim is not None, replica,
-                             tuple(a for a in tensor_axes if a not in used)))
+        out.append(
+            ParamLeaf(
+                key,
+                math.prod(shape) // split,
+                key.startswith("['blocks']"),
+                key.endswith("['bias']"),
+                pl.zero_dim is not None,
+                replica,
+                tuple(a for a in tensor_axes if a not in used),
+            )
+        )
     return out

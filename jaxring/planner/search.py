@@ -13,6 +13,7 @@ micro-batch. A plan is kept when the library accepts it (`ParallelPlan`, `models
 one-line errors train.py gives) and its predicted memory fits; kept plans are ranked by the cost model's step
 time (`jaxring/planner/cost.py`). fsdp is not searched: dp with a ZeRO stage is the same program.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,7 +41,7 @@ class Evaluated:
     time: cost.StepTime
     transfers: list
     fits: bool
-    compiled_memory: float | None = None       # filled by a compile check
+    compiled_memory: float | None = None  # filled by a compile check
 
     @property
     def plan(self):
@@ -67,7 +68,7 @@ class Rejection:
     count: int
     example: Candidate
     detail: str
-    best_memory: float | None = None      # memory rejections: the least memory among them
+    best_memory: float | None = None  # memory rejections: the least memory among them
 
 
 @dataclasses.dataclass
@@ -90,9 +91,19 @@ class Result:
             comm = sorted(ev.time.communication.items(), key=lambda kv: -kv[1])
             comm_text = ", ".join(f"{'×'.join(k) or '-'} {v:.3g}s" for k, v in comm[:2] if v > 0) or "-"
             compiled = "-" if ev.compiled_memory is None else f"{ev.compiled_memory / 2**30:.1f}"
-            rows.append((str(i), ev.candidate.describe(), f"{ev.step_s:.3g}", f"{ev.tokens_per_s(w):,.0f}",
-                         f"{ev.mfu(w, cl):.1%}", f"{ev.memory.total / 2**30:.1f}", compiled, comm_text,
-                         f"{ev.time.bubble:.3g}" if ev.candidate.pp > 1 else "-"))
+            rows.append(
+                (
+                    str(i),
+                    ev.candidate.describe(),
+                    f"{ev.step_s:.3g}",
+                    f"{ev.tokens_per_s(w):,.0f}",
+                    f"{ev.mfu(w, cl):.1%}",
+                    f"{ev.memory.total / 2**30:.1f}",
+                    compiled,
+                    comm_text,
+                    f"{ev.time.bubble:.3g}" if ev.candidate.pp > 1 else "-",
+                )
+            )
         widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(width) for cell, width in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * width for width in widths))
@@ -109,32 +120,56 @@ class Result:
     def to_json(self, top: int = 10) -> dict:
         w, cl = self.workload, self.cluster
         return {
-            "workload": {"model": w.model, "preset": w.preset, "seq_len": w.seq_len, "global_batch": w.global_batch,
-                         "tokens_per_step": w.tokens_per_step, "precision": w.precision,
-                         "config": dataclasses.asdict(w.config)},
-            "cluster": {"device": cl.device.name, "devices": cl.devices, "devices_per_node": cl.devices_per_node,
-                        "intra_bw": cl.intra_bw, "inter_bw": cl.inter_bw, "efficiency": cl.efficiency,
-                        "usable_memory": cl.usable_memory},
+            "workload": {
+                "model": w.model,
+                "preset": w.preset,
+                "seq_len": w.seq_len,
+                "global_batch": w.global_batch,
+                "tokens_per_step": w.tokens_per_step,
+                "precision": w.precision,
+                "config": dataclasses.asdict(w.config),
+            },
+            "cluster": {
+                "device": cl.device.name,
+                "devices": cl.devices,
+                "devices_per_node": cl.devices_per_node,
+                "intra_bw": cl.intra_bw,
+                "inter_bw": cl.inter_bw,
+                "efficiency": cl.efficiency,
+                "usable_memory": cl.usable_memory,
+            },
             "considered": self.considered,
             "plans": [plan_json(ev, w, cl) for ev in self.ranked[:top]],
-            "rejected": [{"reason": r.reason, "count": r.count, "detail": r.detail, "example": r.example.describe()}
-                         for r in sorted(self.rejected.values(), key=lambda r: -r.count)],
+            "rejected": [
+                {"reason": r.reason, "count": r.count, "detail": r.detail, "example": r.example.describe()}
+                for r in sorted(self.rejected.values(), key=lambda r: -r.count)
+            ],
         }
 
 
 def plan_json(ev: Evaluated, w: Workload, cl: Cluster) -> dict:
-    return {"plan": ev.candidate.describe(), "candidate": dataclasses.asdict(ev.candidate),
-            "train_flags": ev.candidate.train_flags(), "step_s": ev.step_s,
-            "tokens_per_s": ev.tokens_per_s(w), "mfu": ev.mfu(w, cl),
-            "time": {"compute": ev.time.compute, "bubble": ev.time.bubble, "optimizer": ev.time.optimizer,
-                     "hidden_communication": ev.time.hidden,
-                     "exposed_communication": {"×".join(k): v for k, v in ev.time.communication.items()}},
-            "memory_bytes": ev.memory.as_dict(),
-            "compiled_memory_bytes": ev.compiled_memory,
-            "bytes_by_axes": {"×".join(k): v for k, v in ev.bytes_by_axes().items()}}
+    return {
+        "plan": ev.candidate.describe(),
+        "candidate": dataclasses.asdict(ev.candidate),
+        "train_flags": ev.candidate.train_flags(),
+        "step_s": ev.step_s,
+        "tokens_per_s": ev.tokens_per_s(w),
+        "mfu": ev.mfu(w, cl),
+        "time": {
+            "compute": ev.time.compute,
+            "bubble": ev.time.bubble,
+            "optimizer": ev.time.optimizer,
+            "hidden_communication": ev.time.hidden,
+            "exposed_communication": {"×".join(k): v for k, v in ev.time.communication.items()},
+        },
+        "memory_bytes": ev.memory.as_dict(),
+        "compiled_memory_bytes": ev.compiled_memory,
+        "bytes_by_axes": {"×".join(k): v for k, v in ev.bytes_by_axes().items()},
+    }
 
 
 # ---------------------------------------------------------------------------------------- the search space
+
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -185,18 +220,28 @@ def candidates(w: Workload, cluster: Cluster, remat_modes=None):
             continue
         data = dp * ep
         if w.global_batch % data:
-            yield Candidate(dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, micro_batch=1)   # rejected: batch split
+            yield Candidate(dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, micro_batch=1)  # rejected: batch split
             continue
         replica_batch = w.global_batch // data
         replicas = dp * ep * sp
         for seq in sequence_choices(sp):
             for tensor in tensor_choices(tp, sp):
-                for zero in ((0, 1, 2, 3) if replicas > 1 else (0,)):
+                for zero in (0, 1, 2, 3) if replicas > 1 else (0,):
                     for mb in _divisors(replica_batch):
                         steps = replica_batch // mb
                         for remat in remat_modes:
-                            base = dict(dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, tensor=tensor, zero=zero, remat=remat,
-                                        micro_batch=mb, **seq)
+                            base = dict(
+                                dp=dp,
+                                pp=pp,
+                                tp=tp,
+                                sp=sp,
+                                ep=ep,
+                                tensor=tensor,
+                                zero=zero,
+                                remat=remat,
+                                micro_batch=mb,
+                                **seq,
+                            )
                             if pp == 1:
                                 yield Candidate(**base)
                                 continue
@@ -204,13 +249,15 @@ def candidates(w: Workload, cluster: Cluster, remat_modes=None):
                                 if sched == "interleaved":
                                     for v in (2, 4):
                                         if layers % (pp * v) == 0:
-                                            yield Candidate(pipeline=sched, microbatches=steps, virtual_stages=v,
-                                                            **base)
+                                            yield Candidate(
+                                                pipeline=sched, microbatches=steps, virtual_stages=v, **base
+                                            )
                                 else:
                                     yield Candidate(pipeline=sched, microbatches=steps, **base)
 
 
 # ---------------------------------------------------------------------------------------- evaluation
+
 
 class _Cache:
     """Per-search caches: leaves by (tensor method, degrees, sequence axes); locality by run-mesh structure."""
@@ -320,16 +367,18 @@ def search(w: Workload, cluster: Cluster, *, only: dict | None = None, keep: int
             rejected[key] = Rejection("rule", 1, c, msg)
 
     for c in candidates(w, cluster):
-        if only and not all(getattr(c, k) in v if isinstance(v, (tuple, list, set, frozenset))
-                            else getattr(c, k) == v for k, v in only.items()):
+        if only and not all(
+            getattr(c, k) in v if isinstance(v, (tuple, list, set, frozenset)) else getattr(c, k) == v
+            for k, v in only.items()
+        ):
             continue
         considered += 1
         quick = _pipeline_rule(c, w)
-        if quick is not None and quick in seen_rules:     # the library's pipeline rules, known to fail
+        if quick is not None and quick in seen_rules:  # the library's pipeline rules, known to fail
             rejected[seen_rules[quick]].count += 1
             continue
         if quick is not None or _batch_rule(c, w):
-            try:                                          # the library's own message, once per rule
+            try:  # the library's own message, once per rule
                 c.check(w)
             except ValueError as e:
                 reject(c, e, quick)
@@ -350,13 +399,19 @@ def search(w: Workload, cluster: Cluster, *, only: dict | None = None, keep: int
     if over:
         least = min(over, key=lambda ev: ev.memory.total)
         rejected["memory"] = Rejection(
-            "memory", len(over), least.candidate,
+            "memory",
+            len(over),
+            least.candidate,
             f"predicted memory above the {cluster.usable_memory / 2**30:.1f} GiB usable per device (the least of them: "
-            f"{least.memory.total / 2**30:.1f} GiB)", least.memory.total)
+            f"{least.memory.total / 2**30:.1f} GiB)",
+            least.memory.total,
+        )
     if not considered:
         held = ", ".join(f"{k}={v}" for k, v in only.items())
-        raise NoPlanError(f"no candidate has {held} on {cluster.devices} devices (degrees multiply to the device "
-                          f"count; sequence options need sp > 1, tensor methods tp > 1)")
+        raise NoPlanError(
+            f"no candidate has {held} on {cluster.devices} devices (degrees multiply to the device "
+            f"count; sequence options need sp > 1, tensor methods tp > 1)"
+        )
     if not fits:
         raise NoPlanError(_tightest(w, cluster, over, rejected, considered))
     fits.sort(key=lambda ev: (ev.step_s, ev.memory.total))
@@ -370,10 +425,14 @@ def _tightest(w: Workload, cluster: Cluster, over, rejected, considered) -> str:
         least = min(over, key=lambda ev: ev.memory.total)
         parts = least.memory.as_dict()
         biggest = max(("params", "optimizer", "gradients", "activations", "working"), key=lambda k: parts[k])
-        return (f"no plan fits in memory for {where}: the least any valid plan needs is "
-                f"{least.memory.total / 2**30:.1f} GiB per device ({least.candidate.describe()}; its largest part: "
-                f"{biggest} {parts[biggest] / 2**30:.1f} GiB), above the {cluster.usable_memory / 2**30:.1f} GiB usable "
-                f"(more devices, a shorter sequence or a smaller batch)")
+        return (
+            f"no plan fits in memory for {where}: the least any valid plan needs is "
+            f"{least.memory.total / 2**30:.1f} GiB per device ({least.candidate.describe()}; its largest part: "
+            f"{biggest} {parts[biggest] / 2**30:.1f} GiB), above the {cluster.usable_memory / 2**30:.1f} GiB usable "
+            f"(more devices, a shorter sequence or a smaller batch)"
+        )
     top = max(rejected.values(), key=lambda r: r.count)
-    return (f"no valid plan for {where}: every one of the {considered} candidates breaks a rule; the most common: "
-            f"{top.detail}")
+    return (
+        f"no valid plan for {where}: every one of the {considered} candidates breaks a rule; the most common: "
+        f"{top.detail}"
+    )

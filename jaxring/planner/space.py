@@ -9,6 +9,7 @@ method, the ZeRO stage, the pipeline schedule, remat and the micro-batch. `plan(
 `ParallelPlan` (the library's own validation: one-line ValueErrors) on stand-in devices, so a 64-device plan can
 be checked on a laptop; `check(workload)` adds the model's own rules (`models/*.check_plan`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,6 +26,7 @@ PRECISIONS = ("bf16", "fp32")
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """A model (GPT or DiT config), tokens per sequence, sequences per step and the compute precision."""
+
     model: str
     config: object
     seq_len: int
@@ -33,9 +35,18 @@ class Workload:
     preset: str | None = None
 
     @classmethod
-    def of(cls, model: str, preset: str, *, seq_len: int | None = None, global_batch_tokens: int | None = None,
-           global_batch: int | None = None, precision: str = "bf16", image_size: int | None = None,
-           **overrides) -> "Workload":
+    def of(
+        cls,
+        model: str,
+        preset: str,
+        *,
+        seq_len: int | None = None,
+        global_batch_tokens: int | None = None,
+        global_batch: int | None = None,
+        precision: str = "bf16",
+        image_size: int | None = None,
+        **overrides,
+    ) -> Workload:
         """A workload from a preset. GPT: seq_len tokens per sequence. DiT: image_size (or the square patch grid
         nearest to seq_len, its side a multiple of 8 so the tokens split over sp). The global batch is given in
         sequences, or in tokens (rounded down to whole sequences, at least one)."""
@@ -43,12 +54,14 @@ class Workload:
             raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
         if model == "gpt":
             from models import gpt
+
             config = gpt.get_config(preset, **overrides)
             if seq_len is None:
                 raise ValueError("a GPT workload needs --seq-len")
             tokens = seq_len
         elif model == "dit":
             from models import dit
+
             base = dit.get_config(preset, **overrides)
             if image_size is None:
                 if seq_len is None:
@@ -93,14 +106,18 @@ class Workload:
 
     def describe(self) -> str:
         name = self.preset or self.model
-        what = f"{self.seq_len:,} tokens" if self.model == "gpt" else \
-            f"{self.config.image_size}² images = {self.seq_len:,} tokens"
+        what = (
+            f"{self.seq_len:,} tokens"
+            if self.model == "gpt"
+            else f"{self.config.image_size}² images = {self.seq_len:,} tokens"
+        )
         return f"{self.model} {name}, {what} × {self.global_batch} per step, {self.precision}"
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One plan the planner may pick (train.py's flags)."""
+
     dp: int = 1
     pp: int = 1
     tp: int = 1
@@ -117,7 +134,7 @@ class Candidate:
     microbatches: int | None = None
     virtual_stages: int = 1
     remat: str = "none"
-    micro_batch: int = 1          # sequences per data replica in one micro-step (pp = 1) or micro-batch (pp > 1)
+    micro_batch: int = 1  # sequences per data replica in one micro-step (pp = 1) or micro-batch (pp > 1)
 
     @property
     def devices(self) -> int:
@@ -132,9 +149,15 @@ class Candidate:
 
     def plan_kwargs(self) -> dict:
         """ParallelPlan keywords (the mesh aside)."""
-        kw = dict(attention=self.attention, layout=self.layout, team_size=self.team_size,
-                  ulysses_size=self.ulysses_size, placement=self.placement, tensor_parallel=self.tensor,
-                  zero=self.zero)
+        kw = dict(
+            attention=self.attention,
+            layout=self.layout,
+            team_size=self.team_size,
+            ulysses_size=self.ulysses_size,
+            placement=self.placement,
+            tensor_parallel=self.tensor,
+            zero=self.zero,
+        )
         if self.pp > 1:
             kw.update(pipeline=self.pipeline, microbatches=self.microbatches, virtual_stages=self.virtual_stages)
         return kw
@@ -149,28 +172,35 @@ class Candidate:
         view only; nothing can be compiled on them). block_ops: the attention's per-block compute ("pallas"
         for a GPU target compiled without a GPU, where "auto" would pick the CPU path)."""
         from jaxring.plan import ParallelPlan
-        mesh = _mesh(self.dp, self.pp, self.tp, self.sp, self.ep) if devices is None else \
-            _real_mesh(self, devices)
+
+        mesh = _mesh(self.dp, self.pp, self.tp, self.sp, self.ep) if devices is None else _real_mesh(self, devices)
         return ParallelPlan(mesh, block_ops=block_ops, **self.plan_kwargs())
 
     def check(self, workload: Workload, devices=None, block_ops: str = "auto"):
         """The plan, after the model's own rules (heads, layers vs pp, experts vs ep, batch and sequence splits)
         for this workload. Raises ValueError (one line)."""
         plan = self.plan(devices, block_ops)
-        plan.run_mesh                   # the strategy's and the method's views of the devices (their errors)
+        plan.run_mesh  # the strategy's and the method's views of the devices (their errors)
         steps = self.steps(workload)
         if steps < 1 or workload.global_batch % (self.data_degree * self.micro_batch):
-            raise ValueError(f"global batch {workload.global_batch} is not divisible by data degree "
-                             f"dp*ep {self.data_degree} × micro-batch {self.micro_batch}")
+            raise ValueError(
+                f"global batch {workload.global_batch} is not divisible by data degree "
+                f"dp*ep {self.data_degree} × micro-batch {self.micro_batch}"
+            )
         if self.pp > 1 and plan.schedule.num_microbatches != steps:
-            raise ValueError(f"pipeline micro-batches {plan.schedule.num_microbatches} != global batch / "
-                             f"(data degree × micro-batch) = {steps}")
+            raise ValueError(
+                f"pipeline micro-batches {plan.schedule.num_microbatches} != global batch / "
+                f"(data degree × micro-batch) = {steps}"
+            )
         if workload.model == "gpt":
             from models import gpt
-            gpt.check_plan(workload.config, plan, workload.global_batch // max(1, steps if self.pp == 1 else 1),
-                           workload.seq_len)
+
+            gpt.check_plan(
+                workload.config, plan, workload.global_batch // max(1, steps if self.pp == 1 else 1), workload.seq_len
+            )
         else:
             from models import dit
+
             dit.check_plan(workload.config, plan, workload.global_batch // max(1, steps if self.pp == 1 else 1))
         return plan
 
@@ -238,6 +268,7 @@ class _StandIn:
 @functools.lru_cache(maxsize=4096)
 def _mesh(dp, pp, tp, sp, ep) -> Mesh:
     from jaxring.mesh import MESH_AXES
+
     sizes = {"dp": dp, "pp": pp, "fsdp": 1, "ep": ep, "sp": sp, "tp": tp}
     n = dp * pp * tp * sp * ep
     devices = np.array([_StandIn(i) for i in range(n)], dtype=object).reshape([sizes[a] for a in MESH_AXES])
@@ -246,4 +277,5 @@ def _mesh(dp, pp, tp, sp, ep) -> Mesh:
 
 def _real_mesh(c: Candidate, devices) -> Mesh:
     from jaxring.mesh import make_mesh
+
     return make_mesh(dp=c.dp, pp=c.pp, tp=c.tp, sp=c.sp, ep=c.ep, devices=list(devices))

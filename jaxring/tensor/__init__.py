@@ -5,6 +5,7 @@ contract of `contract.py`, used by the train step's one shard_map), and convenie
 arrays: `mlp_block(x, params, mesh=)`, `attention_block(x, params, positions, mesh=, ...)`,
 `param_specs(mesh, shapes)`; Megatron and Optimus also give `embed` and `cross_entropy` (logits stay split).
 """
+
 from jaxring.tensor import contract, megatron, metp, optimus
 
 TENSOR_METHODS = {m.name: m for m in (contract.NONE, megatron.METHOD, optimus.METHOD, metp.METHOD)}

@@ -13,6 +13,7 @@ This base class is the method "none" (tensors replicated over tp = 1): plain loc
 over the plan's sequence axes and attention by the plan's strategy. Megatron, Optimus and METP override what
 they change. The shared math (QKV projection and head split, RoPE, GQA, activations) lives here once.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,6 +36,7 @@ KEPT_RESIDUAL = "jaxring_kept_residual"
 
 
 # ----------------------------------------------------------------------------------------- shared math
+
 
 def check_activation(activation: str) -> None:
     if activation not in ACTIVATIONS:
@@ -78,10 +80,11 @@ def layer_norm(x, scale, bias, *, eps: float = 1e-5):
 @dataclasses.dataclass(frozen=True)
 class ParamInfo:
     """What a method needs to place one parameter: its logical axes, per-layer shape and head count."""
+
     name: str
     logical_axes: tuple
     shape: tuple
-    heads: int | None = None      # heads along the "heads"/"kv_heads" axis (attention projections)
+    heads: int | None = None  # heads along the "heads"/"kv_heads" axis (attention projections)
 
 
 def _entry(axes):
@@ -92,13 +95,15 @@ def _entry(axes):
 
 # ----------------------------------------------------------------------------------------- the contract
 
+
 class TensorMethod:
     """No tensor parallelism ("none"); the base of every method (see the module docstring)."""
+
     name = "none"
     summary = "no tensor parallelism: weights replicated, the sequence split over sp"
-    sequence_parallel = True        # may run together with a sequence strategy over sp > 1
-    sequence_parallel_rule = ""     # why not, when it may not
-    axes: tuple[str, ...] = ()      # the mesh axes the method splits tensors over (tp, or a view of it)
+    sequence_parallel = True  # may run together with a sequence strategy over sp > 1
+    sequence_parallel_rule = ""  # why not, when it may not
+    axes: tuple[str, ...] = ()  # the mesh axes the method splits tensors over (tp, or a view of it)
 
     # --- mesh view and checks
     def view(self, mesh):
@@ -114,8 +119,7 @@ class TensorMethod:
         if plan.tp > 1 and not self.axes:
             raise ValueError(f"tp = {plan.tp} needs a tensor-parallel method (--tensor-parallel)")
 
-    def check_model(self, plan, *, num_heads: int, num_kv_heads: int, hidden: int, ffn: int,
-                    vocab: int | None) -> None:
+    def check_model(self, plan, *, num_heads: int, num_kv_heads: int, hidden: int, ffn: int, vocab: int | None) -> None:
         """Raises when the model's sizes do not split as the method needs (heads, hidden, ffn, vocab)."""
 
     def check_seq(self, plan, seq_len: int) -> None:
@@ -155,8 +159,9 @@ class TensorMethod:
     def norm(self, plan, x, scale, bias, *, eps: float = 1e-5):
         return layer_norm(x, scale, bias, eps=eps)
 
-    def attention(self, plan, x, w: dict, positions, *, num_heads: int, num_kv_heads: int, head_dim: int,
-                  causal: bool, rope_theta):
+    def attention(
+        self, plan, x, w: dict, positions, *, num_heads: int, num_kv_heads: int, head_dim: int, causal: bool, rope_theta
+    ):
         """x [b, s_act, hidden]; w: wq [h, hq·d], wk/wv [h, hkv·d], wo [hq·d, h] (local blocks of the global
         num_heads / num_kv_heads); positions int [b, s_tok]. Returns [b, s_act, hidden]."""
         q, k, v = split_heads(x @ w["wq"], x @ w["wk"], x @ w["wv"], head_dim)
@@ -172,8 +177,7 @@ class TensorMethod:
     def moe(self, plan, x, moe):
         """(y, stats) of a `jaxring.moe.MoE` module on the residual stream x [b, s_act, hidden]: this device's
         tokens go to their experts over ep; stats are summed over the batch and sequence axes."""
-        return moe(x, ep_axis="ep" if plan.ep > 1 else None, tp_axis=None,
-                   token_axes=plan.batch_axes + plan.seq_axes)
+        return moe(x, ep_axis="ep" if plan.ep > 1 else None, tp_axis=None, token_axes=plan.batch_axes + plan.seq_axes)
 
     def cross_entropy(self, plan, x, w, targets, *, tied: bool):
         """Per-token loss fp32 [b, s_tok] of logits x @ head: w is the head [h, vocab], or the embedding

@@ -32,6 +32,7 @@ The model-facing entry points `mlp_block`, `attention_block`, `embed` and `cross
 arrays and do their own shard_map: batch over dp and fsdp, sequence (SP regions) and hidden/heads/vocab
 (TP regions) over tp.
 """
+
 from __future__ import annotations
 
 import functools
@@ -50,11 +51,25 @@ from jaxring.sharded import run_local
 from jaxring.tensor.contract import ACTIVATIONS, MATMUL_OUTPUT, ParamInfo, TensorMethod, _entry, activate, rope_qk
 from jaxring.vma import common_vma, gather_invariant, vary, varying_axes
 
-__all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_sp", "scatter_to_sp", "column_parallel_linear",
-           "row_parallel_linear", "mlp", "attention", "layer_norm", "rms_norm", "vocab_parallel_embed",
-           "vocab_parallel_cross_entropy", "mlp_block", "attention_block", "embed", "cross_entropy",
-           "param_specs"]
-
+__all__ = [
+    "attention",
+    "attention_block",
+    "column_parallel_linear",
+    "copy_to_tp",
+    "cross_entropy",
+    "embed",
+    "gather_from_sp",
+    "layer_norm",
+    "mlp",
+    "mlp_block",
+    "param_specs",
+    "reduce_from_tp",
+    "rms_norm",
+    "row_parallel_linear",
+    "scatter_to_sp",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_embed",
+]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -64,6 +79,7 @@ __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_sp", "scatter_to_sp", "c
 # ----------------------------------------------------------------------------------------------------------
 # The conjugate transitions: f / f* (plain TP) and g / g* (TP with SP)
 # ----------------------------------------------------------------------------------------------------------
+
 
 def copy_to_tp(x, axis_name: str = "tp"):
     """f: identity forward, all-reduce (psum over `axis_name`) backward. x is replicated over the axis
@@ -90,9 +106,10 @@ def scatter_to_sp(x, axis_name: str = "tp", axis: int = 1):
 # Column- and row-parallel linears
 # ----------------------------------------------------------------------------------------------------------
 
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _gather_linear(axis_name, x, ws):
-    y = gather_from_sp(x, axis_name)                                       # g: [b, s, h]
+    y = gather_from_sp(x, axis_name)  # g: [b, s, h]
     return tuple(jnp.einsum("bsh,hn->bsn", y, w) for w in ws)
 
 
@@ -108,8 +125,8 @@ def _gather_linear_bwd(axis_name, res, dzs):
     # the two and keep the gathered [b, s, h] alive from forward to backward (XLA:CPU drops barriers first).
     x, dzs = lax.optimization_barrier((x, dzs))
     y = lax.all_gather(x, axis_name, axis=1).reshape(x.shape[0], -1, x.shape[2])
-    dy = sum(jnp.einsum("bsn,hn->bsh", dz, w) for dz, w in zip(dzs, ws))   # dY = dZ Aᵀ (overlaps the gather)
-    dx = scatter_to_sp(dy, axis_name)                                      # reduce-scatter to [b, s/p, h]
+    dy = sum(jnp.einsum("bsn,hn->bsh", dz, w) for dz, w in zip(dzs, ws))  # dY = dZ Aᵀ (overlaps the gather)
+    dx = scatter_to_sp(dy, axis_name)  # reduce-scatter to [b, s/p, h]
     dws = tuple(jnp.einsum("bsh,bsn->hn", y, dz).astype(w.dtype) for w, dz in zip(ws, dzs))  # dA = Yᵀ dZ
     return dx.astype(x.dtype), dws
 
@@ -117,8 +134,9 @@ def _gather_linear_bwd(axis_name, res, dzs):
 _gather_linear.defvjp(_gather_linear_fwd, _gather_linear_bwd)
 
 
-def column_parallel_linear(x, w, *, axis_name: str = "tp", sequence_parallel: bool = True,
-                           recompute_gather: bool = True):
+def column_parallel_linear(
+    x, w, *, axis_name: str = "tp", sequence_parallel: bool = True, recompute_gather: bool = True
+):
     """Y A_i with A split by columns over `axis_name`.
 
     Args:
@@ -133,10 +151,12 @@ def column_parallel_linear(x, w, *, axis_name: str = "tp", sequence_parallel: bo
     ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     for wi in ws:
         if wi.ndim != 2 or wi.shape[0] != x.shape[-1]:
-            raise ValueError(f"column-linear weight shape {wi.shape} must be [hidden, n/p] with hidden = "
-                             f"{x.shape[-1]} (the last dim of x {x.shape})")
+            raise ValueError(
+                f"column-linear weight shape {wi.shape} must be [hidden, n/p] with hidden = "
+                f"{x.shape[-1]} (the last dim of x {x.shape})"
+            )
     if not sequence_parallel:
-        y = copy_to_tp(x, axis_name)                                       # f
+        y = copy_to_tp(x, axis_name)  # f
         out = tuple(jnp.einsum("bsh,hn->bsn", y, wi) for wi in ws)
     elif recompute_gather:
         # a common vma, so the custom_vjp's cotangents have their primals' types: the weights' gradient
@@ -160,8 +180,10 @@ def row_parallel_linear(x, w, *, axis_name: str = "tp", sequence_parallel: bool 
       plain TP: [b, s, h] (f*, all-reduce).
     """
     if w.ndim != 2 or w.shape[0] != x.shape[-1]:
-        raise ValueError(f"row-linear weight shape {w.shape} must be [n/p, hidden] with n/p = {x.shape[-1]} "
-                         f"(the last dim of x {x.shape})")
+        raise ValueError(
+            f"row-linear weight shape {w.shape} must be [n/p, hidden] with n/p = {x.shape[-1]} "
+            f"(the last dim of x {x.shape})"
+        )
     partial = jnp.einsum("bsn,nh->bsh", x, w)
     return scatter_to_sp(partial, axis_name) if sequence_parallel else reduce_from_tp(partial, axis_name)
 
@@ -170,13 +192,23 @@ def row_parallel_linear(x, w, *, axis_name: str = "tp", sequence_parallel: bool 
 # MLP and attention (inside shard_map)
 # ----------------------------------------------------------------------------------------------------------
 
+
 def _check_activation(activation):
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
 
 
-def mlp(x, w_in, w_out, w_gate=None, *, activation: str = "gelu", axis_name: str = "tp",
-        sequence_parallel: bool = True, recompute_gather: bool = True):
+def mlp(
+    x,
+    w_in,
+    w_out,
+    w_gate=None,
+    *,
+    activation: str = "gelu",
+    axis_name: str = "tp",
+    sequence_parallel: bool = True,
+    recompute_gather: bool = True,
+):
     """Column-linear, activation, row-linear: gelu(X A) B, or SwiGLU (silu(X G) * (X A)) B.
 
     Args:
@@ -187,8 +219,10 @@ def mlp(x, w_in, w_out, w_gate=None, *, activation: str = "gelu", axis_name: str
     """
     _check_activation(activation)
     if (activation == "swiglu") != (w_gate is not None):
-        raise ValueError(f"w_gate is needed by swiglu and only by it; activation={activation!r}, "
-                         f"w_gate {'given' if w_gate is not None else 'missing'}")
+        raise ValueError(
+            f"w_gate is needed by swiglu and only by it; activation={activation!r}, "
+            f"w_gate {'given' if w_gate is not None else 'missing'}"
+        )
     kw = dict(axis_name=axis_name, sequence_parallel=sequence_parallel)
     ws = (w_in,) if w_gate is None else (w_in, w_gate)
     pre = column_parallel_linear(x, ws, recompute_gather=recompute_gather, **kw)
@@ -200,13 +234,26 @@ def mlp(x, w_in, w_out, w_gate=None, *, activation: str = "gelu", axis_name: str
 
     if w_out.ndim != 2 or w_out.shape[0] != pre[0].shape[-1]:
         raise ValueError(f"w_out shape {w_out.shape} must be [ffn/p, hidden] with ffn/p = {pre[0].shape[-1]}")
-    partial = act_linear(pre, w_out)                                        # row-linear, partial sums
+    partial = act_linear(pre, w_out)  # row-linear, partial sums
     return scatter_to_sp(partial, axis_name) if sequence_parallel else reduce_from_tp(partial, axis_name)
 
 
-def attention(x, wq, wk, wv, wo, positions, *, head_dim: int, causal: bool = True,
-              rope_theta: float | None = 10000.0, axis_name: str = "tp", sequence_parallel: bool = True,
-              recompute_gather: bool = True, attend=None):
+def attention(
+    x,
+    wq,
+    wk,
+    wv,
+    wo,
+    positions,
+    *,
+    head_dim: int,
+    causal: bool = True,
+    rope_theta: float | None = 10000.0,
+    axis_name: str = "tp",
+    sequence_parallel: bool = True,
+    recompute_gather: bool = True,
+    attend=None,
+):
     """Self-attention with heads split over `axis_name`: Q, K, V column-linears, attention on the local heads
     over the whole (tp-gathered) sequence, output projection as a row-linear.
 
@@ -220,8 +267,10 @@ def attention(x, wq, wk, wv, wo, positions, *, head_dim: int, causal: bool = Tru
     Returns: the same layout as x.
     """
     if wq.shape[1] % head_dim or wk.shape[1] % head_dim or wk.shape != wv.shape:
-        raise ValueError(f"wq {wq.shape}, wk {wk.shape}, wv {wv.shape}: columns must be whole heads of "
-                         f"head_dim {head_dim}, wk and wv alike")
+        raise ValueError(
+            f"wq {wq.shape}, wk {wk.shape}, wv {wv.shape}: columns must be whole heads of "
+            f"head_dim {head_dim}, wk and wv alike"
+        )
     hq, hkv = wq.shape[1] // head_dim, wk.shape[1] // head_dim
     if hkv == 0 or hq % hkv:
         raise ValueError(f"local query heads {hq} must be a multiple of local kv heads {hkv}")
@@ -230,18 +279,19 @@ def attention(x, wq, wk, wv, wo, positions, *, head_dim: int, causal: bool = Tru
     b, s = q.shape[:2]
     q, k, v = (t.reshape(b, s, -1, head_dim) for t in (q, k, v))
     gather = sequence_parallel and positions.shape[1] != s
-    pos = gather_from_sp(positions, axis_name) if gather else positions                  # [b, s]
+    pos = gather_from_sp(positions, axis_name) if gather else positions  # [b, s]
     q, k = rope_qk(q, k, pos, rope_theta)
     if attend is None:
         out = flash_attention(q, k, v, causal=causal, q_positions=pos, kv_positions=pos)
     else:
-        out = attend(q, k, v, pos)                                                       # [b, s, hq, d]
+        out = attend(q, k, v, pos)  # [b, s, hq, d]
     return row_parallel_linear(out.reshape(b, s, hq * head_dim), wo, **kw)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Norms in the sequence-parallel region
 # ----------------------------------------------------------------------------------------------------------
+
 
 def _replicated_params(x, *params):
     """Replicated parameters entering x's region. Where x differs per rank (SP region: the tp axis; the
@@ -257,8 +307,9 @@ def layer_norm(x, gamma, beta=None, *, eps: float = 1e-5):
     Computed in fp32, returned in x.dtype. Gradients of gamma/beta are summed over the ranks x varies over.
     """
     if gamma.shape != x.shape[-1:] or (beta is not None and beta.shape != gamma.shape):
-        raise ValueError(f"gamma {gamma.shape} / beta {None if beta is None else beta.shape} must be "
-                         f"[hidden] = {x.shape[-1:]}")
+        raise ValueError(
+            f"gamma {gamma.shape} / beta {None if beta is None else beta.shape} must be [hidden] = {x.shape[-1:]}"
+        )
     gamma, beta = _replicated_params(x, gamma, beta)
     xf = x.astype(jnp.float32)
     mean = jnp.mean(xf, axis=-1, keepdims=True)
@@ -280,6 +331,7 @@ def rms_norm(x, gamma, *, eps: float = 1e-6):
 # ----------------------------------------------------------------------------------------------------------
 # Vocab-parallel embedding and cross-entropy
 # ----------------------------------------------------------------------------------------------------------
+
 
 def vocab_parallel_embed(tokens, table, *, axis_name: str = "tp", sequence_parallel: bool = True):
     """Embedding with the table split by vocab rows: rank r holds ids [r·v/p, (r+1)·v/p).
@@ -309,7 +361,7 @@ def vocab_parallel_cross_entropy(logits, targets, *, axis_name: str = "tp"):
     """
     logits = logits.astype(jnp.float32)
     cols = logits.shape[-1]
-    m = lax.pmax(lax.stop_gradient(jnp.max(logits, axis=-1)), axis_name)     # the loss does not depend on m
+    m = lax.pmax(lax.stop_gradient(jnp.max(logits, axis=-1)), axis_name)  # the loss does not depend on m
     sum_exp = lax.psum(jnp.sum(jnp.exp(logits - m[..., None]), axis=-1), axis_name)
     local = targets - lax.axis_index(axis_name) * cols
     mine = (local >= 0) & (local < cols)
@@ -322,6 +374,7 @@ def vocab_parallel_cross_entropy(logits, targets, *, axis_name: str = "tp"):
 # Global entry points (the model-facing contract)
 # ----------------------------------------------------------------------------------------------------------
 
+
 def _axis_size(mesh, name):
     return mesh.shape[name] if name in mesh.axis_names else 1
 
@@ -330,11 +383,12 @@ def _mesh_axes(mesh, batch: int):
     """(data axes spec entry, tp) after checking the mesh: a tp axis; only dp, fsdp, tp larger than 1."""
     if "tp" not in mesh.axis_names:
         raise ValueError(f"mesh axes {mesh.axis_names} have no 'tp' axis; Megatron TP+SP splits over it")
-    unusable = [f"{a}={mesh.shape[a]}" for a in mesh.axis_names
-                if a not in DATA_AXES + ("tp",) and mesh.shape[a] > 1]
+    unusable = [f"{a}={mesh.shape[a]}" for a in mesh.axis_names if a not in DATA_AXES + ("tp",) and mesh.shape[a] > 1]
     if unusable:
-        raise ValueError(f"mesh axes {', '.join(unusable)} cannot be used by Megatron TP+SP (it splits the batch "
-                         f"over dp/fsdp and everything else over tp); make them 1")
+        raise ValueError(
+            f"mesh axes {', '.join(unusable)} cannot be used by Megatron TP+SP (it splits the batch "
+            f"over dp/fsdp and everything else over tp); make them 1"
+        )
     data_axes = tuple(a for a in DATA_AXES if a in mesh.axis_names)
     data = math.prod(_axis_size(mesh, a) for a in data_axes)
     if batch % data:
@@ -377,13 +431,22 @@ def mlp_block(x, params, *, mesh, activation: str = "gelu"):
         raise ValueError(f"{activation} mlp params must be exactly {names}; got {tuple(sorted(params))}")
     h, ffn = params["w_in"].shape
     if h != x.shape[2] or params["w_out"].shape != (ffn, h) or params.get("w_gate", params["w_in"]).shape != (h, ffn):
-        raise ValueError(f"mlp params {({k: v.shape for k, v in params.items()})} must be w_in/w_gate "
-                         f"[hidden={x.shape[2]}, ffn], w_out [ffn, hidden]")
+        raise ValueError(
+            f"mlp params { ({k: v.shape for k, v in params.items()}) } must be w_in/w_gate "
+            f"[hidden={x.shape[2]}, ffn], w_out [ffn, hidden]"
+        )
     _check_divisible("ffn", ffn, tp, " (column/row-linears split it over tp)")
     x_spec, col, row = P(data, "tp", None), P(None, "tp"), P("tp", None)
     ws = tuple(params[n] for n in names)
-    return _run(mesh, _mlp_local, (x_spec,) + tuple(row if n == "w_out" else col for n in names), x_spec, x, *ws,
-                activation=activation)
+    return _run(
+        mesh,
+        _mlp_local,
+        (x_spec,) + tuple(row if n == "w_out" else col for n in names),
+        x_spec,
+        x,
+        *ws,
+        activation=activation,
+    )
 
 
 def _mlp_local(x, w_in, *rest, activation):
@@ -396,15 +459,27 @@ def _check_heads(num_heads: int, num_kv_heads: int, tp: int):
         raise ValueError(f"num_heads {num_heads} must be a positive multiple of num_kv_heads {num_kv_heads}")
     _check_divisible("num_heads", num_heads, tp, " (heads are split over tp)")
     if num_kv_heads >= tp:
-        _check_divisible("num_kv_heads", num_kv_heads, tp,
-                         " (kv heads >= tp are split over tp; fewer than tp must divide tp)")
+        _check_divisible(
+            "num_kv_heads", num_kv_heads, tp, " (kv heads >= tp are split over tp; fewer than tp must divide tp)"
+        )
     elif tp % num_kv_heads:
-        raise ValueError(f"num_kv_heads {num_kv_heads} < tp = {tp} must divide tp (each kv head is replicated on "
-                         f"tp / num_kv_heads ranks)")
+        raise ValueError(
+            f"num_kv_heads {num_kv_heads} < tp = {tp} must divide tp (each kv head is replicated on "
+            f"tp / num_kv_heads ranks)"
+        )
 
 
-def attention_block(x, params, positions, *, mesh, num_heads: int, num_kv_heads: int, causal: bool = True,
-                    rope_theta: float | None = 10000.0):
+def attention_block(
+    x,
+    params,
+    positions,
+    *,
+    mesh,
+    num_heads: int,
+    num_kv_heads: int,
+    causal: bool = True,
+    rope_theta: float | None = 10000.0,
+):
     """TP+SP self-attention on global arrays.
 
     Args:
@@ -428,17 +503,31 @@ def attention_block(x, params, positions, *, mesh, num_heads: int, num_kv_heads:
         raise ValueError(f"wq {wq.shape} must be [hidden={h}, num_heads={num_heads} * head_dim]")
     d = wq.shape[1] // num_heads
     if wk.shape != (h, num_kv_heads * d) or wv.shape != wk.shape or wo.shape != (num_heads * d, h):
-        raise ValueError(f"wk {wk.shape}, wv {wv.shape} must be [{h}, num_kv_heads={num_kv_heads} * {d}] and "
-                         f"wo {wo.shape} [{num_heads * d}, {h}]")
+        raise ValueError(
+            f"wk {wk.shape}, wv {wv.shape} must be [{h}, num_kv_heads={num_kv_heads} * {d}] and "
+            f"wo {wo.shape} [{num_heads * d}, {h}]"
+        )
     if positions.shape != (b, s):
         raise ValueError(f"positions shape {positions.shape} must be [batch, seq] = {(b, s)}")
     if num_kv_heads < tp:  # replicate: rank r reads kv head r // (tp / num_kv_heads)
         rep = lambda w: jnp.repeat(w.reshape(h, num_kv_heads, d), tp // num_kv_heads, axis=1).reshape(h, tp * d)
         wk, wv = rep(wk), rep(wv)
     x_spec, col, row = P(data, "tp", None), P(None, "tp"), P("tp", None)
-    return _run(mesh, _attention_local, (x_spec, col, col, col, row, P(data, "tp")), x_spec, x, wq, wk, wv, wo,
-                jnp.asarray(positions, jnp.int32), head_dim=d, causal=bool(causal),
-                rope_theta=None if rope_theta is None else float(rope_theta))
+    return _run(
+        mesh,
+        _attention_local,
+        (x_spec, col, col, col, row, P(data, "tp")),
+        x_spec,
+        x,
+        wq,
+        wk,
+        wv,
+        wo,
+        jnp.asarray(positions, jnp.int32),
+        head_dim=d,
+        causal=bool(causal),
+        rope_theta=None if rope_theta is None else float(rope_theta),
+    )
 
 
 def _attention_local(x, wq, wk, wv, wo, positions, **kw):
@@ -474,17 +563,36 @@ def cross_entropy(x, w_head, targets, *, mesh):
     if targets.shape != x.shape[:2]:
         raise ValueError(f"targets shape {targets.shape} must be [batch, seq] = {x.shape[:2]}")
     _check_divisible("vocab", w_head.shape[1], tp, " (the head is split by vocab columns over tp)")
-    return _run(mesh, _cross_entropy_local, (P(data, "tp", None), P(None, "tp"), P(data, None)), P(data, None),
-                x, w_head, targets)
+    return _run(
+        mesh,
+        _cross_entropy_local,
+        (P(data, "tp", None), P(None, "tp"), P(data, None)),
+        P(data, None),
+        x,
+        w_head,
+        targets,
+    )
 
 
 def _cross_entropy_local(x, w_head, targets):
     return vocab_parallel_cross_entropy(column_parallel_linear(x, w_head), targets)
 
 
-_SPECS = {"w_in": P(None, "tp"), "w_gate": P(None, "tp"), "w_out": P("tp", None), "wq": P(None, "tp"),
-          "wk": P(None, "tp"), "wv": P(None, "tp"), "wo": P("tp", None), "table": P("tp", None),
-          "embedding": P("tp", None), "w_head": P(None, "tp"), "gamma": P(), "beta": P(), "scale": P()}
+_SPECS = {
+    "w_in": P(None, "tp"),
+    "w_gate": P(None, "tp"),
+    "w_out": P("tp", None),
+    "wq": P(None, "tp"),
+    "wk": P(None, "tp"),
+    "wv": P(None, "tp"),
+    "wo": P("tp", None),
+    "table": P("tp", None),
+    "embedding": P("tp", None),
+    "w_head": P(None, "tp"),
+    "gamma": P(),
+    "beta": P(),
+    "scale": P(),
+}
 
 
 def param_specs(mesh, params_shapes, *, num_kv_heads: int | None = None) -> dict:
@@ -516,6 +624,7 @@ def param_specs(mesh, params_shapes, *, num_kv_heads: int | None = None) -> dict
 # The method, for the train step's shard_map (tensor × sequence parallelism)
 # ----------------------------------------------------------------------------------------------------------
 
+
 class Megatron(TensorMethod):
     """Megatron TP+SP over `tp`, composable with any sequence strategy over `sp` (Megatron CP+TP).
 
@@ -524,6 +633,7 @@ class Megatron(TensorMethod):
     heads; the plan's sequence strategy attends over sp on those heads (Ulysses: heads/tp must divide sp);
     g* reduce-scatters back. Tokens, targets and positions are [b, s/sp] (replicated over tp).
     """
+
     name = "megatron"
     axes = ("tp",)
     summary = "Megatron TP+SP: column/row linears, heads over tp, sequence over tp in the norm regions"
@@ -539,8 +649,9 @@ class Megatron(TensorMethod):
         local = seq_len // plan.sp
         if local % plan.tp:
             where = f"the sp = {plan.sp} shard of {local} tokens" if plan.sp > 1 else f"seq {seq_len}"
-            raise ValueError(f"{where} is not divisible by tp = {plan.tp} (Megatron's sequence-parallel "
-                             f"regions split it over tp)")
+            raise ValueError(
+                f"{where} is not divisible by tp = {plan.tp} (Megatron's sequence-parallel regions split it over tp)"
+            )
 
     def head_split(self, plan):
         return plan.tp
@@ -553,20 +664,20 @@ class Megatron(TensorMethod):
         for axis in info.logical_axes:
             if axis in ("heads", "mlp", "vocab"):
                 spec.append("tp")
-            elif axis == "kv_heads":      # fewer K/V heads than tp: replicated, each rank reads its own
+            elif axis == "kv_heads":  # fewer K/V heads than tp: replicated, each rank reads its own
                 spec.append("tp" if info.heads is not None and info.heads % plan.tp == 0 else None)
             else:
                 spec.append(None)
         return tuple(spec)
 
     def embed(self, plan, tokens, table, positions=None, pos_table=None):
-        x = vocab_parallel_embed(tokens, table)                                # [b, s_sp/tp, h]
+        x = vocab_parallel_embed(tokens, table)  # [b, s_sp/tp, h]
         if pos_table is not None:
             x = x + jnp.take(pos_table, self.activation_positions(plan, positions), axis=0)
         return x
 
     def activation_positions(self, plan, positions):
-        n = positions.shape[1] // plan.tp                                      # this rank's SP sub-shard
+        n = positions.shape[1] // plan.tp  # this rank's SP sub-shard
         return lax.dynamic_slice_in_dim(positions, lax.axis_index("tp") * n, n, axis=1)
 
     def norm(self, plan, x, scale, bias, *, eps=1e-5):
@@ -582,8 +693,18 @@ class Megatron(TensorMethod):
         def attend(q, k, v, pos):
             return plan.attend(q, k, v, pos, causal=causal)
 
-        return attention(x, w["wq"], wk, wv, w["wo"], positions, head_dim=head_dim, causal=causal,
-                         rope_theta=rope_theta, attend=attend)
+        return attention(
+            x,
+            w["wq"],
+            wk,
+            wv,
+            w["wo"],
+            positions,
+            head_dim=head_dim,
+            causal=causal,
+            rope_theta=rope_theta,
+            attend=attend,
+        )
 
     def mlp(self, plan, x, w, *, activation):
         return mlp(x, w["w_in"], w["w_out"], w.get("w_gate"), activation=activation)
@@ -593,14 +714,15 @@ class Megatron(TensorMethod):
         (typed replicated: moe_ffn needs the tokens the same on every tp rank), moe_ffn all-reduces its output
         over tp, and this rank keeps its shard. That is an all-reduce where a dense Megatron MLP has a
         reduce-scatter: (tp-1)/tp·bsh more bytes forward, the same again backward."""
-        full = gather_invariant(x, "tp", 1)                                    # [b, s_sp, h], replicated
-        y, stats = moe(full, ep_axis="ep" if plan.ep > 1 else None, tp_axis="tp",
-                       token_axes=plan.batch_axes + plan.seq_axes)
+        full = gather_invariant(x, "tp", 1)  # [b, s_sp, h], replicated
+        y, stats = moe(
+            full, ep_axis="ep" if plan.ep > 1 else None, tp_axis="tp", token_axes=plan.batch_axes + plan.seq_axes
+        )
         n = x.shape[1]
         return lax.dynamic_slice_in_dim(y, lax.axis_index("tp") * n, n, axis=1), stats
 
     def cross_entropy(self, plan, x, w, targets, *, tied):
-        head = w.T if tied else w                                              # local [h, vocab/tp]
+        head = w.T if tied else w  # local [h, vocab/tp]
         return vocab_parallel_cross_entropy(column_parallel_linear(x, head.astype(x.dtype)), targets)
 
 

@@ -55,6 +55,7 @@ row when causal (positions are per row).
 Weights replicated over dp/fsdp: the custom VJPs return each shard's weight gradient summed over the data
 axes (one psum of the rank's blocks at the end), which is what shard_map's varying-axes types expect.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -72,14 +73,21 @@ from jaxring.attention.blockwise import BlockOps, get_block_ops
 from jaxring.attention.merge import empty_partial, merge_partials
 from jaxring.attention.ring import fuse_by_default
 from jaxring.attention.schedule import when_visible
-from jaxring.collectives import (BACKWARD, FORWARD, prefetch_steps, ring_steps, ring_steps_accumulating,
-                                 send_to_next, tree_broadcast, tree_reduce)
+from jaxring.collectives import (
+    BACKWARD,
+    FORWARD,
+    prefetch_steps,
+    ring_steps,
+    ring_steps_accumulating,
+    send_to_next,
+    tree_broadcast,
+    tree_reduce,
+)
 from jaxring.mesh import DATA_AXES
 from jaxring.rope import apply_rope
 from jaxring.sharded import run_local
 from jaxring.tensor.contract import ACTIVATIONS, KEPT_RESIDUAL, MATMUL_OUTPUT, ParamInfo, TensorMethod, _entry
 from jaxring.vma import vary_like, varying_axes
-
 
 
 def _mm(x, w):
@@ -119,6 +127,7 @@ def swiglu(t_gate, t_in):
 # O = f(AB)C (Algorithms 1-2)
 # ---------------------------------------------------------------------------------------------------------
 
+
 def metp(a, b, c, *, f=gelu, axis_name: str = "tp"):
     """O_i = Σ_r f(A_i B_r) C_r on a ring over `axis_name` (call inside `shard_map`).
 
@@ -149,9 +158,9 @@ def _metp_forward(a, bs, c, f, axis_name):
 
     def step(o, blocks, j):
         bs_j, c_j = blocks
-        t = [_mm(a, b_j) for b_j in bs_j]               # T_ij = A_i B^(j)
-        d = f(*t).astype(c_j.dtype)                     # D_ij = f(T_ij)
-        return o + _mm(d, c_j)                          # O_i += D_ij C^(j)
+        t = [_mm(a, b_j) for b_j in bs_j]  # T_ij = A_i B^(j)
+        d = f(*t).astype(c_j.dtype)  # D_ij = f(T_ij)
+        return o + _mm(d, c_j)  # O_i += D_ij C^(j)
 
     o = jnp.zeros_like(a, jnp.float32, shape=a.shape[:-1] + (c.shape[1],))
     send = lambda blocks: send_to_next(blocks, axis_name, shift=FORWARD)
@@ -164,7 +173,7 @@ def _metp(a, bs, c, f, axis_name):
 
 
 def _metp_fwd(a, bs, c, f, axis_name):
-    return _metp(a, bs, c, f, axis_name), (a, bs, c)   # stores A_i (and the rank's own blocks) only
+    return _metp(a, bs, c, f, axis_name), (a, bs, c)  # stores A_i (and the rank's own blocks) only
 
 
 def _metp_bwd(f, axis_name, residuals, do):
@@ -180,15 +189,15 @@ def _metp_bwd(f, axis_name, residuals, do):
 
     def step(carry, blocks, j):
         da, (dbs, dc) = carry
-        bts_j, ct_j = blocks                                   # B^(j)ᵀ, C^(j)ᵀ
-        t = [_mm(a, bt.T) for bt in bts_j]                     # T_ij = A_i B^(j)  (fp32, as forward)
-        d, f_vjp = jax.vjp(f, *t)                              # D_ij = f(T_ij)
-        dd = _mm(do, ct_j)                                     # ΔD_ij = ΔO_i C^(j)ᵀ
-        dc = dc + _outer(d.astype(ct_j.dtype), do)             # ΔC^(j) += D_ijᵀ ΔO_i
-        dt = [g.astype(a.dtype) for g in f_vjp(dd)]            # ΔT_ij = f'(T_ij) ⊙ ΔD_ij
-        da = da + sum(_mm(dt_r, bt) for dt_r, bt in zip(dt, bts_j))          # ΔA_i += ΔT_ij B^(j)ᵀ
-        dbs = tuple(db + _outer(a, dt_r) for db, dt_r in zip(dbs, dt))       # ΔB^(j) += A_iᵀ ΔT_ij
-        return da, send((dbs, dc))                             # ΔB, ΔC move on with their block
+        bts_j, ct_j = blocks  # B^(j)ᵀ, C^(j)ᵀ
+        t = [_mm(a, bt.T) for bt in bts_j]  # T_ij = A_i B^(j)  (fp32, as forward)
+        d, f_vjp = jax.vjp(f, *t)  # D_ij = f(T_ij)
+        dd = _mm(do, ct_j)  # ΔD_ij = ΔO_i C^(j)ᵀ
+        dc = dc + _outer(d.astype(ct_j.dtype), do)  # ΔC^(j) += D_ijᵀ ΔO_i
+        dt = [g.astype(a.dtype) for g in f_vjp(dd)]  # ΔT_ij = f'(T_ij) ⊙ ΔD_ij
+        da = da + sum(_mm(dt_r, bt) for dt_r, bt in zip(dt, bts_j))  # ΔA_i += ΔT_ij B^(j)ᵀ
+        dbs = tuple(db + _outer(a, dt_r) for db, dt_r in zip(dbs, dt))  # ΔB^(j) += A_iᵀ ΔT_ij
+        return da, send((dbs, dc))  # ΔB, ΔC move on with their block
 
     zeros = lambda w: vary_like(jnp.zeros_like(w, jnp.float32), a)
     init = (jnp.zeros_like(a, jnp.float32), (tuple(zeros(b_) for b_ in bs), zeros(c)))
@@ -220,22 +229,36 @@ def metp_mlp(x, w_in, w_out, w_gate=None, *, activation: str = "gelu", axis_name
 # Two-level MHA (Algorithms 3-6)
 # ---------------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class _MhaConfig:
     axis_name: str
-    heads: int            # query heads per group, n/p
-    kv_heads: int         # kv heads per group, n_kv/p
+    heads: int  # query heads per group, n/p
+    kv_heads: int  # kv heads per group, n_kv/p
     head_dim: int
     causal: bool
     rope_theta: float | None
     sm_scale: float
     ops: BlockOps
-    fuse: bool = False    # the inner ring's hops as one buffer each, dK/dV one hop behind (GPU form)
+    fuse: bool = False  # the inner ring's hops as one buffer each, dK/dV one hop behind (GPU form)
 
 
-def metp_attention(x, wq, wk, wv, wo, positions, *, num_heads: int, num_kv_heads: int | None = None,
-                   axis_name: str = "tp", causal: bool = True, rope_theta: float | None = 10000.0,
-                   block_ops: str | BlockOps = "auto", fuse_sends: bool | None = None):
+def metp_attention(
+    x,
+    wq,
+    wk,
+    wv,
+    wo,
+    positions,
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    axis_name: str = "tp",
+    causal: bool = True,
+    rope_theta: float | None = 10000.0,
+    block_ops: str | BlockOps = "auto",
+    fuse_sends: bool | None = None,
+):
     """Two-level METP multi-head self-attention (Algorithms 3-6), inside `shard_map` over `axis_name` (p).
 
     Args:
@@ -255,8 +278,10 @@ def metp_attention(x, wq, wk, wv, wo, positions, *, num_heads: int, num_kv_heads
     if x.ndim != 3:
         raise ValueError(f"x has shape {x.shape}; expected [batch, s/p, hidden]")
     if num_heads % p or num_kv_heads % p:
-        raise ValueError(f"num_heads {num_heads} and num_kv_heads {num_kv_heads} must be divisible by the "
-                         f"METP degree p = {p} (one head group per rank)")
+        raise ValueError(
+            f"num_heads {num_heads} and num_kv_heads {num_kv_heads} must be divisible by the "
+            f"METP degree p = {p} (one head group per rank)"
+        )
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads} (GQA)")
     heads, kv_heads = num_heads // p, num_kv_heads // p
@@ -264,19 +289,33 @@ def metp_attention(x, wq, wk, wv, wo, positions, *, num_heads: int, num_kv_heads
         raise ValueError(f"wq block has shape {wq.shape}; expected [hidden, (num_heads/p)·head_dim]")
     d = wq.shape[1] // heads
     h = x.shape[-1]
-    for name, w, want in (("wq", wq, (h, heads * d)), ("wk", wk, (h, kv_heads * d)),
-                          ("wv", wv, (h, kv_heads * d)), ("wo", wo, (heads * d, h))):
+    for name, w, want in (
+        ("wq", wq, (h, heads * d)),
+        ("wk", wk, (h, kv_heads * d)),
+        ("wv", wv, (h, kv_heads * d)),
+        ("wo", wo, (heads * d, h)),
+    ):
         if w.shape != want:
-            raise ValueError(f"{name} block has shape {w.shape}; expected {want} (hidden {h}, {heads} q heads "
-                             f"and {kv_heads} kv heads of dim {d} per group)")
+            raise ValueError(
+                f"{name} block has shape {w.shape}; expected {want} (hidden {h}, {heads} q heads "
+                f"and {kv_heads} kv heads of dim {d} per group)"
+            )
     if positions.shape != x.shape[:2]:
         raise ValueError(f"positions has shape {positions.shape}; expected [batch, s/p] = {x.shape[:2]}")
     if rope_theta is not None and d % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {d}")
     ops = get_block_ops(block_ops)
-    cfg = _MhaConfig(axis_name, heads, kv_heads, d, bool(causal),
-                     None if rope_theta is None else float(rope_theta), d ** -0.5, ops,
-                     fuse_by_default(ops, fuse_sends))
+    cfg = _MhaConfig(
+        axis_name,
+        heads,
+        kv_heads,
+        d,
+        bool(causal),
+        None if rope_theta is None else float(rope_theta),
+        d**-0.5,
+        ops,
+        fuse_by_default(ops, fuse_sends),
+    )
     # O_i = Σ_j A_ij W_proj_j is a weight matmul's output: named, so selective remat keeps it (the layer's
     # MLP input depends on it) instead of running the two-level rings again in the backward
     return checkpoint_name(_mha(x, wq, wk, wv, wo, positions, cfg), MATMUL_OUTPUT)
@@ -304,6 +343,7 @@ def _block_forward(q, k, v, q_pos, kv_pos, cfg: _MhaConfig):
     def one_row(q, k, v, qp, kp):
         o, lse = cfg.ops.forward(q[None], k[None], v[None], qp, kp, causal=True, sm_scale=cfg.sm_scale)
         return o[0], lse[0]
+
     return jax.vmap(one_row)(q, k, v, q_pos, kv_pos)
 
 
@@ -313,9 +353,11 @@ def _block_backward(q, k, v, da, lse, delta, q_pos, kv_pos, cfg: _MhaConfig):
         return cfg.ops.backward(q, k, v, da, lse, delta, zeros, zeros, causal=False, sm_scale=cfg.sm_scale)
 
     def one_row(q, k, v, da, lse, delta, qp, kp):
-        g = cfg.ops.backward(q[None], k[None], v[None], da[None], lse[None], delta[None], qp, kp, causal=True,
-                             sm_scale=cfg.sm_scale)
+        g = cfg.ops.backward(
+            q[None], k[None], v[None], da[None], lse[None], delta[None], qp, kp, causal=True, sm_scale=cfg.sm_scale
+        )
         return tuple(x[0] for x in g)
+
     return jax.vmap(one_row)(q, k, v, da, lse, delta, q_pos, kv_pos)
 
 
@@ -327,9 +369,13 @@ def _inner_forward(q, k, v, positions, cfg: _MhaConfig):
 
     def attend(acc, kv, j):
         k_j, v_j, kv_pos = kv
-        part, _ = when_visible(cfg.causal, positions, kv_pos,      # a block wholly in the future: skipped
-                               lambda: _block_forward(q, k_j, v_j, positions, kv_pos, cfg),
-                               lambda: empty_partial(q))
+        part, _ = when_visible(
+            cfg.causal,
+            positions,
+            kv_pos,  # a block wholly in the future: skipped
+            lambda: _block_forward(q, k_j, v_j, positions, kv_pos, cfg),
+            lambda: empty_partial(q),
+        )
         return merge_partials(*acc, *part)
 
     send = lambda kv: send_to_next(kv, cfg.axis_name, shift=FORWARD, fuse=cfg.fuse)
@@ -351,19 +397,28 @@ def _inner_backward(q, k, v, da, lse, delta, positions, cfg: _MhaConfig):
 
     def block_grads(kv):
         k_j, v_j, kv_pos = kv
-        zeros = lambda: (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(k_j, jnp.float32),
-                         jnp.zeros_like(v_j, jnp.float32))
-        grads, _ = when_visible(cfg.causal, positions, kv_pos,
-                                lambda: _block_backward(q, k_j, v_j, da, lse, delta, positions, kv_pos, cfg),
-                                zeros)
+        zeros = lambda: (
+            jnp.zeros_like(q, jnp.float32),
+            jnp.zeros_like(k_j, jnp.float32),
+            jnp.zeros_like(v_j, jnp.float32),
+        )
+        grads, _ = when_visible(
+            cfg.causal,
+            positions,
+            kv_pos,
+            lambda: _block_backward(q, k_j, v_j, da, lse, delta, positions, kv_pos, cfg),
+            zeros,
+        )
         return grads
 
     kv = (k, v, positions if cfg.causal else None)
     if cfg.fuse:
+
         def accumulate(dq, kv, j, acc):
             dq_j, dk_j, dv_j = block_grads(kv)
-            dkv = (dk_j, dv_j) if acc is None else (acc[0] + dk_j, acc[1] + dv_j)   # after the kernels
+            dkv = (dk_j, dv_j) if acc is None else (acc[0] + dk_j, acc[1] + dv_j)  # after the kernels
             return dq + dq_j, dkv
+
         return ring_steps_accumulating(accumulate, jnp.zeros_like(q, jnp.float32), kv, p, send)
 
     def grads(carry, kv, j):
@@ -391,10 +446,16 @@ def _outer_steps(step_fn, carry, own, axis_name, reverse: bool = False):
     # with the forward's when both passes are in one program (that would hold W_j from forward to backward).
     fill = 1.0 if reverse else 0.0
     broadcast = lambda root: jax.tree.map(
-        lambda w: tree_broadcast(jnp.where(rank == root, w, jnp.full_like(w, fill)), axis_name, root), own)
+        lambda w: tree_broadcast(jnp.where(rank == root, w, jnp.full_like(w, fill)), axis_name, root), own
+    )
 
-    return prefetch_steps(lambda carry, w, s: step_fn(carry, w, group(s)), carry, broadcast(group(0)),
-                          lambda _, s: broadcast(group(s + 1)), p)
+    return prefetch_steps(
+        lambda carry, w, s: step_fn(carry, w, group(s)),
+        carry,
+        broadcast(group(0)),
+        lambda _, s: broadcast(group(s + 1)),
+        p,
+    )
 
 
 def _mha_forward(x, weights, positions, cfg: _MhaConfig, keep: bool):
@@ -404,11 +465,11 @@ def _mha_forward(x, weights, positions, cfg: _MhaConfig, keep: bool):
 
     def head_group(carry, w_j, j):
         o, kept = carry
-        wq, wk, wv, wo = w_j                                          # broadcast from rank j
-        q, k, v = _project(x, wq, wk, wv, positions, cfg)             # (Q_ij, K_ij, V_ij) = X_i W_qkv_j
-        a, lse = _inner_forward(q, k, v, positions, cfg)              # A_ij = METP_Attention(Q, K, V)
+        wq, wk, wv, wo = w_j  # broadcast from rank j
+        q, k, v = _project(x, wq, wk, wv, positions, cfg)  # (Q_ij, K_ij, V_ij) = X_i W_qkv_j
+        a, lse = _inner_forward(q, k, v, positions, cfg)  # A_ij = METP_Attention(Q, K, V)
         a = a.astype(x.dtype)
-        o = o + _mm(a.reshape(b, n, -1), wo)                          # O_i += A_ij W_proj_j
+        o = o + _mm(a.reshape(b, n, -1), wo)  # O_i += A_ij W_proj_j
         if keep:
             kept = (kept[0].at[j].set(a), kept[1].at[j].set(lse))
         return o, kept
@@ -448,22 +509,22 @@ def _mha_bwd(cfg, residuals, do):
 
     def head_group(carry, w_j, j):
         dx, dw_own = carry
-        wq, wk, wv, wo = w_j                                          # broadcast from rank j (again)
+        wq, wk, wv, wo = w_j  # broadcast from rank j (again)
         a, lse = a_all[j], lse_all[j]
-        dwo = _outer(a.reshape(b, n, -1), do)                         # ΔW_proj_j = A_ijᵀ ΔO_i
+        dwo = _outer(a.reshape(b, n, -1), do)  # ΔW_proj_j = A_ijᵀ ΔO_i
         q, k, v = (_mm(x, w).astype(x.dtype).reshape(b, n, -1, cfg.head_dim) for w in (wq, wk, wv))
-        (q, q_rope_vjp), (k, k_rope_vjp) = jax.vjp(rope, q), jax.vjp(rope, k)   # recompute Q_ij, K_ij, V_ij
-        da = _mm(do, wo.T).reshape(a.shape).astype(x.dtype)           # ΔA_ij = ΔO_i W_proj_jᵀ
-        delta = jnp.sum(da.astype(jnp.float32) * a.astype(jnp.float32), axis=-1)   # D_i = rowsum(ΔA ⊙ A)
+        (q, q_rope_vjp), (k, k_rope_vjp) = jax.vjp(rope, q), jax.vjp(rope, k)  # recompute Q_ij, K_ij, V_ij
+        da = _mm(do, wo.T).reshape(a.shape).astype(x.dtype)  # ΔA_ij = ΔO_i W_proj_jᵀ
+        delta = jnp.sum(da.astype(jnp.float32) * a.astype(jnp.float32), axis=-1)  # D_i = rowsum(ΔA ⊙ A)
         dq, (dk, dv) = _inner_backward(q, k, v, da, lse, delta, positions, cfg)
-        dq = flat(q_rope_vjp(dq.astype(x.dtype))[0])                  # through RoPE (a rotation: its transpose)
-        dwq, dxq = _outer(x, dq), _mm(dq, wq.T)                       # ΔQ's GEMMs first: in the GPU form
-        if cfg.fuse:                                                  # ΔK/ΔV are still on their last hop home
+        dq = flat(q_rope_vjp(dq.astype(x.dtype))[0])  # through RoPE (a rotation: its transpose)
+        dwq, dxq = _outer(x, dq), _mm(dq, wq.T)  # ΔQ's GEMMs first: in the GPU form
+        if cfg.fuse:  # ΔK/ΔV are still on their last hop home
             (dk, dv), (dwq, dxq) = lax.optimization_barrier(((dk, dv), (dwq, dxq)))
         dk, dv = flat(k_rope_vjp(dk.astype(x.dtype))[0]), flat(dv)
-        dx = dx + dxq + _mm(dk, wk.T) + _mm(dv, wv.T)                  # ΔX_i += [ΔQ ΔK ΔV] W_qkv_jᵀ
-        dw = (dwq, _outer(x, dk), _outer(x, dv), dwo)                 # ΔW_qkv_j = X_iᵀ [ΔQ ΔK ΔV], ΔW_proj_j
-        reduced = jax.tree.map(lambda g: tree_reduce(g, cfg.axis_name, j), dw)   # Reduce onto rank j
+        dx = dx + dxq + _mm(dk, wk.T) + _mm(dv, wv.T)  # ΔX_i += [ΔQ ΔK ΔV] W_qkv_jᵀ
+        dw = (dwq, _outer(x, dk), _outer(x, dv), dwo)  # ΔW_qkv_j = X_iᵀ [ΔQ ΔK ΔV], ΔW_proj_j
+        reduced = jax.tree.map(lambda g: tree_reduce(g, cfg.axis_name, j), dw)  # Reduce onto rank j
         dw_own = jax.tree.map(lambda new, old: jnp.where(rank == j, new, old), reduced, dw_own)
         return dx, dw_own
 
@@ -480,10 +541,17 @@ _mha.defvjp(_mha_fwd, _mha_bwd)
 # Model-facing entry points (global arrays)
 # ---------------------------------------------------------------------------------------------------------
 
-_COLUMN = P(None, "tp")   # w_in, w_gate, wq, wk, wv: columns (heads) over tp
-_ROW = P("tp", None)      # w_out, wo: rows over tp
-_PARAM_SPECS = {"w_in": _COLUMN, "w_gate": _COLUMN, "w_out": _ROW, "wq": _COLUMN, "wk": _COLUMN,
-                "wv": _COLUMN, "wo": _ROW}
+_COLUMN = P(None, "tp")  # w_in, w_gate, wq, wk, wv: columns (heads) over tp
+_ROW = P("tp", None)  # w_out, wo: rows over tp
+_PARAM_SPECS = {
+    "w_in": _COLUMN,
+    "w_gate": _COLUMN,
+    "w_out": _ROW,
+    "wq": _COLUMN,
+    "wk": _COLUMN,
+    "wv": _COLUMN,
+    "wo": _ROW,
+}
 
 
 def _axis_size(mesh, name):
@@ -496,8 +564,9 @@ def _check_mesh(mesh):
         raise ValueError(f"mesh axes {mesh.axis_names} have no 'tp' axis; METP splits over it")
     unused = [f"{a}={mesh.shape[a]}" for a in mesh.axis_names if a not in DATA_AXES + ("tp",) and mesh.shape[a] > 1]
     if unused:
-        raise ValueError(f"METP uses only the tp axis (and dp/fsdp for the batch); mesh axes {', '.join(unused)} "
-                         f"must be 1")
+        raise ValueError(
+            f"METP uses only the tp axis (and dp/fsdp for the batch); mesh axes {', '.join(unused)} must be 1"
+        )
     return tuple(a for a in DATA_AXES if _axis_size(mesh, a) > 1), mesh.shape["tp"]
 
 
@@ -525,8 +594,9 @@ def mlp_block(x, params, *, mesh, activation: str = "gelu"):
     _check_x(x, data_axes, mesh, tp)
     names = ("w_in", "w_out") + (("w_gate",) if activation == "swiglu" else ())
     if set(params) != set(names):
-        raise ValueError(f"{activation} mlp params must be exactly {names} (w_gate only for swiglu); got "
-                         f"{tuple(sorted(params))}")
+        raise ValueError(
+            f"{activation} mlp params must be exactly {names} (w_gate only for swiglu); got {tuple(sorted(params))}"
+        )
     hidden = x.shape[-1]
     ffn = params["w_in"].shape[1]
     for name in names:
@@ -544,8 +614,19 @@ def _mlp_local(x, w_in, w_out, *gate, activation):
     return metp_mlp(x, w_in, w_out, *gate, activation=activation, axis_name="tp")
 
 
-def attention_block(x, params, positions, *, mesh, num_heads, num_kv_heads, causal=True, rope_theta=10000.0,
-                    block_ops: str | BlockOps = "auto", fuse_sends: bool | None = None):
+def attention_block(
+    x,
+    params,
+    positions,
+    *,
+    mesh,
+    num_heads,
+    num_kv_heads,
+    causal=True,
+    rope_theta=10000.0,
+    block_ops: str | BlockOps = "auto",
+    fuse_sends: bool | None = None,
+):
     """Self-attention with two-level METP over the mesh's tp axis (batch over dp/fsdp, sequence over tp).
 
     params {"wq": [hidden, num_heads*head_dim], "wk": [hidden, num_kv_heads*head_dim], "wv": like wk,
@@ -560,15 +641,21 @@ def attention_block(x, params, positions, *, mesh, num_heads, num_kv_heads, caus
         raise ValueError(f"attention params must be exactly wq, wk, wv, wo; got {tuple(sorted(params))}")
     hidden = x.shape[-1]
     if num_heads % tp or num_kv_heads % tp:
-        raise ValueError(f"num_heads {num_heads} and num_kv_heads {num_kv_heads} must be divisible by tp = {tp} "
-                         f"(METP broadcasts one head group per rank)")
+        raise ValueError(
+            f"num_heads {num_heads} and num_kv_heads {num_kv_heads} must be divisible by tp = {tp} "
+            f"(METP broadcasts one head group per rank)"
+        )
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads} (GQA)")
     if params["wq"].ndim != 2 or params["wq"].shape[1] % num_heads:
         raise ValueError(f"wq has shape {params['wq'].shape}; expected [hidden, num_heads*head_dim]")
     d = params["wq"].shape[1] // num_heads
-    for name, want in (("wq", (hidden, num_heads * d)), ("wk", (hidden, num_kv_heads * d)),
-                       ("wv", (hidden, num_kv_heads * d)), ("wo", (num_heads * d, hidden))):
+    for name, want in (
+        ("wq", (hidden, num_heads * d)),
+        ("wk", (hidden, num_kv_heads * d)),
+        ("wv", (hidden, num_kv_heads * d)),
+        ("wo", (num_heads * d, hidden)),
+    ):
         if params[name].shape != want:
             raise ValueError(f"params[{name!r}] has shape {params[name].shape}; expected {want}")
     if positions.shape != x.shape[:2]:
@@ -578,11 +665,22 @@ def attention_block(x, params, positions, *, mesh, num_heads, num_kv_heads, caus
     specs = (x_spec, _COLUMN, _COLUMN, _COLUMN, _ROW, pos_spec)
     # The Pallas interpreter of JAX 0.10 cannot type-check varying mesh axes (see flash.py).
     check_vma = get_block_ops(block_ops).name != "pallas_interpret"
-    return run_local(_attention_local, mesh, specs, x_spec, x, *(params[n] for n in ("wq", "wk", "wv", "wo")),
-                     jnp.asarray(positions, jnp.int32), check_vma=check_vma, num_heads=num_heads,
-                     num_kv_heads=num_kv_heads, causal=bool(causal),
-                     rope_theta=None if rope_theta is None else float(rope_theta), block_ops=block_ops,
-                     fuse_sends=fuse_sends)
+    return run_local(
+        _attention_local,
+        mesh,
+        specs,
+        x_spec,
+        x,
+        *(params[n] for n in ("wq", "wk", "wv", "wo")),
+        jnp.asarray(positions, jnp.int32),
+        check_vma=check_vma,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        causal=bool(causal),
+        rope_theta=None if rope_theta is None else float(rope_theta),
+        block_ops=block_ops,
+        fuse_sends=fuse_sends,
+    )
 
 
 def _attention_local(x, wq, wk, wv, wo, positions, **kw):
@@ -606,8 +704,7 @@ def param_specs(mesh, params_shapes) -> dict:
         shape = tuple(getattr(shape, "shape", shape))
         axis = 1 if _PARAM_SPECS[name] == _COLUMN else 0
         if len(shape) != 2 or shape[axis] % tp:
-            raise ValueError(f"parameter {name!r} of shape {shape} must be 2-D with dim {axis} divisible by "
-                             f"tp = {tp}")
+            raise ValueError(f"parameter {name!r} of shape {shape} must be 2-D with dim {axis} divisible by tp = {tp}")
         specs[name] = NamedSharding(mesh, _PARAM_SPECS[name])
     return specs
 
@@ -616,21 +713,27 @@ def param_specs(mesh, params_shapes) -> dict:
 # The method, for the train step's shard_map
 # ---------------------------------------------------------------------------------------------------------
 
+
 class METP(TensorMethod):
     """METP over `tp`: the sequence split over tp (activations [b, s/p, h] never move), weights circulate.
     The embedding and LM head stay replicated (the paper distributes only the blocks)."""
+
     name = "metp"
     axes = ("tp",)
     summary = "METP: activations stay, weights circulate on rings (FFN) and head groups are broadcast (MHA)"
     sequence_parallel = False
-    sequence_parallel_rule = ("METP already splits the sequence over tp (its K/V ring runs over tp); "
-                              "use megatron for tensor × sequence parallelism")
+    sequence_parallel_rule = (
+        "METP already splits the sequence over tp (its K/V ring runs over tp); "
+        "use megatron for tensor × sequence parallelism"
+    )
 
     def check_model(self, plan, *, num_heads, num_kv_heads, hidden, ffn, vocab):
         tp = plan.tp
         if num_heads % tp or num_kv_heads % tp:
-            raise ValueError(f"num_heads {num_heads} and num_kv_heads {num_kv_heads} must be divisible by tp = "
-                             f"{tp} (METP broadcasts one head group per rank)")
+            raise ValueError(
+                f"num_heads {num_heads} and num_kv_heads {num_kv_heads} must be divisible by tp = "
+                f"{tp} (METP broadcasts one head group per rank)"
+            )
         if ffn % tp:
             raise ValueError(f"ffn {ffn} is not divisible by tp = {tp} (each rank holds ffn/tp columns of W_in)")
 
@@ -652,16 +755,29 @@ class METP(TensorMethod):
 
     def attention(self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope_theta):
         del head_dim
-        return metp_attention(x, w["wq"], w["wk"], w["wv"], w["wo"], positions, num_heads=num_heads,
-                              num_kv_heads=num_kv_heads, axis_name="tp", causal=causal, rope_theta=rope_theta,
-                              block_ops=plan.block_ops)
+        return metp_attention(
+            x,
+            w["wq"],
+            w["wk"],
+            w["wv"],
+            w["wo"],
+            positions,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            axis_name="tp",
+            causal=causal,
+            rope_theta=rope_theta,
+            block_ops=plan.block_ops,
+        )
 
     def mlp(self, plan, x, w, *, activation):
         return metp_mlp(x, w["w_in"], w["w_out"], w.get("w_gate"), activation=activation, axis_name="tp")
 
     def moe(self, plan, x, moe):
-        raise ValueError(f"mixture-of-experts layers cannot run with tensor parallelism '{self.name}': its "
-                         f"layout splits what the experts' all-to-all exchanges; use megatron (or none) with --ep")
+        raise ValueError(
+            f"mixture-of-experts layers cannot run with tensor parallelism '{self.name}': its "
+            f"layout splits what the experts' all-to-all exchanges; use megatron (or none) with --ep"
+        )
 
 
 METHOD = METP()

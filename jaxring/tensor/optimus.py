@@ -48,6 +48,7 @@ Layer functions (`summa_ab`, `mlp_2d`, `attention_2d`, ...) run inside `jax.shar
 `mlp_block`, `attention_block`, `layer_norm`, `embed`, `cross_entropy` and `param_specs` take global arrays
 and a mesh from `jaxring.make_mesh` (tp = q²) and build the grid themselves.
 """
+
 from __future__ import annotations
 
 import functools
@@ -60,23 +61,38 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring.attention.flash import flash_attention
-from jaxring.vma import common_vma
 from jaxring.collectives import prefetch_steps, tree_broadcast, tree_reduce
 from jaxring.mesh import DATA_AXES, factored_mesh
 from jaxring.sharded import run_local
 from jaxring.tensor.contract import ACTIVATIONS, ParamInfo, TensorMethod, _entry, rope_qk
+from jaxring.vma import common_vma
 
-ROW, COL = "tpr", "tpc"                 # grid axes: device (i, j) has tpr = i, tpc = j
+ROW, COL = "tpr", "tpc"  # grid axes: device (i, j) has tpr = i, tpc = j
 GRID = (ROW, COL)
 
-__all__ = ["summa_ab", "summa_abt", "summa_atb", "mlp_2d", "attention_2d", "layer_norm_2d", "embed_2d",
-           "cross_entropy_2d", "grid_mesh", "mlp_block", "attention_block", "layer_norm", "embed",
-           "cross_entropy", "param_specs"]
+__all__ = [
+    "attention_2d",
+    "attention_block",
+    "cross_entropy",
+    "cross_entropy_2d",
+    "embed",
+    "embed_2d",
+    "grid_mesh",
+    "layer_norm",
+    "layer_norm_2d",
+    "mlp_2d",
+    "mlp_block",
+    "param_specs",
+    "summa_ab",
+    "summa_abt",
+    "summa_atb",
+]
 
 
 # ----------------------------------------------------------------------------------------------------------
 # SUMMA (inside shard_map)
 # ----------------------------------------------------------------------------------------------------------
+
 
 def _vary(*xs):
     """Casts every x to the union of their varying mesh axes (so a custom_vjp sees one type, and the
@@ -107,7 +123,7 @@ def _ab(a, b, axes):
     q = lax.axis_size(col)
 
     def fetch(l):
-        return tree_broadcast(a, col, l), tree_broadcast(b, row, l)   # A_il within row i, B_lj within column j
+        return tree_broadcast(a, col, l), tree_broadcast(b, row, l)  # A_il within row i, B_lj within column j
 
     def compute(c, blocks, l):
         a_il, b_lj = blocks
@@ -124,11 +140,11 @@ def _abt(a, b, axes):
     dtype = jnp.result_type(a, b)
 
     def fetch(l):
-        return tree_broadcast(b, row, l)                               # B_lj within column j
+        return tree_broadcast(b, row, l)  # B_lj within column j
 
     def compute(c, b_lj, l):
-        partial = _dot(a, b_lj.T).astype(dtype)                        # A_ij B_ljᵀ
-        return jnp.where(j == l, tree_reduce(partial, col, l), c)      # reduced within row i onto (i, l)
+        partial = _dot(a, b_lj.T).astype(dtype)  # A_ij B_ljᵀ
+        return jnp.where(j == l, tree_reduce(partial, col, l), c)  # reduced within row i onto (i, l)
 
     return _steps(q, fetch, compute, _zeros((a.shape[0], b.shape[0]), dtype, a))
 
@@ -140,11 +156,11 @@ def _atb(a, b, axes):
     dtype = jnp.result_type(a, b)
 
     def fetch(l):
-        return tree_broadcast(a, col, l)                               # A_il within row i
+        return tree_broadcast(a, col, l)  # A_il within row i
 
     def compute(c, a_il, l):
-        partial = _dot(a_il.T, b).astype(dtype)                        # A_ilᵀ B_ij
-        return jnp.where(i == l, tree_reduce(partial, row, l), c)      # reduced within column j onto (l, j)
+        partial = _dot(a_il.T, b).astype(dtype)  # A_ilᵀ B_ij
+        return jnp.where(i == l, tree_reduce(partial, row, l), c)  # reduced within column j onto (l, j)
 
     return _steps(q, fetch, compute, _zeros((a.shape[1], b.shape[1]), dtype, a))
 
@@ -181,7 +197,7 @@ def _summa_abt_fwd(a, b, axes):
 
 def _summa_abt_bwd(axes, res, g):
     a, b = _fresh(res)
-    return _summa_ab(g, b, axes).astype(a.dtype), _summa_atb(g, a, axes).astype(b.dtype)   # dC B, dCᵀ A
+    return _summa_ab(g, b, axes).astype(a.dtype), _summa_atb(g, a, axes).astype(b.dtype)  # dC B, dCᵀ A
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -195,7 +211,7 @@ def _summa_atb_fwd(a, b, axes):
 
 def _summa_atb_bwd(axes, res, g):
     a, b = _fresh(res)
-    return _summa_abt(b, g, axes).astype(a.dtype), _summa_ab(a, g, axes).astype(b.dtype)   # B dCᵀ, A dC
+    return _summa_abt(b, g, axes).astype(a.dtype), _summa_ab(a, g, axes).astype(b.dtype)  # B dCᵀ, A dC
 
 
 _summa_ab.defvjp(_summa_ab_fwd, _summa_ab_bwd)
@@ -241,6 +257,7 @@ def summa_atb(a, b, *, row_axis: str = ROW, col_axis: str = COL):
 # Layers (inside shard_map on the grid): activations [b/q, s, h/q]
 # ----------------------------------------------------------------------------------------------------------
 
+
 def _matmul(x, w, axes):
     """[b/q, s, k/q] activations times a [k, n] weight in q×q blocks: [b/q, s, n/q] by Algorithm 1."""
     lead = x.shape[:-1]
@@ -266,8 +283,17 @@ def mlp_2d(x, params, *, activation: str = "gelu", axes=GRID):
     return _matmul(act, params["w_out"], axes)
 
 
-def attention_2d(x, params, positions, *, num_heads: int, num_kv_heads: int, causal: bool = True,
-                 rope_theta: float | None = 10000.0, axes=GRID):
+def attention_2d(
+    x,
+    params,
+    positions,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    causal: bool = True,
+    rope_theta: float | None = 10000.0,
+    axes=GRID,
+):
     """Self-attention with n/q heads of b/q whole sequences per device (Fig. 4).
 
     x: local [b/q, s, h/q]; positions: local int [b/q, s]; params: local blocks wq [h/q, n·d/q],
@@ -280,11 +306,11 @@ def attention_2d(x, params, positions, *, num_heads: int, num_kv_heads: int, cau
     head_dim = params["wq"].shape[1] // heads
     bq, s, _ = x.shape
     w_qkv = jnp.concatenate([params["wq"], params["wk"], params["wv"]], axis=1)
-    qkv = _matmul(x, w_qkv, axes)                                        # [b/q, s, (n + 2 n_kv) d / q]
+    qkv = _matmul(x, w_qkv, axes)  # [b/q, s, (n + 2 n_kv) d / q]
     sizes = (heads * head_dim, kv_heads * head_dim)
-    qh = qkv[..., :sizes[0]].reshape(bq, s, heads, head_dim)
-    kh = qkv[..., sizes[0]:sizes[0] + sizes[1]].reshape(bq, s, kv_heads, head_dim)
-    vh = qkv[..., sizes[0] + sizes[1]:].reshape(bq, s, kv_heads, head_dim)
+    qh = qkv[..., : sizes[0]].reshape(bq, s, heads, head_dim)
+    kh = qkv[..., sizes[0] : sizes[0] + sizes[1]].reshape(bq, s, kv_heads, head_dim)
+    vh = qkv[..., sizes[0] + sizes[1] :].reshape(bq, s, kv_heads, head_dim)
     qh, kh = rope_qk(qh, kh, positions, rope_theta)
     out = flash_attention(qh, kh, vh, causal=causal, q_positions=positions, kv_positions=positions)
     return _matmul(out.reshape(bq, s, heads * head_dim), params["wo"], axes)
@@ -301,7 +327,7 @@ def layer_norm_2d(x, scale, bias, *, eps: float = 1e-5, col_axis: str = COL):
     xf = x.astype(jnp.float32)
     sums = lax.psum(jnp.stack([xf.sum(-1), (xf * xf).sum(-1)]), col_axis)
     mean = sums[0] / h
-    var = jnp.maximum(sums[1] / h - mean * mean, 0.0)                  # E[X²] - E[X]²
+    var = jnp.maximum(sums[1] / h - mean * mean, 0.0)  # E[X²] - E[X]²
     y = (xf - mean[..., None]) * lax.rsqrt(var + eps)[..., None]
     return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
@@ -322,8 +348,9 @@ def _embed_fwd_impl(tokens, table, axes):
     def compute(out, e_lj, l):
         return out + _lookup(tokens, e_lj, l).astype(jnp.float32)
 
-    out = _steps(q, lambda l: tree_broadcast(table, row, l), compute,
-                 _zeros(tokens.shape + table.shape[1:], jnp.float32, table))
+    out = _steps(
+        q, lambda l: tree_broadcast(table, row, l), compute, _zeros(tokens.shape + table.shape[1:], jnp.float32, table)
+    )
     return out.astype(table.dtype)
 
 
@@ -347,8 +374,12 @@ def _embed_bwd(axes, res, g):
     def step(d_table, l):
         local = tokens.reshape(-1) - l * vq
         hit = (local >= 0) & (local < vq)
-        partial = _zeros(table.shape, jnp.float32, g).at[jnp.clip(local, 0, vq - 1)].add(
-            jnp.where(hit[:, None], g, 0).astype(jnp.float32)).astype(g.dtype)     # onehot_ilᵀ dOut_ij
+        partial = (
+            _zeros(table.shape, jnp.float32, g)
+            .at[jnp.clip(local, 0, vq - 1)]
+            .add(jnp.where(hit[:, None], g, 0).astype(jnp.float32))
+            .astype(g.dtype)
+        )  # onehot_ilᵀ dOut_ij
         return jnp.where(i == l, tree_reduce(partial, row, l), d_table), None
 
     d_table, _ = lax.scan(step, _zeros(table.shape, g.dtype, g), jnp.arange(q))
@@ -378,18 +409,19 @@ def cross_entropy_2d(x, w_head, targets, *, tied: bool = False, axes=GRID):
     product = summa_abt if tied else summa_ab
     logits = product(x.reshape(bq * s, hq), w_head, row_axis=axes[0], col_axis=col).astype(jnp.float32)
     vq = logits.shape[1]
-    m = lax.pmax(lax.stop_gradient(logits.max(-1)), col)                 # stable max over the whole row
+    m = lax.pmax(lax.stop_gradient(logits.max(-1)), col)  # stable max over the whole row
     sumexp = lax.psum(jnp.exp(logits - m[:, None]).sum(-1), col)
     local = targets.reshape(-1) - lax.axis_index(col) * vq
     hit = (local >= 0) & (local < vq)
     picked = jnp.take_along_axis(logits, jnp.clip(local, 0, vq - 1)[:, None], axis=1)[:, 0]
-    label = lax.psum(jnp.where(hit, picked, 0.0), col)                   # from the column that owns it
+    label = lax.psum(jnp.where(hit, picked, 0.0), col)  # from the column that owns it
     return (jnp.log(sumexp) + m - label).reshape(bq, s)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Global-array entry points
 # ----------------------------------------------------------------------------------------------------------
+
 
 def grid_mesh(mesh):
     """(grid mesh with tp split into (tpr, tpc) = (q, q), q, data axes). Raises on meshes Optimus can't use."""
@@ -406,18 +438,19 @@ def grid_mesh(mesh):
         if q * q != tp:
             raise ValueError(f"tp = {tp} is not a perfect square; Optimus needs tp = q² devices for a q×q grid")
         grid = factored_mesh(mesh, "tp", GRID, (q, q))
-    unusable = [f"{a}={grid.shape[a]}" for a in grid.axis_names
-                if a not in DATA_AXES + GRID and grid.shape[a] > 1]
+    unusable = [f"{a}={grid.shape[a]}" for a in grid.axis_names if a not in DATA_AXES + GRID and grid.shape[a] > 1]
     if unusable:
-        raise ValueError(f"mesh axes {', '.join(unusable)} > 1 cannot be used by Optimus (it splits the batch "
-                         f"over dp/fsdp and the q×q grid over tp)")
+        raise ValueError(
+            f"mesh axes {', '.join(unusable)} > 1 cannot be used by Optimus (it splits the batch "
+            f"over dp/fsdp and the q×q grid over tp)"
+        )
     data = tuple(a for a in DATA_AXES if a in grid.axis_names)
     return grid, q, data
 
 
 def _specs(data):
     rows = data + (ROW,)
-    return P(rows, None, COL), P(rows, None)            # activations [b, s, h], tokens / positions [b, s]
+    return P(rows, None, COL), P(rows, None)  # activations [b, s, h], tokens / positions [b, s]
 
 
 def _check_divisible(what, value, by, rule):
@@ -496,12 +529,22 @@ def mlp_block(x, params, *, mesh, activation: str = "gelu"):
         _check_weight(name, params[name], (ffn, hidden) if name == "w_out" else (hidden, ffn), q)
     params = {n: params[n] for n in names}
     x_spec, _ = _specs(data)
-    return _run("mlp", grid, data, (activation, tuple(sorted(names))), (x, params),
-                (x_spec, {n: P(*GRID) for n in names}))
+    return _run(
+        "mlp", grid, data, (activation, tuple(sorted(names))), (x, params), (x_spec, {n: P(*GRID) for n in names})
+    )
 
 
-def attention_block(x, params, positions, *, mesh, num_heads: int, num_kv_heads: int, causal: bool = True,
-                    rope_theta: float | None = 10000.0):
+def attention_block(
+    x,
+    params,
+    positions,
+    *,
+    mesh,
+    num_heads: int,
+    num_kv_heads: int,
+    causal: bool = True,
+    rope_theta: float | None = 10000.0,
+):
     """params {"wq": [hidden, num_heads*head_dim], "wk": [hidden, num_kv_heads*head_dim], "wv": as wk,
     "wo": [num_heads*head_dim, hidden]}; head h's columns are h*head_dim:(h+1)*head_dim. positions: global
     int32 [batch, seq] (RoPE on q and k when rope_theta is not None; the causal mask uses the same
@@ -524,16 +567,26 @@ def attention_block(x, params, positions, *, mesh, num_heads: int, num_kv_heads:
     head_dim = params["wq"].shape[-1] // num_heads
     if rope_theta is not None and head_dim % 2:
         raise ValueError(f"head_dim {head_dim} must be even for RoPE")
-    for name, shape in (("wq", (hidden, num_heads * head_dim)), ("wk", (hidden, num_kv_heads * head_dim)),
-                        ("wv", (hidden, num_kv_heads * head_dim)), ("wo", (num_heads * head_dim, hidden))):
+    for name, shape in (
+        ("wq", (hidden, num_heads * head_dim)),
+        ("wk", (hidden, num_kv_heads * head_dim)),
+        ("wv", (hidden, num_kv_heads * head_dim)),
+        ("wo", (num_heads * head_dim, hidden)),
+    ):
         _check_weight(name, params[name], shape, q)
     if tuple(positions.shape) != (batch, seq):
         raise ValueError(f"positions shape {tuple(positions.shape)} must be [batch, seq] = {(batch, seq)}")
     params = {n: params[n] for n in ("wq", "wk", "wv", "wo")}
     x_spec, tok_spec = _specs(data)
     theta = None if rope_theta is None else float(rope_theta)
-    return _run("attention", grid, data, (num_heads, num_kv_heads, bool(causal), theta), (x, params, positions),
-                (x_spec, {n: P(*GRID) for n in params}, tok_spec))
+    return _run(
+        "attention",
+        grid,
+        data,
+        (num_heads, num_kv_heads, bool(causal), theta),
+        (x, params, positions),
+        (x_spec, {n: P(*GRID) for n in params}, tok_spec),
+    )
 
 
 def layer_norm(x, scale, bias, *, mesh, eps: float = 1e-5):
@@ -608,19 +661,22 @@ def param_specs(mesh, params_shapes) -> dict:
 # The method, for the train step's shard_map
 # ----------------------------------------------------------------------------------------------------------
 
+
 class Optimus(TensorMethod):
     """Optimus 2D over tp = q²: the run mesh factors tp into the (tpr, tpc) grid; activations [b/q, s, h/q]
     (batch over the data axes and the grid rows, hidden over the columns); weights in q×q blocks."""
+
     name = "optimus"
     axes = GRID
     summary = "Optimus 2D: SUMMA products on a q×q grid, activations [b/q, s, h/q]"
     sequence_parallel = False
-    sequence_parallel_rule = ("Optimus keeps whole sequences on each grid row (activations [b/q, s, h/q]) and "
-                              "splits batch and hidden instead; use megatron for tensor × sequence parallelism")
+    sequence_parallel_rule = (
+        "Optimus keeps whole sequences on each grid row (activations [b/q, s, h/q]) and "
+        "splits batch and hidden instead; use megatron for tensor × sequence parallelism"
+    )
 
     def view(self, mesh):
         return grid_mesh(mesh)[0]
-
 
     def check_mesh(self, plan):
         q = math.isqrt(plan.tp)
@@ -632,8 +688,12 @@ class Optimus(TensorMethod):
 
     def check_model(self, plan, *, num_heads, num_kv_heads, hidden, ffn, vocab):
         q = self._q(plan)
-        for what, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("hidden", hidden),
-                            ("ffn", ffn)) + ((("vocab", vocab),) if vocab is not None else ()):
+        for what, value in (
+            ("num_heads", num_heads),
+            ("num_kv_heads", num_kv_heads),
+            ("hidden", hidden),
+            ("ffn", ffn),
+        ) + ((("vocab", vocab),) if vocab is not None else ()):
             _check_divisible(what, value, q, "q")
 
     def batch_split(self, plan):
@@ -654,11 +714,11 @@ class Optimus(TensorMethod):
     def param_spec(self, plan, info: ParamInfo):
         named = [a is not None for a in info.logical_axes]
         if len(info.shape) == 2 and all(named):
-            return GRID                                   # q×q blocks
+            return GRID  # q×q blocks
         if len(info.shape) == 2 and named == [False, True]:
-            return (None, COL)                            # e.g. learned positions: rows whole, hidden split
+            return (None, COL)  # e.g. learned positions: rows whole, hidden split
         if len(info.shape) == 1 and named == [True]:
-            return (COL,)                                 # layernorm vectors: held once per column
+            return (COL,)  # layernorm vectors: held once per column
         return (None,) * len(info.shape)
 
     def embed(self, plan, tokens, table, positions=None, pos_table=None):
@@ -672,8 +732,9 @@ class Optimus(TensorMethod):
 
     def attention(self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope_theta):
         del head_dim
-        return attention_2d(x, w, positions, num_heads=num_heads, num_kv_heads=num_kv_heads, causal=causal,
-                            rope_theta=rope_theta)
+        return attention_2d(
+            x, w, positions, num_heads=num_heads, num_kv_heads=num_kv_heads, causal=causal, rope_theta=rope_theta
+        )
 
     def mlp(self, plan, x, w, *, activation):
         return mlp_2d(x, w, activation=activation)
@@ -682,8 +743,10 @@ class Optimus(TensorMethod):
         return cross_entropy_2d(x, w, targets, tied=tied)
 
     def moe(self, plan, x, moe):
-        raise ValueError(f"mixture-of-experts layers cannot run with tensor parallelism '{self.name}': its "
-                         f"layout splits what the experts' all-to-all exchanges; use megatron (or none) with --ep")
+        raise ValueError(
+            f"mixture-of-experts layers cannot run with tensor parallelism '{self.name}': its "
+            f"layout splits what the experts' all-to-all exchanges; use megatron (or none) with --ep"
+        )
 
 
 METHOD = Optimus()

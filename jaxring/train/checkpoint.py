@@ -14,6 +14,7 @@ the restored arrays. A damaged step raises `DamagedCheckpointError` naming the s
 ``restore_latest`` reports it, moves it aside to ``<step>.damaged`` and falls back to the newest intact
 step. A state holding a NaN or an Inf is never saved (`NonFiniteStateError`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -76,7 +77,7 @@ def _one_line(e: BaseException, limit: int = 240) -> str:
         seen.add(id(e))
         e = e.__cause__ or e.__context__
     text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _paths(tree) -> dict[str, object]:
@@ -100,8 +101,10 @@ def _abstract(path: str, leaf):
     if isinstance(leaf, jax.Array):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
     if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None:
-        raise ValueError(f"restore target {path!r} is a ShapeDtypeStruct without a sharding; give every array "
-                         f"leaf the NamedSharding it should have on the new mesh")
+        raise ValueError(
+            f"restore target {path!r} is a ShapeDtypeStruct without a sharding; give every array "
+            f"leaf the NamedSharding it should have on the new mesh"
+        )
     return leaf
 
 
@@ -121,11 +124,15 @@ class Checkpointer:
         if self.directory.exists() and not self.directory.is_dir():
             raise ValueError(f"checkpoint directory {str(self.directory)!r} exists and is not a directory")
         self.keep = keep
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                               create=False)   # created by the first save, not by opening
-        handlers = {"state": ocp.StandardCheckpointHandler(), "metadata": ocp.JsonCheckpointHandler(),
-                    "checksums": ocp.JsonCheckpointHandler()}
-        with _orbax_logs_quiet():       # a junk step directory is reported on restore, not here
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=async_save, create=False
+        )  # created by the first save, not by opening
+        handlers = {
+            "state": ocp.StandardCheckpointHandler(),
+            "metadata": ocp.JsonCheckpointHandler(),
+            "checksums": ocp.JsonCheckpointHandler(),
+        }
+        with _orbax_logs_quiet():  # a junk step directory is reported on restore, not here
             self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     # -- saving ---------------------------------------------------------------------------------------
@@ -150,16 +157,27 @@ class Checkpointer:
         if step in self.all_steps():
             return False
         if latest is not None and step < latest:
-            raise ValueError(f"step {step} is before the latest checkpoint step {latest} in "
-                             f"{str(self.directory)!r}; steps are saved in increasing order")
+            raise ValueError(
+                f"step {step} is before the latest checkpoint step {latest} in "
+                f"{str(self.directory)!r}; steps are saved in increasing order"
+            )
         sums = checksum.state_checksums(state)
         bad = checksum.non_finite(sums)
         if bad:
-            raise NonFiniteStateError(f"not saving step {step}: NaN or Inf values in {_some(bad)} (a non-finite "
-                                      f"state would poison every resume)")
-        return bool(self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), metadata=ocp.args.JsonSave(metadata),
-            checksums=ocp.args.JsonSave(sums))))
+            raise NonFiniteStateError(
+                f"not saving step {step}: NaN or Inf values in {_some(bad)} (a non-finite "
+                f"state would poison every resume)"
+            )
+        return bool(
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    metadata=ocp.args.JsonSave(metadata),
+                    checksums=ocp.args.JsonSave(sums),
+                ),
+            )
+        )
 
     def wait(self) -> None:
         """Blocks until every pending asynchronous save is on disk (renamed into place)."""
@@ -193,12 +211,13 @@ class Checkpointer:
         steps = self.all_steps()
         if step is None:
             if not steps:
-                raise FileNotFoundError(f"no checkpoint in {str(self.directory)!r} (an unfinished save leaves "
-                                        f"only a temporary directory, which is ignored)")
+                raise FileNotFoundError(
+                    f"no checkpoint in {str(self.directory)!r} (an unfinished save leaves "
+                    f"only a temporary directory, which is ignored)"
+                )
             return steps[-1]
         if step not in steps:
-            raise FileNotFoundError(f"no checkpoint for step {step} in {str(self.directory)!r}; "
-                                    f"saved steps: {steps}")
+            raise FileNotFoundError(f"no checkpoint for step {step} in {str(self.directory)!r}; saved steps: {steps}")
         return step
 
     def metadata(self, step: int | None = None) -> dict:
@@ -211,12 +230,15 @@ class Checkpointer:
             raise DamagedCheckpointError(f"checkpoint step {step} in {str(self.directory)!r} has no {item!r} item")
         try:
             value = self._manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()}))[item]
-        except Exception as e:  # noqa: BLE001  (any read failure of a saved step is damage)
-            raise DamagedCheckpointError(f"checkpoint step {step} in {str(self.directory)!r}: cannot read its "
-                                         f"{item!r} item ({_one_line(e)})") from e
+        except Exception as e:
+            raise DamagedCheckpointError(
+                f"checkpoint step {step} in {str(self.directory)!r}: cannot read its {item!r} item ({_one_line(e)})"
+            ) from e
         if not isinstance(value, dict):
-            raise DamagedCheckpointError(f"checkpoint step {step} in {str(self.directory)!r}: its {item!r} item "
-                                         f"is a {type(value).__name__}, not a JSON object")
+            raise DamagedCheckpointError(
+                f"checkpoint step {step} in {str(self.directory)!r}: its {item!r} item "
+                f"is a {type(value).__name__}, not a JSON object"
+            )
         return value
 
     def restore(self, step: int | None, target, *, expected_metadata: dict | None = None, verify: bool = True):
@@ -247,7 +269,7 @@ class Checkpointer:
             restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
             restored = restored["state"]
             error = None
-        except Exception as e:  # noqa: BLE001  (tensorstore/orbax read failures: truncated, missing files)
+        except Exception as e:
             restored, error = None, e
         if not all_processes_agree(error is None):
             detail = _one_line(error) if error is not None else "another process could not read its shards"
@@ -256,8 +278,9 @@ class Checkpointer:
             sums = checksum.state_checksums(restored)
             bad = checksum.mismatches(saved_sums, sums)
             if bad:
-                raise DamagedCheckpointError(f"{where}: checksum mismatch in {_some(bad)} (the array data "
-                                             f"changed after the save)")
+                raise DamagedCheckpointError(
+                    f"{where}: checksum mismatch in {_some(bad)} (the array data changed after the save)"
+                )
             nonfinite = checksum.non_finite(sums)
             if nonfinite:
                 raise DamagedCheckpointError(f"{where}: NaN or Inf values in {_some(nonfinite)}")
@@ -265,8 +288,9 @@ class Checkpointer:
 
     def restore_latest(self, target, *, expected_metadata: dict | None = None, report=print):
         """(step, state) from the newest intact step (see newest_intact), or (None, None) if none is saved."""
-        return self.newest_intact(lambda step: self.restore(step, target, expected_metadata=expected_metadata),
-                                  report=report)
+        return self.newest_intact(
+            lambda step: self.restore(step, target, expected_metadata=expected_metadata), report=report
+        )
 
     def newest_intact(self, restore_step, *, report=print):
         """(step, restore_step(step)) for the newest step that restores intact, or (None, None) if none is saved.
@@ -281,7 +305,7 @@ class Checkpointer:
         damaged = []
         for step in reversed(steps):
             try:
-                with _orbax_logs_quiet():       # its warnings about the damage would repeat ours
+                with _orbax_logs_quiet():  # its warnings about the damage would repeat ours
                     result = restore_step(step)
             except DamagedCheckpointError as e:
                 damaged.append(step)
@@ -292,8 +316,10 @@ class Checkpointer:
                 self._set_aside(damaged, report)
             return step, result
         if damaged:
-            raise DamagedCheckpointError(f"every checkpoint in {str(self.directory)!r} is damaged (steps "
-                                         f"{sorted(damaged)}); move them away to start afresh")
+            raise DamagedCheckpointError(
+                f"every checkpoint in {str(self.directory)!r} is damaged (steps "
+                f"{sorted(damaged)}); move them away to start afresh"
+            )
         return None, None
 
     def _set_aside(self, steps, report) -> None:
@@ -319,34 +345,43 @@ class Checkpointer:
         saved = self._read_json(step, "metadata").get("model")
         if saved is None:
             raise ValueError(f"checkpoint step {step} in {str(self.directory)!r} records no 'model' metadata")
-        want = _flat_dict(json.loads(json.dumps(expected["model"])))   # tuples → lists, as saved
+        want = _flat_dict(json.loads(json.dumps(expected["model"])))  # tuples → lists, as saved
         have = _flat_dict(saved)
         missing = "<absent>"
-        diffs = [f"{k} {have.get(k, missing)} != {want.get(k, missing)}"
-                 for k in sorted(set(have) | set(want)) if have.get(k, missing) != want.get(k, missing)]
+        diffs = [
+            f"{k} {have.get(k, missing)} != {want.get(k, missing)}"
+            for k in sorted(set(have) | set(want))
+            if have.get(k, missing) != want.get(k, missing)
+        ]
         if diffs:
-            raise ValueError(f"checkpoint from an incompatible model: {', '.join(diffs)} "
-                             f"(checkpoint step {step} != expected)")
+            raise ValueError(
+                f"checkpoint from an incompatible model: {', '.join(diffs)} (checkpoint step {step} != expected)"
+            )
 
     def _check_shapes(self, step, targets: dict):
         try:
             meta = self._manager.item_metadata(step)["state"]
             saved = _paths(getattr(meta, "tree", meta))
-        except Exception as e:  # noqa: BLE001  (garbage or missing _METADATA: damage)
-            raise DamagedCheckpointError(f"checkpoint step {step} in {str(self.directory)!r}: cannot read its "
-                                         f"array metadata ({_one_line(e)})") from e
+        except Exception as e:
+            raise DamagedCheckpointError(
+                f"checkpoint step {step} in {str(self.directory)!r}: cannot read its array metadata ({_one_line(e)})"
+            ) from e
         if not saved:
             raise DamagedCheckpointError(f"checkpoint step {step} in {str(self.directory)!r} holds no arrays")
         only_saved = sorted(set(saved) - set(targets))
         only_target = sorted(set(targets) - set(saved))
         if only_saved or only_target:
-            raise ValueError(f"restore target does not match checkpoint step {step}'s structure: "
-                             f"only in the checkpoint {only_saved[:5]}, only in the target {only_target[:5]}")
+            raise ValueError(
+                f"restore target does not match checkpoint step {step}'s structure: "
+                f"only in the checkpoint {only_saved[:5]}, only in the target {only_target[:5]}"
+            )
         for path, t in targets.items():
             have, want = getattr(saved[path], "shape", None), getattr(t, "shape", None)
             if have is not None and want is not None and tuple(have) != tuple(want):
-                raise ValueError(f"checkpoint step {step} has {path!r} of shape {tuple(have)}, but the restore "
-                                 f"target expects {tuple(want)}")
+                raise ValueError(
+                    f"checkpoint step {step} has {path!r} of shape {tuple(have)}, but the restore "
+                    f"target expects {tuple(want)}"
+                )
 
 
 def _some(paths: list[str], count: int = 3) -> str:

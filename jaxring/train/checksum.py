@@ -13,6 +13,7 @@ saved on sp=8 verifies after restoring onto dp=2 × sp=4), and each device sums 
 weight is odd, so any single flipped bit changes both sums. Floating arrays also report whether every
 element is finite (a NaN/Inf state is never saved).
 """
+
 from __future__ import annotations
 
 import jax
@@ -48,7 +49,7 @@ def _bits(x):
     if size in (1, 2):
         return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * size}")).astype(jnp.uint32)
     if size == 8:
-        return lax.bitcast_convert_type(x, jnp.uint32)       # [..., 2]
+        return lax.bitcast_convert_type(x, jnp.uint32)  # [..., 2]
     raise ValueError(f"cannot checksum dtype {x.dtype}")
 
 
@@ -57,7 +58,7 @@ def _flat_index(shape):
     index = jnp.zeros(shape, jnp.uint32)
     stride = 1
     for axis in reversed(range(len(shape))):
-        index = index + lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride % 2 ** 32)
+        index = index + lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride % 2**32)
         stride *= shape[axis]
     return index
 
@@ -83,7 +84,7 @@ def state_checksums(tree) -> dict[str, dict]:
     returns are fetched to the host, so the call waits for the arrays to be ready.
     """
     paths = array_paths(tree)
-    groups: dict[frozenset, list[str]] = {}        # one jitted call per set of devices the arrays lie on
+    groups: dict[frozenset, list[str]] = {}  # one jitted call per set of devices the arrays lie on
     for path, x in paths.items():
         groups.setdefault(frozenset(x.sharding.device_set), []).append(path)
     out = {}
@@ -107,4 +108,3 @@ def mismatches(saved: dict[str, dict], restored: dict[str, dict]) -> list[str]:
         if a is None or b is None or (a["h1"], a["h2"]) != (b["h1"], b["h2"]):
             out.append(path)
     return out
-

@@ -1,8 +1,9 @@
 """Training configuration: the flags of `train.py` as one dataclass, their validation, and the plan they name.
 
-    cfg = TrainConfig(model="gpt", preset="tiny", sp=8, attention="ring", steps=50)
-    plan = make_plan(cfg)                # mesh degrees -> ParallelPlan
+cfg = TrainConfig(model="gpt", preset="tiny", sp=8, attention="ring", steps=50)
+plan = make_plan(cfg)                # mesh degrees -> ParallelPlan
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,7 @@ from jaxring.train.validate import validate_config
 PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 REMAT = ("none", "selective", "full")
 
+
 @dataclasses.dataclass
 class TrainConfig:
     model: str = "gpt"
@@ -24,9 +26,9 @@ class TrainConfig:
     steps: int = 200
     seed: int = 0
     batch_size: int = 8
-    seq_len: int | None = None        # GPT only (default 256)
+    seq_len: int | None = None  # GPT only (default 256)
     model_overrides: dict = dataclasses.field(default_factory=dict)  # preset fields to change, e.g. num_layers
-    image_size: int | None = None     # DiT only (default: the preset's)
+    image_size: int | None = None  # DiT only (default: the preset's)
     lr: float = 3e-3
     warmup: int = 20
     min_lr_ratio: float = 0.1
@@ -39,17 +41,17 @@ class TrainConfig:
     pp: int = 1
     tp: int = 1
     sp: int = 1
-    attention: str | None = None      # default: ring when sp > 1, else dense
+    attention: str | None = None  # default: ring when sp > 1, else dense
     layout: str | None = None
-    ep: int = 1                       # expert parallel (data parallel outside MoE layers)
+    ep: int = 1  # expert parallel (data parallel outside MoE layers)
     team_size: int | None = None
     ulysses_size: int | None = None
-    placement: str | None = None      # wallfacer: team_inner or ring_inner
+    placement: str | None = None  # wallfacer: team_inner or ring_inner
     tensor_parallel: str | None = None
-    zero: int | None = None           # ZeRO stage 0-3 over the replica axes (default: 3 with fsdp > 1, else 0)
-    pipeline: str = "1f1b"            # pp > 1: gpipe, 1f1b, interleaved or zero-bubble
-    microbatches: int | None = None   # pp > 1: micro-batches per step (default 2·pp)
-    virtual_stages: int = 1           # interleaved: layer chunks per pipeline stage
+    zero: int | None = None  # ZeRO stage 0-3 over the replica axes (default: 3 with fsdp > 1, else 0)
+    pipeline: str = "1f1b"  # pp > 1: gpipe, 1f1b, interleaved or zero-bubble
+    microbatches: int | None = None  # pp > 1: micro-batches per step (default 2·pp)
+    virtual_stages: int = 1  # interleaved: layer chunks per pipeline stage
     # numerics and memory
     precision: str = "fp32"
     remat: str = "none"
@@ -62,14 +64,14 @@ class TrainConfig:
     metrics_file: str | None = None
     profile: str | None = None
     log_every: int = 10
-    sample_tokens: int = 200          # GPT: tokens generated at the end; DiT: 0 skips the sample grid
-    eval_at_end: bool = True          # report the held-out loss after training
+    sample_tokens: int = 200  # GPT: tokens generated at the end; DiT: 0 skips the sample grid
+    eval_at_end: bool = True  # report the held-out loss after training
     sample_path: str = "samples.png"
     progress: bool = True
 
 
 def check_config(cfg: TrainConfig) -> None:
-    validate_config(cfg)        # every numeric setting and model override: type and range
+    validate_config(cfg)  # every numeric setting and model override: type and range
     if cfg.model not in ("gpt", "dit"):
         raise ValueError(f"unknown model {cfg.model!r}; expected gpt or dit")
     if cfg.precision not in PRECISIONS:
@@ -81,8 +83,10 @@ def check_config(cfg: TrainConfig) -> None:
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name.replace('_', '-')} {value!r} must be a positive integer")
     if cfg.pp > 1 and cfg.grad_accum > 1:
-        raise ValueError(f"--grad-accum {cfg.grad_accum} with --pp {cfg.pp}: the pipeline's micro-batches are the "
-                         f"gradient accumulation; use --microbatches instead")
+        raise ValueError(
+            f"--grad-accum {cfg.grad_accum} with --pp {cfg.pp}: the pipeline's micro-batches are the "
+            f"gradient accumulation; use --microbatches instead"
+        )
     if cfg.batch_size % cfg.grad_accum:
         raise ValueError(f"batch size {cfg.batch_size} is not divisible by grad-accum {cfg.grad_accum}")
     if cfg.resume and not cfg.checkpoint_dir:
@@ -95,7 +99,16 @@ def make_plan(cfg: TrainConfig, devices=None) -> ParallelPlan:
     """The mesh (degrees must multiply to the device count) and the strategy for each axis."""
     mesh = make_mesh(dp=cfg.dp, fsdp=cfg.fsdp, pp=cfg.pp, tp=cfg.tp, sp=cfg.sp, ep=cfg.ep, devices=devices)
     attention = cfg.attention or ("ring" if cfg.sp > 1 else "dense")
-    return ParallelPlan(mesh, attention=attention, layout=cfg.layout, team_size=cfg.team_size,
-                        ulysses_size=cfg.ulysses_size, placement=cfg.placement,
-                        tensor_parallel=cfg.tensor_parallel, zero=cfg.zero, pipeline=cfg.pipeline,
-                        microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages)
+    return ParallelPlan(
+        mesh,
+        attention=attention,
+        layout=cfg.layout,
+        team_size=cfg.team_size,
+        ulysses_size=cfg.ulysses_size,
+        placement=cfg.placement,
+        tensor_parallel=cfg.tensor_parallel,
+        zero=cfg.zero,
+        pipeline=cfg.pipeline,
+        microbatches=cfg.microbatches,
+        virtual_stages=cfg.virtual_stages,
+    )

@@ -18,6 +18,7 @@ Image sources (``load_images``):
   * a folder of png/jpg images, one class per subfolder (or a single class 0), as RGB.
   Every 10th image is the held-out "val" split when a split is asked for.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,20 +37,76 @@ SPLITS = ("train", "val")
 # The bundled corpus: standard-library modules by path, in a FIXED order (never re-sorted, so the
 # held-out files stay the same whichever ones a given Python lacks). Entry i is "val" when i % 10 == 9.
 STDLIB_FILES = (
-    "abc.py", "argparse.py", "ast.py", "base64.py", "bisect.py",
-    "calendar.py", "codecs.py", "collections/__init__.py", "colorsys.py", "configparser.py",
-    "contextlib.py", "copy.py", "csv.py", "dataclasses.py", "datetime.py",
-    "difflib.py", "dis.py", "enum.py", "fnmatch.py", "fractions.py",
-    "functools.py", "getopt.py", "gettext.py", "glob.py", "gzip.py",
-    "heapq.py", "hmac.py", "html/__init__.py", "inspect.py", "ipaddress.py",
-    "json/__init__.py", "json/decoder.py", "json/encoder.py", "keyword.py", "linecache.py",
-    "locale.py", "logging/__init__.py", "mimetypes.py", "numbers.py", "operator.py",
-    "optparse.py", "os.py", "pathlib.py", "pickle.py", "posixpath.py",
-    "pprint.py", "queue.py", "random.py", "re/__init__.py", "sched.py",
-    "secrets.py", "selectors.py", "shlex.py", "shutil.py", "socket.py",
-    "statistics.py", "string.py", "subprocess.py", "tempfile.py", "textwrap.py",
-    "threading.py", "timeit.py", "tokenize.py", "traceback.py", "types.py",
-    "typing.py", "unittest/case.py", "urllib/parse.py", "uuid.py", "warnings.py",
+    "abc.py",
+    "argparse.py",
+    "ast.py",
+    "base64.py",
+    "bisect.py",
+    "calendar.py",
+    "codecs.py",
+    "collections/__init__.py",
+    "colorsys.py",
+    "configparser.py",
+    "contextlib.py",
+    "copy.py",
+    "csv.py",
+    "dataclasses.py",
+    "datetime.py",
+    "difflib.py",
+    "dis.py",
+    "enum.py",
+    "fnmatch.py",
+    "fractions.py",
+    "functools.py",
+    "getopt.py",
+    "gettext.py",
+    "glob.py",
+    "gzip.py",
+    "heapq.py",
+    "hmac.py",
+    "html/__init__.py",
+    "inspect.py",
+    "ipaddress.py",
+    "json/__init__.py",
+    "json/decoder.py",
+    "json/encoder.py",
+    "keyword.py",
+    "linecache.py",
+    "locale.py",
+    "logging/__init__.py",
+    "mimetypes.py",
+    "numbers.py",
+    "operator.py",
+    "optparse.py",
+    "os.py",
+    "pathlib.py",
+    "pickle.py",
+    "posixpath.py",
+    "pprint.py",
+    "queue.py",
+    "random.py",
+    "re/__init__.py",
+    "sched.py",
+    "secrets.py",
+    "selectors.py",
+    "shlex.py",
+    "shutil.py",
+    "socket.py",
+    "statistics.py",
+    "string.py",
+    "subprocess.py",
+    "tempfile.py",
+    "textwrap.py",
+    "threading.py",
+    "timeit.py",
+    "tokenize.py",
+    "traceback.py",
+    "types.py",
+    "typing.py",
+    "unittest/case.py",
+    "urllib/parse.py",
+    "uuid.py",
+    "warnings.py",
 )
 STDLIB_VAL_EVERY = 10
 
@@ -65,6 +122,7 @@ def stdlib_files(split: str) -> list[str]:
 # Tokens
 # ----------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class TokenSource:
     """A 1-D token stream.
@@ -75,6 +133,7 @@ class TokenSource:
       ``decode`` writes the ids as space-separated numbers and ``encode`` reads them back).
     files: for text sources, the files concatenated (in order).
     """
+
     tokens: np.ndarray
     vocab_size: int
     name: str
@@ -91,7 +150,7 @@ class TokenSource:
             if ids.size and (ids.min() < 0 or ids.max() > 255):
                 raise ValueError(f"byte-level ids must be in [0, 255], got range [{ids.min()}, {ids.max()}]")
             return bytes(ids.astype(np.uint8).tolist()).decode("utf-8", errors="replace")
-        return " ".join(str(int(i)) for i in ids)   # no tokenizer bundled: the ids themselves
+        return " ".join(str(int(i)) for i in ids)  # no tokenizer bundled: the ids themselves
 
     def encode(self, text: str) -> np.ndarray:
         if self.tokenizer == "bytes":
@@ -99,8 +158,10 @@ class TokenSource:
         try:
             ids = np.array([int(t) for t in text.split()], np.int32)
         except ValueError:
-            raise ValueError(f"{self.name} has no tokenizer (token ids only); encode takes space-separated "
-                             f"integer ids, got {text[:40]!r}") from None
+            raise ValueError(
+                f"{self.name} has no tokenizer (token ids only); encode takes space-separated "
+                f"integer ids, got {text[:40]!r}"
+            ) from None
         if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
             raise ValueError(f"ids must be in [0, {self.vocab_size}), got range [{ids.min()}, {ids.max()}]")
         return ids
@@ -131,8 +192,10 @@ def _load_stdlib(split: str) -> TokenSource:
     root = Path(sysconfig.get_paths()["stdlib"])
     names = [n for n in stdlib_files(split) if (root / n).is_file()]
     if not names:
-        raise FileNotFoundError(f"none of the bundled corpus's standard-library files were found under {root}; "
-                                f"pass a text file, a directory of {'/'.join(TEXT_SUFFIXES)} files or a .bin file")
+        raise FileNotFoundError(
+            f"none of the bundled corpus's standard-library files were found under {root}; "
+            f"pass a text file, a directory of {'/'.join(TEXT_SUFFIXES)} files or a .bin file"
+        )
     tokens = _byte_tokens([(n, (root / n).read_bytes()) for n in names])
     return TokenSource(tokens, 256, f"python-stdlib[{split}]", split, "bytes", tuple(names))
 
@@ -141,8 +204,10 @@ def _load_text(path: Path, split: str) -> TokenSource:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
         if not files:
-            raise FileNotFoundError(f"directory {str(path)!r} holds no {'/'.join(TEXT_SUFFIXES)} files (nor a "
-                                    f"train.bin); pass a text file, such a directory, or a .bin token file")
+            raise FileNotFoundError(
+                f"directory {str(path)!r} holds no {'/'.join(TEXT_SUFFIXES)} files (nor a "
+                f"train.bin); pass a text file, such a directory, or a .bin token file"
+            )
         names = [str(p.relative_to(path)) for p in files]
         tokens = _byte_tokens([(n, p.read_bytes()) for n, p in zip(names, files)])
     else:
@@ -152,7 +217,7 @@ def _load_text(path: Path, split: str) -> TokenSource:
     return TokenSource(tokens, 256, f"{path.name}[{split}]", split, "bytes", tuple(names))
 
 
-BIN_SCAN_LIMIT = 1 << 29   # token files up to 1 GiB are scanned for their largest id
+BIN_SCAN_LIMIT = 1 << 29  # token files up to 1 GiB are scanned for their largest id
 
 
 def _bin_vocab(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
@@ -162,7 +227,7 @@ def _bin_vocab(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
         return GPT2_VOCAB
     top = 0
     for start in range(0, len(tokens), chunk):
-        top = max(top, int(tokens[start:start + chunk].max()))
+        top = max(top, int(tokens[start : start + chunk].max()))
     return max(GPT2_VOCAB, top + 1)
 
 
@@ -189,8 +254,7 @@ def _load_bin(path: Path, split: str, vocab_size: int | None) -> TokenSource:
     return TokenSource(tokens, int(vocab), f"{path.name}[{split}]", split, "none", (path.name,))
 
 
-def load_tokens(path: str | os.PathLike | None, *, split: str = "train",
-                vocab_size: int | None = None) -> TokenSource:
+def load_tokens(path: str | os.PathLike | None, *, split: str = "train", vocab_size: int | None = None) -> TokenSource:
     """The token stream of `split` ("train" or "val") from `path`.
 
     Args:
@@ -208,9 +272,11 @@ def load_tokens(path: str | os.PathLike | None, *, split: str = "train",
         return _load_stdlib(split)
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"token data {str(path)!r} does not exist; accepted: None (the bundled Python "
-                                f"standard-library corpus), a text file, a directory of "
-                                f"{'/'.join(TEXT_SUFFIXES)} files, or a uint16 .bin token file (nanoGPT format)")
+        raise FileNotFoundError(
+            f"token data {str(path)!r} does not exist; accepted: None (the bundled Python "
+            f"standard-library corpus), a text file, a directory of "
+            f"{'/'.join(TEXT_SUFFIXES)} files, or a uint16 .bin token file (nanoGPT format)"
+        )
     if p.is_dir() and (p / "train.bin").is_file():
         p = p / "train.bin"
     if p.suffix == ".bin":
@@ -228,8 +294,10 @@ def _check_hosts(batch_size, process_index, process_count):
     if not isinstance(process_index, int) or not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index!r} must be in [0, process_count={process_count})")
     if batch_size % process_count:
-        raise ValueError(f"batch_size {batch_size} is not divisible by process_count {process_count}: "
-                         f"each host takes batch_size / process_count rows")
+        raise ValueError(
+            f"batch_size {batch_size} is not divisible by process_count {process_count}: "
+            f"each host takes batch_size / process_count rows"
+        )
     return batch_size // process_count
 
 
@@ -249,15 +317,25 @@ class TokenBatches:
     only those windows, so the hosts' batches concatenate to the one-host batch.
     """
 
-    def __init__(self, source: TokenSource, *, batch_size: int, seq_len: int, seed: int,
-                 process_index: int = 0, process_count: int = 1):
+    def __init__(
+        self,
+        source: TokenSource,
+        *,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        process_index: int = 0,
+        process_count: int = 1,
+    ):
         self.local_batch_size = _check_hosts(batch_size, process_index, process_count)
         if not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len {seq_len!r} must be a positive integer")
         _check_seed_step(seed, 0)
         if len(source) < seq_len + 1:
-            raise ValueError(f"corpus {source.name} has {len(source)} tokens, fewer than seq_len + 1 = "
-                             f"{seq_len + 1} needed for one window of inputs and shifted targets")
+            raise ValueError(
+                f"corpus {source.name} has {len(source)} tokens, fewer than seq_len + 1 = "
+                f"{seq_len + 1} needed for one window of inputs and shifted targets"
+            )
         self.source, self.batch_size, self.seq_len, self.seed = source, batch_size, seq_len, seed
         self.process_index, self.process_count = process_index, process_count
 
@@ -270,11 +348,13 @@ class TokenBatches:
     def get(self, step: int) -> np.ndarray:
         """int32 [batch_size / process_count, seq_len + 1]: inputs = [:, :-1], targets = [:, 1:]."""
         lo = self.process_index * self.local_batch_size
-        mine = self.starts(step)[lo:lo + self.local_batch_size]
-        rows = np.stack([np.asarray(self.source.tokens[s:s + self.seq_len + 1]) for s in mine]).astype(np.int32)
+        mine = self.starts(step)[lo : lo + self.local_batch_size]
+        rows = np.stack([np.asarray(self.source.tokens[s : s + self.seq_len + 1]) for s in mine]).astype(np.int32)
         if rows.max() >= self.source.vocab_size:
-            raise ValueError(f"token id {rows.max()} at step {step} is outside {self.source.name}'s vocab_size "
-                             f"{self.source.vocab_size}; pass load_tokens(..., vocab_size=) large enough")
+            raise ValueError(
+                f"token id {rows.max()} at step {step} is outside {self.source.name}'s vocab_size "
+                f"{self.source.vocab_size}; pass load_tokens(..., vocab_size=) large enough"
+            )
         return rows
 
 
@@ -282,9 +362,11 @@ class TokenBatches:
 # Images
 # ----------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class ImageSource:
     """images: float32 [N, image_size, image_size, channels] in [-1, 1]; labels: int32 [N]."""
+
     images: np.ndarray
     labels: np.ndarray
     num_classes: int
@@ -297,18 +379,19 @@ class ImageSource:
 
 def _resize(img, image_size: int):
     from PIL import Image
+
     return img.resize((image_size, image_size), Image.Resampling.BILINEAR)
 
 
 def _load_digits(image_size: int) -> ImageSource:
     from PIL import Image
     from sklearn.datasets import load_digits
+
     digits = load_digits()
-    raw = digits.images.astype(np.float32) / 16.0            # [1797, 8, 8] in [0, 1]
+    raw = digits.images.astype(np.float32) / 16.0  # [1797, 8, 8] in [0, 1]
     out = np.stack([np.asarray(_resize(Image.fromarray(x), image_size)) for x in raw])
     images = np.clip(out * 2.0 - 1.0, -1.0, 1.0)[..., None].astype(np.float32)
-    return ImageSource(images, digits.target.astype(np.int32), 10, "sklearn-digits",
-                       tuple(str(i) for i in range(10)))
+    return ImageSource(images, digits.target.astype(np.int32), 10, "sklearn-digits", tuple(str(i) for i in range(10)))
 
 
 def _image_files(folder: Path) -> list[Path]:
@@ -318,6 +401,7 @@ def _image_files(folder: Path) -> list[Path]:
 def _load_rgb(path: Path, image_size: int) -> np.ndarray:
     """Centre-cropped to a square, resized (bilinear), RGB, in [-1, 1]."""
     from PIL import Image
+
     try:
         with Image.open(path) as img:
             img = img.convert("RGB")
@@ -325,7 +409,7 @@ def _load_rgb(path: Path, image_size: int) -> np.ndarray:
             side = min(w, h)
             img = img.crop(((w - side) // 2, (h - side) // 2, (w - side) // 2 + side, (h - side) // 2 + side))
             arr = np.asarray(_resize(img, image_size), np.float32)
-    except Exception as e:  # noqa: BLE001  (Pillow raises OSError, SyntaxError, ValueError... for bad files)
+    except Exception as e:
         reason = " ".join(str(e).split()) or type(e).__name__
         raise ValueError(f"image {str(path)!r} cannot be read ({reason}); remove or replace it") from None
     return arr / 127.5 - 1.0
@@ -337,8 +421,10 @@ def _load_folder(folder: Path, image_size: int) -> ImageSource:
     if subdirs:
         loose = [p.name for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES]
         if loose:
-            raise ValueError(f"image folder {str(folder)!r} mixes class subfolders with loose images "
-                             f"({loose[0]!r}, ...): put every image in a class subfolder, or use no subfolders")
+            raise ValueError(
+                f"image folder {str(folder)!r} mixes class subfolders with loose images "
+                f"({loose[0]!r}, ...): put every image in a class subfolder, or use no subfolders"
+            )
         classes = [(c.name, _image_files(c)) for c in subdirs]
     else:
         classes = [("0", _image_files(folder))]
@@ -348,21 +434,29 @@ def _load_folder(folder: Path, image_size: int) -> ImageSource:
     for label, (_, files) in enumerate(classes):
         images += [_load_rgb(f, image_size) for f in files]
         labels += [label] * len(files)
-    return ImageSource(np.stack(images).astype(np.float32), np.array(labels, np.int32), len(classes),
-                       folder.name, tuple(c for c, _ in classes))
+    return ImageSource(
+        np.stack(images).astype(np.float32),
+        np.array(labels, np.int32),
+        len(classes),
+        folder.name,
+        tuple(c for c, _ in classes),
+    )
 
 
-IMAGE_VAL_EVERY = 10   # image i is held out ("val") when i % 10 == 9, in the source's fixed order
+IMAGE_VAL_EVERY = 10  # image i is held out ("val") when i % 10 == 9, in the source's fixed order
 
 
 def _image_split(source: ImageSource, split: str) -> ImageSource:
     held_out = np.arange(len(source)) % IMAGE_VAL_EVERY == IMAGE_VAL_EVERY - 1
     keep = held_out if split == "val" else ~held_out
     if not keep.any():
-        raise ValueError(f"image source {source.name} has {len(source)} images: too few for a {split!r} split "
-                         f"(every {IMAGE_VAL_EVERY}th image is held out)")
-    return dataclasses.replace(source, images=source.images[keep], labels=source.labels[keep],
-                               name=f"{source.name}[{split}]")
+        raise ValueError(
+            f"image source {source.name} has {len(source)} images: too few for a {split!r} split "
+            f"(every {IMAGE_VAL_EVERY}th image is held out)"
+        )
+    return dataclasses.replace(
+        source, images=source.images[keep], labels=source.labels[keep], name=f"{source.name}[{split}]"
+    )
 
 
 def load_images(path: str | os.PathLike | None, *, image_size: int, split: str | None = None) -> ImageSource:
@@ -383,9 +477,11 @@ def load_images(path: str | os.PathLike | None, *, image_size: int, split: str |
     else:
         folder = Path(path)
         if not folder.is_dir():
-            raise FileNotFoundError(f"image folder {str(path)!r} does not exist or is not a directory; accepted: "
-                                    f"None (scikit-learn's digits) or a folder of {'/'.join(IMAGE_SUFFIXES)} "
-                                    f"images (one subfolder per class, or none)")
+            raise FileNotFoundError(
+                f"image folder {str(path)!r} does not exist or is not a directory; accepted: "
+                f"None (scikit-learn's digits) or a folder of {'/'.join(IMAGE_SUFFIXES)} "
+                f"images (one subfolder per class, or none)"
+            )
         source = _load_folder(folder, image_size)
     return source if split is None else _image_split(source, split)
 
@@ -398,8 +494,9 @@ class ImageBatches:
     ``process_index`` returns only its rows of the global batch.
     """
 
-    def __init__(self, source: ImageSource, *, batch_size: int, seed: int,
-                 process_index: int = 0, process_count: int = 1):
+    def __init__(
+        self, source: ImageSource, *, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1
+    ):
         self.local_batch_size = _check_hosts(batch_size, process_index, process_count)
         _check_seed_step(seed, 0)
         if len(source) < 1:

@@ -12,6 +12,7 @@ In "skip" mode the caller undoes the step's update (see loop.py) and the loss do
 `max_skips` skips in a row the guard stops anyway. The guard's state travels with checkpoints
 (`state_dict` / `load_state_dict`), so a resumed run judges its losses exactly as an uninterrupted one.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,7 +28,7 @@ class Diverged(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-    action: str        # "stop" or "skip"
+    action: str  # "stop" or "skip"
     message: str
 
 
@@ -37,8 +38,11 @@ class DivergenceGuard:
         running mean. max_skips: consecutive skipped steps after which skip mode stops too."""
         if mode not in MODES:
             raise ValueError(f"--on-divergence {mode!r} must be one of {', '.join(MODES)}")
-        if isinstance(spike_factor, bool) or not isinstance(spike_factor, (int, float)) or not (
-                spike_factor == 0 or (math.isfinite(spike_factor) and spike_factor > 1)):
+        if (
+            isinstance(spike_factor, bool)
+            or not isinstance(spike_factor, (int, float))
+            or not (spike_factor == 0 or (math.isfinite(spike_factor) and spike_factor > 1))
+        ):
             raise ValueError(f"--spike-factor {spike_factor!r} must be a number > 1 (or 0: no spike check)")
         for name, value in (("--spike-window", window), ("max_skips", max_skips)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -58,8 +62,10 @@ class DivergenceGuard:
         if not math.isfinite(loss):
             problem = f"loss {loss} is not finite"
         elif loss > self.limit:
-            problem = (f"loss {loss:.4g} is {loss / self.lowest_mean:.1f}x its lowest running mean "
-                       f"{self.lowest_mean:.4g} (limit {self.spike_factor:g}x, --spike-factor)")
+            problem = (
+                f"loss {loss:.4g} is {loss / self.lowest_mean:.1f}x its lowest running mean "
+                f"{self.lowest_mean:.4g} (limit {self.spike_factor:g}x, --spike-factor)"
+            )
         else:
             self.recent.append(float(loss))
             self.lowest_mean = min(self.lowest_mean, sum(self.recent) / len(self.recent))
@@ -67,11 +73,15 @@ class DivergenceGuard:
             return None
         if self.mode == "skip" and self.skips_in_a_row < self.max_skips:
             self.skips_in_a_row += 1
-            return Verdict("skip", f"step {step}: {problem}; skipped (its update undone, "
-                                   f"{self.skips_in_a_row} in a row)")
+            return Verdict(
+                "skip", f"step {step}: {problem}; skipped (its update undone, {self.skips_in_a_row} in a row)"
+            )
         more = f" after {self.skips_in_a_row} skipped steps in a row" if self.skips_in_a_row else ""
-        return Verdict("stop", f"diverged at step {step}: {problem}{more}; stopping (lower --lr, or pass "
-                               f"--on-divergence skip to skip such steps)")
+        return Verdict(
+            "stop",
+            f"diverged at step {step}: {problem}{more}; stopping (lower --lr, or pass "
+            f"--on-divergence skip to skip such steps)",
+        )
 
     def state_dict(self) -> dict:
         return {"recent": list(self.recent), "lowest_mean": None if math.isinf(self.lowest_mean) else self.lowest_mean}

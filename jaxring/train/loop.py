@@ -10,6 +10,7 @@ Failures end in one exception, each with a one-line message (train.py turns them
     every pending save waited for. A second signal exits at once.
 On resume, a damaged newest checkpoint is reported and the newest intact one used.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,18 +24,38 @@ import jax
 from jaxring.train.checkpoint import Checkpointer, DamagedCheckpointError, NonFiniteStateError  # noqa: F401
 from jaxring.train.config import TrainConfig, check_config, make_plan  # noqa: F401  (re-exported)
 from jaxring.train.guard import Diverged, DivergenceGuard
-from jaxring.train.metrics import (drop_rows_after, peak_flops, peak_memory_bytes, profile_steps,  # noqa: F401
-                                   progress_bar, progress_postfix, step_metrics)
+from jaxring.train.metrics import (
+    drop_rows_after,
+    peak_flops,
+    peak_memory_bytes,
+    profile_steps,
+    progress_bar,
+    progress_postfix,
+    step_metrics,
+)
 from jaxring.train.signals import SIGNALS, GracefulStop, Interrupted
-from jaxring.train.trainer import Trainer  # noqa: F401  (re-exported)
+from jaxring.train.trainer import Trainer
 
 # settings that shape the optimizer schedule or the batches: a resume with other values gives other losses
-SCHEDULE_FIELDS = ("steps", "warmup", "lr", "min_lr_ratio", "weight_decay", "clip", "batch_size", "grad_accum",
-                   "seed", "seq_len", "image_size", "data")
+SCHEDULE_FIELDS = (
+    "steps",
+    "warmup",
+    "lr",
+    "min_lr_ratio",
+    "weight_decay",
+    "clip",
+    "batch_size",
+    "grad_accum",
+    "seed",
+    "seq_len",
+    "image_size",
+    "data",
+)
 
 
-def train(cfg: TrainConfig, *, devices=None, log=print, guard: DivergenceGuard | None = None,
-          signals=SIGNALS) -> list[dict]:
+def train(
+    cfg: TrainConfig, *, devices=None, log=print, guard: DivergenceGuard | None = None, signals=SIGNALS
+) -> list[dict]:
     """Trains; returns the per-step metrics (a dict per step: every metric the step returns, plus timing).
 
     guard: the divergence guard (default: stop on a non-finite loss or a 3x spike). signals: the signals
@@ -48,15 +69,19 @@ def train(cfg: TrainConfig, *, devices=None, log=print, guard: DivergenceGuard |
         ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.keep_checkpoints) if cfg.checkpoint_dir else None
         try:
             if ckpt is not None and not cfg.resume and ckpt.all_steps():
-                raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir!r} already holds checkpoints (steps "
-                                 f"{ckpt.all_steps()}); pass --resume to continue from them, or use another "
-                                 f"directory")
+                raise ValueError(
+                    f"--checkpoint-dir {cfg.checkpoint_dir!r} already holds checkpoints (steps "
+                    f"{ckpt.all_steps()}); pass --resume to continue from them, or use another "
+                    f"directory"
+                )
             trainer = Trainer(cfg, devices)
             if cfg.resume:
                 _resume(cfg, trainer, ckpt, guard, say)
             if trainer.step_count >= cfg.steps:
-                say(f"nothing to run: the checkpoint is at step {trainer.step_count}, --steps is {cfg.steps} "
-                    f"(raise --steps to train further)")
+                say(
+                    f"nothing to run: the checkpoint is at step {trainer.step_count}, --steps is {cfg.steps} "
+                    f"(raise --steps to train further)"
+                )
                 return []
             _describe(cfg, trainer, say)
             history = _run(cfg, trainer, ckpt, guard, stop, say, is_main)
@@ -66,7 +91,7 @@ def train(cfg: TrainConfig, *, devices=None, log=print, guard: DivergenceGuard |
                 _save(ckpt, trainer, guard)
         finally:
             if ckpt is not None:
-                ckpt.close()           # waits for pending saves, also when stopping on an error
+                ckpt.close()  # waits for pending saves, also when stopping on an error
     if history and cfg.eval_at_end:
         say(f"final loss {history[-1]['loss']:.4f}; held-out loss {trainer.val_loss():.4f}")
     if is_main and cfg.sample_tokens:
@@ -78,9 +103,11 @@ def _describe(cfg, trainer, say):
     task = trainer.task
     n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
     mesh = trainer.plan.mesh
-    say(f"{cfg.model} {cfg.preset}: {n_params / 1e6:.2f}M params | {trainer.plan.describe()} | "
+    say(
+        f"{cfg.model} {cfg.preset}: {n_params / 1e6:.2f}M params | {trainer.plan.describe()} | "
         f"{mesh.devices.size} x {mesh.devices.flat[0].device_kind} | batch {cfg.batch_size} × "
-        f"{task.tokens_per_step // cfg.batch_size} tokens | data {task.source.name}")
+        f"{task.tokens_per_step // cfg.batch_size} tokens | data {task.source.name}"
+    )
 
 
 def _run(cfg, trainer, ckpt, guard, stop, say, is_main) -> list[dict]:
@@ -101,19 +128,26 @@ def _run(cfg, trainer, ckpt, guard, stop, say, is_main) -> list[dict]:
             # skip mode: the step itself keeps the old state when the loss exceeds the guard's limit (or is
             # not finite, as in every mode), so the guard's "skip" needs no undo here
             limit = guard.limit if guard.mode == "skip" else None
-            metrics, progress = step_metrics(trainer.step(max_loss=limit))      # waits for the step
+            metrics, progress = step_metrics(trainer.step(max_loss=limit))  # waits for the step
             dt = time.perf_counter() - t0
             verdict = guard.check(step + 1, metrics["loss"])
             if verdict is not None and verdict.action == "stop":
                 last = f" (newest checkpoint: step {ckpt.latest_step()})" if ckpt and ckpt.all_steps() else ""
                 raise Diverged(verdict.message + last)
-            if verdict is not None:                               # skip: the step kept the old state
+            if verdict is not None:  # skip: the step kept the old state
                 if not metrics.get("skipped"):
                     raise AssertionError(f"the guard skipped step {step + 1}, but the step applied its update")
                 say(verdict.message)
             mfu = None if peak is None else task.flops_per_step() / dt / (peak * jax.device_count())
-            record = {"step": step + 1, "loss": metrics["loss"], **metrics, "tokens_per_s": task.tokens_per_step / dt,
-                      "mfu": mfu, "step_time_s": dt, "peak_memory_bytes": peak_memory_bytes()}
+            record = {
+                "step": step + 1,
+                "loss": metrics["loss"],
+                **metrics,
+                "tokens_per_s": task.tokens_per_step / dt,
+                "mfu": mfu,
+                "step_time_s": dt,
+                "peak_memory_bytes": peak_memory_bytes(),
+            }
             if verdict is not None:
                 record["skipped"] = True
             history.append(record)
@@ -143,6 +177,7 @@ def _run(cfg, trainer, ckpt, guard, stop, say, is_main) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------ checkpoints
 
+
 def _save(ckpt, trainer, guard) -> bool:
     """Saves the current step (not again if saved); Diverged if the state holds NaN/Inf (then nothing is saved)."""
     metadata = {**trainer.metadata(), "guard": guard.state_dict()}
@@ -170,34 +205,42 @@ def _resume(cfg, trainer, ckpt, guard, say):
 def _warn_schedule(cfg, saved: dict, step: int, say):
     """One warning line when the run's schedule or batches differ from the checkpoint's run."""
     now = dataclasses.asdict(cfg)
-    diffs = [f"--{k.replace('_', '-')} {saved[k]} -> {now[k]}" for k in SCHEDULE_FIELDS
-             if k in saved and k in now and saved[k] != now[k]]
+    diffs = [
+        f"--{k.replace('_', '-')} {saved[k]} -> {now[k]}"
+        for k in SCHEDULE_FIELDS
+        if k in saved and k in now and saved[k] != now[k]
+    ]
     if diffs:
-        say(f"warning: resuming step {step} with other settings than the run that saved it ({', '.join(diffs)}): "
-            f"the learning-rate schedule or the batches change, so the losses differ from one uninterrupted run")
+        say(
+            f"warning: resuming step {step} with other settings than the run that saved it ({', '.join(diffs)}): "
+            f"the learning-rate schedule or the batches change, so the losses differ from one uninterrupted run"
+        )
 
 
 def _stop_on_signal(stop, trainer, ckpt, guard, say):
     """After a SIGTERM/SIGINT: save this step, wait for every pending save, raise Interrupted."""
-    signum = stop.signum or signal.SIGTERM       # another process's signal: SIGTERM-like
+    signum = stop.signum or signal.SIGTERM  # another process's signal: SIGTERM-like
     name = signal.Signals(signum).name
     if ckpt is None:
         message = f"{name}: stopped after step {trainer.step_count}; no --checkpoint-dir, so nothing was saved"
     else:
         _save(ckpt, trainer, guard)
         ckpt.wait()
-        message = (f"{name}: stopped after step {trainer.step_count} and saved it to {ckpt.directory}; continue "
-                   f"with --resume")
+        message = (
+            f"{name}: stopped after step {trainer.step_count} and saved it to {ckpt.directory}; continue with --resume"
+        )
     say(message)
     raise Interrupted(signum, message)
 
 
 def _json_safe(record: dict) -> dict:
     """NaN/Inf as null (JSON has no NaN)."""
+
     def fix(v):
         if isinstance(v, float) and not math.isfinite(v):
             return None
         if isinstance(v, list):
             return [fix(x) for x in v]
         return v
+
     return {k: fix(v) for k, v in record.items()}

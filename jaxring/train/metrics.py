@@ -1,12 +1,20 @@
 """What a training run reports: per-device peak FLOP/s for MFU, device memory, the progress bar."""
+
 from __future__ import annotations
 
 import jax
 
 # dense bf16 (fp32: TF32) peak FLOP/s per device, by jax device_kind substring
-PEAK_FLOPS = {"H200": (989e12, 495e12), "H100": (989e12, 495e12), "A100": (312e12, 156e12),
-              "L4": (121e12, 60e12), "A10": (125e12, 62e12), "TPU v5p": (459e12, 459e12),
-              "TPU v5 lite": (197e12, 197e12), "TPU v4": (275e12, 275e12)}
+PEAK_FLOPS = {
+    "H200": (989e12, 495e12),
+    "H100": (989e12, 495e12),
+    "A100": (312e12, 156e12),
+    "L4": (121e12, 60e12),
+    "A10": (125e12, 62e12),
+    "TPU v5p": (459e12, 459e12),
+    "TPU v5 lite": (197e12, 197e12),
+    "TPU v4": (275e12, 275e12),
+}
 
 
 def peak_flops(device, precision: str):
@@ -41,13 +49,14 @@ def progress_bar(cfg, start: int, is_main: bool):
     if not (cfg.progress and is_main):
         return None
     from tqdm.auto import tqdm
+
     return tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True)
 
 
 # ------------------------------------------------------------------------------------- what a step returns
 
-PROGRESS_KEY = "progress"     # trainer.step()'s entry naming the metrics to show on the progress bar
-MAX_LOGGED_VECTOR = 1024      # 1-D metrics up to this length are logged as lists (e.g. per-expert load)
+PROGRESS_KEY = "progress"  # trainer.step()'s entry naming the metrics to show on the progress bar
+MAX_LOGGED_VECTOR = 1024  # 1-D metrics up to this length are logged as lists (e.g. per-expert load)
 
 
 def step_metrics(out: dict) -> tuple[dict, tuple[str, ...]]:
@@ -60,6 +69,7 @@ def step_metrics(out: dict) -> tuple[dict, tuple[str, ...]]:
     shown.
     """
     import numpy as np
+
     progress = tuple(out.get(PROGRESS_KEY, ()))
     values = jax.device_get({k: v for k, v in out.items() if k != PROGRESS_KEY})
     record = {}
@@ -93,6 +103,7 @@ def drop_rows_after(path, step: int) -> int:
     short by a kill), so a resumed run does not log those steps twice. Returns how many rows went."""
     import json
     import os
+
     if not os.path.exists(path):
         return 0
     with open(path) as f:

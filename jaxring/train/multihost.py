@@ -15,6 +15,7 @@ Any failure (nobody at the coordinator, a process missing, duplicate ids, counts
 took part, before JAX is touched. Only then is `jax.distributed.initialize` called, on the now known-good set
 of processes, with the same deadline.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,11 +44,20 @@ def env_int(name: str):
 def check_flags(coordinator, num_processes, process_id, timeout_s) -> tuple[str, int]:
     """(host, port) of a well-formed multi-host set-up; MultiHostError naming the bad value otherwise."""
     if num_processes is None or process_id is None or not coordinator:
-        missing = [name for name, v in (("--coordinator", coordinator), ("--num-processes", num_processes),
-                                         ("--process-id", process_id)) if v is None or v == ""]
-        raise MultiHostError(f"a multi-host run needs --coordinator, --num-processes and --process-id (or "
-                             f"JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); missing "
-                             f"{', '.join(missing)}")
+        missing = [
+            name
+            for name, v in (
+                ("--coordinator", coordinator),
+                ("--num-processes", num_processes),
+                ("--process-id", process_id),
+            )
+            if v is None or v == ""
+        ]
+        raise MultiHostError(
+            f"a multi-host run needs --coordinator, --num-processes and --process-id (or "
+            f"JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); missing "
+            f"{', '.join(missing)}"
+        )
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise MultiHostError(f"--num-processes {num_processes!r} must be a positive integer")
     if isinstance(process_id, bool) or not isinstance(process_id, int) or not 0 <= process_id < num_processes:
@@ -74,7 +84,7 @@ def _receive(conn, deadline: float) -> dict | None:
         conn.settimeout(remaining)
         try:
             chunk = conn.recv(4096)
-        except (socket.timeout, OSError):
+        except (TimeoutError, OSError):
             return None
         if not chunk:
             return None
@@ -86,33 +96,44 @@ def _receive(conn, deadline: float) -> dict | None:
     return message if isinstance(message, dict) else None
 
 
-LATE_GRACE_S = 2.0     # after an error, process 0 still answers processes arriving this much later
+LATE_GRACE_S = 2.0  # after an error, process 0 still answers processes arriving this much later
 
 
 def _check_hello(hello: dict, address: str, seen: dict, num_processes: int) -> str | None:
     pid, count = hello.get("process_id"), hello.get("num_processes")
     if count != num_processes:
-        return (f"process {pid} (on {address}) says --num-processes {count} but process 0 says {num_processes}; "
-                f"every process must be given the same count")
+        return (
+            f"process {pid} (on {address}) says --num-processes {count} but process 0 says {num_processes}; "
+            f"every process must be given the same count"
+        )
     if not isinstance(pid, int) or not 0 <= pid < num_processes:
         return f"a process (on {address}) says --process-id {pid!r}, outside [0, {num_processes})"
     if pid in seen or pid == 0:
-        return (f"two processes say --process-id {pid} (on {seen.get(pid, 'this process')} and {address}); "
-                f"each id must be unique in [0, {num_processes})")
+        return (
+            f"two processes say --process-id {pid} (on {seen.get(pid, 'this process')} and {address}); "
+            f"each id must be unique in [0, {num_processes})"
+        )
     return None
 
 
 def _rendezvous_coordinator(port: int, num_processes: int, timeout_s: float, where: str) -> None:
     """Process 0: wait for the other processes' hellos, check them, answer each."""
     deadline = time.monotonic() + timeout_s
-    try:                        # every address, IPv4 and IPv6, as JAX's own service binds [::]:port
+    try:  # every address, IPv4 and IPv6, as JAX's own service binds [::]:port
         dual = socket.has_dualstack_ipv6()
-        server = socket.create_server(("", port), family=socket.AF_INET6 if dual else socket.AF_INET,
-                                      dualstack_ipv6=dual, reuse_port=False, backlog=num_processes)
+        server = socket.create_server(
+            ("", port),
+            family=socket.AF_INET6 if dual else socket.AF_INET,
+            dualstack_ipv6=dual,
+            reuse_port=False,
+            backlog=num_processes,
+        )
     except OSError as e:
-        raise MultiHostError(f"{where}: cannot listen on port {port} ({e.strerror}); is another process already "
-                             f"running with --process-id 0 (each id must be unique), or is the port taken?") from None
-    conns, seen = [], {}            # every connection to answer; process id -> its address
+        raise MultiHostError(
+            f"{where}: cannot listen on port {port} ({e.strerror}); is another process already "
+            f"running with --process-id 0 (each id must be unique), or is the port taken?"
+        ) from None
+    conns, seen = [], {}  # every connection to answer; process id -> its address
     error = None
     try:
         while len(conns) < num_processes - 1:
@@ -120,17 +141,19 @@ def _rendezvous_coordinator(port: int, num_processes: int, timeout_s: float, whe
             if remaining <= 0:
                 if error is None:
                     missing = sorted(set(range(1, num_processes)) - set(seen))
-                    error = (f"timed out after {timeout_s:g} s waiting for process(es) {missing} (started? the "
-                             f"same --coordinator? raise --init-timeout if they start late)")
+                    error = (
+                        f"timed out after {timeout_s:g} s waiting for process(es) {missing} (started? the "
+                        f"same --coordinator? raise --init-timeout if they start late)"
+                    )
                 break
             server.settimeout(remaining)
             try:
                 conn, (address, *_) = server.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
-            address = address.removeprefix("::ffff:")        # IPv4 through the dual-stack socket
+            address = address.removeprefix("::ffff:")  # IPv4 through the dual-stack socket
             hello = _receive(conn, min(deadline, time.monotonic() + 10))
-            if hello is None:           # not one of ours (a port scan, a stray client)
+            if hello is None:  # not one of ours (a port scan, a stray client)
                 conn.close()
                 continue
             conns.append(conn)
@@ -139,11 +162,11 @@ def _rendezvous_coordinator(port: int, num_processes: int, timeout_s: float, whe
                 seen[hello["process_id"]] = address
             elif error is None:
                 error = problem
-                deadline = min(deadline, time.monotonic() + LATE_GRACE_S)   # tell late-comers too
+                deadline = min(deadline, time.monotonic() + LATE_GRACE_S)  # tell late-comers too
         for conn in conns:
             try:
                 _send(conn, {"error": error} if error else {"ok": True})
-                _receive(conn, time.monotonic() + 10)          # the peer closes first (no TIME_WAIT here)
+                _receive(conn, time.monotonic() + 10)  # the peer closes first (no TIME_WAIT here)
             except OSError:
                 pass
             conn.close()
@@ -153,17 +176,18 @@ def _rendezvous_coordinator(port: int, num_processes: int, timeout_s: float, whe
         raise MultiHostError(f"{where}: {error}")
 
 
-def _rendezvous_peer(host: str, port: int, process_id: int, num_processes: int, timeout_s: float,
-                     where: str) -> None:
+def _rendezvous_peer(host: str, port: int, process_id: int, num_processes: int, timeout_s: float, where: str) -> None:
     """Process k > 0: reach process 0, say who this is, wait for its verdict."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise MultiHostError(f"{where}: could not reach the coordinator within {timeout_s:g} s ({last}); is "
-                                 f"process 0 running and the address reachable? (raise --init-timeout if it "
-                                 f"starts late)")
+            raise MultiHostError(
+                f"{where}: could not reach the coordinator within {timeout_s:g} s ({last}); is "
+                f"process 0 running and the address reachable? (raise --init-timeout if it "
+                f"starts late)"
+            )
         try:
             conn = socket.create_connection((host, port), timeout=min(remaining, 5))
         except OSError as e:
@@ -174,8 +198,10 @@ def _rendezvous_peer(host: str, port: int, process_id: int, num_processes: int, 
             _send(conn, {"process_id": process_id, "num_processes": num_processes})
             answer = _receive(conn, deadline)
         if answer is None:
-            raise MultiHostError(f"{where}: the coordinator did not confirm within {timeout_s:g} s (other processes "
-                                 f"missing? process 0's message says which)")
+            raise MultiHostError(
+                f"{where}: the coordinator did not confirm within {timeout_s:g} s (other processes "
+                f"missing? process 0's message says which)"
+            )
         if answer.get("error"):
             raise MultiHostError(f"{where}: {answer['error']}")
         return
@@ -196,6 +222,7 @@ def initialize(coordinator, num_processes, process_id, *, timeout_s: float = 300
         else:
             _rendezvous_peer(host, port, process_id, num_processes, timeout_s, where)
     import jax
+
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices across processes
     if cpu_devices is not None:
         jax.config.update("jax_num_cpu_devices", cpu_devices)
@@ -204,17 +231,21 @@ def initialize(coordinator, num_processes, process_id, *, timeout_s: float = 300
 
 # --------------------------------------------------------------------------------- agreement between processes
 
+
 def is_primary() -> bool:
     import jax
+
     return jax.process_index() == 0
 
 
 def any_process(flag: bool) -> bool:
     """True when `flag` is set on any process (every process must call this at the same point)."""
     import jax
+
     if jax.process_count() == 1:
         return bool(flag)
     from jax.experimental import multihost_utils
+
     return bool(np.asarray(multihost_utils.process_allgather(np.int32(bool(flag)))).max())
 
 
@@ -226,6 +257,8 @@ def all_processes_agree(flag: bool) -> bool:
 def sync_processes(name: str) -> None:
     """A barrier across processes (nothing on one process)."""
     import jax
+
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
+
         multihost_utils.sync_global_devices(name)

@@ -15,6 +15,7 @@ device's shards inside the step's shard_map:
 The train step composes them over a whole `Layers` stack; the pipeline (`jaxring.pipeline`) runs embed on its
 first virtual stage, chunks of the stack on every stage and head on the last.
 """
+
 from __future__ import annotations
 
 

@@ -10,6 +10,7 @@ The first signal only sets a flag (and says so on stderr); the loop finishes its
 `Interrupted`. A second signal exits the process at once (exit code 128 + signal number), whatever it is
 doing. Handlers are installed only in the main thread and the previous ones are put back on exit.
 """
+
 from __future__ import annotations
 
 import os
@@ -59,13 +60,17 @@ class GracefulStop:
 
     def handle(self, signum, frame=None) -> None:
         if self.signum is not None:
-            _write(f"{signal.Signals(signum).name} again: exiting now, without waiting (a save in flight is "
-                   f"left unfinished; the previous checkpoint is intact)")
+            _write(
+                f"{signal.Signals(signum).name} again: exiting now, without waiting (a save in flight is "
+                f"left unfinished; the previous checkpoint is intact)"
+            )
             self.hard_exit(128 + signum)
             return
         self.signum = signum
-        _write(f"{signal.Signals(signum).name}: stopping after the current step (and saving, with "
-               f"--checkpoint-dir); send it again to exit at once")
+        _write(
+            f"{signal.Signals(signum).name}: stopping after the current step (and saving, with "
+            f"--checkpoint-dir); send it again to exit at once"
+        )
 
     def requested(self) -> bool:
         """True once a signal arrived on any process (every process must call this at the same point)."""

@@ -15,6 +15,7 @@ tensor method and sequence strategy), the layer stack is one `lax.scan`, and the
 Only the task's data preparation (e.g. DiT's noise, drawn on global shapes so it is the same on any mesh)
 runs outside the shard_map, under the same jit.
 """
+
 from __future__ import annotations
 
 import math
@@ -71,8 +72,21 @@ class TrainStep:
     `build_grads`/`build_eval`.
     """
 
-    def __init__(self, plan, graphdef, placements, tx, task, *, dtype=jnp.float32, remat: str = "none",
-                 grad_accum: int = 1, clip: float | None = 1.0, stack: str = "blocks", layer_graphdef=None):
+    def __init__(
+        self,
+        plan,
+        graphdef,
+        placements,
+        tx,
+        task,
+        *,
+        dtype=jnp.float32,
+        remat: str = "none",
+        grad_accum: int = 1,
+        clip: float | None = 1.0,
+        stack: str = "blocks",
+        layer_graphdef=None,
+    ):
         self.plan, self.graphdef, self.placements, self.tx, self.task = plan, graphdef, placements, tx, task
         self.dtype, self.remat, self.grad_accum, self.clip, self.stack = dtype, remat, grad_accum, clip, stack
         self.layer_graphdef = layer_graphdef
@@ -84,14 +98,19 @@ class TrainStep:
 
     # ------------------------------------------------------------------ layouts
     def shardings(self, specs):
-        return jax.tree.map(lambda s: NamedSharding(self.plan.run_mesh, s), specs,
-                            is_leaf=lambda x: isinstance(x, P))
+        return jax.tree.map(lambda s: NamedSharding(self.plan.run_mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
     def opt_state_specs(self, abstract_params):
         """Specs of the optimizer state: moments like their weights' ZeRO layout, counts replicated."""
         abstract = jax.eval_shape(self.tx.init, abstract_params)
-        return optax.tree_map_params(self.tx, lambda _, spec: spec, abstract, self.moment_specs,
-                                     transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+        return optax.tree_map_params(
+            self.tx,
+            lambda _, spec: spec,
+            abstract,
+            self.moment_specs,
+            transform_non_params=lambda _: P(),
+            is_leaf=lambda x: isinstance(x, P),
+        )
 
     # ------------------------------------------------------------------ the local loss
     def _loss(self, diff, const, inputs, stage):
@@ -104,8 +123,9 @@ class TrainStep:
         top_pl = {k: v for k, v in self.placements.items() if k != self.stack}
         weights = _map(lambda d, pl, c: zero.materialize(stage, d, c, pl), top, top_pl, top_const)
         model = nnx.merge(self.graphdef, {**weights, self.stack: diff[self.stack]})
-        layers = Layers(self.layer_graphdef, diff[self.stack], const[self.stack], self.placements[self.stack],
-                        stage, self.remat)
+        layers = Layers(
+            self.layer_graphdef, diff[self.stack], const[self.stack], self.placements[self.stack], stage, self.remat
+        )
         carry = task.embed(model, inputs, plan, self.dtype)
         carry = layers(carry, lambda block, carry: task.layer(block, carry, inputs, plan))
         loss_sum, aux = task.head(model, carry, inputs, plan, self.dtype)
@@ -122,6 +142,7 @@ class TrainStep:
         (`jaxring.pipeline`): embed on the first virtual stage, chunks of `Layers` on every stage, the head and
         loss on the last. The pipeline's micro-batches are the step's gradient accumulation."""
         from jaxring.pipeline import pipeline_loss_and_grads
+
         stage, plan, task = self.stage, self.plan, self.task
         schedule = plan.schedule
         v, m = schedule.virtual_stages, schedule.num_microbatches
@@ -153,8 +174,16 @@ class TrainStep:
             return objective, {"loss": data_loss, **aux}
 
         _, aux, d_chunks, d_top = pipeline_loss_and_grads(
-            schedule, embed_fn=embed_fn, stage_fn=stage_fn, loss_fn=loss_fn, stage_params=chunks,
-            shared_params=top, microbatches=micro, data_axes=plan.replica_axes, reduce_data_axes=False)
+            schedule,
+            embed_fn=embed_fn,
+            stage_fn=stage_fn,
+            loss_fn=loss_fn,
+            stage_params=chunks,
+            shared_params=top,
+            microbatches=micro,
+            data_axes=plan.replica_axes,
+            reduce_data_axes=False,
+        )
         d_stack = jax.tree.map(lambda g: g.reshape((-1,) + g.shape[2:]), d_chunks)
         grads = _map(lambda g, pl: zero.reduce(stage, g, pl), {**d_top, self.stack: d_stack}, self.placements)
         # loss_fn summed its metrics over the data axes already; the interpreter (which leaves the gradients
@@ -183,8 +212,11 @@ class TrainStep:
                 return jax.tree.map(jnp.add, carry, (loss, aux, grads)), None
 
             (_, aux_shapes), grad_shapes = jax.eval_shape(grad_fn, diff, jax.tree.map(lambda x: x[0], micro))
-            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shapes),
-                     jax.tree.map(lambda g, d: vary_like(jnp.zeros(g.shape, g.dtype), d), grad_shapes, diff))
+            zeros = (
+                jnp.zeros((), jnp.float32),
+                jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shapes),
+                jax.tree.map(lambda g, d: vary_like(jnp.zeros(g.shape, g.dtype), d), grad_shapes, diff),
+            )
             (_, aux, grads), _ = lax.scan(body, zeros, micro)
             # every micro-batch's loss is a share of the step's mean; its other metrics are averaged
             aux = {k: v if k == "loss" else v / accum for k, v in aux.items()}
@@ -214,16 +246,21 @@ class TrainStep:
     def build(self, opt_specs):
         """The jitted step(params, opt_state, batch, key, max_loss) -> (params, opt_state, metrics). The update
         is not applied (metrics["skipped"]) when the loss is not finite or exceeds max_loss (fp32 scalar)."""
-        body = self.plan.shard_map(self._local_step,
-                                   in_specs=(self.param_specs, opt_specs, self.input_specs, P()),
-                                   out_specs=(self.param_specs, opt_specs, P()))
+        body = self.plan.shard_map(
+            self._local_step,
+            in_specs=(self.param_specs, opt_specs, self.input_specs, P()),
+            out_specs=(self.param_specs, opt_specs, P()),
+        )
 
         def step(params, opt_state, batch, key, max_loss):
             return body(params, opt_state, self.task.prepare(batch, key), max_loss)
 
         replicated = NamedSharding(self.plan.run_mesh, P())
-        return jax.jit(step, donate_argnums=(0, 1),
-                       out_shardings=(self.shardings(self.param_specs), self.shardings(opt_specs), replicated))
+        return jax.jit(
+            step,
+            donate_argnums=(0, 1),
+            out_shardings=(self.shardings(self.param_specs), self.shardings(opt_specs), replicated),
+        )
 
     def build_eval(self):
         """The jitted held-out loss(params, batch, key) -> fp32 scalar (no gradients; under pp the pipeline
@@ -242,24 +279,36 @@ class TrainStep:
     def build_grads(self):
         """The jitted (params, batch, key) -> (loss, aux, grads): gradients summed over the replica axes, in the
         optimizer's layout (ZeRO shards for stages >= 1), before clipping."""
+
         def local(params, inputs):
             return self._value_and_grad(params, inputs)
 
-        body = self.plan.shard_map(local, in_specs=(self.param_specs, self.input_specs),
-                                   out_specs=(P(), P(), self.moment_specs))
+        body = self.plan.shard_map(
+            local, in_specs=(self.param_specs, self.input_specs), out_specs=(P(), P(), self.moment_specs)
+        )
         return jax.jit(lambda params, batch, key: body(params, self.task.prepare(batch, key)))
 
 
-def value_and_grad(model, plan, objective, batch, key, *, dtype=jnp.float32, remat: str = "none",
-                   grad_accum: int = 1):
+def value_and_grad(model, plan, objective, batch, key, *, dtype=jnp.float32, remat: str = "none", grad_accum: int = 1):
     """(loss, grads) of `objective` for an nnx `model` on `plan`, through the train step's own path (one
     shard_map, the plan's ZeRO stage): loss fp32 scalar, grads a nested dict like `nnx.to_pure_dict`.
     For tests and notebooks; training uses `TrainStep` directly."""
     from jaxring.nn import param_placements
+
     graphdef, state = nnx.split(model)
     placements = param_placements(state, plan)
-    step = TrainStep(plan, graphdef, placements, None, objective, dtype=dtype, remat=remat, grad_accum=grad_accum,
-                     stack=model.STACK, layer_graphdef=nnx.split(getattr(model, model.STACK))[0])
+    step = TrainStep(
+        plan,
+        graphdef,
+        placements,
+        None,
+        objective,
+        dtype=dtype,
+        remat=remat,
+        grad_accum=grad_accum,
+        stack=model.STACK,
+        layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
+    )
     params = jax.device_put(nnx.to_pure_dict(state), step.shardings(step.param_specs))
     loss, _, grads = step.build_grads()(params, batch, key)
     return loss, grads

@@ -4,6 +4,7 @@
 task builds its model from the config, reads this host's rows of every global batch, lays the tokens out as
 the plan says (once, on the data side) and reports FLOPs for MFU.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,13 +19,16 @@ from jaxring.plan import ParallelPlan
 from jaxring.train.config import TrainConfig
 from jaxring.train.data import ImageBatches, TokenBatches, load_images, load_tokens
 
+
 def _global_array(plan: ParallelPlan, sharding, global_shape, local_rows, row0):
     """A global array from this host's rows [row0, row0 + len(local_rows)) of the global batch."""
+
     def part(index):
         rows = index[0]
         start = (rows.start or 0) - row0
         stop = (rows.stop if rows.stop is not None else global_shape[0]) - row0
         return local_rows[(slice(start, stop),) + tuple(index[1:])]
+
     return jax.make_array_from_callback(global_shape, sharding, part)
 
 
@@ -42,6 +46,7 @@ class GPTTask:
 
     def __init__(self, cfg: TrainConfig, plan: ParallelPlan):
         from models import gpt
+
         self.gpt = gpt
         self.seq_len = cfg.seq_len or 256
         self.source = load_tokens(cfg.data)
@@ -62,11 +67,22 @@ class GPTTask:
         self.row0, row1 = _host_rows(self.sharding, shape)
         per_host = row1 - self.row0
         host, hosts = self.row0 // per_host, cfg.batch_size // per_host
-        self.batches = TokenBatches(self.source, batch_size=cfg.batch_size, seq_len=self.seq_len, seed=cfg.seed,
-                                    process_index=host, process_count=hosts)
-        self.val_batches = TokenBatches(load_tokens(cfg.data, split="val"), batch_size=cfg.batch_size,
-                                        seq_len=self.seq_len, seed=cfg.seed + 1, process_index=host,
-                                        process_count=hosts)
+        self.batches = TokenBatches(
+            self.source,
+            batch_size=cfg.batch_size,
+            seq_len=self.seq_len,
+            seed=cfg.seed,
+            process_index=host,
+            process_count=hosts,
+        )
+        self.val_batches = TokenBatches(
+            load_tokens(cfg.data, split="val"),
+            batch_size=cfg.batch_size,
+            seq_len=self.seq_len,
+            seed=cfg.seed + 1,
+            process_index=host,
+            process_count=hosts,
+        )
 
     def model(self, seed):
         return self.gpt.GPT(self.config, rngs=nnx.Rngs(seed))
@@ -79,8 +95,10 @@ class GPTTask:
         (tokens, targets), positions = self.plan.layout_tokens(rows[:, :-1], rows[:, 1:], causal=self.causal)
         positions = np.broadcast_to(positions, tokens.shape)
         shape = (self.cfg.batch_size, self.seq_len)
-        return {name: _global_array(self.plan, self.sharding, shape, np.ascontiguousarray(a), self.row0)
-                for name, a in (("tokens", tokens), ("targets", targets), ("positions", positions))}
+        return {
+            name: _global_array(self.plan, self.sharding, shape, np.ascontiguousarray(a), self.row0)
+            for name, a in (("tokens", tokens), ("targets", targets), ("positions", positions))
+        }
 
     @property
     def tokens_per_step(self):
@@ -94,8 +112,9 @@ class GPTTask:
         one = ParallelPlan(make_mesh(devices=jax.devices()[:1]))
         single = nnx.merge(*_to_device(nnx.split(model), jax.devices()[0]))
         prompt = self.source.encode("def ")
-        ids = self.gpt.generate(single, one, list(prompt), self.cfg.sample_tokens, key=jax.random.PRNGKey(0),
-                                window=min(self.seq_len, 256))
+        ids = self.gpt.generate(
+            single, one, list(prompt), self.cfg.sample_tokens, key=jax.random.PRNGKey(0), window=min(self.seq_len, 256)
+        )
         text = self.source.decode(list(prompt) + ids)
         log(f"--- sample ---\n{text}\n--------------")
         return {"sample": text}
@@ -107,12 +126,17 @@ class DiTTask:
 
     def __init__(self, cfg: TrainConfig, plan: ParallelPlan):
         from models import dit
+
         self.dit = dit
         base = dit.get_config(cfg.preset, **cfg.model_overrides)
         self.source = load_images(cfg.data, image_size=cfg.image_size or base.image_size, split="train")
         val_source = load_images(cfg.data, image_size=cfg.image_size or base.image_size, split="val")
-        self.config = dit.get_config(cfg.preset, **{**cfg.model_overrides, "image_size": cfg.image_size or base.image_size},
-                                     channels=self.source.images.shape[-1], num_classes=self.source.num_classes)
+        self.config = dit.get_config(
+            cfg.preset,
+            **{**cfg.model_overrides, "image_size": cfg.image_size or base.image_size},
+            channels=self.source.images.shape[-1],
+            num_classes=self.source.num_classes,
+        )
         dit.check_plan(self.config, plan, cfg.batch_size // cfg.grad_accum)
         self.objective = dit.FlowMatchingObjective(self.config, cfg.batch_size)
         self.plan, self.cfg = plan, cfg
@@ -134,8 +158,10 @@ class DiTTask:
 
     def batch(self, step, val=False):
         images, labels = (self.val_batches if val else self.batches).get(step)
-        return {"images": _global_array(self.plan, self.img_sharding, self.img_shape, images, self.row0),
-                "labels": _global_array(self.plan, self.label_sharding, (self.cfg.batch_size,), labels, self.row0)}
+        return {
+            "images": _global_array(self.plan, self.img_sharding, self.img_shape, images, self.row0),
+            "labels": _global_array(self.plan, self.label_sharding, (self.cfg.batch_size,), labels, self.row0),
+        }
 
     @property
     def tokens_per_step(self):
@@ -164,6 +190,7 @@ def _fully_replicated(x):
     """A host copy of a (possibly multi-host) global array."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         from jax.experimental import multihost_utils
+
         return multihost_utils.process_allgather(x, tiled=True)
     return x
 

@@ -1,8 +1,9 @@
 """The trainer: parameters and optimizer state on the plan's mesh, and the jitted update step.
 
-    trainer = Trainer(TrainConfig(sp=8, steps=10))
-    out = trainer.step()          # {"loss", "grad_norm"}, device arrays
+trainer = Trainer(TrainConfig(sp=8, steps=10))
+out = trainer.step()          # {"loss", "grad_norm"}, device arrays
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,8 +26,9 @@ def optimizer(cfg: TrainConfig):
     """AdamW with linear warmup and cosine decay to min_lr_ratio·lr. Clipping by the global norm is done by
     the step itself (`TrainStep`), which sees the sharded gradients whole."""
     warmup = min(cfg.warmup, cfg.steps)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
-                                                  end_value=cfg.lr * cfg.min_lr_ratio)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio
+    )
     return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)
 
 
@@ -48,9 +50,19 @@ class Trainer:
         model = self.task.model(cfg.seed)
         self.graphdef, state = nnx.split(model)
         self.placements = param_placements(state, self.plan)
-        self.train_step = TrainStep(self.plan, self.graphdef, self.placements, self.tx, self.task.objective,
-                                    dtype=self.dtype, remat=cfg.remat, grad_accum=cfg.grad_accum, clip=cfg.clip,
-                                    stack=model.STACK, layer_graphdef=nnx.split(getattr(model, model.STACK))[0])
+        self.train_step = TrainStep(
+            self.plan,
+            self.graphdef,
+            self.placements,
+            self.tx,
+            self.task.objective,
+            dtype=self.dtype,
+            remat=cfg.remat,
+            grad_accum=cfg.grad_accum,
+            clip=cfg.clip,
+            stack=model.STACK,
+            layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
+        )
         self.shardings = self.train_step.shardings(self.train_step.param_specs)
         host_params = nnx.to_pure_dict(state)
         # interleaved pipelines keep the layer stack in pipeline order (each pp rank's chunks together);
@@ -58,8 +70,10 @@ class Trainer:
         self.stack = model.STACK
         self.layer_order = self.plan.layer_order(jax.tree.leaves(host_params[self.stack])[0].shape[0])
         if self.layer_order is not None:
-            host_params = {**host_params, self.stack: jax.tree.map(lambda a: a[self.layer_order],
-                                                                   host_params[self.stack])}
+            host_params = {
+                **host_params,
+                self.stack: jax.tree.map(lambda a: a[self.layer_order], host_params[self.stack]),
+            }
         # the same seed gives the same values on any mesh: built on the host, then placed
         self.params = jax.tree.map(lambda x, s: jax.device_put(x, s), host_params, self.shardings)
         self.opt_specs = self.train_step.opt_state_specs(self.params)
@@ -78,8 +92,9 @@ class Trainer:
         stays as it was, metrics["skipped"] is true) when the loss is not finite or exceeds max_loss."""
         batch = self.task.batch(self.step_count)
         limit = jnp.float32(jnp.inf if max_loss is None else max_loss)
-        self.params, self.opt_state, out = self._step(self.params, self.opt_state, batch, self.key(self.step_count),
-                                                      limit)
+        self.params, self.opt_state, out = self._step(
+            self.params, self.opt_state, batch, self.key(self.step_count), limit
+        )
         self.step_count += 1
         return {**out, "progress": getattr(self.task, "progress", ())}
 
@@ -90,7 +105,7 @@ class Trainer:
         self.params, self.opt_state = state["params"], state["opt_state"]
 
     def val_loss(self):
-        return float(self._eval(self.params, self.task.batch(0, val=True), self.key(2 ** 31 - 1)))
+        return float(self._eval(self.params, self.task.batch(0, val=True), self.key(2**31 - 1)))
 
     def model(self):
         return nnx.merge(self.graphdef, self.state()["params"])
@@ -116,17 +131,23 @@ class Trainer:
         return {"params": params, "opt_state": opt_state}
 
     def metadata(self):
-        return {"model": self.task.metadata(), "mesh": self.plan.describe(), "config": dataclasses.asdict(self.cfg),
-                "param_layout": PARAM_LAYOUT}
+        return {
+            "model": self.task.metadata(),
+            "mesh": self.plan.describe(),
+            "config": dataclasses.asdict(self.cfg),
+            "param_layout": PARAM_LAYOUT,
+        }
 
     def restore(self, ckpt: Checkpointer, step=None):
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state())
         step = ckpt.latest_step() if step is None else step
         layout = ckpt.metadata(step).get("param_layout")
         if layout != PARAM_LAYOUT:
-            raise ValueError(f"checkpoint step {step} in {ckpt.directory} has parameter layout {layout or 'per-layer (jaxring 0.1)'}"
-                             f", this jaxring needs {PARAM_LAYOUT!r} (layers stacked [num_layers, ...] and scanned); "
-                             f"its optimizer state does not carry over: retrain, or restore it with jaxring 0.1")
+            raise ValueError(
+                f"checkpoint step {step} in {ckpt.directory} has parameter layout {layout or 'per-layer (jaxring 0.1)'}"
+                f", this jaxring needs {PARAM_LAYOUT!r} (layers stacked [num_layers, ...] and scanned); "
+                f"its optimizer state does not carry over: retrain, or restore it with jaxring 0.1"
+            )
         state = ckpt.restore(step, target, expected_metadata={"model": self.task.metadata()})
         self.set_state(state)
         self.step_count = step

@@ -8,6 +8,7 @@ DiTConfig): the field must exist, the value must have the field's type (int, flo
 the field allows it), sizes must be positive and numbers finite. The dataclass's own checks (divisibility
 and the like) still run when the model is built.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,16 +19,42 @@ import typing
 
 # TrainConfig field -> (kind, rule); "int>=1": positive int, "int>=0", "float>0", ... None allowed if "?".
 RULES = {
-    "steps": "int>=1", "seed": "seed", "batch_size": "int>=1", "seq_len": "int>=1?", "image_size": "int>=1?",
-    "lr": "float>0", "warmup": "int>=0", "min_lr_ratio": "float[0,1]", "weight_decay": "float>=0",
-    "clip": "float>0", "grad_accum": "int>=1", "dp": "int>=1", "fsdp": "int>=1", "pp": "int>=1", "tp": "int>=1",
-    "sp": "int>=1", "ep": "int>=1", "team_size": "int>=1?", "ulysses_size": "int>=1?", "checkpoint_every": "int>=0",
-    "keep_checkpoints": "int>=1", "log_every": "int>=1", "sample_tokens": "int>=0", "zero": "zero?",
-    "microbatches": "int>=1?", "virtual_stages": "int>=1",
+    "steps": "int>=1",
+    "seed": "seed",
+    "batch_size": "int>=1",
+    "seq_len": "int>=1?",
+    "image_size": "int>=1?",
+    "lr": "float>0",
+    "warmup": "int>=0",
+    "min_lr_ratio": "float[0,1]",
+    "weight_decay": "float>=0",
+    "clip": "float>0",
+    "grad_accum": "int>=1",
+    "dp": "int>=1",
+    "fsdp": "int>=1",
+    "pp": "int>=1",
+    "tp": "int>=1",
+    "sp": "int>=1",
+    "ep": "int>=1",
+    "team_size": "int>=1?",
+    "ulysses_size": "int>=1?",
+    "checkpoint_every": "int>=0",
+    "keep_checkpoints": "int>=1",
+    "log_every": "int>=1",
+    "sample_tokens": "int>=0",
+    "zero": "zero?",
+    "microbatches": "int>=1?",
+    "virtual_stages": "int>=1",
 }
-RULE_TEXT = {"int>=1": "a positive integer", "int>=0": "a non-negative integer", "float>0": "a finite number > 0",
-             "float>=0": "a finite number >= 0", "float[0,1]": "a number in [0, 1]",
-             "seed": "an integer in [0, 2**32)", "zero": "a ZeRO stage 0, 1, 2 or 3"}
+RULE_TEXT = {
+    "int>=1": "a positive integer",
+    "int>=0": "a non-negative integer",
+    "float>0": "a finite number > 0",
+    "float>=0": "a finite number >= 0",
+    "float[0,1]": "a number in [0, 1]",
+    "seed": "an integer in [0, 2**32)",
+    "zero": "a ZeRO stage 0, 1, 2 or 3",
+}
 
 # Model config int fields that are sizes or counts (must be >= 1); other int fields must be >= 0.
 SIZE_PREFIXES = ("num_",)
@@ -56,7 +83,7 @@ def check_value(label: str, value, rule: str) -> None:
     if rule.startswith("int"):
         ok = _is_int(value) and value >= (1 if rule == "int>=1" else 0)
     elif rule == "seed":
-        ok = _is_int(value) and 0 <= value < 2 ** 32
+        ok = _is_int(value) and 0 <= value < 2**32
     elif rule == "zero":
         ok = _is_int(value) and 0 <= value <= 3
     elif rule == "float>0":
@@ -76,7 +103,7 @@ def validate_config(cfg) -> None:
     for name, rule in RULES.items():
         if hasattr(cfg, name):
             check_value(_flag(name), getattr(cfg, name), rule)
-    for name, (accepted, optional) in _field_types(type(cfg)).items():   # fields without a rule: their type
+    for name, (accepted, optional) in _field_types(type(cfg)).items():  # fields without a rule: their type
         value = getattr(cfg, name)
         if name in RULES or (value is None and optional) or bool in accepted:
             continue
@@ -104,13 +131,16 @@ def validate_config(cfg) -> None:
 
 # ------------------------------------------------------------------------------------------ model overrides
 
+
 def model_config_class(model: str):
     """GPTConfig / DiTConfig for "gpt" / "dit" (None for another model name: check_config reports it)."""
     if model == "gpt":
         from models.gpt import GPTConfig
+
         return GPTConfig
     if model == "dit":
         from models.dit import DiTConfig
+
         return DiTConfig
     return None
 
@@ -121,8 +151,11 @@ def _field_types(config_class) -> dict[str, tuple[tuple[type, ...], bool]]:
     out = {}
     for f in dataclasses.fields(config_class):
         hint = hints.get(f.name, object)
-        args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+        args = (
+            typing.get_args(hint)
+            if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
             else (hint,)
+        )
         optional = type(None) in args
         out[f.name] = (tuple(a for a in args if a is not type(None)), optional)
     return out
@@ -146,8 +179,10 @@ def check_override(config_class, field, value) -> None:
         return
     if int in accepted and _is_int(value):
         if value < (1 if _is_size(field) else 0):
-            raise ValueError(f"{label}{value}: {name}.{field} must be "
-                             f"{'a positive' if _is_size(field) else 'a non-negative'} integer")
+            raise ValueError(
+                f"{label}{value}: {name}.{field} must be "
+                f"{'a positive' if _is_size(field) else 'a non-negative'} integer"
+            )
         return
     if float in accepted and _is_number(value):
         if not math.isfinite(value) or value < 0:
@@ -158,9 +193,12 @@ def check_override(config_class, field, value) -> None:
     if str in accepted and isinstance(value, str):
         return
     if not any(t in (int, float, bool, str) for t in accepted):
-        return          # a field of another type (tuple, nested config): left to the dataclass
-    kinds = " or ".join({int: "an integer", float: "a number", bool: "true/false", str: "a string"}[t]
-                        for t in accepted if t in (int, float, bool, str))
+        return  # a field of another type (tuple, nested config): left to the dataclass
+    kinds = " or ".join(
+        {int: "an integer", float: "a number", bool: "true/false", str: "a string"}[t]
+        for t in accepted
+        if t in (int, float, bool, str)
+    )
     raise ValueError(f"{label}{value!r}: {name}.{field} must be {kinds}{' or None' if optional else ''}")
 
 
@@ -182,7 +220,7 @@ def _parse_value(text: str, accepted: tuple[type, ...], optional: bool):
             pass
     if str in accepted:
         return text
-    return text      # the wrong type: check_override names the field and what it takes
+    return text  # the wrong type: check_override names the field and what it takes
 
 
 def parse_overrides(model: str, items) -> dict:
@@ -200,7 +238,7 @@ def parse_overrides(model: str, items) -> dict:
             out[field] = text
             continue
         if field not in fields:
-            check_override(config_class, field, text)        # raises: no such field
+            check_override(config_class, field, text)  # raises: no such field
         out[field] = _parse_value(text, *fields[field])
         check_override(config_class, field, out[field])
     return out

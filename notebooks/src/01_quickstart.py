@@ -64,7 +64,7 @@ print("mesh axes:", dict(mesh.shape))
 # %%
 BATCH, HEADS, HEAD_DIM = 1, 8, 64
 SEQ = 512 if FAST else 4096
-SEQ = -(-SEQ // (2 * P)) * 2 * P           # zig-zag needs seq divisible by 2 * sp
+SEQ = -(-SEQ // (2 * P)) * 2 * P  # zig-zag needs seq divisible by 2 * sp
 
 kq, kk, kv, kd = jax.random.split(jax.random.PRNGKey(0), 4)
 q = jax.random.normal(kq, (BATCH, SEQ, HEADS, HEAD_DIM), jnp.float32)
@@ -77,7 +77,7 @@ def ring_fn(q, k, v):
 
 
 def reference_fn(q, k, v):
-    return jaxring.attention_reference(q, k, v, causal=True)[0]      # returns (out, lse)
+    return jaxring.attention_reference(q, k, v, causal=True)[0]  # returns (out, lse)
 
 
 def xla_fn(q, k, v):
@@ -133,15 +133,19 @@ from jaxring.timing import median_seconds
 
 RUNS = 2 if FAST else 3
 print(f"{'':34s} {'median time':>12s} {'temp memory / device':>21s} {'bytes sent / device':>20s}")
-for name, fn, args in [("ring (forward)", ring_fn, (q, k, v)),
-                       ("attention_reference (forward)", reference_fn, (q, k, v)),
-                       ("jax.nn.dot_product_attention", xla_fn, (q, k, v)),
-                       ("ring (forward + backward)", ring_grad_fn, (q, k, v, dout)),
-                       ("reference (forward + backward)", reference_grad_fn, (q, k, v, dout))]:
-    seconds = median_seconds(jax.jit(fn), *args, runs=RUNS)   # compiled above: jit finds it in its cache
-    stats = compile_stats(fn, *args)                           # the same compiled program
-    print(f"{name:34s} {seconds * 1e3:9.1f} ms {stats.temp_bytes / 2**20:17.1f} MiB "
-          f"{stats.total_bytes_moved / 2**20:16.1f} MiB")
+for name, fn, args in [
+    ("ring (forward)", ring_fn, (q, k, v)),
+    ("attention_reference (forward)", reference_fn, (q, k, v)),
+    ("jax.nn.dot_product_attention", xla_fn, (q, k, v)),
+    ("ring (forward + backward)", ring_grad_fn, (q, k, v, dout)),
+    ("reference (forward + backward)", reference_grad_fn, (q, k, v, dout)),
+]:
+    seconds = median_seconds(jax.jit(fn), *args, runs=RUNS)  # compiled above: jit finds it in its cache
+    stats = compile_stats(fn, *args)  # the same compiled program
+    print(
+        f"{name:34s} {seconds * 1e3:9.1f} ms {stats.temp_bytes / 2**20:17.1f} MiB "
+        f"{stats.total_bytes_moved / 2**20:16.1f} MiB"
+    )
 
 # %% [markdown]
 # How to read this:
@@ -173,20 +177,23 @@ for name, fn, args in [("ring (forward)", ring_fn, (q, k, v)),
 # %%
 import matplotlib.pyplot as plt
 
-P_PIC = P if P > 1 else 8                 # the picture works for any device count
-S_PIC = 8 * P_PIC                         # tokens in the picture
+P_PIC = P if P > 1 else 8  # the picture works for any device count
+S_PIC = 8 * P_PIC  # tokens in the picture
 n_pic = S_PIC // P_PIC
 for r in range(min(P_PIC, 3)):
-    print(f"zigzag: device {r} holds positions {np.asarray(jaxring.layout_positions('zigzag', r, P_PIC, n_pic)).tolist()}")
+    print(
+        f"zigzag: device {r} holds positions {np.asarray(jaxring.layout_positions('zigzag', r, P_PIC, n_pic)).tolist()}"
+    )
 
 layouts = ("contiguous", "zigzag", "striped")
 fig, axes = plt.subplots(len(layouts), 1, figsize=(12, 0.9 * len(layouts) + 0.8), sharex=True)
 for ax, layout in zip(axes, layouts):
     perm = jaxring.layout_permutation(layout, S_PIC, P_PIC)
     owner = np.empty(S_PIC, int)
-    owner[perm] = np.arange(S_PIC) // n_pic          # owner[position] = device holding that token
-    ax.imshow(owner[None, :], cmap="tab20" if P_PIC > 10 else "tab10", aspect="auto",
-              vmin=0, vmax=19 if P_PIC > 10 else 9)
+    owner[perm] = np.arange(S_PIC) // n_pic  # owner[position] = device holding that token
+    ax.imshow(
+        owner[None, :], cmap="tab20" if P_PIC > 10 else "tab10", aspect="auto", vmin=0, vmax=19 if P_PIC > 10 else 9
+    )
     for t in range(S_PIC):
         ax.text(t, 0, str(owner[t]), ha="center", va="center", fontsize=7)
     ax.set_yticks([])
@@ -206,6 +213,7 @@ plt.show()
 # The ring is also **synchronous**: at step `t` device `r` holds the K/V block of device `(r − t) mod sp`, and
 # nobody can start step `t + 1` before the slowest device finishes step `t`. So the time is
 # Σ over steps of the *largest* per-device work, shown as "ring time" below in units of pairs.
+
 
 # %%
 def causal_pairs(layout, sp, seq):
@@ -228,12 +236,18 @@ width = 0.4
 for i, layout in enumerate(("contiguous", "zigzag")):
     work = causal_pairs(layout, SP_WORK, SEQ_WORK)
     per_device = work.sum(axis=1)
-    ring_time = work.max(axis=0).sum()          # each step waits for the slowest device
+    ring_time = work.max(axis=0).sum()  # each step waits for the slowest device
     ideal = per_device.sum() / SP_WORK
-    ax.bar(np.arange(SP_WORK) + (i - 0.5) * width, per_device / 1e6, width,
-           label=f"{layout}: max/mean {per_device.max() / per_device.mean():.2f}")
-    print(f"{layout:10s}: pairs per device {per_device.min():,} .. {per_device.max():,}; "
-          f"ring time {ring_time:,} = {ring_time / ideal:.2f} x the balanced ideal")
+    ax.bar(
+        np.arange(SP_WORK) + (i - 0.5) * width,
+        per_device / 1e6,
+        width,
+        label=f"{layout}: max/mean {per_device.max() / per_device.mean():.2f}",
+    )
+    print(
+        f"{layout:10s}: pairs per device {per_device.min():,} .. {per_device.max():,}; "
+        f"ring time {ring_time:,} = {ring_time / ideal:.2f} x the balanced ideal"
+    )
 ax.set_xlabel("device (sp rank)")
 ax.set_ylabel("causal query-key pairs (millions)")
 ax.set_title(f"Causal work per device, seq {SEQ_WORK:,} over {SP_WORK} devices")

@@ -62,7 +62,7 @@ from jaxring.analysis import compile_stats
 
 P = len(devices)
 mesh = jaxring.make_mesh(sp=P)
-HEADS = math.lcm(8, P)                    # Ulysses splits the heads over sp: heads divisible by sp
+HEADS = math.lcm(8, P)  # Ulysses splits the heads over sp: heads divisible by sp
 BATCH, HEAD_DIM = 1, 32 if FAST else 64
 
 
@@ -90,10 +90,13 @@ CONFIGS = configs(P)
 
 def forward_backward(options):
     """(q, k, v, dout) -> (out, (dq, dk, dv)), causal, for one strategy (jit it to run it)."""
+
     def run(q, k, v, dout):
-        out, vjp = jax.vjp(lambda q, k, v: jaxring.sharded_attention(q, k, v, mesh=mesh, causal=True, **options),
-                           q, k, v)
+        out, vjp = jax.vjp(
+            lambda q, k, v: jaxring.sharded_attention(q, k, v, mesh=mesh, causal=True, **options), q, k, v
+        )
         return out, vjp(dout)
+
     return run
 
 
@@ -118,7 +121,7 @@ for name, options in CONFIGS.items():
 # `jaxring.attention_reference` (dense attention in fp32) with the same output cotangent.
 
 # %%
-SWEEP_SEQS = (256, 512) if FAST else (2048, 4096, 8192, 16384)   # for section 2
+SWEEP_SEQS = (256, 512) if FAST else (2048, 4096, 8192, 16384)  # for section 2
 SEQ = SWEEP_SEQS[0]
 keys = jax.random.split(jax.random.PRNGKey(0), 4)
 q, k, v, dout = (jax.random.normal(key, (BATCH, SEQ, HEADS, HEAD_DIM), jnp.float32) for key in keys)
@@ -131,12 +134,13 @@ def reference(q, k, v, dout):
 
 
 expected = reference(q, k, v, dout)
-TOL = 1e-4 if devices[0].platform == "cpu" else 2e-2   # relative; GPUs may use TF32 for fp32 matmuls
+TOL = 1e-4 if devices[0].platform == "cpu" else 2e-2  # relative; GPUs may use TF32 for fp32 matmuls
 rows = []
 for name in CONFIGS:
     got = jax.jit(FORWARD_BACKWARD[name])(q, k, v, dout)
-    errors = [float(jnp.abs(a - b).max() / jnp.abs(b).max())
-              for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected))]
+    errors = [
+        float(jnp.abs(a - b).max() / jnp.abs(b).max()) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected))
+    ]
     rows.append((name, *errors))
 
 header = f"{'strategy':26s} {'out':>9s} {'dq':>9s} {'dk':>9s} {'dv':>9s}   max error / max |reference|"
@@ -160,10 +164,13 @@ assert not bad, f"strategies off the reference by more than {TOL}: {bad}"
 # (`zigzag` moves two half-chunks per tensor per device).
 
 # %%
-SWEEP = [name for name in ("dense", "ring zigzag", "rsa", "ulysses", "allgather", "wallfacer C=2", "usp U=2")
-         if name in CONFIGS]
+SWEEP = [
+    name
+    for name in ("dense", "ring zigzag", "rsa", "ulysses", "allgather", "wallfacer C=2", "usp U=2")
+    if name in CONFIGS
+]
 
-stats = {}                                    # (name, seq) -> CompiledStats
+stats = {}  # (name, seq) -> CompiledStats
 for seq in SWEEP_SEQS:
     x = jax.ShapeDtypeStruct((BATCH, seq, HEADS, HEAD_DIM), jnp.float32)
     for name in SWEEP:
@@ -176,17 +183,24 @@ header = f"{'strategy':16s}" + "".join(f"{kind:>20s}" for kind in kinds) + f"{'t
 print(header + "\n" + "-" * len(header))
 for name in SWEEP:
     s = stats[name, seq]
-    print(f"{name:16s}" + "".join(f"{s.bytes_moved[kind] / 2**20:20.2f}" for kind in kinds)
-          + f"{s.total_bytes_moved / 2**20:10.2f}{s.peak_bytes / 2**20:13.1f}")
+    print(
+        f"{name:16s}"
+        + "".join(f"{s.bytes_moved[kind] / 2**20:20.2f}" for kind in kinds)
+        + f"{s.total_bytes_moved / 2**20:10.2f}{s.peak_bytes / 2**20:13.1f}"
+    )
 
 # %%
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
 fig, (ax_bytes, ax_mem) = plt.subplots(1, 2, figsize=(13, 4.5))
 for i, name in enumerate(SWEEP):
-    style = dict(color=f"C{i}", marker="o", linestyle="--" if name == "dense" else "-",
-                 label="dense (one device)" if name == "dense" else name)
-    if name != "dense":                       # dense runs on one device and moves nothing
+    style = dict(
+        color=f"C{i}",
+        marker="o",
+        linestyle="--" if name == "dense" else "-",
+        label="dense (one device)" if name == "dense" else name,
+    )
+    if name != "dense":  # dense runs on one device and moves nothing
         ax_bytes.plot(SWEEP_SEQS, [stats[name, s].total_bytes_moved / 2**20 for s in SWEEP_SEQS], **style)
     ax_mem.plot(SWEEP_SEQS, [stats[name, s].peak_bytes / 2**20 for s in SWEEP_SEQS], **style)
 for ax, title in ((ax_bytes, "bytes received per device"), (ax_mem, "peak memory per device")):
@@ -234,31 +248,42 @@ from jaxring.attention.wallfacer import WF_AXES, wallfacer_attention, wallfacer_
 
 def forward_kernel_bytes(local, kernel_mesh, seq_axes, x):
     spec = PS(None, seq_axes, None, None)
-    return compile_stats(jax.shard_map(local, mesh=kernel_mesh, in_specs=(spec,) * 3, out_specs=spec),
-                         x, x, x).bytes_moved
+    return compile_stats(
+        jax.shard_map(local, mesh=kernel_mesh, in_specs=(spec,) * 3, out_specs=spec), x, x, x
+    ).bytes_moved
 
 
 x = jax.ShapeDtypeStruct((BATCH, SWEEP_SEQS[-1], HEADS, HEAD_DIM), jnp.float32)
-block = 4 * BATCH * (x.shape[1] // P) * HEADS * HEAD_DIM       # bytes of one local K (or V) block, fp32
-ring_fwd = forward_kernel_bytes(lambda q, k, v: jaxring.ring_attention(q, k, v, axis_name="sp", layout="zigzag"),
-                                mesh, "sp", x)
+block = 4 * BATCH * (x.shape[1] // P) * HEADS * HEAD_DIM  # bytes of one local K (or V) block, fp32
+ring_fwd = forward_kernel_bytes(
+    lambda q, k, v: jaxring.ring_attention(q, k, v, axis_name="sp", layout="zigzag"), mesh, "sp", x
+)
 ring_p2p = ring_fwd["collective-permute"] / block
-print(f"forward kernels, seq {x.shape[1]}, sp = P = {P}; volume per device in local K/V blocks "
-      f"({block / 2**20:.3f} MiB each)")
-print(f"ring attention   point-to-point {ring_p2p:6.2f}   paper 2P = {2 * P}; jaxring's ring makes P-1 hops "
-      f"(no send after the last step): 2(P-1) = {2 * (P - 1)}")
+print(
+    f"forward kernels, seq {x.shape[1]}, sp = P = {P}; volume per device in local K/V blocks "
+    f"({block / 2**20:.3f} MiB each)"
+)
+print(
+    f"ring attention   point-to-point {ring_p2p:6.2f}   paper 2P = {2 * P}; jaxring's ring makes P-1 hops "
+    f"(no send after the last step): 2(P-1) = {2 * (P - 1)}"
+)
 for c in (2, 4):
     if P % (c * c):
         continue
-    wf = forward_kernel_bytes(lambda q, k, v: wallfacer_attention(q, k, v, team_size=c, layout="zigzag"),
-                              wallfacer_mesh(mesh, c), WF_AXES, x)
+    wf = forward_kernel_bytes(
+        lambda q, k, v: wallfacer_attention(q, k, v, team_size=c, layout="zigzag"), wallfacer_mesh(mesh, c), WF_AXES, x
+    )
     p2p = wf["collective-permute"] / block
     collectives = (sum(wf.values()) - wf["collective-permute"]) / block
     print(f"WallFacer C={c}    point-to-point {p2p:6.2f}   paper 2P/C = {2 * P / c:g}")
-    print(f"                 collectives    {collectives:6.2f}   paper 4(C-1) = {4 * (c - 1)} "
-          f"(+ lse rows, 1/head_dim of a block each, which the paper leaves out)")
-    print(f"  WallFacer / ring: point-to-point {p2p / ring_p2p:.3f} (paper 1/C = {1 / c:.3f}), "
-          f"total {(p2p + collectives) / ring_p2p:.3f} (paper 1/C + 2(C-1)/P = {1 / c + 2 * (c - 1) / P:.3f})")
+    print(
+        f"                 collectives    {collectives:6.2f}   paper 4(C-1) = {4 * (c - 1)} "
+        f"(+ lse rows, 1/head_dim of a block each, which the paper leaves out)"
+    )
+    print(
+        f"  WallFacer / ring: point-to-point {p2p / ring_p2p:.3f} (paper 1/C = {1 / c:.3f}), "
+        f"total {(p2p + collectives) / ring_p2p:.3f} (paper 1/C + 2(C-1)/P = {1 / c + 2 * (c - 1) / P:.3f})"
+    )
 if P % 4:
     print(f"WallFacer with teams needs C ≥ 2 with C² dividing sp = {P}: nothing to compare here")
 
@@ -284,8 +309,10 @@ for s in SWEEP_SEQS:
     rsa_t, ring_t = stats["rsa", s].temp_bytes, stats["ring zigzag", s].temp_bytes
     print(f"{s:7d} {block / 2**20:12.2f} {rsa_t / 2**20:10.2f} {rsa_t / block:8.2f} {ring_t / 2**20:10.2f}")
 for name in ("rsa", "ring zigzag"):
-    growth = [math.log2(stats[name, b].temp_bytes / stats[name, a].temp_bytes)
-              / math.log2(b / a) for a, b in zip(SWEEP_SEQS, SWEEP_SEQS[1:])]
+    growth = [
+        math.log2(stats[name, b].temp_bytes / stats[name, a].temp_bytes) / math.log2(b / a)
+        for a, b in zip(SWEEP_SEQS, SWEEP_SEQS[1:])
+    ]
     print(f"{name:12s} temp memory grows as seq^" + ", seq^".join(f"{g:.2f}" for g in growth))
 
 # %% [markdown]
@@ -324,20 +351,26 @@ from functools import partial
 from jaxring.rope import apply_rope
 from jaxring.tensor import megatron, metp, optimus
 
-Q = max(q for q in range(1, P + 1) if P % (q * q) == 0)   # Optimus: the largest q×q grid that divides P
-TP_METHODS = {                                             # name -> (module, mesh)
+Q = max(q for q in range(1, P + 1) if P % (q * q) == 0)  # Optimus: the largest q×q grid that divides P
+TP_METHODS = {  # name -> (module, mesh)
     "megatron": (megatron, jaxring.make_mesh(tp=P)),
     "optimus": (optimus, jaxring.make_mesh(dp=P // (Q * Q), tp=Q * Q)),
     "metp": (metp, jaxring.make_mesh(tp=P)),
 }
-TP_BATCH = P // (Q * Q) * Q                                # divisible by Optimus's dp · q; used by all three
+TP_BATCH = P // (Q * Q) * Q  # divisible by Optimus's dp · q; used by all three
 ATTN_NAMES, MLP_NAMES = ("wq", "wk", "wv", "wo"), ("w_in", "w_out")
 
 
 def tp_shapes(hidden):
     """The weights of one layer (multi-head attention and a GELU MLP with ffn = 4 · hidden), no biases."""
-    return {"wq": (hidden, hidden), "wk": (hidden, hidden), "wv": (hidden, hidden), "wo": (hidden, hidden),
-            "w_in": (hidden, 4 * hidden), "w_out": (4 * hidden, hidden)}
+    return {
+        "wq": (hidden, hidden),
+        "wk": (hidden, hidden),
+        "wv": (hidden, hidden),
+        "wo": (hidden, hidden),
+        "w_in": (hidden, 4 * hidden),
+        "w_out": (4 * hidden, hidden),
+    }
 
 
 def reference_attention(x, w, positions, heads, kv_heads=None):
@@ -359,8 +392,9 @@ def attention_of(module, mesh, heads):
     """f(x, w, positions) for a method (module None: the reference)."""
     if module is None:
         return partial(reference_attention, heads=heads)
-    return lambda x, w, positions: module.attention_block(x, w, positions, mesh=mesh, num_heads=heads,
-                                                          num_kv_heads=heads, causal=True)
+    return lambda x, w, positions: module.attention_block(
+        x, w, positions, mesh=mesh, num_heads=heads, num_kv_heads=heads, causal=True
+    )
 
 
 def mlp_of(module, mesh):
@@ -376,14 +410,17 @@ def layer_of(module, mesh, heads):
     def layer(x, w, positions):
         y = x + attention(x, {n: w[n] for n in ATTN_NAMES}, positions)
         return y + mlp(y, {n: w[n] for n in MLP_NAMES}, positions)
+
     return layer
 
 
 def forward_backward(f):
     """f(x, w, positions) -> run(x, w, positions, dy) = (out, (dx, dw)), dw a dict like w."""
+
     def run(x, w, positions, dy):
         out, vjp = jax.vjp(lambda x, w: f(x, w, positions), x, w)
         return out, vjp(dy)
+
     return run
 
 
@@ -399,10 +436,12 @@ for name, (module, mesh) in TP_METHODS.items():
 
 # %%
 CHECK_SEQ, CHECK_HIDDEN = (256, 64) if FAST else (1024, 256)
-CHECK_HEADS = math.lcm(8, P)                               # heads split over tp: a multiple of P
+CHECK_HEADS = math.lcm(8, P)  # heads split over tp: a multiple of P
 keys = jax.random.split(jax.random.PRNGKey(1), 8)
-tp_w = {n: jax.random.normal(key, shape) / math.sqrt(shape[0])
-        for key, (n, shape) in zip(keys, tp_shapes(CHECK_HIDDEN).items())}
+tp_w = {
+    n: jax.random.normal(key, shape) / math.sqrt(shape[0])
+    for key, (n, shape) in zip(keys, tp_shapes(CHECK_HIDDEN).items())
+}
 tp_x, tp_dy = (jax.random.normal(key, (TP_BATCH, CHECK_SEQ, CHECK_HIDDEN)) for key in keys[6:])
 tp_positions = jnp.broadcast_to(jnp.arange(CHECK_SEQ, dtype=jnp.int32), (TP_BATCH, CHECK_SEQ))
 
@@ -417,8 +456,11 @@ def rel_error(a, b):
 
 
 # one function object per (block, method): section 4.3 measures the same compiled programs
-CHECK_FNS = {(kind, name): block_fn(kind, module, mesh)
-             for kind in ("attention", "mlp") for name, (module, mesh) in TP_METHODS.items()}
+CHECK_FNS = {
+    (kind, name): block_fn(kind, module, mesh)
+    for kind in ("attention", "mlp")
+    for name, (module, mesh) in TP_METHODS.items()
+}
 print(f"batch {TP_BATCH}, seq {CHECK_SEQ}, hidden {CHECK_HIDDEN}, heads {CHECK_HEADS}, ffn {4 * CHECK_HIDDEN}, fp32")
 worst = {}
 for kind, names in (("attention", ATTN_NAMES), ("mlp", MLP_NAMES)):
@@ -446,8 +488,7 @@ assert not bad, f"off the reference by more than {TOL}: {bad}"
 # %%
 LAYER_HIDDEN, LAYER_HEADS = 1024, math.lcm(16, P)
 LAYER_SEQS = (2048, 8192) if FAST else (2048, 8192, 32768)
-LAYER_FNS = {name: forward_backward(layer_of(module, mesh, LAYER_HEADS))
-             for name, (module, mesh) in TP_METHODS.items()}
+LAYER_FNS = {name: forward_backward(layer_of(module, mesh, LAYER_HEADS)) for name, (module, mesh) in TP_METHODS.items()}
 
 
 def layer_args(module, mesh, seq, hidden=LAYER_HIDDEN):
@@ -459,7 +500,7 @@ def layer_args(module, mesh, seq, hidden=LAYER_HIDDEN):
     return x, w, jax.ShapeDtypeStruct((TP_BATCH, seq), jnp.int32), x
 
 
-tp_stats = {}                                              # (name, seq) -> CompiledStats
+tp_stats = {}  # (name, seq) -> CompiledStats
 for seq in LAYER_SEQS:
     for name, (module, mesh) in TP_METHODS.items():
         tp_stats[name, seq] = compile_stats(LAYER_FNS[name], *layer_args(module, mesh, seq))
@@ -472,8 +513,11 @@ print(header + "\n" + "-" * len(header))
 for name in TP_METHODS:
     for seq in LAYER_SEQS:
         s = tp_stats[name, seq]
-        print(f"{name:9s}{seq:7d}" + "".join(f"{s.bytes_moved[k] / MiB:20.1f}" for k in tp_kinds)
-              + f"{s.total_bytes_moved / MiB:9.1f}{s.peak_bytes / MiB:9.1f}")
+        print(
+            f"{name:9s}{seq:7d}"
+            + "".join(f"{s.bytes_moved[k] / MiB:20.1f}" for k in tp_kinds)
+            + f"{s.total_bytes_moved / MiB:9.1f}{s.peak_bytes / MiB:9.1f}"
+        )
 
 # %%
 from matplotlib.ticker import LogLocator
@@ -531,8 +575,12 @@ longest = LAYER_SEQS[-1]
 assert P == 1 or tp_stats["metp", longest].peak_bytes < tp_stats["megatron", longest].peak_bytes
 
 fig, ax = plt.subplots(figsize=(6.5, 3.5))
-ax.plot(LAYER_SEQS, [tp_stats["metp", s].peak_bytes / tp_stats["megatron", s].peak_bytes for s in LAYER_SEQS],
-        marker="o", label="measured: METP peak / Megatron peak")
+ax.plot(
+    LAYER_SEQS,
+    [tp_stats["metp", s].peak_bytes / tp_stats["megatron", s].peak_bytes for s in LAYER_SEQS],
+    marker="o",
+    label="measured: METP peak / Megatron peak",
+)
 ax.axhline(r_p, color="k", linestyle="--", label=f"paper: r({P}) = {r_p:.3f}")
 ax.set_xscale("log", base=2)
 ax.set_xticks(LAYER_SEQS, [str(s) for s in LAYER_SEQS])
@@ -570,6 +618,7 @@ plt.show()
 # (the paper's `24(p−1)/p · h²` for the FFN and `12 log₂p · h² + 6(p−1)/p · bsh` for attention, plus the
 # gradients' extra hop home and the token positions that travel with K/V).
 
+
 # %%
 def megatron_bytes(b, s, h, p, blocks):
     """fp32 bytes per device: 5 transitions of (p-1)/p·bsh per block, and the int32 positions of attention."""
@@ -579,7 +628,7 @@ def megatron_bytes(b, s, h, p, blocks):
 def metp_bytes(b, s, h, p):
     """fp32 bytes per device of one METP layer (FFN ffn = 4h, MHA n_kv = n), forward + backward."""
     rounds = math.ceil(math.log2(p)) if p > 1 else 0
-    w_group, kv, pos = 4 * h * h // p, b * (s // p) * (h // p), b * (s // p)     # elements
+    w_group, kv, pos = 4 * h * h // p, b * (s // p) * (h // p), b * (s // p)  # elements
     mha = 3 * p * rounds * w_group + p * (p - 1) * (2 * kv + pos) + p * (2 * p - 1) * 2 * kv + p * (p - 1) * pos
     ffn = (3 * p - 2) * 8 * h * h // p
     return 4 * (mha + ffn)
@@ -590,8 +639,10 @@ mlp_w = {n: jax.ShapeDtypeStruct(tp_w[n].shape, jnp.float32) for n in MLP_NAMES}
 ffn = compile_stats(CHECK_FNS["mlp", "megatron"], x_check, mlp_w, tp_positions, x_check)
 b, s, h = TP_BATCH, CHECK_SEQ, CHECK_HIDDEN
 print(f"Megatron MLP block, forward + backward, b = {b}, s = {s}, h = {h}, p = {P}:")
-print(f"  measured {ffn.total_bytes_moved:>12,d} B  ({ffn.bytes_moved['all-gather']:,d} all-gather + "
-      f"{ffn.bytes_moved['reduce-scatter']:,d} reduce-scatter)")
+print(
+    f"  measured {ffn.total_bytes_moved:>12,d} B  ({ffn.bytes_moved['all-gather']:,d} all-gather + "
+    f"{ffn.bytes_moved['reduce-scatter']:,d} reduce-scatter)"
+)
 print(f"  5(p-1)/p·bsh = {megatron_bytes(b, s, h, P, ['mlp']):>8,d} B")
 print(f"\nlayer (attention + MLP), forward + backward, h = {LAYER_HIDDEN}, b = {TP_BATCH}  (MiB per device)")
 print(f"{'seq':>7s} {'megatron':>10s} {'count':>10s} {'metp':>10s} {'count':>10s}")
@@ -599,12 +650,20 @@ counts = {}
 for seq in LAYER_SEQS:
     counts["megatron", seq] = megatron_bytes(TP_BATCH, seq, LAYER_HIDDEN, P, ["mlp", "attention"])
     counts["metp", seq] = metp_bytes(TP_BATCH, seq, LAYER_HIDDEN, P)
-    print(f"{seq:7d}" + "".join(f" {tp_stats[name, seq].total_bytes_moved / MiB:10.2f} {counts[name, seq] / MiB:10.2f}"
-                                for name in ("megatron", "metp")))
+    print(
+        f"{seq:7d}"
+        + "".join(
+            f" {tp_stats[name, seq].total_bytes_moved / MiB:10.2f} {counts[name, seq] / MiB:10.2f}"
+            for name in ("megatron", "metp")
+        )
+    )
 # exact, byte for byte (at p = 2 METP's one-hop loops are unrolled and XLA sends the positions only once)
 assert ffn.total_bytes_moved == megatron_bytes(b, s, h, P, ["mlp"])
-assert all(tp_stats[name, seq].total_bytes_moved == count for (name, seq), count in counts.items()
-           if name == "megatron" or P != 2), counts
+assert all(
+    tp_stats[name, seq].total_bytes_moved == count
+    for (name, seq), count in counts.items()
+    if name == "megatron" or P != 2
+), counts
 
 # %% [markdown]
 # Both are exact to the byte: Megatron's bytes are the paper's formula (plus the positions), METP's the
@@ -631,15 +690,19 @@ for name in ("megatron", "optimus"):
     fwd[name] = compile_stats(layer_of(module, mesh, LAYER_HEADS), x, w, positions).total_bytes_moved
 
 h, p_grid, rounds = LAYER_HIDDEN, Q * Q, math.ceil(math.log2(Q)) if Q > 1 else 0
-b_grid = TP_BATCH // (P // p_grid)                         # the batch of one grid
+b_grid = TP_BATCH // (P // p_grid)  # the batch of one grid
 table1 = (math.log2(p_grid) / (2 * math.sqrt(p_grid)) * (7 * b_grid * seq * h + 12 * h * h)) * 4
 hoisted = (1 + Q * (rounds - 1)) / (Q * rounds) if Q > 1 else 0
 meg_table1 = 4 * (P - 1) / P * TP_BATCH * seq * h * 4
 print(f"layer forward, seq {seq}, per device (MiB):")
-print(f"  Megatron p = {P}: measured {fwd['megatron'] / MiB:8.2f}   Table 1 4(p-1)/p·bsh = {meg_table1 / MiB:8.2f}"
-      f"   (+ positions)")
-print(f"  Optimus {Q}×{Q}:   measured {fwd['optimus'] / MiB:8.2f}   Table 1 log(p)/(2√p)·(7bsh+12h²) = "
-      f"{table1 / MiB:8.2f}   × {hoisted:.2f} (tree round 0 hoisted) = {table1 * hoisted / MiB:8.2f}")
+print(
+    f"  Megatron p = {P}: measured {fwd['megatron'] / MiB:8.2f}   Table 1 4(p-1)/p·bsh = {meg_table1 / MiB:8.2f}"
+    f"   (+ positions)"
+)
+print(
+    f"  Optimus {Q}×{Q}:   measured {fwd['optimus'] / MiB:8.2f}   Table 1 log(p)/(2√p)·(7bsh+12h²) = "
+    f"{table1 / MiB:8.2f}   × {hoisted:.2f} (tree round 0 hoisted) = {table1 * hoisted / MiB:8.2f}"
+)
 if Q > 1:
     fb = tp_stats["optimus", seq].bytes_moved["collective-permute"]
     print(f"  Optimus forward + backward: {fb / MiB:.2f} MiB of tree steps = {fb / fwd['optimus']:.2f} × its forward")
@@ -665,10 +728,10 @@ from jaxring.tensor.optimus import GRID, grid_mesh
 
 grid, q_grid, _ = grid_mesh(TP_METHODS["optimus"][1])
 block = PS(*GRID)
-rows, cols = 16, 1024                                      # A blocks [16, 1024], B blocks [1024, 16]
+rows, cols = 16, 1024  # A blocks [16, 1024], B blocks [1024, 16]
 a = jax.ShapeDtypeStruct((rows * q_grid, cols * q_grid), jnp.float32, sharding=NamedSharding(grid, block))
 b = jax.ShapeDtypeStruct((cols * q_grid, rows * q_grid), jnp.float32, sharding=NamedSharding(grid, block))
-pair = 2 * rows * cols * 4                                  # bytes of one A block and one B block
+pair = 2 * rows * cols * 4  # bytes of one A block and one B block
 
 
 def collapsed_ab(a, b):
@@ -677,8 +740,10 @@ def collapsed_ab(a, b):
 
 for label, fn in (("stepwise SUMMA (optimus.summa_ab)", optimus.summa_ab), ("gathered panels", collapsed_ab)):
     s = compile_stats(jax.shard_map(fn, mesh=grid, in_specs=(block, block), out_specs=block), a, b)
-    print(f"q = {q_grid}: {label:34s} temporaries {s.temp_bytes / pair:4.1f} block pairs, "
-          f"moved {s.total_bytes_moved / pair:4.1f} block pairs")
+    print(
+        f"q = {q_grid}: {label:34s} temporaries {s.temp_bytes / pair:4.1f} block pairs, "
+        f"moved {s.total_bytes_moved / pair:4.1f} block pairs"
+    )
 
 # %% [markdown]
 # At `q = 2` a panel is only two blocks, so the difference is small here. `tests/test_optimus.py` compiles
@@ -724,13 +789,20 @@ from jaxring.nn import Attention, param_placements
 from jaxring.plan import ParallelPlan
 
 TPSP_TP, TPSP_SP = (2, P // 2) if P >= 4 else (1, P)
-TPSP_OPTIONS = {"wallfacer": dict(team_size=2), "usp": dict(ulysses_size=2)}   # the strategies' required options
+TPSP_OPTIONS = {"wallfacer": dict(team_size=2), "usp": dict(ulysses_size=2)}  # the strategies' required options
 tpsp_mesh = jaxring.make_mesh(tp=TPSP_TP, sp=TPSP_SP)
-TPSP_PLANS = {name: ParallelPlan(tpsp_mesh, attention=name, tensor_parallel="megatron", **TPSP_OPTIONS.get(name, {}))
-              for name in SEQUENCE_STRATEGIES if name != "dense"} if P >= 4 else {}
-B5, S5, H5, HEADS5, KV5 = 2, 128, 64, 8, 4                  # batch, seq, hidden, query heads, K/V heads
+TPSP_PLANS = (
+    {
+        name: ParallelPlan(tpsp_mesh, attention=name, tensor_parallel="megatron", **TPSP_OPTIONS.get(name, {}))
+        for name in SEQUENCE_STRATEGIES
+        if name != "dense"
+    }
+    if P >= 4
+    else {}
+)
+B5, S5, H5, HEADS5, KV5 = 2, 128, 64, 8, 4  # batch, seq, hidden, query heads, K/V heads
 block = Attention(H5, HEADS5, KV5, causal=True, rngs=nnx.Rngs(0))
-block_w = nnx.to_pure_dict(nnx.split(block)[1])            # {"wq": [64, 64], "wk": [64, 32], "wv": .., "wo": ..}
+block_w = nnx.to_pure_dict(nnx.split(block)[1])  # {"wq": [64, 64], "wk": [64, 32], "wv": .., "wo": ..}
 
 
 def block_forward_backward(module, plan):
@@ -738,19 +810,24 @@ def block_forward_backward(module, plan):
     Inside the shard_map everything is local: x [b, s/(sp·tp), h] in plan.activation_spec(), positions
     [b, s/sp] in plan.token_spec(), each weight as the tensor method splits it."""
     graphdef, state = nnx.split(module)
-    specs = jax.tree.map(lambda placement: placement.param_spec(0), param_placements(state, plan),
-                         is_leaf=lambda x: hasattr(x, "param_spec"))
+    specs = jax.tree.map(
+        lambda placement: placement.param_spec(0),
+        param_placements(state, plan),
+        is_leaf=lambda x: hasattr(x, "param_spec"),
+    )
 
     def local(w, x, positions):
         return nnx.merge(graphdef, w)(x, positions, plan)
 
-    layer = plan.shard_map(local, in_specs=(specs, plan.activation_spec(), plan.token_spec()),
-                           out_specs=plan.activation_spec())
+    layer = plan.shard_map(
+        local, in_specs=(specs, plan.activation_spec(), plan.token_spec()), out_specs=plan.activation_spec()
+    )
 
     def run(w, x, positions, dy):
         y, vjp = jax.vjp(lambda w, x: layer(w, x, positions), w, x)
         dw, dx = vjp(dy)
         return y, dx, dw
+
     return run
 
 
@@ -773,10 +850,10 @@ header = f"{'sequence strategy':26s}" + "".join(f"{c:>9s}" for c in ("y", "dx", 
 print(header + "\n" + "-" * len(header))
 tpsp_worst = {}
 for name, plan in TPSP_PLANS.items():
-    (x_l, dy_l), perm = plan.layout_tokens(x5, dy5)        # the plan's token layout, applied once
+    (x_l, dy_l), perm = plan.layout_tokens(x5, dy5)  # the plan's token layout, applied once
     positions = np.broadcast_to(perm, (B5, S5))
     y, dx, dw = jax.jit(TPSP_FNS[name])(block_w, x_l, positions, dy_l)
-    order = np.argsort(perm)                               # back to natural token order
+    order = np.argsort(perm)  # back to natural token order
     errors = [rel_error(np.asarray(y)[:, order], y_ref), rel_error(np.asarray(dx)[:, order], dx_ref)]
     errors += [rel_error(dw[n], dw_ref[n]) for n in ("wq", "wk", "wv", "wo")]
     tpsp_worst[name] = max(errors)
@@ -792,8 +869,10 @@ assert not bad, f"off the dense block by more than {TOL}: {bad}"
 # `sp > 1`:
 
 # %%
-for make in (lambda: ParallelPlan(tpsp_mesh, attention="ulysses", tensor_parallel="megatron").check_heads(4, 4),
-             lambda: ParallelPlan(tpsp_mesh, attention="ring", tensor_parallel="optimus")):
+for make in (
+    lambda: ParallelPlan(tpsp_mesh, attention="ulysses", tensor_parallel="megatron").check_heads(4, 4),
+    lambda: ParallelPlan(tpsp_mesh, attention="ring", tensor_parallel="optimus"),
+):
     try:
         make()
     except ValueError as e:
@@ -815,11 +894,16 @@ for make in (lambda: ParallelPlan(tpsp_mesh, attention="ulysses", tensor_paralle
 # tokens per sequence, and the ring on `dp = 2 × sp = 4` with an attention of the `1/tp` of the heads
 # that one `tp` rank holds.
 
+
 # %%
 def block_args(batch, seq, w):
     x = jax.ShapeDtypeStruct((batch, seq, H5), jnp.float32)
-    return (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), w), x,
-            jax.ShapeDtypeStruct((batch, seq), jnp.int32), x)
+    return (
+        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), w),
+        x,
+        jax.ShapeDtypeStruct((batch, seq), jnp.int32),
+        x,
+    )
 
 
 tpsp_stats = {name: compile_stats(TPSP_FNS[name], *block_args(B5, S5, block_w)) for name in TPSP_PLANS}
@@ -834,34 +918,47 @@ if P >= 4:
     tp, sp, n, d = TPSP_TP, TPSP_SP, S5 // TPSP_SP, H5 // HEADS5
     megatron_plan = ParallelPlan(jaxring.make_mesh(dp=sp, tp=tp), tensor_parallel="megatron")
     ring_plan = ParallelPlan(jaxring.make_mesh(dp=tp, sp=sp), attention="ring")
-    local_heads = Attention(H5, HEADS5 // tp, KV5 // tp, head_dim=d, rngs=nnx.Rngs(0))   # one tp rank's heads
+    local_heads = Attention(H5, HEADS5 // tp, KV5 // tp, head_dim=d, rngs=nnx.Rngs(0))  # one tp rank's heads
     alone = {
         "Megatron alone": compile_stats(block_forward_backward(block, megatron_plan), *block_args(B5 * sp, n, block_w)),
-        "ring alone": compile_stats(block_forward_backward(local_heads, ring_plan),
-                                    *block_args(B5 * tp, S5, nnx.to_pure_dict(nnx.split(local_heads)[1]))),
+        "ring alone": compile_stats(
+            block_forward_backward(local_heads, ring_plan),
+            *block_args(B5 * tp, S5, nnx.to_pure_dict(nnx.split(local_heads)[1])),
+        ),
     }
     megatron_formula = 5 * (tp - 1) * B5 * n * H5 * 4 // tp
     kv_block = B5 * n * (KV5 // tp) * d * 4
     ring_formula = (2 * (sp - 1) + 2 * (sp - 1) + 2 * sp) * kv_block
     local_w = 4 * H5 * d * (2 * HEADS5 + 2 * KV5) // tp
     grad_sum_formula = round(2 * (sp - 1) / sp * local_w)
-    rows = [(f"Megatron alone (dp={sp} × tp={tp}, {n} tokens)", alone["Megatron alone"]),
-            (f"ring alone (dp={tp} × sp={sp}, {HEADS5 // tp}/{KV5 // tp} heads)", alone["ring alone"]),
-            ("tp × sp (Megatron × ring)", tpsp_stats["ring"])]
-    print(f"\nMegatron × ring, bytes per device{'':14s}{'all-gather + reduce-scatter':>29s}{'collective-permute':>20s}"
-          f"{'all-reduce':>12s}")
+    rows = [
+        (f"Megatron alone (dp={sp} × tp={tp}, {n} tokens)", alone["Megatron alone"]),
+        (f"ring alone (dp={tp} × sp={sp}, {HEADS5 // tp}/{KV5 // tp} heads)", alone["ring alone"]),
+        ("tp × sp (Megatron × ring)", tpsp_stats["ring"]),
+    ]
+    print(
+        f"\nMegatron × ring, bytes per device{'':14s}{'all-gather + reduce-scatter':>29s}{'collective-permute':>20s}"
+        f"{'all-reduce':>12s}"
+    )
     for label, s in rows:
-        print(f"  {label:45s}{s.bytes_moved['all-gather'] + s.bytes_moved['reduce-scatter']:29,d}"
-              f"{s.bytes_moved['collective-permute']:20,d}{s.bytes_moved['all-reduce']:12,d}")
+        print(
+            f"  {label:45s}{s.bytes_moved['all-gather'] + s.bytes_moved['reduce-scatter']:29,d}"
+            f"{s.bytes_moved['collective-permute']:20,d}{s.bytes_moved['all-reduce']:12,d}"
+        )
     print(f"  {'formula':45s}{megatron_formula:29,d}{ring_formula:20,d}{grad_sum_formula:12,d}")
-    print(f"    Megatron 5(tp-1)/tp·b(S/sp)h; ring (4(sp-1) + 2sp) K/V blocks of b(S/sp)(kv/tp)d; "
-          f"dW summed over sp: 2(sp-1)/sp · |W|/tp")
+    print(
+        "    Megatron 5(tp-1)/tp·b(S/sp)h; ring (4(sp-1) + 2sp) K/V blocks of b(S/sp)(kv/tp)d; "
+        "dW summed over sp: 2(sp-1)/sp · |W|/tp"
+    )
     ring = tpsp_stats["ring"].bytes_moved
     assert ring["all-gather"] + ring["reduce-scatter"] == megatron_formula
     assert ring["collective-permute"] == ring_formula and ring["all-to-all"] == 0
     assert ring["all-reduce"] == grad_sum_formula
-    assert alone["Megatron alone"].bytes_moved["all-gather"] + alone["Megatron alone"].bytes_moved["reduce-scatter"] \
-        == megatron_formula and alone["ring alone"].bytes_moved["collective-permute"] == ring_formula
+    assert (
+        alone["Megatron alone"].bytes_moved["all-gather"] + alone["Megatron alone"].bytes_moved["reduce-scatter"]
+        == megatron_formula
+        and alone["ring alone"].bytes_moved["collective-permute"] == ring_formula
+    )
 
 # %% [markdown]
 # The tp × sp layer moves exactly Megatron's bytes plus the ring's: each axis does its own work and nothing
@@ -909,10 +1006,10 @@ from models import gpt
 
 ZERO_N = P
 ZERO_CFG = gpt.GPTConfig(vocab_size=256, num_layers=4, hidden=128, num_heads=4, ffn=512)
-ZERO_BATCH, ZERO_SEQ = ZERO_N, 16                          # one sequence of 16 tokens per device
+ZERO_BATCH, ZERO_SEQ = ZERO_N, 16  # one sequence of 16 tokens per device
 zero_model = gpt.GPT(ZERO_CFG, rngs=nnx.Rngs(0))
 zero_graph, zero_state = nnx.split(zero_model)
-zero_params = nnx.to_pure_dict(zero_state)                  # params["blocks"][...] stacked [4, ...]
+zero_params = nnx.to_pure_dict(zero_state)  # params["blocks"][...] stacked [4, ...]
 
 
 def abstract(tree, shardings):
@@ -923,9 +1020,15 @@ def compiled_train_step(stage):
     """The train step on dp = N at this ZeRO stage, compiled for abstract inputs."""
     plan = ParallelPlan(jaxring.make_mesh(dp=ZERO_N), zero=stage)
     tx = optax.adamw(1e-3)
-    step = TrainStep(plan, zero_graph, param_placements(zero_state, plan), tx,
-                     gpt.NextTokenObjective(ZERO_BATCH, ZERO_SEQ), stack="blocks",
-                     layer_graphdef=nnx.split(zero_model.blocks)[0])
+    step = TrainStep(
+        plan,
+        zero_graph,
+        param_placements(zero_state, plan),
+        tx,
+        gpt.NextTokenObjective(ZERO_BATCH, ZERO_SEQ),
+        stack="blocks",
+        layer_graphdef=nnx.split(zero_model.blocks)[0],
+    )
     params = abstract(zero_params, step.shardings(step.param_specs))
     opt_specs = step.opt_state_specs(params)
     opt_state = abstract(jax.eval_shape(tx.init, params), step.shardings(opt_specs))
@@ -948,21 +1051,26 @@ zero_moved = {stage: array_bytes(c) for stage, c in compiled_steps.items()}
 zero_memory = {stage: c.memory_analysis() for stage, c in compiled_steps.items()}
 
 PSI = sum(x.size for x in jax.tree.leaves(zero_params))
-W = 4 * PSI                                                 # bytes of one fp32 copy of the weights
+W = 4 * PSI  # bytes of one fp32 copy of the weights
 share = (ZERO_N - 1) / ZERO_N
 playbook_moved = {0: 2 * share * W, 1: 2 * share * W, 2: 2 * share * W, 3: 3 * share * W}
-print(f"GPT {ZERO_CFG.num_layers} layers, hidden {ZERO_CFG.hidden}: Ψ = {PSI:,} parameters, "
-      f"W = 4Ψ = {W / MiB:.2f} MiB; dp = N = {ZERO_N}")
-print(f"\nbytes received per device in one step (MiB)")
-header = (f"{'stage':>5s}{'all-reduce':>12s}{'reduce-scatter':>16s}{'all-gather':>12s}{'total':>9s}"
-          f"{'Playbook':>10s}  formula")
+print(
+    f"GPT {ZERO_CFG.num_layers} layers, hidden {ZERO_CFG.hidden}: Ψ = {PSI:,} parameters, "
+    f"W = 4Ψ = {W / MiB:.2f} MiB; dp = N = {ZERO_N}"
+)
+print("\nbytes received per device in one step (MiB)")
+header = (
+    f"{'stage':>5s}{'all-reduce':>12s}{'reduce-scatter':>16s}{'all-gather':>12s}{'total':>9s}{'Playbook':>10s}  formula"
+)
 print(header + "\n" + "-" * (len(header) + 14))
 for stage in STAGES:
     m = zero_moved[stage]
     total = m["all-reduce"] + m["reduce-scatter"] + m["all-gather"]
     formula = {0: "2W", 1: "(W + W)", 2: "(W + W)", 3: "3W"}[stage]
-    print(f"{stage:5d}{m['all-reduce'] / MiB:12.3f}{m['reduce-scatter'] / MiB:16.3f}{m['all-gather'] / MiB:12.3f}"
-          f"{total / MiB:9.3f}{playbook_moved[stage] / MiB:10.3f}  {formula} · (N-1)/N")
+    print(
+        f"{stage:5d}{m['all-reduce'] / MiB:12.3f}{m['reduce-scatter'] / MiB:16.3f}{m['all-gather'] / MiB:12.3f}"
+        f"{total / MiB:9.3f}{playbook_moved[stage] / MiB:10.3f}  {formula} · (N-1)/N"
+    )
 
 # %% [markdown]
 # Stages 0 to 2 move exactly the Playbook's bytes. Stage 3 moves a little less than `3Ψ`, and exactly what
@@ -973,11 +1081,16 @@ for stage in STAGES:
 # merges them).
 
 # %%
-layer_weights = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(zero_params)
-                    if jax.tree_util.keystr(path).startswith("['blocks']") and "bias" not in jax.tree_util.keystr(path))
+layer_weights = sum(
+    x.size
+    for path, x in jax.tree_util.tree_leaves_with_path(zero_params)
+    if jax.tree_util.keystr(path).startswith("['blocks']") and "bias" not in jax.tree_util.keystr(path)
+)
 stage3_gather = round(share * (W + 4 * layer_weights))
-print(f"stage 3 all-gather: measured {zero_moved[3]['all-gather']:,} B = (N-1)/N · (all weights + the layers' "
-      f"weights but their LayerNorm biases, {layer_weights:,} parameters) = {stage3_gather:,} B")
+print(
+    f"stage 3 all-gather: measured {zero_moved[3]['all-gather']:,} B = (N-1)/N · (all weights + the layers' "
+    f"weights but their LayerNorm biases, {layer_weights:,} parameters) = {stage3_gather:,} B"
+)
 assert zero_moved[0]["all-reduce"] == round(2 * share * W) and zero_moved[0]["all-gather"] == 0
 for stage in (1, 2):
     assert zero_moved[stage]["reduce-scatter"] == zero_moved[stage]["all-gather"] == round(share * W)
@@ -1002,19 +1115,25 @@ playbook_memory = {0: W + G + M, 1: W + G + M // ZERO_N, 2: W + (G + M) // ZERO_
 args = {stage: m.argument_size_in_bytes for stage, m in zero_memory.items()}
 temps = {stage: m.temp_size_in_bytes for stage, m in zero_memory.items()}
 total = {stage: args[stage] + temps[stage] for stage in STAGES}
-rest = {stage: args[stage] - stored_formula[stage] for stage in STAGES}   # the batch and a few scalars
-batch_bytes = 3 * (ZERO_BATCH // ZERO_N) * ZERO_SEQ * 4             # tokens, targets, positions (int32)
-print(f"per device (MiB; W = {W / MiB:.2f}); arguments = W + M as stored + {rest[0]} B "
-      f"({batch_bytes} B of batch and {rest[0] - batch_bytes} B of scalars) at every stage")
-header = (f"{'stage':>5s}{'arguments':>11s}{'W + M stored':>14s}{'temporaries':>13s}{'(/ W)':>7s}{'total':>9s}"
-          f"{'saved':>8s}{'Playbook W + G + M':>20s}{'saved':>8s}")
+rest = {stage: args[stage] - stored_formula[stage] for stage in STAGES}  # the batch and a few scalars
+batch_bytes = 3 * (ZERO_BATCH // ZERO_N) * ZERO_SEQ * 4  # tokens, targets, positions (int32)
+print(
+    f"per device (MiB; W = {W / MiB:.2f}); arguments = W + M as stored + {rest[0]} B "
+    f"({batch_bytes} B of batch and {rest[0] - batch_bytes} B of scalars) at every stage"
+)
+header = (
+    f"{'stage':>5s}{'arguments':>11s}{'W + M stored':>14s}{'temporaries':>13s}{'(/ W)':>7s}{'total':>9s}"
+    f"{'saved':>8s}{'Playbook W + G + M':>20s}{'saved':>8s}"
+)
 print(header + "\n" + "-" * len(header))
 for stage in STAGES:
     saved = "" if stage == 0 else f"{(total[stage - 1] - total[stage]) / MiB:8.3f}"
     saved_playbook = "" if stage == 0 else f"{(playbook_memory[stage - 1] - playbook_memory[stage]) / MiB:8.3f}"
-    print(f"{stage:5d}{args[stage] / MiB:11.3f}{stored_formula[stage] / MiB:14.3f}"
-          f"{temps[stage] / MiB:13.3f}{temps[stage] / W:7.2f}{total[stage] / MiB:9.3f}{saved:>8s}"
-          f"{playbook_memory[stage] / MiB:20.3f}{saved_playbook:>8s}")
+    print(
+        f"{stage:5d}{args[stage] / MiB:11.3f}{stored_formula[stage] / MiB:14.3f}"
+        f"{temps[stage] / MiB:13.3f}{temps[stage] / W:7.2f}{total[stage] / MiB:9.3f}{saved:>8s}"
+        f"{playbook_memory[stage] / MiB:20.3f}{saved_playbook:>8s}"
+    )
 # the stored state exactly as the formulas; each stage saves what the Playbook says, within two layers'
 # weights (the full gradient of the layer being computed and of the one being reduce-scattered)
 one_layer = 4 * sum(x.size for x in jax.tree.leaves(zero_params["blocks"])) // ZERO_CFG.num_layers
@@ -1030,15 +1149,26 @@ for i, kind in enumerate(("all-reduce", "reduce-scatter", "all-gather")):
     values = np.array([zero_moved[stage][kind] / MiB for stage in STAGES])
     ax_bytes.bar(xs, values, 0.6, bottom=bottom, color=f"C{i}", label=kind)
     bottom += values
-ax_bytes.hlines([playbook_moved[stage] / MiB for stage in STAGES], xs - 0.4, xs + 0.4, color="k", lw=2,
-                label="Playbook: 2Ψ, Ψ + Ψ, Ψ + Ψ, 3Ψ (× (N-1)/N)")
+ax_bytes.hlines(
+    [playbook_moved[stage] / MiB for stage in STAGES],
+    xs - 0.4,
+    xs + 0.4,
+    color="k",
+    lw=2,
+    label="Playbook: 2Ψ, Ψ + Ψ, Ψ + Ψ, 3Ψ (× (N-1)/N)",
+)
 ax_bytes.set_title(f"bytes received per device per step (dp = {ZERO_N})")
 stored = np.array([args[stage] for stage in STAGES]) / MiB
 ax_mem.bar(xs, stored, 0.6, color="C4", label="arguments (stored between steps)")
-ax_mem.bar(xs, np.array([temps[stage] for stage in STAGES]) / MiB, 0.6, bottom=stored, color="C7",
-           label="temporaries")
-ax_mem.hlines([playbook_memory[stage] / MiB for stage in STAGES], xs - 0.4, xs + 0.4, color="k", lw=2,
-              label="Playbook: weights + gradients + Adam moments")
+ax_mem.bar(xs, np.array([temps[stage] for stage in STAGES]) / MiB, 0.6, bottom=stored, color="C7", label="temporaries")
+ax_mem.hlines(
+    [playbook_memory[stage] / MiB for stage in STAGES],
+    xs - 0.4,
+    xs + 0.4,
+    color="k",
+    lw=2,
+    label="Playbook: weights + gradients + Adam moments",
+)
 ax_mem.set_title("memory per device (compiled train step)")
 for ax in (ax_bytes, ax_mem):
     ax.set_xticks(xs, [f"ZeRO-{stage}" for stage in STAGES])

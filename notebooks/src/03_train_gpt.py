@@ -69,7 +69,7 @@ from matplotlib.ticker import MaxNLocator
 
 from jaxring.train.loop import TrainConfig, Trainer, make_plan, train
 
-N = min(8, 2 ** (len(devices).bit_length() - 1))     # a power of two of the devices, at most 8
+N = min(8, 2 ** (len(devices).bit_length() - 1))  # a power of two of the devices, at most 8
 use = devices[:N]
 half = N // 2
 MESHES = {
@@ -82,11 +82,19 @@ MESHES = {
 
 STEPS = 20 if FAST else 300
 BASE = TrainConfig(
-    model="gpt", preset="tiny", seed=0, steps=STEPS, batch_size=8,
+    model="gpt",
+    preset="tiny",
+    seed=0,
+    steps=STEPS,
+    batch_size=8,
     seq_len=64 if FAST else 256,
     model_overrides=dict(num_layers=2, hidden=64, num_heads=8, ffn=128) if FAST else {},
-    lr=3e-3, warmup=5 if FAST else 20,
-    sample_tokens=0, eval_at_end=False, progress=False, log_every=5 if FAST else 50,
+    lr=3e-3,
+    warmup=5 if FAST else 20,
+    sample_tokens=0,
+    eval_at_end=False,
+    progress=False,
+    log_every=5 if FAST else 50,
 )
 CFG = {label: dataclasses.replace(BASE, **mesh) for label, mesh in MESHES.items()}
 NAME = {label: make_plan(cfg, use).describe() for label, cfg in CFG.items()}
@@ -116,8 +124,7 @@ trainers = {}
 for label in ("B", "C", "D"):
     trainers[label] = Trainer(CFG[label], devices=use)
     losses[label] = np.array([float(trainers[label].step()["loss"]) for _ in range(STEPS)])
-    print(f"mesh {label} ({trainers[label].plan.describe()}): loss {losses[label][0]:.4f} -> "
-          f"{losses[label][-1]:.4f}")
+    print(f"mesh {label} ({trainers[label].plan.describe()}): loss {losses[label][0]:.4f} -> {losses[label][-1]:.4f}")
 trainer_b = trainers["B"]
 
 # %%
@@ -175,12 +182,11 @@ from models import gpt
 
 one_device = ParallelPlan(jaxring.make_mesh(devices=use[:1]))
 graphdef, state = nnx.split(trainer_b.model())
-model = nnx.merge(graphdef, jax.device_put(state, use[0]))   # the trained weights, all on one device
+model = nnx.merge(graphdef, jax.device_put(state, use[0]))  # the trained weights, all on one device
 
 corpus = trainer_b.task.source
 prompt = list(corpus.encode("def "))
-ids = gpt.generate(model, one_device, prompt, 120 if FAST else 400, key=jax.random.PRNGKey(0),
-                   window=BASE.seq_len)
+ids = gpt.generate(model, one_device, prompt, 120 if FAST else 400, key=jax.random.PRNGKey(0), window=BASE.seq_len)
 print(corpus.decode(prompt + ids))
 
 # %% [markdown]
@@ -205,8 +211,8 @@ from jaxring.train.checkpoint import Checkpointer
 ckpt_dir = tempfile.mkdtemp(prefix="jaxring-gpt-")
 ckpt = Checkpointer(ckpt_dir, keep=2)
 ckpt.save(trainer_b.step_count, trainer_b.state(), metadata=trainer_b.metadata())
-ckpt.wait()                                                    # the save runs in the background
-saved = jax.tree.map(np.asarray, trainer_b.params)             # host copies, to compare with below
+ckpt.wait()  # the save runs in the background
+saved = jax.tree.map(np.asarray, trainer_b.params)  # host copies, to compare with below
 print(f"saved steps {ckpt.all_steps()} in {ckpt_dir}: {sorted(os.listdir(ckpt_dir))}")
 print("saved from mesh:", ckpt.metadata()["mesh"])
 
@@ -223,15 +229,19 @@ trainer_e.restore(ckpt)
 restored = jax.tree.map(np.asarray, trainer_e.params)
 leaves_saved, leaves_restored = jax.tree.leaves(saved), jax.tree.leaves(restored)
 identical = sum(np.array_equal(a, b) for a, b in zip(leaves_saved, leaves_restored))
-print(f"restored at step {trainer_e.step_count}: {identical} of {len(leaves_saved)} parameter arrays "
-      f"are bit-for-bit the saved ones")
+print(
+    f"restored at step {trainer_e.step_count}: {identical} of {len(leaves_saved)} parameter arrays "
+    f"are bit-for-bit the saved ones"
+)
 assert identical == len(leaves_saved)
 
 # The layers' weights are stacked: params["blocks"]["attn"]["wq"] is [num_layers, hidden, heads * head_dim]
 for label, trainer in (*trainers.items(), ("E", trainer_e)):
     wq = trainer.params["blocks"]["attn"]["wq"]
-    print(f"mesh {label} ({trainer.plan.describe()}):\n    attention wq {wq.shape} has spec "
-          f"{wq.sharding.spec}, each device holds {wq.addressable_shards[0].data.shape}")
+    print(
+        f"mesh {label} ({trainer.plan.describe()}):\n    attention wq {wq.shape} has spec "
+        f"{wq.sharding.spec}, each device holds {wq.addressable_shards[0].data.shape}"
+    )
 
 # %% [markdown]
 # The layers are stacked, so each weight has a leading layer dimension that no mesh splits (a pipeline
@@ -248,13 +258,18 @@ EXTRA = 5 if FAST else 50
 more_b = np.array([float(trainer_b.step()["loss"]) for _ in range(EXTRA)])
 more_e = np.array([float(trainer_e.step()["loss"]) for _ in range(EXTRA)])
 ckpt.close()
-shutil.rmtree(ckpt_dir)                                        # the checkpoint was only for this demo
+shutil.rmtree(ckpt_dir)  # the checkpoint was only for this demo
 
 after = np.arange(STEPS + 1, STEPS + EXTRA + 1)
-shown = steps > STEPS - 2 * EXTRA                              # the steps just before the checkpoint
+shown = steps > STEPS - 2 * EXTRA  # the steps just before the checkpoint
 fig, ax = plt.subplots(figsize=(8, 4))
-ax.plot(np.concatenate([steps[shown], after]), np.concatenate([losses["B"][shown], more_b]), "k-", lw=1.2,
-        label=f"B: {NAME['B']}")
+ax.plot(
+    np.concatenate([steps[shown], after]),
+    np.concatenate([losses["B"][shown], more_b]),
+    "k-",
+    lw=1.2,
+    label=f"B: {NAME['B']}",
+)
 ax.plot(after, more_e, "o", color="C1", ms=5, label=f"E: {NAME['E']}, restored from B's checkpoint")
 ax.axvline(STEPS + 0.5, color="gray", ls=":", label=f"checkpoint (step {STEPS})")
 ax.set_xlabel("step")

@@ -31,7 +31,6 @@ if "google.colab" in sys.modules:
 # FAST=1 (set by the tests) keeps every size small; leave it unset to see realistic sizes.
 FAST = os.environ.get("JAXRING_NOTEBOOK_FAST", "0") == "1"
 
-import jaxring
 from jaxring.platform import describe_devices, use_cpu_devices_if_no_accelerator
 
 # The accelerators if there are any, else 8 simulated CPU devices. This must run before anything asks JAX
@@ -47,7 +46,6 @@ print("devices:", describe_devices(devices), "| FAST mode" if FAST else "")
 # steps. Without `data=`, the bundled digits are used (1797 images, 10 classes, pixel values in [-1, 1]).
 
 # %%
-import dataclasses
 
 import jax
 import matplotlib.pyplot as plt
@@ -56,25 +54,33 @@ import numpy as np
 from jaxring.train.loop import TrainConfig, Trainer
 from models import dit
 
-N = min(8, 2 ** (len(devices).bit_length() - 1))     # a power of two of the devices, at most 8
+N = min(8, 2 ** (len(devices).bit_length() - 1))  # a power of two of the devices, at most 8
 use = devices[:N]
-ATTENTION = "ulysses"                                # or "ring"; Ulysses needs sp to divide the 4 heads
+ATTENTION = "ulysses"  # or "ring"; Ulysses needs sp to divide the 4 heads
 MESH = {8: dict(dp=2, sp=4), 4: dict(dp=2, sp=2), 2: dict(sp=2), 1: {}}[N]
 if MESH.get("sp", 1) > 1:
     MESH["attention"] = ATTENTION
 
 STEPS = 30 if FAST else 1000
 CFG = TrainConfig(
-    model="dit", preset="tiny", seed=0, steps=STEPS, batch_size=16 if FAST else 64,
+    model="dit",
+    preset="tiny",
+    seed=0,
+    steps=STEPS,
+    batch_size=16 if FAST else 64,
     model_overrides=dict(num_layers=1) if FAST else {},
-    lr=3e-3, warmup=5 if FAST else 50, **MESH,
+    lr=3e-3,
+    warmup=5 if FAST else 50,
+    **MESH,
 )
 trainer = Trainer(CFG, devices=use)
 config = trainer.task.config
 print(f"mesh: {trainer.plan.describe()}")
-print(f"DiT: {config.num_layers} layer(s), hidden {config.hidden}, {config.num_heads} heads, "
-      f"{config.image_size}x{config.image_size} images in {config.patch_size}x{config.patch_size} patches "
-      f"-> {config.num_tokens} tokens, {config.num_params() / 1e3:.0f}k parameters")
+print(
+    f"DiT: {config.num_layers} layer(s), hidden {config.hidden}, {config.num_heads} heads, "
+    f"{config.image_size}x{config.image_size} images in {config.patch_size}x{config.patch_size} patches "
+    f"-> {config.num_tokens} tokens, {config.num_params() / 1e3:.0f}k parameters"
+)
 
 
 def show(images, titles=None, ncols=10, size=0.9):
@@ -147,10 +153,10 @@ plt.show()
 
 # %%
 labels = np.tile(np.arange(10), 2)
-images = dit.sample(trainer.model(), trainer.plan, labels, jax.random.PRNGKey(1),
-                    num_steps=10 if FAST else 50, cfg_scale=2.0)
-print(f"{len(labels)} samples {images.shape[1:]}, {10 if FAST else 50} Euler steps, "
-      f"sharding {images.sharding.spec}")
+images = dit.sample(
+    trainer.model(), trainer.plan, labels, jax.random.PRNGKey(1), num_steps=10 if FAST else 50, cfg_scale=2.0
+)
+print(f"{len(labels)} samples {images.shape[1:]}, {10 if FAST else 50} Euler steps, sharding {images.sharding.spec}")
 show(images, titles=[data.class_names[c] for c in labels])
 
 # %% [markdown]

@@ -94,7 +94,7 @@ print(make_schedule("1f1b", num_stages=P, num_microbatches=M))
 import matplotlib.pyplot as plt
 import numpy as np
 
-SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zero-bubble": 1}     # name -> virtual stages v
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zero-bubble": 1}  # name -> virtual stages v
 tables = {name: make_schedule(name, P, M, v) for name, v in SCHEDULES.items()}
 longest = max(simulate(t, lockstep=lock).makespan for t in tables.values() for lock in (False, True))
 fig, axes = plt.subplots(len(tables), 2, figsize=(18, 2.3 * len(tables)))
@@ -104,7 +104,7 @@ for (name, table), (left, right) in zip(tables.items(), axes):
     left.set_xlabel("time, per-stage clock (t_F = 1)")
     right.set_xlabel("time, lockstep clock (t_F = 1)")
 for ax in axes.flat:
-    ax.set_xlim(0, longest)                 # one time scale for all eight pictures
+    ax.set_xlim(0, longest)  # one time scale for all eight pictures
 plt.tight_layout()
 plt.show()
 
@@ -139,7 +139,7 @@ def formula(name, p, m, v, lockstep):
         return Fraction(p - 1, m)
     if name == "zero-bubble":
         return Fraction(p - 1, 3 * m)
-    if lockstep:                                                  # 1f1b (v = 1) and interleaved
+    if lockstep:  # 1f1b (v = 1) and interleaved
         return (m + Fraction(4 * (p - 1), v) - p) / (3 * m)
     return Fraction(p - 1, v * m)
 
@@ -156,8 +156,9 @@ for p, m in ((2, 4), (4, 8), (4, 16), (8, 32)):
         stage_clock, lockstep_clock = simulate(table).bubble, simulate(table, lockstep=True).bubble
         f_stage, f_lock = formula(name, p, m, v, False), formula(name, p, m, v, True)
         assert exact(stage_clock) == f_stage and exact(lockstep_clock) == f_lock, (name, p, m, v)
-        print(f"{name:>12s}{p:3d}{m:4d}{v:3d}  {stage_clock:12.4f}{str(f_stage):>14s}  "
-              f"{lockstep_clock:12.4f}{str(f_lock):>14s}")
+        print(
+            f"{name:>12s}{p:3d}{m:4d}{v:3d}  {stage_clock:12.4f}{f_stage!s:>14s}  {lockstep_clock:12.4f}{f_lock!s:>14s}"
+        )
     print()
 
 # %% [markdown]
@@ -202,24 +203,33 @@ from jaxring.train.loop import TrainConfig, make_plan, train
 
 STEPS = 3 if FAST else 100
 BATCH = 8 if FAST else 16
-MICROBATCHES = 2 if FAST else 4                     # each micro-batch: BATCH / m sequences, split over dp = 4
+MICROBATCHES = 2 if FAST else 4  # each micro-batch: BATCH / m sequences, split over dp = 4
 BASE = TrainConfig(
-    model="gpt", preset="tiny", seed=0, steps=STEPS, batch_size=BATCH,
+    model="gpt",
+    preset="tiny",
+    seed=0,
+    steps=STEPS,
+    batch_size=BATCH,
     seq_len=64 if FAST else 256,
     model_overrides=dict(num_layers=4, hidden=64, num_heads=8, ffn=128) if FAST else dict(num_layers=4),
-    lr=3e-3, warmup=2 if FAST else 10, sample_tokens=0, eval_at_end=False, progress=False,
+    lr=3e-3,
+    warmup=2 if FAST else 10,
+    sample_tokens=0,
+    eval_at_end=False,
+    progress=False,
     log_every=STEPS,
 )
 PIPELINE = dict(pp=2, microbatches=MICROBATCHES)
 # FAST mode trains one schedule (each run is one more compile); tests/test_pipeline_model.py trains them all
 TRAINED = ("zero-bubble",) if FAST else tuple(SCHEDULES)
-RUNS = {name: (dataclasses.replace(BASE, dp=4, pipeline=name, virtual_stages=SCHEDULES[name], **PIPELINE), devices)
-        for name in TRAINED}
-if not FAST:   # (FAST mode leaves it out to save a compile; tests/test_pipeline_model.py runs pp x sp)
-    RUNS["1f1b, pp × sp"] = (dataclasses.replace(BASE, sp=4, attention="ring", pipeline="1f1b", **PIPELINE),
-                             devices)
+RUNS = {
+    name: (dataclasses.replace(BASE, dp=4, pipeline=name, virtual_stages=SCHEDULES[name], **PIPELINE), devices)
+    for name in TRAINED
+}
+if not FAST:  # (FAST mode leaves it out to save a compile; tests/test_pipeline_model.py runs pp x sp)
+    RUNS["1f1b, pp × sp"] = (dataclasses.replace(BASE, sp=4, attention="ring", pipeline="1f1b", **PIPELINE), devices)
 
-reference = train(BASE, devices=devices[:1], log=lambda *a: None)     # no pipeline, one device
+reference = train(BASE, devices=devices[:1], log=lambda *a: None)  # no pipeline, one device
 losses = {"no pipeline": np.array([r["loss"] for r in reference])}
 names = {"no pipeline": "1 device"}
 for label, (cfg, use) in RUNS.items():
@@ -276,7 +286,7 @@ from jaxring.plan import ParallelPlan
 from jaxring.train.step import TrainStep
 from models import gpt
 
-MICRO = 4                                           # sequences per micro-batch: one per dp replica
+MICRO = 4  # sequences per micro-batch: one per dp replica
 SEQ = BASE.seq_len
 model_config = gpt.get_config("tiny", **BASE.model_overrides)
 model = gpt.GPT(model_config, rngs=nnx.Rngs(0))
@@ -293,8 +303,15 @@ def compiled_train_step(name, m):
     compiled for abstract inputs."""
     plan = ParallelPlan(mesh, pipeline=name, microbatches=m, virtual_stages=SCHEDULES[name])
     tx = optax.adamw(1e-3)
-    step = TrainStep(plan, graphdef, param_placements(state, plan), tx, gpt.NextTokenObjective(m * MICRO, SEQ),
-                     stack="blocks", layer_graphdef=nnx.split(model.blocks)[0])
+    step = TrainStep(
+        plan,
+        graphdef,
+        param_placements(state, plan),
+        tx,
+        gpt.NextTokenObjective(m * MICRO, SEQ),
+        stack="blocks",
+        layer_graphdef=nnx.split(model.blocks)[0],
+    )
     params = abstract(nnx.to_pure_dict(state), step.shardings(step.param_specs))
     opt_specs = step.opt_state_specs(params)
     opt_state = abstract(jax.eval_shape(tx.init, params), step.shardings(opt_specs))
@@ -305,16 +322,20 @@ def compiled_train_step(name, m):
 
 
 MEMORY_M = (4, 8) if FAST else (2, 4, 8, 16, 32)
-MEMORY_SCHEDULES = ("gpipe", "1f1b") if FAST else tuple(SCHEDULES)     # FAST: two compiles fewer per m
-MiB = 2 ** 20
+MEMORY_SCHEDULES = ("gpipe", "1f1b") if FAST else tuple(SCHEDULES)  # FAST: two compiles fewer per m
+MiB = 2**20
 memory, links = {}, {}
 for name in MEMORY_SCHEDULES:
     for m in MEMORY_M:
         compiled = compiled_train_step(name, m)
         mem = compiled.memory_analysis()
-        memory[name, m] = dict(temp=mem.temp_size_in_bytes,
-                               peak=mem.argument_size_in_bytes + mem.output_size_in_bytes
-                               + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+        memory[name, m] = dict(
+            temp=mem.temp_size_in_bytes,
+            peak=mem.argument_size_in_bytes
+            + mem.output_size_in_bytes
+            + mem.temp_size_in_bytes
+            - mem.alias_size_in_bytes,
+        )
         links[name, m] = stage_link_bytes(compiled.as_text(), mesh)
 
 print(f"per device, MiB (micro-batch of {MICRO} sequences x {SEQ} tokens, split over dp = 4)")
@@ -342,7 +363,7 @@ low, high = MEMORY_M[0], MEMORY_M[-1]
 per_microbatch = (memory["gpipe", high]["temp"] - memory["gpipe", low]["temp"]) / (high - low)
 print(f"gpipe: {per_microbatch / MiB:+.2f} MiB of temporaries per extra micro-batch (m = {low} -> {high})")
 for name in MEMORY_SCHEDULES:
-    if name != "gpipe":   # flat from m = 2p on (at m = p there is no steady state: see below)
+    if name != "gpipe":  # flat from m = 2p on (at m = p there is no steady state: see below)
         steady = tuple(m for m in MEMORY_M if m >= 4)
         temps = [memory[name, m]["temp"] for m in steady]
         print(f"{name}: temporaries {min(temps) / MiB:.2f} .. {max(temps) / MiB:.2f} MiB over m = {steady}")
@@ -376,9 +397,11 @@ activation = 4 * (MICRO // 4) * SEQ * model_config.hidden
 print(f"one micro-batch's activations on one replica: {activation:,} B")
 for (name, m), link in links.items():
     forward, backward = link[(0, 1)], link[(1, 0)]
-    print(f"{name:>12s} m = {m:2d}: stage 0 -> 1 {forward:>9,} B = {forward / activation:4.1f} activations, "
-          f"stage 1 -> 0 {backward:>9,} B = {backward / activation:4.1f}")
-    boundaries = SCHEDULES[name] * 2 - 1                 # virtual-stage boundaries: v·p − 1
+    print(
+        f"{name:>12s} m = {m:2d}: stage 0 -> 1 {forward:>9,} B = {forward / activation:4.1f} activations, "
+        f"stage 1 -> 0 {backward:>9,} B = {backward / activation:4.1f}"
+    )
+    boundaries = SCHEDULES[name] * 2 - 1  # virtual-stage boundaries: v·p − 1
     assert forward + backward == 2 * boundaries * m * activation, (name, m)
 
 # %% [markdown]

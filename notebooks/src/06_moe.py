@@ -76,14 +76,27 @@ from jaxring.train.loop import TrainConfig, make_plan, train
 from models import gpt
 
 STEPS = 3 if FAST else 300
-BASE = TrainConfig(model="gpt", preset="tiny-moe", seed=0, steps=STEPS, batch_size=8, seq_len=32 if FAST else 128,
-                   lr=3e-3, warmup=2 if FAST else 20, sample_tokens=0, eval_at_end=False, progress=False,
-                   log_every=STEPS)
+BASE = TrainConfig(
+    model="gpt",
+    preset="tiny-moe",
+    seed=0,
+    steps=STEPS,
+    batch_size=8,
+    seq_len=32 if FAST else 128,
+    lr=3e-3,
+    warmup=2 if FAST else 20,
+    sample_tokens=0,
+    eval_at_end=False,
+    progress=False,
+    log_every=STEPS,
+)
 config = gpt.get_config("tiny-moe")
 moe = config.moe
-print(f"tiny-moe: {config.num_layers} layers, hidden {config.hidden}, {moe.num_experts} experts of ffn {moe.ffn} "
-      f"({moe.activation}), top-{moe.experts_per_token}, {'dropless' if moe.dropless else 'capacity'}; "
-      f"{config.num_params() / 1e3:.0f}k parameters, {config.num_params(active=True) / 1e3:.0f}k used per token")
+print(
+    f"tiny-moe: {config.num_layers} layers, hidden {config.hidden}, {moe.num_experts} experts of ffn {moe.ffn} "
+    f"({moe.activation}), top-{moe.experts_per_token}, {'dropless' if moe.dropless else 'capacity'}; "
+    f"{config.num_params() / 1e3:.0f}k parameters, {config.num_params(active=True) / 1e3:.0f}k used per token"
+)
 print(f"{STEPS} steps of {BASE.batch_size} sequences x {BASE.seq_len} tokens")
 
 # %% [markdown]
@@ -107,7 +120,7 @@ MESHES = {
     "ep=2 × sp=4": dict(ep=2, sp=4, attention="ring"),
     "ep=4 × tp=2": dict(ep=4, tp=2, tensor_parallel="megatron"),
 }
-if FAST:   # one compile per mesh: the test run keeps the first (tests/test_moe_model.py covers the others)
+if FAST:  # one compile per mesh: the test run keeps the first (tests/test_moe_model.py covers the others)
     MESHES = {"ep=4 × dp=2": MESHES["ep=4 × dp=2"]}
 METRICS = ("loss", "moe_aux_loss", "moe_z_loss", "load_imbalance", "drop_rate")
 
@@ -129,8 +142,10 @@ for label, mesh in MESHES.items():
 # %%
 steps = np.arange(1, STEPS + 1)
 fig, (ax_loss, ax_aux) = plt.subplots(1, 2, figsize=(13, 4))
-for ax, key, title in ((ax_loss, "loss", "training loss (nats per byte)"),
-                       (ax_aux, "moe_aux_loss", "load-balancing loss (1 = balanced)")):
+for ax, key, title in (
+    (ax_loss, "loss", "training loss (nats per byte)"),
+    (ax_aux, "moe_aux_loss", "load-balancing loss (1 = balanced)"),
+):
     ax.plot(steps, runs["1 device"][key], lw=8, alpha=0.25, color="k", label="1 device")
     for i, label in enumerate(MESHES):
         ax.plot(steps, runs[label][key], ls=["-", "--", ":"][i], lw=1.5, label=names[label])
@@ -149,8 +164,10 @@ TOL = 1e-4 if devices[0].platform == "cpu" else 2e-2
 for label in MESHES:
     for key in ("loss", "moe_aux_loss"):
         relative = np.abs(runs[label][key] - runs["1 device"][key]) / np.abs(runs["1 device"][key])
-        print(f"{label}, {key}: max relative difference from 1 device over the first {SAME_STEPS} steps "
-              f"{relative[:SAME_STEPS].max():.1e}, over all {STEPS} steps {relative.max():.1e}")
+        print(
+            f"{label}, {key}: max relative difference from 1 device over the first {SAME_STEPS} steps "
+            f"{relative[:SAME_STEPS].max():.1e}, over all {STEPS} steps {relative.max():.1e}"
+        )
         assert relative[:SAME_STEPS].max() < TOL, (label, key)
     assert np.all(runs[label]["drop_rate"] == 0)
 
@@ -173,13 +190,19 @@ capacity_cfg = dataclasses.replace(BASE, **MESHES["ep=4 × dp=2"], model_overrid
 runs["capacity 1.25"] = run(capacity_cfg, devices)
 local_tokens = BASE.batch_size * BASE.seq_len // 8
 capacity = dataclasses.replace(moe, capacity_factor=1.25).capacity(local_tokens)
-print(f"T = {local_tokens} tokens per device, k = {moe.experts_per_token}, E = {moe.num_experts}: "
-      f"C = {capacity} slots per expert per device ({local_tokens * moe.experts_per_token / moe.num_experts:g} "
-      f"if the router were balanced)")
+print(
+    f"T = {local_tokens} tokens per device, k = {moe.experts_per_token}, E = {moe.num_experts}: "
+    f"C = {capacity} slots per expert per device ({local_tokens * moe.experts_per_token / moe.num_experts:g} "
+    f"if the router were balanced)"
+)
 
 fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
-panels = (("moe_aux_loss", "load-balancing loss"), ("moe_z_loss", "router z-loss"),
-          ("load_imbalance", "load imbalance (max / mean)"), ("drop_rate", "drop rate"))
+panels = (
+    ("moe_aux_loss", "load-balancing loss"),
+    ("moe_z_loss", "router z-loss"),
+    ("load_imbalance", "load imbalance (max / mean)"),
+    ("drop_rate", "drop rate"),
+)
 for ax, (key, title) in zip(axes, panels):
     ax.plot(steps, runs["ep=4 × dp=2"][key], "C0-", label="dropless")
     ax.plot(steps, runs["capacity 1.25"][key], "C3--", label="capacity 1.25")
@@ -241,7 +264,7 @@ EP_MESH = dict(ep=4, dp=2)
 plan = ParallelPlan(jaxring.make_mesh(devices=devices, **EP_MESH))
 H, E, K, L = config.hidden, moe.num_experts, moe.experts_per_token, config.num_layers
 ep = EP_MESH["ep"]
-T = BASE.batch_size * BASE.seq_len // (EP_MESH["ep"] * EP_MESH["dp"])     # tokens per device
+T = BASE.batch_size * BASE.seq_len // (EP_MESH["ep"] * EP_MESH["dp"])  # tokens per device
 
 
 def abstract(tree, shardings):
@@ -253,9 +276,15 @@ def compiled_train_step(model_config):
     model = gpt.GPT(model_config, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     tx = optax.adamw(1e-3)
-    step = TrainStep(plan, graphdef, param_placements(state, plan), tx,
-                     gpt.NextTokenObjective(BASE.batch_size, BASE.seq_len), stack="blocks",
-                     layer_graphdef=nnx.split(model.blocks)[0])
+    step = TrainStep(
+        plan,
+        graphdef,
+        param_placements(state, plan),
+        tx,
+        gpt.NextTokenObjective(BASE.batch_size, BASE.seq_len),
+        stack="blocks",
+        layer_graphdef=nnx.split(model.blocks)[0],
+    )
     params = abstract(nnx.to_pure_dict(state), step.shardings(step.param_specs))
     opt_specs = step.opt_state_specs(params)
     opt_state = abstract(jax.eval_shape(tx.init, params), step.shardings(opt_specs))
@@ -269,15 +298,14 @@ def formula_bytes(capacity_factor):
     """(bytes per layer and step, all-to-alls per layer and step) received per device."""
     if capacity_factor is None:
         buffer = ep * T * min(K, E // ep) * H * 4
-        counts = (ep - 1) * E * 4 // ep                           # int32 [ep, E/ep], forward only
+        counts = (ep - 1) * E * 4 // ep  # int32 [ep, E/ep], forward only
         return 4 * ((ep - 1) * buffer // ep) + counts, 5
     capacity = dataclasses.replace(moe, capacity_factor=capacity_factor).capacity(T)
     return 4 * ((ep - 1) * E * capacity * H * 4 // ep), 4
 
 
 print(f"ep = {ep} x dp = {EP_MESH['dp']}: T = {T} tokens per device, k = {K}, E = {E}, h = {H}, {L} MoE layers")
-print(f"{'dispatch':>14s}{'measured / layer':>18s}{'formula':>10s}{'all-to-alls / layer':>21s}"
-      f"{'buffer rows':>18s}")
+print(f"{'dispatch':>14s}{'measured / layer':>18s}{'formula':>10s}{'all-to-alls / layer':>21s}{'buffer rows':>18s}")
 measured = {}
 for label, cf in (("dropless", None), ("capacity 1.25", 1.25)):
     compiled = compiled_train_step(dataclasses.replace(config, capacity_factor=cf))

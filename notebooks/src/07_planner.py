@@ -65,8 +65,10 @@ cluster = Cluster.of("h100", DEVICES)
 t = time.perf_counter()
 result = search(w, cluster)
 print(f"{w.describe()} on {cluster.describe()}")
-print(f"{result.considered:,} plans considered, {len(result.ranked):,} fit "
-      f"(searched in {time.perf_counter() - t:.1f} s)\n")
+print(
+    f"{result.considered:,} plans considered, {len(result.ranked):,} fit "
+    f"(searched in {time.perf_counter() - t:.1f} s)\n"
+)
 print(result.table(top=8))
 print()
 print(result.rejections())
@@ -82,14 +84,18 @@ best = result.best
 print("best:", best.candidate.describe())
 print("train.py flags:", " ".join(best.candidate.train_flags()))
 t_ = best.time
-print(f"step {t_.total:.2f} s = compute {t_.compute:.2f} + exposed communication "
-      f"{sum(t_.communication.values()):.2f} + bubble {t_.bubble:.2f} + optimizer {t_.optimizer:.3f} "
-      f"(communication hidden behind compute: {t_.hidden:.2f} s)")
+print(
+    f"step {t_.total:.2f} s = compute {t_.compute:.2f} + exposed communication "
+    f"{sum(t_.communication.values()):.2f} + bubble {t_.bubble:.2f} + optimizer {t_.optimizer:.3f} "
+    f"(communication hidden behind compute: {t_.hidden:.2f} s)"
+)
 m = best.memory
 GiB = 2**30
-print(f"memory per device {m.total / GiB:.1f} GiB = weights {m.params / GiB:.1f} + Adam {m.optimizer / GiB:.1f} "
-      f"+ batch {m.other / GiB:.2f} + max(backward: gradients {m.gradients / GiB:.1f} + saved activations "
-      f"{m.activations / GiB:.1f} + working {m.working / GiB:.1f}, update {m.update / GiB:.1f})")
+print(
+    f"memory per device {m.total / GiB:.1f} GiB = weights {m.params / GiB:.1f} + Adam {m.optimizer / GiB:.1f} "
+    f"+ batch {m.other / GiB:.2f} + max(backward: gradients {m.gradients / GiB:.1f} + saved activations "
+    f"{m.activations / GiB:.1f} + working {m.working / GiB:.1f}, update {m.update / GiB:.1f})"
+)
 
 # %% [markdown]
 # An impossible request gets one line naming the tightest constraint:
@@ -121,23 +127,35 @@ except NoPlanError as e:
 # %%
 import dataclasses
 
+from jaxring.planner import cost
 from jaxring.planner.compiled import axis_traffic, compile_train_step
 from jaxring.planner.params import param_leaves
-from jaxring.planner import cost
 from models import gpt
 
-small = Workload("gpt", gpt.GPTConfig(vocab_size=128, num_layers=2, hidden=64, num_heads=8, ffn=256),
-                 seq_len=512 if FAST else 2048, global_batch=1, precision="fp32")
+small = Workload(
+    "gpt",
+    gpt.GPTConfig(vocab_size=128, num_layers=2, hidden=64, num_heads=8, ffn=256),
+    seq_len=512 if FAST else 2048,
+    global_batch=1,
+    precision="fp32",
+)
 cpu_result = search(small, Cluster.of("cpu", 8))
 top = cpu_result.best.candidate
 print(f"{small.describe()}: the planner's best plan on 8 CPU devices is {top.describe()}\n")
 
 
 def compiled_step(w, c):
-    plan = c.check(w, devices=devices[:c.devices])
-    return plan, compile_train_step(w.model, w.config, plan, batch=w.global_batch, seq_len=w.seq_len,
-                                    precision=w.precision, remat=c.remat,
-                                    grad_accum=c.steps(w) if c.pp == 1 else 1)
+    plan = c.check(w, devices=devices[: c.devices])
+    return plan, compile_train_step(
+        w.model,
+        w.config,
+        plan,
+        batch=w.global_batch,
+        seq_len=w.seq_len,
+        precision=w.precision,
+        remat=c.remat,
+        grad_accum=c.steps(w) if c.pp == 1 else 1,
+    )
 
 
 MB = 1e6
@@ -153,8 +171,10 @@ for remat in ("none", "selective", "full"):
         top_plan, top_compiled = plan, compiled
 print(f"{'remat':10s} {'predicted MB':>13s} {'compiled MB':>12s} {'ratio':>6s}   saved activations (predicted)")
 for remat, predicted, peak in rows:
-    print(f"{remat:10s} {predicted.total / MB:13.2f} {peak / MB:12.2f} {predicted.total / peak:6.2f}   "
-          f"{predicted.activations / MB:.2f} MB")
+    print(
+        f"{remat:10s} {predicted.total / MB:13.2f} {peak / MB:12.2f} {predicted.total / peak:6.2f}   "
+        f"{predicted.activations / MB:.2f} MB"
+    )
 
 # %% [markdown]
 # Remat shrinks the saved activations as predicted (the compiled step applies the layers' checkpoint policy).
