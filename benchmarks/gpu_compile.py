@@ -34,7 +34,7 @@ from jaxring.analysis import gpu
 from jaxring.analysis.roofline import attention_flops, roofline_of
 from jaxring.attention.flash import default_block_config, flash_attention
 from jaxring.attention.ring import ring_attention
-from jaxring.attention.ulysses import usp_attention
+from jaxring.attention.usp import usp_attention
 from jaxring.attention.wallfacer import WF_AXES, wallfacer_attention, wallfacer_mesh
 from jaxring.platform import save_record
 

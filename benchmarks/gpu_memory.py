@@ -74,7 +74,7 @@ def step_program(preset, config, seq, *, zero=3, remat="selective", target="h200
     import jaxring
     from jaxring.nn import param_placements
     from jaxring.plan import ParallelPlan
-    from jaxring.train.config import TrainConfig
+    from jaxring.spec import RunSpec
     from jaxring.train.step import TrainStep
     from jaxring.train.trainer import optimizer
     from models import gpt
@@ -92,7 +92,7 @@ def step_program(preset, config, seq, *, zero=3, remat="selective", target="h200
     gpt.check_plan(cfg, plan, batch, seq)
     model = nnx.eval_shape(lambda: gpt.GPT(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
-    tx = optimizer(TrainConfig(model="gpt", preset=preset, seq_len=seq, batch_size=batch, steps=1000))
+    tx = optimizer(RunSpec.of(model="gpt", preset=preset, seq_len=seq, batch_size=batch, steps=1000))
     step = TrainStep(
         plan,
         graphdef,

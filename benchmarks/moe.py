@@ -122,13 +122,14 @@ def all_to_all_formula(moe, num_layers, tokens_per_device, ep, hidden):
 
 def measure_model(name, ep, capacity_factor, devices, steps):
     from jaxring.analysis.compiled import collective_traffic
-    from jaxring.train.loop import TrainConfig, Trainer
+    from jaxring.spec import RunSpec
+    from jaxring.train.loop import Trainer
 
     preset, overrides, batch, seq = MODELS[name]
-    cfg = TrainConfig(
+    cfg = RunSpec.of(
         model="gpt",
         preset=preset,
-        model_overrides={**overrides, "capacity_factor": capacity_factor},
+        overrides={**overrides, "capacity_factor": capacity_factor},
         seq_len=seq,
         batch_size=batch,
         steps=10**6,

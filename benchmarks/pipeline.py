@@ -160,7 +160,8 @@ def run_gpt_row(devices, name, degrees, m, v, args):
 
     from jaxring.pipeline import make_schedule, simulate
     from jaxring.pipeline.traffic import stage_link_bytes
-    from jaxring.train.loop import TrainConfig, Trainer
+    from jaxring.spec import RunSpec
+    from jaxring.train.loop import Trainer
 
     pp, dp = degrees["pp"], degrees["dp"]
     mesh_name = f"pp{pp}xdp{dp}"
@@ -175,11 +176,13 @@ def run_gpt_row(devices, name, degrees, m, v, args):
         "seq": args.gpt_seq,
         "micro_batch": args.gpt_micro_batch,
     }
-    pipeline = dict(pp=pp, pipeline=name, microbatches=m, virtual_stages=v) if pp > 1 else dict(grad_accum=m)
-    cfg = TrainConfig(
+    pipeline = dict(pp=pp, pipeline_schedule=name, microbatches=m) if pp > 1 else dict(grad_accum=m)
+    if pp > 1 and v > 1:
+        pipeline["virtual_stages"] = v
+    cfg = RunSpec.of(
         model="gpt",
         preset="tiny",
-        model_overrides=GPT_OVERRIDES,
+        overrides=GPT_OVERRIDES,
         seq_len=args.gpt_seq,
         batch_size=m * args.gpt_micro_batch,
         steps=10**6,

@@ -80,7 +80,7 @@ def main(argv=None):
         for name in args.configs:
             options = CONFIGS[name]
             row = {"seq": seq, "config": name, **options}
-            if options["strategy"] not in jaxring.STRATEGIES:
+            if options["strategy"] not in jaxring.registry.sequence_strategies():
                 row["error"] = f"strategy {options['strategy']!r} is not implemented in this version"
             else:
                 fn = fwd_bwd(mesh, options)

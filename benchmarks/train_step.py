@@ -108,7 +108,7 @@ def main():
     p.add_argument("--out", default=None)
     args = p.parse_args()
     devices = use_cpu_devices_if_no_accelerator(8)
-    from jaxring.train.loop import TrainConfig
+    from jaxring.spec import RunSpec
 
     if args.gpu_mfu:
         return gpu_mfu(args, devices)
@@ -130,7 +130,7 @@ def main():
         for name in args.meshes:
             mesh = dict(MESHES[name])
             count = mesh.pop("devices", None)
-            cfg = TrainConfig(
+            cfg = RunSpec.of(
                 model="gpt",
                 preset=preset,
                 seq_len=spec["seq_len"],
@@ -159,7 +159,8 @@ COMPILE_MESHES = {
 
 def compile_time(args, devices):
     """Seconds to lower and compile one train step of the tiny GPT (seq 256, batch 8) at each layer count."""
-    from jaxring.train.loop import TrainConfig, Trainer
+    from jaxring.spec import RunSpec
+    from jaxring.train.loop import Trainer
 
     out = args.out or os.path.join(os.path.dirname(__file__), "results", "train_step_compile.json")
     record = benchmark_record(
@@ -169,7 +170,7 @@ def compile_time(args, devices):
     )
     for name, mesh in COMPILE_MESHES.items():
         for layers in args.compile_layers:
-            cfg = TrainConfig(
+            cfg = RunSpec.of(
                 model="gpt",
                 preset="tiny",
                 seq_len=256,
@@ -177,7 +178,7 @@ def compile_time(args, devices):
                 steps=10**6,
                 sample_tokens=0,
                 progress=False,
-                model_overrides={"num_layers": layers},
+                overrides={"num_layers": layers},
                 **mesh,
             )
             trainer = Trainer(cfg, devices)
@@ -203,12 +204,12 @@ def compile_time(args, devices):
 
 
 def gpu_mfu(args, devices):
-    from jaxring.train.loop import TrainConfig
+    from jaxring.spec import RunSpec
 
     out = args.out or os.path.join(os.path.dirname(__file__), "results", "train_step_gpu.json")
     record = benchmark_record("train_step_gpu_mfu", devices[:1], {"seq_len": 8192, "precision": "bf16"})
     for preset, batch in (("gpt2-124m", 1), ("1b", 1)):
-        cfg = TrainConfig(
+        cfg = RunSpec.of(
             model="gpt",
             preset=preset,
             seq_len=8192,

@@ -52,6 +52,17 @@ def make_mesh(
     return jax.make_mesh(shape, MESH_AXES, axis_types=(kinds[axis_types],) * len(MESH_AXES), devices=devices)
 
 
+def mesh_axis_size(mesh: Mesh, axis: str) -> int:
+    """The size of `axis` in `mesh` (1 when the mesh has no such axis)."""
+    return mesh.shape[axis] if axis in mesh.axis_names else 1
+
+
+def spec_entry(axes):
+    """The PartitionSpec entry for a tuple of mesh axes: None, one name, or the tuple."""
+    axes = tuple(axes)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
 def is_explicit(mesh: Mesh) -> bool:
     return any(t == AxisType.Explicit for t in mesh.axis_types)
 

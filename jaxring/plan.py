@@ -3,13 +3,14 @@
 The train step is ONE `shard_map` over the plan's mesh; every layer is a local function inside it. The plan
 names, from the registry (`jaxring/registry.py`):
 
-- `attention`: the sequence strategy over `sp` (ring, rsa, ulysses, wallfacer, allgather, usp; "dense" when
-  sp = 1), with its options and `layout`;
-- `tensor_parallel`: the tensor method over `tp` (megatron, optimus, metp; none when tp = 1);
+- `attention`: the sequence strategy over `sp` ("dense" when sp = 1), with its options and `layout`;
+- `tensor_parallel`: the tensor method over `tp` (none when tp = 1);
 - `zero`: the ZeRO stage over the replica axes (see `jaxring/zero.py`): 0 replicated, 1 optimizer state
   sharded, 2 gradients too, 3 parameters too (the default when fsdp > 1);
-- `pipeline`, `microbatches`, `virtual_stages`: the schedule over `pp` (see `jaxring/pipeline/`): the layer
-  stack splits over pp, embedding on the first stage and head on the last.
+- `pipeline_schedule`, `microbatches`: the schedule over `pp` (see `jaxring/pipeline/`): the layer stack
+  splits over pp, embedding on the first stage and head on the last;
+- `**options`: the chosen entries' own options (e.g. a strategy's `team_size`, a schedule's
+  `virtual_stages`), checked and completed by their registry entries.
 
 `plan.mesh` is the user's mesh (`jaxring.make_mesh`); `plan.run_mesh` is the same devices with `sp` factored
 as the strategy needs (WallFacer's teams and sub-rings, USP's ring × Ulysses) and `tp` as the method needs
@@ -23,7 +24,6 @@ positions are permuted together, and the model never permutes per layer.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -32,83 +32,73 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxring.attention.flash import flash_attention
 from jaxring.attention.layout import check_seq_len, layout_permutation
-from jaxring.attention.ulysses import local_implementation
-from jaxring.mesh import DATA_AXES
-from jaxring.registry import SEQUENCE_STRATEGIES, sequence_strategy, tensor_method
-from jaxring.tensor.contract import _entry
+from jaxring.mesh import DATA_AXES, mesh_axis_size, spec_entry
+from jaxring.registry import pipeline_schedule, resolve_options, sequence_strategies, sequence_strategy, tensor_method
 
 ZERO_STAGES = (0, 1, 2, 3)
 
 
-@dataclasses.dataclass(frozen=True)
 class ParallelPlan:
-    """How a model runs on `mesh` (a mesh from `jaxring.make_mesh`)."""
+    """How a model runs on `mesh` (a mesh from `jaxring.make_mesh`); immutable."""
 
-    mesh: Mesh
-    attention: str = "dense"
-    layout: str | None = None
-    team_size: int | None = None
-    ulysses_size: int | None = None
-    placement: str | None = None
-    tensor_parallel: str | None = None
-    zero: int | None = None
-    block_ops: str = "auto"
-    pipeline: str = "1f1b"  # pp > 1: gpipe, 1f1b, interleaved or zero-bubble (jaxring.pipeline)
-    microbatches: int | None = None  # pp > 1: micro-batches per step (default: 2·pp)
-    virtual_stages: int = 1  # interleaved: layer chunks per stage
-
-    def __post_init__(self):
-        strategy = sequence_strategy(self.attention)
-        if self.sp > 1 and self.attention == "dense":
+    def __init__(
+        self,
+        mesh: Mesh,
+        attention: str = "dense",
+        layout: str | None = None,
+        tensor_parallel: str | None = None,
+        zero: int | None = None,
+        block_ops: str = "auto",
+        pipeline_schedule: str = "1f1b",
+        microbatches: int | None = None,
+        **options,
+    ):
+        self.mesh, self.attention, self.layout, self.zero = mesh, attention, layout, zero
+        self.block_ops, self.pipeline_schedule, self.microbatches = block_ops, pipeline_schedule, microbatches
+        strategy = sequence_strategy(attention)
+        if self.sp > 1 and attention == "dense":
+            others = ", ".join(s for s in sequence_strategies() if s != "dense")
             raise ValueError(
-                f"sp = {self.sp} splits the sequence, but attention 'dense' does not; pick one of "
-                f"{', '.join(s for s in SEQUENCE_STRATEGIES if s != 'dense')}"
+                f"sp = {self.sp} splits the sequence, but attention 'dense' does not; pick one of {others}"
             )
-        if self.sp == 1 and self.attention != "dense":
-            raise ValueError(f"attention {self.attention!r} splits the sequence over sp, but sp = 1")
-        given = {
-            k: v
-            for k, v in (
-                ("team_size", self.team_size),
-                ("ulysses_size", self.ulysses_size),
-                ("placement", self.placement),
-            )
-            if v is not None
-        }
-        object.__setattr__(self, "_options", strategy.resolve_options(given, self.sp))
-        if self.layout is not None:
-            strategy.layout_for(self.layout, causal=True)
-        if self.tp > 1 and self.tensor_parallel is None:
-            object.__setattr__(self, "tensor_parallel", "megatron")
-        method = tensor_method(self.tensor_parallel)
-        if self.tensor_parallel is not None and self.tp == 1:
-            raise ValueError(f"tensor parallelism {self.tensor_parallel!r} needs tp > 1, got tp = 1")
+        if self.sp == 1 and attention != "dense":
+            raise ValueError(f"attention {attention!r} splits the sequence over sp, but sp = 1")
+        if self.tp > 1 and tensor_parallel is None:
+            tensor_parallel = "megatron"
+        self.tensor_parallel = tensor_parallel
+        method = tensor_method(tensor_parallel)
+        if tensor_parallel is not None and self.tp == 1:
+            raise ValueError(f"tensor parallelism {tensor_parallel!r} needs tp > 1, got tp = 1")
+        if self.pp == 1 and microbatches is not None:
+            raise ValueError(f"microbatches={microbatches!r} sets the pipeline schedule, but pp = 1")
+        self.options = resolve_options(
+            attention, tensor_parallel, pipeline_schedule, options, sp=self.sp, tp=self.tp, pp=self.pp
+        )
+        if layout is not None:
+            strategy.layout_for(layout, causal=True)
         if self.sp > 1 and not method.sequence_parallel:
             raise ValueError(
                 f"tensor parallelism {method.name!r} cannot run with sp = {self.sp}: {method.sequence_parallel_rule}"
             )
         method.check_mesh(self)
-        if self.zero is not None and (isinstance(self.zero, bool) or self.zero not in ZERO_STAGES):
-            raise ValueError(f"zero stage {self.zero!r} must be one of {', '.join(map(str, ZERO_STAGES))}")
+        if zero is not None and (isinstance(zero, bool) or zero not in ZERO_STAGES):
+            raise ValueError(f"zero stage {zero!r} must be one of {', '.join(map(str, ZERO_STAGES))}")
         if self.pp > 1:
-            self.schedule  # make_schedule's one-line errors (unknown schedule, m < pp, V without interleaved)
+            _ = self.schedule  # make_schedule's one-line errors (unknown schedule, m < pp, ...)
             if self.zero_stage == 2:
                 raise ValueError(
-                    "zero stage 2 does not combine with pp > 1: the pipeline accumulates each "
-                    "stage's gradient over its micro-batches, so use --zero 1 (the same bytes: one "
-                    "reduce-scatter per step) or --zero 3"
+                    "zero stage 2 does not combine with pp > 1: the pipeline accumulates each stage's gradient "
+                    "over its micro-batches, so use --zero 1 (the same bytes: one reduce-scatter per step) or "
+                    "--zero 3"
                 )
-        elif self.microbatches is not None or self.virtual_stages != 1:
-            raise ValueError(
-                f"microbatches={self.microbatches!r}, virtual_stages={self.virtual_stages!r} set the "
-                f"pipeline schedule, but pp = 1"
-            )
+
+    def __repr__(self) -> str:
+        return f"ParallelPlan({self.describe()})"
 
     # ------------------------------------------------------------------ degrees
     def _size(self, axis: str) -> int:
-        return self.mesh.shape[axis] if axis in self.mesh.axis_names else 1
+        return mesh_axis_size(self.mesh, axis)
 
     @property
     def sp(self) -> int:
@@ -141,6 +131,32 @@ class ParallelPlan:
             return self.zero
         return 3 if self.fsdp > 1 else 0
 
+    # ------------------------------------------------------------------ registry entries and their options
+    @property
+    def strategy(self):
+        return sequence_strategy(self.attention)
+
+    @property
+    def tensor(self):
+        """The TensorMethod (its `name` is "none" without tensor parallelism)."""
+        return tensor_method(self.tensor_parallel)
+
+    def _entry_options(self, entry) -> dict:
+        return {k: v for k, v in self.options.items() if k in entry.option_names()}
+
+    @property
+    def strategy_options(self) -> dict:
+        """The sequence strategy's options, defaults filled in."""
+        return self._entry_options(self.strategy)
+
+    @property
+    def tensor_options(self) -> dict:
+        return self._entry_options(self.tensor)
+
+    @property
+    def schedule_options(self) -> dict:
+        return self._entry_options(pipeline_schedule(self.pipeline_schedule)) if self.pp > 1 else {}
+
     # ------------------------------------------------------------------ pipeline
     @functools.cached_property
     def schedule(self):
@@ -150,15 +166,21 @@ class ParallelPlan:
         from jaxring.pipeline import make_schedule
 
         m = 2 * self.pp if self.microbatches is None else self.microbatches
-        return make_schedule(self.pipeline, self.pp, m, self.virtual_stages)
+        return make_schedule(self.pipeline_schedule, self.pp, m, **self.schedule_options)
+
+    @property
+    def virtual_stages(self) -> int:
+        """Layer chunks per pipeline stage (1 unless the schedule interleaves them)."""
+        return self.schedule.virtual_stages if self.pp > 1 else 1
 
     def check_layers(self, num_layers: int) -> None:
         """The layer stack splits into pp · virtual_stages equal chunks."""
-        if self.pp > 1 and num_layers % (self.pp * self.virtual_stages):
+        chunks = self.pp * self.virtual_stages
+        if self.pp > 1 and num_layers % chunks:
             v = f" × virtual_stages {self.virtual_stages}" if self.virtual_stages > 1 else ""
             raise ValueError(
-                f"num_layers {num_layers} is not divisible by pp {self.pp}{v} = "
-                f"{self.pp * self.virtual_stages} (each pipeline chunk holds the same number of layers)"
+                f"num_layers {num_layers} is not divisible by pp {self.pp}{v} = {chunks} (each pipeline chunk "
+                f"holds the same number of layers)"
             )
 
     def layer_order(self, num_layers: int):
@@ -169,30 +191,16 @@ class ParallelPlan:
             return None
         v, chunk = self.virtual_stages, num_layers // (self.pp * self.virtual_stages)
         return np.array(
-            [(c * self.pp + s) * chunk + l for s in range(self.pp) for c in range(v) for l in range(chunk)], np.int32
+            [(c * self.pp + s) * chunk + i for s in range(self.pp) for c in range(v) for i in range(chunk)],
+            np.int32,
         )
-
-    # ------------------------------------------------------------------ registry entries
-    @property
-    def strategy(self):
-        return SEQUENCE_STRATEGIES[self.attention]
-
-    @property
-    def tensor(self):
-        """The TensorMethod (its `name` is "none" without tensor parallelism)."""
-        return tensor_method(self.tensor_parallel)
-
-    @property
-    def options(self) -> dict:
-        """The sequence strategy's options, defaults filled in."""
-        return dict(self._options)
 
     # ------------------------------------------------------------------ the run mesh and its axes
     @functools.cached_property
     def _view(self):
         mesh, seq_axes = self.mesh, ()
         if self.sp > 1:
-            mesh, seq_axes = self.strategy.seq_view(mesh, self._options)
+            mesh, seq_axes = self.strategy.seq_view(mesh, self.strategy_options)
         return self.tensor.view(mesh), tuple(seq_axes)
 
     @property
@@ -222,7 +230,7 @@ class ParallelPlan:
     @property
     def seq_axis(self):
         """The sequence entry of a PartitionSpec (None when sp = 1)."""
-        return _entry(self.seq_axes)
+        return spec_entry(self.seq_axes)
 
     def seq_layout(self, causal: bool = True) -> str:
         """The data-side token layout: zigzag balances causal work; contiguous where nothing is to balance."""
@@ -234,6 +242,9 @@ class ParallelPlan:
         the plan's sequence strategy over `seq_axes`, or flash attention when sp = 1. positions int [b, n]
         are shared by the batch rows (they come from the data-side layout)."""
         if self.sp == 1:
+            from jaxring.attention.flash import flash_attention
+            from jaxring.attention.ulysses import local_implementation
+
             pos = positions[0]
             return flash_attention(
                 q,
@@ -254,7 +265,7 @@ class ParallelPlan:
             causal=causal,
             sm_scale=None,
             block_ops=self.block_ops,
-            **self._options,
+            **self.strategy_options,
         )
 
     # ------------------------------------------------------------------ checks
@@ -265,8 +276,10 @@ class ParallelPlan:
         if batch % degree:
             extra = "" if split == 1 else f" × the {self.tensor.name} batch split {split}"
             extra += "" if m == 1 else f" × the pipeline's micro-batches {m}"
+            fix = degree * max(1, round(batch / degree))
             raise ValueError(
-                f"{what} {batch} is not divisible by the data-parallel degree dp*fsdp*ep{extra} = {degree}"
+                f"{what} {batch} is not divisible by the data-parallel degree dp*fsdp*ep{extra} = {degree}; "
+                f"use a multiple of {degree} (e.g. {fix})"
             )
 
     def check_seq_len(self, seq_len: int, causal: bool = True) -> None:
@@ -279,7 +292,7 @@ class ParallelPlan:
         """Heads after the tensor method's split must still suit the sequence strategy (Ulysses: divide sp)."""
         local_q = num_heads // max(self.tensor.head_split(self), 1)
         if self.sp > 1 and self.strategy.check_heads is not None:
-            self.strategy.check_heads(local_q, num_kv_heads, self.sp, self._options)
+            self.strategy.check_heads(local_q, num_kv_heads, self.sp, self.strategy_options)
 
     # ------------------------------------------------------------------ data side
     def token_permutation(self, seq_len: int, causal: bool = True):
@@ -309,7 +322,7 @@ class ParallelPlan:
 
     def batch_spec(self, ndim: int = 1) -> P:
         """[batch, ...] arrays split over the data axes only (images, labels, per-sequence vectors)."""
-        return P(_entry(self.batch_axes), *([None] * (ndim - 1)))
+        return P(spec_entry(self.batch_axes), *([None] * (ndim - 1)))
 
     def sharding(self, *spec) -> NamedSharding:
         if len(spec) == 1 and isinstance(spec[0], P):
@@ -330,7 +343,7 @@ class ParallelPlan:
         degrees = " × ".join(f"{a}={self.mesh.shape[a]}" for a in self.mesh.axis_names if self.mesh.shape[a] > 1)
         parts = [degrees or "1 device"]
         if self.sp > 1:
-            opts = ", ".join(f"{k}={v}" for k, v in self._options.items())
+            opts = ", ".join(f"{k}={v}" for k, v in self.strategy_options.items())
             parts.append(f"attention={self.attention}" + (f" ({opts})" if opts else ""))
         if self.tensor_parallel:
             parts.append(f"tensor={self.tensor_parallel}")
@@ -343,5 +356,5 @@ class ParallelPlan:
         return ", ".join(parts)
 
     def attention_options(self) -> dict:
-        """The options to pass to `sharded_attention` for this plan's strategy (given ones only)."""
-        return {k: v for k, v in self._options.items() if k != "placement" or self.placement is not None}
+        """The options to pass to `sharded_attention` for this plan's strategy."""
+        return self.strategy_options

@@ -1,51 +1,65 @@
-"""The one registry of parallel strategies: sequence-parallel attention over `sp`, tensor methods over `tp`.
+"""The one registry of parallel strategies: sequence strategies over `sp`, tensor methods over `tp`, pipeline
+schedules over `pp`. Each strategy's own file registers its entry; nothing here names one (but "dense", the
+absence of a sequence strategy).
 
-Adding a strategy is one file (its local function, run inside a `shard_map` the caller owns) plus one entry
-here. `ParallelPlan`, `sharded_attention`, `train.py`'s choices, `describe()` and the error messages all read
-these tables.
+Adding a sequence strategy is one file that ends in
 
-A sequence strategy entry gives:
+    register_sequence_strategy(SequenceStrategy("mine", "what it is", attend=_attend, cost=_cost,
+                                                options=(Option("chunks", "...", _check_chunks, default=2),)))
+
+plus its import in `jaxring/attention/__init__.py`. Its options are then settings of the run specification
+(`jaxring.spec`): flags of `train.py`, keys of its YAML, keywords of `jaxring.make_plan` and of
+`sharded_attention`; the planner (`jaxring.planner`) searches the values `Option.search` lists and prices the
+entry with its own `cost`.
+
+A sequence strategy entry:
   attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, **options) -> out
-      the local attention ([batch, n, heads, head_dim] shards, n = seq / sp, in `layout`);
+      the local attention ([batch, n, heads, head_dim] shards, n = seq / sp, in `layout`), inside a shard_map;
   layouts and the default layout for causal attention (non-causal attention needs no balance: contiguous);
-  options with their validation (`team_size`, `ulysses_size`, `placement`);
-  view(mesh, options) -> (mesh, seq_axes): the devices of `sp` seen as the factored axes the strategy
+  options, each with its check, default and the values the planner tries;
+  view(mesh, options, axis) -> (mesh, seq_axes): the devices of `sp` seen as the factored axes the strategy
       needs (WallFacer's teams and sub-rings, USP's ring × Ulysses), the same devices in every case;
-  check_heads(q_heads, kv_heads, sp, options): the head rule (Ulysses splits heads over sp).
-Tensor methods share the `TensorMethod` contract of `jaxring/tensor/contract.py`.
+  check_heads(q_heads, kv_heads, sp, options): its head rule (Ulysses splits heads over sp);
+  capabilities: GQA without repeating K/V, segment ids, per-block compute (`block_ops`);
+  cost(shape, options) -> `jaxring.costs.AttentionCost`: bytes per collective and memory per layer.
+A tensor method is a `jaxring.tensor.contract.TensorMethod` (its layers, layouts, checks and cost). A pipeline
+schedule entry builds its table (`jaxring.pipeline.schedules`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from jax.sharding import Mesh
 
-from jaxring.attention.allgather import allgather_attention
-from jaxring.attention.ring import ring_attention
-from jaxring.attention.rsa import rsa_attention
-from jaxring.attention.ulysses import check_heads_split, ulysses_attention, usp_attention
-from jaxring.attention.wallfacer import (
-    PLACEMENTS,
-    WF_AXES,
-    WF_LAYOUTS,
-    check_placement,
-    check_team_size,
-    wallfacer_attention,
-    wallfacer_mesh,
-)
-from jaxring.mesh import factored_mesh
-
-ALL_LAYOUTS = ("contiguous", "zigzag", "striped")
-USP_AXES = ("usp_ring", "usp_ulysses")
+__all__ = [
+    "HasOptions",
+    "Option",
+    "PipelineSchedule",
+    "SequenceStrategy",
+    "all_options",
+    "option_owners",
+    "pipeline_schedule",
+    "pipeline_schedules",
+    "register_pipeline_schedule",
+    "register_sequence_strategy",
+    "register_tensor_method",
+    "resolve_options",
+    "sequence_strategies",
+    "sequence_strategy",
+    "tensor_method",
+    "tensor_methods",
+]
 
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """A strategy option: its name, its check(value, sp), whether it must be given, its default, and how a
-    command line takes it (`type`, `choices`: train.py builds its flags from these)."""
+    """An entry's own setting: its name (the spec's flat name; the flag is --NAME-WITH-DASHES), its help,
+    check(value, degree) (degree: sp for a sequence strategy, tp for a tensor method, pp for a schedule),
+    whether it must be given, its default, its type and choices, and `search(degree)`: the values the
+    planner tries (None: only the default)."""
 
     name: str
     help: str
@@ -54,45 +68,79 @@ class Option:
     default: Any = None
     type: type = int
     choices: tuple | None = None
+    search: Callable[[int], Iterable] | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class SequenceStrategy:
+class HasOptions:
+    """An entry's options: checking them, filling in defaults, and the grid the planner searches. Entries
+    have `name`, `kind` and `options` (a tuple of Option)."""
+
     name: str
-    summary: str
-    attend: Callable | None  # None: "dense" (no sequence parallelism)
-    default_layout: str = "zigzag"  # for causal attention
-    layouts: tuple[str, ...] = ALL_LAYOUTS
+    kind = "entry"
     options: tuple[Option, ...] = ()
-    view: Callable[[Mesh, dict, str], tuple[Mesh, tuple[str, ...]]] | None = None
-    check_heads: Callable[[int, int, int, dict], None] | None = None
-    uses_block_ops: bool = True  # takes `block_ops` (jnp / Pallas per-block compute)
 
     def option_names(self) -> tuple[str, ...]:
         return tuple(o.name for o in self.options)
 
-    def resolve_options(self, given: dict, sp: int) -> dict:
-        """The full option dict (defaults filled in), after checking names and values."""
+    def resolve_options(self, given: dict, degree: int, *, strict: bool = True) -> dict:
+        """Its options with defaults filled in, after checking their values; `strict`: a name it does not
+        take is an error."""
         unknown = set(given) - set(self.option_names())
-        if unknown:
+        if strict and unknown:
             takes = ", ".join(self.option_names()) or "no options"
-            raise ValueError(f"strategy {self.name!r} takes no option {', '.join(sorted(unknown))} (it takes {takes})")
+            raise ValueError(
+                f"{self.kind} {self.name!r} takes no option {', '.join(sorted(unknown))} (it takes {takes})"
+            )
         options = {}
         for o in self.options:
             value = given.get(o.name, o.default)
             if value is None:
                 if o.required:
-                    raise ValueError(f"attention {self.name!r} needs {o.name} ({o.help})")
+                    raise ValueError(f"{self.kind} {self.name!r} needs {o.name} ({o.help})")
                 continue
-            o.check(value, sp)
+            if o.choices is not None and value not in o.choices:
+                raise ValueError(f"{o.name} {value!r} is not one of {', '.join(map(str, o.choices))}")
+            o.check(value, degree)
             options[o.name] = value
         return options
 
+    def option_grid(self, degree: int) -> list[dict]:
+        """Every combination of the values the planner tries for this entry's options at `degree`."""
+        grid = [{}]
+        for o in self.options:
+            values = [v for v in (o.search(degree) if o.search is not None else [o.default]) if v is not None]
+            if not values:
+                if o.required:
+                    return []
+                continue
+            grid = [{**g, o.name: v} for g in grid for v in values]
+        return grid
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceStrategy(HasOptions):
+    name: str
+    summary: str
+    attend: Callable | None = None  # None: "dense" (no sequence parallelism)
+    default_layout: str = "zigzag"  # for causal attention
+    layouts: tuple[str, ...] = ("contiguous", "zigzag", "striped")
+    view: Callable[[Mesh, dict, str], tuple[Mesh, tuple[str, ...]]] | None = None
+    check_heads: Callable[[int, int, int, dict], None] | None = None
+    options: tuple[Option, ...] = ()
+    uses_block_ops: bool = True  # takes `block_ops` (jnp / Pallas per-block compute)
+    gqa: bool = True  # K/V with fewer heads than Q, without repeating them
+    segment_ids: bool = True  # packed sequences (tokens attend within their segment)
+    cost: Callable | None = None  # (jaxring.costs.AttentionShape, options) -> jaxring.costs.AttentionCost
+
+    kind = "strategy"
+
     def layout_for(self, layout: str | None, causal: bool) -> str:
+        from jaxring.attention.layout import LAYOUTS
+
         if layout is None:
             return self.default_layout if causal else "contiguous"
-        if layout not in ALL_LAYOUTS:
-            raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(ALL_LAYOUTS)}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
         if layout not in self.layouts:
             raise ValueError(
                 f"layout {layout!r} is not supported by {self.name}; expected one of {', '.join(self.layouts)}"
@@ -106,182 +154,144 @@ class SequenceStrategy:
         return self.view(mesh, options, axis)
 
 
-# ------------------------------------------------------------------------------------ option checks
+@dataclasses.dataclass(frozen=True)
+class PipelineSchedule(HasOptions):
+    """A pipeline schedule: its per-stage order of actions (`jaxring.pipeline.schedules`), options and rules."""
+
+    name: str
+    summary: str
+    build: Callable | None = None  # (stage, p, m, v) -> that stage's order of (kind, microbatch, chunk)
+    options: tuple[Option, ...] = ()
+    check: Callable | None = None  # (p, m, **options): rules that involve the micro-batches
+    kind = "pipeline schedule"
 
 
-def _check_ulysses_size(u, sp: int) -> None:
-    if isinstance(u, bool) or not isinstance(u, int) or u < 1 or sp % u:
-        raise ValueError(f"ulysses_size U={u!r} must be a positive integer dividing sp = {sp}")
+DENSE = SequenceStrategy(
+    "dense",
+    "no sequence parallelism: every device attends its own whole sequences",
+    default_layout="contiguous",
+    layouts=("contiguous",),
+)
+
+_SEQUENCE: dict[str, SequenceStrategy] = {"dense": DENSE}
+_TENSOR: dict[str, Any] = {}
+_SCHEDULES: dict[str, PipelineSchedule] = {}
+_loaded = False
 
 
-def _check_team_size(c, sp: int) -> None:
-    check_team_size(c, sp)
+def _builtins() -> None:
+    """Imports the packages whose modules register jaxring's own entries (once)."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        import jaxring.attention
+        import jaxring.pipeline
+        import jaxring.tensor  # noqa: F401 (imported for their registrations)
 
 
-def _check_placement(placement, sp: int) -> None:
-    del sp
-    check_placement(placement)
+def _register(table: dict, entry, kind: str):
+    if not entry.name or not isinstance(entry.name, str):
+        raise ValueError(f"a {kind} needs a name, got {entry.name!r}")
+    old = table.get(entry.name)
+    if old is not None and old is not entry:
+        raise ValueError(f"{kind} {entry.name!r} is already registered")
+    for option in getattr(entry, "options", ()):
+        if option.name in _reserved():
+            raise ValueError(f"{kind} {entry.name!r}: option {option.name!r} would shadow a run setting")
+    table[entry.name] = entry
+    return entry
 
 
-def _ulysses_heads(q_heads: int, kv_heads: int, sp: int, options: dict) -> None:
-    del kv_heads, options
-    check_heads_split(q_heads, sp)
+def _reserved() -> set[str]:
+    from jaxring.spec import SECTIONS, _fields
+
+    return {n for cls in SECTIONS.values() for n in _fields(cls)}
 
 
-def _usp_heads(q_heads: int, kv_heads: int, sp: int, options: dict) -> None:
-    del kv_heads, sp
-    check_heads_split(q_heads, options["ulysses_size"], "ulysses_size")
+def register_sequence_strategy(entry: SequenceStrategy) -> SequenceStrategy:
+    return _register(_SEQUENCE, entry, "sequence strategy")
 
 
-# ------------------------------------------------------------------------------------ factored views
+def register_tensor_method(method):
+    """A `jaxring.tensor.contract.TensorMethod` instance."""
+    return _register(_TENSOR, method, "tensor method")
 
 
-def _usp_view(mesh: Mesh, options: dict, axis: str):
-    sp, u = mesh.shape[axis], options["ulysses_size"]
-    return factored_mesh(mesh, axis, USP_AXES, (sp // u, u)), USP_AXES
+def register_pipeline_schedule(entry: PipelineSchedule) -> PipelineSchedule:
+    return _register(_SCHEDULES, entry, "pipeline schedule")
 
 
-def _wallfacer_view(mesh: Mesh, options: dict, axis: str):
-    return wallfacer_mesh(mesh, options["team_size"], options.get("placement", "team_inner"), axis), WF_AXES
+def sequence_strategies() -> dict[str, SequenceStrategy]:
+    _builtins()
+    return dict(_SEQUENCE)
 
 
-# ------------------------------------------------------------------------------------ local functions
-# Every entry takes the same keywords; each adapts them to its strategy's local function.
+def tensor_methods() -> dict[str, Any]:
+    """Every tensor method by name, "none" (no tensor parallelism) included."""
+    _builtins()
+    return dict(_TENSOR)
 
 
-def _ring(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops):
-    return ring_attention(
-        q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops
-    )
+def pipeline_schedules() -> dict[str, PipelineSchedule]:
+    _builtins()
+    return dict(_SCHEDULES)
 
 
-def _rsa(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops):
-    del block_ops  # RSA materialises its score rows: no per-block compute
-    return rsa_attention(q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale)
-
-
-def _ulysses(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops):
-    return ulysses_attention(
-        q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops
-    )
-
-
-def _allgather(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops):
-    return allgather_attention(
-        q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops
-    )
-
-
-def _usp(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, ulysses_size):
-    del ulysses_size  # the factored view carries it
-    ring_axis, ulysses_axis = seq_axes
-    return usp_attention(
-        q,
-        k,
-        v,
-        segment_ids,
-        ring_axis=ring_axis,
-        ulysses_axis=ulysses_axis,
-        layout=layout,
-        causal=causal,
-        sm_scale=sm_scale,
-        block_ops=block_ops,
-    )
-
-
-def _wallfacer(
-    q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, team_size, placement="team_inner"
-):
-    del seq_axes, placement  # WF_AXES, laid out by the factored view
-    return wallfacer_attention(
-        q, k, v, segment_ids, team_size=team_size, causal=causal, sm_scale=sm_scale, layout=layout, block_ops=block_ops
-    )
-
-
-SEQUENCE_STRATEGIES: dict[str, SequenceStrategy] = {
-    s.name: s
-    for s in (
-        SequenceStrategy(
-            "dense",
-            "no sequence parallelism: every device attends its own whole sequences",
-            None,
-            default_layout="contiguous",
-            layouts=("contiguous",),
-        ),
-        SequenceStrategy(
-            "ring", "ring attention: K/V blocks circulate with ppermute, online softmax (Playbook)", _ring
-        ),
-        SequenceStrategy(
-            "rsa",
-            "Ring Self-Attention: K then V rings over materialised score rows (Li et al.)",
-            _rsa,
-            default_layout="contiguous",
-            uses_block_ops=False,
-        ),
-        SequenceStrategy(
-            "ulysses",
-            "DeepSpeed-Ulysses: all-to-all sequence <-> heads around local attention",
-            _ulysses,
-            default_layout="contiguous",
-            check_heads=_ulysses_heads,
-        ),
-        SequenceStrategy(
-            "wallfacer",
-            "WallFacer: teams of C devices, C² sub-rings, 1/C of the ring's P2P volume",
-            _wallfacer,
-            layouts=WF_LAYOUTS,
-            view=_wallfacer_view,
-            options=(
-                Option("team_size", "--team-size C, C² dividing sp", _check_team_size, required=True),
-                Option(
-                    "placement",
-                    "which devices are neighbours: team members or sub-ring members",
-                    _check_placement,
-                    default="team_inner",
-                    type=str,
-                    choices=PLACEMENTS,
-                ),
-            ),
-        ),
-        SequenceStrategy(
-            "allgather", "all-gather context parallelism: gather K/V, reduce-scatter dK/dV (Llama 3)", _allgather
-        ),
-        SequenceStrategy(
-            "usp",
-            "USP: Ulysses over U devices × ring over sp / U",
-            _usp,
-            view=_usp_view,
-            check_heads=_usp_heads,
-            options=(Option("ulysses_size", "--ulysses-size U, U dividing sp", _check_ulysses_size, required=True),),
-        ),
-    )
-}
-
-
-def strategy_options() -> dict[str, tuple[Option, tuple[str, ...]]]:
-    """Every strategy option by name, with the strategies that take it (for command lines)."""
-    out: dict[str, tuple[Option, tuple[str, ...]]] = {}
-    for strategy in SEQUENCE_STRATEGIES.values():
-        for option in strategy.options:
-            first, users = out.get(option.name, (option, ()))
-            out[option.name] = (first, users + (strategy.name,))
-    return out
+def _lookup(table: dict, name, what: str, hidden=()):
+    _builtins()
+    if name not in table:
+        names = ", ".join(n for n in table if n not in hidden)
+        raise ValueError(f"unknown {what} {name!r}; expected one of {names}")
+    return table[name]
 
 
 def sequence_strategy(name: str) -> SequenceStrategy:
-    if name not in SEQUENCE_STRATEGIES:
-        raise ValueError(f"unknown attention strategy {name!r}; expected one of {', '.join(SEQUENCE_STRATEGIES)}")
-    return SEQUENCE_STRATEGIES[name]
+    return _lookup(_SEQUENCE, name, "attention strategy")
 
 
 def tensor_method(name: str | None):
     """The TensorMethod registered as `name` (None: no tensor parallelism)."""
-    from jaxring.tensor import TENSOR_METHODS
+    return _lookup(_TENSOR, "none" if name is None else name, "tensor parallelism", hidden=("none",))
 
-    key = "none" if name is None else name
-    if key not in TENSOR_METHODS:
-        raise ValueError(
-            f"unknown tensor parallelism {name!r}; expected one of "
-            f"{', '.join(n for n in TENSOR_METHODS if n != 'none')}"
-        )
-    return TENSOR_METHODS[key]
+
+def pipeline_schedule(name: str) -> PipelineSchedule:
+    return _lookup(_SCHEDULES, name, "pipeline schedule")
+
+
+def all_options() -> dict[str, tuple[Option, tuple[str, ...]]]:
+    """Every option of every entry by name: (the first entry's Option, the entries that take it)."""
+    out: dict[str, tuple[Option, tuple[str, ...]]] = {}
+    for table in (sequence_strategies(), tensor_methods(), pipeline_schedules()):
+        for entry in table.values():
+            for option in entry.options:
+                first, users = out.get(option.name, (option, ()))
+                out[option.name] = (first, (*users, entry.name))
+    return out
+
+
+def option_owners(name: str) -> tuple[str, ...]:
+    return all_options().get(name, (None, ()))[1]
+
+
+def resolve_options(
+    attention: str, tensor_parallel: str | None, schedule: str | None, given: dict, *, sp: int, tp: int, pp: int
+) -> dict:
+    """The options of the chosen strategy (at sp), tensor method (at tp) and schedule (at pp > 1), defaults
+    filled in. An option that none of them takes is a one-line error naming the entries that do."""
+    entries = [(sequence_strategy(attention), sp), (tensor_method(tensor_parallel), tp)]
+    if pp > 1 and schedule is not None:
+        entries.append((pipeline_schedule(schedule), pp))
+    taken = {o.name for e, _ in entries for o in e.options}
+    for name, value in given.items():
+        if name not in taken and value is not None:
+            owners = option_owners(name)
+            chosen = f"attention {attention!r}" + (f", tensor parallelism {tensor_parallel!r}" if tp > 1 else "")
+            if pp > 1:
+                chosen += f", pipeline schedule {schedule!r}"
+            if owners:
+                raise ValueError(f"{name}={value!r} is an option of {', '.join(owners)}, not of the chosen {chosen}")
+            raise ValueError(f"unknown option {name!r}")
+    out = {}
+    for entry, degree in entries:
+        out.update(entry.resolve_options({k: v for k, v in given.items() if v is not None}, degree, strict=False))
+    return out

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxring.mesh import spec_entry
 from jaxring.vma import gather_invariant, vary, varying_axes
 
 
@@ -54,7 +55,7 @@ class Placement:
         spec = list(self.spec)
         have = spec[self.zero_dim]
         have = () if have is None else (have,) if isinstance(have, str) else tuple(have)
-        spec[self.zero_dim] = _entry(have + self.replica)
+        spec[self.zero_dim] = spec_entry(have + self.replica)
         return tuple(spec)
 
     def param_spec(self, stage: int) -> P:
@@ -64,11 +65,6 @@ class Placement:
     def state_spec(self, stage: int) -> P:
         """How its optimizer moments are stored."""
         return P(*(self.with_zero() if stage >= 1 else self.spec))
-
-
-def _entry(axes):
-    axes = tuple(a for a in axes if a is not None)
-    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def _axes_of(entry) -> tuple:

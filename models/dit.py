@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring.nn import MLP, Attention, Layers, stack, weight_specs
 from jaxring.plan import ParallelPlan
-from jaxring.train.objective import Objective
+from jaxring.task import Objective
 
 TIME_SAMPLING = ("uniform", "logit_normal")
 
@@ -321,10 +321,10 @@ class FinalLayer(nnx.Module):
 def check_plan(cfg: DiTConfig, plan: ParallelPlan, batch: int) -> None:
     """Raises (one line naming the value and the rule) when a `cfg` DiT cannot run on `plan` with micro-batches
     of `batch` images."""
-    if plan.tensor.name == "optimus":
+    if not plan.tensor.whole_hidden:
         raise ValueError(
-            "the DiT cannot use tensor parallelism 'optimus': its adaLN modulation needs whole "
-            "hidden vectors, which Optimus splits over the grid columns; use megatron or metp"
+            f"the DiT cannot use tensor parallelism {plan.tensor.name!r}: its adaLN modulation needs whole "
+            "hidden vectors, which it splits over devices; use a method that keeps them whole (megatron, metp)"
         )
     plan.tensor.check_model(
         plan, num_heads=cfg.num_heads, num_kv_heads=cfg.num_heads, hidden=cfg.hidden, ffn=cfg.ffn_size, vocab=None

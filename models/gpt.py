@@ -19,8 +19,8 @@ from flax import nnx
 from jaxring.moe import MoEConfig
 from jaxring.nn import MLP, Attention, Embed, LayerNorm, Layers, MoE, stack, token_cross_entropy
 from jaxring.plan import ParallelPlan
+from jaxring.task import Objective
 from jaxring.tensor.contract import ACTIVATIONS
-from jaxring.train.objective import Objective
 
 
 def _check_positive_int(name, value):
@@ -174,10 +174,10 @@ def check_plan(cfg: GPTConfig, plan: ParallelPlan, batch: int, seq_len: int) -> 
     )
     plan.check_heads(cfg.num_heads, num_kv)
     if cfg.moe is not None:
-        if plan.tensor.name not in ("none", "megatron"):
+        if not plan.tensor.runs_moe:
             raise ValueError(
                 f"mixture-of-experts layers cannot run with tensor parallelism '{plan.tensor.name}'; "
-                f"use megatron (or none) with --ep"
+                "use megatron (or none) with --ep"
             )
         cfg.moe.check_parallel(plan.ep, plan.tp)
     elif plan.ep > 1:

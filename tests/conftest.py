@@ -9,3 +9,15 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _runs_in_a_temporary_directory(tmp_path_factory):
+    """Runs that name no output directory write under runs/ of the working directory; in the tests, under a
+    temporary one instead of the repository."""
+    from jaxring.train import loop
+
+    loop.RUNS_DIR = str(tmp_path_factory.mktemp("runs"))

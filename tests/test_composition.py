@@ -14,7 +14,7 @@ import jaxring
 from jaxring.analysis import compile_stats
 from jaxring.nn import MLP, Attention, param_placements
 from jaxring.plan import ParallelPlan
-from jaxring.registry import SEQUENCE_STRATEGIES
+from jaxring.registry import sequence_strategy
 
 B, S, H, HEADS, KV = 2, 64, 32, 8, 4
 
@@ -153,14 +153,14 @@ def test_refusals_name_the_value_and_the_rule():
         ParallelPlan(mesh, attention="rings")
     with pytest.raises(ValueError, match="unknown tensor parallelism 'megatronn'; expected one of megatron"):
         ParallelPlan(mesh, attention="ring", tensor_parallel="megatronn")
-    with pytest.raises(ValueError, match="attention 'wallfacer' needs team_size"):
+    with pytest.raises(ValueError, match="strategy 'wallfacer' needs team_size"):
         ParallelPlan(mesh, attention="wallfacer")
     with pytest.raises(ValueError, match="team_size C=3: C² = 9 must divide sp = 4"):
         ParallelPlan(mesh, attention="wallfacer", team_size=3)
     with pytest.raises(ValueError, match="ulysses_size U=3 must be a positive integer dividing sp = 4"):
         ParallelPlan(mesh, attention="usp", ulysses_size=3)
     with pytest.raises(ValueError, match="strategy 'ring' takes no option team_size"):
-        SEQUENCE_STRATEGIES["ring"].resolve_options({"team_size": 2}, 4)
+        sequence_strategy("ring").resolve_options({"team_size": 2}, 4)
     with pytest.raises(ValueError, match="layout 'striped' is not supported by wallfacer"):
         ParallelPlan(mesh, attention="wallfacer", team_size=2, layout="striped")
     with pytest.raises(ValueError, match="zero stage 4 must be one of 0, 1, 2, 3"):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxring.train.data import STDLIB_FILES, ImageBatches, TokenBatches, load_images, load_tokens, stdlib_files
+from jaxring.data.sources import STDLIB_FILES, ImageBatches, TokenBatches, load_images, load_tokens, stdlib_files
 
 
 @pytest.fixture(scope="module")

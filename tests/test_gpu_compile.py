@@ -146,7 +146,7 @@ def test_flash_kernels_compile_without_spills_or_serialized_wgmma(head_dim, kv_h
 
 def _strategy(name, devices):
     from jaxring.attention.ring import ring_attention
-    from jaxring.attention.ulysses import usp_attention
+    from jaxring.attention.usp import usp_attention
     from jaxring.attention.wallfacer import WF_AXES, wallfacer_attention, wallfacer_mesh
 
     flat = Mesh(np.array(gpu.gpu_devices("h200", devices)), ("sp",))

@@ -39,9 +39,10 @@ def _losses(tmp_path, flags, name):
 @pytest.fixture(scope="module")
 def one_device():
     """The 1-device run, in process (the command line uses every device)."""
-    from jaxring.train.loop import TrainConfig, train
+    from jaxring.spec import RunSpec
+    from jaxring.train.loop import train
 
-    cfg = TrainConfig(
+    cfg = RunSpec.of(
         model="gpt",
         preset="tiny-moe",
         steps=3,

@@ -1,6 +1,5 @@
 """Two local CPU processes × 4 devices train 3 steps with the losses of one process × 8 devices."""
 
-import dataclasses
 import json
 import os
 import socket
@@ -42,7 +41,7 @@ def _free_port():
 
 
 def test_two_processes_match_one(tmp_path):
-    one = [r["loss"] for r in train(dataclasses.replace(BASE, dp=2, sp=4), log=lambda *a: None)]
+    one = [r["loss"] for r in train(BASE.updated(dp=2, sp=4), log=lambda *a: None)]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
     port = _free_port()

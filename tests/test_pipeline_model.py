@@ -30,12 +30,13 @@ COMMON = SMALL + [
 
 @pytest.fixture(scope="module")
 def one_device():
-    from jaxring.train.loop import TrainConfig, train
+    from jaxring.spec import RunSpec
+    from jaxring.train.loop import train
 
-    cfg = TrainConfig(
+    cfg = RunSpec.of(
         model="gpt",
         preset="tiny",
-        model_overrides={"num_layers": 4, "hidden": 64, "num_heads": 8, "ffn": 128},
+        overrides={"num_layers": 4, "hidden": 64, "num_heads": 8, "ffn": 128},
         steps=3,
         batch_size=8,
         seq_len=64,
@@ -88,13 +89,13 @@ def test_pipelined_training_matches_one_device(name, tmp_path, one_device):
         (["--pp", "4", "--dp", "2", "--microbatches", "2"], "num_microbatches=2 is less than pp=4"),
         (
             ["--pp", "2", "--dp", "4", "--microbatches", "2", "--virtual-stages", "2"],
-            "virtual_stages=2 applies only to the 'interleaved' schedule",
+            "virtual_stages=2 is an option of interleaved, not of the chosen",
         ),
         (["--pp", "8", "--microbatches", "8"], "num_layers 4 is not divisible by pp 8"),
         (["--pp", "2", "--dp", "4", "--microbatches", "2", "--zero", "2"], "zero stage 2 does not combine with pp > 1"),
         (["--pp", "2", "--dp", "4", "--grad-accum", "2"], "the pipeline's micro-batches are the gradient accumulation"),
         (["--pp", "2", "--dp", "4", "--microbatches", "4"], "is not divisible by the data-parallel degree"),
-        (["--dp", "8", "--microbatches", "2"], "set the pipeline schedule, but pp = 1"),
+        (["--dp", "8", "--microbatches", "2"], "sets the pipeline schedule, but pp = 1"),
     ],
 )
 def test_refused_pipelines_get_one_line(flags, message, capsys):

@@ -316,14 +316,14 @@ def test_command_line_table_json_and_errors(capsys):
 
 
 def test_auto_plan_gives_train_settings():
-    from jaxring.planner.auto import auto_plan
+    from jaxring.planner.auto import apply_auto_plan
+    from jaxring.spec import RunSpec
 
-    settings, result = auto_plan(
-        model="gpt", preset="tiny", seq_len=256, batch_size=8, devices=jax.devices(), fixed={"sp": 8}
-    )
-    assert settings["sp"] == 8 and settings["attention"] is not None
-    assert settings["dp"] * settings["tp"] * settings["pp"] * settings["ep"] == 1
-    assert result.best.candidate.sp == 8
+    spec = apply_auto_plan(RunSpec.of(plan="auto", seq_len=256, batch_size=8, sp=8), jax.devices(), log=print)
+    p = spec.parallel
+    assert p.plan == "manual" and p.sp == 8 and p.attention is not None
+    assert p.dp * p.tp * p.pp * p.ep == 1
+    spec.plan(jax.devices())  # a plan the library accepts
 
 
 # ------------------------------------------------------------------------------------------ GPU target (deviceless)

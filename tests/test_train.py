@@ -1,6 +1,5 @@
 """The training loop: loss parity across meshes and strategies, checkpoints, errors."""
 
-import dataclasses
 import json
 import shutil
 
@@ -8,13 +7,14 @@ import jax
 import numpy as np
 import pytest
 
-from jaxring.train.loop import TrainConfig, Trainer, train
+from jaxring.spec import RunSpec
+from jaxring.train.loop import Trainer, train
 
 SMALL = {"num_layers": 1, "hidden": 64, "num_heads": 8, "ffn": 128}
-BASE = TrainConfig(
+BASE = RunSpec.of(
     model="gpt",
     preset="tiny",
-    model_overrides=SMALL,
+    overrides=SMALL,
     steps=3,
     batch_size=4,
     seq_len=64,
@@ -27,7 +27,7 @@ BASE = TrainConfig(
 
 
 def run(steps=3, devices=None, **changes):
-    cfg = dataclasses.replace(BASE, steps=steps, **changes)
+    cfg = BASE.updated(steps=steps, **changes)
     return [r["loss"] for r in train(cfg, devices=devices, log=lambda *a: None)]
 
 
@@ -105,7 +105,7 @@ def test_checkpoint_from_another_model_is_refused(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     run(steps=1, sp=8, checkpoint_dir=ckpt)
     with pytest.raises(ValueError, match="incompatible model.*num_layers"):
-        run(steps=2, sp=8, checkpoint_dir=ckpt, resume=True, model_overrides={**SMALL, "num_layers": 2})
+        run(steps=2, sp=8, checkpoint_dir=ckpt, resume=True, overrides={**SMALL, "num_layers": 2})
 
 
 def test_metrics_file(tmp_path):
@@ -131,12 +131,12 @@ def test_metrics_file(tmp_path):
             dict(batch_size=6, dp=4, sp=2),
             r"grad-accum\) 6 is not divisible by the data-parallel degree dp\*fsdp\*ep = 4",
         ),
-        (dict(precision="fp8"), "unknown precision 'fp8'"),
+        (dict(precision="fp8"), "--precision 'fp8' is not one of fp32, bf16"),
     ],
 )
 def test_bad_flags_get_clear_errors(changes, message):
     with pytest.raises((ValueError, FileNotFoundError), match=message):
-        Trainer(dataclasses.replace(BASE, **changes))
+        Trainer(BASE.updated(**changes))
 
 
 def test_bf16_compute_tracks_fp32(single_device_losses):
@@ -147,18 +147,17 @@ def test_bf16_compute_tracks_fp32(single_device_losses):
 def test_dit_trains_with_sequence_parallelism_and_samples(tmp_path):
     path = tmp_path / "samples.png"
     history = train(
-        dataclasses.replace(
-            BASE,
+        BASE.updated(
             model="dit",
             preset="tiny",
-            model_overrides={"num_layers": 1},
+            overrides={"num_layers": 1},
             seq_len=None,
             dp=2,
             sp=4,
             steps=3,
             batch_size=8,
             sample_tokens=1,
-            sample_path=str(path),
+            out_dir=str(tmp_path),
         ),
         log=lambda *a: None,
     )
@@ -166,9 +165,7 @@ def test_dit_trains_with_sequence_parallelism_and_samples(tmp_path):
     single = [
         r["loss"]
         for r in train(
-            dataclasses.replace(
-                BASE, model="dit", preset="tiny", model_overrides={"num_layers": 1}, seq_len=None, steps=3, batch_size=8
-            ),
+            BASE.updated(model="dit", preset="tiny", overrides={"num_layers": 1}, seq_len=None, steps=3, batch_size=8),
             devices=jax.devices()[:1],
             log=lambda *a: None,
         )

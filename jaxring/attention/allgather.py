@@ -19,6 +19,7 @@ from jaxring.attention.flash import flash_attention
 from jaxring.attention.layout import gathered_positions, layout_positions
 from jaxring.attention.masking import check_qkv
 from jaxring.attention.ulysses import local_implementation
+from jaxring.registry import SequenceStrategy, register_sequence_strategy
 
 
 def allgather_attention(
@@ -53,3 +54,19 @@ def allgather_attention(
         kv_segment_ids=kv_seg,
         implementation=local_implementation(block_ops),
     )
+
+
+# ---------------------------------------------------------------------------------------- registry entry
+
+
+def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops):
+    return allgather_attention(
+        q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops
+    )
+
+
+register_sequence_strategy(
+    SequenceStrategy(
+        "allgather", "all-gather context parallelism: gather K/V, reduce-scatter dK/dV (Llama 3)", attend=_attend
+    )
+)

@@ -15,17 +15,11 @@ from jaxring.attention.blockwise import get_block_ops
 from jaxring.attention.layout import check_seq_len, from_layout, to_layout
 from jaxring.attention.masking import check_qkv
 from jaxring.attention.reference import attention_reference
-from jaxring.mesh import DATA_AXES
-from jaxring.registry import SEQUENCE_STRATEGIES, sequence_strategy
+from jaxring.mesh import DATA_AXES, mesh_axis_size, spec_entry
+from jaxring.registry import sequence_strategy
 from jaxring.sharded import run_local
-from jaxring.tensor.contract import _entry
 
-STRATEGIES = tuple(SEQUENCE_STRATEGIES)
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-def _axis_size(mesh, name):
-    return mesh.shape[name] if name in mesh.axis_names else 1
 
 
 def check_attention_inputs(q, k, v, causal) -> None:
@@ -54,6 +48,8 @@ def sharded_attention(
     sm_scale: float | None = None,
     block_ops="auto",
     seq_axis: str = "sp",
+    batch_axes: tuple[str, ...] | None = None,
+    head_axis: str = "tp",
     laid_out: bool = False,
     **options,
 ):
@@ -61,9 +57,10 @@ def sharded_attention(
 
     Args:
       q: [batch, seq, q_heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim], in natural token order.
-      mesh: a mesh from `jaxring.make_mesh` (or any mesh with an `sp` axis). Batch is split over the data
-        axes (dp, fsdp, ep), heads over tp (when tp > 1), the sequence over `seq_axis`.
-      strategy: a name from `jaxring.registry.SEQUENCE_STRATEGIES`: "dense" (the unsharded reference), "ring",
+      mesh: a mesh from `jaxring.make_mesh`, or any mesh: the sequence is split over `seq_axis`, the batch over
+        `batch_axes` (default: those of dp, fsdp, ep it has), heads over `head_axis`; a mesh axis of size > 1
+        that is none of these is refused (it would silently replicate the work).
+      strategy: a name from `jaxring.registry.sequence_strategies()`: "dense" (the unsharded reference), "ring",
         "rsa" (Ring Self-Attention), "ulysses", "allgather", "usp" (needs `ulysses_size=U`, U dividing sp)
         or "wallfacer" (needs `team_size=C`, C² dividing sp; `placement="team_inner"` or "ring_inner").
       layout: "contiguous", "zigzag" (causal balance) or "striped"; applied and undone here. Default: the
@@ -102,18 +99,27 @@ def sharded_attention(
     sp = mesh.shape[seq_axis]
     options = entry.resolve_options(options, sp)
     check_seq_len(seq, sp, layout, relayout=not laid_out)
-    data_axes = tuple(a for a in DATA_AXES if a in mesh.axis_names)
-    data = math.prod(_axis_size(mesh, a) for a in data_axes)
+    data_axes = tuple(a for a in DATA_AXES if a in mesh.axis_names) if batch_axes is None else tuple(batch_axes)
+    for a in data_axes:
+        if a not in mesh.axis_names:
+            raise ValueError(f"batch axis {a!r} is not an axis of the mesh {mesh.axis_names}")
+    unused = [a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in (*data_axes, seq_axis, head_axis)]
+    if unused:
+        raise ValueError(
+            f"mesh axis {unused[0]!r} (size {mesh.shape[unused[0]]}) is none of the sequence axis {seq_axis!r}, the "
+            f"batch axes {data_axes} or the head axis {head_axis!r}; name it with seq_axis=, batch_axes= or head_axis="
+        )
+    data = math.prod(mesh_axis_size(mesh, a) for a in data_axes)
     if batch % data:
-        raise ValueError(f"batch {batch} is not divisible by the data-parallel degree dp*fsdp*ep = {data}")
-    tp = _axis_size(mesh, "tp")
+        raise ValueError(f"batch {batch} is not divisible by the data-parallel degree {'*'.join(data_axes)} = {data}")
+    tp = mesh_axis_size(mesh, head_axis)
     if tp > 1 and (q.shape[2] % tp or k.shape[2] % tp):
-        raise ValueError(f"q heads {q.shape[2]} and kv heads {k.shape[2]} must be divisible by tp = {tp}")
+        raise ValueError(f"q heads {q.shape[2]} and kv heads {k.shape[2]} must be divisible by {head_axis} = {tp}")
     if entry.check_heads is not None:
         entry.check_heads(q.shape[2] // tp, k.shape[2] // tp, sp, options)
     run_mesh, seq_axes = entry.seq_view(mesh, options, seq_axis)
-    x_spec = P(_entry(data_axes), _entry(seq_axes), "tp" if tp > 1 else None, None)
-    seg_spec = P(_entry(data_axes), _entry(seq_axes))
+    x_spec = P(spec_entry(data_axes), spec_entry(seq_axes), head_axis if tp > 1 else None, None)
+    seg_spec = P(spec_entry(data_axes), spec_entry(seq_axes))
     specs = (x_spec,) * 3 + ((seg_spec,) if segment_ids is not None else ())
     args = (q, k, v) + ((segment_ids,) if segment_ids is not None else ())
     # The Pallas interpreter of JAX 0.10 cannot type-check varying mesh axes (see flash.py).
@@ -138,7 +144,7 @@ def sharded_attention(
 
 def _local(q, k, v, *segment_ids, strategy, seq_axes, layout, causal, sm_scale, block_ops, laid_out, options):
     """The per-device body: re-layout (unless laid out), the strategy's local attention, back to natural."""
-    attend = SEQUENCE_STRATEGIES[strategy].attend
+    attend = sequence_strategy(strategy).attend
     kw = dict(seq_axes=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops, **dict(options))
     seg = segment_ids[0] if segment_ids else None
     if laid_out:

@@ -287,6 +287,10 @@ def block_backward(
 JNP_BLOCK_OPS = BlockOps("jnp", block_forward, block_backward, accumulates=True)
 
 
+# the per-block computes by name ("auto": pallas on GPU, jnp elsewhere)
+BLOCK_OPS = ("auto", "jnp", "pallas", "pallas_interpret")
+
+
 def get_block_ops(impl: str | BlockOps = "auto") -> BlockOps:
     """The per-block compute by name, or a BlockOps as given.
 
@@ -303,6 +307,4 @@ def get_block_ops(impl: str | BlockOps = "auto") -> BlockOps:
         from jaxring.attention.flash import flash_block_ops  # flash.py imports this module
 
         return flash_block_ops(interpret=impl == "pallas_interpret")
-    raise ValueError(
-        f"unknown block implementation {impl!r}; expected 'auto', 'jnp', 'pallas', 'pallas_interpret' or a BlockOps"
-    )
+    raise ValueError(f"unknown block implementation {impl!r}; expected one of {', '.join(BLOCK_OPS)} or a BlockOps")

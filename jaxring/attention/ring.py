@@ -46,6 +46,7 @@ from jaxring.attention.masking import check_qkv
 from jaxring.attention.merge import empty_partial
 from jaxring.attention.schedule import add_block_grads, attend_block, run_work
 from jaxring.collectives import BACKWARD, ring_steps, ring_steps_accumulating, send_to_next
+from jaxring.registry import SequenceStrategy, register_sequence_strategy
 
 
 def ring_attention(
@@ -169,3 +170,19 @@ def _ring_bwd(axis_name, tokens, causal, sm_scale, ops, fuse, residuals, dout):
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ---------------------------------------------------------------------------------------- registry entry
+
+
+def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops):
+    return ring_attention(
+        q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops
+    )
+
+
+register_sequence_strategy(
+    SequenceStrategy(
+        "ring", "ring attention: K/V blocks circulate with ppermute, online softmax (Playbook)", attend=_attend
+    )
+)

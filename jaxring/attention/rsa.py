@@ -61,6 +61,7 @@ from jax import lax
 from jaxring.attention.layout import check_seq_len, layout_permutation, layout_positions
 from jaxring.attention.masking import attention_mask, check_qkv
 from jaxring.collectives import BACKWARD, ring_steps, send_to_next
+from jaxring.registry import SequenceStrategy, register_sequence_strategy
 
 
 def rsa_attention(
@@ -193,3 +194,22 @@ def _rsa_bwd(axis_name, layout, causal, sm_scale, residuals, dout):
 
 
 _rsa.defvjp(_rsa_fwd, _rsa_bwd)
+
+
+# ---------------------------------------------------------------------------------------- registry entry
+
+
+def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops):
+    del block_ops  # RSA materialises its score rows: no per-block compute
+    return rsa_attention(q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale)
+
+
+register_sequence_strategy(
+    SequenceStrategy(
+        "rsa",
+        "Ring Self-Attention: K then V rings over materialised score rows (Li et al.)",
+        attend=_attend,
+        default_layout="contiguous",
+        uses_block_ops=False,
+    )
+)

@@ -1,4 +1,4 @@
-"""DeepSpeed-Ulysses (all-to-all sequence parallelism) and its hybrid with ring attention (USP).
+"""DeepSpeed-Ulysses: all-to-all sequence parallelism.
 
 Ulysses, for P devices on the `sp` axis, each holding n = S/P tokens of every head:
 
@@ -11,10 +11,7 @@ block. The local attention is `flash_attention` (FA2 backward, recomputes from o
 size S² is stored. Query heads must divide by P. GQA: K/V heads are repeated only as far as needed, to
 lcm(kv_heads, P), before the all-to-all (none when P divides kv_heads).
 
-USP (`usp_attention`): the sequence axis factored as (ring R) × (Ulysses U), U × R = P. The all-to-alls run
-over the U devices of a Ulysses group, which then holds the tokens of U layout ranks for H/U heads; ring
-attention over the R groups finishes the job. Traffic: 4 all-to-alls over U, plus ring attention over R on
-blocks U times larger with H/U heads.
+Its hybrid with ring attention, USP, is `usp.py`.
 """
 
 from __future__ import annotations
@@ -22,14 +19,13 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jaxring.attention.blockwise import BlockOps
 from jaxring.attention.flash import flash_attention
-from jaxring.attention.layout import RankTokens, gathered_positions
+from jaxring.attention.layout import gathered_positions
 from jaxring.attention.masking import check_qkv
-from jaxring.attention.ring import ring_attention
+from jaxring.registry import SequenceStrategy, register_sequence_strategy
 
 
 def local_implementation(block_ops) -> str | None:
@@ -103,42 +99,26 @@ def ulysses_attention(
     return heads_to_seq(out, axis_name)
 
 
-def usp_attention(
-    q,
-    k,
-    v,
-    segment_ids=None,
-    *,
-    ring_axis,
-    ulysses_axis,
-    layout: str = "zigzag",
-    causal: bool = True,
-    sm_scale: float | None = None,
-    block_ops="auto",
-):
-    """USP inside `shard_map` over (ring_axis, ulysses_axis); the sequence rank is ring * U + ulysses."""
-    check_qkv(q, k, v)
-    u = lax.axis_size(ulysses_axis)
-    check_heads_split(q.shape[2], u, "ulysses_size")
-    k, v = repeat_kv_for_split(k, u), repeat_kv_for_split(v, u)
-    seg = None if segment_ids is None else lax.all_gather(segment_ids, ulysses_axis, axis=1, tiled=True)
-    q, k, v = (seq_to_heads(x, ulysses_axis) for x in (q, k, v))
-    order = RankTokens(layout, u).run_order(q.shape[1])  # gathered shards -> contiguous position runs
-    if order is not None:
-        q, k, v = (x[:, order] for x in (q, k, v))
-        seg = None if seg is None else seg[:, order]
-    out = ring_attention(
-        q,
-        k,
-        v,
-        seg,
-        axis_name=ring_axis,
-        layout=layout,
-        causal=causal,
-        sm_scale=sm_scale,
-        block_ops=block_ops,
-        inner_ranks=u,
+# ---------------------------------------------------------------------------------------- registry entry
+
+
+def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops):
+    return ulysses_attention(
+        q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops
     )
-    if order is not None:
-        out = out[:, np.argsort(order)]
-    return heads_to_seq(out, ulysses_axis)
+
+
+def _check_heads(q_heads: int, kv_heads: int, sp: int, options: dict) -> None:
+    del kv_heads, options
+    check_heads_split(q_heads, sp)
+
+
+register_sequence_strategy(
+    SequenceStrategy(
+        "ulysses",
+        "DeepSpeed-Ulysses: all-to-all sequence <-> heads around local attention",
+        attend=_attend,
+        default_layout="contiguous",
+        check_heads=_check_heads,
+    )
+)

@@ -94,6 +94,7 @@ ring.py's K/V-rotating one: (P−1)·b·n·(2·hq·d + 2·hq) + P·b·n·hq·d e
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +109,7 @@ from jaxring.attention.merge import empty_partial
 from jaxring.attention.ring import fuse_by_default
 from jaxring.attention.schedule import add_block_grads, attend_block, pair_work, run_pairs
 from jaxring.collectives import ppermute, ring_steps, ring_steps_accumulating, send_to_next
+from jaxring.registry import Option, SequenceStrategy, register_sequence_strategy
 
 WF_AXES = ("wf_group", "wf_ring", "wf_team")
 GROUP, RING, TEAM = WF_AXES
@@ -445,3 +447,51 @@ def wallfacer_attention(
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     ops = get_block_ops(block_ops)
     return _wallfacer(q, k, v, segment_ids, team_size, layout, causal, scale, ops, fuse_by_default(ops, fuse_sends))
+
+
+# ---------------------------------------------------------------------------------------- registry entry
+
+
+def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, team_size, placement="team_inner"):
+    del seq_axes, placement  # WF_AXES, laid out by the factored view
+    return wallfacer_attention(
+        q, k, v, segment_ids, team_size=team_size, causal=causal, sm_scale=sm_scale, layout=layout, block_ops=block_ops
+    )
+
+
+def _view(mesh: Mesh, options: dict, axis: str):
+    return wallfacer_mesh(mesh, options["team_size"], options.get("placement", "team_inner"), axis), WF_AXES
+
+
+def _team_sizes(sp: int) -> list[int]:
+    """C ≥ 2 with C² dividing sp (C = 1 is the plain ring)."""
+    return [c for c in range(2, math.isqrt(sp) + 1) if sp % (c * c) == 0]
+
+
+register_sequence_strategy(
+    SequenceStrategy(
+        "wallfacer",
+        "WallFacer: teams of C devices, C² sub-rings, 1/C of the ring's P2P volume",
+        attend=_attend,
+        layouts=WF_LAYOUTS,
+        view=_view,
+        options=(
+            Option(
+                "team_size",
+                "C, the team size: C² dividing sp",
+                lambda c, sp: check_team_size(c, sp),
+                required=True,
+                search=_team_sizes,
+            ),
+            Option(
+                "placement",
+                "which devices are neighbours: team members or sub-ring members",
+                lambda placement, sp: check_placement(placement),
+                default="team_inner",
+                type=str,
+                choices=PLACEMENTS,
+                search=lambda sp: PLACEMENTS,
+            ),
+        ),
+    )
+)

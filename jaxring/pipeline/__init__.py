@@ -10,11 +10,10 @@ simulator driven by the same tables, and the interpreter that runs them over the
 
 from jaxring.pipeline.interpreter import pipeline_loss_and_grads
 from jaxring.pipeline.lowering import lower
-from jaxring.pipeline.schedules import SCHEDULES, Schedule, make_schedule
+from jaxring.pipeline.schedules import Schedule, make_schedule
 from jaxring.pipeline.simulate import bubble_fraction, peak_in_flight, plot_schedule, simulate
 
 __all__ = [
-    "SCHEDULES",
     "Schedule",
     "bubble_fraction",
     "lower",

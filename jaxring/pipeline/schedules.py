@@ -28,7 +28,8 @@ import dataclasses
 
 import numpy as np
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+from jaxring.registry import Option, PipelineSchedule, pipeline_schedule, register_pipeline_schedule
+
 IDLE, F, B, W, BW = 0, 1, 2, 3, 4
 KIND_NAMES = {IDLE: ".", F: "F", B: "B", W: "W", BW: "BW"}
 
@@ -87,24 +88,12 @@ class Schedule:
         )
 
 
-def make_schedule(name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """The table of schedule `name` (one of SCHEDULES) for p = num_stages, m = num_microbatches, v chunks."""
-    _validate(name, num_stages, num_microbatches, virtual_stages)
-    p, m, v = num_stages, num_microbatches, virtual_stages
-    orders = [
-        {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved, "zero-bubble": _zero_bubble_h1}[name](
-            s, p, m, v
-        )
-        for s in range(p)
-    ]
-    kind, mb, chunk = _timetable(orders, p, v)
-    return Schedule(name, p, m, v, kind, mb, chunk)
-
-
-def _validate(name, p, m, v):
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    for label, value in (("pp (num_stages)", p), ("num_microbatches", m), ("virtual_stages", v)):
+def make_schedule(name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1, **options) -> Schedule:
+    """The table of the registered schedule `name` for p = num_stages, m = num_microbatches and its options
+    (the interleaved schedule's `virtual_stages`: v chunks per stage)."""
+    entry = pipeline_schedule(name)
+    p, m = num_stages, num_microbatches
+    for label, value in (("pp (num_stages)", p), ("num_microbatches", m), ("virtual_stages", virtual_stages)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{label}={value!r} must be a positive integer")
     if m < p:
@@ -112,19 +101,15 @@ def _validate(name, p, m, v):
             f"num_microbatches={m} is less than pp={p}: every stage needs a micro-batch in flight, "
             f"so a pipeline of {p} stages needs at least {p} micro-batches"
         )
-    if name != "interleaved" and v != 1:
-        raise ValueError(f"virtual_stages={v} applies only to the 'interleaved' schedule, not {name!r}")
-    if name == "interleaved":
-        if v < 2:
-            raise ValueError(
-                f"virtual_stages={v}: the 'interleaved' schedule needs at least 2 chunks per stage "
-                f"(with 1 it is '1f1b')"
-            )
-        if m % p:
-            raise ValueError(
-                f"num_microbatches={m} is not divisible by pp={p}, which the 'interleaved' schedule "
-                f"needs (it runs micro-batches in groups of pp per chunk)"
-            )
+    if virtual_stages != 1 or "virtual_stages" in entry.option_names():
+        options = {"virtual_stages": virtual_stages, **options}
+    options = entry.resolve_options(options, p)
+    if entry.check is not None:
+        entry.check(p, m, **options)
+    v = options.get("virtual_stages", 1)
+    orders = [entry.build(s, p, m, v) for s in range(p)]
+    kind, mb, chunk = _timetable(orders, p, v)
+    return Schedule(name, p, m, v, kind, mb, chunk)
 
 
 # Each order is a list of (kind, microbatch, chunk) for one stage.
@@ -204,3 +189,50 @@ def _timetable(orders, p, v):
         rows.append(row)
     table = np.array(rows, dtype=np.int32).reshape(len(rows), p, 3)
     return table[..., 0], table[..., 1], table[..., 2]
+
+
+# ---------------------------------------------------------------------------------------- registry entries
+
+
+def _check_virtual_stages(v, pp: int) -> None:
+    del pp
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 2:
+        raise ValueError(
+            f"virtual_stages={v}: the 'interleaved' schedule needs at least 2 chunks per stage (with 1 it is '1f1b')"
+        )
+
+
+def _check_interleaved(p: int, m: int, virtual_stages: int) -> None:
+    del virtual_stages
+    if m % p:
+        raise ValueError(
+            f"num_microbatches={m} is not divisible by pp={p}, which the 'interleaved' schedule needs (it runs "
+            f"micro-batches in groups of pp per chunk)"
+        )
+
+
+for _entry in (
+    PipelineSchedule("gpipe", "all forwards, then all backwards (GPipe; the playbook's AFAB)", build=_gpipe),
+    PipelineSchedule(
+        "1f1b", "one forward, one backward after p - 1 - s warm-up forwards (PipeDream-flush)", build=_one_f_one_b
+    ),
+    PipelineSchedule(
+        "interleaved",
+        "Megatron-LM's interleaved 1F1B: v chunks of layers per stage",
+        build=_interleaved,
+        check=_check_interleaved,
+        options=(
+            Option(
+                "virtual_stages",
+                "v, layer chunks per pipeline stage (interleaved)",
+                _check_virtual_stages,
+                default=2,
+                search=lambda pp: (2, 4),
+            ),
+        ),
+    ),
+    PipelineSchedule(
+        "zero-bubble", "ZB-H1: input and weight gradients split, W fills the bubble (Qi et al.)", build=_zero_bubble_h1
+    ),
+):
+    register_pipeline_schedule(_entry)

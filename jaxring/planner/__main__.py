@@ -60,7 +60,7 @@ def parse_args(argv=None):
         prog="python -m jaxring.planner", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     g = p.add_argument_group("workload")
-    g.add_argument("--model", choices=("gpt", "dit"), default="gpt")
+    g.add_argument("--model", default="gpt", help="a model family (gpt, dit, or one an installed package declares)")
     g.add_argument("--preset", default="7b", help="gpt: tiny, 1b, 7b, mixtral, ...; dit: tiny, dit-s, dit-1b")
     g.add_argument(
         "--seq-len",
@@ -135,11 +135,12 @@ def run(args) -> int:
     from jaxring.planner.cluster import Cluster
     from jaxring.planner.search import search
     from jaxring.planner.space import Workload
-    from jaxring.train.validate import parse_overrides
+    from jaxring.task import model_family
 
     if args.top < 1:
         raise ValueError(f"--top {args.top} must be a positive integer")
-    overrides = parse_overrides(args.model, args.override)
+    family = model_family(args.model)
+    overrides = dict(family.parse_override(item) for item in args.override)
     w = Workload.of(
         args.model,
         args.preset,

@@ -25,11 +25,11 @@ import optax
 from flax import nnx
 
 from jaxring.analysis.compiled import collective_ops, received_factor
+from jaxring.precision import compute_dtype
 
 _PAIRS = re.compile(r"source_target_pairs=\{(.*?)\}\}")
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
-PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 
 
 def _groups(line: str, num_devices: int) -> list[list[int]]:
@@ -116,19 +116,12 @@ def build_train_step(
     """(step, abstract args) of the trainer's jitted update for a `config` GPT or DiT on `plan` with a global
     batch of `batch` sequences (images), without allocating anything."""
     from jaxring.nn import param_placements
+    from jaxring.task import model_family
     from jaxring.train.step import TrainStep
 
-    if model_kind == "gpt":
-        from models import gpt as module
-
-        model_cls, objective = module.GPT, module.NextTokenObjective(batch, seq_len)
-    elif model_kind == "dit":
-        from models import dit as module
-
-        model_cls, objective = module.DiT, module.FlowMatchingObjective(config, batch)
-    else:
-        raise ValueError(f"unknown model {model_kind!r}; expected gpt or dit")
-    model = nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0)))
+    family = model_family(model_kind)
+    objective = family.objective(config, batch, seq_len)
+    model = nnx.eval_shape(lambda: family.build(config, nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     tx = optax.adamw(1e-3)
     step = TrainStep(
@@ -137,7 +130,7 @@ def build_train_step(
         param_placements(state, plan),
         tx,
         objective,
-        dtype=PRECISIONS[precision],
+        dtype=compute_dtype(precision),
         remat=remat,
         grad_accum=grad_accum,
         stack=model.STACK,
@@ -146,15 +139,7 @@ def build_train_step(
     params = _abstract(nnx.to_pure_dict(state), step.shardings(step.param_specs))
     opt_specs = step.opt_state_specs(params)
     opt = _abstract(jax.eval_shape(tx.init, params), step.shardings(opt_specs))
-    if model_kind == "gpt":
-        tok = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=plan.tokens_sharding())
-        data = {"tokens": tok, "targets": tok, "positions": tok}
-    else:
-        shape = (batch, config.image_size, config.image_size, config.channels)
-        data = {
-            "images": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=plan.sharding(plan.batch_spec(4))),
-            "labels": jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=plan.sharding(plan.batch_spec(1))),
-        }
+    data = family.abstract_batch(config, plan, batch, seq_len)
     args = (params, opt, data, jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((), jnp.float32))
     return step.build(opt_specs), args
 

@@ -28,11 +28,10 @@ class ParamLeaf:
 @functools.lru_cache(maxsize=16)
 def abstract_state(model: str, config):
     """(graphdef, abstract nnx.State) of the model, nothing allocated."""
-    if model == "gpt":
-        from models.gpt import GPT as cls
-    else:
-        from models.dit import DiT as cls
-    return nnx.split(nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0))))
+    from jaxring.task import model_family
+
+    build = model_family(model).build
+    return nnx.split(nnx.eval_shape(lambda: build(config, nnx.Rngs(0))))
 
 
 def param_leaves(model: str, config, plan) -> list[ParamLeaf]:

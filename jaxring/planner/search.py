@@ -20,13 +20,12 @@ import dataclasses
 import math
 import re
 
+from jaxring.nn import REMAT
 from jaxring.planner import cost
 from jaxring.planner.cluster import Cluster
 from jaxring.planner.params import param_leaves
 from jaxring.planner.space import Candidate, Workload
-
-SCHEDULES = ("1f1b", "interleaved", "zero-bubble", "gpipe")
-REMAT_MODES = ("none", "selective", "full")
+from jaxring.registry import pipeline_schedules
 
 
 class NoPlanError(ValueError):
@@ -212,7 +211,7 @@ def candidates(w: Workload, cluster: Cluster, remat_modes=None):
     n = cluster.devices
     layers = w.config.num_layers
     experts = w.moe.num_experts if w.moe is not None else 1
-    remat_modes = remat_modes or REMAT_MODES
+    remat_modes = remat_modes or REMAT
     for dp, pp, tp, sp, ep in _factorizations(n, 5):
         if ep > 1 and (w.moe is None or experts % ep):
             continue
@@ -245,7 +244,7 @@ def candidates(w: Workload, cluster: Cluster, remat_modes=None):
                             if pp == 1:
                                 yield Candidate(**base)
                                 continue
-                            for sched in SCHEDULES:
+                            for sched in pipeline_schedules():
                                 if sched == "interleaved":
                                     for v in (2, 4):
                                         if layers % (pp * v) == 0:

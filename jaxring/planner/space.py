@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from jaxring.precision import PRECISIONS
+
 MESH_DEGREES = ("dp", "pp", "fsdp", "ep", "sp", "tp")
-PRECISIONS = ("bf16", "fp32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,27 +52,13 @@ class Workload:
         sequences, or in tokens (rounded down to whole sequences, at least one)."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
-        if model == "gpt":
-            from models import gpt
+        from jaxring.task import model_family
 
-            config = gpt.get_config(preset, **overrides)
-            if seq_len is None:
-                raise ValueError("a GPT workload needs --seq-len")
-            tokens = seq_len
-        elif model == "dit":
-            from models import dit
-
-            base = dit.get_config(preset, **overrides)
-            if image_size is None:
-                if seq_len is None:
-                    image_size = base.image_size
-                else:
-                    grid = max(8, int(round(math.sqrt(seq_len) / 8)) * 8)
-                    image_size = grid * base.patch_size
-            config = dit.get_config(preset, **{**overrides, "image_size": image_size})
-            tokens = config.num_tokens
-        else:
-            raise ValueError(f"unknown model {model!r}; expected gpt or dit")
+        family = model_family(model)
+        if family.causal and seq_len is None:
+            raise ValueError(f"a {model} workload needs --seq-len")
+        config = family.config_for_workload(preset, seq_len=seq_len, image_size=image_size, **overrides)
+        tokens = family.tokens(config, seq_len)
         if not isinstance(tokens, int) or tokens < 1:
             raise ValueError(f"seq_len {tokens!r} must be a positive integer")
         if global_batch is None:
@@ -87,8 +73,14 @@ class Workload:
         return cls(model, config, tokens, global_batch, precision, preset)
 
     @property
+    def family(self):
+        from jaxring.task import model_family
+
+        return model_family(self.model)
+
+    @property
     def causal(self) -> bool:
-        return self.model == "gpt"
+        return self.family.causal
 
     @property
     def tokens_per_step(self) -> int:
@@ -100,9 +92,7 @@ class Workload:
 
     def flops_per_step(self) -> float:
         """Model FLOPs of one step (the playbook's 6N per token plus attention, causal halved)."""
-        if self.model == "gpt":
-            return self.config.flops_per_token(self.seq_len, causal=True) * self.tokens_per_step
-        return self.config.flops_per_image() * self.global_batch
+        return self.family.flops_per_step(self.config, self.seq_len, self.global_batch)
 
     def describe(self) -> str:
         name = self.preset or self.model
@@ -149,17 +139,12 @@ class Candidate:
 
     def plan_kwargs(self) -> dict:
         """ParallelPlan keywords (the mesh aside)."""
-        kw = dict(
-            attention=self.attention,
-            layout=self.layout,
-            team_size=self.team_size,
-            ulysses_size=self.ulysses_size,
-            placement=self.placement,
-            tensor_parallel=self.tensor,
-            zero=self.zero,
-        )
+        kw = dict(attention=self.attention, layout=self.layout, tensor_parallel=self.tensor, zero=self.zero)
+        kw.update({k: getattr(self, k) for k in ("team_size", "ulysses_size", "placement") if getattr(self, k)})
         if self.pp > 1:
-            kw.update(pipeline=self.pipeline, microbatches=self.microbatches, virtual_stages=self.virtual_stages)
+            kw.update(pipeline_schedule=self.pipeline, microbatches=self.microbatches)
+            if self.pipeline == "interleaved":
+                kw["virtual_stages"] = self.virtual_stages
         return kw
 
     def steps(self, workload: Workload) -> int:
@@ -192,16 +177,8 @@ class Candidate:
                 f"pipeline micro-batches {plan.schedule.num_microbatches} != global batch / "
                 f"(data degree × micro-batch) = {steps}"
             )
-        if workload.model == "gpt":
-            from models import gpt
-
-            gpt.check_plan(
-                workload.config, plan, workload.global_batch // max(1, steps if self.pp == 1 else 1), workload.seq_len
-            )
-        else:
-            from models import dit
-
-            dit.check_plan(workload.config, plan, workload.global_batch // max(1, steps if self.pp == 1 else 1))
+        batch = workload.global_batch // max(1, steps if self.pp == 1 else 1)
+        workload.family.check_plan(workload.config, plan, batch, workload.seq_len)
         return plan
 
     def train_flags(self) -> list[str]:

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from jaxring.mesh import spec_entry
+from jaxring.registry import HasOptions, register_tensor_method
 from jaxring.rope import apply_rope
 
 ACTIVATIONS = ("gelu", "swiglu")
@@ -87,22 +89,19 @@ class ParamInfo:
     heads: int | None = None  # heads along the "heads"/"kv_heads" axis (attention projections)
 
 
-def _entry(axes):
-    """PartitionSpec entry for a tuple of mesh axes (None, one name or a tuple)."""
-    axes = tuple(axes)
-    return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
 # ----------------------------------------------------------------------------------------- the contract
 
 
-class TensorMethod:
+class TensorMethod(HasOptions):
     """No tensor parallelism ("none"); the base of every method (see the module docstring)."""
 
     name = "none"
+    kind = "tensor method"
     summary = "no tensor parallelism: weights replicated, the sequence split over sp"
     sequence_parallel = True  # may run together with a sequence strategy over sp > 1
     sequence_parallel_rule = ""  # why not, when it may not
+    runs_moe = True  # runs mixture-of-experts FFNs (its experts' FFN split as its MLP)
+    whole_hidden = True  # each token's hidden vector is whole on a device (no hidden-dim split of activations)
     axes: tuple[str, ...] = ()  # the mesh axes the method splits tensors over (tp, or a view of it)
 
     # --- mesh view and checks
@@ -135,10 +134,10 @@ class TensorMethod:
 
     # --- layouts
     def activation_spec(self, plan) -> P:
-        return P(_entry(plan.batch_axes), _entry(plan.seq_axes), None)
+        return P(spec_entry(plan.batch_axes), spec_entry(plan.seq_axes), None)
 
     def token_spec(self, plan) -> P:
-        return P(_entry(plan.batch_axes), _entry(plan.seq_axes))
+        return P(spec_entry(plan.batch_axes), spec_entry(plan.seq_axes))
 
     def param_spec(self, plan, info: ParamInfo) -> tuple:
         """Mesh axes per dim of one layer's parameter (None: not split by the tensor method)."""
@@ -146,7 +145,7 @@ class TensorMethod:
 
     def vector_spec(self, plan) -> P:
         """Per-sequence vectors [batch, hidden] (e.g. DiT's conditioning), as the residual stream's rows."""
-        return P(_entry(plan.batch_axes), None)
+        return P(spec_entry(plan.batch_axes), None)
 
     # --- layers (local shards, inside the plan's shard_map)
     def embed(self, plan, tokens, table, positions=None, pos_table=None):
@@ -197,4 +196,4 @@ class TensorMethod:
         return c
 
 
-NONE = TensorMethod()
+NONE = register_tensor_method(TensorMethod())

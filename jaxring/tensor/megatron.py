@@ -46,9 +46,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring.attention.flash import flash_attention
-from jaxring.mesh import DATA_AXES
+from jaxring.mesh import DATA_AXES, mesh_axis_size, spec_entry
+from jaxring.registry import register_tensor_method
 from jaxring.sharded import run_local
-from jaxring.tensor.contract import ACTIVATIONS, MATMUL_OUTPUT, ParamInfo, TensorMethod, _entry, activate, rope_qk
+from jaxring.tensor.contract import ACTIVATIONS, MATMUL_OUTPUT, ParamInfo, TensorMethod, activate, rope_qk
 from jaxring.vma import common_vma, gather_invariant, vary, varying_axes
 
 __all__ = [
@@ -375,10 +376,6 @@ def vocab_parallel_cross_entropy(logits, targets, *, axis_name: str = "tp"):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _axis_size(mesh, name):
-    return mesh.shape[name] if name in mesh.axis_names else 1
-
-
 def _mesh_axes(mesh, batch: int):
     """(data axes spec entry, tp) after checking the mesh: a tp axis; only dp, fsdp, tp larger than 1."""
     if "tp" not in mesh.axis_names:
@@ -390,7 +387,7 @@ def _mesh_axes(mesh, batch: int):
             f"over dp/fsdp and everything else over tp); make them 1"
         )
     data_axes = tuple(a for a in DATA_AXES if a in mesh.axis_names)
-    data = math.prod(_axis_size(mesh, a) for a in data_axes)
+    data = math.prod(mesh_axis_size(mesh, a) for a in data_axes)
     if batch % data:
         raise ValueError(f"batch {batch} is not divisible by the data-parallel degree dp*fsdp = {data}")
     return (data_axes or None), mesh.shape["tp"]
@@ -603,7 +600,7 @@ def param_specs(mesh, params_shapes, *, num_kv_heads: int | None = None) -> dict
     wk/wv are replicated when num_kv_heads < tp (the block replicates each K/V head itself) or, without
     num_kv_heads, when their columns do not divide by tp.
     """
-    tp = _axis_size(mesh, "tp")
+    tp = mesh_axis_size(mesh, "tp")
     unknown = set(params_shapes) - set(_SPECS)
     if unknown:
         raise ValueError(f"unknown Megatron parameter names {sorted(unknown)}; known: {sorted(_SPECS)}")
@@ -657,7 +654,7 @@ class Megatron(TensorMethod):
         return plan.tp
 
     def activation_spec(self, plan):
-        return P(_entry(plan.batch_axes), _entry(plan.seq_axes + ("tp",)), None)
+        return P(spec_entry(plan.batch_axes), spec_entry(plan.seq_axes + ("tp",)), None)
 
     def param_spec(self, plan, info: ParamInfo):
         spec = []
@@ -726,4 +723,4 @@ class Megatron(TensorMethod):
         return vocab_parallel_cross_entropy(column_parallel_linear(x, head.astype(x.dtype)), targets)
 
 
-METHOD = Megatron()
+METHOD = register_tensor_method(Megatron())

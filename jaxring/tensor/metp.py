@@ -83,10 +83,11 @@ from jaxring.collectives import (
     tree_broadcast,
     tree_reduce,
 )
-from jaxring.mesh import DATA_AXES
+from jaxring.mesh import DATA_AXES, mesh_axis_size, spec_entry
+from jaxring.registry import register_tensor_method
 from jaxring.rope import apply_rope
 from jaxring.sharded import run_local
-from jaxring.tensor.contract import ACTIVATIONS, KEPT_RESIDUAL, MATMUL_OUTPUT, ParamInfo, TensorMethod, _entry
+from jaxring.tensor.contract import ACTIVATIONS, KEPT_RESIDUAL, MATMUL_OUTPUT, ParamInfo, TensorMethod
 from jaxring.vma import vary_like, varying_axes
 
 
@@ -554,10 +555,6 @@ _PARAM_SPECS = {
 }
 
 
-def _axis_size(mesh, name):
-    return mesh.shape[name] if name in mesh.axis_names else 1
-
-
 def _check_mesh(mesh):
     """(data axes with size > 1, tp). METP uses tp (sequence and weights) and dp/fsdp (batch) only."""
     if "tp" not in mesh.axis_names:
@@ -567,7 +564,7 @@ def _check_mesh(mesh):
         raise ValueError(
             f"METP uses only the tp axis (and dp/fsdp for the batch); mesh axes {', '.join(unused)} must be 1"
         )
-    return tuple(a for a in DATA_AXES if _axis_size(mesh, a) > 1), mesh.shape["tp"]
+    return tuple(a for a in DATA_AXES if mesh_axis_size(mesh, a) > 1), mesh.shape["tp"]
 
 
 def _check_x(x, data_axes, mesh, tp):
@@ -719,6 +716,7 @@ class METP(TensorMethod):
     The embedding and LM head stay replicated (the paper distributes only the blocks)."""
 
     name = "metp"
+    runs_moe = False
     axes = ("tp",)
     summary = "METP: activations stay, weights circulate on rings (FFN) and head groups are broadcast (MHA)"
     sequence_parallel = False
@@ -745,10 +743,10 @@ class METP(TensorMethod):
         return plan.tp
 
     def activation_spec(self, plan):
-        return P(_entry(plan.batch_axes), "tp", None)
+        return P(spec_entry(plan.batch_axes), "tp", None)
 
     def token_spec(self, plan):
-        return P(_entry(plan.batch_axes), "tp")
+        return P(spec_entry(plan.batch_axes), "tp")
 
     def param_spec(self, plan, info: ParamInfo):
         return tuple("tp" if a in ("heads", "kv_heads", "mlp") else None for a in info.logical_axes)
@@ -780,4 +778,4 @@ class METP(TensorMethod):
         )
 
 
-METHOD = METP()
+METHOD = register_tensor_method(METP())

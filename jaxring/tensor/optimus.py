@@ -62,9 +62,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring.attention.flash import flash_attention
 from jaxring.collectives import prefetch_steps, tree_broadcast, tree_reduce
-from jaxring.mesh import DATA_AXES, factored_mesh
+from jaxring.mesh import DATA_AXES, factored_mesh, spec_entry
+from jaxring.registry import register_tensor_method
 from jaxring.sharded import run_local
-from jaxring.tensor.contract import ACTIVATIONS, ParamInfo, TensorMethod, _entry, rope_qk
+from jaxring.tensor.contract import ACTIVATIONS, ParamInfo, TensorMethod, rope_qk
 from jaxring.vma import common_vma
 
 ROW, COL = "tpr", "tpc"  # grid axes: device (i, j) has tpr = i, tpc = j
@@ -667,6 +668,8 @@ class Optimus(TensorMethod):
     (batch over the data axes and the grid rows, hidden over the columns); weights in q×q blocks."""
 
     name = "optimus"
+    runs_moe = False
+    whole_hidden = False
     axes = GRID
     summary = "Optimus 2D: SUMMA products on a q×q grid, activations [b/q, s, h/q]"
     sequence_parallel = False
@@ -703,13 +706,13 @@ class Optimus(TensorMethod):
         return self._q(plan)
 
     def activation_spec(self, plan):
-        return P(_entry(plan.batch_axes + (ROW,)), None, COL)
+        return P(spec_entry(plan.batch_axes + (ROW,)), None, COL)
 
     def token_spec(self, plan):
-        return P(_entry(plan.batch_axes + (ROW,)), None)
+        return P(spec_entry(plan.batch_axes + (ROW,)), None)
 
     def vector_spec(self, plan):
-        return P(_entry(plan.batch_axes + (ROW,)), COL)
+        return P(spec_entry(plan.batch_axes + (ROW,)), COL)
 
     def param_spec(self, plan, info: ParamInfo):
         named = [a is not None for a in info.logical_axes]
@@ -749,4 +752,4 @@ class Optimus(TensorMethod):
         )
 
 
-METHOD = Optimus()
+METHOD = register_tensor_method(Optimus())

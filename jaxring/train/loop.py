@@ -1,6 +1,9 @@
 """The training loop behind `train.py`: step the trainer, log metrics (loss, tokens/s, MFU), checkpoint.
 
-    history = train(TrainConfig(model="gpt", preset="tiny", sp=8, attention="ring", steps=50))
+    history = train(RunSpec.of(model="gpt", preset="tiny", sp=8, attention="ring", steps=50))
+
+The run's resolved specification is written to OUT_DIR/run.yaml before the first step (`--config` of it
+repeats the run); metrics go to OUT_DIR/metrics.jsonl unless --metrics-file says otherwise.
 
 Failures end in one exception, each with a one-line message (train.py turns them into exit codes):
   * ValueError / FileNotFoundError: a bad setting, data or checkpoint directory (before any step runs).
@@ -16,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import signal
 import time
 
 import jax
 
-from jaxring.train.checkpoint import Checkpointer, DamagedCheckpointError, NonFiniteStateError  # noqa: F401
-from jaxring.train.config import TrainConfig, check_config, make_plan  # noqa: F401  (re-exported)
+from jaxring.spec import RunSpec
+from jaxring.train.checkpoint import Checkpointer, NonFiniteStateError
 from jaxring.train.guard import Diverged, DivergenceGuard
 from jaxring.train.metrics import (
     drop_rows_after,
@@ -35,6 +39,10 @@ from jaxring.train.metrics import (
 )
 from jaxring.train.signals import SIGNALS, GracefulStop, Interrupted
 from jaxring.train.trainer import Trainer
+
+RUN_FILE = "run.yaml"
+RUNS_DIR = "runs"  # where a run that names no output directory gets one (DATE-TIME)
+METRICS_FILE = "metrics.jsonl"
 
 # settings that shape the optimizer schedule or the batches: a resume with other values gives other losses
 SCHEDULE_FIELDS = (
@@ -54,37 +62,45 @@ SCHEDULE_FIELDS = (
 
 
 def train(
-    cfg: TrainConfig, *, devices=None, log=print, guard: DivergenceGuard | None = None, signals=SIGNALS
+    spec: RunSpec, *, devices=None, log=print, guard: DivergenceGuard | None = None, signals=SIGNALS
 ) -> list[dict]:
     """Trains; returns the per-step metrics (a dict per step: every metric the step returns, plus timing).
 
-    guard: the divergence guard (default: stop on a non-finite loss or a 3x spike). signals: the signals
-    that stop training gracefully (() leaves the process's handlers alone).
+    spec: the run (resolved here for the devices); devices: default `jax.devices()`. guard: the divergence
+    guard (default: the spec's). signals: the signals that stop training gracefully (() leaves the process's
+    handlers alone).
     """
-    guard = guard if guard is not None else DivergenceGuard()
+    devices = list(jax.devices() if devices is None else devices)
+    spec = prepare(spec, len(devices))
+    if guard is None:
+        g = spec.guard
+        guard = DivergenceGuard(g.on_divergence, g.spike_factor, g.spike_window)
     is_main = jax.process_index() == 0
     say = log if is_main else (lambda *a, **k: None)
+    history = []
     with GracefulStop(signals) as stop:
-        check_config(cfg)
-        ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.keep_checkpoints) if cfg.checkpoint_dir else None
+        c = spec.checkpoint
+        ckpt = Checkpointer(c.checkpoint_dir, keep=c.keep_checkpoints) if c.checkpoint_dir else None
         try:
-            if ckpt is not None and not cfg.resume and ckpt.all_steps():
+            if ckpt is not None and not c.resume and ckpt.all_steps():
                 raise ValueError(
-                    f"--checkpoint-dir {cfg.checkpoint_dir!r} already holds checkpoints (steps "
-                    f"{ckpt.all_steps()}); pass --resume to continue from them, or use another "
-                    f"directory"
+                    f"--checkpoint-dir {c.checkpoint_dir!r} already holds checkpoints (steps {ckpt.all_steps()}); "
+                    f"pass --resume to continue from them, or use another directory"
                 )
-            trainer = Trainer(cfg, devices)
-            if cfg.resume:
-                _resume(cfg, trainer, ckpt, guard, say)
-            if trainer.step_count >= cfg.steps:
+            trainer = Trainer(spec, devices)
+            if is_main:
+                os.makedirs(spec.output.out_dir, exist_ok=True)
+                spec.save(os.path.join(spec.output.out_dir, RUN_FILE))
+            if c.resume:
+                _resume(spec, trainer, ckpt, guard, say)
+            if trainer.step_count >= spec.training.steps:
                 say(
-                    f"nothing to run: the checkpoint is at step {trainer.step_count}, --steps is {cfg.steps} "
-                    f"(raise --steps to train further)"
+                    f"nothing to run: the checkpoint is at step {trainer.step_count}, --steps is "
+                    f"{spec.training.steps} (raise --steps to train further)"
                 )
                 return []
-            _describe(cfg, trainer, say)
-            history = _run(cfg, trainer, ckpt, guard, stop, say, is_main)
+            _describe(spec, trainer, say)
+            history = _run(spec, trainer, ckpt, guard, stop, say, is_main)
             if stop.requested():
                 _stop_on_signal(stop, trainer, ckpt, guard, say)
             if ckpt is not None:
@@ -92,37 +108,58 @@ def train(
         finally:
             if ckpt is not None:
                 ckpt.close()  # waits for pending saves, also when stopping on an error
-    if history and cfg.eval_at_end:
+    if history and spec.output.eval_at_end:
         say(f"final loss {history[-1]['loss']:.4f}; held-out loss {trainer.val_loss():.4f}")
-    if is_main and cfg.sample_tokens:
-        trainer.task.finish(trainer.model(), say)
+    if is_main and spec.output.sample_tokens:
+        trainer.task.finish(trainer.model(), say, spec.output.out_dir)
     return history
 
 
-def _describe(cfg, trainer, say):
+def _fresh_run_dir() -> str:
+    """RUNS_DIR/DATE-TIME, with a suffix when that exists already."""
+    base = os.path.join(RUNS_DIR, time.strftime("%Y%m%d-%H%M%S"))
+    path, i = base, 1
+    while os.path.exists(path):
+        path, i = f"{base}-{i}", i + 1
+    return path
+
+
+def prepare(spec: RunSpec, device_count: int) -> RunSpec:
+    """The spec resolved for `device_count` devices and validated, with its output directory (OUT_DIR: as
+    given, else the checkpoint directory, else runs/DATE-TIME) and metrics file (default OUT_DIR/metrics.jsonl)
+    filled in."""
+    spec = spec.resolved(device_count)
+    spec.validate()
+    out = spec.output
+    out_dir = out.out_dir or spec.checkpoint.checkpoint_dir or _fresh_run_dir()
+    metrics = out.metrics_file or os.path.join(out_dir, METRICS_FILE)
+    return dataclasses.replace(spec, output=dataclasses.replace(out, out_dir=out_dir, metrics_file=metrics))
+
+
+def _describe(spec, trainer, say):
     task = trainer.task
     n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
     mesh = trainer.plan.mesh
     say(
-        f"{cfg.model} {cfg.preset}: {n_params / 1e6:.2f}M params | {trainer.plan.describe()} | "
-        f"{mesh.devices.size} x {mesh.devices.flat[0].device_kind} | batch {cfg.batch_size} × "
-        f"{task.tokens_per_step // cfg.batch_size} tokens | data {task.source.name}"
+        f"{spec.model.model} {spec.model.preset}: {n_params / 1e6:.2f}M params | {trainer.plan.describe()} | "
+        f"{mesh.devices.size} x {mesh.devices.flat[0].device_kind} | batch {spec.training.batch_size} × "
+        f"{task.tokens_per_step // spec.training.batch_size} tokens | data {task.source_name}"
     )
 
 
-def _run(cfg, trainer, ckpt, guard, stop, say, is_main) -> list[dict]:
+def _run(spec, trainer, ckpt, guard, stop, say, is_main) -> list[dict]:
     task = trainer.task
-    peak = peak_flops(jax.devices()[0], cfg.precision)
+    peak = peak_flops(jax.devices()[0], spec.training.precision)
     history = []
-    metrics_file = open(cfg.metrics_file, "a") if (cfg.metrics_file and is_main) else None
-    bar = progress_bar(cfg, trainer.step_count, is_main)
+    metrics_file = open(spec.output.metrics_file, "a") if (spec.output.metrics_file and is_main) else None
+    bar = progress_bar(spec, trainer.step_count, is_main)
     profiling = False
-    profile_window = profile_steps(trainer.step_count, cfg.steps) if cfg.profile else None
+    profile_window = profile_steps(trainer.step_count, spec.training.steps) if spec.output.profile else None
     try:
-        while trainer.step_count < cfg.steps and not stop.requested():
+        while trainer.step_count < spec.training.steps and not stop.requested():
             step = trainer.step_count
             if profile_window and step == profile_window[0]:
-                jax.profiler.start_trace(cfg.profile)
+                jax.profiler.start_trace(spec.output.profile)
                 profiling = True
             t0 = time.perf_counter()
             # skip mode: the step itself keeps the old state when the loss exceeds the guard's limit (or is
@@ -157,13 +194,17 @@ def _run(cfg, trainer, ckpt, guard, stop, say, is_main) -> list[dict]:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(progress_postfix(record, progress))
-            elif is_main and (step + 1) % cfg.log_every == 0:
+            elif is_main and (step + 1) % spec.output.log_every == 0:
                 say(f"step {step + 1}: loss {record['loss']:.4f}, {record['tokens_per_s']:,.0f} tokens/s")
             if profiling and step + 1 == profile_window[1]:
                 jax.profiler.stop_trace()
                 profiling = False
-                say(f"wrote a profile of steps {profile_window[0] + 1}..{profile_window[1]} to {cfg.profile}")
-            if ckpt is not None and cfg.checkpoint_every and trainer.step_count % cfg.checkpoint_every == 0:
+                say(f"wrote a profile of steps {profile_window[0] + 1}..{profile_window[1]} to {spec.output.profile}")
+            if (
+                ckpt is not None
+                and spec.checkpoint.checkpoint_every
+                and trainer.step_count % spec.checkpoint.checkpoint_every == 0
+            ):
                 _save(ckpt, trainer, guard)
     finally:
         if profiling:
@@ -187,24 +228,24 @@ def _save(ckpt, trainer, guard) -> bool:
         raise Diverged(f"{e}; stopping (newest checkpoint: step {ckpt.latest_step()})") from None
 
 
-def _resume(cfg, trainer, ckpt, guard, say):
+def _resume(spec, trainer, ckpt, guard, say):
     if not ckpt.all_steps():
-        say(f"--resume: no checkpoint in {cfg.checkpoint_dir} yet; starting from step 0")
+        say(f"--resume: no checkpoint in {spec.checkpoint.checkpoint_dir} yet; starting from step 0")
         return
     step, _ = ckpt.newest_intact(lambda s: trainer.restore(ckpt, s), report=say)
     saved = ckpt.metadata(step)
     guard.load_state_dict(saved.get("guard"))
-    _warn_schedule(cfg, saved.get("config") or {}, step, say)
-    if cfg.metrics_file and jax.process_index() == 0:
-        dropped = drop_rows_after(cfg.metrics_file, step)
+    _warn_schedule(spec, saved.get("config") or {}, step, say)
+    if spec.output.metrics_file and jax.process_index() == 0:
+        dropped = drop_rows_after(spec.output.metrics_file, step)
         if dropped:
-            say(f"dropped {dropped} rows after step {step} from {cfg.metrics_file} (those steps run again)")
-    say(f"resumed from {cfg.checkpoint_dir} at step {trainer.step_count}")
+            say(f"dropped {dropped} rows after step {step} from {spec.output.metrics_file} (those steps run again)")
+    say(f"resumed from {spec.checkpoint.checkpoint_dir} at step {trainer.step_count}")
 
 
-def _warn_schedule(cfg, saved: dict, step: int, say):
+def _warn_schedule(spec, saved: dict, step: int, say):
     """One warning line when the run's schedule or batches differ from the checkpoint's run."""
-    now = dataclasses.asdict(cfg)
+    now = spec.flat()
     diffs = [
         f"--{k.replace('_', '-')} {saved[k]} -> {now[k]}"
         for k in SCHEDULE_FIELDS

@@ -44,13 +44,13 @@ def profile_steps(start: int, end: int) -> tuple[int, int] | None:
     return first, min(first + PROFILE_STEPS, end)
 
 
-def progress_bar(cfg, start: int, is_main: bool):
+def progress_bar(spec, start: int, is_main: bool):
     """A tqdm bar over the run's steps (None when progress is off or on other hosts)."""
-    if not (cfg.progress and is_main):
+    if not (spec.output.progress and is_main):
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True)
+    return tqdm(total=spec.training.steps, initial=start, desc="train", dynamic_ncols=True)
 
 
 # ------------------------------------------------------------------------------------- what a step returns

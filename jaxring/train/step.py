@@ -66,7 +66,7 @@ class TrainStep:
     """The jitted update and held-out loss of a model on a plan (see the module docstring).
 
     task: the objective, with `prepare(batch, key) -> inputs` (global arrays, outside the shard_map),
-    `input_specs(plan)`, `embed`/`layer`/`head` on local shards (`jaxring.train.objective`; aux: dict of fp32
+    `input_specs(plan)`, `embed`/`layer`/`head` on local shards (`jaxring.task.Objective`; aux: dict of fp32
     sums, e.g. MoE statistics) and `loss_count` (the global count the loss is a mean over);
     e.g. `models.gpt.NextTokenObjective`, `models.dit.FlowMatchingObjective`. tx may be None for
     `build_grads`/`build_eval`.

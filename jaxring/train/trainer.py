@@ -6,7 +6,6 @@ out = trainer.step()          # {"loss", "grad_norm"}, device arrays
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -16,18 +15,20 @@ import optax
 from flax import nnx
 
 from jaxring.nn import param_placements
+from jaxring.precision import compute_dtype
+from jaxring.spec import RunSpec
+from jaxring.task import model_family
 from jaxring.train.checkpoint import Checkpointer
-from jaxring.train.config import PRECISIONS, TrainConfig, check_config, make_plan
 from jaxring.train.step import TrainStep
-from jaxring.train.tasks import TASKS
 
 
-def optimizer(cfg: TrainConfig):
+def optimizer(spec: RunSpec):
     """AdamW with linear warmup and cosine decay to min_lr_ratio·lr. Clipping by the global norm is done by
     the step itself (`TrainStep`), which sees the sharded gradients whole."""
-    warmup = min(cfg.warmup, cfg.steps)
+    cfg, steps = spec.optimizer, spec.training.steps
+    warmup = min(cfg.warmup, steps)
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio
+        0.0, cfg.lr, warmup, max(steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio
     )
     return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)
 
@@ -40,14 +41,17 @@ class Trainer:
     """Holds the plan, task, parameters and optimizer state; `step()` runs one jitted update (one SPMD
     program over the whole mesh: `jaxring.train.step.TrainStep`)."""
 
-    def __init__(self, cfg: TrainConfig, devices=None):
-        check_config(cfg)
-        self.cfg = cfg
-        self.plan = make_plan(cfg, devices)
-        self.task = TASKS[cfg.model](cfg, self.plan)
-        self.dtype = PRECISIONS[cfg.precision]
-        self.tx = optimizer(cfg)
-        model = self.task.model(cfg.seed)
+    def __init__(self, spec: RunSpec, devices=None):
+        """spec: the run (resolved and validated here for the devices); devices: default `jax.devices()`."""
+        devices = list(jax.devices() if devices is None else devices)
+        spec = spec.resolved(len(devices))
+        spec.validate()
+        self.spec = spec
+        self.plan = spec.plan(devices)
+        self.task = model_family(spec.model.model).task(spec, self.plan)
+        self.dtype = compute_dtype(spec.training.precision)
+        self.tx = optimizer(spec)
+        model = self.task.model(spec.training.seed)
         self.graphdef, state = nnx.split(model)
         self.placements = param_placements(state, self.plan)
         self.train_step = TrainStep(
@@ -57,9 +61,9 @@ class Trainer:
             self.tx,
             self.task.objective,
             dtype=self.dtype,
-            remat=cfg.remat,
-            grad_accum=cfg.grad_accum,
-            clip=cfg.clip,
+            remat=spec.training.remat,
+            grad_accum=spec.training.grad_accum,
+            clip=spec.optimizer.clip,
             stack=model.STACK,
             layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
         )
@@ -85,7 +89,7 @@ class Trainer:
 
     # --- host side
     def key(self, step):
-        return jax.random.fold_in(jax.random.PRNGKey(self.cfg.seed), step)
+        return jax.random.fold_in(jax.random.PRNGKey(self.spec.training.seed), step)
 
     def step(self, max_loss: float | None = None):
         """One update; returns its metrics (device scalars). The update is skipped inside the step (the state
@@ -134,7 +138,7 @@ class Trainer:
         return {
             "model": self.task.metadata(),
             "mesh": self.plan.describe(),
-            "config": dataclasses.asdict(self.cfg),
+            "config": self.spec.flat(),
             "param_layout": PARAM_LAYOUT,
         }
 

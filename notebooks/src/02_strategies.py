@@ -987,7 +987,7 @@ if P >= 4:
 # and `k = 12` bytes of fp32 master weights and Adam moments.) Here everything is fp32: weights and
 # gradients 4 bytes each, and `k = 8` bytes of Adam moments (fp32 weights are their own master copy).
 #
-# `ParallelPlan(mesh, zero=stage)` (`TrainConfig(zero=...)`, `train.py --zero`) picks the stage, and
+# `ParallelPlan(mesh, zero=stage)` (`RunSpec.of(zero=...)`, `train.py --zero`) picks the stage, and
 # `jaxring/zero.py` writes each as exactly those collectives inside the train step's `shard_map`, over the
 # plan's replica axes (the data axes and `sp`: every axis a weight is replicated on). We compile the train
 # step (`jaxring.train.step.TrainStep`, what `Trainer` runs: forward, backward, gradient reduction,

@@ -60,14 +60,14 @@ print("devices:", describe_devices(devices), "| FAST mode" if FAST else "")
 # `log_every` steps instead of a progress bar.
 
 # %%
-import dataclasses
 
 import jax
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.ticker import MaxNLocator
 
-from jaxring.train.loop import TrainConfig, Trainer, make_plan, train
+from jaxring.spec import RunSpec
+from jaxring.train.loop import Trainer, train
 
 N = min(8, 2 ** (len(devices).bit_length() - 1))  # a power of two of the devices, at most 8
 use = devices[:N]
@@ -81,14 +81,14 @@ MESHES = {
 }
 
 STEPS = 20 if FAST else 300
-BASE = TrainConfig(
+BASE = RunSpec.of(
     model="gpt",
     preset="tiny",
     seed=0,
     steps=STEPS,
     batch_size=8,
     seq_len=64 if FAST else 256,
-    model_overrides=dict(num_layers=2, hidden=64, num_heads=8, ffn=128) if FAST else {},
+    overrides=dict(num_layers=2, hidden=64, num_heads=8, ffn=128) if FAST else {},
     lr=3e-3,
     warmup=5 if FAST else 20,
     sample_tokens=0,
@@ -96,8 +96,8 @@ BASE = TrainConfig(
     progress=False,
     log_every=5 if FAST else 50,
 )
-CFG = {label: dataclasses.replace(BASE, **mesh) for label, mesh in MESHES.items()}
-NAME = {label: make_plan(cfg, use).describe() for label, cfg in CFG.items()}
+CFG = {label: BASE.updated(**mesh) for label, mesh in MESHES.items()}
+NAME = {label: cfg.plan(use).describe() for label, cfg in CFG.items()}
 print(f"{STEPS} steps of {BASE.batch_size} sequences x {BASE.seq_len} tokens on {N} devices")
 for label, name in NAME.items():
     print(f"  mesh {label}: {name}")

@@ -51,7 +51,8 @@ import jax
 import matplotlib.pyplot as plt
 import numpy as np
 
-from jaxring.train.loop import TrainConfig, Trainer
+from jaxring.spec import RunSpec
+from jaxring.train.loop import Trainer
 from models import dit
 
 N = min(8, 2 ** (len(devices).bit_length() - 1))  # a power of two of the devices, at most 8
@@ -62,13 +63,13 @@ if MESH.get("sp", 1) > 1:
     MESH["attention"] = ATTENTION
 
 STEPS = 30 if FAST else 1000
-CFG = TrainConfig(
+CFG = RunSpec.of(
     model="dit",
     preset="tiny",
     seed=0,
     steps=STEPS,
     batch_size=16 if FAST else 64,
-    model_overrides=dict(num_layers=1) if FAST else {},
+    overrides=dict(num_layers=1) if FAST else {},
     lr=3e-3,
     warmup=5 if FAST else 50,
     **MESH,

@@ -95,6 +95,13 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zero-bubble": 1}  # name -> virtual stages v
+
+
+def chunks(name):
+    """The schedule's option: v chunks per stage (only the interleaved schedule takes it)."""
+    return {"virtual_stages": SCHEDULES[name]} if SCHEDULES[name] > 1 else {}
+
+
 tables = {name: make_schedule(name, P, M, v) for name, v in SCHEDULES.items()}
 longest = max(simulate(t, lockstep=lock).makespan for t in tables.values() for lock in (False, True))
 fig, axes = plt.subplots(len(tables), 2, figsize=(18, 2.3 * len(tables)))
@@ -181,7 +188,7 @@ for p, m in ((2, 4), (4, 8), (4, 16), (8, 32)):
 #
 # ## 4. Training a GPT with `pp = 2`
 #
-# `TrainConfig(pp=2, pipeline=..., microbatches=m, virtual_stages=v)` (`python train.py --pp 2
+# `RunSpec.of(pp=2, pipeline_schedule=..., microbatches=m, virtual_stages=v)` (`python train.py --pp 2
 # --pipeline-schedule ... --microbatches m --virtual-stages v`) splits the GPT's stacked layers over `pp`:
 # the embedding runs on the first stage, the final LayerNorm, the head and the loss on the last, and the
 # layers in between are cut into `p·v` equal chunks. The micro-batches are the step's gradient
@@ -195,23 +202,23 @@ for p, m in ((2, 4), (4, 8), (4, 16), (8, 32)):
 # with zero-bubble only, to save compiles; `tests/test_pipeline_model.py` checks every schedule.
 
 # %%
-import dataclasses
 
 from matplotlib.ticker import MaxNLocator
 
-from jaxring.train.loop import TrainConfig, make_plan, train
+from jaxring.spec import RunSpec
+from jaxring.train.loop import train
 
 STEPS = 3 if FAST else 100
 BATCH = 8 if FAST else 16
 MICROBATCHES = 2 if FAST else 4  # each micro-batch: BATCH / m sequences, split over dp = 4
-BASE = TrainConfig(
+BASE = RunSpec.of(
     model="gpt",
     preset="tiny",
     seed=0,
     steps=STEPS,
     batch_size=BATCH,
     seq_len=64 if FAST else 256,
-    model_overrides=dict(num_layers=4, hidden=64, num_heads=8, ffn=128) if FAST else dict(num_layers=4),
+    overrides=dict(num_layers=4, hidden=64, num_heads=8, ffn=128) if FAST else dict(num_layers=4),
     lr=3e-3,
     warmup=2 if FAST else 10,
     sample_tokens=0,
@@ -222,12 +229,9 @@ BASE = TrainConfig(
 PIPELINE = dict(pp=2, microbatches=MICROBATCHES)
 # FAST mode trains one schedule (each run is one more compile); tests/test_pipeline_model.py trains them all
 TRAINED = ("zero-bubble",) if FAST else tuple(SCHEDULES)
-RUNS = {
-    name: (dataclasses.replace(BASE, dp=4, pipeline=name, virtual_stages=SCHEDULES[name], **PIPELINE), devices)
-    for name in TRAINED
-}
+RUNS = {name: (BASE.updated(dp=4, pipeline_schedule=name, **chunks(name), **PIPELINE), devices) for name in TRAINED}
 if not FAST:  # (FAST mode leaves it out to save a compile; tests/test_pipeline_model.py runs pp x sp)
-    RUNS["1f1b, pp × sp"] = (dataclasses.replace(BASE, sp=4, attention="ring", pipeline="1f1b", **PIPELINE), devices)
+    RUNS["1f1b, pp × sp"] = (BASE.updated(sp=4, attention="ring", pipeline_schedule="1f1b", **PIPELINE), devices)
 
 reference = train(BASE, devices=devices[:1], log=lambda *a: None)  # no pipeline, one device
 losses = {"no pipeline": np.array([r["loss"] for r in reference])}
@@ -235,7 +239,7 @@ names = {"no pipeline": "1 device"}
 for label, (cfg, use) in RUNS.items():
     history = train(cfg, devices=use, log=lambda *a: None)
     losses[label] = np.array([r["loss"] for r in history])
-    names[label] = make_plan(cfg, use).describe()
+    names[label] = cfg.plan(use).describe()
     print(f"{label:>14s}: {names[label]}")
 
 # %%
@@ -301,7 +305,7 @@ def abstract(tree, shardings):
 def compiled_train_step(name, m):
     """The GPT train step on pp = 2 x dp = 4 under schedule `name` with m micro-batches of MICRO sequences,
     compiled for abstract inputs."""
-    plan = ParallelPlan(mesh, pipeline=name, microbatches=m, virtual_stages=SCHEDULES[name])
+    plan = ParallelPlan(mesh, pipeline_schedule=name, microbatches=m, **chunks(name))
     tx = optax.adamw(1e-3)
     step = TrainStep(
         plan,

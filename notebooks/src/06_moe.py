@@ -58,7 +58,7 @@ print("devices:", describe_devices(devices), "| FAST mode" if FAST else "")
 # %% [markdown]
 # ## 1. The `tiny-moe` GPT
 #
-# `TrainConfig(preset="tiny-moe")` (`python train.py --preset tiny-moe`) is a 2-layer byte-level GPT of
+# `RunSpec.of(preset="tiny-moe")` (`python train.py --preset tiny-moe`) is a 2-layer byte-level GPT of
 # width 64 whose every block has 8 SwiGLU experts (hidden size 128 each), top-2 routing with the two gates
 # renormalised to sum to 1 (as Mixtral), load-balancing loss weight 0.01 and z-loss weight 0.001, dropless.
 # Any GPT preset becomes an MoE with `model_overrides` (`--override num_experts=8`); the fields are
@@ -72,11 +72,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.ticker import MaxNLocator
 
-from jaxring.train.loop import TrainConfig, make_plan, train
+from jaxring.spec import RunSpec
+from jaxring.train.loop import train
 from models import gpt
 
 STEPS = 3 if FAST else 300
-BASE = TrainConfig(
+BASE = RunSpec.of(
     model="gpt",
     preset="tiny-moe",
     seed=0,
@@ -134,9 +135,9 @@ def run(cfg, use):
 runs = {"1 device": run(BASE, devices[:1])}
 names = {"1 device": "1 device"}
 for label, mesh in MESHES.items():
-    cfg = dataclasses.replace(BASE, **mesh)
+    cfg = BASE.updated(**mesh)
     runs[label] = run(cfg, devices)
-    names[label] = make_plan(cfg, devices).describe()
+    names[label] = cfg.plan(devices).describe()
     print(f"{label}: {names[label]}; loss {runs[label]['loss'][0]:.4f} -> {runs[label]['loss'][-1]:.4f}")
 
 # %%
@@ -186,7 +187,7 @@ for label in MESHES:
 # the batch), 25% more than a perfectly balanced router would send it.
 
 # %%
-capacity_cfg = dataclasses.replace(BASE, **MESHES["ep=4 × dp=2"], model_overrides=dict(capacity_factor=1.25))
+capacity_cfg = BASE.updated(**MESHES["ep=4 × dp=2"], overrides=dict(capacity_factor=1.25))
 runs["capacity 1.25"] = run(capacity_cfg, devices)
 local_tokens = BASE.batch_size * BASE.seq_len // 8
 capacity = dataclasses.replace(moe, capacity_factor=1.25).capacity(local_tokens)

@@ -1,0 +1,123 @@
+"""USP: the hybrid of DeepSpeed-Ulysses and ring attention (Fang & Zhao, USP in the bibliography).
+
+The sequence axis of P devices is factored as (ring R) × (Ulysses U), U × R = P. The all-to-alls run over the
+U devices of a Ulysses group, which then holds the tokens of U layout ranks for H/U heads; ring attention over
+the R groups finishes the job:
+
+  q, k, v = all_to_all_U(q, k, v)    # [b, n, H, d] -> [b, U·n, H/U, d]: U ranks' tokens, H/U heads
+  out = ring_attention_R(q, k, v)    # blocks U times longer, H/U heads, over the R ring groups
+  out = all_to_all_U(out)            # back to [b, n, H, d]
+
+Traffic: 4 all-to-alls over U, plus ring attention over R on blocks U times larger with H/U heads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh
+
+from jaxring.attention.layout import RankTokens
+from jaxring.attention.masking import check_qkv
+from jaxring.attention.ring import ring_attention
+from jaxring.attention.ulysses import check_heads_split, heads_to_seq, repeat_kv_for_split, seq_to_heads
+from jaxring.mesh import factored_mesh
+from jaxring.registry import Option, SequenceStrategy, register_sequence_strategy
+
+USP_AXES = ("usp_ring", "usp_ulysses")
+
+
+def usp_attention(
+    q,
+    k,
+    v,
+    segment_ids=None,
+    *,
+    ring_axis,
+    ulysses_axis,
+    layout: str = "zigzag",
+    causal: bool = True,
+    sm_scale: float | None = None,
+    block_ops="auto",
+):
+    """USP inside `shard_map` over (ring_axis, ulysses_axis); the sequence rank is ring * U + ulysses."""
+    check_qkv(q, k, v)
+    u = lax.axis_size(ulysses_axis)
+    check_heads_split(q.shape[2], u, "ulysses_size")
+    k, v = repeat_kv_for_split(k, u), repeat_kv_for_split(v, u)
+    seg = None if segment_ids is None else lax.all_gather(segment_ids, ulysses_axis, axis=1, tiled=True)
+    q, k, v = (seq_to_heads(x, ulysses_axis) for x in (q, k, v))
+    order = RankTokens(layout, u).run_order(q.shape[1])  # gathered shards -> contiguous position runs
+    if order is not None:
+        q, k, v = (x[:, order] for x in (q, k, v))
+        seg = None if seg is None else seg[:, order]
+    out = ring_attention(
+        q,
+        k,
+        v,
+        seg,
+        axis_name=ring_axis,
+        layout=layout,
+        causal=causal,
+        sm_scale=sm_scale,
+        block_ops=block_ops,
+        inner_ranks=u,
+    )
+    if order is not None:
+        out = out[:, np.argsort(order)]
+    return heads_to_seq(out, ulysses_axis)
+
+
+# ---------------------------------------------------------------------------------------- registry entry
+
+
+def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, ulysses_size):
+    del ulysses_size  # the factored view carries it
+    ring_axis, ulysses_axis = seq_axes
+    return usp_attention(
+        q,
+        k,
+        v,
+        segment_ids,
+        ring_axis=ring_axis,
+        ulysses_axis=ulysses_axis,
+        layout=layout,
+        causal=causal,
+        sm_scale=sm_scale,
+        block_ops=block_ops,
+    )
+
+
+def _view(mesh: Mesh, options: dict, axis: str):
+    sp, u = mesh.shape[axis], options["ulysses_size"]
+    return factored_mesh(mesh, axis, USP_AXES, (sp // u, u)), USP_AXES
+
+
+def _check_ulysses_size(u, sp: int) -> None:
+    if isinstance(u, bool) or not isinstance(u, int) or u < 1 or sp % u:
+        raise ValueError(f"ulysses_size U={u!r} must be a positive integer dividing sp = {sp}")
+
+
+def _check_heads(q_heads: int, kv_heads: int, sp: int, options: dict) -> None:
+    del kv_heads, sp
+    check_heads_split(q_heads, options["ulysses_size"], "ulysses_size")
+
+
+register_sequence_strategy(
+    SequenceStrategy(
+        "usp",
+        "USP: Ulysses over U devices × ring over sp / U",
+        attend=_attend,
+        view=_view,
+        check_heads=_check_heads,
+        options=(
+            Option(
+                "ulysses_size",
+                "U, the Ulysses degree: U dividing sp",
+                _check_ulysses_size,
+                required=True,
+                search=lambda sp: [u for u in range(2, sp) if sp % u == 0],
+            ),
+        ),
+    )
+)
