@@ -28,11 +28,14 @@ schedule entry builds its table (`jaxring.pipeline.schedules`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from jax.sharding import Mesh
+
+from jaxring.costs import F32, AttentionCost, AttentionShape
 
 __all__ = [
     "HasOptions",
@@ -46,6 +49,7 @@ __all__ = [
     "register_pipeline_schedule",
     "register_sequence_strategy",
     "register_tensor_method",
+    "registered",
     "resolve_options",
     "sequence_strategies",
     "sequence_strategy",
@@ -166,11 +170,19 @@ class PipelineSchedule(HasOptions):
     kind = "pipeline schedule"
 
 
+def _dense_cost(s: AttentionShape, options: dict) -> AttentionCost:
+    """Flash attention on the device's whole sequences: nothing moves; kept out and lse (fp32); working the
+    fp32 dQ, dK, dV."""
+    del options
+    return AttentionCost(saved=s.q_bytes(F32) + s.rows_bytes(), working=2 * s.kv_bytes(F32) + s.q_bytes(F32))
+
+
 DENSE = SequenceStrategy(
     "dense",
     "no sequence parallelism: every device attends its own whole sequences",
     default_layout="contiguous",
     layouts=("contiguous",),
+    cost=_dense_cost,
 )
 
 _SEQUENCE: dict[str, SequenceStrategy] = {"dense": DENSE}
@@ -219,6 +231,26 @@ def register_tensor_method(method):
 
 def register_pipeline_schedule(entry: PipelineSchedule) -> PipelineSchedule:
     return _register(_SCHEDULES, entry, "pipeline schedule")
+
+
+@contextlib.contextmanager
+def registered(entry) -> Iterator[Any]:
+    """Registers `entry` (a SequenceStrategy, TensorMethod or PipelineSchedule) for the `with` block only, then
+    removes it: an experiment or a test that must leave the registry as it found it."""
+    _builtins()
+    table, kind = (
+        (_SEQUENCE, "sequence strategy")
+        if isinstance(entry, SequenceStrategy)
+        else (_SCHEDULES, "pipeline schedule")
+        if isinstance(entry, PipelineSchedule)
+        else (_TENSOR, "tensor method")
+    )
+    _register(table, entry, kind)
+    try:
+        yield entry
+    finally:
+        if table.get(entry.name) is entry:
+            del table[entry.name]
 
 
 def sequence_strategies() -> dict[str, SequenceStrategy]:

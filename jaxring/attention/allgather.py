@@ -19,6 +19,7 @@ from jaxring.attention.flash import flash_attention
 from jaxring.attention.layout import gathered_positions, layout_positions
 from jaxring.attention.masking import check_qkv
 from jaxring.attention.ulysses import local_implementation
+from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer
 from jaxring.registry import SequenceStrategy, register_sequence_strategy
 
 
@@ -56,6 +57,27 @@ def allgather_attention(
     )
 
 
+# ---------------------------------------------------------------------------------------- cost
+
+
+def allgather_cost(s: AttentionShape, options: dict) -> AttentionCost:
+    """The module docstring's traffic: all-gathers of (P-1) K and V blocks forward, reduce-scatters of the
+    same backward, nothing overlapped. Kept: the gathered K/V (the whole sequence, fp32 here), out and lse.
+    Working: the gathered K/V and their fp32 gradients; the block's columns are the whole sequence."""
+    del options
+    P, axes = s.sp, tuple(s.axes)
+    kv = s.kv_bytes(s.e)
+    return AttentionCost(
+        transfers=(
+            Transfer("all-gather K/V forward", axes, 2 * (P - 1) * kv, 2),
+            Transfer("reduce-scatter dK/dV backward", axes, 2 * (P - 1) * kv, 2),
+        ),
+        saved=2 * P * s.kv_bytes(F32) + s.q_bytes(F32) + s.rows_bytes(),
+        working=2 * P * (s.kv_bytes(s.em) + s.kv_bytes(F32)) + s.q_bytes(F32),
+        block_k=s.seq_len,
+    )
+
+
 # ---------------------------------------------------------------------------------------- registry entry
 
 
@@ -67,6 +89,9 @@ def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_o
 
 register_sequence_strategy(
     SequenceStrategy(
-        "allgather", "all-gather context parallelism: gather K/V, reduce-scatter dK/dV (Llama 3)", attend=_attend
+        "allgather",
+        "all-gather context parallelism: gather K/V, reduce-scatter dK/dV (Llama 3)",
+        attend=_attend,
+        cost=allgather_cost,
     )
 )

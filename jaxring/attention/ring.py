@@ -46,6 +46,7 @@ from jaxring.attention.masking import check_qkv
 from jaxring.attention.merge import empty_partial
 from jaxring.attention.schedule import add_block_grads, attend_block, run_work
 from jaxring.collectives import BACKWARD, ring_steps, ring_steps_accumulating, send_to_next
+from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer
 from jaxring.registry import SequenceStrategy, register_sequence_strategy
 
 
@@ -172,6 +173,37 @@ def _ring_bwd(axis_name, tokens, causal, sm_scale, ops, fuse, residuals, dout):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
+# ---------------------------------------------------------------------------------------- cost
+
+
+def q_tiles(n: int, cpu: bool) -> int:
+    """Q tiles of a block of n rows in the CPU path (the jnp block ops keep a running (out, lse) per tile and
+    ring step); 1 on GPU (the Pallas kernels' residuals are the block's out and lse)."""
+    if not cpu:
+        return 1
+    from jaxring.attention.blockwise import FORWARD_TILE, _tile_size
+
+    return n // _tile_size(n, FORWARD_TILE)
+
+
+def ring_cost(s: AttentionShape, options: dict) -> AttentionCost:
+    """The module docstring's traffic (the playbook; WallFacer Eq. 2: P·2BNH/P): forward 2(P-1) K/V blocks,
+    backward 2(P-1) K/V blocks + 2P fp32 dK/dV blocks, both hidden behind the block compute. Kept: out and
+    lse (fp32; on CPU a running pair per Q tile and step). Working: the received and sent K/V (2 each) and
+    the fp32 dK/dV accumulators in flight (4), dQ."""
+    del options
+    P, axes = s.sp, tuple(s.axes)
+    kv, kv32, q32 = s.kv_bytes(s.e), s.kv_bytes(F32), s.q_bytes(F32)
+    return AttentionCost(
+        transfers=(
+            Transfer("ring K/V forward", axes, 2 * (P - 1) * kv, P - 1, "attention"),
+            Transfer("ring K/V + fp32 dK/dV backward", axes, 2 * (P - 1) * kv + 2 * P * kv32, P, "attention"),
+        ),
+        saved=(P if s.cpu else 1) * q_tiles(s.n, s.cpu) * (q32 + s.rows_bytes()),
+        working=4 * s.kv_bytes(s.em) + 4 * kv32 + q32,
+    )
+
+
 # ---------------------------------------------------------------------------------------- registry entry
 
 
@@ -183,6 +215,9 @@ def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_o
 
 register_sequence_strategy(
     SequenceStrategy(
-        "ring", "ring attention: K/V blocks circulate with ppermute, online softmax (Playbook)", attend=_attend
+        "ring",
+        "ring attention: K/V blocks circulate with ppermute, online softmax (Playbook)",
+        attend=_attend,
+        cost=ring_cost,
     )
 )

@@ -61,6 +61,7 @@ from jax import lax
 from jaxring.attention.layout import check_seq_len, layout_permutation, layout_positions
 from jaxring.attention.masking import attention_mask, check_qkv
 from jaxring.collectives import BACKWARD, ring_steps, send_to_next
+from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer
 from jaxring.registry import SequenceStrategy, register_sequence_strategy
 
 
@@ -196,6 +197,30 @@ def _rsa_bwd(axis_name, layout, causal, sm_scale, residuals, dout):
 _rsa.defvjp(_rsa_fwd, _rsa_bwd)
 
 
+# ---------------------------------------------------------------------------------------- cost
+
+
+def rsa_cost(s: AttentionShape, options: dict) -> AttentionCost:
+    """The module docstring's traffic (RSA: 8(N-1)·BZ(L/N)A): the K then V rings forward, V then K backward
+    (hidden behind the score blocks), the fp32 dK/dV reduce-scatters. Kept: P^r fp32 [b, heads, n, L] and the
+    local q, k, v. Working: the score rows again (dP, dS). It computes every causal block: the masked half of
+    the causal scores is extra work."""
+    del options
+    P, axes = s.sp, tuple(s.axes)
+    kv = s.kv_bytes(s.e)
+    scores = s.b * s.heads * s.n * s.seq_len * F32
+    return AttentionCost(
+        transfers=(
+            Transfer("RSA K then V rings forward", axes, 2 * (P - 1) * kv, 2 * (P - 1), "attention"),
+            Transfer("RSA V then K rings backward", axes, 2 * (P - 1) * kv, 2 * (P - 1), "attention"),
+            Transfer("RSA dK, dV reduce-scatter", axes, 2 * (P - 1) * s.kv_bytes(F32), 2),
+        ),
+        saved=scores + s.b * s.n * (s.heads + 2 * s.kv_heads) * s.d * s.em,
+        working=2 * scores,
+        extra_attention=1.0 if s.causal else 0.0,
+    )
+
+
 # ---------------------------------------------------------------------------------------- registry entry
 
 
@@ -211,5 +236,6 @@ register_sequence_strategy(
         attend=_attend,
         default_layout="contiguous",
         uses_block_ops=False,
+        cost=rsa_cost,
     )
 )

@@ -25,6 +25,7 @@ from jaxring.attention.blockwise import BlockOps
 from jaxring.attention.flash import flash_attention
 from jaxring.attention.layout import gathered_positions
 from jaxring.attention.masking import check_qkv
+from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer
 from jaxring.registry import SequenceStrategy, register_sequence_strategy
 
 
@@ -99,6 +100,32 @@ def ulysses_attention(
     return heads_to_seq(out, axis_name)
 
 
+# ---------------------------------------------------------------------------------------- cost
+
+
+def ulysses_cost(s: AttentionShape, options: dict) -> AttentionCost:
+    """The module docstring's traffic (DeepSpeed-Ulysses: 4 all-to-alls a layer each way), each moving
+    (P-1)/P of q, k, v (K/V heads repeated to lcm(kv_heads, P)) or out. Kept: the head-sharded q, k, v, out
+    and lse of the local flash attention (fp32). Working: its fp32 gradients; the block is the whole sequence
+    for heads / P heads."""
+    del options
+    P, axes = s.sp, tuple(s.axes)
+    kv_sent = math.lcm(s.kv_heads, P)
+    one = (P - 1) / P * s.b * s.n * s.d * s.e * (2 * s.heads + 2 * kv_sent)
+    q32 = s.q_bytes(F32)
+    return AttentionCost(
+        transfers=(
+            Transfer("Ulysses all-to-alls forward (q, k, v, out)", axes, one, 4),
+            Transfer("Ulysses all-to-alls backward", axes, one, 4),
+        ),
+        saved=3 * q32 + 2 * s.b * s.n * s.d * kv_sent * F32 + s.rows_bytes(),
+        working=4 * q32 + 4 * s.kv_bytes(F32),
+        block_q=s.seq_len,
+        block_k=s.seq_len,
+        tile_heads=max(1, s.heads // P),
+    )
+
+
 # ---------------------------------------------------------------------------------------- registry entry
 
 
@@ -120,5 +147,6 @@ register_sequence_strategy(
         attend=_attend,
         default_layout="contiguous",
         check_heads=_check_heads,
+        cost=ulysses_cost,
     )
 )

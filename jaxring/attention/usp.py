@@ -13,14 +13,17 @@ Traffic: 4 all-to-alls over U, plus ring attention over R on blocks U times larg
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
 from jaxring.attention.layout import RankTokens
 from jaxring.attention.masking import check_qkv
-from jaxring.attention.ring import ring_attention
+from jaxring.attention.ring import q_tiles, ring_attention
 from jaxring.attention.ulysses import check_heads_split, heads_to_seq, repeat_kv_for_split, seq_to_heads
+from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer
 from jaxring.mesh import factored_mesh
 from jaxring.registry import Option, SequenceStrategy, register_sequence_strategy
 
@@ -68,6 +71,38 @@ def usp_attention(
     return heads_to_seq(out, ulysses_axis)
 
 
+# ---------------------------------------------------------------------------------------- cost
+
+
+def usp_cost(s: AttentionShape, options: dict) -> AttentionCost:
+    """Ulysses' 4 all-to-alls each way over U (K/V heads repeated to lcm(kv_heads, U)), and ring attention
+    over R = P/U on blocks U× longer with 1/U of the heads (hidden behind the block compute). Kept: the ring's
+    out and lse per step and Q tile on CPU, the head-sharded q, k, v. Working: the ring's."""
+    U = options["ulysses_size"]
+    r = s.sp // U
+    ring_axis, ulysses_axis = s.axes
+    kv_u = math.lcm(s.kv_heads, U)
+    a2a = (U - 1) / U * s.b * s.n * s.d * s.e * (2 * s.heads + 2 * kv_u)
+    blk = s.b * s.n * U * (kv_u // U) * s.d  # the ring's block: U× the tokens, 1/U of the heads
+    transfers = []
+    if U > 1:
+        transfers += [
+            Transfer("USP Ulysses all-to-alls forward", (ulysses_axis,), a2a, 4),
+            Transfer("USP Ulysses all-to-alls backward", (ulysses_axis,), a2a, 4),
+        ]
+    if r > 1:
+        transfers += [
+            Transfer("USP ring K/V forward", (ring_axis,), 2 * (r - 1) * blk * s.e, r - 1, "attention"),
+            Transfer("USP ring backward", (ring_axis,), 2 * (r - 1) * blk * s.e + 2 * r * blk * F32, r, "attention"),
+        ]
+    q32, kv32 = s.q_bytes(F32), s.kv_bytes(F32)
+    return AttentionCost(
+        transfers=tuple(transfers),
+        saved=(r if s.cpu else 1) * q_tiles(s.n * U, s.cpu) * (q32 + s.rows_bytes()) + q32 + 2 * kv32,
+        working=4 * s.kv_bytes(s.em) + 4 * kv32 + q32,
+    )
+
+
 # ---------------------------------------------------------------------------------------- registry entry
 
 
@@ -110,6 +145,7 @@ register_sequence_strategy(
         attend=_attend,
         view=_view,
         check_heads=_check_heads,
+        cost=usp_cost,
         options=(
             Option(
                 "ulysses_size",

@@ -109,6 +109,7 @@ from jaxring.attention.merge import empty_partial
 from jaxring.attention.ring import fuse_by_default
 from jaxring.attention.schedule import add_block_grads, attend_block, pair_work, run_pairs
 from jaxring.collectives import ppermute, ring_steps, ring_steps_accumulating, send_to_next
+from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer
 from jaxring.registry import Option, SequenceStrategy, register_sequence_strategy
 
 WF_AXES = ("wf_group", "wf_ring", "wf_team")
@@ -449,6 +450,57 @@ def wallfacer_attention(
     return _wallfacer(q, k, v, segment_ids, team_size, layout, causal, scale, ops, fuse_by_default(ops, fuse_sends))
 
 
+# ---------------------------------------------------------------------------------------- cost
+
+
+def wallfacer_cost(s: AttentionShape, options: dict) -> AttentionCost:
+    """WallFacer Eqs. 2-4 for C = team_size, tgs = P/C² (collectives 4BNH(C-1)/(PW), P2P 2BNH/(CW)): the team
+    all-gathers of Q, K, V, the lse exchange and the fp32 reduce-scatter of O; the init map 2C K/V blocks; the
+    sub-ring (tgs-1)·2C K/V blocks forward; backward dO and Δ gathered, Q, dO, lse, Δ round the sub-ring with
+    dQ one hop behind (tgs hops), dQ, dK, dV reduce-scattered and dK/dV back along the inverse map. Kept: the
+    team's Q, K/V chunk and lse. Working: the team's blocks (C·n rows and columns) and their fp32 gradients."""
+    C = options["team_size"]
+    tgs = s.sp // (C * C)
+    q, q32, rows = s.q_bytes(s.e), s.q_bytes(F32), s.rows_bytes()
+    kv, kv32 = s.kv_bytes(s.e), s.kv_bytes(F32)
+    transfers = []
+    if C > 1:
+        transfers += [
+            Transfer(
+                "WallFacer team all-gather Q, K, V + lse exchange, reduce-scatter O (forward)",
+                (TEAM,),
+                (C - 1) * (q + 2 * kv) + 2 * (C - 1) * rows + (C - 1) * q32,
+                4,
+            ),
+            Transfer(
+                "WallFacer team all-gather dO, Δ; reduce-scatter dQ, dK, dV (backward)",
+                (TEAM,),
+                (C - 1) * (q + rows) + (C - 1) * q32 + 2 * (C - 1) * kv32,
+                5,
+            ),
+            Transfer("WallFacer init map K/V (forward)", WF_AXES, 2 * C * kv, 1),
+            Transfer("WallFacer inverse init map dK/dV (backward)", WF_AXES, 2 * C * kv32, 1),
+        ]
+    if tgs > 1:
+        transfers += [
+            Transfer("WallFacer sub-ring K/V forward", (RING,), (tgs - 1) * 2 * C * kv, tgs - 1, "attention"),
+            Transfer(
+                "WallFacer sub-ring Q, dO, lse, Δ and dQ backward",
+                (RING,),
+                (tgs - 1) * C * (2 * q + 2 * rows) + tgs * C * q32,
+                tgs,
+                "attention",
+            ),
+        ]
+    return AttentionCost(
+        transfers=tuple(transfers),
+        saved=2 * C * q32 + 2 * C * kv32 + 2 * C * rows + q32,
+        working=2 * C * (s.kv_bytes(s.em) + kv32) + 2 * C * q32,
+        block_q=C * s.n,
+        block_k=C * s.n,
+    )
+
+
 # ---------------------------------------------------------------------------------------- registry entry
 
 
@@ -475,6 +527,7 @@ register_sequence_strategy(
         attend=_attend,
         layouts=WF_LAYOUTS,
         view=_view,
+        cost=wallfacer_cost,
         options=(
             Option(
                 "team_size",

@@ -9,6 +9,13 @@ owns it) on local shards, and it says how the arrays between layers are laid out
   embed, norm, attention, mlp, cross_entropy
                          the layers, on local shards, with the plan's sequence strategy as the attention core
 
+and what it costs (the planner's cost model, in the vocabulary of `jaxring.costs`):
+
+  accepts(tp)            the degrees it runs on (the planner searches those), with `sequence_parallel`
+  local_dims(shape)      its split of one micro-step: rows, tokens, heads, FFN and vocab columns per device
+  layer_transfers, head_transfers, attention_core_cost, layer_working
+                         bytes over its axes per layer and outside the layers, and its memory terms
+
 This base class is the method "none" (tensors replicated over tp = 1): plain local layers, the sequence split
 over the plan's sequence axes and attention by the plan's strategy. Megatron, Optimus and METP override what
 they change. The shared math (QKV projection and head split, RoPE, GQA, activations) lives here once.
@@ -23,6 +30,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from jaxring.costs import F32, AttentionCost, LocalDims, ModelShape, Transfer
 from jaxring.mesh import spec_entry
 from jaxring.registry import HasOptions, register_tensor_method
 from jaxring.rope import apply_rope
@@ -126,6 +134,10 @@ class TensorMethod(HasOptions):
 
     def batch_split(self, plan) -> int:
         """How many ways the method splits the batch beyond the data axes (Optimus: q)."""
+        return self.batch_split_at(plan.tp)
+
+    def batch_split_at(self, tp: int) -> int:
+        """`batch_split` for tp devices."""
         return 1
 
     def head_split(self, plan) -> int:
@@ -194,6 +206,48 @@ class TensorMethod(HasOptions):
         """This device's part of a per-sequence vector c [b_local, hidden] that matches the residual stream's
         columns (identity unless the method splits hidden)."""
         return c
+
+    # --- cost model (jaxring.costs; bytes per device, one layer and one micro-step unless said otherwise)
+    recomputes_forward = False  # its backward runs the layer's forward again (METP): FLOPs, and few residuals
+
+    def accepts(self, tp: int) -> bool:
+        """Whether the method runs on tp devices (the planner searches the degrees it accepts)."""
+        return (tp > 1) == bool(self.axes)
+
+    def has_cost(self) -> bool:
+        """Whether the method prices its own traffic (a method over tensor axes must override
+        `layer_transfers`; the base's "nothing moves" is only right for "none")."""
+        return not self.axes or type(self).layer_transfers is not TensorMethod.layer_transfers
+
+    def local_dims(self, m: ModelShape) -> LocalDims:
+        """This device's share of one micro-step (nothing split: the sequence shard n = seq / sp)."""
+        return LocalDims(m.b, m.n, m.n, m.hidden, m.heads, m.kv_heads, m.ffn, m.vocab)
+
+    def layer_transfers(self, m: ModelShape, x: LocalDims) -> list[Transfer]:
+        """One layer's traffic over the method's axes (attention and MLP blocks), forward and backward."""
+        return []
+
+    def head_transfers(self, m: ModelShape, x: LocalDims) -> list[Transfer]:
+        """The traffic outside the layer stack (embedding, final norm, head, loss), one micro-step."""
+        return []
+
+    def attention_core_cost(self, m: ModelShape, x: LocalDims) -> AttentionCost | None:
+        """The price of the method's own attention core, when it replaces the plan's sequence strategy
+        (METP); None: the strategy's entry prices it."""
+        return None
+
+    def layer_working(self, m: ModelShape, x: LocalDims) -> float:
+        """Buffers of one layer's backward the method adds to the attention core's."""
+        return 0.0
+
+
+def modulation_gradients(vectors: int, m: ModelShape, x: LocalDims, what: str, axes=("tp",)) -> list[Transfer]:
+    """A method that splits the tokens over `axes` meets per-sequence [b, hidden] vectors (DiT's adaLN
+    modulation) whole on every device: their fp32 gradients are summed over the split (all-reduce)."""
+    if not vectors:
+        return []
+    p = m.tp
+    return [Transfer(what, axes, vectors * 2 * (p - 1) / p * x.b * m.hidden * F32, 1)]
 
 
 NONE = register_tensor_method(TensorMethod())

@@ -46,10 +46,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring.attention.flash import flash_attention
+from jaxring.costs import F32, LocalDims, ModelShape, Transfer
 from jaxring.mesh import DATA_AXES, mesh_axis_size, spec_entry
 from jaxring.registry import register_tensor_method
 from jaxring.sharded import run_local
-from jaxring.tensor.contract import ACTIVATIONS, MATMUL_OUTPUT, ParamInfo, TensorMethod, activate, rope_qk
+from jaxring.tensor.contract import (
+    ACTIVATIONS,
+    MATMUL_OUTPUT,
+    ParamInfo,
+    TensorMethod,
+    activate,
+    modulation_gradients,
+    rope_qk,
+)
 from jaxring.vma import common_vma, gather_invariant, vary, varying_axes
 
 __all__ = [
@@ -721,6 +730,49 @@ class Megatron(TensorMethod):
     def cross_entropy(self, plan, x, w, targets, *, tied):
         head = w.T if tied else w  # local [h, vocab/tp]
         return vocab_parallel_cross_entropy(column_parallel_linear(x, head.astype(x.dtype)), targets)
+
+    # --- cost model (the module docstring's bytes; METP Table 1: 5(p-1)/p·bsh per block)
+    def local_dims(self, m: ModelShape) -> LocalDims:
+        p = m.tp
+        kv = m.kv_heads // p if m.kv_heads % p == 0 else 1  # fewer K/V heads than tp: each rank reads one
+        vocab = None if m.vocab is None else m.vocab // p
+        return LocalDims(m.b, m.n, m.n // p, m.hidden, m.heads // p, kv, m.ffn // p, vocab)
+
+    def layer_transfers(self, m: ModelShape, x: LocalDims) -> list[Transfer]:
+        """g and g* of the attention and MLP blocks: 2 transitions forward, 3 backward (X gathered again), of
+        (p-1)/p·b·n·h each; an MoE block all-gathers in and all-reduces out (7)."""
+        p = m.tp
+        U = (p - 1) / p * x.b * x.n * m.hidden * m.e
+        mlp = (
+            "Megatron MoE block: all-gather in, all-reduce out (7 transitions)"
+            if m.moe
+            else "Megatron MLP block g, g* (5 transitions)"
+        )
+        return [
+            *modulation_gradients(m.modulation, m, x, "DiT modulation gradients (shift, scale, gate × 2)"),
+            Transfer("Megatron attention block g, g* (5 transitions)", ("tp",), 5 * U, 5),
+            Transfer(mlp, ("tp",), (7 if m.moe else 5) * U, 5),
+        ]
+
+    def head_transfers(self, m: ModelShape, x: LocalDims) -> list[Transfer]:
+        """The vocab-parallel embedding and head (5 transitions) and cross-entropy (max, Σexp, label: fp32 per
+        token); the final layer's modulation gradients."""
+        out = modulation_gradients(m.final_modulation, m, x, "DiT final layer's modulation gradients (shift, scale)")
+        if m.vocab is None:
+            return out
+        p = m.tp
+        U = (p - 1) / p * x.b * x.n * m.hidden * m.e
+        rows = x.b * x.n * F32  # fp32 per token of the sp shard
+        return out + [
+            Transfer("Megatron vocab-parallel embedding and head (5 transitions)", ("tp",), 5 * U, 5),
+            Transfer(
+                "Megatron vocab-parallel cross-entropy (max, Σexp, label)", ("tp",), 3 * 2 * (p - 1) / p * rows, 3
+            ),
+        ]
+
+    def layer_working(self, m: ModelShape, x: LocalDims) -> float:
+        """The tp-gathered input of a block and its gradient (fp32)."""
+        return 2 * x.b * x.n * m.hidden * F32
 
 
 METHOD = register_tensor_method(Megatron())

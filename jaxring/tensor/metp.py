@@ -83,11 +83,19 @@ from jaxring.collectives import (
     tree_broadcast,
     tree_reduce,
 )
+from jaxring.costs import F32, AttentionCost, LocalDims, ModelShape, Transfer, tree_rounds
 from jaxring.mesh import DATA_AXES, mesh_axis_size, spec_entry
 from jaxring.registry import register_tensor_method
 from jaxring.rope import apply_rope
 from jaxring.sharded import run_local
-from jaxring.tensor.contract import ACTIVATIONS, KEPT_RESIDUAL, MATMUL_OUTPUT, ParamInfo, TensorMethod
+from jaxring.tensor.contract import (
+    ACTIVATIONS,
+    KEPT_RESIDUAL,
+    MATMUL_OUTPUT,
+    ParamInfo,
+    TensorMethod,
+    modulation_gradients,
+)
 from jaxring.vma import vary_like, varying_axes
 
 
@@ -770,6 +778,66 @@ class METP(TensorMethod):
 
     def mlp(self, plan, x, w, *, activation):
         return metp_mlp(x, w["w_in"], w["w_out"], w.get("w_gate"), activation=activation, axis_name="tp")
+
+    # --- cost model (the module docstring's bytes; METP Tables 1-2)
+    recomputes_forward = True  # Q, K, V and f(AB) again in the backward (Algorithms 2 and 6)
+
+    def local_dims(self, m: ModelShape) -> LocalDims:
+        n = m.n // m.tp  # the device's s/p tokens, for the attention too
+        return LocalDims(m.b, n, n, m.hidden, m.heads, m.kv_heads, m.ffn // m.tp, m.vocab, token_split=m.tp)
+
+    def layer_transfers(self, m: ModelShape, x: LocalDims) -> list[Transfer]:
+        """FFN: (3p-2)/p·(k1k2 + k2n) (Algorithms 1-2 with the extra gradient hop: p-1 weight hops forward,
+        p-1 + p backward; W_gate too for SwiGLU); MHA: head-group broadcasts p·⌈log2 p⌉ (forward, twice
+        backward) and the K/V ring p(p-1) forward, p(2p-1) backward (Section 4, Table 2)."""
+        p, e, h, d = m.tp, m.e, m.hidden, m.head_dim
+        rounds = tree_rounds(p)
+        ffn_blocks = (m.ffn_matrices * h * m.ffn) // p  # (k1·k2 + k2·n)/p, W_gate too for SwiGLU
+        weights = (h * (m.heads + 2 * m.kv_heads) * d + m.heads * d * h) // p
+        kvb = x.b * (m.seq_len // p) * (m.kv_heads // p) * d
+        pos = x.b * (m.seq_len // p) if m.causal else 0
+        return [
+            *modulation_gradients(m.modulation, m, x, "DiT modulation gradients (shift, scale, gate × 2)"),
+            Transfer("METP FFN ring: (B, C) blocks p-1 hops forward", ("tp",), (p - 1) * ffn_blocks * e, p - 1, "ffn"),
+            Transfer(
+                "METP FFN ring backward: blocks p-1 hops, fp32 gradients p hops",
+                ("tp",),
+                (p - 1) * ffn_blocks * e + p * ffn_blocks * F32,
+                p,
+                "ffn",
+            ),
+            Transfer(
+                "METP MHA head-group broadcasts (forward; again with the ΔW reduces backward)",
+                ("tp",),
+                p * rounds * weights * e + p * rounds * weights * (e + F32),
+                3 * p * rounds,
+            ),
+            Transfer(
+                "METP MHA K/V ring: p(p-1) hops forward, p(p-1) + p² (fp32 dK/dV) backward; positions",
+                ("tp",),
+                p * (p - 1) * 2 * kvb * e
+                + p * (p - 1) * 2 * kvb * e
+                + p * p * 2 * kvb * F32
+                # causal positions ride with K/V: p(p-1) hops forward; backward they are the same for
+                # every head group and XLA sends them once per hop (p-1); p = 2 unrolls and sends less
+                + (p * p - 1) * pos * 4,
+                2 * p * p,
+                "attention",
+            ),
+        ]
+
+    def head_transfers(self, m: ModelShape, x: LocalDims) -> list[Transfer]:
+        """The embedding and head stay replicated; the final layer's modulation gradients are summed."""
+        return modulation_gradients(m.final_modulation, m, x, "DiT final layer's modulation gradients (shift, scale)")
+
+    def attention_core_cost(self, m: ModelShape, x: LocalDims) -> AttentionCost:
+        """METP's own attention (no sequence strategy): it keeps A_i and its lse (Table 2: 2bsh/p) and works on
+        one head group at a time (its K/V ring is in `layer_transfers`)."""
+        q32 = x.b * x.n * x.heads * m.head_dim * F32
+        kv32 = x.b * x.n * x.kv_heads * m.head_dim * F32
+        return AttentionCost(
+            saved=q32 + x.b * x.n * x.heads * F32, working=2 * kv32 + q32, tile_heads=max(1, x.heads // m.tp)
+        )
 
     def moe(self, plan, x, moe):
         raise ValueError(

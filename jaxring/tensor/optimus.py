@@ -62,6 +62,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring.attention.flash import flash_attention
 from jaxring.collectives import prefetch_steps, tree_broadcast, tree_reduce
+from jaxring.costs import F32, LocalDims, ModelShape, Transfer, tree_rounds
 from jaxring.mesh import DATA_AXES, factored_mesh, spec_entry
 from jaxring.registry import register_tensor_method
 from jaxring.sharded import run_local
@@ -682,9 +683,12 @@ class Optimus(TensorMethod):
         return grid_mesh(mesh)[0]
 
     def check_mesh(self, plan):
-        q = math.isqrt(plan.tp)
-        if q * q != plan.tp:
+        if not self.accepts(plan.tp):
             raise ValueError(f"tp = {plan.tp} is not a perfect square; Optimus needs tp = q² devices for a q×q grid")
+
+    def accepts(self, tp: int) -> bool:
+        """tp = q² > 1: a q×q grid."""
+        return tp > 1 and math.isqrt(tp) ** 2 == tp
 
     def _q(self, plan):
         return math.isqrt(plan.tp)
@@ -699,8 +703,8 @@ class Optimus(TensorMethod):
         ) + ((("vocab", vocab),) if vocab is not None else ()):
             _check_divisible(what, value, q, "q")
 
-    def batch_split(self, plan):
-        return self._q(plan)
+    def batch_split_at(self, tp):
+        return math.isqrt(tp)
 
     def head_split(self, plan):
         return self._q(plan)
@@ -750,6 +754,83 @@ class Optimus(TensorMethod):
             f"mixture-of-experts layers cannot run with tensor parallelism '{self.name}': its "
             f"layout splits what the experts' all-to-all exchanges; use megatron (or none) with --ep"
         )
+
+    # --- cost model: SUMMA (Algorithms 1-3) per product; Table 1: log(p)/(2√p)·(7bsh + 12h²) forward
+    def local_dims(self, m: ModelShape) -> LocalDims:
+        q = math.isqrt(m.tp)
+        vocab = None if m.vocab is None else m.vocab // q
+        return LocalDims(
+            m.b // q, m.n, m.n, m.hidden // q, m.heads // q, m.kv_heads // q, m.ffn // q, vocab, batch_split=q
+        )
+
+    def layer_transfers(self, m: ModelShape, x: LocalDims) -> list[Transfer]:
+        """The four products of a layer (QKV, the output projection, the FFN's in (and gate) and out) as
+        C = AB: forward A within the row, B down the column; backward dA = dC·Bᵀ (B down the column, dA
+        reduced in the row) and dB = Aᵀ·dC (A in the row, dB reduced down the column); plus the two 2D layer
+        norms' row sums (Σx, Σx² forward; Σx̂g, Σg backward)."""
+        q, h, d = math.isqrt(m.tp), m.hidden, m.head_dim
+        rows = x.b * m.seq_len  # [b/q·s] rows of the local activation block
+        hq, fq = h // q, m.ffn // q
+        qkv = (m.heads + 2 * m.kv_heads) * d // q
+        products = [
+            (rows * hq, hq * qkv),
+            (rows * m.heads * d // q, m.heads * d // q * hq),
+            (rows * hq, hq * (m.ffn_matrices - 1) * fq),
+            (rows * fq, fq * hq),
+        ]
+        row = col = 0.0
+        for a, b in products:
+            r_, c_ = _summa_bytes(q, a, b, m.e)
+            row, col = row + r_, col + c_
+        ln = 2 * 2 * (2 * 2 * (q - 1) / q * rows * F32)
+        return [
+            Transfer("Optimus SUMMA within rows (activation blocks)", (COL,), row + ln, 8 * q),
+            Transfer("Optimus SUMMA down columns (weight blocks)", (ROW,), col, 8 * q),
+        ]
+
+    def head_transfers(self, m: ModelShape, x: LocalDims) -> list[Transfer]:
+        """The embedding lookup and head (Algorithms 1-2) with the final 2D norm and the row-wise
+        cross-entropy (max, Σexp, label)."""
+        if m.vocab is None:
+            return []
+        q, e = math.isqrt(m.tp), m.e
+        rows = x.b * m.seq_len
+        hq, vq = m.hidden // q, m.vocab // q
+        table = vq * hq
+        if m.tied:
+            # lookup (Alg 1 with a local one-hot: the table down the column) and head (Alg 2, logits = x·Eᵀ):
+            # the table blocks are broadcast once for the lookup, the head and its dA (XLA merges the three
+            # identical broadcasts); the head's dC is broadcast once within the row for dA and dB
+            col = _bcast_bytes(q, table) * e + _reduce_bytes(q, table) * F32 + _reduce_bytes(q, table) * F32
+            row = _reduce_bytes(q, rows * vq) * F32 + _bcast_bytes(q, rows * vq) * e
+        else:
+            r_, c_ = _summa_bytes(q, rows * hq, hq * vq, e)
+            col = _bcast_bytes(q, table) * e + _reduce_bytes(q, table) * F32 + c_
+            row = r_
+        ln = 2 * (2 * 2 * (q - 1) / q * rows * F32)
+        ce = 3 * 2 * (q - 1) / q * rows * F32
+        return [
+            Transfer("Optimus embedding and head within rows; norm; cross-entropy", (COL,), row + ln + ce, 6),
+            Transfer("Optimus embedding and head down columns", (ROW,), col, 4),
+        ]
+
+
+def _bcast_bytes(q: int, size: float) -> float:
+    """Blocks received by a SUMMA step broadcast over q ranks (binomial tree; round 0 shared by the q steps)."""
+    return (1 + q * (tree_rounds(q) - 1)) * size
+
+
+def _reduce_bytes(q: int, size: float) -> float:
+    return q * tree_rounds(q) * size
+
+
+def _summa_bytes(q: int, a: float, b: float, e: int) -> tuple[float, float]:
+    """(bytes within the row (tpc), bytes down the column (tpr)) of C = AB forward and backward, |A|, |B| in
+    elements: forward A in the row, B down the column; dA = dC·Bᵀ: B down the column, dA reduced (fp32) in the
+    row; dB = Aᵀ·dC: A in the row, dB reduced (fp32) down the column."""
+    row = 2 * _bcast_bytes(q, a) * e + _reduce_bytes(q, a) * F32
+    col = 2 * _bcast_bytes(q, b) * e + _reduce_bytes(q, b) * F32
+    return row, col
 
 
 METHOD = register_tensor_method(Optimus())

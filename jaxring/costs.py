@@ -1,0 +1,165 @@
+"""The cost vocabulary: what a registry entry's cost model receives and what it returns.
+
+Each sequence strategy prices itself next to its forward and backward (`cost=` in its `SequenceStrategy`
+entry), each tensor method on its `TensorMethod` class, and pipeline schedules through their tables. The
+planner (`jaxring.planner.cost`) builds the shapes below from a workload and a plan, asks the entries, and adds
+what no entry owns (ZeRO, the pipeline's sends, experts, the step time). This module imports no strategy.
+
+    def my_cost(shape: AttentionShape, options: dict) -> AttentionCost:
+        kv = shape.b * shape.n * shape.kv_heads * shape.d
+        return AttentionCost(
+            transfers=(Transfer("K/V all-gather forward", tuple(shape.axes), (shape.sp - 1) * kv * shape.e, 1),),
+            saved=shape.q_bytes(F32) + shape.rows_bytes(),      # out and lse, fp32
+            working=2 * kv * F32 + shape.q_bytes(F32),          # dK, dV accumulators and dQ
+        )
+
+Units: bytes per device (what one device receives, as `jaxring.analysis.compiled` counts them), for one layer
+and one micro-step (forward and backward) unless a docstring says otherwise. Activations travel with `e`
+bytes per element (XLA:CPU widens bf16 collectives to 4) and are stored with `em`; gradients and the
+accumulators the kernels keep are fp32 (F32 = 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+F32 = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """Bytes one device receives over the run-mesh axes `axes`, in `messages` sequential messages; `overlap`
+    names the compute it hides behind ("attention": a ring loop's per-step transfer; "ffn": METP's weight
+    ring), or None. An entry states it for one layer and one micro-step; the planner scales it. Axes of size
+    1 are dropped by the planner, so an entry may name every axis of its view."""
+
+    what: str
+    axes: tuple[str, ...]
+    bytes: float
+    messages: int = 1
+    overlap: str | None = None
+    phase: str = "layer"  # "layer": inside the micro-steps (pipeline ticks); "step": once per update
+
+
+def tree_rounds(q: int) -> int:
+    """Rounds of a binomial-tree broadcast or reduce over q ranks (⌈log2 q⌉)."""
+    return max(q - 1, 0).bit_length()
+
+
+# ---------------------------------------------------------------------------------------- tensor methods
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The model's sizes, one micro-step's rows and the degrees that will split them (nothing split yet): what
+    a tensor method's cost methods receive."""
+
+    b: int  # sequences per data replica in one micro-step (the micro-batch)
+    seq_len: int
+    sp: int  # the sequence-parallel degree (the strategy's axes together)
+    tp: int  # the tensor-parallel degree
+    hidden: int
+    heads: int  # query heads
+    kv_heads: int
+    head_dim: int
+    ffn: int  # FFN width of a dense block
+    ffn_matrices: int  # weight matrices of the FFN: 3 with a gate (SwiGLU), else 2
+    vocab: int | None  # rows of the token embedding and LM head; None without them (DiT)
+    tied: bool  # the LM head is the embedding table
+    moe: bool  # the blocks' FFNs are mixtures of experts
+    causal: bool
+    modulation: int  # per-sequence [b, hidden] vectors per block that meet split tokens (DiT's adaLN: 6)
+    final_modulation: int  # the same, of the final layer (DiT: 2)
+    e: int  # bytes per activation element as collectives move it
+    em: int  # bytes per activation element in memory
+    cpu: bool  # priced for XLA:CPU (the tests' simulated devices): jnp block ops, fp32 collectives
+
+    @property
+    def n(self) -> int:
+        """Tokens of a sequence shard (seq_len / sp)."""
+        return self.seq_len // self.sp
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalDims:
+    """A tensor method's split of one micro-step on one device (`TensorMethod.local_dims`)."""
+
+    b: int  # rows (sequences) on this device
+    n: int  # tokens the attention core sees per row
+    n_act: int  # tokens of the residual stream per row
+    h_act: int  # hidden columns of the residual stream
+    heads: int  # query heads on this device
+    kv_heads: int
+    ffn: int  # FFN columns on this device
+    vocab: int | None  # logits' columns on this device
+    batch_split: int = 1  # ways the method splits the batch beyond the data axes
+    token_split: int = 1  # ways it splits the tokens, targets and positions beyond the sequence axes
+
+
+# ---------------------------------------------------------------------------------------- attention cores
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    """What one device's attention core sees in one micro-step: q [b, n, heads, d], k/v [b, n, kv_heads, d]
+    (after the tensor method's split), and the run-mesh axes of the strategy's view with their sizes (in
+    run-mesh order, every axis of the view, sizes 1 included)."""
+
+    b: int
+    n: int
+    heads: int
+    kv_heads: int
+    d: int
+    e: int  # bytes per activation element as collectives move it
+    em: int  # bytes per activation element in memory
+    seq_len: int
+    causal: bool
+    cpu: bool  # XLA:CPU: the jnp block ops (their per-tile residuals and score tiles)
+    axes: dict  # {axis: size} of the strategy's view of sp
+
+    @property
+    def sp(self) -> int:
+        out = 1
+        for size in self.axes.values():
+            out *= size
+        return out
+
+    def q_bytes(self, per_element: int) -> int:
+        """[b, n, heads, d] at `per_element` bytes."""
+        return self.b * self.n * self.heads * self.d * per_element
+
+    def kv_bytes(self, per_element: int) -> int:
+        """One of K, V: [b, n, kv_heads, d] at `per_element` bytes."""
+        return self.b * self.n * self.kv_heads * self.d * per_element
+
+    def rows_bytes(self) -> int:
+        """One fp32 per row and head (an lse or Δ): [b, n, heads]."""
+        return self.b * self.n * self.heads * F32
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCost:
+    """A strategy's price for one layer and one micro-step on one device.
+
+    transfers       every collective of the core, forward and backward, with its run-mesh axes
+    saved           bytes the core keeps for the backward without remat (its residuals: out, lse, ...)
+    saved_by_remat  {remat mode: bytes} where a remat mode keeps something (default: nothing, as the layer's
+                    checkpoint runs the core's forward again)
+    working         the transient buffers of one layer's backward (received blocks, fp32 accumulators)
+    block_q/block_k rows and columns of one per-block compute (default n); with `cpu`, the planner adds the
+                    jnp block ops' score tiles of that size for `tile_heads` heads (default all)
+    extra_attention attention FLOPs it spends beyond the model's, as a multiple of them (RSA's causal half)
+    """
+
+    transfers: tuple[Transfer, ...] = ()
+    saved: float = 0.0
+    saved_by_remat: dict = dataclasses.field(default_factory=dict)
+    working: float = 0.0
+    block_q: int | None = None
+    block_k: int | None = None
+    tile_heads: int | None = None
+    extra_attention: float = 0.0
+
+    def kept(self, remat: str) -> float:
+        """Bytes kept per layer for the backward under `remat` ("none", "selective", "full")."""
+        return self.saved if remat == "none" else self.saved_by_remat.get(remat, 0.0)
