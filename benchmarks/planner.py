@@ -1,5 +1,5 @@
 """The planner's choices for the WallFacer and METP papers' settings, beside the configurations the papers found
-best (predictions of jaxring/planner/cost.py; no GPU runs here). With --compile-check, the top plans' train steps
+best (predictions of the registry entries' cost models, jaxring/planner/cost.py; no GPU runs here). With --compile-check, the top plans' train steps
 are compiled for the GPU target without a GPU (the gpu-compile extra, JAX_PLATFORMS=cpu) and their compiled
 memory is recorded beside the prediction.
 
@@ -43,7 +43,7 @@ def _wallfacer_best(p: int, per_node: int) -> Candidate:
     """The paper's best: C = 4 on 8-GPU nodes (C = 2 where C² = 16 does not divide P, and on 16-GPU nodes);
     ZeRO-2 as in its runs (Sec. 3.2.2); the placement is not reported: jaxring's default (teams in a node)."""
     c = 4 if p % 16 == 0 and per_node == 8 else 2
-    return Candidate(
+    return Candidate.of(
         sp=p, attention="wallfacer", team_size=c, placement="team_inner", zero=2, remat="full", micro_batch=1
     )
 
@@ -59,7 +59,7 @@ def _wallfacer_space(p: int) -> dict:
 
 
 # METP's comparison: Megatron TP+SP, DeepSpeed-Ulysses with ZeRO, METP, on one 8-GPU node
-METP_SPACE = {"dp": 1, "pp": 1, "attention": ("dense", "ulysses"), "tensor": ("megatron", "metp", None)}
+METP_SPACE = {"dp": 1, "pp": 1, "attention": ("dense", "ulysses"), "tensor_parallel": ("megatron", "metp", None)}
 
 
 SETTINGS = []
@@ -149,8 +149,8 @@ for seq in (32, 64, 128, 256):  # METP LLaMA-7B on 8 A100 80GB
             devices=8,
             per_node=8,
             inter_bw=None,
-            paper_best=Candidate(tp=8, tensor="metp", remat="full", micro_batch=1),
-            baseline=Candidate(tp=8, tensor="megatron", remat="full", micro_batch=1),
+            paper_best=Candidate(tp=8, tensor_parallel="metp", remat="full", micro_batch=1),
+            baseline=Candidate(tp=8, tensor_parallel="megatron", remat="full", micro_batch=1),
             space=METP_SPACE,
             paper_note="METP above Megatron TP+SP in MFU; 2.38-2.99x the longest sequence (Sec. 5)",
         )

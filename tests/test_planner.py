@@ -71,7 +71,7 @@ BYTES_CASES = {
         "gpt",
         GPT,
         8,
-        Candidate(tp=2, sp=4, attention="ulysses", tensor="megatron", zero=1, micro_batch=8),
+        Candidate(tp=2, sp=4, attention="ulysses", tensor_parallel="megatron", zero=1, micro_batch=8),
     ),
     "allgather, zero2, accumulation": (
         "gpt",
@@ -79,16 +79,21 @@ BYTES_CASES = {
         8,
         Candidate(dp=2, sp=4, attention="allgather", zero=2, micro_batch=2),
     ),
-    "usp, zero3": ("gpt", GPT, 8, Candidate(sp=8, attention="usp", ulysses_size=2, zero=3, micro_batch=8)),
-    "wallfacer, zero1": ("gpt", GPT, 8, Candidate(sp=8, attention="wallfacer", team_size=2, zero=1, micro_batch=8)),
+    "usp, zero3": ("gpt", GPT, 8, Candidate.of(sp=8, attention="usp", ulysses_size=2, zero=3, micro_batch=8)),
+    "wallfacer, zero1": ("gpt", GPT, 8, Candidate.of(sp=8, attention="wallfacer", team_size=2, zero=1, micro_batch=8)),
     "rsa": ("gpt", GPT, 8, Candidate(sp=8, attention="rsa", micro_batch=8)),
     # the DiT: non-causal (GPT's causal METP sends int32 positions with K/V, and XLA merges some of those
     # sends depending on the shapes: cost.py counts p² - 1 hops, the compiled step may send fewer)
-    "metp (dit)": ("dit", DIT, 8, Candidate(dp=2, tp=4, tensor="metp", micro_batch=4)),
-    "optimus": ("gpt", GPT, 8, Candidate(dp=2, tp=4, tensor="optimus", micro_batch=4)),
-    "pipeline 1f1b": ("gpt", GPT, 16, Candidate(dp=4, pp=2, pipeline="1f1b", microbatches=4, micro_batch=1)),
+    "metp (dit)": ("dit", DIT, 8, Candidate(dp=2, tp=4, tensor_parallel="metp", micro_batch=4)),
+    "optimus": ("gpt", GPT, 8, Candidate(dp=2, tp=4, tensor_parallel="optimus", micro_batch=4)),
+    "pipeline 1f1b": ("gpt", GPT, 16, Candidate(dp=4, pp=2, pipeline_schedule="1f1b", microbatches=4, micro_batch=1)),
     "experts": ("gpt", MOE, 8, Candidate(dp=2, ep=4, micro_batch=1)),
-    "dit ring x megatron": ("dit", DIT, 8, Candidate(tp=2, sp=4, attention="ring", tensor="megatron", micro_batch=8)),
+    "dit ring x megatron": (
+        "dit",
+        DIT,
+        8,
+        Candidate(tp=2, sp=4, attention="ring", tensor_parallel="megatron", micro_batch=8),
+    ),
 }
 
 
@@ -172,17 +177,14 @@ def test_predicted_memory_with_remat_within_15_percent(top_plans, remat):
 # ------------------------------------------------------------------------------------------ the papers' formulas
 
 
-def _dims(w, c):
-    return cost.dims(w, c)
-
-
 def test_wallfacer_p2p_is_one_over_c_of_the_ring_and_collectives_are_eq_3():
-    """WallFacer Eqs. 2-4 (forward, one block): the ring's P2P P·2BNH/P, WallFacer's 2BNH/C over the init
-    map and sub-rings, its team all-gathers of Q, K, V (C-1)/P·3BNH plus the reduce-scatter (fp32 here)."""
+    """WallFacer Eqs. 2-4 (forward, one block), from the strategies' own cost entries: the ring's P2P P·2BNH/P,
+    WallFacer's 2BNH/C over the init map and sub-rings, its team all-gathers of Q, K, V (C-1)/P·3BNH plus the
+    reduce-scatter (fp32 here)."""
     w = Workload("gpt", gpt.PRESETS["7b"], 65536, 1, "fp32")
     P, C, e = 64, 4, 4
-    ring = cost.sequence_attention(w, Candidate(sp=P, attention="ring"), _dims(w, Candidate(sp=P)))
-    wall = cost.sequence_attention(w, Candidate(sp=P, attention="wallfacer", team_size=C), _dims(w, Candidate(sp=P)))
+    ring = cost.shapes(w, Candidate(sp=P, attention="ring")).core.transfers
+    wall = cost.shapes(w, Candidate.of(sp=P, attention="wallfacer", team_size=C)).core.transfers
     kv = 1 * (65536 // P) * 32 * 128 * e
     assert ring[0].bytes == 2 * (P - 1) * kv  # the last hop is skipped
     p2p = sum(t.bytes for t in wall if "forward" in t.what and ("init" in t.what or "sub-ring" in t.what))
@@ -192,26 +194,22 @@ def test_wallfacer_p2p_is_one_over_c_of_the_ring_and_collectives_are_eq_3():
     assert team.bytes == (C - 1) * 3 * kv + 2 * (C - 1) * rows + (C - 1) * kv  # Eq. 3's 3 gathers + 1 scatter
 
 
+def _layer_bytes(w, c):
+    """The tensor method's own per-layer transfers (its TensorMethod's cost entry)."""
+    s = cost.shapes(w, c)
+    return s.method.layer_transfers(s.model, s.local)
+
+
 def test_megatron_metp_optimus_layer_bytes_are_their_papers():
     w = Workload("gpt", gpt.GPTConfig(vocab_size=256, num_layers=2, hidden=256, num_heads=8, ffn=1024), 1024, 4, "fp32")
     b, s, h, p = 4, 1024, 256, 4
-    mega = cost.tensor_layer(
-        w,
-        Candidate(tp=p, tensor="megatron", micro_batch=b),
-        _dims(w, Candidate(tp=p, tensor="megatron", micro_batch=b)),
-    )
+    mega = _layer_bytes(w, Candidate(tp=p, tensor_parallel="megatron", micro_batch=b))
     assert all(t.bytes == 5 * (p - 1) / p * b * s * h * 4 for t in mega)  # 5(p-1)/p·bsh per block
-    metp = cost.tensor_layer(
-        w, Candidate(tp=p, tensor="metp", micro_batch=b), _dims(w, Candidate(tp=p, tensor="metp", micro_batch=b))
-    )
+    metp = _layer_bytes(w, Candidate(tp=p, tensor_parallel="metp", micro_batch=b))
     ffn = sum(t.bytes for t in metp if "FFN" in t.what)
     assert ffn == (3 * p - 2) / p * (h * 1024 + 1024 * h) * 4  # METP (3p-2)/p·(k1k2+k2n)
     q = 2
-    opt = cost.tensor_layer(
-        w,
-        Candidate(tp=q * q, tensor="optimus", micro_batch=b),
-        _dims(w, Candidate(tp=q * q, tensor="optimus", micro_batch=b)),
-    )
+    opt = _layer_bytes(w, Candidate(tp=q * q, tensor_parallel="optimus", micro_batch=b))
     # Table 1 forward log(p)/(2√p)·(7bsh + 12h²) counts qR blocks per broadcast; the binomial tree's shared
     # round 0 makes it 1 + q(R-1) (tensor/optimus.py): half at q = 2. Forward + backward is 2 broadcasts and
     # 1 reduce (qR blocks) per operand: 4× the forward's blocks, plus the 2D layer norms
@@ -225,7 +223,7 @@ def test_pipeline_bubble_is_the_simulators_lockstep_clock():
     than the papers' (p-1)/m, which assumes each stage runs on as soon as its inputs are there."""
     from jaxring.pipeline import make_schedule, simulate
 
-    info = cost.pipeline_info("1f1b", 4, 8, 1)
+    info = cost.pipeline_info("1f1b", 4, 8)
     lockstep = simulate(make_schedule("1f1b", 4, 8), "paper", lockstep=True).bubble
     assert (info.makespan - info.busy) / info.busy == pytest.approx(lockstep)
     assert lockstep > simulate(make_schedule("1f1b", 4, 8), "paper").bubble == pytest.approx(3 / 8)
@@ -235,7 +233,7 @@ def test_pipeline_bubble_is_the_simulators_lockstep_clock():
 def test_wallfacer_placement_decides_which_axis_stays_in_a_node():
     w = Workload("gpt", GPT, 64, 1, "fp32")
     for placement, inner in (("team_inner", ("wf_team",)), ("ring_inner", ("wf_ring",))):
-        c = Candidate(sp=16, attention="wallfacer", team_size=2, placement=placement)
+        c = Candidate.of(sp=16, attention="wallfacer", team_size=2, placement=placement)
         local = cost.locality(c.check(w), [("wf_team",), ("wf_ring",), ("wf_group",)], devices_per_node=4)
         assert local[inner] and not local[("wf_group",)], placement
 
@@ -249,7 +247,7 @@ def test_search_ranks_by_predicted_time_and_explains_rejections():
     assert [ev.step_s for ev in result.ranked] == sorted(ev.step_s for ev in result.ranked)
     assert all(ev.memory.total <= result.cluster.usable_memory for ev in result.ranked)
     # WallFacer's finding on 8-GPU nodes (Sec. 4.1): a team size of 4 beats the single ring
-    names = [(ev.candidate.attention, ev.candidate.team_size) for ev in result.ranked]
+    names = [(ev.candidate.attention, ev.candidate.option("team_size")) for ev in result.ranked]
     assert names.index(("wallfacer", 4)) < names.index(("ring", None))
     assert "Ulysses degree sp = 64" in result.rejections()
 

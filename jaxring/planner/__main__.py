@@ -4,6 +4,7 @@
         --devices 64 --device h200 [--devices-per-node 8 --intra-bw 450 --inter-bw 50] [--top 10] [--json]
     python -m jaxring.planner --model dit --preset dit-1b --seq-len 131072 --global-batch 1 --devices 32 \\
         --device a100-40gb --inter-bw 1.5625 --only sp=32              # WallFacer's own search (C, placement)
+    python -m jaxring.planner ... --only attention=usp --only ulysses-size=4    # settings held, train.py's names
     python -m jaxring.planner ... --compile-check 3     # top 3 compiled for the GPU target: predicted vs compiled
 
 Prints the ranked plans (degrees, ZeRO stage, pipeline schedule and micro-batches, tensor method, sequence
@@ -40,8 +41,6 @@ def _held(text: str):
         raise argparse.ArgumentTypeError(f"--only {text!r}: expected FIELD=VALUE, e.g. sp=64 or attention=ring")
     key, value = text.split("=", 1)
     key = key.strip().replace("-", "_")
-    if key == "tensor_parallel":
-        key = "tensor"
     value = value.strip()
     if value.lstrip("-").isdigit():
         return key, int(value)
@@ -98,7 +97,8 @@ def parse_args(argv=None):
         default=[],
         type=_held,
         metavar="FIELD=VALUE",
-        help="hold a plan field fixed, e.g. --only sp=64 --only attention=wallfacer (repeatable)",
+        help="hold a setting fixed, by train.py's names, e.g. --only sp=64 --only attention=wallfacer "
+        "--only team-size=4 --only tensor-parallel=megatron (repeatable)",
     )
     g.add_argument("--top", type=int, default=10, help="plans to show")
     g.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -16,8 +16,7 @@ from jaxring.planner.cluster import Cluster
 from jaxring.planner.search import Result, search
 from jaxring.planner.space import Candidate, Workload
 
-# the spec's parallel settings a search can hold fixed, by their Candidate field where the names differ
-_CANDIDATE_FIELD = {"tensor_parallel": "tensor", "pipeline_schedule": "pipeline"}
+# the spec's parallel settings a search can hold fixed (Candidate's fields have the same names)
 _HELD = ("dp", "pp", "tp", "sp", "ep", "attention", "layout", "tensor_parallel", "zero", "microbatches")
 
 
@@ -42,15 +41,7 @@ def cluster_of(devices) -> Cluster:
 
 def settings_of(c: Candidate, w: Workload) -> dict:
     """The run spec's flat settings of a candidate (grad_accum: the micro-steps when pp = 1)."""
-    out = {"dp": c.dp, "pp": c.pp, "tp": c.tp, "sp": c.sp, "ep": c.ep, "fsdp": 1, "zero": c.zero, "remat": c.remat}
-    out.update(attention=c.attention if c.sp > 1 else None, layout=c.layout, tensor_parallel=c.tensor)
-    out.update({k: getattr(c, k) for k in ("team_size", "ulysses_size", "placement") if getattr(c, k) is not None})
-    if c.pp > 1:
-        out.update(pipeline_schedule=c.pipeline, microbatches=c.microbatches)
-        if c.pipeline == "interleaved":
-            out["virtual_stages"] = c.virtual_stages
-    out["grad_accum"] = c.steps(w) if c.pp == 1 else 1
-    return out
+    return c.settings(w)
 
 
 def auto_plan(spec, devices) -> tuple[dict, Result]:
@@ -66,7 +57,7 @@ def auto_plan(spec, devices) -> tuple[dict, Result]:
         **spec.model.overrides,
     )
     p = spec.parallel
-    held = {_CANDIDATE_FIELD.get(k, k): getattr(p, k) for k in _HELD if getattr(p, k) is not None}
+    held = {k: getattr(p, k) for k in _HELD if getattr(p, k) is not None}
     held.update({k: v for k, v in p.options.items() if v is not None})
     if t.remat != "none":
         held["remat"] = t.remat  # --remat selective/full given: held; none (the default): searched

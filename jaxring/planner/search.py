@@ -6,18 +6,21 @@
 
 The recipe is the playbook's ("fit a step in memory, reach the global batch, then maximise throughput") as a
 grid search, WallFacer's Eq. 8 autoscheduler widened from (C, placement) to every axis: mesh degrees
-(dp, pp, tp, sp, ep: their product is the device count), the sequence strategy and its options (ring, Ulysses,
-all-gather, RSA, USP with every U, WallFacer with every C and both placements), the tensor method (Megatron;
-Optimus and METP where sp = 1), the ZeRO stage, the pipeline schedule and micro-batches, remat, and the
-micro-batch. A plan is kept when the library accepts it (`ParallelPlan`, `models/*.check_plan`: the same
-one-line errors train.py gives) and its predicted memory fits; kept plans are ranked by the cost model's step
-time (`jaxring/planner/cost.py`). fsdp is not searched: dp with a ZeRO stage is the same program.
+(dp, pp, tp, sp, ep: their product is the device count), and the registry's entries (`jaxring.registry`):
+every sequence strategy (for sp > 1; "dense" for sp = 1) with each combination of the values its options'
+`Option.search` lists (USP's every U, WallFacer's every C and both placements), every tensor method that
+accepts the tp degree and, with sp > 1, runs beside a sequence strategy (`TensorMethod.accepts`,
+`sequence_parallel`), every pipeline schedule with its options' values (interleaved's virtual stages) and the
+micro-batches; the ZeRO stage, remat, and the micro-batch. A plan is kept when the library accepts it
+(`ParallelPlan`, `models/*.check_plan`: the same one-line errors train.py gives) and its predicted memory
+fits; kept plans are ranked by the step time their entries' cost models predict (`jaxring/planner/cost.py`).
+fsdp is not searched: dp with a ZeRO stage is the same program.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 import re
 
 from jaxring.nn import REMAT
@@ -25,7 +28,14 @@ from jaxring.planner import cost
 from jaxring.planner.cluster import Cluster
 from jaxring.planner.params import param_leaves
 from jaxring.planner.space import Candidate, Workload
-from jaxring.registry import pipeline_schedules
+from jaxring.registry import (
+    all_options,
+    pipeline_schedule,
+    pipeline_schedules,
+    sequence_strategies,
+    tensor_method,
+    tensor_methods,
+)
 
 
 class NoPlanError(ValueError):
@@ -149,7 +159,8 @@ class Result:
 def plan_json(ev: Evaluated, w: Workload, cl: Cluster) -> dict:
     return {
         "plan": ev.candidate.describe(),
-        "candidate": dataclasses.asdict(ev.candidate),
+        "settings": ev.candidate.settings(w),
+        "micro_batch": ev.candidate.micro_batch,
         "train_flags": ev.candidate.train_flags(),
         "step_s": ev.step_s,
         "tokens_per_s": ev.tokens_per_s(w),
@@ -184,26 +195,46 @@ def _factorizations(n: int, k: int):
             yield (d,) + rest
 
 
-def sequence_choices(sp: int) -> list[dict]:
+def sequence_choices(sp: int) -> list[tuple[str, dict]]:
+    """(strategy, options) for sp: dense alone when sp = 1, else every registered strategy but dense with each
+    combination of the values its options' `search` lists."""
     if sp == 1:
-        return [dict(attention="dense")]
-    out = [dict(attention=a) for a in ("ring", "ulysses", "allgather", "rsa")]
-    out += [dict(attention="usp", ulysses_size=u) for u in _divisors(sp) if 1 < u < sp]
-    for c in range(2, math.isqrt(sp) + 1):
-        if sp % (c * c) == 0:
-            out += [dict(attention="wallfacer", team_size=c, placement=p) for p in ("team_inner", "ring_inner")]
+        return [("dense", {})]
+    return [(name, opts) for name, e in sequence_strategies().items() if name != "dense" for opts in e.option_grid(sp)]
+
+
+def tensor_choices(tp: int, sp: int) -> list[tuple[str | None, dict]]:
+    """(method, options) for tp: the registered methods that accept tp devices (`TensorMethod.accepts`) and, when
+    sp > 1, run beside a sequence strategy (`sequence_parallel`); None when tp = 1."""
+    out = []
+    for name, method in tensor_methods().items():
+        if method.accepts(tp) and (sp == 1 or method.sequence_parallel):
+            out += [(None if name == "none" else name, opts) for opts in method.option_grid(tp)]
     return out
 
 
-def tensor_choices(tp: int, sp: int) -> list[str | None]:
-    if tp == 1:
-        return [None]
-    out = ["megatron"]
-    if sp == 1:
-        out.append("metp")
-        if math.isqrt(tp) ** 2 == tp:
-            out.append("optimus")
+def schedule_choices(pp: int, layers: int) -> list[tuple[str, dict]]:
+    """(schedule, options) for pp > 1: every registered schedule with each combination of its options' search
+    values, less the ones that cut a stage into chunks (virtual stages) the layers do not fill evenly (layers
+    that pp alone does not split are left to the library's rule, which names them)."""
+    out = []
+    for name, entry in pipeline_schedules().items():
+        for opts in entry.option_grid(pp):
+            chunks = _stage_chunks(name, pp, tuple(sorted(opts.items())))
+            if chunks is None or chunks == 1 or layers % (pp * chunks) == 0:
+                out.append((name, opts))
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_chunks(schedule: str, pp: int, options: tuple) -> int | None:
+    """Layer chunks per stage of the schedule's table (its virtual stages), None when the options are refused."""
+    from jaxring.pipeline import make_schedule
+
+    try:
+        return make_schedule(schedule, pp, pp, **dict(options)).virtual_stages
+    except ValueError:
+        return None
 
 
 def candidates(w: Workload, cluster: Cluster, remat_modes=None):
@@ -223,58 +254,54 @@ def candidates(w: Workload, cluster: Cluster, remat_modes=None):
             continue
         replica_batch = w.global_batch // data
         replicas = dp * ep * sp
-        for seq in sequence_choices(sp):
-            for tensor in tensor_choices(tp, sp):
+        schedules = schedule_choices(pp, layers) if pp > 1 else [("1f1b", {})]
+        for attention, seq_options in sequence_choices(sp):
+            for tensor, tensor_options in tensor_choices(tp, sp):
                 for zero in (0, 1, 2, 3) if replicas > 1 else (0,):
                     for mb in _divisors(replica_batch):
                         steps = replica_batch // mb
                         for remat in remat_modes:
-                            base = dict(
-                                dp=dp,
-                                pp=pp,
-                                tp=tp,
-                                sp=sp,
-                                ep=ep,
-                                tensor=tensor,
-                                zero=zero,
-                                remat=remat,
-                                micro_batch=mb,
-                                **seq,
-                            )
-                            if pp == 1:
-                                yield Candidate(**base)
-                                continue
-                            for sched in pipeline_schedules():
-                                if sched == "interleaved":
-                                    for v in (2, 4):
-                                        if layers % (pp * v) == 0:
-                                            yield Candidate(
-                                                pipeline=sched, microbatches=steps, virtual_stages=v, **base
-                                            )
-                                else:
-                                    yield Candidate(pipeline=sched, microbatches=steps, **base)
+                            for schedule, schedule_options in schedules:
+                                yield Candidate(
+                                    dp=dp,
+                                    pp=pp,
+                                    tp=tp,
+                                    sp=sp,
+                                    ep=ep,
+                                    attention=attention,
+                                    tensor_parallel=tensor,
+                                    zero=zero,
+                                    pipeline_schedule=schedule,
+                                    microbatches=steps if pp > 1 else None,
+                                    remat=remat,
+                                    micro_batch=mb,
+                                    options={**seq_options, **tensor_options, **schedule_options},
+                                )
 
 
 # ---------------------------------------------------------------------------------------- evaluation
 
 
 class _Cache:
-    """Per-search caches: leaves by (tensor method, degrees, sequence axes); locality by run-mesh structure."""
+    """Per-search caches: leaves and locality by the plan's structure (degrees, strategy, method, options)."""
 
     def __init__(self, w: Workload, cluster: Cluster):
         self.w, self.cluster = w, cluster
         self.leaves: dict = {}
         self.local: dict = {}
 
+    @staticmethod
+    def _key(c: Candidate) -> tuple:
+        return (c.dp, c.pp, c.tp, c.sp, c.ep, c.attention, c.tensor_parallel, c.options)
+
     def param_leaves(self, c: Candidate, plan):
-        key = (c.dp, c.pp, c.tp, c.sp, c.ep, c.tensor, c.attention, c.team_size, c.ulysses_size)
+        key = self._key(c)
         if key not in self.leaves:
             self.leaves[key] = param_leaves(self.w.model, self.w.config, plan)
         return self.leaves[key]
 
     def locality(self, c: Candidate, plan, axes_list):
-        key = (c.dp, c.pp, c.tp, c.sp, c.ep, c.tensor, c.attention, c.team_size, c.ulysses_size, c.placement)
-        have = self.local.setdefault(key, {})
+        have = self.local.setdefault(self._key(c), {})
         missing = [a for a in set(axes_list) if a not in have]
         if missing:
             have.update(cost.locality(plan, missing, self.cluster.devices_per_node))
@@ -283,20 +310,22 @@ class _Cache:
 
 def evaluate(w: Workload, c: Candidate, cluster: Cluster, plan=None, cache: _Cache | None = None) -> Evaluated:
     """The cost model's prediction for one candidate (it must be valid: see Candidate.check). plan: its
-    ParallelPlan, or one of the same mesh and strategies (the cost model reads its run mesh and weights)."""
+    ParallelPlan, or one of the same mesh and strategies (the cost model reads its run mesh and weights).
+    Raises ValueError naming a registry entry that has no cost model."""
     cache = cache or _Cache(w, cluster)
     plan = plan or c.check(w)
     leaves = cache.param_leaves(c, plan)
-    transfers = cost.traffic(w, c, leaves, cpu=cluster.cpu)
+    shapes = cost.shapes(w, c, plan, cpu=cluster.cpu)
+    transfers = cost.traffic(w, c, leaves, s=shapes)
     local = cache.locality(c, plan, [t.axes for t in transfers])
-    mem = cost.memory(w, c, leaves, cpu=cluster.cpu)
-    time = cost.step_time(w, c, transfers, cluster, local, leaves)
+    mem = cost.memory(w, c, leaves, cpu=cluster.cpu, s=shapes)
+    time = cost.step_time(w, c, transfers, cluster, local, leaves, s=shapes)
     return Evaluated(c, w, mem, time, transfers, mem.total <= cluster.usable_memory)
 
 
 def _pipeline_rule(c: Candidate, w: Workload):
-    """A key for the pipeline rules ParallelPlan enforces (fewer micro-batches than stages, ZeRO-2 with pp,
-    interleaved micro-batches not a multiple of pp), so the search asks the library once per rule."""
+    """A key for the pipeline rules ParallelPlan enforces (fewer micro-batches than stages, ZeRO-2 with pp, the
+    schedule's own check of its micro-batches), so the search asks the library once per rule."""
     if c.pp == 1:
         return None
     m = c.steps(w)
@@ -304,17 +333,23 @@ def _pipeline_rule(c: Candidate, w: Workload):
         return ("microbatches < pp", c.pp)
     if c.zero == 2:
         return ("zero 2 with pp",)
-    if c.pipeline == "interleaved" and m % c.pp:
-        return ("interleaved m % pp", c.pp)
+    entry = pipeline_schedule(c.pipeline_schedule)
+    if entry.check is not None:
+        try:
+            entry.check(c.pp, m, **entry.resolve_options(dict(c.options), c.pp, strict=False))
+        except ValueError as e:
+            return (c.pipeline_schedule, c.pp, _rule_key(str(e)))
     return None
 
 
-def _structure(c: Candidate) -> tuple:
-    return dataclasses.astuple(dataclasses.replace(c, micro_batch=1, microbatches=None, remat="none"))
+def _structure(c: Candidate) -> Candidate:
+    """The candidate less its micro-batching and remat (what the library's rules see)."""
+    return dataclasses.replace(c, micro_batch=1, microbatches=None, remat="none")
 
 
 def _split(c: Candidate) -> int:
-    return math.isqrt(c.tp) if c.tensor == "optimus" else 1
+    """The tensor method's batch split (Optimus: its grid's rows)."""
+    return tensor_method(c.tensor_parallel).batch_split_at(c.tp)
 
 
 def _canonical(c: Candidate) -> Candidate:
@@ -341,15 +376,23 @@ def search(w: Workload, cluster: Cluster, *, only: dict | None = None, keep: int
     """Every candidate validated and costed; the ones that fit, ranked by step time. Raises NoPlanError (one line
     naming the tightest constraint) when nothing fits.
 
-    only: Candidate fields held fixed, a value or a tuple of allowed values (e.g. {"sp": 64, "attention":
-    ("ring", "wallfacer")} for WallFacer's own search over C and placement)."""
+    only: settings held fixed, by the run specification's names (Candidate fields and registry options), a value
+    or a tuple of allowed values (e.g. {"sp": 64, "attention": ("ring", "wallfacer")} for WallFacer's own
+    search over team_size and placement; {"team_size": 4})."""
     if cluster.devices < 1:
         raise NoPlanError(f"{cluster.devices} devices: nothing to plan")
     only = dict(only or {})
-    fields = {f.name for f in dataclasses.fields(Candidate)}
-    unknown = set(only) - fields
+    fields = {f.name for f in dataclasses.fields(Candidate)} - {"options"}
+    unknown = set(only) - fields - set(all_options())
     if unknown:
-        raise ValueError(f"cannot hold {', '.join(sorted(unknown))} fixed; plan fields are {', '.join(sorted(fields))}")
+        raise ValueError(
+            f"cannot hold {', '.join(sorted(unknown))} fixed; plan settings are {', '.join(sorted(fields))} and "
+            f"the registry's options {', '.join(sorted(all_options()))}"
+        )
+
+    def value(c: Candidate, name: str):
+        return getattr(c, name) if name in fields else c.option(name)
+
     cache = _Cache(w, cluster)
     fits, over, rejected, considered = [], [], {}, 0
     seen_rules: dict = {}
@@ -367,7 +410,7 @@ def search(w: Workload, cluster: Cluster, *, only: dict | None = None, keep: int
 
     for c in candidates(w, cluster):
         if only and not all(
-            getattr(c, k) in v if isinstance(v, (tuple, list, set, frozenset)) else getattr(c, k) == v
+            value(c, k) in v if isinstance(v, (tuple, list, set, frozenset)) else value(c, k) == v
             for k, v in only.items()
         ):
             continue

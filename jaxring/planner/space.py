@@ -1,11 +1,13 @@
 """What the planner searches: a workload (model, sequence, global batch) and candidate plans for it.
 
     workload = Workload.of("gpt", "7b", seq_len=131072, global_batch_tokens=4 * 2**20)
-    candidate = Candidate(dp=1, sp=8, tp=8, attention="wallfacer", team_size=2, tensor="megatron", zero=1)
-    plan = candidate.plan(workload)          # a jaxring.ParallelPlan on stand-in devices (validation only)
+    candidate = Candidate.of(sp=16, tp=4, attention="wallfacer", team_size=2, tensor_parallel="megatron", zero=1)
+    plan = candidate.check(workload)         # a jaxring.ParallelPlan on stand-in devices (validation only)
+    candidate.settings(workload)             # the run specification's flat settings (train.py's flags)
 
-A candidate is what `train.py` takes as flags: mesh degrees, the sequence strategy and its options, the tensor
-method, the ZeRO stage, the pipeline schedule, remat and the micro-batch. `plan()` builds the
+A candidate is what `train.py` takes as settings: mesh degrees, the sequence strategy, the tensor method, the
+ZeRO stage, the pipeline schedule, remat, the registry entries' own options (by their names) and the
+micro-batch. `plan()` builds the
 `ParallelPlan` (the library's own validation: one-line ValueErrors) on stand-in devices, so a 64-device plan can
 be checked on a laptop; `check(workload)` adds the model's own rules (`models/*.check_plan`).
 """
@@ -106,7 +108,9 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One plan the planner may pick (train.py's flags)."""
+    """One plan the planner may pick: the run specification's parallel settings by their flat names (mesh
+    degrees, attention, layout, tensor_parallel, zero, pipeline_schedule, microbatches, remat), the registry
+    entries' own options as (name, value) pairs, and the micro-batch."""
 
     dp: int = 1
     pp: int = 1
@@ -115,16 +119,29 @@ class Candidate:
     ep: int = 1
     attention: str = "dense"
     layout: str | None = None
-    team_size: int | None = None
-    ulysses_size: int | None = None
-    placement: str | None = None
-    tensor: str | None = None
+    tensor_parallel: str | None = None
     zero: int = 0
-    pipeline: str = "1f1b"
+    pipeline_schedule: str = "1f1b"
     microbatches: int | None = None
-    virtual_stages: int = 1
     remat: str = "none"
     micro_batch: int = 1  # sequences per data replica in one micro-step (pp = 1) or micro-batch (pp > 1)
+    options: tuple = ()  # the chosen entries' options: (name, value) pairs, sorted by name (a dict is taken)
+
+    def __post_init__(self):
+        options = self.options.items() if isinstance(self.options, dict) else self.options
+        object.__setattr__(self, "options", tuple(sorted((k, v) for k, v in options if v is not None)))
+
+    @classmethod
+    def of(cls, **settings) -> Candidate:
+        """A candidate from flat settings: its fields, and any other name as an entry's option
+        (Candidate.of(sp=8, attention="wallfacer", team_size=2, placement="ring_inner"))."""
+        fields = {f.name for f in dataclasses.fields(cls)} - {"options"}
+        options = {k: v for k, v in settings.items() if k not in fields}
+        return cls(**{k: v for k, v in settings.items() if k in fields}, options=options)
+
+    def option(self, name: str, default=None):
+        """The value of an entry's option (default when the candidate does not set it)."""
+        return dict(self.options).get(name, default)
 
     @property
     def devices(self) -> int:
@@ -139,13 +156,26 @@ class Candidate:
 
     def plan_kwargs(self) -> dict:
         """ParallelPlan keywords (the mesh aside)."""
-        kw = dict(attention=self.attention, layout=self.layout, tensor_parallel=self.tensor, zero=self.zero)
-        kw.update({k: getattr(self, k) for k in ("team_size", "ulysses_size", "placement") if getattr(self, k)})
+        kw = dict(attention=self.attention, layout=self.layout, tensor_parallel=self.tensor_parallel, zero=self.zero)
         if self.pp > 1:
-            kw.update(pipeline_schedule=self.pipeline, microbatches=self.microbatches)
-            if self.pipeline == "interleaved":
-                kw["virtual_stages"] = self.virtual_stages
-        return kw
+            kw.update(pipeline_schedule=self.pipeline_schedule, microbatches=self.microbatches)
+        return kw | dict(self._live_options())
+
+    def _entries(self) -> list:
+        """The registry entries the candidate uses, with their option names: strategy, method, schedule."""
+        from jaxring.registry import pipeline_schedule, sequence_strategy, tensor_method
+
+        out = [sequence_strategy(self.attention), tensor_method(self.tensor_parallel)]
+        if self.pp > 1:
+            out.append(pipeline_schedule(self.pipeline_schedule))
+        return out
+
+    def _live_options(self) -> list[tuple[str, object]]:
+        """The options, those of the entries in force in their entries' order, then any other (which the plan
+        refuses, naming the entries that take it)."""
+        given = dict(self.options)
+        names = [n for e in self._entries() for n in e.option_names()]
+        return [(n, given[n]) for n in names if n in given] + [(n, v) for n, v in self.options if n not in names]
 
     def steps(self, workload: Workload) -> int:
         """Micro-steps per step: gradient accumulation (pp = 1) or the pipeline's micro-batches."""
@@ -181,53 +211,53 @@ class Candidate:
         workload.family.check_plan(workload.config, plan, batch, workload.seq_len)
         return plan
 
-    def train_flags(self) -> list[str]:
-        """The train.py flags of this plan."""
-        flags = []
-        for axis, size in self.mesh_degrees().items():
-            if size > 1:
-                flags += [f"--{axis}", str(size)]
-        if self.sp > 1:
-            flags += ["--attention", self.attention]
-            for name in ("layout", "team_size", "ulysses_size", "placement"):
-                value = getattr(self, name)
-                if value is not None:
-                    flags += ["--" + name.replace("_", "-"), str(value)]
-        if self.tensor:
-            flags += ["--tensor-parallel", self.tensor]
-        if self.zero:
-            flags += ["--zero", str(self.zero)]
+    def settings(self, workload: Workload | None = None) -> dict:
+        """The run specification's flat settings of this plan (`RunSpec.updated(**settings)`, `make_plan`);
+        with the workload, grad_accum too (the micro-steps when pp = 1)."""
+        out = {**self.mesh_degrees(), "fsdp": 1, "attention": self.attention if self.sp > 1 else None}
+        out.update(layout=self.layout, tensor_parallel=self.tensor_parallel, zero=self.zero, remat=self.remat)
         if self.pp > 1:
-            flags += ["--pipeline-schedule", self.pipeline]
-            if self.microbatches is not None:
-                flags += ["--microbatches", str(self.microbatches)]
-            if self.virtual_stages > 1:
-                flags += ["--virtual-stages", str(self.virtual_stages)]
-        if self.remat != "none":
-            flags += ["--remat", self.remat]
+            out.update(pipeline_schedule=self.pipeline_schedule, microbatches=self.microbatches)
+        out.update(self._live_options())
+        if workload is not None:
+            out["grad_accum"] = self.steps(workload) if self.pp == 1 else 1
+        return out
+
+    def train_flags(self) -> list[str]:
+        """The train.py flags of this plan: its settings that differ from the run specification's defaults."""
+        flags = []
+        for name, value in self.settings().items():
+            if value is None or value == _FLAG_DEFAULTS.get(name):
+                continue
+            flags += ["--" + name.replace("_", "-"), str(value)]
         return flags
 
     def describe(self) -> str:
         degrees = " ".join(f"{a}{s}" for a, s in self.mesh_degrees().items() if s > 1) or "1 device"
         parts = [degrees]
+        entries = self._entries()
+        given = dict(self._live_options())
+
+        def opts(entry, *first):
+            items = [*first, *(f"{n}={given[n]}" for n in entry.option_names() if n in given)]
+            return f"({','.join(items)})" if items else ""
+
         if self.sp > 1:
-            opts = []
-            if self.team_size:
-                opts.append(f"C={self.team_size}" + (f",{self.placement}" if self.placement else ""))
-            if self.ulysses_size:
-                opts.append(f"U={self.ulysses_size}")
-            parts.append(self.attention + (f"({','.join(opts)})" if opts else ""))
-        if self.tensor:
-            parts.append(self.tensor)
+            parts.append(self.attention + opts(entries[0]))
+        if self.tensor_parallel:
+            parts.append(self.tensor_parallel + opts(entries[1]))
         if self.zero:
             parts.append(f"zero{self.zero}")
         if self.pp > 1:
-            v = f",v={self.virtual_stages}" if self.virtual_stages > 1 else ""
-            parts.append(f"{self.pipeline}(m={self.microbatches}{v})")
+            parts.append(self.pipeline_schedule + opts(entries[2], f"m={self.microbatches}"))
         if self.remat != "none":
             parts.append(f"remat={self.remat}")
         parts.append(f"mb={self.micro_batch}")
         return " ".join(parts)
+
+
+# settings train.py need not be told: the run specification's defaults (degrees of 1; no flag for fsdp)
+_FLAG_DEFAULTS = {"dp": 1, "pp": 1, "tp": 1, "sp": 1, "ep": 1, "fsdp": 1, "zero": 0, "remat": "none"}
 
 
 class _StandIn:
