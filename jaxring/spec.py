@@ -273,6 +273,14 @@ class OutputSettings:
     eval_at_end: bool = setting(True, "report the held-out loss after training")
     sample_tokens: int = setting(200, "gpt: tokens to generate at the end; dit: 0 skips the samples", rule="int>=0")
 
+    METRICS_FILE: typing.ClassVar[str] = "metrics.jsonl"
+
+    def metrics_path(self) -> str | None:
+        """Where the metrics go: --metrics-file, else OUT_DIR/metrics.jsonl (None before out_dir is known)."""
+        if self.metrics_file:
+            return self.metrics_file
+        return os.path.join(self.out_dir, self.METRICS_FILE) if self.out_dir else None
+
 
 @dataclasses.dataclass
 class GuardSettings:
