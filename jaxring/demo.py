@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices without an accelerator")
     parser.add_argument("--layout", default="zigzag", choices=jaxring.LAYOUTS)
     parser.add_argument("--full", action="store_true", help="no causal mask")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=None, help="sequences (default: dp, one per replica)")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=None)
@@ -50,6 +50,7 @@ def run(args) -> int:
     if args.dp * sp > len(devices):
         raise ValueError(f"--dp {args.dp} × --sp {sp} = {args.dp * sp} devices, but there are {len(devices)}")
     mesh = jaxring.make_mesh(dp=args.dp, sp=sp, devices=devices[: args.dp * sp])
+    args.batch = args.batch or args.dp
     causal = not args.full
     dtype = jnp.dtype(args.dtype)
     kv_heads = args.kv_heads or args.heads
