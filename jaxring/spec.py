@@ -583,8 +583,12 @@ class RunSpec:
         return "ring" if self.parallel.degrees(device_count)["sp"] > 1 else "dense"
 
     def resolved(self, device_count: int) -> RunSpec:
-        """The spec with what defaults derive filled in: mesh degrees, the strategy, its options' defaults."""
+        """The spec with what defaults derive filled in: mesh degrees, the strategy, its options' defaults.
+        Degrees that do not multiply to `device_count`, micro-batches that do not suit pp, and a batch that
+        does not split over the data axes and micro-batches are one-line errors naming a setting that works."""
         p = dataclasses.replace(self.parallel, **self.parallel.degrees(device_count))
+        check_degrees(p.degrees(), device_count)
+        check_batch_split(p, self.training)
         p.attention = self.attention(device_count)
         from jaxring.registry import resolve_options, sequence_strategy
         from jaxring.task import model_family
@@ -619,6 +623,70 @@ class RunSpec:
             block_ops=p.block_ops,
             **p.options,
         )
+
+
+def _degree_flags(degrees: Mapping[str, int]) -> str:
+    return " ".join(f"--{a} {n}" for a, n in degrees.items() if n > 1) or "(every degree 1)"
+
+
+def check_degrees(degrees: Mapping[str, int], device_count: int) -> None:
+    """ValueError naming the flags and degrees near them that work, unless the degrees multiply to
+    `device_count`. The suggestion keeps each given degree's nearest divisor of what is left and gives dp
+    the rest."""
+    product = math.prod(degrees.values())
+    if product == device_count:
+        return
+    left, near = device_count, {}
+    for axis in ParallelSettings.DEGREES:
+        n = degrees.get(axis, 1)
+        if axis == "dp" or n == 1:
+            continue
+        near[axis] = min((d for d in range(1, left + 1) if left % d == 0), key=lambda d: (abs(d - n), -d))
+        left //= near[axis]
+    near["dp"] = left
+    fix = {a: near.get(a, 1) for a in ParallelSettings.DEGREES}
+    raise ValueError(
+        f"mesh degrees {_degree_flags(degrees)} multiply to {product}, but there are {device_count} devices (the "
+        f"degrees' product must equal the device count); e.g. {_degree_flags(fix)}"
+    )
+
+
+def check_batch_split(p: ParallelSettings, t: TrainingSettings) -> None:
+    """ValueError naming the flags and a batch size (or micro-batch count) that works, unless --microbatches
+    suits --pp and --batch-size splits into dp·fsdp·ep × micro-batches × --grad-accum equal parts. `p` has its
+    degrees filled in."""
+    m = p.microbatches
+    if p.pp == 1 and m is not None:
+        raise ValueError(f"--microbatches {m} sets the pipeline's micro-batches, but --pp is 1; drop it or set --pp")
+    if p.pp > 1 and m is not None and m < p.pp:
+        raise ValueError(
+            f"--microbatches {m} is less than --pp {p.pp}: every pipeline stage needs a micro-batch in flight; "
+            f"use --microbatches {2 * p.pp} (the default, 2·pp) or at least {p.pp}"
+        )
+    if p.pp > 1 and m is not None and p.pipeline_schedule == "interleaved" and m % p.pp:
+        raise ValueError(
+            f"--microbatches {m} is not divisible by --pp {p.pp}, which the interleaved schedule needs (it runs "
+            f"the micro-batches in groups of pp); use --microbatches {-(-m // p.pp) * p.pp}"
+        )
+    m = (2 * p.pp if m is None else m) if p.pp > 1 else 1
+    data = {a: getattr(p, a) for a in ("dp", "fsdp", "ep") if getattr(p, a) > 1}
+    degree = math.prod(data.values())
+    parts = degree * m * t.grad_accum
+    if t.batch_size % parts == 0:
+        return
+    terms = [f"--{a} {n}" for a, n in data.items()]
+    if m > 1:
+        terms.append(f"--microbatches {m}" if p.microbatches is not None else f"the default --microbatches {m} = 2·pp")
+    if t.grad_accum > 1:
+        terms.append(f"--grad-accum {t.grad_accum}")
+    fix = f"use --batch-size {-(-t.batch_size // parts) * parts}"
+    rows = t.batch_size // t.grad_accum // degree if t.batch_size % (degree * t.grad_accum) == 0 else 0
+    fewer = [k for k in range(p.pp, m) if rows % k == 0 and (p.pipeline_schedule != "interleaved" or k % p.pp == 0)]
+    if m > 1 and rows and fewer:
+        fix += f", or --microbatches {max(fewer)}"
+    raise ValueError(
+        f"--batch-size {t.batch_size} does not split into {parts} equal parts ({' × '.join(terms)}); {fix}"
+    )
 
 
 def _plain(value):

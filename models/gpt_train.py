@@ -22,6 +22,19 @@ from models import gpt
 DEFAULT_SEQ_LEN = 256
 
 
+def _nearest_seq_len(plan: ParallelPlan, seq_len: int) -> int:
+    """The sequence length nearest `seq_len` that the plan splits (the longer one on a tie)."""
+    for distance in range(1, seq_len + 1):
+        for n in (seq_len + distance, seq_len - distance):
+            try:
+                plan.check_seq_len(n, causal=True)
+            except ValueError:
+                continue
+            if n > 0:
+                return n
+    raise AssertionError(f"no sequence length near {seq_len} splits over {plan.describe()}")
+
+
 class GPTTask:
     """Next-token prediction on a token source, batches laid out by the plan once on the data side."""
 
@@ -38,6 +51,12 @@ class GPTTask:
         if base.vocab_size > self.source.vocab_size:
             derived.pop("vocab_size")  # keep the preset's (padded) vocabulary
         self.config = gpt.get_config(spec.model.preset, **{**overrides, **derived})
+        try:
+            plan.check_seq_len(self.seq_len, causal=True)
+        except ValueError as e:
+            raise ValueError(
+                f"--seq-len {self.seq_len}: {e}; e.g. --seq-len {_nearest_seq_len(plan, self.seq_len)}"
+            ) from None
         gpt.check_plan(self.config, plan, t.batch_size // t.grad_accum, self.seq_len)
         self.objective = gpt.NextTokenObjective(t.batch_size, self.seq_len)
         # the progress bar's MoE metrics (metrics.step_metrics' convention)

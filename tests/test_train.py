@@ -129,7 +129,7 @@ def test_metrics_file(tmp_path):
         (dict(sp=8, attention="wallfacer"), "needs team_size"),
         (
             dict(batch_size=6, dp=4, sp=2),
-            r"grad-accum\) 6 is not divisible by the data-parallel degree dp\*fsdp\*ep = 4",
+            r"--batch-size 6 does not split into 4 equal parts \(--dp 4\); use --batch-size 8",
         ),
         (dict(precision="fp8"), "--precision 'fp8' is not one of fp32, bf16"),
     ],
