@@ -1,6 +1,6 @@
 """The trainer: parameters and optimizer state on the plan's mesh, and the jitted update step.
 
-trainer = Trainer(TrainConfig(sp=8, steps=10))
+trainer = Trainer(RunSpec.of(sp=8, steps=10))
 out = trainer.step()          # {"loss", "grad_norm"}, device arrays
 """
 
