@@ -587,7 +587,7 @@ class RunSpec:
         Degrees that do not multiply to `device_count`, micro-batches that do not suit pp, and a batch that
         does not split over the data axes and micro-batches are one-line errors naming a setting that works."""
         p = dataclasses.replace(self.parallel, **self.parallel.degrees(device_count))
-        check_degrees(p.degrees(), device_count)
+        check_degrees(p, device_count, self.training)
         check_batch_split(p, self.training)
         p.attention = self.attention(device_count)
         from jaxring.registry import resolve_options, sequence_strategy
@@ -629,10 +629,11 @@ def _degree_flags(degrees: Mapping[str, int]) -> str:
     return " ".join(f"--{a} {n}" for a, n in degrees.items() if n > 1) or "(every degree 1)"
 
 
-def check_degrees(degrees: Mapping[str, int], device_count: int) -> None:
-    """ValueError naming the flags and degrees near them that work, unless the degrees multiply to
-    `device_count`. The suggestion keeps each given degree's nearest divisor of what is left and gives dp
-    the rest."""
+def check_degrees(p: ParallelSettings, device_count: int, t: TrainingSettings) -> None:
+    """ValueError naming the flags and degrees near them that work, unless p's degrees multiply to
+    `device_count`. The suggestion keeps each given degree's nearest divisor of what is left, gives dp the
+    rest, and adds the batch size those degrees need when --batch-size does not split over them."""
+    degrees = p.degrees()
     product = math.prod(degrees.values())
     if product == device_count:
         return
@@ -645,10 +646,26 @@ def check_degrees(degrees: Mapping[str, int], device_count: int) -> None:
         left //= near[axis]
     near["dp"] = left
     fix = {a: near.get(a, 1) for a in ParallelSettings.DEGREES}
+    parts = _batch_parts(dataclasses.replace(p, **fix), t)[0]
+    batch = "" if t.batch_size % parts == 0 else f" --batch-size {-(-t.batch_size // parts) * parts}"
     raise ValueError(
         f"mesh degrees {_degree_flags(degrees)} multiply to {product}, but there are {device_count} devices (the "
-        f"degrees' product must equal the device count); e.g. {_degree_flags(fix)}"
+        f"degrees' product must equal the device count); e.g. {_degree_flags(fix)}{batch}"
     )
+
+
+def _batch_parts(p: ParallelSettings, t: TrainingSettings) -> tuple[int, dict[str, int], int]:
+    """(the equal parts --batch-size splits into, the data degrees above 1, the micro-batches) for p's degrees."""
+    m = (2 * p.pp if p.microbatches is None else p.microbatches) if p.pp > 1 else 1
+    data = {a: getattr(p, a) for a in ("dp", "fsdp", "ep") if getattr(p, a) > 1}
+    return math.prod(data.values()) * m * t.grad_accum, data, m
+
+
+def _microbatch_counts(p: ParallelSettings, t: TrainingSettings, counts: range) -> list[int]:
+    """The micro-batch counts among `counts` that the pipeline schedule takes and the batch splits into."""
+    rows, rest = divmod(t.batch_size, _batch_parts(dataclasses.replace(p, pp=1), t)[0])
+    ok = [k for k in counts if p.pipeline_schedule != "interleaved" or k % p.pp == 0]
+    return [k for k in ok if not rest and rows % k == 0]
 
 
 def check_batch_split(p: ParallelSettings, t: TrainingSettings) -> None:
@@ -658,20 +675,19 @@ def check_batch_split(p: ParallelSettings, t: TrainingSettings) -> None:
     m = p.microbatches
     if p.pp == 1 and m is not None:
         raise ValueError(f"--microbatches {m} sets the pipeline's micro-batches, but --pp is 1; drop it or set --pp")
-    if p.pp > 1 and m is not None and m < p.pp:
-        raise ValueError(
-            f"--microbatches {m} is less than --pp {p.pp}: every pipeline stage needs a micro-batch in flight; "
-            f"use --microbatches {2 * p.pp} (the default, 2·pp) or at least {p.pp}"
-        )
-    if p.pp > 1 and m is not None and p.pipeline_schedule == "interleaved" and m % p.pp:
+    if p.pp > 1 and m is not None and (m < p.pp or (p.pipeline_schedule == "interleaved" and m % p.pp)):
+        works = _microbatch_counts(p, t, range(p.pp, 2 * p.pp + 1))
+        fix = f"use --microbatches {works[0]}" if works else f"use --microbatches {2 * p.pp} (the default, 2·pp)"
+        if m < p.pp:
+            raise ValueError(
+                f"--microbatches {m} is less than --pp {p.pp}: every pipeline stage needs a micro-batch in flight; "
+                f"{fix}"
+            )
         raise ValueError(
             f"--microbatches {m} is not divisible by --pp {p.pp}, which the interleaved schedule needs (it runs "
-            f"the micro-batches in groups of pp); use --microbatches {-(-m // p.pp) * p.pp}"
+            f"the micro-batches in groups of pp); {fix}"
         )
-    m = (2 * p.pp if m is None else m) if p.pp > 1 else 1
-    data = {a: getattr(p, a) for a in ("dp", "fsdp", "ep") if getattr(p, a) > 1}
-    degree = math.prod(data.values())
-    parts = degree * m * t.grad_accum
+    parts, data, m = _batch_parts(p, t)
     if t.batch_size % parts == 0:
         return
     terms = [f"--{a} {n}" for a, n in data.items()]
@@ -680,9 +696,8 @@ def check_batch_split(p: ParallelSettings, t: TrainingSettings) -> None:
     if t.grad_accum > 1:
         terms.append(f"--grad-accum {t.grad_accum}")
     fix = f"use --batch-size {-(-t.batch_size // parts) * parts}"
-    rows = t.batch_size // t.grad_accum // degree if t.batch_size % (degree * t.grad_accum) == 0 else 0
-    fewer = [k for k in range(p.pp, m) if rows % k == 0 and (p.pipeline_schedule != "interleaved" or k % p.pp == 0)]
-    if m > 1 and rows and fewer:
+    fewer = _microbatch_counts(p, t, range(p.pp, m)) if m > 1 else []
+    if fewer:
         fix += f", or --microbatches {max(fewer)}"
     raise ValueError(
         f"--batch-size {t.batch_size} does not split into {parts} equal parts ({' × '.join(terms)}); {fix}"
