@@ -184,7 +184,7 @@ def _byte_tokens(parts: list[tuple[str, bytes]]) -> np.ndarray:
 
 def _split_tail(n: int, split: str) -> slice:
     """train = the first 90%, val = the last 10% (at least one token each way)."""
-    cut = min(max(int(round(n * (1 - VAL_FRACTION))), 1), max(n - 1, 1))
+    cut = min(max(round(n * (1 - VAL_FRACTION)), 1), max(n - 1, 1))
     return slice(0, cut) if split == "train" else slice(cut, n)
 
 

@@ -57,6 +57,9 @@ SCHEDULE_FIELDS = (
     "seq_len",
     "image_size",
     "data",
+    "tokenizer",
+    "text_field",
+    "packing",
 )
 
 
@@ -219,7 +222,7 @@ def _run(spec, trainer, ckpt, guard, stop, say, is_main) -> list[dict]:
 
 def _save(ckpt, trainer, guard) -> bool:
     """Saves the current step (not again if saved); Diverged if the state holds NaN/Inf (then nothing is saved)."""
-    metadata = {**trainer.metadata(), "guard": guard.state_dict()}
+    metadata = {**trainer.metadata(), "guard": guard.state_dict(), "data": _data_state(trainer)}
     try:
         return ckpt.save(trainer.step_count, trainer.state(), metadata=metadata)
     except NonFiniteStateError as e:
@@ -233,12 +236,28 @@ def _resume(spec, trainer, ckpt, guard, say):
     step, _ = ckpt.newest_intact(lambda s: trainer.restore(ckpt, s), report=say)
     saved = ckpt.metadata(step)
     guard.load_state_dict(saved.get("guard"))
+    _restore_data_state(trainer, saved.get("data"), step, say)
     _warn_schedule(spec, saved.get("config") or {}, step, say)
     if jax.process_index() == 0:
         dropped = drop_rows_after(spec.output.metrics_path(), step)
         if dropped:
             say(f"dropped {dropped} rows after step {step} from {spec.output.metrics_path()} (those steps run again)")
     say(f"resumed from {spec.checkpoint.checkpoint_dir} at step {trainer.step_count}")
+
+
+# ---- the data loader's position (jaxring.data): a JSON dict in the checkpoint's metadata, under "data". A task
+# that keeps one has data_state() -> dict | None and restore_data_state(state, step, log) (models/gpt_train.py).
+
+
+def _data_state(trainer):
+    get = getattr(trainer.task, "data_state", None)
+    return None if get is None else get()
+
+
+def _restore_data_state(trainer, state, step: int, say):
+    restore = getattr(trainer.task, "restore_data_state", None)
+    if restore is not None:
+        restore(state, step, say)
 
 
 def _warn_schedule(spec, saved: dict, step: int, say):
