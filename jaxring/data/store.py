@@ -253,13 +253,14 @@ def _check_out_dir(out: Path, tokenizer: Tokenizer) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"output {str(out)!r} exists and is not a directory")
     if is_store(out):
+        old = tokenizer.hash  # a damaged meta.json: the store is rewritten
         with contextlib.suppress(ValueError, KeyError, TypeError, UnicodeDecodeError):
             old = json.loads((out / META).read_text("utf-8"))["tokenizer"]["hash"]
-            if old != tokenizer.hash:
-                raise ValueError(
-                    f"{str(out)!r} holds a store made with tokenizer {old}, not {tokenizer.hash} "
-                    f"({tokenizer.describe()}): prepare into another directory"
-                )
+        if old != tokenizer.hash:
+            raise ValueError(
+                f"{str(out)!r} holds a store made with tokenizer {old}, not {tokenizer.hash} "
+                f"({tokenizer.describe()}): prepare into another directory"
+            )
     elif out.is_dir() and any(out.iterdir()):
         raise ValueError(f"output {str(out)!r} is a non-empty directory and no document store; give a new directory")
 
@@ -281,7 +282,21 @@ def prepare(
     out = Path(out_dir)
     files = input_files(input)  # checks the input before anything is written
     _check_out_dir(out, tok)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        _write_store(out, tok, input, files, field, workers, progress)
+    except BaseException:
+        for name in (f"{TOKENS}.tmp", f"{OFFSETS}.tmp.npy", f"{META}.tmp"):
+            (out / name).unlink(missing_ok=True)
+        if created and not any(out.iterdir()):
+            out.rmdir()
+        raise
+    return DocumentStore.open(out)
+
+
+def _write_store(out: Path, tok: Tokenizer, input, files, field: str, workers: int, progress: bool) -> None:
+    """Tokenizes into out/*.tmp, renames them, writes meta.json last."""
     (out / META).unlink(missing_ok=True)  # no store until this one is complete
     dtype = token_dtype(tok.vocab_size)
     counts: dict = {}
@@ -315,7 +330,6 @@ def prepare(
         bar.close()
     lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
     if lengths.size == 0:
-        (out / f"{TOKENS}.tmp").unlink(missing_ok=True)
         skipped = f" ({counts['empty']} empty ones skipped)" if counts.get("empty") else ""
         raise ValueError(f"input {str(input)!r} holds no documents{skipped}")
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -329,7 +343,6 @@ def prepare(
     tmp = out / f"{META}.tmp"
     tmp.write_text(json.dumps(meta, indent=1))
     os.replace(tmp, out / META)
-    return DocumentStore.open(out)
 
 
 # ---------------------------------------------------------------------------------------------- for --data
