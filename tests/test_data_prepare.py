@@ -3,6 +3,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -71,7 +72,7 @@ def test_bpe_tokenizer_store_and_refusal(tmp_path, bpe):
     assert store.vocab_size == tok.vocab_size <= 400 and store.tokens.dtype == np.uint16
     assert store.num_tokens < sum(len(t.encode()) for t in TEXTS)  # merges happened
     assert [store.tokenizer.decode(store.document(d)) for d in range(store.num_docs)] == TEXTS
-    assert (tmp_path / "bpe" / "tokenizer.json").read_bytes() == open(bpe, "rb").read()
+    assert (tmp_path / "bpe" / "tokenizer.json").read_bytes() == Path(bpe).read_bytes()
     # the same store, refused under another tokenizer: one line naming both hashes
     with pytest.raises(ValueError, match=rf"made with tokenizer {tok.hash}, not --tokenizer bytes \(bytes\)"):
         DocumentStore.open(tmp_path / "bpe", tokenizer="bytes")
@@ -122,7 +123,7 @@ def test_bundled_store_is_the_stdlib_files_as_documents():
 
     assert 40 <= store.num_docs <= len(STDLIB_FILES) and store.vocab_size == 257
     first = store.tokenizer.decode(store.document(0))
-    assert first.startswith(open(os.path.join(os.path.dirname(os.__file__), STDLIB_FILES[0])).read()[:200])
+    assert first.startswith((Path(os.__file__).parent / STDLIB_FILES[0]).read_text()[:200])
     val = split_documents(store, "val", 0.1)
     assert len(val) == len(stdlib_files("val")) == store.num_docs // 10
 
