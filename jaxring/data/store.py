@@ -211,9 +211,10 @@ def _read_offsets(path: Path, meta: dict) -> np.ndarray:
 _worker_tokenizer: Tokenizer | None = None
 
 
-def _init_worker(spec: str) -> None:
+def _init_worker(spec: str, pooled: bool = True) -> None:
     global _worker_tokenizer
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one process per core already
+    if pooled:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one process per core already
     _worker_tokenizer = load_tokenizer(spec)
 
 
@@ -310,11 +311,15 @@ def _write_store(out: Path, tok: Tokenizer, input, files, field: str, workers: i
     try:
         with open(out / f"{TOKENS}.tmp", "wb") as sink:
             if workers == 1:
-                _init_worker(spec)
+                _init_worker(spec, pooled=False)
                 results = map(_encode_chunk, chunks)
                 pool = None
             else:
-                pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (spec,))
+                # a fresh server process (never a fork of this one, whose JAX threads may hold locks) imports
+                # this module once; the workers fork from it
+                context = multiprocessing.get_context("forkserver")
+                context.set_forkserver_preload([__name__])
+                pool = context.Pool(workers, _init_worker, (spec,))
                 results = pool.imap(_encode_chunk, chunks)
             try:
                 for ids, lens, nbytes in results:
