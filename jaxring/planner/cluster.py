@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxring.analysis.roofline import PEAKS
+from jaxring.devices import DEVICES as PEAKS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,26 +4,13 @@ from __future__ import annotations
 
 import jax
 
-# dense bf16 (fp32: TF32) peak FLOP/s per device, by jax device_kind substring
-PEAK_FLOPS = {
-    "H200": (989e12, 495e12),
-    "H100": (989e12, 495e12),
-    "A100": (312e12, 156e12),
-    "L4": (121e12, 60e12),
-    "A10": (125e12, 62e12),
-    "TPU v5p": (459e12, 459e12),
-    "TPU v5 lite": (197e12, 197e12),
-    "TPU v4": (275e12, 275e12),
-}
+from jaxring.devices import device_spec_of
 
 
 def peak_flops(device, precision: str):
-    """Per-device peak FLOP/s for MFU, or None (CPU, unknown device)."""
-    kind = getattr(device, "device_kind", "")
-    for name, (bf16, fp32) in PEAK_FLOPS.items():
-        if name.lower() in kind.lower():
-            return bf16 if precision == "bf16" else fp32
-    return None
+    """Per-device peak FLOP/s for MFU (`jaxring.devices`), or None (CPU, unknown device)."""
+    spec = device_spec_of(device)
+    return None if spec is None else spec.peak_flops(precision)
 
 
 def peak_memory_bytes():
