@@ -33,8 +33,10 @@ def allgather_attention(
     causal: bool = True,
     sm_scale: float | None = None,
     block_ops="auto",
+    window: int | None = None,
 ):
-    """All-gather attention inside `shard_map`, sequence already in `layout`; shapes as `ring_attention`."""
+    """All-gather attention inside `shard_map`, sequence already in `layout`; shapes as `ring_attention`
+    (window: the sliding window, see `ring_attention`; the local flash attention visits only its band)."""
     check_qkv(q, k, v)
     p, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
     n = q.shape[1]
@@ -52,6 +54,7 @@ def allgather_attention(
         kv_positions=kv_positions,
         segment_ids=segment_ids,
         kv_segment_ids=kv_seg,
+        window=window,
         implementation=local_implementation(block_ops),
     )
 
@@ -59,9 +62,18 @@ def allgather_attention(
 # ---------------------------------------------------------------------------------------- registry entry
 
 
-def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops):
+def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, window=None):
     return allgather_attention(
-        q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops
+        q,
+        k,
+        v,
+        segment_ids,
+        axis_name=seq_axes,
+        layout=layout,
+        causal=causal,
+        sm_scale=sm_scale,
+        block_ops=block_ops,
+        window=window,
     )
 
 

@@ -8,7 +8,7 @@ Ulysses, for P devices on the `sp` axis, each holding n = S/P tokens of every he
 
 Four all-to-alls forward; their transposes (four more) in the backward, each moving (P-1)/P of a local
 block. The local attention is `flash_attention` (FA2 backward, recomputes from out and lse), so nothing of
-size S² is stored. Query heads must divide by P. GQA: K/V heads are repeated only as far as needed, to
+size S² is stored; with a sliding window it visits only the tiles of the band the window reaches. Query heads must divide by P. GQA: K/V heads are repeated only as far as needed, to
 lcm(kv_heads, P), before the all-to-all (none when P divides kv_heads).
 
 Its hybrid with ring attention, USP, is `usp.py`.
@@ -75,8 +75,10 @@ def ulysses_attention(
     causal: bool = True,
     sm_scale: float | None = None,
     block_ops="auto",
+    window: int | None = None,
 ):
-    """Ulysses attention inside `shard_map`, sequence already in `layout`; shapes as `ring_attention`."""
+    """Ulysses attention inside `shard_map`, sequence already in `layout`; shapes as `ring_attention`
+    (window: the sliding window, see `ring_attention`)."""
     check_qkv(q, k, v)
     p = lax.axis_size(axis_name)
     check_heads_split(q.shape[2], p)
@@ -94,6 +96,7 @@ def ulysses_attention(
         q_positions=positions,
         kv_positions=positions,
         segment_ids=seg,
+        window=window,
         implementation=local_implementation(block_ops),
     )
     return heads_to_seq(out, axis_name)
@@ -102,9 +105,18 @@ def ulysses_attention(
 # ---------------------------------------------------------------------------------------- registry entry
 
 
-def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops):
+def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, window=None):
     return ulysses_attention(
-        q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops
+        q,
+        k,
+        v,
+        segment_ids,
+        axis_name=seq_axes,
+        layout=layout,
+        causal=causal,
+        sm_scale=sm_scale,
+        block_ops=block_ops,
+        window=window,
     )
 
 
