@@ -40,20 +40,28 @@ def out_and_grads(fn, q, k, v, dout):
     return out, vjp(dout)
 
 
-def check_windows(fn, q, k, v, dout, windows=WINDOWS, rtol=2e-4):
-    """fn(q, k, v, window) for every window against jax.nn and the dense reference: out, dq, dk, dv, one jit."""
+@functools.cache
+def oracles(seed, shape, window):
+    """(q, k, v, dout) of qkv(seed, *shape) and, for `window`, (out, grads) of jax.nn and of the dense
+    reference: computed once and shared by every test on the same inputs (fewer compiles)."""
+    q, k, v, dout = qkv(seed, *shape)
 
     @jax.jit
     def run(q, k, v, dout):
-        rows = []
-        for w in windows:
-            got = out_and_grads(functools.partial(fn, window=w), q, k, v, dout)
-            nn = out_and_grads(functools.partial(nn_attention, window=w), q, k, v, dout)
-            ref = out_and_grads(lambda q, k, v, w=w: attention_reference(q, k, v, window=w)[0], q, k, v, dout)
-            rows.append((got, nn, ref))
-        return rows
+        nn = out_and_grads(functools.partial(nn_attention, window=window), q, k, v, dout)
+        ref = out_and_grads(lambda q, k, v: attention_reference(q, k, v, window=window)[0], q, k, v, dout)
+        return nn, ref
 
-    for got, nn, ref in run(q, k, v, dout):
+    return (q, k, v, dout), run(q, k, v, dout)
+
+
+def check_windows(fn, seed, shape, windows=WINDOWS, rtol=2e-4):
+    """fn(q, k, v, window) for every window, on qkv(seed, *shape), against jax.nn and the dense reference:
+    out, dq, dk, dv (fn's programs in one jit)."""
+    (q, k, v, dout), _ = oracles(seed, shape, windows[0])
+    run = jax.jit(lambda *x: [out_and_grads(functools.partial(fn, window=w), *x[:3], x[3]) for w in windows])
+    for w, got in zip(windows, run(q, k, v, dout)):
+        nn, ref = oracles(seed, shape, w)[1]
         check(got, nn, rtol)
         check(got, ref, rtol)
 
@@ -61,9 +69,9 @@ def check_windows(fn, q, k, v, dout, windows=WINDOWS, rtol=2e-4):
 def test_reference_is_jax_nn_local_window():
     """The dense reference's window is jax.nn's (W - 1, 0) local window, GQA, forward and gradients; W = 1 is
     each token alone (out = v of its own position)."""
-    q, k, v, dout = qkv(0, 2, 48, 8, 2, 16)
-    check_windows(lambda q, k, v, window: attention_reference(q, k, v, window=window)[0], q, k, v, dout, (1, 5, 17))
-    out = attention_reference(q, k, v, window=1)[0]
+    check_windows(lambda q, k, v, window: attention_reference(q, k, v, window=window)[0], 0, (2, 48, 8, 2, 16), (1, 17))
+    q, k, v, _ = qkv(0, 2, 48, 8, 2, 16)
+    out = jax.jit(lambda q, k, v: attention_reference(q, k, v, window=1)[0])(q, k, v)
     assert_close(out, jnp.repeat(v, 4, axis=2), 1e-6, "W=1")
 
 
@@ -71,8 +79,13 @@ def test_reference_masks_by_positions():
     """Positions, not indices: a reversed K/V block with its positions gives the same attention."""
     q, k, v, _ = qkv(1, 1, 32, 4, 2, 8)
     pos = jnp.arange(32)
-    ref = attention_reference(q, k, v, window=6)[0]
-    flipped = attention_reference(q, k[:, ::-1], v[:, ::-1], q_positions=pos, kv_positions=pos[::-1], window=6)[0]
+
+    @jax.jit
+    def both(q, k, v):
+        ref = attention_reference(q, k, v, window=6)[0]
+        return ref, attention_reference(q, k[:, ::-1], v[:, ::-1], q_positions=pos, kv_positions=pos[::-1], window=6)[0]
+
+    ref, flipped = both(q, k, v)
     assert_close(flipped, ref, 1e-5, "reversed keys")
 
 
@@ -97,9 +110,8 @@ MESH_WINDOWS = {"sp8": WINDOWS, "dp2xsp4": WINDOWS[:2]}  # fewer compiles: beyon
 def test_strategy_matches_jax_nn_and_reference(name, mesh_name):
     """GQA (8 query heads, 2 K/V heads), seq 64: blocks of 8 (sp=8) or 16 (sp=4) tokens, zig-zag runs of 4 or 8."""
     mesh = jaxring.make_mesh(**MESHES[mesh_name])
-    q, k, v, dout = qkv(2, 2, 64, 8, 2, 16)
     fn = lambda q, k, v, window: jaxring.sharded_attention(q, k, v, mesh=mesh, window=window, **STRATEGIES[name])
-    check_windows(fn, q, k, v, dout, MESH_WINDOWS[mesh_name])
+    check_windows(fn, 2, (2, 64, 8, 2, 16), MESH_WINDOWS[mesh_name])
 
 
 def test_packed_segments_with_a_window():
@@ -124,35 +136,37 @@ def test_packed_segments_with_a_window():
 def test_ring_with_the_pallas_kernel_and_a_window():
     """The interpreted Pallas kernel as the ring's block compute (dp2 x sp4, zig-zag): window inside a block."""
     mesh = jaxring.make_mesh(dp=2, sp=4)
-    q, k, v, dout = qkv(4, 2, 64, 4, 2, 16)
     fn = lambda q, k, v, window: jaxring.sharded_attention(
         q, k, v, mesh=mesh, layout="zigzag", block_ops="pallas_interpret", window=window
     )
-    check_windows(fn, q, k, v, dout, windows=(5,))
+    check_windows(fn, 2, (2, 64, 8, 2, 16), windows=(3,))
 
 
 # ------------------------------------------------------------------------- the jnp block compute, tiled
 
 
-@pytest.mark.parametrize("window", [3, 13, 40])
-def test_block_ops_with_small_tiles(window):
-    """The jnp block pair with 8-token tiles on offset blocks (queries 24..55, keys 0..63): forward, and the
-    backward from the global lse and delta, against the reference."""
+def test_block_ops_with_small_tiles():
+    """The jnp block pair with 8-token tiles on offset blocks (queries 24..55, keys 0..63), windows inside a
+    tile, spanning tiles and beyond the keys: forward, and the backward from the global lse and delta,
+    against the reference."""
     q, k, v, dout = qkv(5, 2, 64, 4, 2, 16)
-    q = q[:, :32]
-    dout = dout[:, :32]
+    q, dout = q[:, :32], dout[:, :32]
     q_pos, kv_pos = jnp.arange(32) + 24, jnp.arange(64)
-    tiles = dict(q_tile=8, kv_tile=8, window=window, causal=True, sm_scale=0.25)
-    ref = lambda q, k, v: attention_reference(
-        q, k, v, q_positions=q_pos, kv_positions=kv_pos, sm_scale=0.25, window=window
-    )[0]
-    out_r, (dq_r, dk_r, dv_r) = out_and_grads(ref, q, k, v, dout)
-    out, lse = block_forward(q, k, v, q_pos, kv_pos, **tiles)
-    assert_close(out, out_r, 2e-4, "out")
-    delta = jnp.sum(dout * out_r, axis=-1)
-    dq, dk, dv = block_backward(q, k, v, dout, lse, delta, q_pos, kv_pos, **tiles)
-    for name, g, g_r in (("dq", dq, dq_r), ("dk", dk, dk_r), ("dv", dv, dv_r)):
-        assert_close(g, g_r, 2e-4, name)
+
+    @jax.jit
+    def run(q, k, v, dout):
+        rows = []
+        for window in (3, 13, 70):
+            kw = dict(q_positions=q_pos, kv_positions=kv_pos, sm_scale=0.25, window=window)
+            ref = out_and_grads(lambda q, k, v, kw=kw: attention_reference(q, k, v, **kw)[0], q, k, v, dout)
+            tiles = dict(q_tile=8, kv_tile=8, window=window, causal=True, sm_scale=0.25)
+            out, lse = block_forward(q, k, v, q_pos, kv_pos, **tiles)
+            delta = jnp.sum(dout * ref[0], axis=-1)  # the global delta, from the global out
+            rows.append(((out, block_backward(q, k, v, dout, lse, delta, q_pos, kv_pos, **tiles)), ref))
+        return rows
+
+    for got, ref in run(q, k, v, dout):
+        check(got, ref)
 
 
 # --------------------------------------------------------------- whole steps skipped, where blocks run

@@ -19,9 +19,10 @@ window, or whose Q and K/V blocks share no segment (by the blocks' segment-id bo
 numbered in order), is a `lax.cond` that returns its carry untouched. Such a step still costs its hop: the
 K/V block is sent on regardless (the next rank may need it; the ring's communication is unchanged, 2(P-1)
 K/V blocks forward), but no FLOPs (no score, exponential or matmul of that block, forward or backward).
-Inside a computed step the block ops visit only the tiles within the window. With the contiguous layout and
-W <= S/P a rank computes at most 2 of its P steps; zig-zag at most 4 of the run pairs of its 2P+1
-(`benchmarks/sliding_window.py` measures both).
+Inside a computed step the block ops visit only the tiles within the window. With W <= S/P a contiguous
+rank computes at most 2 of its P steps (2 blocks instead of r+1); a zig-zag half-chunk of queries reaches
+at most 3 half-chunks, so a rank computes at most 6 of its 2P+1 run pairs: with a window the contiguous
+layout is the balanced one (tests/test_window.py counts both; `benchmarks/sliding_window.py` times them).
 
 Backward (`jax.custom_vjp`): residuals are only q, k, v, out, lse (local, no received K/V, no scores).
 K/V travel the ring again, in the opposite direction, with their dK/dV accumulators (fp32) one hop behind
