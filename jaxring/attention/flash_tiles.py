@@ -18,6 +18,7 @@ every pair is visible; the kernels run masked [lo, full_lo), unmasked [full_lo, 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +121,8 @@ def make_config(causal, sm_scale, head_dim, implementation, block_q, block_k, nu
         if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
             raise ValueError(f"{name}={value!r} must be a positive integer")
     scale = head_dim**-0.5 if sm_scale is None else float(sm_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"sm_scale {sm_scale!r} must be a finite number > 0 (the scores' scale)")
     return Config(
         bool(causal),
         scale,
