@@ -89,6 +89,22 @@ def test_a_checkpoint_directory_that_cannot_be_created_fails_at_once(tmp_path):
     assert re.match(r"error: checkpoint directory '.*/file/ck' cannot be created \(Not a directory\)", out.stderr)
 
 
+def test_a_read_only_checkpoint_directory_fails_at_once(tmp_path, monkeypatch):
+    """(As root no directory is read-only to us: the write is made to fail as on a read-only mount.)"""
+    real = Path.write_bytes
+
+    def read_only(self, data):
+        if self.parent == tmp_path / "ck":
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", read_only)
+    with pytest.raises(
+        CheckpointSaveError, match=r"checkpoint directory '.*/ck' is not writable \(Read-only file system\)"
+    ):
+        _run(checkpoint_dir=str(tmp_path / "ck"))
+
+
 def _disk_full(monkeypatch):
     """Every metadata/checksums write fails as on a full disk (in orbax's background save thread)."""
     from orbax.checkpoint._src.handlers import json_checkpoint_handler
@@ -284,6 +300,43 @@ def test_the_watchdog_exits_when_a_stop_cannot_finish():
         stop.handle(signal.SIGHUP)  # the run stops in time: the watchdog stands down
     time.sleep(0.8)
     assert exits == []
+
+
+STUCK = """
+import ctypes, sys
+from jaxring.train.signals import GracefulStop
+libc = ctypes.CDLL(None)
+mutex = ctypes.create_string_buffer(256)
+libc.pthread_mutex_init(mutex, None)
+with GracefulStop(grace_s=float(sys.argv[1])):
+    print("ready", flush=True)
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)  # stuck for ever in C, as in a collective that never completes
+"""
+
+
+@pytest.mark.parametrize("grace,signals", [(1.0, 1), (600.0, 2)], ids=["watchdog", "second-signal"])
+def test_a_main_thread_stuck_in_c_still_ends_on_sigterm(grace, signals):
+    """Python's handler never runs while the main thread is stuck in C: the signal reaches the wakeup
+    thread, which arms the watchdog (exit after the grace period) or, on a second signal, exits at once."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STUCK, str(grace)],
+        env={**_env(), "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        for _ in range(signals):
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    expected = "did not stop within 1 s of the signal" if signals == 1 else "SIGTERM again: exiting now"
+    assert expected in err
 
 
 # ---- allocation failures, impossible sizes, contradictions ------------------------------------------------

@@ -349,35 +349,39 @@ class Checkpointer:
             )
         except Exception as e:
             self._fail(step, e)
+            raise CheckpointSaveError(self._failed) from None
         return bool(saved)
 
     def check(self) -> None:
         """Raises CheckpointSaveError (one line) if a save has failed, in the background or before; returns at
-        once while a save is still running. The training loop calls it after every step."""
-        if self._failed is not None:
-            raise CheckpointSaveError(self._failed)
-        if self._saving is not None and not self._manager.is_saving_in_progress():
-            self._finish()
+        once while a save is still running. The training loop calls it after every step; on a multi-host run
+        every process must call it at the same point (they agree: one process's failure stops them all)."""
+        if self._saving is not None and self._failed is None and not self._manager.is_saving_in_progress():
+            self._finish(raise_error=False)
+        if not all_processes_agree(self._failed is None):
+            raise CheckpointSaveError(self._failed or "a checkpoint save failed on another process (see its message)")
 
-    def _finish(self) -> None:
-        """Waits for the save in flight; its failure becomes CheckpointSaveError."""
+    def _finish(self, raise_error: bool = True) -> None:
+        """Waits for the save in flight; its failure is recorded (and raised as CheckpointSaveError)."""
         try:
             self._manager.wait_until_finished()
         except Exception as e:
             self._fail(self._saving, e)
         self._saving = None
+        if raise_error and self._failed is not None:
+            raise CheckpointSaveError(self._failed)
 
-    def _fail(self, step, e: BaseException):
-        """Removes the failed save's temporary directory and raises (then keeps raising) one line."""
+    def _fail(self, step, e: BaseException) -> None:
+        """Records a failed save in one line (its temporary directory is removed on close, once orbax's
+        threads are done with it)."""
         reason, root = _one_line(e), _root_cause(e)
         if isinstance(root, OSError) and root.errno == errno.ENOSPC:
             reason += " (the disk is full: free space, or point --checkpoint-dir elsewhere)"
         elif isinstance(root, OSError) and root.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             reason += " (the directory does not take writes)"
-        self._failed_step = step  # its temporary directory is removed on close, once orbax's threads are done
+        self._failed_step = step
         self._saving = None
         self._failed = f"saving checkpoint step {step} to {str(self.directory)!r} failed: {reason}"
-        raise CheckpointSaveError(self._failed) from None
 
     def _remove_temporary(self, step) -> None:
         if not is_primary() or not self.directory.is_dir():

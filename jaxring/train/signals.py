@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
 
@@ -67,6 +68,11 @@ class GracefulStop:
 
     hard_exit: what the second signal and the watchdog call (default os._exit); tests pass their own.
     grace_s: the watchdog's wait (default: `grace_seconds()`).
+
+    Python runs a signal handler only when the main thread returns to the interpreter, which a thread stuck
+    in XLA (a collective that never completes) never does. So the signals also reach a thread of their own
+    through `signal.set_wakeup_fd` (the C-level handler writes the signal's number to a socket at once): it
+    arms the watchdog on the first signal and exits on the second, whatever the main thread is doing.
     """
 
     def __init__(self, signals=SIGNALS, hard_exit=os._exit, grace_s: float | None = None):
@@ -75,24 +81,39 @@ class GracefulStop:
         self.signum: int | None = None
         self._previous = {}
         self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._armed = False
+        self._seen = 0  # signals seen by the wakeup thread
+        self._wakeup = None  # (reading socket, writing socket, the previous wakeup fd)
 
     @property
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum is not None else ""
 
     def handle(self, signum, frame=None) -> None:
+        """The Python-level handler (main thread)."""
         if self.signum is not None:
-            _write(
-                f"{signal.Signals(signum).name} again: exiting now, without waiting (a save in flight is "
-                f"left unfinished; the previous checkpoint is intact)"
-            )
-            self.hard_exit(128 + signum)
+            self._exit_now(signum)
             return
         self.signum = signum
         _write(
             f"{signal.Signals(signum).name}: stopping after the current step (and saving, with "
             f"--checkpoint-dir); send it again to exit at once"
         )
+        self._arm(signum)
+
+    def _exit_now(self, signum: int) -> None:
+        _write(
+            f"{signal.Signals(signum).name} again: exiting now, without waiting (a save in flight is "
+            f"left unfinished; the previous checkpoint is intact)"
+        )
+        self.hard_exit(128 + signum)
+
+    def _arm(self, signum: int) -> None:
+        with self._lock:
+            if self._armed:
+                return
+            self._armed = True
         threading.Thread(target=self._watchdog, args=(signum,), name="jaxring-stop-watchdog", daemon=True).start()
 
     def _watchdog(self, signum: int) -> None:
@@ -104,19 +125,48 @@ class GracefulStop:
         )
         self.hard_exit(128 + signum)
 
+    def _listen(self, reader) -> None:
+        """The wakeup thread: every signal's number as the C handler writes it."""
+        while not self._done.is_set():
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum not in self.signals or self._done.is_set():
+                    continue
+                self._seen += 1
+                if self._seen >= 2:
+                    self._exit_now(signum)
+                else:
+                    self._arm(signum)
+
     def requested(self) -> bool:
         """True once a signal arrived on any process (every process must call this at the same point)."""
         return any_process(self.signum is not None)
 
     def __enter__(self):
         self._done.clear()
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread() and self.signals:
             for s in self.signals:
                 self._previous[s] = signal.signal(s, self.handle)
+            reader, writer = socket.socketpair()
+            writer.setblocking(False)
+            previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+            self._wakeup = (reader, writer, previous)
+            threading.Thread(target=self._listen, args=(reader,), name="jaxring-signal-wakeup", daemon=True).start()
         return self
 
     def __exit__(self, *exc):
-        self._done.set()  # the watchdog stands down
+        self._done.set()  # the watchdog and the wakeup thread stand down
+        if self._wakeup is not None:
+            reader, writer, previous = self._wakeup
+            signal.set_wakeup_fd(previous)
+            writer.close()
+            reader.close()
+            self._wakeup = None
         for s, previous in self._previous.items():
             signal.signal(s, previous)
         self._previous = {}
