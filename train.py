@@ -77,8 +77,7 @@ def run(spec, *, print_config: bool = False) -> int:
 
     if print_config:
         resolved = prepare(spec, len(devices))
-        # the output paths stay as given: a fresh run directory each time, unless one was named
-        resolved.output.out_dir, resolved.output.metrics_file = spec.output.out_dir, spec.output.metrics_file
+        resolved.output.out_dir = spec.output.out_dir  # as given: a fresh run directory each time, unless named
         print(resolved.to_yaml(), end="")
         return 0
     train(spec, devices=devices)

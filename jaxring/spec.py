@@ -278,6 +278,14 @@ class OutputSettings:
     tensorboard: str | None = setting(None, "also write TensorBoard event files to this directory (extra: tensorboard)")
     wandb: str | None = setting(None, "also log to this Weights & Biases project (extra: wandb; WANDB_MODE=offline)")
 
+    METRICS_FILE: typing.ClassVar[str] = "metrics.jsonl"
+
+    def metrics_path(self) -> str | None:
+        """Where the metrics go: --metrics-file, else OUT_DIR/metrics.jsonl (None before out_dir is known)."""
+        if self.metrics_file:
+            return self.metrics_file
+        return os.path.join(self.out_dir, self.METRICS_FILE) if self.out_dir else None
+
 
 @dataclasses.dataclass
 class GuardSettings:

@@ -56,7 +56,6 @@ from jaxring.train.trainer import Trainer, lr_schedule
 
 RUN_FILE = "run.yaml"
 RUNS_DIR = "runs"  # where a run that names no output directory gets one (DATE-TIME)
-METRICS_FILE = "metrics.jsonl"
 
 # settings that shape the optimizer schedule or the batches: a resume with other values gives other losses
 SCHEDULE_FIELDS = (
@@ -197,14 +196,13 @@ def _fresh_run_dir() -> str:
 
 def prepare(spec: RunSpec, device_count: int) -> RunSpec:
     """The spec resolved for `device_count` devices and validated, with its output directory (OUT_DIR: as
-    given, else the checkpoint directory, else runs/DATE-TIME) and metrics file (default OUT_DIR/metrics.jsonl)
-    filled in."""
+    given, else the checkpoint directory, else runs/DATE-TIME) filled in (metrics go to OUT_DIR/metrics.jsonl unless
+    --metrics-file says otherwise)."""
     spec = spec.resolved(device_count)
     spec.validate()
     out = spec.output
     out_dir = out.out_dir or spec.checkpoint.checkpoint_dir or _fresh_run_dir()
-    metrics = out.metrics_file or os.path.join(out_dir, METRICS_FILE)
-    return dataclasses.replace(spec, output=dataclasses.replace(out, out_dir=out_dir, metrics_file=metrics))
+    return dataclasses.replace(spec, output=dataclasses.replace(out, out_dir=out_dir))
 
 
 def _describe(spec, trainer, say):
@@ -339,10 +337,10 @@ def _resume(spec, trainer, ckpt, guard, say):
     saved = ckpt.metadata(step)
     guard.load_state_dict(saved.get("guard"))
     _warn_schedule(spec, saved.get("config") or {}, step, say)
-    if spec.output.metrics_file and jax.process_index() == 0:
-        dropped = drop_rows_after(spec.output.metrics_file, step)
+    if jax.process_index() == 0:
+        dropped = drop_rows_after(spec.output.metrics_path(), step)
         if dropped:
-            say(f"dropped {dropped} rows after step {step} from {spec.output.metrics_file} (those steps run again)")
+            say(f"dropped {dropped} rows after step {step} from {spec.output.metrics_path()} (those steps run again)")
     say(f"resumed from {spec.checkpoint.checkpoint_dir} at step {trainer.step_count}")
 
 

@@ -193,7 +193,8 @@ class MetricsLog:
         self._json = json
         out = spec.output
         self.sinks = []
-        self.file = open(out.metrics_file, "a") if (out.metrics_file and is_main) else None  # noqa: SIM115 (closed by close())
+        path = out.metrics_path()
+        self.file = open(path, "a") if (path and is_main) else None  # noqa: SIM115 (closed by close())
         if is_main and out.tensorboard:
             self.sinks.append(TensorBoardWriter(out.tensorboard))
         if is_main and out.wandb:
