@@ -85,6 +85,11 @@ class ParallelPlan:
         method.check_mesh(self)
         if zero is not None and (isinstance(zero, bool) or zero not in ZERO_STAGES):
             raise ValueError(f"zero stage {zero!r} must be one of {', '.join(map(str, ZERO_STAGES))}")
+        if self.fsdp > 1 and self.zero_stage < 3:
+            raise ValueError(
+                f"--fsdp {self.fsdp} with --zero {self.zero_stage}: fsdp means the parameters are sharded (ZeRO-3); "
+                f"use --dp {self.fsdp} for a data axis with ZeRO stage {self.zero_stage}, or leave --zero out"
+            )
         if self.pp > 1:
             _ = self.schedule  # make_schedule's one-line errors (unknown schedule, m < pp, ...)
             if self.zero_stage == 2:

@@ -294,7 +294,12 @@ class OutputSettings:
     progress: bool = setting(True, "a progress bar (--no-progress: log lines)")
     profile: str | None = setting(None, "write a JAX profiler trace of a few steps to this directory")
     eval_at_end: bool = setting(True, "report the held-out loss after training")
+    eval_every: int = setting(
+        0, "steps between held-out losses in the metrics (0: none during training)", rule="int>=0"
+    )
     sample_tokens: int = setting(200, "gpt: tokens to generate at the end; dit: 0 skips the samples", rule="int>=0")
+    tensorboard: str | None = setting(None, "also write TensorBoard event files to this directory (extra: tensorboard)")
+    wandb: str | None = setting(None, "also log to this Weights & Biases project (extra: wandb; WANDB_MODE=offline)")
 
     METRICS_FILE: typing.ClassVar[str] = "metrics.jsonl"
 

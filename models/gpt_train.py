@@ -46,6 +46,7 @@ class GPTTask:
         self.data = open_token_data(spec.data, log=_log_main)
         self.source = self.data.tokenizer  # encode/decode (the sample at the end, notebooks)
         overrides = dict(spec.model.overrides)
+        _check_overrides_fit_the_data(overrides, self.source, self.seq_len)
         base = gpt.get_config(spec.model.preset, **overrides)
         derived = {}
         if base.vocab_size < self.data.vocab_size:  # else keep the preset's (padded) vocabulary
@@ -92,6 +93,16 @@ class GPTTask:
     def model(self, seed: int):
         return gpt.GPT(self.config, rngs=nnx.Rngs(seed))
 
+    def check_validation_data(self) -> None:
+        """Every held-out token id inside the model's vocabulary, checked before training (not at the end)."""
+        source = self.val_batches.source
+        top = max_token_id(source.tokens)
+        if top is not None and top >= self.config.vocab_size:
+            raise ValueError(
+                f"the held-out data {source.name} has token id {top}, outside the vocabulary of {self.config.vocab_size} "
+                f"(the training data's); use held-out data of the same tokenizer"
+            )
+
     def metadata(self) -> dict:
         return {"kind": "gpt", **dataclasses.asdict(self.config)}
 
@@ -137,6 +148,40 @@ class GPTTask:
         text = self.source.decode(list(prompt) + ids)
         log(f"--- sample ---\n{text}\n--------------")
         return {"sample": text}
+
+
+VOCAB_PADDING = 128  # a vocab_size override may pad the data's vocabulary up to a multiple of this
+
+
+def _check_overrides_fit_the_data(overrides: dict, source, seq_len: int) -> None:
+    """A vocab_size override must cover the data's ids and stay within padding of them; a max_seq_len override
+    must not exceed the trained sequence length (positions beyond it are never trained)."""
+    vocab = overrides.get("vocab_size")
+    if isinstance(vocab, int):
+        padded = -(-source.vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+        if vocab < source.vocab_size:
+            raise ValueError(
+                f"--override vocab_size={vocab}: the data {source.name} has a vocabulary of {source.vocab_size} "
+                f"(token ids up to {source.vocab_size - 1}); leave vocab_size out to take the data's"
+            )
+        if vocab > padded:
+            raise ValueError(
+                f"--override vocab_size={vocab}: the data {source.name} has a vocabulary of {source.vocab_size}; "
+                f"rows past {padded} (padding to a multiple of {VOCAB_PADDING}) would never be used"
+            )
+    max_len = overrides.get("max_seq_len")
+    if isinstance(max_len, int) and max_len > seq_len:
+        raise ValueError(
+            f"--override max_seq_len={max_len}: the data is cut into sequences of --seq-len {seq_len}; positions "
+            f"past {seq_len} would never be trained (raise --seq-len, or leave max_seq_len out)"
+        )
+
+
+def max_token_id(tokens, chunk: int = 1 << 24) -> int | None:
+    """The largest id in a token array (read in chunks: it may be a memory-mapped file), None when empty."""
+    if len(tokens) == 0:
+        return None
+    return max(int(np.asarray(tokens[i : i + chunk]).max()) for i in range(0, len(tokens), chunk))
 
 
 def _abstract_batch(config, plan: ParallelPlan, batch: int, seq_len: int) -> dict:

@@ -82,6 +82,8 @@ def sharded_attention(
         layout = entry.default_layout
     layout = entry.layout_for(layout, causal=True)
     sm_scale = None if sm_scale is None else float(sm_scale)  # a cache key: no traced or array scales
+    if sm_scale is not None and not (math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale {sm_scale!r} must be a finite number > 0 (the scores' scale)")
     if not entry.uses_block_ops and block_ops != "auto":
         raise ValueError(f"block_ops {block_ops!r}: {strategy} materialises its score rows and has no block compute")
     batch, seq = q.shape[:2]
@@ -89,6 +91,8 @@ def sharded_attention(
         raise ValueError(f"k/v seq {k.shape[1]} must equal q seq {seq} for self-attention")
     if segment_ids is not None and segment_ids.shape != (batch, seq):
         raise ValueError(f"segment_ids shape {segment_ids.shape} must be [batch, seq] = {(batch, seq)}")
+    if segment_ids is not None and not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise TypeError(f"segment_ids have dtype {jnp.dtype(segment_ids.dtype).name}; segment ids must be integers")
     if strategy == "dense":
         if options:
             raise ValueError(f"strategy 'dense' takes no option {', '.join(sorted(options))}")

@@ -21,6 +21,7 @@ O(seq²), and the tiles wholly inside the band take the unmasked path.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +126,8 @@ def make_config(causal, sm_scale, head_dim, implementation, block_q, block_k, nu
         if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
             raise ValueError(f"{name}={value!r} must be a positive integer")
     scale = head_dim**-0.5 if sm_scale is None else float(sm_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"sm_scale {sm_scale!r} must be a finite number > 0 (the scores' scale)")
     return Config(
         bool(causal),
         scale,

@@ -85,6 +85,7 @@ from jaxring.collectives import (
     send_to_next,
     tree_broadcast,
     tree_reduce,
+    waits_for,
 )
 from jaxring.mesh import DATA_AXES, mesh_axis_size, spec_entry
 from jaxring.registry import register_tensor_method
@@ -546,6 +547,7 @@ def _mha_bwd(cfg, residuals, do):
         dk, dv = flat(k_rope_vjp(dk.astype(x.dtype))[0]), flat(dv)
         dx = dx + dxq + _mm(dk, wk.T) + _mm(dv, wv.T)  # ΔX_i += [ΔQ ΔK ΔV] W_qkv_jᵀ
         dw = (dwq, _outer(x, dk), _outer(x, dv), dwo)  # ΔW_qkv_j = X_iᵀ [ΔQ ΔK ΔV], ΔW_proj_j
+        dw = waits_for(dw, (dk, dv))  # XLA:CPU: ΔW_proj's reduce after the inner ring, not beside it
         reduced = jax.tree.map(lambda g: tree_reduce(g, cfg.axis_name, j), dw)  # Reduce onto rank j
         dw_own = jax.tree.map(lambda new, old: jnp.where(rank == j, new, old), reduced, dw_own)
         return dx, dw_own
