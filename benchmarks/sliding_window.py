@@ -59,7 +59,9 @@ def pairs_per_device(mesh, layout, window, xs):
     ops = get_block_ops("auto")
 
     def local(q, k, v):
-        _, _, work = ring_forward(q, k, v, None, "sp", RankTokens(layout), True, q.shape[-1] ** -0.5, ops, window=window)
+        _, _, work = ring_forward(
+            q, k, v, None, "sp", RankTokens(layout), True, q.shape[-1] ** -0.5, ops, window=window
+        )
         return work[None]
 
     run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(SPEC,) * 3, out_specs=P("sp")))

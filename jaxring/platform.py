@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import jax
@@ -48,10 +49,8 @@ def use_cpu_devices_if_no_accelerator(count: int) -> list:
     """
     check_cpu_devices(count)
     use_simulated_devices()
-    try:
+    with contextlib.suppress(RuntimeError):  # a backend already started: keep what it has
         jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError:  # a backend already started: keep what it has
-        pass
     return jax.devices()
 
 
