@@ -113,9 +113,15 @@ class GPTTask:
         return gpt.GPT(self.config, rngs=nnx.Rngs(seed))
 
     def check_validation_data(self) -> None:
-        """Every held-out token id inside the model's vocabulary, checked before training (not at the end)."""
-        source = self.val_batches.source
-        top = max_token_id(source.tokens)
+        """Every held-out token id inside the model's vocabulary, checked before training (not at the end): a
+        store's held-out batches refuse such ids when built; a .bin's windows are checked here whole."""
+        if self.val_batches is None:
+            self.val_batches = self._val()
+        windows = getattr(self.val_batches.dataset, "batches", None)  # WindowBatches over a TokenSource
+        if windows is None:
+            return
+        source = windows.source
+        top = int(source.tokens.max()) if len(source) else None
         if top is not None and top >= self.config.vocab_size:
             raise ValueError(
                 f"the held-out data {source.name} has token id {top}, outside the vocabulary of {self.config.vocab_size} "

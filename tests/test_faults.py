@@ -236,7 +236,7 @@ def test_held_out_ids_beyond_the_vocabulary_are_reported_before_the_first_step(t
     np.array([1, 2, 60000, 3] * 100, dtype=np.uint16).tofile(data / "val.bin")
     metrics = tmp_path / "m.jsonl"
     with pytest.raises(
-        ValueError, match=r"held-out data val.bin\[val\] has token id 60000, outside the vocabulary of 50257"
+        ValueError, match=r"held-out data val.bin\[val\] has token id 60000, outside the vocabulary of 50304"
     ):
         _run(data=str(data), metrics_file=str(metrics), overrides={"num_layers": 1, "hidden": 32, "num_heads": 4})
     assert not metrics.exists()  # no step ran
