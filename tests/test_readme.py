@@ -5,7 +5,9 @@ The commands run in README order in one working directory, as a reader would typ
 reads the file the `--print-config ... > run.yaml` before it wrote; `--resume` continues the checkpoint the
 command before it saved). `python train.py` runs in this process through `train.main` with its steps cut to
 two (four after a resume), a smaller model, no sample or held-out loss, and its outputs in a temporary
-directory; `python -m jaxring.demo` at a short sequence; `python -m jaxring.planner` as shown (it runs nothing).
+directory; `python -m jaxring.demo` at a short sequence; `python -m jaxring.data prepare` with one worker, on
+a `corpus.jsonl` and a `path/to/tokenizer.json` this file writes first (the reader's own files in the README);
+`python -m jaxring.planner` as shown (it runs nothing).
 A README command this file does not know how to run is a failure, so a new kind of command gets a runner here.
 
 Training commands that only repeat a code path the others cover are marked slow (`pytest -m slow` runs them);
@@ -112,10 +114,37 @@ def shortened(argv: list[str], out_dir: pathlib.Path) -> list[str]:
     return argv + extra
 
 
+# the files a README command takes from the reader (its placeholders), made in the working directory first
+CORPUS_JSONL = "corpus.jsonl"
+TOKENIZER_JSON = "path/to/tokenizer.json"
+
+
+def write_reader_files(root: pathlib.Path) -> None:
+    """`corpus.jsonl` (documents with a "text" field: the modules of the jaxring package) and
+    `path/to/tokenizer.json` (a small byte-level BPE with <|endoftext|>, trained here on them; nothing is
+    downloaded)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts = [f.read_text(encoding="utf-8") for f in sorted((ROOT / "jaxring").glob("*.py"))]
+    (root / CORPUS_JSONL).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>"]
+    tok.train_from_iterator(texts, trainer=trainers.BpeTrainer(vocab_size=384, special_tokens=special))
+    (root / TOKENIZER_JSON).parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(root / TOKENIZER_JSON))
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    """One working directory for the README's commands, in order (they build on each other's files)."""
-    return tmp_path_factory.mktemp("readme")
+    """One working directory for the README's commands, in order (they build on each other's files), holding
+    the files the reader brings (write_reader_files)."""
+    root = tmp_path_factory.mktemp("readme")
+    write_reader_files(root)
+    return root
 
 
 def _params():
@@ -147,6 +176,10 @@ def test_readme_command_runs(index, command, workdir, monkeypatch, capsys):
         from jaxring import demo
 
         code = _exit_code(demo.main, words[3:] + ["--seq", "256", "--runs", "1"])
+    elif words[:3] == ["python", "-m", "jaxring.data"]:
+        from jaxring.data.__main__ import main as data_main
+
+        code = _exit_code(data_main, words[3:] + ["--workers", "1", "--no-progress"])  # 1 worker: CI has 2 cores
     elif words[:3] == ["python", "-m", "jaxring.planner"]:
         from jaxring.planner.__main__ import main as planner_main
 
