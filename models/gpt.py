@@ -15,7 +15,6 @@ not part of the model: every call takes a `ParallelPlan`, so the same parameters
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -90,13 +89,13 @@ class GPTConfig:
         if self.rope_scaling not in ROPE_SCALINGS:
             raise ValueError(f"rope_scaling {self.rope_scaling!r}: expected one of {', '.join(ROPE_SCALINGS)}")
         if self.positions == "rope":
-            self.rope  # Rope's own checks (factor > 0, llama3/yarn need rope_original_max_positions, ...)
+            _ = self.rope  # Rope's own checks (factor > 0, llama3/yarn need rope_original_max_positions, ...)
         if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
             raise ValueError(f"rope_theta {self.rope_theta!r} must be a positive number")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r}: expected one of {', '.join(ACTIVATIONS)}")
         if self.num_experts is not None:
-            self.moe  # MoEConfig's own checks (top-k <= experts, capacity > 0, ...)
+            _ = self.moe  # MoEConfig's own checks (top-k <= experts, capacity > 0, ...)
         if self.positions not in ("rope", "learned"):
             raise ValueError(f"positions {self.positions!r}: expected 'rope' or 'learned'")
         if self.head_dim is None and self.hidden % self.num_heads:
@@ -277,8 +276,6 @@ def check_plan(cfg: GPTConfig, plan: ParallelPlan, batch: int, seq_len: int) -> 
         plan, num_heads=cfg.num_heads, num_kv_heads=num_kv, hidden=cfg.hidden, ffn=cfg.ffn_size, vocab=cfg.vocab_size
     )
     plan.check_heads(cfg.num_heads, num_kv)
-    if cfg.sliding_window is not None:
-        check_window_supported()
     if cfg.moe is not None:
         if not plan.tensor.runs_moe:
             raise ValueError(
@@ -296,15 +293,6 @@ def check_plan(cfg: GPTConfig, plan: ParallelPlan, batch: int, seq_len: int) -> 
     plan.check_seq_len(seq_len, causal=True)
     if cfg.positions == "learned" and seq_len > cfg.max_seq_len:
         raise ValueError(f"seq {seq_len} exceeds the learned positions' max_seq_len {cfg.max_seq_len}")
-
-
-def check_window_supported() -> None:
-    """A sliding window needs `ParallelPlan.attend(..., window=)` (jaxring's sliding-window attention)."""
-    if "window" not in inspect.signature(ParallelPlan.attend).parameters:
-        raise ValueError(
-            "sliding_window needs sliding-window attention (ParallelPlan.attend(window=)), which this jaxring "
-            "does not have yet; --override sliding_window=none attends the whole context"
-        )
 
 
 def get_config(preset: str, **overrides) -> GPTConfig:

@@ -115,12 +115,6 @@ def check_kv_heads(num_heads: int, num_kv_heads: int, tp: int, method: str) -> N
         )
 
 
-def window_kw(window: int | None) -> dict:
-    """{"window": W} for `ParallelPlan.attend` and the attention kernels, {} without a sliding window (so the
-    call also works where `window` is not supported)."""
-    return {} if window is None else {"window": window}
-
-
 def merge_heads(out):
     """[b, s, heads, d] -> [b, s, heads·d]."""
     return out.reshape(out.shape[0], out.shape[1], -1)
@@ -248,7 +242,7 @@ class TensorMethod(HasOptions):
         q, k, v = (add_bias(x @ w[f"w{n}"], w.get(f"b{n}")) for n in "qkv")
         q, k, v = split_heads(q, k, v, head_dim)
         q, k = qk_norm_rope(q, k, w, positions, rope, eps=norm_eps)
-        out = plan.attend(q, k, v, positions, causal=causal, **window_kw(window))
+        out = plan.attend(q, k, v, positions, causal=causal, window=window)
         return add_bias(merge_heads(out) @ w["wo"], w.get("bo"))
 
     def mlp(self, plan, x, w: dict, *, activation: str):

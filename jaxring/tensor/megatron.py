@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring.attention.flash import flash_attention
+from jaxring.attention.masking import check_window
 from jaxring.mesh import DATA_AXES, mesh_axis_size, spec_entry
 from jaxring.registry import register_tensor_method
 from jaxring.sharded import run_local
@@ -58,7 +59,6 @@ from jaxring.tensor.contract import (
     add_bias,
     own_kv_head,
     qk_norm_rope,
-    window_kw,
 )
 from jaxring.vma import common_vma, gather_invariant, vary, varying_axes
 
@@ -272,6 +272,7 @@ def attention(
     attend=None,
     extras: dict | None = None,
     norm_eps: float = 1e-6,
+    window: int | None = None,
 ):
     """Self-attention with heads split over `axis_name`: Q, K, V column-linears, attention on the local heads
     over the whole (tp-gathered) sequence, output projection as a row-linear.
@@ -286,6 +287,8 @@ def attention(
         strategy over another mesh axis (tensor × sequence parallelism); default flash attention.
       extras: optional local biases bq [hq·d], bk/bv [hkv·d] (on the column outputs), bo [h] (after the
         reduction), and QK-norm scales q_norm/k_norm [d] (RMSNorm per head with eps `norm_eps`, before RoPE).
+      window: sliding window W of the default core (needs causal): the query at position i sees keys
+        i - W < j <= i; None: unlimited. A given `attend` applies its own.
     Returns: the same layout as x.
     """
     extras = extras or {}
@@ -306,7 +309,7 @@ def attention(
     pos = gather_from_sp(positions, axis_name) if gather else positions  # [b, s]
     q, k = qk_norm_rope(q, k, extras, pos, rope_theta, eps=norm_eps)
     if attend is None:
-        out = flash_attention(q, k, v, causal=causal, q_positions=pos, kv_positions=pos)
+        out = flash_attention(q, k, v, causal=causal, q_positions=pos, kv_positions=pos, window=window)
     else:
         out = attend(q, k, v, pos)  # [b, s, hq, d]
     return add_bias(row_parallel_linear(out.reshape(b, s, hq * head_dim), wo, **kw), extras.get("bo"))
@@ -499,6 +502,7 @@ def attention_block(
     num_kv_heads: int,
     causal: bool = True,
     rope_theta: float | None = 10000.0,
+    window: int | None = None,
 ):
     """TP+SP self-attention on global arrays.
 
@@ -506,6 +510,7 @@ def attention_block(
       x: [batch, seq, hidden]; params {"wq": [hidden, num_heads*head_dim], "wk", "wv": [hidden,
         num_kv_heads*head_dim], "wo": [num_heads*head_dim, hidden]}; head j owns columns j*d:(j+1)*d.
       positions: int32 [batch, seq]: RoPE (q and k, when rope_theta is not None) and the causal mask.
+      window: sliding window W (needs causal): the query at position i sees keys i - W < j <= i.
       num_heads % tp == 0. K/V heads: split over tp when num_kv_heads % tp == 0; when num_kv_heads < tp
         divides tp, each K/V head is REPLICATED on the tp / num_kv_heads ranks whose query heads read it (its
         gradient is the sum of the replicas'); anything else raises.
@@ -517,6 +522,7 @@ def attention_block(
     if set(params) != {"wq", "wk", "wv", "wo"}:
         raise ValueError(f"attention params must be wq, wk, wv, wo; got {tuple(sorted(params))}")
     _check_heads(num_heads, num_kv_heads, tp)
+    window = check_window(window, bool(causal))
     b, s, h = x.shape
     wq, wk, wv, wo = (params[n] for n in ("wq", "wk", "wv", "wo"))
     if wq.shape[0] != h or wq.shape[1] % num_heads:
@@ -547,6 +553,7 @@ def attention_block(
         head_dim=d,
         causal=bool(causal),
         rope_theta=None if rope_theta is None else float(rope_theta),
+        window=window,
     )
 
 
@@ -712,7 +719,7 @@ class Megatron(TensorMethod):
         w = own_kv_head(w, num_kv_heads, plan.tp, head_dim)  # fewer K/V heads than tp: replicated
 
         def attend(q, k, v, pos):
-            return plan.attend(q, k, v, pos, causal=causal, **window_kw(window))
+            return plan.attend(q, k, v, pos, causal=causal, window=window)
 
         extras = {n: w[n] for n in ("bq", "bk", "bv", "bo", "q_norm", "k_norm") if n in w}
         return attention(

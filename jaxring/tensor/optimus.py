@@ -61,11 +61,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring.attention.flash import flash_attention
+from jaxring.attention.masking import check_window
 from jaxring.collectives import prefetch_steps, tree_broadcast, tree_reduce
 from jaxring.mesh import DATA_AXES, factored_mesh, spec_entry
 from jaxring.registry import register_tensor_method
 from jaxring.sharded import run_local
-from jaxring.tensor.contract import ACTIVATIONS, ParamInfo, TensorMethod, add_bias, qk_norm_rope, window_kw
+from jaxring.tensor.contract import ACTIVATIONS, ParamInfo, TensorMethod, add_bias, qk_norm_rope
 from jaxring.vma import common_vma
 
 ROW, COL = "tpr", "tpc"  # grid axes: device (i, j) has tpr = i, tpc = j
@@ -318,7 +319,7 @@ def attention_2d(
     parts = (qkv[..., : sizes[0]], qkv[..., sizes[0] : sizes[0] + sizes[1]], qkv[..., sizes[0] + sizes[1] :])
     qh, kh, vh = (add_bias(t, params.get(f"b{n}")).reshape(bq, s, -1, head_dim) for t, n in zip(parts, "qkv"))
     qh, kh = qk_norm_rope(qh, kh, params, positions, rope_theta, eps=norm_eps)
-    out = flash_attention(qh, kh, vh, causal=causal, q_positions=positions, kv_positions=positions, **window_kw(window))
+    out = flash_attention(qh, kh, vh, causal=causal, q_positions=positions, kv_positions=positions, window=window)
     return add_bias(_matmul(out.reshape(bq, s, heads * head_dim), params["wo"], axes), params.get("bo"))
 
 
@@ -513,7 +514,10 @@ def _run(kind, grid, data, static, args, specs):
     x_spec, tok_spec = _specs(data)
     local, options = {
         "mlp": (_mlp_local, dict(zip(("activation", "names"), static))),
-        "attention": (_attention_local, dict(zip(("num_heads", "num_kv_heads", "causal", "rope_theta"), static))),
+        "attention": (
+            _attention_local,
+            dict(zip(("num_heads", "num_kv_heads", "causal", "rope_theta", "window"), static)),
+        ),
         "layer_norm": (_layer_norm_local, dict(zip(("eps",), static))),
         "embed": (_embed_local, {}),
         "cross_entropy": (_cross_entropy_local, dict(zip(("tied",), static))),
@@ -559,16 +563,19 @@ def attention_block(
     num_kv_heads: int,
     causal: bool = True,
     rope_theta: float | None = 10000.0,
+    window: int | None = None,
 ):
     """params {"wq": [hidden, num_heads*head_dim], "wk": [hidden, num_kv_heads*head_dim], "wv": as wk,
     "wo": [num_heads*head_dim, hidden]}; head h's columns are h*head_dim:(h+1)*head_dim. positions: global
     int32 [batch, seq] (RoPE on q and k when rope_theta is not None; the causal mask uses the same
-    positions). Returns y [batch, seq, hidden].
+    positions). window: sliding window W (needs causal): the query at position i sees keys i - W < j <= i.
+    Returns y [batch, seq, hidden].
 
     Each device attends n/q heads of b/q sequences; num_heads and num_kv_heads must be divisible by q.
     """
     grid, q, data = grid_mesh(mesh)
     _check_batch(x, grid, q, data)
+    window = check_window(window, bool(causal))
     batch, seq, hidden = x.shape
     if not (isinstance(num_heads, int) and isinstance(num_kv_heads, int) and num_heads > 0 and num_kv_heads > 0):
         raise ValueError(f"num_heads {num_heads!r} and num_kv_heads {num_kv_heads!r} must be positive integers")
@@ -598,7 +605,7 @@ def attention_block(
         "attention",
         grid,
         data,
-        (num_heads, num_kv_heads, bool(causal), theta),
+        (num_heads, num_kv_heads, bool(causal), theta, window),
         (x, params, positions),
         (x_spec, {n: P(*GRID) for n in params}, tok_spec),
     )
