@@ -14,6 +14,7 @@ Every refusal is one `CheckpointError` line naming the file and the tensor or se
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -323,13 +324,18 @@ def read_config(path: str) -> GPTConfig:
     return config_from_hf(hf, file)
 
 
-def load_pretrained(path: str, plan: ParallelPlan | None = None, *, dtype=None) -> tuple[GPT, GPTConfig]:
+def load_pretrained(
+    path: str, plan: ParallelPlan | None = None, *, dtype=None, overrides: dict | None = None
+) -> tuple[GPT, GPTConfig]:
     """The model of a Hugging Face checkpoint directory, each parameter placed on its shards under `plan`
     (as `jaxring.nn.param_shardings` lays it out: tensor method, ZeRO-3, pp stages; None: one device).
 
     dtype: the parameters' dtype (default float32). Every tensor's presence, shape and dtype is checked before
-    any is read, so a bad checkpoint fails in one line before anything is placed."""
+    any is read, so a bad checkpoint fails in one line before anything is placed. overrides: GPTConfig fields
+    changed from config.json's that keep every parameter's shape (RoPE scaling for context extension)."""
     cfg = read_config(path)
+    if overrides:
+        cfg = dataclasses.replace(cfg, **overrides)
     files = _Files(path)
     dtype = jnp.dtype(dtype or jnp.float32)
     graphdef, state = _abstract(cfg)

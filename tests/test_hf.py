@@ -195,3 +195,52 @@ def test_bad_checkpoints_are_one_line(tmp_path, damage, message):
     with pytest.raises(hf.CheckpointError, match=message) as info:
         hf.load_pretrained(str(path))
     assert "\n" not in str(info.value)
+
+
+def test_train_py_init_from_and_export_hf(tmp_path, capsys):
+    """train.py --init-from DIR starts from the checkpoint's weights (one step at lr 1e-6 moves them by less than
+    1e-4) with a RoPE override for context extension, and --export-hf writes what load_pretrained reads; an
+    override of a shape field is one line naming it."""
+    from flax import nnx
+
+    import train as cli
+
+    cfg = gpt.get_config("tiny-llama3", vocab_size=384, num_layers=1)
+    src, out = tmp_path / "src", tmp_path / "out"
+    hf.save_pretrained(gpt.GPT(cfg, rngs=nnx.Rngs(3)), cfg, str(src))
+    common = ["--init-from", str(src), "--steps", "1", "--batch-size", "2", "--seq-len", "32", "--sample-tokens", "0"]
+    common += ["--no-progress", "--no-eval-at-end", "--out-dir", str(tmp_path / "run"), "--dp", "2", "--sp", "4"]
+    common += ["--attention", "ring"]
+    assert cli.main([*common, "--override", "hidden=32"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--override hidden=32 contradicts --init-from" in err[0], err
+    rc = cli.main([*common, "--lr", "1e-6", "--warmup", "0", "--export-hf", str(out), "--override", "rope_factor=16"])
+    assert rc == 0
+    before, _ = hf.load_pretrained(str(src))
+    after, cfg_after = hf.load_pretrained(str(out))
+    assert cfg_after == gpt.dataclasses.replace(cfg, rope_factor=16.0, head_dim=cfg.attn_head_dim)
+    a, b = hf.to_hf_tensors(nnx_pure(before)), hf.to_hf_tensors(nnx_pure(after))
+    assert set(a) == set(b)
+    moved = max(float(np.abs(a[k] - b[k]).max()) for k in a)
+    assert 0 < moved < 1e-4, moved
+
+
+@pytest.mark.parametrize(
+    "preset, billions",
+    [("llama3-8b", 8.030), ("llama3.1-8b", 8.030), ("llama3-70b", 70.554), ("mistral-7b", 7.242),
+     ("qwen2.5-7b", 7.616), ("qwen3-8b", 8.191)],
+)  # fmt: skip
+def test_presets_have_the_published_shapes(preset, billions):
+    """Parameter counts of the released checkpoints; each preset (and its tiny twin) maps to an HF config and
+    back unchanged."""
+    cfg = gpt.PRESETS[preset]
+    assert round(cfg.num_params() / 1e9, 3) == billions
+    twin = {
+        "llama3-8b": "tiny-llama3",
+        "mistral-7b": "tiny-mistral",
+        "qwen2.5-7b": "tiny-qwen2",
+        "qwen3-8b": "tiny-qwen3",
+    }
+    for c in (cfg, gpt.PRESETS.get(twin.get(preset, ""), cfg)):
+        back = hf.config_from_hf(hf.config_to_hf(c))
+        assert back == gpt.dataclasses.replace(c, head_dim=c.attn_head_dim)
