@@ -109,6 +109,17 @@ def test_plans_match_transformers(name):
     check_grads(family, plan)
 
 
+@pytest.mark.parametrize(
+    "strategy, options",
+    [("rsa", {}), ("ulysses", {}), ("wallfacer", {"team_size": 2}), ("allgather", {}), ("usp", {"ulysses_size": 2})],
+    ids=["rsa", "ulysses", "wallfacer", "allgather", "usp"],
+)
+def test_sliding_window_logits_on_every_sequence_strategy(strategy, options):
+    """Mistral's window (W = 8 over sp = 8 shards of 4 tokens) through every other sequence strategy (the ring's
+    logits and gradients are in test_plans_match_transformers), the forward against transformers."""
+    check_logits("mistral", plan_of(devices=8, sp=8, attention=strategy, **options))
+
+
 def test_load_save_load_is_bit_exact(tmp_path):
     """Qwen3 (norms, head_dim) written as several shards and read back: every parameter bit-identical, and the
     written tensors are the fixture's own; the tokenizer is copied."""
