@@ -306,7 +306,8 @@ def attention_2d(
     wk, wv [h/q, n_kv·d/q], wo [n·d/q, h/q] (column block j of wq/wk/wv = heads of group j), optionally
     the biases' column blocks bq [n·d/q], bk/bv [n_kv·d/q], bo [h/q] and the QK-norm scales q_norm/k_norm [d]
     (whole: heads are whole on a device). rope_theta: a theta, a `jaxring.rope.Rope` or None.
-    QKV is one SUMMA on the wq|wk|wv blocks side by side; softmax(QKᵀ)V is local; wo is a second SUMMA.
+    QKV is one SUMMA on the wq|wk|wv blocks side by side; softmax(QKᵀ)V is local (with a sliding `window` W,
+    needing causal, the query at position i sees keys i - W < j <= i); wo is a second SUMMA.
     Returns local [b/q, s, h/q].
     """
     q = lax.axis_size(axes[1])
