@@ -1,4 +1,4 @@
-"""Megatron-LM tensor parallelism with sequence parallelism (TP+SP), as in the Ultra-Scale Playbook (seed 003).
+"""Megatron-LM tensor parallelism with sequence parallelism (TP+SP), as in the Ultra-Scale Playbook [Playbook] (REFERENCES.md).
 
 A Transformer block on p = tp devices, with a local activation X_i of shape [b, s/p, h] on rank i:
 

@@ -1,4 +1,4 @@
-"""Memory-efficient tensor parallelism, METP (seed 000): O = f(AB)C on a ring, and two-level METP for MHA.
+"""Memory-efficient tensor parallelism, METP [METP] (REFERENCES.md): O = f(AB)C on a ring, and two-level METP for MHA.
 
 Everything here runs inside `shard_map` over one axis (`tp`) of size p, except the model-facing entry points
 (`mlp_block`, `attention_block`, `param_specs`) which take global arrays. METP splits the *sequence* over
@@ -12,7 +12,7 @@ O_i = Σ_r f(A_i B_r) C_r. The (B, C) blocks circulate; rank i holds block (i - 
       T = A_i B^(j);  O_i += f(T) C^(j)
 
 (Algorithm 1 sends to i-1; jaxring's rings all turn one way, `collectives.FORWARD`: the direction does not
-change the sums or the bytes, see metp.md.)
+change the sums or the bytes.)
 
 Backward (`jax.custom_vjp`, recompute): the residuals are A_i and the rank's own B, C blocks only (no T, no
 f(T)). The blocks go round again, with their gradient accumulators:
@@ -75,7 +75,7 @@ from jaxring.attention.blockwise import BlockOps, get_block_ops, with_window
 from jaxring.attention.masking import check_window, positions_may_meet
 from jaxring.attention.merge import empty_partial, merge_partials
 from jaxring.attention.ring import fuse_by_default
-from jaxring.attention.schedule import when_visible
+from jaxring.attention.ring_step import when_visible
 from jaxring.collectives import (
     BACKWARD,
     FORWARD,

@@ -1,4 +1,4 @@
-"""Optimus: 2D tensor parallelism with SUMMA products (seed 002, Xu et al. 2021).
+"""Optimus: 2D tensor parallelism with SUMMA products [Optimus] (Xu et al.; REFERENCES.md).
 
 tp = p = q² devices form a q×q grid (the `tp` axis split into rows `tpr` and columns `tpc`, tpc innermost;
 device (i, j) has tpr = i, tpc = j). Every matrix is split into q×q blocks, block (i, j) on device (i, j):
