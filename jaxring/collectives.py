@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxring import compat
 from jaxring.vma import common_vma, vary, varying_axes
 
 # The pipeline stage being traced, set only inside `stage_local` (a context manager the pipeline interpreter
@@ -56,31 +57,12 @@ def own_channel_per_cpu_permute() -> bool:
     rendezvous of a collective-permute by it: two different permutes in quick succession (METP's tree rounds,
     a ring's K, V and positions) can meet in one rendezvous, which aborts the process ("Check failed:
     state.use_count() == num_threads") or mixes their data. Seen in the METP tp=8 train step, 3 runs of 5 at
-    30 steps; none in 11 with this lowering. Only the channel ids change: same transfers, same bytes. (Uses
-    private JAX modules: jaxring has no compat.py yet to hold them.)
+    30 steps; none in 11 with this lowering. Only the channel ids change: same transfers, same bytes. (The private
+    JAX modules it needs are behind `jaxring.compat`.)
     """
-    if _CPU_LOWERING:
-        return True
-    try:
-        from jax._src.interpreters import mlir
-        from jax._src.lax import parallel
-        from jax._src.lib.mlir.dialects import hlo
-
-        common = parallel._pcollectives_lowering_common
-    except (ImportError, AttributeError):  # JAX internals moved: keep JAX's own lowering
-        return False
-
-    def lowering(ctx, x, *, axis_name, perm):
-        full_perm, options = common(ctx, axis_name=axis_name, perm=perm, op_name="ppermute")
-        if "channel_handle" in options:
-            options = dict(
-                channel_handle=hlo.ChannelHandle.get(ctx.module_context.new_channel(), mlir.DEVICE_TO_DEVICE_TYPE)
-            )
-        return hlo.CollectivePermuteOp(x, mlir.dense_int_elements(full_perm), **options).results
-
-    mlir.register_lowering(parallel.ppermute_p, lowering, platform="cpu")
-    _CPU_LOWERING.append(lowering)
-    return True
+    if not _CPU_LOWERING:
+        _CPU_LOWERING.append(compat.register_cpu_ppermute_lowering_with_own_channels())
+    return _CPU_LOWERING[0]
 
 
 STAGE_PERMUTES = ("ppermute", "all_to_all")

@@ -30,11 +30,37 @@ __all__ = [
     "hlo_cost_analysis",
     "is_literal",
     "partial_eval_jaxpr",
+    "register_cpu_ppermute_lowering_with_own_channels",
 ]
 
 
 # --------------------------------------------------------------------------------------------- collectives
-# (jaxring/collectives.py's lowering of ppermute on CPU belongs here; its owner moves it.)
+
+
+def register_cpu_ppermute_lowering_with_own_channels() -> bool:
+    """Registers, for the CPU platform, a lowering of `lax.ppermute` that gives every collective-permute a
+    channel id of its own (JAX gives all of them channel 1 inside shard_map). Returns False, changing nothing,
+    when JAX's internals moved (jax._src.interpreters.mlir, jax._src.lax.parallel's
+    `_pcollectives_lowering_common`). Checked on jax 0.10.2. Used by `jaxring.collectives`."""
+    try:
+        from jax._src.interpreters import mlir
+        from jax._src.lax import parallel
+        from jax._src.lib.mlir.dialects import hlo
+
+        common = parallel._pcollectives_lowering_common
+    except (ImportError, AttributeError):
+        return False
+
+    def lowering(ctx, x, *, axis_name, perm):
+        full_perm, options = common(ctx, axis_name=axis_name, perm=perm, op_name="ppermute")
+        if "channel_handle" in options:
+            options = dict(
+                channel_handle=hlo.ChannelHandle.get(ctx.module_context.new_channel(), mlir.DEVICE_TO_DEVICE_TYPE)
+            )
+        return hlo.CollectivePermuteOp(x, mlir.dense_int_elements(full_perm), **options).results
+
+    mlir.register_lowering(parallel.ppermute_p, lowering, platform="cpu")
+    return True
 
 
 # ------------------------------------------------------------------------------------------- varying types

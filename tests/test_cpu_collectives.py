@@ -199,6 +199,7 @@ STRESS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a 2-4 minute stress run in a child process
 def test_tensor_and_ring_programs_run_repeatedly_without_deadlock(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(

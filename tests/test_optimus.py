@@ -1,4 +1,4 @@
-"""Optimus 2D tensor parallelism (seed 002): SUMMA AB / ABᵀ / AᵀB forward and gradients, the MLP, attention,
+"""Optimus 2D tensor parallelism [Optimus]: SUMMA AB / ABᵀ / AᵀB forward and gradients, the MLP, attention,
 layernorm, embedding and cross-entropy blocks against plain jnp (forward and every gradient) on q = 2 (tp = 4)
 and dp = 2 × tp = 4, bytes moved against the paper's log-tree counts (Table 1), the one-block memory claim
 (stepwise SUMMA vs gathered panels, at q = 4 in a 16-device subprocess) and error messages."""

@@ -1,4 +1,4 @@
-"""WallFacer attention (seed 004): accuracy against the dense reference (forward and dQ/dK/dV), C = 1 against
+"""WallFacer attention [WallFacer]: accuracy against the dense reference (forward and dQ/dK/dV), C = 1 against
 ring attention, the factored mesh and the init map, bytes moved against the paper's formulas, causal
 balance of the team-level zigzag, and error messages."""
 

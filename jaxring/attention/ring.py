@@ -55,7 +55,7 @@ from jaxring.attention.blockwise import BlockOps, get_block_ops, with_window
 from jaxring.attention.layout import RankTokens
 from jaxring.attention.masking import check_qkv, check_window, positions_may_meet, segments_may_meet
 from jaxring.attention.merge import empty_partial
-from jaxring.attention.schedule import add_block_grads, attend_block, pair_work, run_work, split_runs
+from jaxring.attention.ring_step import add_block_grads, attend_block, pair_work, run_work, split_runs
 from jaxring.collectives import BACKWARD, ring_steps, ring_steps_accumulating, send_to_next
 from jaxring.registry import SequenceStrategy, register_sequence_strategy
 from jaxring.vma import vary_like

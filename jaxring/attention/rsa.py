@@ -1,4 +1,4 @@
-"""Ring Self-Attention (RSA, seed 001: "Sequence Parallelism", Li et al.): materialised scores, two rings.
+"""Ring Self-Attention [RSA] ("Sequence Parallelism", Li et al.; REFERENCES.md): materialised scores, two rings.
 
 N devices on the `sp` axis, each holding n = L/N tokens of Q, K, V (in any layout). Rank r:
 
@@ -16,7 +16,7 @@ sliding window (query i sees keys i - W < j <= i) is one more term of the mask, 
 cost does not shrink with the window.
 
 Backward (`jax.custom_vjp`; the paper's "two ring-style P2P and two all-reduce", with the all-reduces done as
-reduce-scatters, see notes/rsa.md):
+reduce-scatters: a reduce-scatter moves half the bytes of an all-reduce and each rank needs only its own shard):
 
   pass V (ring):  dP^r[:, o-block] = dO^r V^oᵀ                            (N-1 hops of V)
   locally:        dS^r = P^r ⊙ (dP^r - rowsum(dP^r ⊙ P^r)) * sm_scale

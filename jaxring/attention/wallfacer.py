@@ -1,4 +1,4 @@
-"""WallFacer attention (seed 004): multi-ring sequence parallelism with teams of C devices.
+"""WallFacer attention [WallFacer] (REFERENCES.md): multi-ring sequence parallelism with teams of C devices.
 
 P devices hold the sequence (n = S/P tokens each). They form P/C *teams* of C devices; P/C² teams make a
 *team group* (C groups). Within a group, the devices with the same rank a inside their team form a
@@ -112,7 +112,7 @@ from jaxring.attention.layout import check_seq_len
 from jaxring.attention.masking import check_qkv, check_window, positions_may_meet
 from jaxring.attention.merge import empty_partial
 from jaxring.attention.ring import attend_step, fuse_by_default, grads_step
-from jaxring.attention.schedule import pair_work, split_runs
+from jaxring.attention.ring_step import pair_work, split_runs
 from jaxring.collectives import ppermute, ring_steps, ring_steps_accumulating, send_to_next
 from jaxring.registry import Option, SequenceStrategy, register_sequence_strategy
 from jaxring.vma import vary_like
