@@ -247,9 +247,12 @@ def test_held_out_ids_beyond_the_vocabulary_are_reported_before_the_first_step(t
     [
         (
             "vocab_size=100000",
-            r"--override vocab_size=100000: the data python-stdlib\[train\] has a vocabulary of 256;",
+            r"--override vocab_size=100000: the data bytes has a vocabulary of 257; rows past 384",
         ),
-        ("vocab_size=100", r"--override vocab_size=100: the data python-stdlib\[train\] has a vocabulary of 256 "),
+        (
+            "vocab_size=100",
+            r"--override vocab_size=100: the data bytes has a vocabulary of 257 \(token ids up to 256\)",
+        ),
         ("max_seq_len=4096", r"--override max_seq_len=4096: the data is cut into sequences of --seq-len 64;"),
     ],
 )
