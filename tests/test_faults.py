@@ -115,6 +115,7 @@ def _disk_full(monkeypatch):
     monkeypatch.setattr(json_checkpoint_handler.JsonCheckpointHandler, "_save_fn", full)
 
 
+@pytest.mark.slow  # a 1-3 minute run on a small filesystem
 def test_a_full_disk_stops_the_run_in_one_line_and_leaves_no_temporary_directory(tmp_path, monkeypatch, capfd):
     _disk_full(monkeypatch)
     ck = tmp_path / "ck"
@@ -215,7 +216,7 @@ def test_only_regular_files_are_data(tmp_path, kind):
     if kind == "fifo":
         path = tmp_path / "pipe"
         os.mkfifo(path)
-        expected = "is a named pipe (FIFO)"
+        expected = "is a FIFO"
     else:
         path, expected = Path("/dev/zero"), "is a character device"
 
@@ -226,7 +227,10 @@ def test_only_regular_files_are_data(tmp_path, kind):
 
     out = _train_py([*SMALL_FLAGS, "--cpu-devices", "1", "--data", str(path)], timeout=120, preexec_fn=cap_memory)
     assert out.returncode == 2, out.stderr[-2000:]
-    assert out.stderr == f"error: token data {str(path)!r} {expected}: give a regular file or a directory of them\n"
+    assert out.stderr == (
+        f"error: input {str(path)!r} {expected}, not a regular file: give a text, .jsonl or .parquet file, "
+        "or a directory of them\n"
+    )
 
 
 def test_held_out_ids_beyond_the_vocabulary_are_reported_before_the_first_step(tmp_path):
@@ -264,6 +268,7 @@ def test_overrides_beyond_the_data_are_refused(override, message, capsys):
 # ---- signals ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a train.py child run to a save
 def test_sighup_stops_after_the_step_and_saves(tmp_path):
     """A closed terminal used to kill the run at once (exit 129), with nothing saved."""
     ck = tmp_path / "ck"
