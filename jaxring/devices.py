@@ -12,6 +12,11 @@ ConnectX-7) or 200 Gb/s (A100, HDR) NIC per GPU: 50 / 25 GB/s. A figure not know
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import jax
+
 import dataclasses
 
 __all__ = ["DEVICES", "DeviceSpec", "device_spec", "device_spec_of"]
@@ -63,7 +68,7 @@ def device_spec(device: str | DeviceSpec) -> DeviceSpec:
     return DEVICES[device]
 
 
-def device_spec_of(device) -> DeviceSpec | None:
+def device_spec_of(device: jax.Device) -> DeviceSpec | None:
     """The spec of a jax device from its `device_kind`, or None (CPU, a device not in `DEVICES`)."""
     kind = getattr(device, "device_kind", "").lower()
     return next((s for s in DEVICES.values() if any(k.lower() in kind for k in s.kinds)), None)

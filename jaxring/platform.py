@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
 
 import jax
 
@@ -18,7 +19,7 @@ def max_cpu_devices() -> int:
     return max(8, min(4096, 64 * (os.cpu_count() or 1)))
 
 
-def check_cpu_devices(count, flag: str = "--cpu-devices") -> int:
+def check_cpu_devices(count: int | str, flag: str = "--cpu-devices") -> int:
     """`count` if it is a sensible number of simulated CPU devices; else ValueError in one line."""
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"{flag} {count!r} must be a positive integer (simulated CPU devices)")
@@ -54,13 +55,13 @@ def use_cpu_devices_if_no_accelerator(count: int) -> list:
     return jax.devices()
 
 
-def describe_devices(devices) -> str:
+def describe_devices(devices: Sequence[jax.Device]) -> str:
     d = devices[0]
     kind = getattr(d, "device_kind", d.platform)
     return f"{len(devices)} x {kind} ({d.platform})"
 
 
-def benchmark_record(name: str, devices, config: dict) -> dict:
+def benchmark_record(name: str, devices: Sequence[jax.Device], config: dict) -> dict:
     """The header every benchmark result file carries: what ran, where, with which versions."""
     import os
     import platform

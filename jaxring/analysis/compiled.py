@@ -26,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -146,7 +148,7 @@ def received_factor(kind: str, group: int) -> float:
     }[kind]
 
 
-def collective_ops(hlo_text: str):
+def collective_ops(hlo_text: str) -> dict[str, int]:
     """Yields (line, kind, result bytes, executions) for every collective in compiled HLO; loop bodies count
     once per iteration. Async start ops return (operand, result, ...): the result is counted."""
     comps, entry = _computations(hlo_text)
@@ -194,7 +196,7 @@ class CompiledStats:
         return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
 
 
-def compile_stats(fn, *args, num_devices: int | None = None, **kwargs) -> CompiledStats:
+def compile_stats(fn: Callable[..., Any], *args: Any, num_devices: int | None = None, **kwargs: Any) -> CompiledStats:
     """Compiles `jax.jit(fn)(*args, **kwargs)` (args may be `jax.ShapeDtypeStruct`s) and measures it."""
     compiled = jax.jit(fn).lower(*args, **kwargs).compile()
     mem = compiled.memory_analysis()

@@ -37,6 +37,11 @@ Peak figures, HBM and link bandwidth: `jaxring.devices` (the link bandwidth is p
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxring.analysis.compiled import CompiledStats
+
 import dataclasses
 
 from jaxring.devices import DeviceSpec, device_spec
@@ -118,7 +123,7 @@ def roofline(
 
 
 def roofline_of(
-    report,
+    report: CompiledStats,
     device: str | DeviceSpec | None = None,
     dtype: str = "bf16",
     *,

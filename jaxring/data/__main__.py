@@ -12,7 +12,7 @@ import os
 import sys
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxring.data", description=__doc__.split("\n\n")[1])
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("prepare", help="tokenize documents into a store")

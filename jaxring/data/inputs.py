@@ -147,7 +147,9 @@ def _read_parquet(f: Path, field: str, counts: dict) -> Iterator[tuple[str, int]
                 counts["empty"] = counts.get("empty", 0) + 1
 
 
-def read_documents(path: str | os.PathLike, *, field: str = "text", counts: dict | None = None):
+def read_documents(
+    path: str | os.PathLike, *, field: str = "text", counts: dict | None = None
+) -> Iterator[tuple[str, int]]:
     """Yields (text, bytes read) per document of `path` (see the module docstring); counts["empty"] counts the
     empty documents skipped."""
     counts = {} if counts is None else counts

@@ -352,7 +352,7 @@ class StepBatches:
             it.close()
 
 
-def _close(ref) -> None:
+def _close(ref: weakref.ref) -> None:
     batches = ref()
     if batches is not None:
         batches.close()

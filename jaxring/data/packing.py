@@ -42,7 +42,7 @@ BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
 Piece = tuple[int, int, int, int]
 
 
-def plan_split(order, cursor: tuple[int, int], seq_len: int) -> tuple[list[Piece], Piece, tuple[int, int]]:
+def plan_split(order: np.ndarray, cursor: tuple[int, int], seq_len: int) -> tuple[list[Piece], Piece, tuple[int, int]]:
     """The pieces of the next `split` row from `cursor` = (document ordinal, items of it already taken), the
     lookahead item (the last target) and the cursor after the row. order[i] -> (first token, length)."""
     i, o = cursor
@@ -59,7 +59,7 @@ def plan_split(order, cursor: tuple[int, int], seq_len: int) -> tuple[list[Piece
     return pieces, (start, o, o + 1, n), (i, o)
 
 
-def plan_drop(order, cursor: tuple[int, int], seq_len: int) -> tuple[list[Piece], None, tuple[int, int]]:
+def plan_drop(order: np.ndarray, cursor: tuple[int, int], seq_len: int) -> tuple[list[Piece], None, tuple[int, int]]:
     """The whole documents of the next `drop` row from `cursor` (offset 0), and the cursor after it.
     Documents longer than seq_len - 1 are skipped (some document must fit; the loader checks)."""
     i, used, pieces = cursor[0], 0, []

@@ -24,7 +24,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import sysconfig
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -144,7 +146,7 @@ class TokenSource:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: Iterable[int]) -> str:
         ids = np.asarray(ids).reshape(-1)
         if self.tokenizer == "bytes":
             if ids.size and (ids.min() < 0 or ids.max() > 255):
@@ -189,7 +191,7 @@ def check_regular(path: Path, what: str) -> None:
     raise ValueError(f"{what} {str(path)!r} is {kind}: give a regular file or a directory of them")
 
 
-def _check_split(split):
+def _check_split(split: float) -> None:
     if split not in SPLITS:
         raise ValueError(f"split {split!r} must be one of {SPLITS}")
 
@@ -311,7 +313,7 @@ def load_tokens(path: str | os.PathLike | None, *, split: str = "train", vocab_s
     return _load_text(p, split)
 
 
-def _check_hosts(batch_size, process_index, process_count):
+def _check_hosts(batch_size: int, process_index: int, process_count: int) -> None:
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size {batch_size!r} must be a positive integer")
     if not isinstance(process_count, int) or process_count < 1:
@@ -326,7 +328,7 @@ def _check_hosts(batch_size, process_index, process_count):
     return batch_size // process_count
 
 
-def _check_seed_step(seed, step):
+def _check_seed_step(seed: int, step: int) -> None:
     if not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed {seed!r} must be a non-negative integer")
     if not isinstance(step, (int, np.integer)) or step < 0:
@@ -402,7 +404,7 @@ class ImageSource:
         return int(self.images.shape[0])
 
 
-def _resize(img, image_size: int):
+def _resize(img: Any, image_size: int) -> Any:
     from PIL import Image
 
     return img.resize((image_size, image_size), Image.Resampling.BILINEAR)

@@ -25,6 +25,7 @@ import multiprocessing
 import os
 import shutil
 import sysconfig
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +54,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
-def is_store(path) -> bool:
+def is_store(path: str | os.PathLike) -> bool:
     return path is not None and (Path(path) / META).is_file()
 
 
@@ -100,7 +101,7 @@ class DocumentStore:
 
     # ------------------------------------------------------------------------ building and opening
     @classmethod
-    def from_texts(cls, texts, tokenizer: Tokenizer, name: str) -> DocumentStore:
+    def from_texts(cls, texts: Iterable[str], tokenizer: Tokenizer, name: str) -> DocumentStore:
         """An in-memory store of `texts` (one document each; empty ones skipped)."""
         ids = [t for t in tokenizer.encode_batch([t for t in texts if t]) if t.size]
         if not ids:
@@ -111,7 +112,7 @@ class DocumentStore:
         return cls(tokens, offsets, tokenizer, name, meta)
 
     @classmethod
-    def open(cls, path, tokenizer: str | None = None) -> DocumentStore:
+    def open(cls, path: str | os.PathLike, tokenizer: str | None = None) -> DocumentStore:
         """The store in directory `path`, checked (files, sizes, offsets, ids); with `tokenizer` given ("bytes"
         or a tokenizer.json), a store made with another tokenizer is refused (one line naming both hashes)."""
         root = Path(path)
@@ -148,7 +149,7 @@ class DocumentStore:
         return cls(tokens, offsets, tok, meta.get("source", {}).get("name") or root.name, meta)
 
 
-def _meta(tokenizer, dtype, docs, tokens, max_id, empty, source) -> dict:
+def _meta(tokenizer: Tokenizer, dtype: np.dtype, docs: int, tokens: int, max_id: int, empty: int, source: str) -> dict:
     return {
         "format": FORMAT_VERSION,
         "tokenizer": {
@@ -227,7 +228,7 @@ def _encode_chunk(chunk: tuple[list[str], int]) -> tuple[np.ndarray, np.ndarray,
     return tokens, lengths, nbytes
 
 
-def _chunks(documents):
+def _chunks(documents: Iterable[tuple[str, int]]) -> Iterator[tuple[list[str], int]]:
     texts, size = [], 0
     for text, nbytes in documents:
         texts.append(text)
@@ -239,7 +240,7 @@ def _chunks(documents):
         yield texts, size
 
 
-def fingerprint(path, field: str) -> str:
+def fingerprint(path: str | os.PathLike, field: str) -> str:
     """sha256 of the input's files (relative paths, sizes, modification times) and the field read."""
     root = Path(path)
     h = hashlib.sha256(field.encode())
@@ -267,8 +268,8 @@ def _check_out_dir(out: Path, tokenizer: Tokenizer) -> None:
 
 
 def prepare(
-    input,
-    out_dir,
+    input: str | os.PathLike,
+    out_dir: str | os.PathLike,
     *,
     tokenizer: str | None = BYTES,
     field: str = "text",
@@ -296,7 +297,9 @@ def prepare(
     return DocumentStore.open(out)
 
 
-def _write_store(out: Path, tok: Tokenizer, input, files, field: str, workers: int, progress: bool) -> None:
+def _write_store(
+    out: Path, tok: Tokenizer, input: str | os.PathLike, files: list[Path], field: str, workers: int, progress: bool
+) -> None:
     """Tokenizes into out/*.tmp, renames them, writes meta.json last."""
     (out / META).unlink(missing_ok=True)  # no store until this one is complete
     dtype = token_dtype(tok.vocab_size)
@@ -353,7 +356,7 @@ def _write_store(out: Path, tok: Tokenizer, input, files, field: str, workers: i
 # ---------------------------------------------------------------------------------------------- for --data
 
 
-def cache_dir(path, tokenizer: Tokenizer) -> Path:
+def cache_dir(path: str | os.PathLike, tokenizer: Tokenizer) -> Path:
     """Where `open_store` prepares a text/.jsonl/.parquet input: PATH.jaxring-cache/<bytes or hash[:16]>."""
     key = BYTES if tokenizer.is_bytes else tokenizer.hash[:16]
     return Path(str(Path(path)).rstrip("/") + CACHE_SUFFIX) / key
@@ -374,7 +377,12 @@ def bundled_store(tokenizer: str | None = None) -> DocumentStore:
     return DocumentStore.from_texts(texts, load_tokenizer(tokenizer), "python-stdlib")
 
 
-def open_store(path, tokenizer: str | None = None, field: str = "text", log=None) -> DocumentStore:
+def open_store(
+    path: str | os.PathLike,
+    tokenizer: str | None = None,
+    field: str = "text",
+    log: Callable[[str], None] | None = None,
+) -> DocumentStore:
     """The documents `train.py --data PATH` names: None, the bundled corpus; a store directory (checked
     against `tokenizer` when given); any other input prepared on first use into `cache_dir` beside it
     (again when the input changed), with `tokenizer` (default: bytes)."""

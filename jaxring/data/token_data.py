@@ -14,7 +14,10 @@ same tokenizer), else the --val-fraction share of --data's documents (`loader.sp
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from jaxring.data.loader import PackedBatches, WindowBatches, split_documents
 from jaxring.data.sources import TokenBatches, TokenSource, load_tokens
@@ -23,7 +26,7 @@ from jaxring.data.store import DocumentStore, open_store
 __all__ = ["TokenData", "is_token_file", "open_token_data"]
 
 
-def is_token_file(path) -> bool:
+def is_token_file(path: str | os.PathLike) -> bool:
     """A nanoGPT-style uint16 .bin, or a directory holding train.bin: read as random windows."""
     if path is None:
         return False
@@ -54,7 +57,7 @@ class TokenData:
         return self.train.vocab_size
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Any:
         """encode(text) -> ids, decode(ids) -> text."""
         return self.train if self.is_windows else self.train.tokenizer
 
@@ -94,7 +97,7 @@ class TokenData:
         )
 
 
-def open_token_data(settings, log=None) -> TokenData:
+def open_token_data(settings: Any, log: Callable[[str], None] | None = None) -> TokenData:
     """The data `settings` (a `spec.DataSettings`) names; text inputs are prepared on first use (`log` says so)."""
     if is_token_file(settings.data):
         if settings.tokenizer not in (None, "bytes") or settings.val_data is not None:

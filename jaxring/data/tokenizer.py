@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -27,7 +29,7 @@ class Tokenizer:
     """name: "bytes" or the tokenizer.json path; hash: "bytes" or its sha256; vocab_size (ids are in
     [0, vocab_size)); eos_id: the token between documents."""
 
-    def __init__(self, name: str, hash: str, vocab_size: int, eos_id: int, hf=None):
+    def __init__(self, name: str, hash: str, vocab_size: int, eos_id: int, hf: Any = None):
         self.name, self.hash, self.vocab_size, self.eos_id, self._hf = name, hash, vocab_size, eos_id, hf
 
     @property
@@ -43,7 +45,7 @@ class Tokenizer:
             return [np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int32) for t in texts]
         return [np.asarray(e.ids, np.int32) for e in self._hf.encode_batch(texts, add_special_tokens=False)]
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`; the EOS shows as a blank line, ids outside the vocabulary are dropped."""
         runs: list[list[int]] = [[]]
         for i in np.asarray(ids).reshape(-1).tolist():
@@ -75,7 +77,7 @@ def tokenizer_file(spec: str) -> Path:
     return p
 
 
-def _eos_id(hf, path: Path) -> int:
+def _eos_id(hf: Any, path: Path) -> int:
     """The tokenizer's end-of-document id: tokenizer_config.json's eos_token beside it, else the first of
     EOS_NAMES it knows."""
     config = path.with_name("tokenizer_config.json")
