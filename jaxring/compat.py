@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 
 __all__ = [
@@ -51,7 +52,7 @@ def register_cpu_ppermute_lowering_with_own_channels() -> bool:
     except (ImportError, AttributeError):
         return False
 
-    def lowering(ctx, x, *, axis_name, perm):
+    def lowering(ctx: Any, x: Any, *, axis_name: Any, perm: Any) -> Any:
         full_perm, options = common(ctx, axis_name=axis_name, perm=perm, op_name="ppermute")
         if "channel_handle" in options:
             options = dict(
@@ -75,7 +76,7 @@ def has_all_gather_invariant() -> bool:
     return True
 
 
-def all_gather_invariant(x, axes, axis: int):
+def all_gather_invariant(x: jax.Array, axes: str | tuple[str, ...], axis: int) -> jax.Array:
     """Tiled all-gather of x's pieces along `axis` over the mesh `axes`, typed invariant (replicated) over them
     under check_vma, so its transpose is a slice rather than a psum_scatter. `jax._src.lax.parallel.
     all_gather_invariant(..., tiled=True)`; checked on jax 0.10.2."""
@@ -87,7 +88,7 @@ def all_gather_invariant(x, axes, axis: int):
 # ------------------------------------------------------------------------------------------------- jaxprs
 
 
-def close_jaxpr(jaxpr, consts) -> ClosedJaxpr:
+def close_jaxpr(jaxpr: Any, consts: list) -> ClosedJaxpr:
     """A `ClosedJaxpr` of an open jaxpr and its constants (`jax.extend.core.ClosedJaxpr`; checked on jax
     0.10.2)."""
     return ClosedJaxpr(jaxpr, consts)
@@ -99,12 +100,12 @@ def eval_closed_jaxpr(closed: ClosedJaxpr, args: list) -> list:
     return jaxpr_as_fun(closed)(*args)
 
 
-def is_literal(var) -> bool:
+def is_literal(var: Any) -> bool:
     """Whether a jaxpr variable is a literal constant (`jax.extend.core.Literal`; checked on jax 0.10.2)."""
     return isinstance(var, Literal)
 
 
-def dce_jaxpr(jaxpr, used_outputs: list[bool], instantiate: bool = False) -> tuple[Any, list[bool]]:
+def dce_jaxpr(jaxpr: Any, used_outputs: list[bool], instantiate: bool = False) -> tuple[Any, list[bool]]:
     """Dead-code elimination of an open jaxpr: (the jaxpr computing only `used_outputs`, which of its inputs
     that reads). `jax._src.interpreters.partial_eval.dce_jaxpr`; checked on jax 0.10.2."""
     from jax._src.interpreters import partial_eval as pe
@@ -112,7 +113,7 @@ def dce_jaxpr(jaxpr, used_outputs: list[bool], instantiate: bool = False) -> tup
     return pe.dce_jaxpr(jaxpr, list(used_outputs), instantiate=instantiate)
 
 
-def partial_eval_jaxpr(closed: ClosedJaxpr, unknowns: list[bool], instantiate: bool = False):
+def partial_eval_jaxpr(closed: ClosedJaxpr, unknowns: list[bool], instantiate: bool = False) -> tuple:
     """Splits a closed jaxpr by which inputs are unknown (the machinery of `jax.linearize`): (known jaxpr:
     known inputs -> known outputs + residuals, unknown jaxpr: residuals + unknown inputs -> unknown outputs,
     which outputs are unknown, the residuals' avals). `jax._src.interpreters.partial_eval.partial_eval_jaxpr_nounits`;
@@ -144,7 +145,7 @@ def hlo_cost_analysis(hlo_text: str) -> dict[str, float]:
     return _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), hlo_lib.hlo_module_from_text(hlo_text))
 
 
-def executable_cost_analysis(compiled) -> list[dict[str, float]]:
+def executable_cost_analysis(compiled: jax.stages.Compiled) -> list[dict[str, float]]:
     """XLA's HloCostAnalysis of each HLO module of a compiled program (`jax.stages.Compiled`), run by the host's
     CPU client. `Compiled.runtime_executable()` and `jax._src.lib._jax.hlo_module_cost_analysis`; checked on jax
     0.10.2."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +23,7 @@ from jaxring.platform import describe_devices, use_cpu_devices_if_no_accelerator
 from jaxring.timing import median_seconds
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sp", type=int, default=None, help="sequence-parallel degree (default: all devices / dp)")
     parser.add_argument("--dp", type=int, default=1)
@@ -43,7 +45,7 @@ def main(argv=None) -> int:
         return 2
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     """Prints the comparison and the timings; 0 when ring attention agrees with dense attention, else 1."""
     devices = use_cpu_devices_if_no_accelerator(args.cpu_devices)
     sp = args.sp or len(devices) // args.dp
@@ -60,10 +62,10 @@ def run(args) -> int:
     v = jax.random.normal(keys[2], (args.batch, args.seq, kv_heads, args.head_dim), dtype)
     dout = jax.random.normal(keys[3], q.shape, dtype)
 
-    def fwd_bwd(strategy):
+    def fwd_bwd(strategy: str) -> Callable[..., Any]:
         layout = {} if strategy == "dense" else {"layout": args.layout}  # dense attends the natural order
 
-        def run(q, k, v, dout):
+        def run(q: jax.Array, k: jax.Array, v: jax.Array, dout: jax.Array) -> Any:
             out, vjp = jax.vjp(
                 lambda q, k, v: jaxring.sharded_attention(
                     q, k, v, mesh=mesh, strategy=strategy, causal=causal, **layout

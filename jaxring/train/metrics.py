@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxring.spec import RunSpec
+
 import jax
 
 from jaxring.devices import device_spec_of
 
 
-def peak_flops(device, precision: str):
+def peak_flops(device: jax.Device, precision: str) -> float | None:
     """Per-device peak FLOP/s for MFU (`jaxring.devices`), or None (CPU, unknown device)."""
     spec = device_spec_of(device)
     return None if spec is None else spec.peak_flops(precision)
 
 
-def peak_memory_bytes():
+def peak_memory_bytes() -> int | None:
     """Peak bytes in use on the first local device, or None where the backend does not say (CPU)."""
     stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
@@ -31,7 +37,7 @@ def profile_steps(start: int, end: int) -> tuple[int, int] | None:
     return first, min(first + PROFILE_STEPS, end)
 
 
-def progress_bar(spec, start: int, is_main: bool):
+def progress_bar(spec: RunSpec, start: int, is_main: bool) -> Any:
     """A tqdm bar over the run's steps (None when progress is off or on other hosts)."""
     if not (spec.output.progress and is_main):
         return None
@@ -85,7 +91,7 @@ def progress_postfix(record: dict, keys: tuple[str, ...]) -> dict:
     return fields
 
 
-def drop_rows_after(path, step: int) -> int:
+def drop_rows_after(path: str | os.PathLike, step: int) -> int:
     """Removes the rows of metrics file `path` whose "step" is after `step` (and unreadable lines: a row cut
     short by a kill), so a resumed run does not log those steps twice. Returns how many rows went."""
     import json
@@ -174,7 +180,7 @@ class MetricsLog:
     """Every logged step to the JSON-lines file and, when asked for, TensorBoard and W&B (primary process
     only). write(record) takes one step's record; close() flushes and closes them all."""
 
-    def __init__(self, spec, is_main: bool):
+    def __init__(self, spec: RunSpec, is_main: bool):
         import json
 
         self._json = json
@@ -211,7 +217,7 @@ def json_safe(record: dict) -> dict:
     """NaN/Inf as null (JSON has no NaN)."""
     import math
 
-    def fix(v):
+    def fix(v: Any) -> Any:
         if isinstance(v, float) and not math.isfinite(v):
             return None
         if isinstance(v, list):

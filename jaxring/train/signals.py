@@ -27,6 +27,8 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from jaxring.train.multihost import any_process
 
@@ -75,7 +77,9 @@ class GracefulStop:
     arms the watchdog on the first signal and exits on the second, whatever the main thread is doing.
     """
 
-    def __init__(self, signals=SIGNALS, hard_exit=os._exit, grace_s: float | None = None):
+    def __init__(
+        self, signals: Iterable[int] = SIGNALS, hard_exit: Callable[[int], Any] = os._exit, grace_s: float | None = None
+    ):
         self.signals, self.hard_exit = tuple(signals), hard_exit
         self.grace_s = grace_seconds() if grace_s is None else grace_s
         self.signum: int | None = None
@@ -90,7 +94,7 @@ class GracefulStop:
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum is not None else ""
 
-    def handle(self, signum, frame=None) -> None:
+    def handle(self, signum: int, frame: Any = None) -> None:
         """The Python-level handler (main thread)."""
         if self.signum is not None:
             self._exit_now(signum)
@@ -125,7 +129,7 @@ class GracefulStop:
         )
         self.hard_exit(128 + signum)
 
-    def _listen(self, reader) -> None:
+    def _listen(self, reader: socket.socket) -> None:
         """The wakeup thread: every signal's number as the C handler writes it."""
         while not self._done.is_set():
             try:
