@@ -24,7 +24,7 @@ is exactly the whole backward, as in the zero-bubble paper (Qi et al. 2023, sect
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -33,11 +33,11 @@ from jaxring import compat
 from jaxring.compat import ClosedJaxpr
 
 
-def _used_inputs(jaxpr, used_outputs) -> list[bool]:
+def _used_inputs(jaxpr: Any, used_outputs: Sequence[bool]) -> list[bool]:
     return compat.dce_jaxpr(jaxpr, list(used_outputs))[1]
 
 
-def _pick(values, flags):
+def _pick(values: Sequence, flags: Sequence[bool]) -> list:
     return [v for v, f in zip(values, flags) if f]
 
 
@@ -88,7 +88,7 @@ class SplitBackward:
     # | ("const", value)
     w_unknown_inputs: list[int]  # saved indices of w_jaxpr's unknown inputs (in order)
 
-    def backward_input(self, chunk: list, saved_b: list, dy: list, mb: list):
+    def backward_input(self, chunk: list, saved_b: list, dy: list, mb: list) -> tuple[list, list, list]:
         """B: -> (dx leaves, stash leaves, {chunk leaf index: gradient} for the early leaves)."""
         saved = dict(zip(self.saved_b, saved_b))
         source = {"chunk": chunk, "dy": dy, "mb": mb}
@@ -108,7 +108,7 @@ class SplitBackward:
         return dict(zip(self.late_leaves, out))
 
 
-def stage_vjp(stage_fn: Callable, chunk, x, mb, *, split: bool) -> StageVJP:
+def stage_vjp(stage_fn: Callable, chunk: Any, x: Any, mb: Any, *, split: bool) -> StageVJP:
     """Traces `stage_fn(chunk, x, mb) -> y` (y like x) at these example values (tracers inside shard_map are fine;
     only their types are used) into a `StageVJP`; `split=True` also builds the B/W split."""
     chunk_leaves, chunk_tree = jax.tree.flatten(chunk)
@@ -117,7 +117,7 @@ def stage_vjp(stage_fn: Callable, chunk, x, mb, *, split: bool) -> StageVJP:
     nc, nx, nm = len(chunk_leaves), len(x_leaves), len(mb_leaves)
     rebuild = lambda c, xs, ms: (chunk_tree.unflatten(c), x_tree.unflatten(xs), mb_tree.unflatten(ms))
 
-    def fwd_all(c, xs, ms):
+    def fwd_all(c: Any, xs: Any, ms: Any) -> tuple[list, list]:
         chunk_, x_, mb_ = rebuild(c, xs, ms)
         y, vjp_fn = jax.vjp(lambda c_, x__: stage_fn(c_, x__, mb_), chunk_, x_)
         y_leaves, y_tree = jax.tree.flatten(y)
@@ -143,7 +143,7 @@ def stage_vjp(stage_fn: Callable, chunk, x, mb, *, split: bool) -> StageVJP:
     fwd = compat.close_jaxpr(compat.dce_jaxpr(full.jaxpr, keep, instantiate=True)[0], full.consts)
     saved_avals = [full.out_avals[nx + k] for k in saved_idx]
 
-    def bwd_all(c, saved, dys, ms, x_like):
+    def bwd_all(c: Any, saved: list, dys: list, ms: Any, x_like: Any) -> tuple[list, list]:
         chunk_, x_, mb_ = rebuild(c, x_like, ms)
         _, vjp_fn = jax.vjp(lambda c_, x__: stage_fn(c_, x__, mb_), chunk_, x_)
         leaves, tree = jax.tree.flatten(vjp_fn)

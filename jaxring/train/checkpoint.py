@@ -37,7 +37,9 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -90,7 +92,7 @@ class _Noise:
         self.previous_hook = sys.unraisablehook
         previous = self.previous_hook
 
-        def hook(unraisable):
+        def hook(unraisable: Any) -> None:
             e = unraisable.exc_value
             if isinstance(e, RuntimeError) and str(e) == "Event loop is closed":
                 return
@@ -132,7 +134,7 @@ class DirectoryLock:
     pid not alive) is taken over with a warning through `report`. Released (deleted) by `release`.
     """
 
-    def __init__(self, directory: Path, report=print):
+    def __init__(self, directory: Path, report: Callable[[str], None] = print):
         self.path = Path(directory) / LOCK_FILE
         self.held = False
         me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -209,13 +211,13 @@ def _one_line(e: BaseException, limit: int = 240) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _paths(tree) -> dict[str, object]:
+def _paths(tree: Any) -> dict[str, object]:
     """{"opt/0/mu/kernel": leaf}: leaves by normalised path (orbax's metadata tree uses dicts throughout)."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     return {"/".join(checksum.key_name(k) for k in path): leaf for path, leaf in flat}
 
 
-def _flat_dict(d, prefix="") -> dict[str, object]:
+def _flat_dict(d: dict, prefix: str = "") -> dict[str, object]:
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
@@ -225,7 +227,7 @@ def _flat_dict(d, prefix="") -> dict[str, object]:
     return out
 
 
-def _abstract(path: str, leaf):
+def _abstract(path: str, leaf: Any) -> Any:
     """A restore target leaf: arrays become ShapeDtypeStructs; every array leaf must carry its sharding."""
     if isinstance(leaf, jax.Array):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
@@ -246,7 +248,15 @@ class Checkpointer:
     docstring). Use as a context manager, or call close() at the end so the last save is finished.
     """
 
-    def __init__(self, directory, *, keep: int = 3, async_save: bool = True, lock: bool = False, report=print):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        keep: int = 3,
+        async_save: bool = True,
+        lock: bool = False,
+        report: Callable[[str], None] = print,
+    ):
         """lock: create the directory now, check it takes writes and hold its lock file (a training run);
         False: open for reading (the directory is created by the first save)."""
         if not isinstance(keep, int) or keep < 1:
@@ -304,7 +314,7 @@ class Checkpointer:
 
     # -- saving ---------------------------------------------------------------------------------------
 
-    def save(self, step: int, state, *, metadata: dict) -> bool:
+    def save(self, step: int, state: Any, *, metadata: dict) -> bool:
         """Saves `state` (a pytree of possibly sharded jax arrays and python scalars) as `step`.
 
         metadata: a JSON-able dict; its "model" entry is what restore(expected_metadata=) compares.
@@ -371,7 +381,7 @@ class Checkpointer:
         if raise_error and self._failed is not None:
             raise CheckpointSaveError(self._failed)
 
-    def _fail(self, step, e: BaseException) -> None:
+    def _fail(self, step: int, e: BaseException) -> None:
         """Records a failed save in one line (its temporary directory is removed on close, once orbax's
         threads are done with it)."""
         reason, root = _one_line(e), _root_cause(e)
@@ -383,7 +393,7 @@ class Checkpointer:
         self._saving = None
         self._failed = f"saving checkpoint step {step} to {str(self.directory)!r} failed: {reason}"
 
-    def _remove_temporary(self, step) -> None:
+    def _remove_temporary(self, step: int) -> None:
         if not is_primary() or not self.directory.is_dir():
             return
         for tmp in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
@@ -433,7 +443,7 @@ class Checkpointer:
         whose async save through this object is still in flight is counted: call wait() to be sure."""
         return self._manager.latest_step()
 
-    def _check_step(self, step):
+    def _check_step(self, step: int | None) -> int:
         if not self.directory.is_dir():
             raise FileNotFoundError(f"checkpoint directory {str(self.directory)!r} does not exist")
         steps = self.all_steps()
@@ -478,7 +488,9 @@ class Checkpointer:
             )
         return value
 
-    def restore(self, step: int | None, target, *, expected_metadata: dict | None = None, verify: bool = True):
+    def restore(
+        self, step: int | None, target: Any, *, expected_metadata: dict | None = None, verify: bool = True
+    ) -> Any:
         """The state saved at `step` (None: the latest), laid out as `target` says.
 
         target: the state's pytree with a ``jax.ShapeDtypeStruct`` (or a jax array) for every array leaf,
@@ -523,13 +535,17 @@ class Checkpointer:
                 raise DamagedCheckpointError(f"{where}: NaN or Inf values in {_some(nonfinite)}")
         return restored
 
-    def restore_latest(self, target, *, expected_metadata: dict | None = None, report=print):
+    def restore_latest(
+        self, target: Any, *, expected_metadata: dict | None = None, report: Callable[[str], None] = print
+    ) -> tuple[int | None, Any]:
         """(step, state) from the newest intact step (see newest_intact), or (None, None) if none is saved."""
         return self.newest_intact(
             lambda step: self.restore(step, target, expected_metadata=expected_metadata), report=report
         )
 
-    def newest_intact(self, restore_step, *, report=print):
+    def newest_intact(
+        self, restore_step: Callable[[int], Any], *, report: Callable[[str], None] = print
+    ) -> tuple[int | None, Any]:
         """(step, restore_step(step)) for the newest step that restores intact, or (None, None) if none is saved.
 
         restore_step(step) restores one step (e.g. ``lambda s: trainer.restore(ckpt, s)``); when it raises
@@ -559,7 +575,7 @@ class Checkpointer:
             )
         return None, None
 
-    def _set_aside(self, steps, report) -> None:
+    def _set_aside(self, steps: list[int], report: Callable[[str], None]) -> None:
         """Renames damaged step directories to <step>.damaged (kept for inspection, ignored as steps)."""
         if is_primary():
             for step in steps:
@@ -574,7 +590,7 @@ class Checkpointer:
         sync_processes("jaxring-checkpoint-set-aside")
         self._manager.reload()
 
-    def _check_metadata(self, step, expected):
+    def _check_metadata(self, step: int, expected: dict | None) -> None:
         if not isinstance(expected, dict):
             raise ValueError(f"expected_metadata must be a dict, got {type(expected).__name__}")
         if "model" not in expected:
@@ -595,7 +611,7 @@ class Checkpointer:
                 f"checkpoint from an incompatible model: {', '.join(diffs)} (checkpoint step {step} != expected)"
             )
 
-    def _check_shapes(self, step, targets: dict):
+    def _check_shapes(self, step: int, targets: dict) -> None:
         try:
             meta = self._manager.item_metadata(step)["state"]
             saved = _paths(getattr(meta, "tree", meta))

@@ -28,6 +28,12 @@ settings' hashes across the processes. --coordinator still overrides.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxring.spec import ClusterSettings, RunSpec
+
 import hashlib
 import json
 import math
@@ -59,7 +65,7 @@ PER_PROCESS_SETTINGS = (
 )
 
 
-def shared_settings(spec) -> dict:
+def shared_settings(spec: RunSpec) -> dict:
     """The run's settings every process must agree on (as JSON values), by flat name."""
     flat = {k: v for k, v in spec.flat().items() if k not in PER_PROCESS_SETTINGS}
     return json.loads(json.dumps(flat, sort_keys=True, default=str))
@@ -69,7 +75,7 @@ def settings_digest(settings: dict | None) -> str | None:
     return None if settings is None else hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
-def _shown(value) -> str:
+def _shown(value: object) -> str:
     return "(not given)" if value is None else str(value)
 
 
@@ -81,7 +87,7 @@ def _first_difference(ours: dict, theirs: dict) -> str:
     return "?"
 
 
-def env_int(name: str):
+def env_int(name: str) -> int | None:
     """An integer environment variable, or None when unset; MultiHostError naming it when malformed."""
     value = os.environ.get(name)
     if value is None or value.strip() == "":
@@ -92,7 +98,9 @@ def env_int(name: str):
         raise MultiHostError(f"environment variable {name}={value!r} must be an integer") from None
 
 
-def check_flags(coordinator, num_processes, process_id, timeout_s) -> tuple[str, int]:
+def check_flags(
+    coordinator: str | None, num_processes: int | None, process_id: int | None, timeout_s: float
+) -> tuple[str, int]:
     """(host, port) of a well-formed multi-host set-up; MultiHostError naming the bad value otherwise."""
     if num_processes is None or process_id is None or not coordinator:
         missing = [
@@ -126,11 +134,11 @@ def check_flags(coordinator, num_processes, process_id, timeout_s) -> tuple[str,
     return host.strip("[]"), int(port)
 
 
-def _send(conn, message: dict) -> None:
+def _send(conn: socket.socket, message: dict) -> None:
     conn.sendall((json.dumps(message) + "\n").encode())
 
 
-def _receive(conn, deadline: float) -> dict | None:
+def _receive(conn: socket.socket, deadline: float) -> dict | None:
     """One JSON line from `conn` before `deadline`, or None (closed, timed out or not JSON)."""
     data = b""
     while not data.endswith(b"\n"):
@@ -155,7 +163,7 @@ def _receive(conn, deadline: float) -> dict | None:
 LATE_GRACE_S = 2.0  # after an error, process 0 still answers processes arriving this much later
 
 
-def _check_hello(hello: dict, address: str, seen: dict, num_processes: int, settings=None) -> str | None:
+def _check_hello(hello: dict, address: str, seen: dict, num_processes: int, settings: dict | None = None) -> str | None:
     pid, count = hello.get("process_id"), hello.get("num_processes")
     if count != num_processes:
         return (
@@ -180,7 +188,9 @@ def _check_hello(hello: dict, address: str, seen: dict, num_processes: int, sett
     return None
 
 
-def _rendezvous_coordinator(port: int, num_processes: int, timeout_s: float, where: str, settings=None) -> None:
+def _rendezvous_coordinator(
+    port: int, num_processes: int, timeout_s: float, where: str, settings: dict | None = None
+) -> None:
     """Process 0: wait for the other processes' hellos, check them, answer each."""
     deadline = time.monotonic() + timeout_s
     try:  # every address, IPv4 and IPv6, as JAX's own service binds [::]:port
@@ -241,7 +251,13 @@ def _rendezvous_coordinator(port: int, num_processes: int, timeout_s: float, whe
 
 
 def _rendezvous_peer(
-    host: str, port: int, process_id: int, num_processes: int, timeout_s: float, where: str, settings=None
+    host: str,
+    port: int,
+    process_id: int,
+    num_processes: int,
+    timeout_s: float,
+    where: str,
+    settings: dict | None = None,
 ) -> None:
     """Process k > 0: reach process 0, say who this is, wait for its verdict."""
     deadline = time.monotonic() + timeout_s
@@ -277,14 +293,14 @@ def _rendezvous_peer(
 
 
 def initialize(
-    coordinator,
-    num_processes,
-    process_id,
+    coordinator: str | None,
+    num_processes: int | None,
+    process_id: int | None,
     *,
     timeout_s: float = 300,
     cpu_devices: int | None = None,
     settings: dict | None = None,
-):
+) -> None:
     """Checks the set-up (see the module docstring), then `jax.distributed.initialize`.
 
     coordinator: "host:port" of process 0; num_processes: how many processes; process_id: this one's, in
@@ -309,7 +325,7 @@ def initialize(
     jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=int(max(timeout_s, 1)))
 
 
-def _check_cpu_devices(count) -> None:
+def _check_cpu_devices(count: int | None) -> None:
     from jaxring.platform import check_cpu_devices
 
     try:
@@ -318,12 +334,12 @@ def _check_cpu_devices(count) -> None:
         raise MultiHostError(str(e)) from None
 
 
-def detected_cluster(environ=None) -> str | None:
+def detected_cluster(environ: Mapping[str, str] | None = None) -> str | None:
     """ "SLURM" or "Open MPI" when this process is one of several tasks launched by it (what
     `jax.distributed.initialize()` detects by itself), else None."""
     env = os.environ if environ is None else environ
 
-    def count(name):
+    def count(name: str) -> int:
         try:
             return int(env.get(name, ""))
         except ValueError:
@@ -336,7 +352,9 @@ def detected_cluster(environ=None) -> str | None:
     return None
 
 
-def start_processes(cluster, settings: dict | None = None, *, log=print) -> str | None:
+def start_processes(
+    cluster: ClusterSettings, settings: dict | None = None, *, log: Callable[[str], None] = print
+) -> str | None:
     """Starts the run's processes from its cluster settings (`jaxring.spec.ClusterSettings`): with
     --coordinator / --num-processes / --process-id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
     JAX_PROCESS_ID) through `initialize`; else, inside a SLURM job or an Open MPI launch of several tasks,
