@@ -591,6 +591,10 @@ class RunSpec:
                 f"it needs --remat full (got --remat {self.memory.remat})"
             )
         degrees = self.parallel.degrees()
+        if degrees["pp"] > 1 and self.memory.offload != "none":
+            from jaxring.train.step import OFFLOAD_WITH_PP
+
+            raise ValueError(OFFLOAD_WITH_PP.format(offload=self.memory.offload, pp=degrees["pp"]))
         if degrees["pp"] > 1 and t.grad_accum > 1:
             raise ValueError(
                 f"--grad-accum {t.grad_accum} with --pp {degrees['pp']}: the pipeline's micro-batches are the "

@@ -9,6 +9,8 @@ import pytest
 from flax import nnx
 
 import jaxring
+from jaxring.analysis import gpu
+from jaxring.analysis.compiled import host_memory_traffic
 from jaxring.nn import param_placements
 from jaxring.train.step import TrainStep, value_and_grad
 from models import gpt
@@ -74,7 +76,18 @@ def _assert_same(got, want):
 @pytest.mark.parametrize("plan_name", list(PLANS))
 def test_all_techniques_give_the_untiled_loss_and_gradients(plan_name):
     settings = PLANS[plan_name]
-    _assert_same(_loss_and_grads(settings | ALL), _loss_and_grads(settings))
+    techniques = ALL if "pp" not in settings else dict(loss_tile=2, mlp_tile=2)  # no offload under pp
+    _assert_same(_loss_and_grads(settings | techniques), _loss_and_grads(settings))
+
+
+def test_offload_with_a_pipeline_is_one_line():
+    from jaxring.spec import RunSpec
+
+    message = r"--offload layer_inputs is not supported with pipeline parallelism \(pp = 2\)"
+    with pytest.raises(ValueError, match=message):
+        RunSpec.of(offload="layer_inputs", remat="full", pp=2, dp=4).validate()
+    with pytest.raises(ValueError, match=message):
+        _loss_and_grads(PLANS["pp2 x ring sp2 x dp2"] | dict(remat="full", offload="layer_inputs"))
 
 
 def test_each_technique_alone_on_one_device():
@@ -83,10 +96,10 @@ def test_each_technique_alone_on_one_device():
         _assert_same(_loss_and_grads(PLANS["one device"] | technique), reference)
 
 
-def _temp_bytes(cfg, batch, seq, **settings):
-    """Temporaries of the compiled gradient step (bytes per device) of a GPT on one device."""
+def _compiled(cfg, batch, seq, devices=None, **settings):
+    """The compiled gradient step of a GPT on one device (of `devices`, default this host's)."""
     remat, offload = settings.pop("remat", "none"), settings.pop("offload", "none")
-    plan = jaxring.make_plan(jax.devices()[:1], **settings)
+    plan = jaxring.make_plan((devices or jax.devices())[:1], **settings)
     model = gpt.GPT(cfg, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     step = TrainStep(
@@ -103,7 +116,11 @@ def _temp_bytes(cfg, batch, seq, **settings):
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     params = jax.eval_shape(lambda: nnx.to_pure_dict(state))
     lowered = step.build_grads().lower(params, {"tokens": tokens, "targets": tokens, "positions": tokens}, None)
-    return lowered.compile().memory_analysis().temp_size_in_bytes
+    return lowered.compile()
+
+
+def _temp_bytes(cfg, batch, seq, **settings):
+    return _compiled(cfg, batch, seq, **settings).memory_analysis().temp_size_in_bytes
 
 
 def test_tiling_shrinks_the_compiled_temporaries():
@@ -118,6 +135,25 @@ def test_tiling_shrinks_the_compiled_temporaries():
     ffn, tile_ffn = batch * seq * cfg.ffn * 4, batch * tile * cfg.ffn * 4
     assert untiled - loss_tiled >= logits - tile_logits, (untiled, loss_tiled, logits)
     assert untiled - mlp_tiled >= ffn - tile_ffn, (untiled, mlp_tiled, ffn)
+
+
+@pytest.mark.skipif(not gpu.available()[0], reason="deviceless GPU compile unavailable (see jaxring/analysis/gpu.py)")
+def test_offload_moves_the_layer_inputs_to_host_memory_on_h100():
+    """Compiled for one H100 (no GPU needed): the offloaded step writes the layer inputs into a host buffer and
+    reads them back, and its device temporaries shrink (by less than what the host holds: the device keeps
+    buffers for the transfers in flight)."""
+    cfg = gpt.GPTConfig(vocab_size=256, num_layers=8, hidden=128, num_heads=4, ffn=256)
+    batch, seq = 1, 2048
+    devices = gpu.gpu_devices("h100", 1)
+    kept = _compiled(cfg, batch, seq, devices, remat="full")
+    offloaded = _compiled(cfg, batch, seq, devices, remat="full", offload="layer_inputs")
+    assert host_memory_traffic(kept.as_text()) == {"to_host": 0, "from_host": 0, "host_buffers": 0}
+    moved = host_memory_traffic(offloaded.as_text())
+    assert moved["to_host"] >= 1 and moved["from_host"] >= 1 and moved["host_buffers"] >= 1, moved
+    layer_inputs = cfg.num_layers * batch * seq * cfg.hidden * 4  # fp32 [b, s, h] per layer
+    k, o = kept.memory_analysis(), offloaded.memory_analysis()
+    assert (k.host_temp_size_in_bytes, o.host_temp_size_in_bytes) == (0, layer_inputs)
+    assert k.temp_size_in_bytes - o.temp_size_in_bytes >= layer_inputs // 2, (k.temp_size_in_bytes, o.temp_size_in_bytes)
 
 
 @pytest.mark.parametrize(

@@ -62,6 +62,13 @@ def _map(fn, tree, placements, *rest):
     return treedef.unflatten([fn(x, *o) for x, *o in zip(leaves, *others)])
 
 
+# The pipeline interpreter keeps each micro-batch's residuals in device buffers shared by its schedule's branches
+OFFLOAD_WITH_PP = (
+    "--offload {offload} is not supported with pipeline parallelism (pp = {pp}): the pipeline keeps its "
+    "micro-batches' layer inputs in device buffers; use --offload none or pp = 1"
+)
+
+
 class TrainStep:
     """The jitted update and held-out loss of a model on a plan (see the module docstring).
 
@@ -91,6 +98,8 @@ class TrainStep:
         self.plan, self.graphdef, self.placements, self.tx, self.task = plan, graphdef, placements, tx, task
         self.dtype, self.remat, self.grad_accum, self.clip, self.stack = dtype, remat, grad_accum, clip, stack
         self.layer_graphdef, self.offload = layer_graphdef, offload
+        if offload != "none" and plan.pp > 1:
+            raise ValueError(OFFLOAD_WITH_PP.format(offload=offload, pp=plan.pp))
         self.stage = plan.zero_stage
         is_pl = lambda x: isinstance(x, zero.Placement)
         self.param_specs = jax.tree.map(lambda pl: pl.param_spec(self.stage), placements, is_leaf=is_pl)
