@@ -136,6 +136,12 @@ def _remat_modes() -> tuple[str, ...]:
     return REMAT
 
 
+def _packings() -> tuple[str, ...]:
+    from jaxring.data.packing import PACKINGS
+
+    return PACKINGS
+
+
 def _block_ops() -> tuple[str, ...]:
     from jaxring.attention.blockwise import BLOCK_OPS
 
@@ -264,7 +270,24 @@ class DataSettings:
     """Where the batches come from."""
 
     data: str | None = setting(
-        None, "text file or directory (byte-level), nanoGPT .bin, or (dit) image folder; default: bundled"
+        None,
+        "a document store (python -m jaxring.data prepare), a text/.jsonl/.parquet file or a directory of them "
+        "(prepared on first use into PATH.jaxring-cache/), a nanoGPT .bin (random windows), or (dit) an image "
+        "folder; default: bundled (the Python standard library's files, one document each)",
+    )
+    tokenizer: str | None = setting(
+        None, "bytes, or a tokenizer.json / a directory holding one (default: the store's own; bytes to prepare)"
+    )
+    text_field: str = setting("text", "the text field of .jsonl/.parquet inputs")
+    packing: str = setting(
+        "split",
+        "documents into rows (each + EOS): split (a long document continues in the next row) or drop (whole "
+        "documents only; longer ones skipped, rows padded)",
+        choices=_packings,
+    )
+    val_data: str | None = setting(None, "held-out documents from this store or file (default: a share of --data's)")
+    val_fraction: float = setting(
+        0.1, "share of --data's documents held out for validation (ignored with --val-data)", rule="float[0,1]"
     )
 
 
@@ -290,7 +313,12 @@ class OutputSettings:
     progress: bool = setting(True, "a progress bar (--no-progress: log lines)")
     profile: str | None = setting(None, "write a JAX profiler trace of a few steps to this directory")
     eval_at_end: bool = setting(True, "report the held-out loss after training")
+    eval_every: int = setting(
+        0, "steps between held-out losses in the metrics (0: none during training)", rule="int>=0"
+    )
     sample_tokens: int = setting(200, "gpt: tokens to generate at the end; dit: 0 skips the samples", rule="int>=0")
+    tensorboard: str | None = setting(None, "also write TensorBoard event files to this directory (extra: tensorboard)")
+    wandb: str | None = setting(None, "also log to this Weights & Biases project (extra: wandb; WANDB_MODE=offline)")
 
     METRICS_FILE: typing.ClassVar[str] = "metrics.jsonl"
 
@@ -580,8 +608,14 @@ class RunSpec:
         for flag, path in (("--checkpoint-dir", ckpt), ("--out-dir", out)):
             if path and os.path.exists(path) and not os.path.isdir(path):
                 raise ValueError(f"{flag} {path!r} exists and is not a directory")
-        if self.data.data is not None and not os.path.exists(self.data.data):
-            raise ValueError(f"--data {self.data.data!r} does not exist")
+        d = self.data
+        for flag, path in (("--data", d.data), ("--val-data", d.val_data)):
+            if path is not None and not os.path.exists(path):
+                raise ValueError(f"{flag} {path!r} does not exist")
+        if d.tokenizer not in (None, "bytes") and not os.path.exists(d.tokenizer):
+            raise ValueError(f"--tokenizer {d.tokenizer!r} does not exist (give bytes, or a tokenizer.json)")
+        if d.val_fraction >= 1:
+            raise ValueError(f"--val-fraction {d.val_fraction} must be below 1 (it would hold out every document)")
         t = self.training
         if t.batch_size % t.grad_accum:
             raise ValueError(f"--batch-size {t.batch_size} is not divisible by --grad-accum {t.grad_accum}")

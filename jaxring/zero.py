@@ -2,7 +2,7 @@
 
 The replica axes R of a weight are the plan's batch and sequence axes it is not already split over: the
 devices that hold the same weight while working on different tokens, so its gradient is a sum over R. With
-N = |R| devices and Ψ parameters (the Ultra-Scale Playbook, seed 003; Adam's k = 8 bytes of fp32 moments
+N = |R| devices and Ψ parameters ([Playbook] in REFERENCES.md; Adam's k = 8 bytes of fp32 moments
 here, fp32 master weights and gradients):
 
   stage 0  weights, gradients and optimizer state replicated; gradient all-reduce (psum over R): 2Ψ moved

@@ -1,4 +1,4 @@
-"""METP (seed 000): the O = f(AB)C ring (FFN) and two-level MHA against unsharded jnp references (forward and
+"""METP [METP]: the O = f(AB)C ring (FFN) and two-level MHA against unsharded jnp references (forward and
 every gradient), collective bytes read from the compiled programs, saved residuals and memory, errors.
 
 Bytes are per device, as jaxring.analysis counts them: the bytes a device receives over the links, by

@@ -1,4 +1,4 @@
-"""Optimus 2D tensor parallelism (seed 002): SUMMA AB / ABᵀ / AᵀB forward and gradients, the MLP, attention,
+"""Optimus 2D tensor parallelism [Optimus]: SUMMA AB / ABᵀ / AᵀB forward and gradients, the MLP, attention,
 layernorm, embedding and cross-entropy blocks against plain jnp (forward and every gradient) on q = 2 (tp = 4)
 and dp = 2 × tp = 4, bytes moved against the paper's log-tree counts (Table 1), the one-block memory claim
 (stepwise SUMMA vs gathered panels, at q = 4 in a 16-device subprocess) and error messages."""
@@ -260,7 +260,7 @@ def test_layer_forward_bytes_against_table1(meshes):
     projection) log(p)/(2√p)·(2bsh + 4h²); together Table 1's log(p)/(2√p)·(7bsh + 12h²); each scaled by
     (1 + q(R-1))/(qR) for the shared tree round 0 (see above)."""
     mesh = meshes["q2"]
-    grid, q, data = optimus.grid_mesh(mesh)
+    grid, q, _data = optimus.grid_mesh(mesh)
     p = q * q
     b, s, h, n = 4, 8, 16, 4
     factor = math.log2(p) / (2 * math.sqrt(p)) * bcast(q, 1) / (q * _rounds(q))

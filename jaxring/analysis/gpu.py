@@ -37,12 +37,15 @@ import functools
 import glob
 import importlib.resources
 import os
+import pathlib
 import re
 import shutil
 import subprocess
 import tempfile
 
 import jax
+
+from jaxring import compat
 
 TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}
 DEFAULT_TARGET = "h200"
@@ -92,7 +95,7 @@ def available() -> tuple[bool, str]:
     platforms = jax.config.jax_platforms
     if platforms not in ("cpu", None, ""):
         return False, f"jax_platforms is {platforms!r}; deviceless GPU compilation needs 'cpu' (JAX_PLATFORMS=cpu)"
-    if not platforms and _backends_started():
+    if not platforms and compat.backends_started():
         return False, (
             "JAX started its backends without jax_platforms='cpu'; set JAX_PLATFORMS=cpu before "
             "JAX starts (the CUDA plugin's device check fails without a GPU)"
@@ -104,15 +107,9 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-def _backends_started() -> bool:
-    from jax._src import xla_bridge
-
-    return bool(getattr(xla_bridge, "_backends", None))
-
-
 def use_deviceless() -> None:
     """Selects the CPU platform (required by deviceless GPU compilation) if no backend has started yet."""
-    if not _backends_started():
+    if not compat.backends_started():
         jax.config.update("jax_platforms", "cpu")
 
 
@@ -357,11 +354,7 @@ def host_cost_analysis(compiled) -> dict[str, float]:
     except Exception:
         pass
     try:
-        from jax._src import xla_bridge
-        from jax._src.lib import _jax
-
-        modules = compiled.runtime_executable().hlo_modules()
-        costs = [_jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), m) for m in modules]
+        costs = compat.executable_cost_analysis(compiled)
     except Exception:
         return {}
     return {k: float(sum(c.get(k, 0.0) for c in costs)) for k in _COST_KEYS} | {"loops_weighted": 0.0}
@@ -377,10 +370,6 @@ def weighted_cost(hlo: str) -> dict[str, float]:
     (nested loops recursively; a loop without a known trip count counts once). Conditionals are XLA's
     (the costlier branch).
     """
-    import jaxlib._hlo as hlo_lib
-    from jax._src import xla_bridge
-    from jax._src.lib import _jax
-
     lines = hlo.split("\n")
     if not lines or not lines[0].startswith("HloModule"):
         raise ValueError("not an HLO module text (no 'HloModule' header)")
@@ -390,14 +379,13 @@ def weighted_cost(hlo: str) -> dict[str, float]:
     if entry is None:
         raise ValueError("the HLO module has no ENTRY computation")
     unrooted = unrooted.replace("ENTRY %", "%", 1)
-    backend = xla_bridge.get_backend("cpu")
     comps, _ = _parse(hlo)
     xla_memo: dict[str, dict] = {}
 
     def xla(name):
         if name not in xla_memo:
             text = re.sub(r"^%" + re.escape(name) + r" ", "ENTRY %" + name + " ", unrooted, count=1, flags=re.M)
-            cost = _jax.hlo_module_cost_analysis(backend, hlo_lib.hlo_module_from_text(text))
+            cost = compat.hlo_cost_analysis(text)
             xla_memo[name] = {k: float(cost.get(k, 0.0)) for k in _COST_KEYS}
         return xla_memo[name]
 
@@ -491,7 +479,7 @@ def read_kernels(dump_dir: str, ptxas: bool | str = True) -> list[Kernel]:
     """Kernels of the dumped module: launch shapes from `*thunk_sequence.txt`, resources from ptxas."""
     kernels: dict[str, Kernel] = {}
     for path in sorted(glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt"))):
-        for m in _THUNK.finditer(open(path).read()):
+        for m in _THUNK.finditer(pathlib.Path(path).read_text()):
             name = m.group(1)
             dims = [int(x) for x in m.groups()[1:8]]
             if name in kernels:
@@ -504,7 +492,7 @@ def read_kernels(dump_dir: str, ptxas: bool | str = True) -> list[Kernel]:
         if exe is None:
             raise RuntimeError("ptxas was not found (pip install nvidia-cuda-nvcc-cu12, or pass ptxas=False)")
         for path in sorted(glob.glob(os.path.join(dump_dir, "*.ptx"))):
-            names = _ENTRY.findall(open(path).read())
+            names = _ENTRY.findall(pathlib.Path(path).read_text())
             if pattern is not None and not any(pattern.search(n) for n in names):
                 continue
             for name, info in run_ptxas(path, exe).items():

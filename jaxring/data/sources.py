@@ -167,6 +167,28 @@ class TokenSource:
         return ids
 
 
+def check_regular(path: Path, what: str) -> None:
+    """Only regular files (and directories, of which only the regular files are read) are data: a FIFO would
+    block the read for ever, a device such as /dev/zero never ends. ValueError in one line otherwise."""
+    if path.is_dir() or path.is_file():  # (is_file: a regular file, through symlinks)
+        return
+    import stat
+
+    mode = path.stat().st_mode
+    kind = (
+        "a named pipe (FIFO)"
+        if stat.S_ISFIFO(mode)
+        else "a character device"
+        if stat.S_ISCHR(mode)
+        else "a block device"
+        if stat.S_ISBLK(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "not a regular file"
+    )
+    raise ValueError(f"{what} {str(path)!r} is {kind}: give a regular file or a directory of them")
+
+
 def _check_split(split):
     if split not in SPLITS:
         raise ValueError(f"split {split!r} must be one of {SPLITS}")
@@ -184,7 +206,7 @@ def _byte_tokens(parts: list[tuple[str, bytes]]) -> np.ndarray:
 
 def _split_tail(n: int, split: str) -> slice:
     """train = the first 90%, val = the last 10% (at least one token each way)."""
-    cut = min(max(int(round(n * (1 - VAL_FRACTION))), 1), max(n - 1, 1))
+    cut = min(max(round(n * (1 - VAL_FRACTION)), 1), max(n - 1, 1))
     return slice(0, cut) if split == "train" else slice(cut, n)
 
 
@@ -242,16 +264,18 @@ def _check_bin(path: Path) -> None:
 def _load_bin(path: Path, split: str, vocab_size: int | None) -> TokenSource:
     _check_bin(path)
     val_file = path.with_name("val.bin")
+    name = path.name
     if path.name == "train.bin" and val_file.is_file():
         chosen = path if split == "train" else val_file
         _check_bin(chosen)
         tokens = np.memmap(chosen, dtype=np.uint16, mode="r")
+        name = chosen.name
     else:
         tokens = np.memmap(path, dtype=np.uint16, mode="r")
         tokens = tokens[_split_tail(len(tokens), split)]
     # Both splits share one vocabulary: take it from the training file (the larger one).
     vocab = vocab_size if vocab_size is not None else _bin_vocab(np.memmap(path, dtype=np.uint16, mode="r"))
-    return TokenSource(tokens, int(vocab), f"{path.name}[{split}]", split, "none", (path.name,))
+    return TokenSource(tokens, int(vocab), f"{name}[{split}]", split, "none", (name,))
 
 
 def load_tokens(path: str | os.PathLike | None, *, split: str = "train", vocab_size: int | None = None) -> TokenSource:
@@ -277,6 +301,7 @@ def load_tokens(path: str | os.PathLike | None, *, split: str = "train", vocab_s
             f"standard-library corpus), a text file, a directory of "
             f"{'/'.join(TEXT_SUFFIXES)} files, or a uint16 .bin token file (nanoGPT format)"
         )
+    check_regular(p, "token data")
     if p.is_dir() and (p / "train.bin").is_file():
         p = p / "train.bin"
     if p.suffix == ".bin":
@@ -476,6 +501,8 @@ def load_images(path: str | os.PathLike | None, *, image_size: int, split: str |
         source = _load_digits(image_size)
     else:
         folder = Path(path)
+        if folder.exists():
+            check_regular(folder, "image folder")
         if not folder.is_dir():
             raise FileNotFoundError(
                 f"image folder {str(path)!r} does not exist or is not a directory; accepted: "

@@ -99,7 +99,7 @@ def _regroup_received(recv_counts, buffer_rows: int):
     recv_counts int32 [ep(source), E_l]: rows from source s are its experts' rows in expert order, then
     padding. Returns position int32 [ep*B] (padding rows after all real ones) and group_sizes int32 [E_l].
     """
-    ep, experts_local = recv_counts.shape
+    _ep, experts_local = recv_counts.shape
     chunk_start = _exclusive_cumsum(recv_counts, axis=1)  # within a source's buffer
     chunk_end = chunk_start + recv_counts
     p = jnp.arange(buffer_rows, dtype=jnp.int32)

@@ -25,18 +25,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxring.moe.config import GROUPED_MATMULS
+from jaxring.tensor.contract import activate
 from jaxring.vma import common_vma, vary_like
-
-
-def _act(activation, up, gate):
-    if activation == "swiglu":
-        return jax.nn.silu(gate) * up
-    return jax.nn.gelu(up, approximate=True)
 
 
 def _ffn(x, w, activation):
     up = x @ w["w_in"]
-    return _act(activation, up, x @ w["w_gate"] if activation == "swiglu" else None) @ w["w_out"]
+    return activate(up, x @ w["w_gate"] if activation == "swiglu" else None, activation) @ w["w_out"]
 
 
 def _exclusive_cumsum(x):
@@ -63,7 +58,7 @@ def _blocks_forward(activation, blocks, block_expert, block_used, experts):
         w = _expert(experts, e)
         up = x @ w["w_in"]
         gate = x @ w["w_gate"] if activation == "swiglu" else vary_like(jnp.zeros((bm, 0), x.dtype), x)
-        return _act(activation, up, gate) @ w["w_out"], up, gate
+        return activate(up, gate, activation) @ w["w_out"], up, gate
 
     def skip(x, e):
         return (
@@ -96,9 +91,9 @@ def _blocks_ffn_bwd(activation, residuals, d_out):
     def run(dw, x, e, up, gate, dy):
         w = _expert(experts, e)
         if activation == "swiglu":
-            h, act_vjp = jax.vjp(lambda u, g: _act(activation, u, g), up, gate)
+            h, act_vjp = jax.vjp(lambda u, g: activate(u, g, activation), up, gate)
         else:
-            h, act_vjp = jax.vjp(lambda u: _act(activation, u, None), up)
+            h, act_vjp = jax.vjp(lambda u: activate(u, None, activation), up)
         dh = dy @ w["w_out"].T
         d_act = act_vjp(dh)
         dx = d_act[0] @ w["w_in"].T
@@ -133,7 +128,7 @@ def grouped_ffn(rows, experts, group_sizes, activation: str, implementation: str
     if implementation == "ragged_dot":
         up = lax.ragged_dot(rows, experts["w_in"], group_sizes)
         gate = lax.ragged_dot(rows, experts["w_gate"], group_sizes) if activation == "swiglu" else None
-        return lax.ragged_dot(_act(activation, up, gate), experts["w_out"], group_sizes)
+        return lax.ragged_dot(activate(up, gate, activation), experts["w_out"], group_sizes)
     if implementation != "blocked":
         raise ValueError(f"grouped matmul {implementation!r} must be one of {', '.join(GROUPED_MATMULS)}")
 
@@ -167,7 +162,7 @@ def batched_ffn(slots, experts, activation: str):
     slots, experts = common_vma(slots, experts)
     up = jnp.einsum("ech,ehf->ecf", slots, experts["w_in"])
     gate = jnp.einsum("ech,ehf->ecf", slots, experts["w_gate"]) if activation == "swiglu" else None
-    return jnp.einsum("ecf,efh->ech", _act(activation, up, gate), experts["w_out"])
+    return jnp.einsum("ecf,efh->ech", activate(up, gate, activation), experts["w_out"])
 
 
 def dense_ffn(x, weights, activation: str):

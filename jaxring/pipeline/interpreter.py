@@ -22,6 +22,7 @@ per stage boundary per step (vÂ·m forward over each link for interleaved, (v-1)Â
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -332,7 +333,13 @@ class _Interpreter:
         return {IDLE: idle, F: forward, B: backward, BW: backward, W: weight}[branch.kind]
 
     # ---- ticks ----
-    _SLOT = {"x": "x_slot", "dy": "dy_slot", "res": "res_slot", "wres": "wres_slot", "stash": "stash_slot"}
+    _SLOT: ClassVar[dict[str, str]] = {
+        "x": "x_slot",
+        "dy": "dy_slot",
+        "res": "res_slot",
+        "wres": "wres_slot",
+        "stash": "stash_slot",
+    }
 
     def _tick(self, state, t, branches: list[Branch], fwd_pairs, bwd_pairs):
         row = self.table[t, self.stage]

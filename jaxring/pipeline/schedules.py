@@ -171,7 +171,7 @@ def _timetable(orders, p, v):
                 continue
             kind, i, c = orders[s][position[s]]
             vs = c * p + s
-            before = lambda k, stage: done.get((k, i, stage), t) < t
+            before = lambda k, stage, i=i, t=t: done.get((k, i, stage), t) < t
             if kind == F:
                 ready = vs == 0 or before(F, vs - 1)
             elif kind in (B, BW):

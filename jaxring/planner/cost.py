@@ -48,9 +48,9 @@ import functools
 import math
 
 from jaxring.planner.space import Candidate, Workload
+from jaxring.precision import BYTES_PER_ELEMENT as DTYPE_BYTES
 
 F32 = 4
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 # XLA:CPU sends bf16 collectives as f32 (convert, send, convert back): bytes measured on simulated CPU
 # devices are 4 per element whatever the precision.
 CPU_COLLECTIVE_BYTES = 4

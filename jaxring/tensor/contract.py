@@ -161,13 +161,25 @@ class TensorMethod(HasOptions):
         return layer_norm(x, scale, bias, eps=eps)
 
     def attention(
-        self, plan, x, w: dict, positions, *, num_heads: int, num_kv_heads: int, head_dim: int, causal: bool, rope_theta
+        self,
+        plan,
+        x,
+        w: dict,
+        positions,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        causal: bool,
+        rope_theta,
+        window: int | None = None,
     ):
         """x [b, s_act, hidden]; w: wq [h, hq·d], wk/wv [h, hkv·d], wo [hq·d, h] (local blocks of the global
-        num_heads / num_kv_heads); positions int [b, s_tok]. Returns [b, s_act, hidden]."""
+        num_heads / num_kv_heads); positions int [b, s_tok]; window: sliding window W (needs causal; the query
+        at position i sees keys i - W < j <= i), None: unlimited. Returns [b, s_act, hidden]."""
         q, k, v = split_heads(x @ w["wq"], x @ w["wk"], x @ w["wv"], head_dim)
         q, k = rope_qk(q, k, positions, rope_theta)
-        out = plan.attend(q, k, v, positions, causal=causal)
+        out = plan.attend(q, k, v, positions, causal=causal, window=window)
         return merge_heads(out) @ w["wo"]
 
     def mlp(self, plan, x, w: dict, *, activation: str):

@@ -1,4 +1,4 @@
-"""Megatron-LM tensor parallelism with sequence parallelism (TP+SP), as in the Ultra-Scale Playbook (seed 003).
+"""Megatron-LM tensor parallelism with sequence parallelism (TP+SP), as in the Ultra-Scale Playbook [Playbook] (REFERENCES.md).
 
 A Transformer block on p = tp devices, with a local activation X_i of shape [b, s/p, h] on rank i:
 
@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring.attention.flash import flash_attention
+from jaxring.attention.masking import check_window
 from jaxring.mesh import DATA_AXES, mesh_axis_size, spec_entry
 from jaxring.registry import register_tensor_method
 from jaxring.sharded import run_local
@@ -254,6 +255,7 @@ def attention(
     sequence_parallel: bool = True,
     recompute_gather: bool = True,
     attend=None,
+    window: int | None = None,
 ):
     """Self-attention with heads split over `axis_name`: Q, K, V column-linears, attention on the local heads
     over the whole (tp-gathered) sequence, output projection as a row-linear.
@@ -265,6 +267,8 @@ def attention(
       positions: int [b, s/p] like x (then gathered with x) or already [b, s]: RoPE angles and the mask.
       attend: attend(q, k, v, positions) -> out on [b, s, heads, d]: the attention core, e.g. a sequence
         strategy over another mesh axis (tensor × sequence parallelism); default flash attention.
+      window: sliding window W of the default core (needs causal): the query at position i sees keys
+        i - W < j <= i; None: unlimited. A given `attend` applies its own.
     Returns: the same layout as x.
     """
     if wq.shape[1] % head_dim or wk.shape[1] % head_dim or wk.shape != wv.shape:
@@ -283,7 +287,7 @@ def attention(
     pos = gather_from_sp(positions, axis_name) if gather else positions  # [b, s]
     q, k = rope_qk(q, k, pos, rope_theta)
     if attend is None:
-        out = flash_attention(q, k, v, causal=causal, q_positions=pos, kv_positions=pos)
+        out = flash_attention(q, k, v, causal=causal, q_positions=pos, kv_positions=pos, window=window)
     else:
         out = attend(q, k, v, pos)  # [b, s, hq, d]
     return row_parallel_linear(out.reshape(b, s, hq * head_dim), wo, **kw)
@@ -476,6 +480,7 @@ def attention_block(
     num_kv_heads: int,
     causal: bool = True,
     rope_theta: float | None = 10000.0,
+    window: int | None = None,
 ):
     """TP+SP self-attention on global arrays.
 
@@ -483,6 +488,7 @@ def attention_block(
       x: [batch, seq, hidden]; params {"wq": [hidden, num_heads*head_dim], "wk", "wv": [hidden,
         num_kv_heads*head_dim], "wo": [num_heads*head_dim, hidden]}; head j owns columns j*d:(j+1)*d.
       positions: int32 [batch, seq]: RoPE (q and k, when rope_theta is not None) and the causal mask.
+      window: sliding window W (needs causal): the query at position i sees keys i - W < j <= i.
       num_heads % tp == 0. K/V heads: split over tp when num_kv_heads % tp == 0; when num_kv_heads < tp
         divides tp, each K/V head is REPLICATED on the tp / num_kv_heads ranks whose query heads read it (its
         gradient is the sum of the replicas'); anything else raises.
@@ -494,6 +500,7 @@ def attention_block(
     if set(params) != {"wq", "wk", "wv", "wo"}:
         raise ValueError(f"attention params must be wq, wk, wv, wo; got {tuple(sorted(params))}")
     _check_heads(num_heads, num_kv_heads, tp)
+    window = check_window(window, bool(causal))
     b, s, h = x.shape
     wq, wk, wv, wo = (params[n] for n in ("wq", "wk", "wv", "wo"))
     if wq.shape[0] != h or wq.shape[1] % num_heads:
@@ -524,6 +531,7 @@ def attention_block(
         head_dim=d,
         causal=bool(causal),
         rope_theta=None if rope_theta is None else float(rope_theta),
+        window=window,
     )
 
 
@@ -692,7 +700,7 @@ class Megatron(TensorMethod):
     def norm(self, plan, x, scale, bias, *, eps=1e-5):
         return layer_norm(x, scale, bias, eps=eps)
 
-    def attention(self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope_theta):
+    def attention(self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope_theta, window=None):
         wk, wv = w["wk"], w["wv"]
         if num_kv_heads < plan.tp:
             # K/V replicated (num_kv_heads < tp): this rank reads K/V head rank // (tp / num_kv_heads)
@@ -700,7 +708,7 @@ class Megatron(TensorMethod):
             wk, wv = (lax.dynamic_slice_in_dim(t, head * head_dim, head_dim, axis=1) for t in (wk, wv))
 
         def attend(q, k, v, pos):
-            return plan.attend(q, k, v, pos, causal=causal)
+            return plan.attend(q, k, v, pos, causal=causal, window=window)
 
         return attention(
             x,

@@ -1,4 +1,4 @@
-"""Memory-efficient tensor parallelism, METP (seed 000): O = f(AB)C on a ring, and two-level METP for MHA.
+"""Memory-efficient tensor parallelism, METP [METP] (REFERENCES.md): O = f(AB)C on a ring, and two-level METP for MHA.
 
 Everything here runs inside `shard_map` over one axis (`tp`) of size p, except the model-facing entry points
 (`mlp_block`, `attention_block`, `param_specs`) which take global arrays. METP splits the *sequence* over
@@ -12,7 +12,7 @@ O_i = Σ_r f(A_i B_r) C_r. The (B, C) blocks circulate; rank i holds block (i - 
       T = A_i B^(j);  O_i += f(T) C^(j)
 
 (Algorithm 1 sends to i-1; jaxring's rings all turn one way, `collectives.FORWARD`: the direction does not
-change the sums or the bytes, see metp.md.)
+change the sums or the bytes.)
 
 Backward (`jax.custom_vjp`, recompute): the residuals are A_i and the rank's own B, C blocks only (no T, no
 f(T)). The blocks go round again, with their gradient accumulators:
@@ -48,7 +48,9 @@ backward 2p·ceil(log2 p)·|W_j| + p(2p-1)·2|K_j| (|K_j| = b(s/p)(n_kv/p)d; wit
 
 Causal masking (the paper omits it) uses the tokens' positions, so it is exact for any token layout: each
 K/V block travels with its int32 positions (b·s/p a hop), and a block entirely in the future of the local
-queries is skipped (`lax.cond`). GQA: the kv heads split into the same p groups (num_kv_heads % p == 0).
+queries is skipped (`lax.cond`). A sliding window W (query i sees keys i - W < j <= i) masks by the same
+positions, and an inner-ring step whose block lies wholly outside every local query's window is skipped too
+(its hop stays, its FLOPs go; forward and backward). GQA: the kv heads split into the same p groups (num_kv_heads % p == 0).
 The per-block attention is a `BlockOps` pair (jnp on CPU, the Pallas flash kernel on GPU), called per batch
 row when causal (positions are per row).
 
@@ -69,10 +71,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxring.attention.blockwise import BlockOps, get_block_ops
+from jaxring.attention.blockwise import BlockOps, get_block_ops, with_window
+from jaxring.attention.masking import check_window, positions_may_meet
 from jaxring.attention.merge import empty_partial, merge_partials
 from jaxring.attention.ring import fuse_by_default
-from jaxring.attention.schedule import when_visible
+from jaxring.attention.ring_step import when_visible
 from jaxring.collectives import (
     BACKWARD,
     FORWARD,
@@ -82,6 +85,7 @@ from jaxring.collectives import (
     send_to_next,
     tree_broadcast,
     tree_reduce,
+    waits_for,
 )
 from jaxring.mesh import DATA_AXES, mesh_axis_size, spec_entry
 from jaxring.registry import register_tensor_method
@@ -242,6 +246,7 @@ class _MhaConfig:
     sm_scale: float
     ops: BlockOps
     fuse: bool = False  # the inner ring's hops as one buffer each, dK/dV one hop behind (GPU form)
+    window: int | None = None  # sliding window (causal): query i sees keys i - window < j <= i
 
 
 def metp_attention(
@@ -259,6 +264,7 @@ def metp_attention(
     rope_theta: float | None = 10000.0,
     block_ops: str | BlockOps = "auto",
     fuse_sends: bool | None = None,
+    window: int | None = None,
 ):
     """Two-level METP multi-head self-attention (Algorithms 3-6), inside `shard_map` over `axis_name` (p).
 
@@ -272,10 +278,13 @@ def metp_attention(
       fuse_sends: the inner ring's GPU form: each hop's K, V and positions (in the backward with the
         previous block's ΔK/ΔV, one hop behind) as one buffer sent before the block kernels, so a GPU
         overlaps every hop with them. Default: with the compiled Pallas kernels (GPU) only.
+      window: sliding window W (needs causal): the query at position i sees keys i - W < j <= i; inner-ring
+        steps outside every local query's window are skipped. None: unlimited.
     Returns: O_i [batch, s/p, hidden] in x.dtype. Differentiable in x and the weights (custom_vjp).
     """
     p = lax.axis_size(axis_name)
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    window = check_window(window, bool(causal))
     if x.ndim != 3:
         raise ValueError(f"x has shape {x.shape}; expected [batch, s/p, hidden]")
     if num_heads % p or num_kv_heads % p:
@@ -316,6 +325,7 @@ def metp_attention(
         d**-0.5,
         ops,
         fuse_by_default(ops, fuse_sends),
+        window,
     )
     # O_i = Σ_j A_ij W_proj_j is a weight matmul's output: named, so selective remat keeps it (the layer's
     # MLP input depends on it) instead of running the two-level rings again in the backward
@@ -341,8 +351,10 @@ def _block_forward(q, k, v, q_pos, kv_pos, cfg: _MhaConfig):
         zeros = jnp.zeros((q.shape[1],), jnp.int32)
         return cfg.ops.forward(q, k, v, zeros, zeros, causal=False, sm_scale=cfg.sm_scale)
 
+    ops = with_window(cfg.ops, cfg.window)
+
     def one_row(q, k, v, qp, kp):
-        o, lse = cfg.ops.forward(q[None], k[None], v[None], qp, kp, causal=True, sm_scale=cfg.sm_scale)
+        o, lse = ops.forward(q[None], k[None], v[None], qp, kp, causal=True, sm_scale=cfg.sm_scale)
         return o[0], lse[0]
 
     return jax.vmap(one_row)(q, k, v, q_pos, kv_pos)
@@ -353,13 +365,23 @@ def _block_backward(q, k, v, da, lse, delta, q_pos, kv_pos, cfg: _MhaConfig):
         zeros = jnp.zeros((q.shape[1],), jnp.int32)
         return cfg.ops.backward(q, k, v, da, lse, delta, zeros, zeros, causal=False, sm_scale=cfg.sm_scale)
 
+    ops = with_window(cfg.ops, cfg.window)
+
     def one_row(q, k, v, da, lse, delta, qp, kp):
-        g = cfg.ops.backward(
+        g = ops.backward(
             q[None], k[None], v[None], da[None], lse[None], delta[None], qp, kp, causal=True, sm_scale=cfg.sm_scale
         )
         return tuple(x[0] for x in g)
 
     return jax.vmap(one_row)(q, k, v, da, lse, delta, q_pos, kv_pos)
+
+
+def _when_visible(cfg: _MhaConfig, q_pos, kv_pos, compute, skip):
+    """`schedule.when_visible`, also skipping a block wholly outside every query's window (by position bounds)."""
+    if cfg.window is None:
+        return when_visible(cfg.causal, q_pos, kv_pos, compute, skip)
+    visible = positions_may_meet(q_pos, kv_pos, causal=True, window=cfg.window)
+    return lax.cond(visible, compute, skip), visible
 
 
 def _inner_forward(q, k, v, positions, cfg: _MhaConfig):
@@ -370,8 +392,8 @@ def _inner_forward(q, k, v, positions, cfg: _MhaConfig):
 
     def attend(acc, kv, j):
         k_j, v_j, kv_pos = kv
-        part, _ = when_visible(
-            cfg.causal,
+        part, _ = _when_visible(
+            cfg,
             positions,
             kv_pos,  # a block wholly in the future: skipped
             lambda: _block_forward(q, k_j, v_j, positions, kv_pos, cfg),
@@ -403,8 +425,8 @@ def _inner_backward(q, k, v, da, lse, delta, positions, cfg: _MhaConfig):
             jnp.zeros_like(k_j, jnp.float32),
             jnp.zeros_like(v_j, jnp.float32),
         )
-        grads, _ = when_visible(
-            cfg.causal,
+        grads, _ = _when_visible(
+            cfg,
             positions,
             kv_pos,
             lambda: _block_backward(q, k_j, v_j, da, lse, delta, positions, kv_pos, cfg),
@@ -525,6 +547,7 @@ def _mha_bwd(cfg, residuals, do):
         dk, dv = flat(k_rope_vjp(dk.astype(x.dtype))[0]), flat(dv)
         dx = dx + dxq + _mm(dk, wk.T) + _mm(dv, wv.T)  # ΔX_i += [ΔQ ΔK ΔV] W_qkv_jᵀ
         dw = (dwq, _outer(x, dk), _outer(x, dv), dwo)  # ΔW_qkv_j = X_iᵀ [ΔQ ΔK ΔV], ΔW_proj_j
+        dw = waits_for(dw, (dk, dv))  # XLA:CPU: ΔW_proj's reduce after the inner ring, not beside it
         reduced = jax.tree.map(lambda g: tree_reduce(g, cfg.axis_name, j), dw)  # Reduce onto rank j
         dw_own = jax.tree.map(lambda new, old: jnp.where(rank == j, new, old), reduced, dw_own)
         return dx, dw_own
@@ -623,17 +646,19 @@ def attention_block(
     rope_theta=10000.0,
     block_ops: str | BlockOps = "auto",
     fuse_sends: bool | None = None,
+    window: int | None = None,
 ):
     """Self-attention with two-level METP over the mesh's tp axis (batch over dp/fsdp, sequence over tp).
 
     params {"wq": [hidden, num_heads*head_dim], "wk": [hidden, num_kv_heads*head_dim], "wv": like wk,
     "wo": [num_heads*head_dim, hidden]}; head h's columns are h*head_dim:(h+1)*head_dim, so rank j's slice
     of each is head group j. positions: global int [batch, seq] (RoPE on q and k when rope_theta is not None;
-    the causal mask uses the same positions). fuse_sends: see `metp_attention`. Returns y [batch, seq, hidden]
-    in x.dtype.
+    the causal mask uses the same positions). fuse_sends: see `metp_attention`. window: sliding window W
+    (needs causal): the query at position i sees keys i - W < j <= i. Returns y [batch, seq, hidden] in x.dtype.
     """
     data_axes, tp = _check_mesh(mesh)
     _check_x(x, data_axes, mesh, tp)
+    window = check_window(window, bool(causal))
     if set(params) != {"wq", "wk", "wv", "wo"}:
         raise ValueError(f"attention params must be exactly wq, wk, wv, wo; got {tuple(sorted(params))}")
     hidden = x.shape[-1]
@@ -677,6 +702,7 @@ def attention_block(
         rope_theta=None if rope_theta is None else float(rope_theta),
         block_ops=block_ops,
         fuse_sends=fuse_sends,
+        window=window,
     )
 
 
@@ -754,7 +780,7 @@ class METP(TensorMethod):
     def param_spec(self, plan, info: ParamInfo):
         return tuple("tp" if a in ("heads", "kv_heads", "mlp") else None for a in info.logical_axes)
 
-    def attention(self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope_theta):
+    def attention(self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope_theta, window=None):
         del head_dim
         return metp_attention(
             x,
@@ -769,6 +795,7 @@ class METP(TensorMethod):
             causal=causal,
             rope_theta=rope_theta,
             block_ops=plan.block_ops,
+            window=window,
         )
 
     def mlp(self, plan, x, w, *, activation):

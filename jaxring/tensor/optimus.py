@@ -1,4 +1,4 @@
-"""Optimus: 2D tensor parallelism with SUMMA products (seed 002, Xu et al. 2021).
+"""Optimus: 2D tensor parallelism with SUMMA products [Optimus] (Xu et al.; REFERENCES.md).
 
 tp = p = q² devices form a q×q grid (the `tp` axis split into rows `tpr` and columns `tpc`, tpc innermost;
 device (i, j) has tpr = i, tpc = j). Every matrix is split into q×q blocks, block (i, j) on device (i, j):
@@ -61,6 +61,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring.attention.flash import flash_attention
+from jaxring.attention.masking import check_window
 from jaxring.collectives import prefetch_steps, tree_broadcast, tree_reduce
 from jaxring.mesh import DATA_AXES, factored_mesh, spec_entry
 from jaxring.registry import register_tensor_method
@@ -294,12 +295,14 @@ def attention_2d(
     causal: bool = True,
     rope_theta: float | None = 10000.0,
     axes=GRID,
+    window: int | None = None,
 ):
     """Self-attention with n/q heads of b/q whole sequences per device (Fig. 4).
 
     x: local [b/q, s, h/q]; positions: local int [b/q, s]; params: local blocks wq [h/q, n·d/q],
     wk, wv [h/q, n_kv·d/q], wo [n·d/q, h/q] (column block j of wq/wk/wv = heads of group j).
-    QKV is one SUMMA on the wq|wk|wv blocks side by side; softmax(QKᵀ)V is local; wo is a second SUMMA.
+    QKV is one SUMMA on the wq|wk|wv blocks side by side; softmax(QKᵀ)V is local (with a sliding `window` W,
+    needing causal, the query at position i sees keys i - W < j <= i); wo is a second SUMMA.
     Returns local [b/q, s, h/q].
     """
     q = lax.axis_size(axes[1])
@@ -313,7 +316,7 @@ def attention_2d(
     kh = qkv[..., sizes[0] : sizes[0] + sizes[1]].reshape(bq, s, kv_heads, head_dim)
     vh = qkv[..., sizes[0] + sizes[1] :].reshape(bq, s, kv_heads, head_dim)
     qh, kh = rope_qk(qh, kh, positions, rope_theta)
-    out = flash_attention(qh, kh, vh, causal=causal, q_positions=positions, kv_positions=positions)
+    out = flash_attention(qh, kh, vh, causal=causal, q_positions=positions, kv_positions=positions, window=window)
     return _matmul(out.reshape(bq, s, heads * head_dim), params["wo"], axes)
 
 
@@ -499,7 +502,10 @@ def _run(kind, grid, data, static, args, specs):
     x_spec, tok_spec = _specs(data)
     local, options = {
         "mlp": (_mlp_local, dict(zip(("activation", "names"), static))),
-        "attention": (_attention_local, dict(zip(("num_heads", "num_kv_heads", "causal", "rope_theta"), static))),
+        "attention": (
+            _attention_local,
+            dict(zip(("num_heads", "num_kv_heads", "causal", "rope_theta", "window"), static)),
+        ),
         "layer_norm": (_layer_norm_local, dict(zip(("eps",), static))),
         "embed": (_embed_local, {}),
         "cross_entropy": (_cross_entropy_local, dict(zip(("tied",), static))),
@@ -545,16 +551,19 @@ def attention_block(
     num_kv_heads: int,
     causal: bool = True,
     rope_theta: float | None = 10000.0,
+    window: int | None = None,
 ):
     """params {"wq": [hidden, num_heads*head_dim], "wk": [hidden, num_kv_heads*head_dim], "wv": as wk,
     "wo": [num_heads*head_dim, hidden]}; head h's columns are h*head_dim:(h+1)*head_dim. positions: global
     int32 [batch, seq] (RoPE on q and k when rope_theta is not None; the causal mask uses the same
-    positions). Returns y [batch, seq, hidden].
+    positions). window: sliding window W (needs causal): the query at position i sees keys i - W < j <= i.
+    Returns y [batch, seq, hidden].
 
     Each device attends n/q heads of b/q sequences; num_heads and num_kv_heads must be divisible by q.
     """
     grid, q, data = grid_mesh(mesh)
     _check_batch(x, grid, q, data)
+    window = check_window(window, bool(causal))
     batch, seq, hidden = x.shape
     if not (isinstance(num_heads, int) and isinstance(num_kv_heads, int) and num_heads > 0 and num_kv_heads > 0):
         raise ValueError(f"num_heads {num_heads!r} and num_kv_heads {num_kv_heads!r} must be positive integers")
@@ -584,7 +593,7 @@ def attention_block(
         "attention",
         grid,
         data,
-        (num_heads, num_kv_heads, bool(causal), theta),
+        (num_heads, num_kv_heads, bool(causal), theta, window),
         (x, params, positions),
         (x_spec, {n: P(*GRID) for n in params}, tok_spec),
     )
@@ -736,10 +745,17 @@ class Optimus(TensorMethod):
     def norm(self, plan, x, scale, bias, *, eps=1e-5):
         return layer_norm_2d(x, scale, bias, eps=eps)
 
-    def attention(self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope_theta):
+    def attention(self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope_theta, window=None):
         del head_dim
         return attention_2d(
-            x, w, positions, num_heads=num_heads, num_kv_heads=num_kv_heads, causal=causal, rope_theta=rope_theta
+            x,
+            w,
+            positions,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            causal=causal,
+            rope_theta=rope_theta,
+            window=window,
         )
 
     def mlp(self, plan, x, w, *, activation):

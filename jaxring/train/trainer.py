@@ -22,15 +22,20 @@ from jaxring.train.checkpoint import Checkpointer
 from jaxring.train.step import TrainStep
 
 
-def optimizer(spec: RunSpec):
-    """AdamW with linear warmup and cosine decay to min_lr_ratio·lr. Clipping by the global norm is done by
-    the step itself (`TrainStep`), which sees the sharded gradients whole."""
+def lr_schedule(spec: RunSpec):
+    """step -> learning rate: linear warmup, then cosine decay to min_lr_ratio·lr."""
     cfg, steps = spec.optimizer, spec.training.steps
     warmup = min(cfg.warmup, steps)
-    schedule = optax.warmup_cosine_decay_schedule(
+    return optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, warmup, max(steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio
     )
-    return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)
+
+
+def optimizer(spec: RunSpec):
+    """AdamW on `lr_schedule`. Clipping by the global norm is done by the step itself (`TrainStep`), which
+    sees the sharded gradients whole."""
+    cfg = spec.optimizer
+    return optax.adamw(lr_schedule(spec), b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)
 
 
 # Checkpoints record how parameters are laid out; an older layout is refused with a clear message.
