@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding
 from jaxring import moe as moe_lib
 from jaxring import zero
 from jaxring.plan import ParallelPlan
+from jaxring.rope import Rope, as_rope
 from jaxring.tensor.contract import KEPT_RESIDUAL, LAYER_INPUT, MATMUL_OUTPUT, ParamInfo, check_activation
 from jaxring.tiling import over_tiles
 
@@ -45,10 +46,18 @@ def param(rngs, shape, logical_axes, std, *, heads: int | None = None, dtype=jnp
     )
 
 
+def constant(shape, logical_axes, value: float, *, heads: int | None = None, dtype=jnp.float32):
+    """An nnx.Param filled with `value` (biases 0, norm scales 1), with its logical axes."""
+    return nnx.Param(jnp.full(shape, value, dtype), logical_axes=tuple(logical_axes), heads=heads)
+
+
 class Attention(nnx.Module):
     """Multi-head self-attention with GQA and RoPE; the tensor method and the attention core come from the plan.
 
-    Params: wq [hidden, heads·head_dim], wk/wv [hidden, kv_heads·head_dim], wo [heads·head_dim, hidden].
+    Params: wq [hidden, heads·head_dim], wk/wv [hidden, kv_heads·head_dim], wo [heads·head_dim, hidden];
+    with `qkv_bias` bq [heads·head_dim], bk/bv [kv_heads·head_dim]; with `proj_bias` bo [hidden]; with
+    `qk_norm` q_norm/k_norm [head_dim] (an RMSNorm per head before RoPE, Qwen3). head_dim defaults to
+    hidden / heads. rope: a `jaxring.rope.Rope`, a theta (plain RoPE) or None; window: a sliding window.
     """
 
     def __init__(
@@ -59,7 +68,12 @@ class Attention(nnx.Module):
         *,
         head_dim: int | None = None,
         causal: bool = True,
-        rope_theta: float | None = 10000.0,
+        rope: Rope | float | None = 10000.0,
+        window: int | None = None,
+        qkv_bias: bool = False,
+        proj_bias: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
         out_std: float | None = None,
         rngs: nnx.Rngs,
     ):
@@ -70,15 +84,26 @@ class Attention(nnx.Module):
             raise ValueError(f"hidden {hidden} is not divisible by num_heads {num_heads}")
         head_dim = head_dim or hidden // num_heads
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.causal, self.rope_theta = causal, rope_theta
+        self.causal, self.rope, self.window, self.norm_eps = causal, as_rope(rope), window, norm_eps
         std = hidden**-0.5
         self.wq = param(rngs, (hidden, num_heads * head_dim), ("embed", "heads"), std, heads=num_heads)
         self.wk = param(rngs, (hidden, num_kv_heads * head_dim), ("embed", "kv_heads"), std, heads=num_kv_heads)
         self.wv = param(rngs, (hidden, num_kv_heads * head_dim), ("embed", "kv_heads"), std, heads=num_kv_heads)
         self.wo = param(rngs, (num_heads * head_dim, hidden), ("heads", "embed"), out_std or std, heads=num_heads)
+        if qkv_bias:
+            self.bq = constant((num_heads * head_dim,), ("heads",), 0.0, heads=num_heads)
+            self.bk = constant((num_kv_heads * head_dim,), ("kv_heads",), 0.0, heads=num_kv_heads)
+            self.bv = constant((num_kv_heads * head_dim,), ("kv_heads",), 0.0, heads=num_kv_heads)
+        if proj_bias:
+            self.bo = constant((hidden,), ("embed",), 0.0)
+        if qk_norm:
+            self.q_norm = constant((head_dim,), (None,), 1.0)
+            self.k_norm = constant((head_dim,), (None,), 1.0)
+
+    WEIGHTS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")
 
     def weights(self, dtype):
-        return {name: getattr(self, name)[...].astype(dtype) for name in ("wq", "wk", "wv", "wo")}
+        return {name: getattr(self, name)[...].astype(dtype) for name in self.WEIGHTS if hasattr(self, name)}
 
     def __call__(self, x, positions, plan: ParallelPlan):
         """x: local [batch, seq, hidden] (the plan's activation layout); positions: local int32 [batch, seq]
@@ -92,15 +117,25 @@ class Attention(nnx.Module):
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             causal=self.causal,
-            rope_theta=self.rope_theta,
+            rope=self.rope,
+            window=self.window,
+            norm_eps=self.norm_eps,
         )
 
 
 class MLP(nnx.Module):
-    """GELU (w_in, w_out) or SwiGLU (w_gate, w_in, w_out) feed-forward; the tensor method from the plan."""
+    """GELU (w_in, w_out) or SwiGLU (w_gate, w_in, w_out) feed-forward, with `bias`: b_in, b_gate [ffn] and
+    b_out [hidden]; the tensor method from the plan."""
 
     def __init__(
-        self, hidden: int, ffn: int, activation: str = "gelu", *, out_std: float | None = None, rngs: nnx.Rngs
+        self,
+        hidden: int,
+        ffn: int,
+        activation: str = "gelu",
+        *,
+        bias: bool = False,
+        out_std: float | None = None,
+        rngs: nnx.Rngs,
     ):
         check_activation(activation)
         self.activation = activation
@@ -108,10 +143,16 @@ class MLP(nnx.Module):
         if activation == "swiglu":
             self.w_gate = param(rngs, (hidden, ffn), ("embed", "mlp"), hidden**-0.5)
         self.w_out = param(rngs, (ffn, hidden), ("mlp", "embed"), out_std or ffn**-0.5)
+        if bias:
+            self.b_in = constant((ffn,), ("mlp",), 0.0)
+            if activation == "swiglu":
+                self.b_gate = constant((ffn,), ("mlp",), 0.0)
+            self.b_out = constant((hidden,), ("embed",), 0.0)
+
+    WEIGHTS = ("w_in", "w_gate", "w_out", "b_in", "b_gate", "b_out")
 
     def weights(self, dtype):
-        names = ("w_in", "w_out") + (("w_gate",) if self.activation == "swiglu" else ())
-        return {name: getattr(self, name)[...].astype(dtype) for name in names}
+        return {name: getattr(self, name)[...].astype(dtype) for name in self.WEIGHTS if hasattr(self, name)}
 
     def __call__(self, x, plan: ParallelPlan):
         """x [b, s_act, hidden] -> like x; over `plan.mlp_tiles(x)` tiles of its rows (one when untiled)."""
@@ -145,6 +186,23 @@ class LayerNorm(nnx.Module):
     def __call__(self, x, plan: ParallelPlan):
         """Computed in fp32, returned in x's dtype."""
         return plan.tensor.norm(plan, x, self.scale[...], self.bias[...], eps=self.eps)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over hidden with scale [hidden] (Llama): x · rsqrt(mean(x²) + eps) · scale; under Optimus the
+    hidden dim is split (the sum of squares is summed across the grid row)."""
+
+    def __init__(self, hidden: int, *, eps: float = 1e-6, rngs: nnx.Rngs | None = None):
+        del rngs
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((hidden,), jnp.float32), logical_axes=("embed",))
+
+    def __call__(self, x, plan: ParallelPlan):
+        """Computed in fp32, returned in x's dtype."""
+        return plan.tensor.rms_norm(plan, x, self.scale[...], eps=self.eps)
+
+
+NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
 
 
 class MoE(moe_lib.MoE):

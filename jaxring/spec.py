@@ -160,6 +160,15 @@ class ModelSettings:
     overrides: dict = setting(
         {}, "change a preset field, e.g. --override num_layers=2 (repeatable)", flag="override", metavar="FIELD=VALUE"
     )
+    init_from: str | None = setting(
+        None,
+        "start from a Hugging Face checkpoint directory (config.json + safetensors; gpt): its config replaces "
+        "--preset; --override may change only rope_* and max_seq_len (context extension)",
+        metavar="DIR",
+    )
+    export_hf: str | None = setting(
+        None, "write the trained model as a Hugging Face checkpoint directory at the end (gpt)", metavar="DIR"
+    )
 
 
 @dataclasses.dataclass
@@ -608,6 +617,11 @@ class RunSpec:
         for flag, path in (("--checkpoint-dir", ckpt), ("--out-dir", out)):
             if path and os.path.exists(path) and not os.path.isdir(path):
                 raise ValueError(f"{flag} {path!r} exists and is not a directory")
+        init_from, export_hf = self.model.init_from, self.model.export_hf
+        if init_from is not None and not os.path.isdir(init_from):
+            raise ValueError(f"--init-from {init_from!r} is not a directory (a Hugging Face checkpoint)")
+        if export_hf is not None and os.path.exists(export_hf) and not os.path.isdir(export_hf):
+            raise ValueError(f"--export-hf {export_hf!r} exists and is not a directory")
         d = self.data
         for flag, path in (("--data", d.data), ("--val-data", d.val_data)):
             if path is not None and not os.path.exists(path):

@@ -7,6 +7,7 @@ Declared to jaxring by the `jaxring.models` entry point `gpt = "models.gpt_train
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -47,13 +48,16 @@ class GPTTask:
         self.source = self.data.tokenizer  # encode/decode (the sample at the end, notebooks)
         overrides = dict(spec.model.overrides)
         _check_overrides_fit_the_data(overrides, self.source, self.seq_len)
-        base = gpt.get_config(spec.model.preset, **overrides)
-        derived = {}
-        if base.vocab_size < self.data.vocab_size:  # else keep the preset's (padded) vocabulary
-            derived["vocab_size"] = -(-self.data.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-        if base.positions == "learned":
-            derived["max_seq_len"] = max(base.max_seq_len, self.seq_len)
-        self.config = gpt.get_config(spec.model.preset, **{**overrides, **derived})
+        if spec.model.init_from is not None:
+            self.config = _pretrained_config(spec.model.init_from, overrides, self.data.vocab_size)
+        else:
+            base = gpt.get_config(spec.model.preset, **overrides)
+            derived = {}
+            if base.vocab_size < self.data.vocab_size:  # else keep the preset's (padded) vocabulary
+                derived["vocab_size"] = -(-self.data.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+            if base.positions == "learned":
+                derived["max_seq_len"] = max(base.max_seq_len, self.seq_len)
+            self.config = gpt.get_config(spec.model.preset, **{**overrides, **derived})
         gpt.check_plan(self.config, plan, t.batch_size // t.grad_accum, self.seq_len)
         self.objective = gpt.NextTokenObjective(t.batch_size, self.seq_len)
         # the progress bar's MoE metrics (metrics.step_metrics' convention)
@@ -91,12 +95,20 @@ class GPTTask:
                 log(f"warning: {e}; finding step {step}'s batch from the start of this run's stream")
 
     def model(self, seed: int):
-        return gpt.GPT(self.config, rngs=nnx.Rngs(seed))
+        init_from = self.spec.model.init_from
+        if init_from is None:
+            return gpt.GPT(self.config, rngs=nnx.Rngs(seed))
+        from models import hf
+
+        model, _ = hf.load_pretrained(init_from, self.plan, overrides=_changed(hf.read_config(init_from), self.config))
+        _log_main(f"initialized from {init_from} ({self.config.num_params() / 1e6:.1f}M parameters)")
+        return model
 
     def check_validation_data(self) -> None:
         """Every held-out token id inside the model's vocabulary, checked before training (not at the end)."""
-        source = self.val_batches.source
-        top = max_token_id(source.tokens)
+        source = self.data.val  # a .bin's TokenSource (its ids scanned) or a document store (its vocabulary)
+        tokens = getattr(source, "tokens", None)
+        top = max_token_id(tokens) if tokens is not None else source.vocab_size - 1
         if top is not None and top >= self.config.vocab_size:
             raise ValueError(
                 f"the held-out data {source.name} has token id {top}, outside the vocabulary of {self.config.vocab_size} "
@@ -128,6 +140,27 @@ class GPTTask:
 
     def flops_per_step(self) -> float:
         return self.config.flops_per_token(self.seq_len, causal=True) * self.tokens_per_step
+
+    def export(self, model, log) -> None:
+        """--export-hf DIR: the trained model written as a Hugging Face checkpoint (with the tokenizer.json of
+        --init-from or --tokenizer, when there is one)."""
+        export = self.spec.model.export_hf
+        if export is None:
+            return
+        from models import hf
+
+        files = hf.save_pretrained(model, self.config, export, tokenizer=self._tokenizer_file())
+        log(f"exported the model to {export} ({len(files)} files)")
+
+    def _tokenizer_file(self) -> str | None:
+        """The tokenizer.json to ship with an export: --init-from's, else --tokenizer's (a file or a directory)."""
+        candidates = [self.spec.model.init_from, self.spec.data.tokenizer]
+        for c in candidates:
+            if c and c != "bytes":
+                path = c if c.endswith(".json") else os.path.join(c, "tokenizer.json")
+                if os.path.isfile(path):
+                    return path
+        return None
 
     def finish(self, model, log, out_dir: str) -> dict:
         """A generated sample from the trained model, on one device."""
@@ -203,3 +236,34 @@ FAMILY = ModelFamily(
     abstract_batch=_abstract_batch,
     task=GPTTask,
 )
+
+
+CONTEXT_EXTENSION = ("max_seq_len",)  # with every rope_* field: what --override may change under --init-from
+
+
+def _pretrained_config(path: str, overrides: dict, data_vocab: int) -> gpt.GPTConfig:
+    """The GPTConfig of a Hugging Face checkpoint, with the overrides a context extension may make."""
+    from models import hf
+
+    config = hf.read_config(path)
+    fixed = sorted(k for k in overrides if not (k.startswith("rope_") or k in CONTEXT_EXTENSION))
+    if fixed:
+        raise ValueError(
+            f"--override {fixed[0]}={overrides[fixed[0]]} contradicts --init-from {path}'s config.json "
+            f"({fixed[0]} = {getattr(config, fixed[0], None)!r}); only rope_* and max_seq_len may change"
+        )
+    if data_vocab > config.vocab_size:
+        raise ValueError(
+            f"the data's token ids reach {data_vocab - 1}, outside --init-from {path}'s vocabulary of "
+            f"{config.vocab_size}; give data of the checkpoint's tokenizer"
+        )
+    return dataclasses.replace(config, **overrides)
+
+
+def _changed(base: gpt.GPTConfig, config: gpt.GPTConfig) -> dict:
+    """The fields of `config` that differ from `base`."""
+    return {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if getattr(config, f.name) != getattr(base, f.name)
+    }

@@ -141,7 +141,7 @@ def test_mlp_forward_memory_does_not_grow_with_width():
     mesh = mesh_of(p)
     specs = (P(None, "tp", None), P(None, "tp"), P("tp", None))
     plain_ring = jax.shard_map(
-        lambda x, w_in, w_out: metp._metp_forward(x, (w_in,), w_out, metp.gelu, "tp"),
+        lambda x, w_in, w_out: metp._metp_forward(x, (w_in,), (), w_out, metp.gelu, "tp"),
         mesh=mesh,
         in_specs=specs,
         out_specs=specs[0],

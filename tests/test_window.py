@@ -279,7 +279,7 @@ def test_megatron_tp2_x_ring_sp4_with_a_window():
     rng = np.random.default_rng(0)
     (x, dy), positions = plan.layout_tokens(*(rng.standard_normal((B, S, H)).astype(np.float32) for _ in range(2)))
     x, dy, positions = jnp.asarray(x), jnp.asarray(dy), jnp.asarray(np.broadcast_to(positions, (B, S)))
-    kw = dict(num_heads=HEADS, num_kv_heads=KV, head_dim=H // HEADS, causal=True, rope_theta=10000.0)
+    kw = dict(num_heads=HEADS, num_kv_heads=KV, head_dim=H // HEADS, causal=True, rope=10000.0)
     sharded = plan.shard_map(
         lambda x, w, pos: plan.tensor.attention(plan, x, w, pos, window=window, **kw),
         in_specs=(plan.activation_spec(), specs, plan.token_spec()),

@@ -89,9 +89,19 @@ from jaxring.collectives import (
 )
 from jaxring.mesh import DATA_AXES, mesh_axis_size, spec_entry
 from jaxring.registry import register_tensor_method
-from jaxring.rope import apply_rope
+from jaxring.rope import Rope, as_rope
 from jaxring.sharded import run_local
-from jaxring.tensor.contract import ACTIVATIONS, KEPT_RESIDUAL, MATMUL_OUTPUT, ParamInfo, TensorMethod
+from jaxring.tensor.contract import (
+    ACTIVATIONS,
+    KEPT_RESIDUAL,
+    MATMUL_OUTPUT,
+    ParamInfo,
+    TensorMethod,
+    add_bias,
+    check_kv_heads,
+    head_norm,
+    own_kv_head,
+)
 from jaxring.vma import vary_like, varying_axes
 
 
@@ -111,6 +121,11 @@ def _sum_to(g, like):
     a weight replicated over dp/fsdp gets the psum of its per-shard gradients)."""
     extra = tuple(sorted(varying_axes(g) - varying_axes(like)))
     return lax.psum(g, extra) if extra else g
+
+
+def _row_sum(dy):
+    """Σ over rows of dy [..., n] -> [n] fp32 (a bias gradient)."""
+    return jnp.sum(dy.reshape(-1, dy.shape[-1]).astype(jnp.float32), axis=0)
 
 
 def _outer(x, dy):
@@ -133,8 +148,8 @@ def swiglu(t_gate, t_in):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def metp(a, b, c, *, f=gelu, axis_name: str = "tp"):
-    """O_i = Σ_r f(A_i B_r) C_r on a ring over `axis_name` (call inside `shard_map`).
+def metp(a, b, c, *, f=gelu, axis_name: str = "tp", b_bias=None):
+    """O_i = Σ_r f(A_i B_r + β_r) C_r on a ring over `axis_name` (call inside `shard_map`).
 
     Args:
       a: local rows A_i [..., k1] (e.g. this rank's sequence shard [batch, s/p, hidden]); never moves.
@@ -142,9 +157,14 @@ def metp(a, b, c, *, f=gelu, axis_name: str = "tp"):
         (SwiGLU: (W_gate block, W_in block)).
       c: local row block C_(i,:) [k2/p, n].
       f: element-wise function of the product(s) A_i B_r (one argument per B block).
+      b_bias: optional bias blocks β_(i) [k2/p] of the products, one per B block (like b); they travel with
+        their B block (and their gradients with ΔB).
     Returns: O_i [..., n] in a.dtype. Differentiable (custom_vjp: recompute, gradients ride the ring).
     """
     bs = tuple(b) if isinstance(b, (tuple, list)) else (b,)
+    biases = () if b_bias is None else tuple(b_bias) if isinstance(b_bias, (tuple, list)) else (b_bias,)
+    if biases and (len(biases) != len(bs) or any(x.shape != bs[0].shape[1:] for x in biases)):
+        raise ValueError(f"b_bias {[x.shape for x in biases]} must be one [k2/p] = {bs[0].shape[1:]} block per B block")
     if not bs:
         raise ValueError("b must be an array or a non-empty tuple of arrays")
     for i, b_ in enumerate(bs):
@@ -154,31 +174,37 @@ def metp(a, b, c, *, f=gelu, axis_name: str = "tp"):
         raise ValueError(f"a's last dim {a.shape[-1]} must equal B's rows k1 = {bs[0].shape[0]}")
     if c.ndim != 2 or c.shape[0] != bs[0].shape[1]:
         raise ValueError(f"c has shape {c.shape}; expected [k2/p, n] with k2/p = {bs[0].shape[1]}")
-    return _metp(a, bs, c, f, axis_name)
+    return _metp(a, bs, biases, c, f, axis_name)
 
 
-def _metp_forward(a, bs, c, f, axis_name):
+def _products(a, bs, biases):
+    """T_ij = A_i B^(j) (+ β^(j)), fp32."""
+    t = [_mm(a, b_j) for b_j in bs]
+    return [t_r + beta.astype(jnp.float32) for t_r, beta in zip(t, biases)] if biases else t
+
+
+def _metp_forward(a, bs, biases, c, f, axis_name):
     """Algorithm 1. Returns O_i fp32."""
     p = lax.axis_size(axis_name)
 
     def step(o, blocks, j):
-        bs_j, c_j = blocks
-        t = [_mm(a, b_j) for b_j in bs_j]  # T_ij = A_i B^(j)
+        bs_j, biases_j, c_j = blocks
+        t = _products(a, bs_j, biases_j)  # T_ij = A_i B^(j)
         d = f(*t).astype(c_j.dtype)  # D_ij = f(T_ij)
         return o + _mm(d, c_j)  # O_i += D_ij C^(j)
 
     o = jnp.zeros_like(a, jnp.float32, shape=a.shape[:-1] + (c.shape[1],))
     send = lambda blocks: send_to_next(blocks, axis_name, shift=FORWARD)
-    return ring_steps(step, o, (bs, c), p, send)
+    return ring_steps(step, o, (bs, biases, c), p, send)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _metp(a, bs, c, f, axis_name):
-    return _metp_forward(a, bs, c, f, axis_name).astype(a.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _metp(a, bs, biases, c, f, axis_name):
+    return _metp_forward(a, bs, biases, c, f, axis_name).astype(a.dtype)
 
 
-def _metp_fwd(a, bs, c, f, axis_name):
-    return _metp(a, bs, c, f, axis_name), (a, bs, c)  # stores A_i (and the rank's own blocks) only
+def _metp_fwd(a, bs, biases, c, f, axis_name):
+    return _metp(a, bs, biases, c, f, axis_name), (a, bs, biases, c)  # A_i (and the rank's own blocks) only
 
 
 def _metp_bwd(f, axis_name, residuals, do):
@@ -188,46 +214,57 @@ def _metp_bwd(f, axis_name, residuals, do):
     are the same permutation, and XLA would otherwise reuse the forward's first hop in the backward when both
     passes are in one program, holding the received blocks from forward to backward.
     """
-    a, bs, c = residuals
+    a, bs, biases, c = residuals
     p = lax.axis_size(axis_name)
     send = lambda tree: send_to_next(tree, axis_name, shift=BACKWARD)
 
     def step(carry, blocks, j):
-        da, (dbs, dc) = carry
-        bts_j, ct_j = blocks  # B^(j)ᵀ, C^(j)ᵀ
-        t = [_mm(a, bt.T) for bt in bts_j]  # T_ij = A_i B^(j)  (fp32, as forward)
+        da, (dbs, dbiases, dc) = carry
+        bts_j, biases_j, ct_j = blocks  # B^(j)ᵀ, β^(j), C^(j)ᵀ
+        t = _products(a, [bt.T for bt in bts_j], biases_j)  # T_ij = A_i B^(j) (+ β^(j))  (fp32, as forward)
         d, f_vjp = jax.vjp(f, *t)  # D_ij = f(T_ij)
         dd = _mm(do, ct_j)  # ΔD_ij = ΔO_i C^(j)ᵀ
         dc = dc + _outer(d.astype(ct_j.dtype), do)  # ΔC^(j) += D_ijᵀ ΔO_i
         dt = [g.astype(a.dtype) for g in f_vjp(dd)]  # ΔT_ij = f'(T_ij) ⊙ ΔD_ij
         da = da + sum(_mm(dt_r, bt) for dt_r, bt in zip(dt, bts_j))  # ΔA_i += ΔT_ij B^(j)ᵀ
         dbs = tuple(db + _outer(a, dt_r) for db, dt_r in zip(dbs, dt))  # ΔB^(j) += A_iᵀ ΔT_ij
-        return da, send((dbs, dc))  # ΔB, ΔC move on with their block
+        dbiases = tuple(dbeta + _row_sum(dt_r) for dbeta, dt_r in zip(dbiases, dt))  # Δβ^(j) += Σ_rows ΔT_ij
+        return da, send((dbs, dbiases, dc))  # ΔB, Δβ, ΔC move on with their block
 
     zeros = lambda w: vary_like(jnp.zeros_like(w, jnp.float32), a)
-    init = (jnp.zeros_like(a, jnp.float32), (tuple(zeros(b_) for b_ in bs), zeros(c)))
-    blocks = (tuple(b_.T for b_ in bs), c.T)
-    da, (dbs, dc) = ring_steps(step, init, blocks, p, send)
+    init = (
+        jnp.zeros_like(a, jnp.float32),
+        (tuple(zeros(b_) for b_ in bs), tuple(zeros(beta) for beta in biases), zeros(c)),
+    )
+    blocks = (tuple(b_.T for b_ in bs), biases, c.T)
+    da, (dbs, dbiases, dc) = ring_steps(step, init, blocks, p, send)
     dbs = tuple(_sum_to(db, b_).astype(b_.dtype) for db, b_ in zip(dbs, bs))
-    return da.astype(a.dtype), dbs, _sum_to(dc, c).astype(c.dtype)
+    dbiases = tuple(_sum_to(g, beta).astype(beta.dtype) for g, beta in zip(dbiases, biases))
+    return da.astype(a.dtype), dbs, dbiases, _sum_to(dc, c).astype(c.dtype)
 
 
 _metp.defvjp(_metp_fwd, _metp_bwd)
 
 
-def metp_mlp(x, w_in, w_out, w_gate=None, *, activation: str = "gelu", axis_name: str = "tp"):
+def metp_mlp(
+    x, w_in, w_out, w_gate=None, *, activation: str = "gelu", axis_name: str = "tp", b_in=None, b_gate=None, b_out=None
+):
     """The FFN as METP (Eq. 2), inside `shard_map`.
 
     x: local [batch, s/p, hidden]; w_in (and w_gate for swiglu): local [hidden, ffn/p]; w_out: [ffn/p, hidden].
     gelu: gelu(x W_in) W_out; swiglu: (silu(x W_gate) ⊙ x W_in) W_out (both column blocks circulate).
+    Optional biases: b_in, b_gate local [ffn/p] (circulate with their blocks), b_out [hidden] (added after).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} must be one of {ACTIVATIONS}")
     if (w_gate is not None) != (activation == "swiglu"):
         raise ValueError(f"w_gate must be given exactly when activation == 'swiglu' (activation {activation!r})")
     if activation == "swiglu":
-        return metp(x, (w_gate, w_in), w_out, f=swiglu, axis_name=axis_name)
-    return metp(x, w_in, w_out, f=gelu, axis_name=axis_name)
+        biases = None if b_in is None else (b_gate, b_in)
+        out = metp(x, (w_gate, w_in), w_out, f=swiglu, axis_name=axis_name, b_bias=biases)
+    else:
+        out = metp(x, w_in, w_out, f=gelu, axis_name=axis_name, b_bias=b_in)
+    return add_bias(out, b_out)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -242,10 +279,11 @@ class _MhaConfig:
     kv_heads: int  # kv heads per group, n_kv/p
     head_dim: int
     causal: bool
-    rope_theta: float | None
+    rope: Rope | None
     sm_scale: float
     ops: BlockOps
     fuse: bool = False  # the inner ring's hops as one buffer each, dK/dV one hop behind (GPU form)
+    norm_eps: float = 1e-6  # QK-norm's RMSNorm eps
     window: int | None = None  # sliding window (causal): query i sees keys i - window < j <= i
 
 
@@ -261,9 +299,11 @@ def metp_attention(
     num_kv_heads: int | None = None,
     axis_name: str = "tp",
     causal: bool = True,
-    rope_theta: float | None = 10000.0,
+    rope_theta=10000.0,
     block_ops: str | BlockOps = "auto",
     fuse_sends: bool | None = None,
+    extras: dict | None = None,
+    norm_eps: float = 1e-6,
     window: int | None = None,
 ):
     """Two-level METP multi-head self-attention (Algorithms 3-6), inside `shard_map` over `axis_name` (p).
@@ -275,6 +315,10 @@ def metp_attention(
         ·head_dim, hidden] (the group's rows of W_proj).
       positions: local int [batch, s/p], the tokens' true positions (RoPE and the causal mask).
       num_heads, num_kv_heads: global head counts (GQA when num_kv_heads < num_heads).
+      rope_theta: a theta (plain RoPE), a `jaxring.rope.Rope`, or None.
+      extras: optional biases bq [(num_heads/p)·head_dim], bk/bv [(num_kv_heads/p)·head_dim] (the group's,
+        broadcast with its weights), bo [hidden] (added to O_i), and the QK-norm scales q_norm/k_norm
+        [head_dim] (replicated; RMSNorm per head with eps `norm_eps`, before RoPE).
       fuse_sends: the inner ring's GPU form: each hop's K, V and positions (in the backward with the
         previous block's ΔK/ΔV, one hop behind) as one buffer sent before the block kernels, so a GPU
         overlaps every hop with them. Default: with the compiled Pallas kernels (GPU) only.
@@ -314,6 +358,18 @@ def metp_attention(
         raise ValueError(f"positions has shape {positions.shape}; expected [batch, s/p] = {x.shape[:2]}")
     if rope_theta is not None and d % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {d}")
+    extras = extras or {}
+    biases = tuple(extras[n] for n in ("bq", "bk", "bv") if n in extras)
+    norms = tuple(extras[n] for n in ("q_norm", "k_norm") if n in extras)
+    for name, group, count in (("bq, bk, bv", biases, 3), ("q_norm, k_norm", norms, 2)):
+        if group and len(group) != count:
+            raise ValueError(f"extras must hold all of {name} or none of them; got {sorted(extras)}")
+    for name, bias, w in zip(("bq", "bk", "bv"), biases, (wq, wk, wv)):
+        if bias.shape != w.shape[1:]:
+            raise ValueError(f"{name} block has shape {bias.shape}; expected {w.shape[1:]}")
+    for name, scale in zip(("q_norm", "k_norm"), norms):
+        if scale.shape != (d,):
+            raise ValueError(f"{name} has shape {scale.shape}; expected [head_dim] = {(d,)}")
     ops = get_block_ops(block_ops)
     cfg = _MhaConfig(
         axis_name,
@@ -321,28 +377,39 @@ def metp_attention(
         kv_heads,
         d,
         bool(causal),
-        None if rope_theta is None else float(rope_theta),
+        as_rope(rope_theta),
         d**-0.5,
         ops,
         fuse_by_default(ops, fuse_sends),
+        float(norm_eps),
         window,
     )
     # O_i = Σ_j A_ij W_proj_j is a weight matmul's output: named, so selective remat keeps it (the layer's
     # MLP input depends on it) instead of running the two-level rings again in the backward
-    return checkpoint_name(_mha(x, wq, wk, wv, wo, positions, cfg), MATMUL_OUTPUT)
+    out = checkpoint_name(_mha(x, (wq, wk, wv, wo), biases, norms, positions, cfg), MATMUL_OUTPUT)
+    return add_bias(out, extras.get("bo"))
 
 
-def _rope(q, k, positions, cfg: _MhaConfig):
-    if cfg.rope_theta is None:
-        return q, k
-    return apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta)
+def _heads(t, scale, positions, cfg: _MhaConfig):
+    """A projection [b, s/p, heads, d] as attention sees it: QK-norm (scale [d], or None), then RoPE."""
+    t = head_norm(t, scale, eps=cfg.norm_eps)
+    return t if cfg.rope is None else cfg.rope.apply(t, positions)
 
 
-def _project(x, wq, wk, wv, positions, cfg: _MhaConfig):
-    """(Q_ij, K_ij, V_ij) = X_i W_qkv_j (+ RoPE): [b, s/p, heads, d] in x.dtype."""
+def _linear(x, w, bias, cfg: _MhaConfig):
+    """X_i W_j (+ b_j) as heads [b, s/p, heads, d] in x.dtype."""
     b, n = x.shape[:2]
-    q, k, v = (_mm(x, w).astype(x.dtype).reshape(b, n, -1, cfg.head_dim) for w in (wq, wk, wv))
-    return (*_rope(q, k, positions, cfg), v)
+    y = _mm(x, w)
+    y = y if bias is None else y + bias.astype(jnp.float32)
+    return y.astype(x.dtype).reshape(b, n, -1, cfg.head_dim)
+
+
+def _project(x, w_j, biases_j, norms, positions, cfg: _MhaConfig):
+    """(Q_ij, K_ij, V_ij) = X_i W_qkv_j (+ b_qkv_j, QK-norm, RoPE): [b, s/p, heads, d] in x.dtype."""
+    biases_j = biases_j or (None, None, None)
+    q, k, v = (_linear(x, w, bias, cfg) for w, bias in zip(w_j[:3], biases_j))
+    q_norm, k_norm = norms or (None, None)
+    return _heads(q, q_norm, positions, cfg), _heads(k, k_norm, positions, cfg), v
 
 
 def _block_forward(q, k, v, q_pos, kv_pos, cfg: _MhaConfig):
@@ -481,15 +548,16 @@ def _outer_steps(step_fn, carry, own, axis_name, reverse: bool = False):
     )
 
 
-def _mha_forward(x, weights, positions, cfg: _MhaConfig, keep: bool):
+def _mha_forward(x, weights, biases, norms, positions, cfg: _MhaConfig, keep: bool):
     """Algorithm 5. Returns O_i fp32 and, when `keep`, A_i [p, b, s/p, heads, d] (x.dtype) and lse fp32."""
     p = lax.axis_size(cfg.axis_name)
     b, n, _ = x.shape
 
-    def head_group(carry, w_j, j):
+    def head_group(carry, own_j, j):
         o, kept = carry
-        wq, wk, wv, wo = w_j  # broadcast from rank j
-        q, k, v = _project(x, wq, wk, wv, positions, cfg)  # (Q_ij, K_ij, V_ij) = X_i W_qkv_j
+        w_j, biases_j = own_j  # broadcast from rank j
+        wo = w_j[3]
+        q, k, v = _project(x, w_j, biases_j, norms, positions, cfg)  # (Q_ij, K_ij, V_ij) = X_i W_qkv_j
         a, lse = _inner_forward(q, k, v, positions, cfg)  # A_ij = METP_Attention(Q, K, V)
         a = a.astype(x.dtype)
         o = o + _mm(a.reshape(b, n, -1), wo)  # O_i += A_ij W_proj_j
@@ -502,21 +570,21 @@ def _mha_forward(x, weights, positions, cfg: _MhaConfig, keep: bool):
     if keep:
         a0 = jnp.zeros_like(x, shape=(p, b, n, cfg.heads, cfg.head_dim))
         kept = (a0, jnp.zeros_like(x, jnp.float32, shape=(p, b, n, cfg.heads)))
-    return _outer_steps(head_group, (o, kept), weights, cfg.axis_name)
+    return _outer_steps(head_group, (o, kept), (weights, biases), cfg.axis_name)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _mha(x, wq, wk, wv, wo, positions, cfg):
-    o, _ = _mha_forward(x, (wq, wk, wv, wo), positions, cfg, keep=False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _mha(x, weights, biases, norms, positions, cfg):
+    o, _ = _mha_forward(x, weights, biases, norms, positions, cfg, keep=False)
     return o.astype(x.dtype)
 
 
-def _mha_fwd(x, wq, wk, wv, wo, positions, cfg):
-    o, (a, lse) = _mha_forward(x, (wq, wk, wv, wo), positions, cfg, keep=True)
+def _mha_fwd(x, weights, biases, norms, positions, cfg):
+    o, (a, lse) = _mha_forward(x, weights, biases, norms, positions, cfg, keep=True)
     # stored: X_i, the attention output A_i and its lse (+ the rank's own weight blocks and positions); named,
     # so that selective remat around the layer keeps them rather than running this forward again
     a, lse = checkpoint_name(a, KEPT_RESIDUAL), checkpoint_name(lse, KEPT_RESIDUAL)
-    return o.astype(x.dtype), (x, (wq, wk, wv, wo), positions, a, lse)
+    return o.astype(x.dtype), (x, weights, biases, norms, positions, a, lse)
 
 
 def _mha_bwd(cfg, residuals, do):
@@ -524,38 +592,48 @@ def _mha_bwd(cfg, residuals, do):
 
     The head groups go in reverse order (any order is correct). Weight gradients are fp32 until the end.
     """
-    x, weights, positions, a_all, lse_all = residuals
+    x, weights, biases, norms, positions, a_all, lse_all = residuals
     rank = lax.axis_index(cfg.axis_name)
     b, n, _ = x.shape
-    rope = lambda t: t if cfg.rope_theta is None else apply_rope(t, positions, cfg.rope_theta)
     flat = lambda g: g.astype(x.dtype).reshape(b, n, -1)
+    # the QK-norm scales as varying copies: their vjp is then this rank's share (an invariant scale's vjp
+    # would already be psummed over tp, and _sum_to below sums the shares once)
+    q_norm, k_norm = jax.tree.map(lambda t: vary_like(t, x), norms) if norms else (None, None)
+    post = lambda t, scale: _heads(t, scale, positions, cfg)
 
-    def head_group(carry, w_j, j):
-        dx, dw_own = carry
-        wq, wk, wv, wo = w_j  # broadcast from rank j (again)
+    def head_group(carry, own_j, j):
+        dx, dw_own, dnorms = carry
+        w_j, biases_j = own_j  # broadcast from rank j (again)
+        wq, wk, wv, wo = w_j
         a, lse = a_all[j], lse_all[j]
         dwo = _outer(a.reshape(b, n, -1), do)  # ΔW_proj_j = A_ijᵀ ΔO_i
-        q, k, v = (_mm(x, w).astype(x.dtype).reshape(b, n, -1, cfg.head_dim) for w in (wq, wk, wv))
-        (q, q_rope_vjp), (k, k_rope_vjp) = jax.vjp(rope, q), jax.vjp(rope, k)  # recompute Q_ij, K_ij, V_ij
+        q, k, v = (_linear(x, w, bias, cfg) for w, bias in zip(w_j[:3], biases_j or (None,) * 3))
+        (q, q_vjp), (k, k_vjp) = jax.vjp(post, q, q_norm), jax.vjp(post, k, k_norm)  # recompute Q, K (QK-norm, RoPE)
         da = _mm(do, wo.T).reshape(a.shape).astype(x.dtype)  # ΔA_ij = ΔO_i W_proj_jᵀ
         delta = jnp.sum(da.astype(jnp.float32) * a.astype(jnp.float32), axis=-1)  # D_i = rowsum(ΔA ⊙ A)
         dq, (dk, dv) = _inner_backward(q, k, v, da, lse, delta, positions, cfg)
-        dq = flat(q_rope_vjp(dq.astype(x.dtype))[0])  # through RoPE (a rotation: its transpose)
+        dq, dq_norm = q_vjp(dq.astype(x.dtype))  # through RoPE (a rotation: its transpose) and the QK-norm
+        dq = flat(dq)
         dwq, dxq = _outer(x, dq), _mm(dq, wq.T)  # ΔQ's GEMMs first: in the GPU form
         if cfg.fuse:  # ΔK/ΔV are still on their last hop home
             (dk, dv), (dwq, dxq) = lax.optimization_barrier(((dk, dv), (dwq, dxq)))
-        dk, dv = flat(k_rope_vjp(dk.astype(x.dtype))[0]), flat(dv)
+        dk, dk_norm = k_vjp(dk.astype(x.dtype))
+        dk, dv = flat(dk), flat(dv)
         dx = dx + dxq + _mm(dk, wk.T) + _mm(dv, wv.T)  # ΔX_i += [ΔQ ΔK ΔV] W_qkv_jᵀ
         dw = (dwq, _outer(x, dk), _outer(x, dv), dwo)  # ΔW_qkv_j = X_iᵀ [ΔQ ΔK ΔV], ΔW_proj_j
+        db = tuple(_row_sum(g) for g in (dq, dk, dv)) if biases else ()  # Δb_qkv_j
         dw = waits_for(dw, (dk, dv))  # XLA:CPU: ΔW_proj's reduce after the inner ring, not beside it
-        reduced = jax.tree.map(lambda g: tree_reduce(g, cfg.axis_name, j), dw)  # Reduce onto rank j
+        reduced = jax.tree.map(lambda g: tree_reduce(g, cfg.axis_name, j), (dw, db))  # Reduce onto rank j
         dw_own = jax.tree.map(lambda new, old: jnp.where(rank == j, new, old), reduced, dw_own)
-        return dx, dw_own
+        if norms:  # the QK-norm scales are shared by every head: summed here, over tp at the end
+            dnorms = (dnorms[0] + dq_norm.astype(jnp.float32), dnorms[1] + dk_norm.astype(jnp.float32))
+        return dx, dw_own, dnorms
 
     zeros = lambda w: vary_like(jnp.zeros_like(w, jnp.float32), x)
-    init = (jnp.zeros_like(x, jnp.float32), jax.tree.map(zeros, weights))
-    dx, dw = _outer_steps(head_group, init, weights, cfg.axis_name, reverse=True)
-    return (dx.astype(x.dtype), *(_sum_to(g, w).astype(w.dtype) for g, w in zip(dw, weights)), None)
+    init = (jnp.zeros_like(x, jnp.float32), jax.tree.map(zeros, (weights, biases)), jax.tree.map(zeros, norms))
+    dx, (dw, db), dn = _outer_steps(head_group, init, (weights, biases), cfg.axis_name, reverse=True)
+    grads = lambda gs, ws: tuple(_sum_to(g, w).astype(w.dtype) for g, w in zip(gs, ws))
+    return dx.astype(x.dtype), grads(dw, weights), grads(db, biases), grads(dn, norms), None
 
 
 _mha.defvjp(_mha_fwd, _mha_bwd)
@@ -753,11 +831,7 @@ class METP(TensorMethod):
 
     def check_model(self, plan, *, num_heads, num_kv_heads, hidden, ffn, vocab):
         tp = plan.tp
-        if num_heads % tp or num_kv_heads % tp:
-            raise ValueError(
-                f"num_heads {num_heads} and num_kv_heads {num_kv_heads} must be divisible by tp = "
-                f"{tp} (METP broadcasts one head group per rank)"
-            )
+        check_kv_heads(num_heads, num_kv_heads, tp, "METP, one head group per rank,")
         if ffn % tp:
             raise ValueError(f"ffn {ffn} is not divisible by tp = {tp} (each rank holds ffn/tp columns of W_in)")
 
@@ -778,10 +852,18 @@ class METP(TensorMethod):
         return P(spec_entry(plan.batch_axes), "tp")
 
     def param_spec(self, plan, info: ParamInfo):
-        return tuple("tp" if a in ("heads", "kv_heads", "mlp") else None for a in info.logical_axes)
+        def axis(name):
+            if name == "kv_heads":  # fewer K/V heads than tp: replicated, each rank reads its own
+                return "tp" if info.heads is not None and info.heads % plan.tp == 0 else None
+            return "tp" if name in ("heads", "mlp") else None
 
-    def attention(self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope_theta, window=None):
-        del head_dim
+        return tuple(axis(a) for a in info.logical_axes)
+
+    def attention(
+        self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope, window=None, norm_eps=1e-6
+    ):
+        if num_kv_heads < plan.tp:  # each rank's group reads one replicated K/V head
+            w, num_kv_heads = own_kv_head(w, num_kv_heads, plan.tp, head_dim), plan.tp
         return metp_attention(
             x,
             w["wq"],
@@ -793,13 +875,16 @@ class METP(TensorMethod):
             num_kv_heads=num_kv_heads,
             axis_name="tp",
             causal=causal,
-            rope_theta=rope_theta,
+            rope_theta=rope,
             block_ops=plan.block_ops,
+            extras={n: w[n] for n in ("bq", "bk", "bv", "bo", "q_norm", "k_norm") if n in w},
+            norm_eps=norm_eps,
             window=window,
         )
 
     def mlp(self, plan, x, w, *, activation):
-        return metp_mlp(x, w["w_in"], w["w_out"], w.get("w_gate"), activation=activation, axis_name="tp")
+        biases = {n: w[n] for n in ("b_in", "b_gate", "b_out") if n in w}
+        return metp_mlp(x, w["w_in"], w["w_out"], w.get("w_gate"), activation=activation, axis_name="tp", **biases)
 
     def moe(self, plan, x, moe):
         raise ValueError(

@@ -66,7 +66,7 @@ from jaxring.collectives import prefetch_steps, tree_broadcast, tree_reduce
 from jaxring.mesh import DATA_AXES, factored_mesh, spec_entry
 from jaxring.registry import register_tensor_method
 from jaxring.sharded import run_local
-from jaxring.tensor.contract import ACTIVATIONS, ParamInfo, TensorMethod, rope_qk
+from jaxring.tensor.contract import ACTIVATIONS, ParamInfo, TensorMethod, add_bias, qk_norm_rope
 from jaxring.vma import common_vma
 
 ROW, COL = "tpr", "tpc"  # grid axes: device (i, j) has tpr = i, tpc = j
@@ -270,19 +270,21 @@ def _matmul(x, w, axes):
 def mlp_2d(x, params, *, activation: str = "gelu", axes=GRID):
     """y = gelu(x @ w_in) @ w_out, or (silu(x @ w_gate) * (x @ w_in)) @ w_out: two SUMMA products.
 
-    x: local [b/q, s, h/q]; params: local blocks w_in, w_gate [h/q, f/q], w_out [f/q, h/q].
+    x: local [b/q, s, h/q]; params: local blocks w_in, w_gate [h/q, f/q], w_out [f/q, h/q], optionally the
+    biases' column blocks b_in, b_gate [f/q] and b_out [h/q].
     swiglu puts the w_gate and w_in blocks side by side, so x is broadcast once for both.
     Returns local [b/q, s, h/q].
     """
     if activation == "gelu":
-        act = jax.nn.gelu(_matmul(x, params["w_in"], axes), approximate=True)
+        act = jax.nn.gelu(add_bias(_matmul(x, params["w_in"], axes), params.get("b_in")), approximate=True)
     elif activation == "swiglu":
         fq = params["w_in"].shape[1]
         both = _matmul(x, jnp.concatenate([params["w_gate"], params["w_in"]], axis=1), axes)
-        act = jax.nn.silu(both[..., :fq]) * both[..., fq:]
+        gate, inner = add_bias(both[..., :fq], params.get("b_gate")), add_bias(both[..., fq:], params.get("b_in"))
+        act = jax.nn.silu(gate) * inner
     else:
         raise ValueError(f"activation {activation!r} must be one of {ACTIVATIONS}")
-    return _matmul(act, params["w_out"], axes)
+    return add_bias(_matmul(act, params["w_out"], axes), params.get("b_out"))
 
 
 def attention_2d(
@@ -293,14 +295,17 @@ def attention_2d(
     num_heads: int,
     num_kv_heads: int,
     causal: bool = True,
-    rope_theta: float | None = 10000.0,
+    rope_theta=10000.0,
     axes=GRID,
     window: int | None = None,
+    norm_eps: float = 1e-6,
 ):
     """Self-attention with n/q heads of b/q whole sequences per device (Fig. 4).
 
     x: local [b/q, s, h/q]; positions: local int [b/q, s]; params: local blocks wq [h/q, n·d/q],
-    wk, wv [h/q, n_kv·d/q], wo [n·d/q, h/q] (column block j of wq/wk/wv = heads of group j).
+    wk, wv [h/q, n_kv·d/q], wo [n·d/q, h/q] (column block j of wq/wk/wv = heads of group j), optionally
+    the biases' column blocks bq [n·d/q], bk/bv [n_kv·d/q], bo [h/q] and the QK-norm scales q_norm/k_norm [d]
+    (whole: heads are whole on a device). rope_theta: a theta, a `jaxring.rope.Rope` or None.
     QKV is one SUMMA on the wq|wk|wv blocks side by side; softmax(QKᵀ)V is local (with a sliding `window` W,
     needing causal, the query at position i sees keys i - W < j <= i); wo is a second SUMMA.
     Returns local [b/q, s, h/q].
@@ -312,12 +317,11 @@ def attention_2d(
     w_qkv = jnp.concatenate([params["wq"], params["wk"], params["wv"]], axis=1)
     qkv = _matmul(x, w_qkv, axes)  # [b/q, s, (n + 2 n_kv) d / q]
     sizes = (heads * head_dim, kv_heads * head_dim)
-    qh = qkv[..., : sizes[0]].reshape(bq, s, heads, head_dim)
-    kh = qkv[..., sizes[0] : sizes[0] + sizes[1]].reshape(bq, s, kv_heads, head_dim)
-    vh = qkv[..., sizes[0] + sizes[1] :].reshape(bq, s, kv_heads, head_dim)
-    qh, kh = rope_qk(qh, kh, positions, rope_theta)
+    parts = (qkv[..., : sizes[0]], qkv[..., sizes[0] : sizes[0] + sizes[1]], qkv[..., sizes[0] + sizes[1] :])
+    qh, kh, vh = (add_bias(t, params.get(f"b{n}")).reshape(bq, s, -1, head_dim) for t, n in zip(parts, "qkv"))
+    qh, kh = qk_norm_rope(qh, kh, params, positions, rope_theta, eps=norm_eps)
     out = flash_attention(qh, kh, vh, causal=causal, q_positions=positions, kv_positions=positions, window=window)
-    return _matmul(out.reshape(bq, s, heads * head_dim), params["wo"], axes)
+    return add_bias(_matmul(out.reshape(bq, s, heads * head_dim), params["wo"], axes), params.get("bo"))
 
 
 def layer_norm_2d(x, scale, bias, *, eps: float = 1e-5, col_axis: str = COL):
@@ -334,6 +338,15 @@ def layer_norm_2d(x, scale, bias, *, eps: float = 1e-5, col_axis: str = COL):
     var = jnp.maximum(sums[1] / h - mean * mean, 0.0)  # E[X²] - E[X]²
     y = (xf - mean[..., None]) * lax.rsqrt(var + eps)[..., None]
     return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def rms_norm_2d(x, scale, *, eps: float = 1e-6, col_axis: str = COL):
+    """RMSNorm over a hidden dimension split across the row: Σx² all-reduced within the row (one psum over
+    `col_axis`, as LayerNorm's statistics). x: local [..., h/q]; scale: local [h/q]. Returns x.dtype."""
+    h = x.shape[-1] * lax.axis_size(col_axis)
+    xf = x.astype(jnp.float32)
+    mean_square = lax.psum((xf * xf).sum(-1), col_axis) / h
+    return (xf * lax.rsqrt(mean_square + eps)[..., None] * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 def _lookup(tokens, e_lj, l):
@@ -745,7 +758,12 @@ class Optimus(TensorMethod):
     def norm(self, plan, x, scale, bias, *, eps=1e-5):
         return layer_norm_2d(x, scale, bias, eps=eps)
 
-    def attention(self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope_theta, window=None):
+    def rms_norm(self, plan, x, scale, *, eps=1e-6):
+        return rms_norm_2d(x, scale, eps=eps)
+
+    def attention(
+        self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope, window=None, norm_eps=1e-6
+    ):
         del head_dim
         return attention_2d(
             x,
@@ -754,8 +772,9 @@ class Optimus(TensorMethod):
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             causal=causal,
-            rope_theta=rope_theta,
+            rope_theta=rope,
             window=window,
+            norm_eps=norm_eps,
         )
 
     def mlp(self, plan, x, w, *, activation):
