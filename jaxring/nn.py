@@ -25,13 +25,15 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.traverse_util import unflatten_dict
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 
 from jaxring import moe as moe_lib
 from jaxring import zero
 from jaxring.plan import ParallelPlan
 from jaxring.rope import Rope, as_rope
-from jaxring.tensor.contract import KEPT_RESIDUAL, MATMUL_OUTPUT, ParamInfo, check_activation
+from jaxring.tensor.contract import KEPT_RESIDUAL, LAYER_INPUT, MATMUL_OUTPUT, ParamInfo, check_activation
+from jaxring.tiling import over_tiles
 
 REMAT = ("none", "selective", "full")
 STACKED = "stacked"  # metadata flag of parameters with a leading layer dim
@@ -153,7 +155,9 @@ class MLP(nnx.Module):
         return {name: getattr(self, name)[...].astype(dtype) for name in self.WEIGHTS if hasattr(self, name)}
 
     def __call__(self, x, plan: ParallelPlan):
-        return plan.tensor.mlp(plan, x, self.weights(x.dtype), activation=self.activation)
+        """x [b, s_act, hidden] -> like x; over `plan.mlp_tiles(x)` tiles of its rows (one when untiled)."""
+        w = self.weights(x.dtype)
+        return over_tiles(lambda x: plan.tensor.mlp(plan, x, w, activation=self.activation), plan.mlp_tiles(x), (x,))
 
 
 class Embed(nnx.Module):
@@ -215,8 +219,16 @@ class MoE(moe_lib.MoE):
 def token_cross_entropy(x, w, targets, plan: ParallelPlan, *, tied: bool):
     """Per-token cross-entropy fp32 [batch, seq] (token layout) of logits x @ head; w is the head [hidden,
     vocab], or the embedding table [vocab, hidden] when `tied`. Under Megatron and Optimus the logits stay
-    split over the vocabulary."""
-    return plan.tensor.cross_entropy(plan, x, w, targets, tied=tied)
+    split over the vocabulary; with `plan.loss_tile` the logits exist one tile of rows at a time."""
+    method, tiles = plan.tensor, plan.loss_tiles(x)
+    if tiles == 1:
+        return method.cross_entropy(plan, x, w, targets, tied=tied)
+    losses = over_tiles(
+        lambda x, t: method.cross_entropy(plan, x, w, t, tied=tied),
+        tiles,
+        (x, method.tile_targets(plan, targets, tiles)),
+    )
+    return method.untile_losses(plan, losses, tiles)
 
 
 # ---------------------------------------------------------------------------------------- layer stacks
@@ -239,14 +251,33 @@ def stack(make_layer, num_layers: int, rngs: nnx.Rngs):
     return layers
 
 
-def remat_policy(remat: str, zero_stage: int = 0):
+OFFLOAD = ("none", "layer_inputs")
+
+
+def remat_policy(remat: str, zero_stage: int = 0, offload: str = "none"):
     """The jax.checkpoint policy of one layer for remat none/selective/full: none saves everything it computes,
     selective only the weight matmuls' outputs (dots without batch dims, and those computed inside a custom_vjp,
     named `MATMUL_OUTPUT`) and the residuals custom VJPs name `KEPT_RESIDUAL`, full nothing. In every mode the weights as the layer reads them
     are never saved for the backward (`zero.no_weights_saved`): ZeRO-3 gathers them again, the others slice
-    them again from the stack."""
+    them again from the stack.
+
+    offload "layer_inputs" (with remat full): each layer's input, named `LAYER_INPUT` by `Layers`, is the one
+    value kept, and it is kept in host memory ("pinned_host") between the forward and the backward [ALST];
+    XLA moves it out after the layer's forward and back before its backward."""
     if remat not in REMAT:
         raise ValueError(f"unknown remat {remat!r}; expected one of {', '.join(REMAT)}")
+    if offload not in OFFLOAD:
+        raise ValueError(f"unknown offload {offload!r}; expected one of {', '.join(OFFLOAD)}")
+    if offload != "none":
+        if remat != "full":
+            raise ValueError(f"offload {offload!r} needs remat 'full' (it keeps the layer inputs only), got {remat!r}")
+        host = jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=[LAYER_INPUT],
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+        return zero.no_weights_saved(zero_stage, host)
     selective = jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names(MATMUL_OUTPUT, KEPT_RESIDUAL),
@@ -270,6 +301,7 @@ class Layers:
     placements: object
     stage: int = 0
     remat: str = "none"
+    offload: str = "none"
 
     def __call__(self, carry, call):
         """call(layer, carry) -> carry for every layer in order, under `lax.scan`; carry: any pytree (e.g.
@@ -292,7 +324,13 @@ class Layers:
             )
             return call(nnx.merge(self.graphdef, weights), carry), None
 
-        body = jax.checkpoint(body, policy=remat_policy(self.remat, self.stage), prevent_cse=False)
+        if self.offload != "none":
+            layer = body
+
+            def body(carry, i):
+                return layer(jax.tree.map(lambda a: checkpoint_name(a, LAYER_INPUT), carry), i)
+
+        body = jax.checkpoint(body, policy=remat_policy(self.remat, self.stage, self.offload), prevent_cse=False)
         carry, _ = lax.scan(body, carry, jnp.arange(num_layers))
         return carry
 

@@ -36,6 +36,7 @@ from jaxring.attention.layout import check_seq_len, layout_permutation
 from jaxring.attention.masking import check_window
 from jaxring.mesh import DATA_AXES, mesh_axis_size, spec_entry
 from jaxring.registry import pipeline_schedule, resolve_options, sequence_strategies, sequence_strategy, tensor_method
+from jaxring.tiling import tile_count
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -53,10 +54,13 @@ class ParallelPlan:
         block_ops: str = "auto",
         pipeline_schedule: str = "1f1b",
         microbatches: int | None = None,
+        loss_tile: int | None = None,
+        mlp_tile: int | None = None,
         **options,
     ):
         self.mesh, self.attention, self.layout, self.zero = mesh, attention, layout, zero
         self.block_ops, self.pipeline_schedule, self.microbatches = block_ops, pipeline_schedule, microbatches
+        self.loss_tile, self.mlp_tile = loss_tile, mlp_tile  # rows per tile of the head's loss, of the MLP
         strategy = sequence_strategy(attention)
         if self.sp > 1 and attention == "dense":
             others = ", ".join(s for s in sequence_strategies() if s != "dense")
@@ -298,6 +302,16 @@ class ParallelPlan:
         if self.sp > 1:
             check_seq_len(seq_len, self.sp, self.seq_layout(causal))
         self.tensor.check_seq(self, seq_len)
+        rows = self.tensor.local_rows(self, seq_len)
+        tile_count(rows, self.loss_tile, "--loss-tile")
+        tile_count(rows, self.mlp_tile, "--mlp-tile")
+
+    def loss_tiles(self, x) -> int:
+        """Tiles of the LM head's loss over the rows of the local residual stream x [b, rows, h] (1: untiled)."""
+        return tile_count(x.shape[1], self.loss_tile, "--loss-tile")
+
+    def mlp_tiles(self, x) -> int:
+        return tile_count(x.shape[1], self.mlp_tile, "--mlp-tile")
 
     def check_heads(self, num_heads: int, num_kv_heads: int) -> None:
         """Heads after the tensor method's split must still suit the sequence strategy (Ulysses: divide sp)."""

@@ -32,6 +32,7 @@ __all__ = [
     "ClusterSettings",
     "DataSettings",
     "GuardSettings",
+    "MemorySettings",
     "ModelSettings",
     "OptimizerSettings",
     "OutputSettings",
@@ -181,11 +182,29 @@ class TrainingSettings:
     image_size: int | None = setting(None, "image side (dit; default: the preset's)", rule="int>=1")
     grad_accum: int = setting(1, "micro-steps accumulated per update (pp = 1)", rule="int>=1")
     precision: str = setting("fp32", "compute dtype; weights and optimizer state stay fp32", choices=_precisions)
+
+
+@dataclasses.dataclass
+class MemorySettings:
+    """What a step keeps, recomputes, tiles and offloads to fit long sequences."""
+
     remat: str = setting(
         "none",
         "recompute in the backward: none; selective (keeps the weight matmuls' outputs, recomputes attention "
         "cores, activations, norms); full (keeps each layer's input only)",
         choices=_remat_modes,
+    )
+    loss_tile: int | None = setting(
+        None, "tokens per tile of the LM head's loss (logits never whole; default: untiled)", rule="int>=1"
+    )
+    mlp_tile: int | None = setting(
+        None, "tokens per tile of the MLP ([tokens, ffn] never whole; default: untiled)", rule="int>=1"
+    )
+    offload: str = setting(
+        "none",
+        "host offload: none; layer_inputs (each layer's checkpointed input lives in host memory between the "
+        "forward and the backward; with --remat full)",
+        choices=("none", "layer_inputs"),
     )
 
 
@@ -348,6 +367,7 @@ class ClusterSettings:
 SECTIONS: dict[str, type] = {
     "model": ModelSettings,
     "training": TrainingSettings,
+    "memory": MemorySettings,
     "optimizer": OptimizerSettings,
     "parallel": ParallelSettings,
     "data": DataSettings,
@@ -463,6 +483,7 @@ class RunSpec:
 
     model: ModelSettings = dataclasses.field(default_factory=ModelSettings)
     training: TrainingSettings = dataclasses.field(default_factory=TrainingSettings)
+    memory: MemorySettings = dataclasses.field(default_factory=MemorySettings)
     optimizer: OptimizerSettings = dataclasses.field(default_factory=OptimizerSettings)
     parallel: ParallelSettings = dataclasses.field(default_factory=ParallelSettings)
     data: DataSettings = dataclasses.field(default_factory=DataSettings)
@@ -612,7 +633,16 @@ class RunSpec:
         t = self.training
         if t.batch_size % t.grad_accum:
             raise ValueError(f"--batch-size {t.batch_size} is not divisible by --grad-accum {t.grad_accum}")
+        if self.memory.offload != "none" and self.memory.remat != "full":
+            raise ValueError(
+                f"--offload {self.memory.offload} keeps each layer's input in host memory and recomputes the rest: "
+                f"it needs --remat full (got --remat {self.memory.remat})"
+            )
         degrees = self.parallel.degrees()
+        if degrees["pp"] > 1 and self.memory.offload != "none":
+            from jaxring.train.step import OFFLOAD_WITH_PP
+
+            raise ValueError(OFFLOAD_WITH_PP.format(offload=self.memory.offload, pp=degrees["pp"]))
         if degrees["pp"] > 1 and t.grad_accum > 1:
             raise ValueError(
                 f"--grad-accum {t.grad_accum} with --pp {degrees['pp']}: the pipeline's micro-batches are the "
@@ -669,6 +699,8 @@ class RunSpec:
             pipeline_schedule=p.pipeline_schedule,
             microbatches=p.microbatches,
             block_ops=p.block_ops,
+            loss_tile=self.memory.loss_tile,
+            mlp_tile=self.memory.mlp_tile,
             **p.options,
         )
 
@@ -767,7 +799,17 @@ def _option_names() -> tuple[str, ...]:
     return tuple(all_options())
 
 
-_PLAN_SETTINGS = ("attention", "layout", "tensor_parallel", "zero", "pipeline_schedule", "microbatches", "block_ops")
+_PLAN_SETTINGS = (
+    "attention",
+    "layout",
+    "tensor_parallel",
+    "zero",
+    "pipeline_schedule",
+    "microbatches",
+    "block_ops",
+    "loss_tile",
+    "mlp_tile",
+)
 
 
 def make_plan(devices=None, **settings):
@@ -784,8 +826,9 @@ def make_plan(devices=None, **settings):
     for name, value in settings.items():
         if name not in allowed:
             raise ValueError(f"make_plan: unknown parallel setting {name!r}{nearest(name, allowed)}")
-        if name in _fields(ParallelSettings) and value is not None:
-            check_setting(ParallelSettings, name, value)
+        for section in (ParallelSettings, MemorySettings):
+            if name in _fields(section) and value is not None:
+                check_setting(section, name, value)
     devices = list(jax.devices() if devices is None else devices)
     p = ParallelSettings(**{k: settings.get(k) for k in ParallelSettings.DEGREES})
     degrees = p.degrees(len(devices))

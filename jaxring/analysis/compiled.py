@@ -209,3 +209,29 @@ def compile_stats(fn: Callable[..., Any], *args: Any, num_devices: int | None = 
         mem.temp_size_in_bytes,
         mem.alias_size_in_bytes,
     )
+
+
+_HOST_SPACE = re.compile(r"\{[^}]*S\(5\)[^}]*\}")  # a layout in memory space 5: host memory
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.-]+) = ")
+
+
+def host_memory_traffic(hlo_text: str) -> dict[str, int]:
+    """The host-memory transfers of a compiled GPU program, as instructions of its HLO (each once, not per loop
+    trip). XLA marks a buffer placed in host memory by its layout's memory space 5 (`{...:S(5)}`), allocates
+    it with an `AllocateBuffer` custom call and moves data in and out with async fusions: a
+    `dynamic-update-slice-start` writes a device value into the host buffer, a `dynamic-slice-start` reads a
+    slice of it back. Returns {"to_host", "from_host", "host_buffers"}: zero for a program that keeps
+    everything on the device."""
+    counts = {"to_host": 0, "from_host": 0, "host_buffers": 0}
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.match(line)
+        if not m or not _HOST_SPACE.search(line):
+            continue
+        name, rest = m.group(1), line[m.end() :]
+        if "AllocateBuffer" in rest:
+            counts["host_buffers"] += 1
+        elif name.startswith("dynamic-update-slice-start"):
+            counts["to_host"] += 1
+        elif name.startswith("dynamic-slice-start"):
+            counts["from_host"] += 1
+    return counts

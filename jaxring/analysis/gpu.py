@@ -312,6 +312,7 @@ def compile_for_gpu(
         "output": mem.output_size_in_bytes,
         "temp": mem.temp_size_in_bytes,
         "alias": mem.alias_size_in_bytes,
+        "host_temp": mem.host_temp_size_in_bytes,  # buffers in host memory (offloaded values)
     }
     name = target or _target_of(devices)
     return GpuCompileReport(

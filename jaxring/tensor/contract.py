@@ -35,6 +35,8 @@ MATMUL_OUTPUT = "jaxring_weight_matmul"
 # The name of a residual a custom_vjp keeps that is not a matmul output (METP attention's A_i and lse): selective
 # remat keeps it, rather than running the forward again in the backward.
 KEPT_RESIDUAL = "jaxring_kept_residual"
+# The name of a layer's input in the layer stack (`jaxring.nn.Layers`): host offload keeps it in host memory.
+LAYER_INPUT = "jaxring_layer_input"
 
 
 # ----------------------------------------------------------------------------------------- shared math
@@ -263,6 +265,19 @@ class TensorMethod(HasOptions):
         head = w.T if tied else w
         logits = (x @ head.astype(x.dtype)).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+    def local_rows(self, plan, seq_len: int) -> int:
+        """Tokens of the residual stream on a device: the rows a tiled MLP or loss cuts (seq / sp here)."""
+        return seq_len // plan.sp
+
+    def tile_targets(self, plan, targets, tiles: int):
+        """Token-layout targets [b, s_tok] arranged so that tile j of them (along axis 1) holds the targets of
+        tile j of the residual stream's rows (the identity when both layouts have the same rows)."""
+        return targets
+
+    def untile_losses(self, plan, losses, tiles: int):
+        """The inverse of `tile_targets` for per-token losses [b, s_tok]."""
+        return losses
 
     def activation_positions(self, plan, positions):
         """The positions [b, s_act] of the residual stream's tokens, from the token-layout positions [b, s_tok]

@@ -683,6 +683,18 @@ class Megatron(TensorMethod):
     def head_split(self, plan):
         return plan.tp
 
+    def local_rows(self, plan, seq_len):
+        return seq_len // (plan.sp * plan.tp)
+
+    def tile_targets(self, plan, targets, tiles):
+        # tile j of the rows, gathered over tp, is every rank's tile j in rank order: [b, tp, T, n/T] -> [b, T·tp·n/T]
+        b, n = targets.shape
+        return targets.reshape(b, plan.tp, tiles, n // (plan.tp * tiles)).transpose(0, 2, 1, 3).reshape(b, n)
+
+    def untile_losses(self, plan, losses, tiles):
+        b, n = losses.shape
+        return losses.reshape(b, tiles, plan.tp, n // (plan.tp * tiles)).transpose(0, 2, 1, 3).reshape(b, n)
+
     def activation_spec(self, plan):
         return P(spec_entry(plan.batch_axes), spec_entry(plan.seq_axes + ("tp",)), None)
 

@@ -842,6 +842,9 @@ class METP(TensorMethod):
     def head_split(self, plan):
         return plan.tp
 
+    def local_rows(self, plan, seq_len):
+        return seq_len // plan.tp
+
     def activation_spec(self, plan):
         return P(spec_entry(plan.batch_axes), "tp", None)
 

@@ -727,6 +727,9 @@ class Optimus(TensorMethod):
     def head_split(self, plan):
         return self._q(plan)
 
+    def local_rows(self, plan, seq_len):
+        return seq_len
+
     def activation_spec(self, plan):
         return P(spec_entry(plan.batch_axes + (ROW,)), None, COL)
 

@@ -219,9 +219,15 @@ def _describe(spec, trainer, say):
     layout = f", layout={p.layout}" if p.layout and p.sp > 1 else ""
     estimate = estimated_memory_bytes(spec, trainer)
     memory = f" | estimated memory {estimate / 2**30:.2f} GiB per device" if estimate else ""
+    m = spec.memory
+    kept = f"remat {m.remat}" + "".join(
+        f", {name} {value}"
+        for name, value in (("loss tile", m.loss_tile), ("mlp tile", m.mlp_tile), ("offload", m.offload))
+        if value not in (None, "none")
+    )
     say(
         f"{spec.model.model} {spec.model.preset}: {n_params / 1e6:.2f}M params | plan: {trainer.plan.describe()}"
-        f"{layout} | precision {t.precision}, remat {t.remat} | {mesh.devices.size} x "
+        f"{layout} | precision {t.precision}, {kept} | {mesh.devices.size} x "
         f"{mesh.devices.flat[0].device_kind} | batch {t.batch_size} × {task.tokens_per_step // t.batch_size} "
         f"tokens | data {task.source_name}{memory}"
     )
