@@ -114,7 +114,7 @@ def _executions(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
     """How many times each computation runs per program execution (loop bodies times their trip count)."""
     runs: dict[str, int] = {}
 
-    def visit(name: str, times: int):
+    def visit(name: str, times: int) -> None:
         runs[name] = runs.get(name, 0) + times
         for line in comps.get(name, []):
             if m := _WHILE.search(line):

@@ -25,6 +25,7 @@ tick t+1), without reordering a stage's actions:
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -88,7 +89,9 @@ class Schedule:
         )
 
 
-def make_schedule(name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1, **options) -> Schedule:
+def make_schedule(
+    name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1, **options: Any
+) -> Schedule:
     """The table of the registered schedule `name` for p = num_stages, m = num_microbatches and its options
     (the interleaved schedule's `virtual_stages`: v chunks per stage)."""
     entry = pipeline_schedule(name)
