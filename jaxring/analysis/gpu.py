@@ -42,10 +42,15 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from jaxring import compat
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh, PartitionSpec
 
 TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}
 DEFAULT_TARGET = "h200"
@@ -130,7 +135,7 @@ def gpu_devices(target: str = DEFAULT_TARGET, num_devices: int = 8) -> list:
     return list(_topology(target, num_devices).devices)
 
 
-def gpu_mesh(axes: dict[str, int], target: str = DEFAULT_TARGET):
+def gpu_mesh(axes: dict[str, int], target: str = DEFAULT_TARGET) -> Mesh:
     """A `jax.sharding.Mesh` (Auto axes) of abstract GPUs, e.g. gpu_mesh({"sp": 8})."""
     import math
 
@@ -141,7 +146,9 @@ def gpu_mesh(axes: dict[str, int], target: str = DEFAULT_TARGET):
     return Mesh(np.array(devices).reshape(tuple(axes.values())), tuple(axes))
 
 
-def abstract(shape, dtype, mesh, spec=None):
+def abstract(
+    shape: Sequence[int], dtype: jax.typing.DTypeLike, mesh: Mesh, spec: PartitionSpec | None = None
+) -> jax.ShapeDtypeStruct:
     """A `jax.ShapeDtypeStruct` sharded as `spec` (default replicated) over `mesh`."""
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -268,13 +275,13 @@ class GpuCompileReport:
 
 
 def compile_for_gpu(
-    fn,
-    *args,
+    fn: Callable[..., Any] | jax.stages.Lowered,
+    *args: Any,
     target: str | None = None,
     ptxas: bool | str = True,
     dump_dir: str | None = None,
     compiler_options: dict | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> GpuCompileReport:
     """Compiles `fn(*args, **kwargs)` for the GPUs its arguments are sharded on, and reports on it.
 
@@ -328,7 +335,7 @@ def compile_for_gpu(
     )
 
 
-def _devices_of(compiled) -> list:
+def _devices_of(compiled: jax.stages.Compiled) -> list:
     try:
         leaves = jax.tree.leaves(compiled.input_shardings[0])  # the arguments may be pytrees
         return list(leaves[0].device_set) if leaves else []
@@ -336,7 +343,7 @@ def _devices_of(compiled) -> list:
         return []
 
 
-def _target_of(devices) -> str:
+def _target_of(devices: Sequence[jax.Device]) -> str:
     kind = getattr(devices[0], "device_kind", "") if devices else ""
     return "h200" if "H200" in kind else "h100" if "H100" in kind else kind or "gpu"
 
@@ -344,7 +351,7 @@ def _target_of(devices) -> str:
 _COST_KEYS = ("flops", "transcendentals", "bytes accessed")
 
 
-def host_cost_analysis(compiled) -> dict[str, float]:
+def host_cost_analysis(compiled: jax.stages.Compiled) -> dict[str, float]:
     """XLA's HloCostAnalysis of the compiled (optimized, per-device) module, run by the host's CPU client,
     loop bodies weighted by their trip counts (`weighted_cost`). {} when it cannot be computed. The key
     "loops_weighted" is 1.0, or 0.0 where the module could not be re-parsed and the figures are XLA's own
@@ -382,14 +389,14 @@ def weighted_cost(hlo: str) -> dict[str, float]:
     comps, _ = _parse(hlo)
     xla_memo: dict[str, dict] = {}
 
-    def xla(name):
+    def xla(name: str) -> dict[str, float]:
         if name not in xla_memo:
             text = re.sub(r"^%" + re.escape(name) + r" ", "ENTRY %" + name + " ", unrooted, count=1, flags=re.M)
             cost = compat.hlo_cost_analysis(text)
             xla_memo[name] = {k: float(cost.get(k, 0.0)) for k in _COST_KEYS}
         return xla_memo[name]
 
-    def loops_in(name, seen):
+    def loops_in(name: str, seen: set[str]) -> list[tuple[str, int]]:
         """(body, trip) of the while loops run by `name` itself or by what it calls, loops not entered."""
         found = []
         for instr in comps.get(name, []):
@@ -405,7 +412,7 @@ def weighted_cost(hlo: str) -> dict[str, float]:
 
     memo: dict[str, dict] = {}
 
-    def cost(name):
+    def cost(name: str) -> dict[str, float]:
         if name not in memo:
             total = dict(xla(name))
             for body, trip in loops_in(name, {name}):
@@ -600,7 +607,7 @@ def _callees(instr: _Instr) -> list[str]:
     return names
 
 
-def _collective_kind(instr: _Instr, comps) -> str | None:
+def _collective_kind(instr: _Instr, comps: dict[str, list[_Instr]]) -> str | None:
     """The collective an instruction is (or starts), else None."""
     op = instr.opcode.removesuffix("-start").removesuffix("-done")
     if op in _COLLECTIVES:
@@ -613,7 +620,7 @@ def _collective_kind(instr: _Instr, comps) -> str | None:
     return None
 
 
-def _is_compute(instr: _Instr, comps, memo: dict) -> bool:
+def _is_compute(instr: _Instr, comps: dict[str, list[_Instr]], memo: dict) -> bool:
     """Heavy work: custom calls (Pallas/Triton kernels, cuBLAS/cuDNN), dots and convolutions, fusions holding
     them, and control flow (conditional, call, while) holding any of these. Elementwise fusions, copies and
     slices do not count: overlap is about hiding a transfer behind the block compute."""
@@ -628,7 +635,7 @@ def _is_compute(instr: _Instr, comps, memo: dict) -> bool:
     return False
 
 
-def _computation_computes(name: str, comps, memo: dict) -> bool:
+def _computation_computes(name: str, comps: dict[str, list[_Instr]], memo: dict) -> bool:
     if name not in memo:
         memo[name] = False
         memo[name] = any(_is_compute(i, comps, memo) for i in comps.get(name, []))
@@ -663,7 +670,7 @@ def communication_loops(hlo: str) -> list[CommLoop]:
     return loops
 
 
-def _loop_report(body: str, comps, memo, trip) -> CommLoop | None:
+def _loop_report(body: str, comps: dict[str, list[_Instr]], memo: dict, trip: int | None) -> CommLoop | None:
     instrs = comps.get(body, [])
     position = {i.name: n for n, i in enumerate(instrs)}
     compute = [i.name for i in instrs if _is_compute(i, comps, memo)]
