@@ -22,7 +22,7 @@ per stage boundary per step (v·m forward over each link for interleaved, (v-1)�
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -41,15 +41,15 @@ def pipeline_loss_and_grads(
     embed_fn: Callable,
     stage_fn: Callable,
     loss_fn: Callable,
-    stage_params,
-    shared_params,
-    microbatches,
+    stage_params: Any,
+    shared_params: Any,
+    microbatches: Any,
     axis_name: str = "pp",
-    data_axes=None,
+    data_axes: tuple[str, ...] | None = None,
     reduce_data_axes: bool = True,
     poison: bool = False,
     stage_permute: str | None = None,
-):
+) -> tuple[jax.Array, Any, Any, Any]:
     """Loss and gradients of `loss_fn(head(stage_fn^(v·p)(embed_fn(mb))))` summed over micro-batches, pipelined.
 
     Call inside `jax.shard_map` (check_vma=True or False) over a mesh with `axis_name` of size
