@@ -128,7 +128,7 @@ class Trainer:
 
     def _reorder(self, state, order):
         """The state with every layer-stacked array (weights and their optimizer moments) taken in `order`."""
-        stacked = {k: jax.tree.map(lambda _: k == self.stack, v) for k, v in self.params.items()}
+        stacked = {k: jax.tree.map(lambda _, k=k: k == self.stack, v) for k, v in self.params.items()}
         take = lambda a, is_stacked: a[order] if is_stacked else a
 
         @functools.partial(jax.jit, out_shardings=(self.shardings, self.opt_shardings))
