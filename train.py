@@ -15,12 +15,15 @@ CPU devices are used (default 8). With no mesh flag the whole machine is one seq
 
 Exit codes: 0 done; 2 a bad flag, config, data file, checkpoint or multi-host set-up (one line on stderr;
 --debug shows the traceback); 3 training diverged (see --on-divergence); 128 + N stopped by signal N
-(SIGTERM: 143, SIGINT: 130) after finishing the step and saving it.
+(SIGTERM: 143, SIGINT: 130, SIGHUP: 129) after finishing the step and saving it (a step or save that
+cannot finish is ended by a watchdog after JAXRING_STOP_GRACE_S seconds, default 300, with the same code).
+
+Multi-host: --coordinator, --num-processes, --process-id on every process; inside a SLURM job or an Open MPI
+launch, no flags are needed (jax.distributed finds them; see examples/slurm.sh).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 from jaxring.cli import EXIT_USER_ERROR, parse_command_line
@@ -59,18 +62,13 @@ def _one_line(e: BaseException) -> str:
 def run(spec, *, print_config: bool = False) -> int:
     """Starts the processes and devices, resolves the plan (--plan auto: the planner's), then prints the
     resolved run (--print-config) or trains it."""
-    from jaxring.train.multihost import env_int, initialize
+    from jaxring.train.multihost import shared_settings, start_processes
 
     spec.validate()  # every setting's rule, before any process or device starts
-    c = spec.cluster
-    coordinator = c.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    num_processes = c.num_processes if c.num_processes is not None else env_int("JAX_NUM_PROCESSES")
-    process_id = c.process_id if c.process_id is not None else env_int("JAX_PROCESS_ID")
-    if coordinator or num_processes is not None:
-        initialize(coordinator, num_processes, process_id, timeout_s=c.init_timeout, cpu_devices=c.cpu_devices)
+    start_processes(spec.cluster, shared_settings(spec))  # checks that every process has the same settings
     from jaxring.platform import use_cpu_devices_if_no_accelerator
 
-    devices = use_cpu_devices_if_no_accelerator(c.cpu_devices)
+    devices = use_cpu_devices_if_no_accelerator(spec.cluster.cpu_devices)
     if spec.parallel.plan == "auto":
         from jaxring.planner.auto import apply_auto_plan
 
@@ -79,8 +77,7 @@ def run(spec, *, print_config: bool = False) -> int:
 
     if print_config:
         resolved = prepare(spec, len(devices))
-        # the output paths stay as given: a fresh run directory each time, unless one was named
-        resolved.output.out_dir, resolved.output.metrics_file = spec.output.out_dir, spec.output.metrics_file
+        resolved.output.out_dir = spec.output.out_dir  # as given: a fresh run directory each time, unless named
         print(resolved.to_yaml(), end="")
         return 0
     train(spec, devices=devices)

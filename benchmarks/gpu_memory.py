@@ -297,7 +297,7 @@ def mfu_rows(args, record, out):
     for preset, name, seq in MFU_RUNS:
         if args.mfu_configs and name not in args.mfu_configs:
             continue
-        report, cfg, plan = compile_step(preset, name, seq, zero=args.zero)
+        report, cfg, _plan = compile_step(preset, name, seq, zero=args.zero)
         n = report.num_devices
         model_flops = cfg.flops_per_token(seq, causal=True) * seq  # task.flops_per_step(), batch 1
         est = roofline_of(report, causal=True, model_flops=model_flops / n)
@@ -399,7 +399,8 @@ def main(argv=None):
     if os.path.exists(args.out):
         import json
 
-        previous = json.load(open(args.out))
+        with open(args.out) as f:
+            previous = json.load(f)
         # rows this run replaces: its sections (longest: its configs) under the same note
         replaced = lambda r: (
             r.get("section") in args.only

@@ -77,7 +77,7 @@ def measure(size, ep, capacity_factor, grouped_matmul, devices, runs):
     from jaxring.analysis import compile_stats
     from jaxring.timing import median_seconds
 
-    step, args, config, tokens = setup(size, ep, capacity_factor, grouped_matmul, devices)
+    step, args, _config, tokens = setup(size, ep, capacity_factor, grouped_matmul, devices)
     s = compile_stats(step, *args, num_devices=len(devices))
     fn = jax.jit(step)
     seconds = median_seconds(fn, *args, runs=runs)
@@ -190,7 +190,10 @@ def main_model(args, devices):
     """Whole-model rows appended to the existing record (the block rows stay as they are)."""
     import json
 
-    record = json.load(open(args.out)) if os.path.exists(args.out) else benchmark_record("moe", devices, {})
+    record = benchmark_record("moe", devices, {})
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            record = json.load(f)
     run = benchmark_record(
         "moe",
         devices,

@@ -244,7 +244,10 @@ def main_gpt(args, devices):
     """GPT rows appended to the existing record (the toy rows and their summary stay as they are)."""
     import json
 
-    record = json.load(open(args.out)) if os.path.exists(args.out) else benchmark_record("pipeline", devices, {})
+    record = benchmark_record("pipeline", devices, {})
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            record = json.load(f)
     run = benchmark_record("pipeline", devices, {k: x for k, x in vars(args).items() if k != "out"})
     del run["results"]
     run["host_load_average_start"] = os.getloadavg()

@@ -47,7 +47,7 @@ def load_peer(path: str | None):
     spec = importlib.util.find_spec("ringattention")
     if spec is None or not spec.submodule_search_locations:
         return None
-    file = os.path.join(list(spec.submodule_search_locations)[0], "ringattention_jax.py")
+    file = os.path.join(next(iter(spec.submodule_search_locations)), "ringattention_jax.py")
     module_spec = importlib.util.spec_from_file_location("peer_ringattention_jax", file)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
@@ -147,7 +147,7 @@ def main(argv=None):
                 "xs": xs,
             }
         for _ in range(args.rounds):
-            for name, row in rows.items():
+            for row in rows.values():
                 start, cpu = time.perf_counter(), time.process_time()
                 jax.block_until_ready(row["compiled"](*row["xs"]))
                 row["times_s"].append(time.perf_counter() - start)

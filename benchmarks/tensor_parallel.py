@@ -107,7 +107,7 @@ def time_fwd_bwd(method, seq, hidden, heads, devices):
     _, module, mesh = stats(method, seq, hidden, heads, devices)
     batch = METHODS[method][3]
     key = jax.random.PRNGKey(0)
-    x, params, pos, dy = abstract_args(module, mesh, batch, seq, hidden, 4 * hidden)
+    x, params, _pos, _dy = abstract_args(module, mesh, batch, seq, hidden, 4 * hidden)
     real = {k: jax.device_put(jax.random.normal(key, v.shape) * 0.02, v.sharding) for k, v in params.items()}
     xv = jax.random.normal(key, x.shape)
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))

@@ -89,7 +89,10 @@ def _add_options(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("strategy options", "options of the registry's entries (jaxring.registry)")
     for name, (option, owners) in all_options().items():
-        default = "" if option.default is None else f" (default: {_default_text(option.default)})"
+        if option.default is not None:
+            default = f" (default: {_default_text(option.default)})"
+        else:
+            default = f" (no default: {'/'.join(owners)} needs it)" if option.required else ""
         g.add_argument(
             _flag(name),
             dest=name,

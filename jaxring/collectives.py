@@ -9,61 +9,69 @@ never join. There `ppermute` addresses only the stage's own devices:
   "all_to_all"  XLA:CPU, whose collective-permute waits for every device of the program whatever its pairs:
                 an all-to-all over the stage's group (grouped collectives meet per group) carrying the block to
                 its target and zeros elsewhere: the same result, (N-1) times the bytes of the ring hop.
+
+XLA:CPU runs each simulated device's program on its own thread and a collective waits, blocking, for every
+device's thread. A loop holding collectives (a ring) that is independent of a collective issued beside it
+in the same loop body (the next head group's weight broadcast in METP's outer loop, issued before this
+group's inner ring) may then run in one order on some devices and in the other on the rest: each side waits
+at a different collective for ever (notebook 02's METP attention at tp=8, seq 1024, hidden 256 aborted on
+its first run, the threads waiting at two different permutes). On CPU `prefetch_steps` therefore makes each
+step's compute wait for the transfer issued before it (`waits_for`: a data dependency, free on the wire;
+GPU/TPU programs are unchanged and keep their overlap); tests/test_cpu_collectives.py checks the compiled
+programs for such independent pairs and runs them repeatedly.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxring.vma import common_vma, vary
+from jaxring import compat
+from jaxring.vma import common_vma, vary, varying_axes
 
+# The pipeline stage being traced, set only inside `stage_local` (a context manager the pipeline interpreter
+# enters around each stage's branch, jaxring/pipeline/interpreter.py) and reset when it exits: an explicit,
+# lexically scoped setting of how `ppermute` addresses devices while that branch is traced, never global.
 _STAGE = contextvars.ContextVar("jaxring_pipeline_stage", default=None)
 
 
-def _own_channel_per_cpu_permute():
-    """On CPU, lower every collective-permute with a channel id of its own.
+_CPU_LOWERING = []  # set once the CPU lowering below is registered
 
-    Inside shard_map JAX gives every collective the same channel id (1), and XLA:CPU keys the in-process
+
+def own_channel_per_cpu_permute() -> bool:
+    """On CPU, lower every collective-permute with a channel id of its own (idempotent). Returns whether the
+    lowering is in place (False: JAX's internals moved, its own lowering stays).
+
+    Not done on import: it replaces JAX's CPU lowering of `ppermute` for the whole process, so the entry
+    points that simulate devices ask for it (`jaxring.platform.use_simulated_devices`, called by
+    `use_cpu_devices_if_no_accelerator`: train.py, the notebooks, the benchmarks; tests/conftest.py).
+
+    Why: inside shard_map JAX gives every collective the same channel id (1), and XLA:CPU keys the in-process
     rendezvous of a collective-permute by it: two different permutes in quick succession (METP's tree rounds,
     a ring's K, V and positions) can meet in one rendezvous, which aborts the process ("Check failed:
     state.use_count() == num_threads") or mixes their data. Seen in the METP tp=8 train step, 3 runs of 5 at
-    30 steps; none in 11 with this lowering. Only the channel ids change: same transfers, same bytes.
+    30 steps; none in 11 with this lowering. Only the channel ids change: same transfers, same bytes. (The private
+    JAX modules it needs are behind `jaxring.compat`.)
     """
-    try:
-        from jax._src.interpreters import mlir
-        from jax._src.lax import parallel
-        from jax._src.lib.mlir.dialects import hlo
-
-        common = parallel._pcollectives_lowering_common
-    except (ImportError, AttributeError):  # JAX internals moved: keep JAX's own lowering
-        return
-
-    def lowering(ctx, x, *, axis_name, perm):
-        full_perm, options = common(ctx, axis_name=axis_name, perm=perm, op_name="ppermute")
-        if "channel_handle" in options:
-            options = dict(
-                channel_handle=hlo.ChannelHandle.get(ctx.module_context.new_channel(), mlir.DEVICE_TO_DEVICE_TYPE)
-            )
-        return hlo.CollectivePermuteOp(x, mlir.dense_int_elements(full_perm), **options).results
-
-    mlir.register_lowering(parallel.ppermute_p, lowering, platform="cpu")
-
-
-_own_channel_per_cpu_permute()
+    if not _CPU_LOWERING:
+        _CPU_LOWERING.append(compat.register_cpu_ppermute_lowering_with_own_channels())
+    return _CPU_LOWERING[0]
 
 
 STAGE_PERMUTES = ("ppermute", "all_to_all")
 
 
 @contextlib.contextmanager
-def stage_local(axis_name: str, stage: int, permute: str = "ppermute"):
+def stage_local(axis_name: str, stage: int, permute: str = "ppermute") -> Iterator[None]:
     """While tracing the branch of pipeline stage `stage` (rank on `axis_name`): point-to-point transfers
     (`ppermute`) involve only the devices of that stage, as a stage-local collective-permute or an all-to-all
     (`permute`, see the module docstring)."""
@@ -76,7 +84,7 @@ def stage_local(axis_name: str, stage: int, permute: str = "ppermute"):
         _STAGE.reset(token)
 
 
-def ppermute(x, axis_name, perm):
+def ppermute(x: jax.Array, axis_name: str | tuple[str, ...], perm: Sequence[tuple[int, int]]) -> jax.Array:
     """`lax.ppermute`, or inside `stage_local` the same transfers among this pipeline stage's devices only."""
     stage = _STAGE.get()
     axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
@@ -90,7 +98,7 @@ def ppermute(x, axis_name, perm):
     return lax.ppermute(vary(x, (pipeline_axis,)), (pipeline_axis, *axes), pairs)
 
 
-def _permute_by_all_to_all(x, axes, perm):
+def _permute_by_all_to_all(x: jax.Array, axes: tuple[str, ...], perm: Sequence[tuple[int, int]]) -> jax.Array:
     """lax.ppermute(x, axes, perm) as one all-to-all over `axes`: every device sends x in the chunk of its
     target (zeros in the others) and keeps the chunk from its source (zeros without one)."""
     n = math.prod(lax.axis_size(a) for a in axes)
@@ -113,7 +121,48 @@ def _permute_by_all_to_all(x, axes, perm):
 FORWARD, BACKWARD = 1, -1
 
 
-def prefetch_steps(step_fn, carry, first, advance, num_steps: int):
+def _bits32(x: jax.Array) -> jax.Array:
+    """One element of `x` (its first) as an opaque uint32: its bit pattern (XLA cannot know its value)."""
+    x = x.reshape(-1)[0]
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    size = x.dtype.itemsize
+    if size == 8:
+        return lax.bitcast_convert_type(x, jnp.uint32)[0]
+    as_uint = lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * size}"))
+    return as_uint.astype(jnp.uint32)
+
+
+def _waits_for(tree: Any, after: Any) -> Any:
+    sources = [(varying_axes(a), _bits32(a)) for a in jax.tree.leaves(after) if a is not None and a.size]
+
+    def one(x: jax.Array | None) -> jax.Array | None:
+        if x is None:
+            return x
+        axes = varying_axes(x)  # (inside shard_map the result must vary over x's axes only)
+        bits = [b for over, b in sources if over <= axes]
+        if not bits:
+            return x
+        never = (functools.reduce(lambda a, b: a ^ b, bits) | 1) == 0  # false, but XLA cannot tell
+        return jnp.where(never, jnp.zeros_like(x), x)
+
+    return jax.tree.map(one, tree)
+
+
+def waits_for(tree: Any, after: Any) -> Any:
+    """`tree` unchanged, but on CPU every array of it data-depends on the arrays of `after` (those varying over
+    no more mesh axes than it does): what uses it waits for them. GPU/TPU: the identity. Why: the module
+    docstring (XLA:CPU's blocking collectives)."""
+    return lax.platform_dependent(tree, after, cpu=_waits_for, default=lambda t, a: t)
+
+
+def prefetch_steps(
+    step_fn: Callable[[Any, Any, Any], Any],
+    carry: Any,
+    first: Any,
+    advance: Callable[[Any, Any], Any],
+    num_steps: int,
+) -> Any:
     """for s in 0..n-1: carry = step_fn(carry, data_s, s), with data_0 = first and data_{s+1} = advance(data_s,
     s) issued before step s's compute (a ring hop, a broadcast of the next block), so the two can overlap.
 
@@ -122,9 +171,10 @@ def prefetch_steps(step_fn, carry, first, advance, num_steps: int):
     transfers are made. Returns the final carry. The step loop of every ring and broadcast loop in jaxring.
     """
 
-    def body(state, s):
+    def body(state: tuple, s: jax.Array) -> tuple:
         carry, data = state
         upcoming = advance(data, s)  # issued before this step's compute
+        carry, data = waits_for((carry, data), upcoming)  # XLA:CPU: see the module docstring
         return (step_fn(carry, data, s), upcoming), None
 
     data = first
@@ -138,7 +188,7 @@ def ring_pairs(size: int, shift: int = FORWARD) -> list[tuple[int, int]]:
     return [(i, (i + shift) % size) for i in range(size)]
 
 
-def send_to_next(tree, axis_name, shift: int = FORWARD, *, fuse: bool = False):
+def send_to_next(tree: Any, axis_name: str | tuple[str, ...], shift: int = FORWARD, *, fuse: bool = False) -> Any:
     """ppermute every array of `tree` one hop along the ring over `axis_name` (None leaves stay None).
 
     fuse=True sends all the arrays as one buffer (`fused_ppermute`): one collective-permute per hop.
@@ -149,7 +199,7 @@ def send_to_next(tree, axis_name, shift: int = FORWARD, *, fuse: bool = False):
     return jax.tree.map(lambda x: ppermute(x, axis_name, ring_pairs(size, shift)), tree)
 
 
-def fused_ppermute(tree, axis_name, perm):
+def fused_ppermute(tree: Any, axis_name: str | tuple[str, ...], perm: Sequence[tuple[int, int]]) -> Any:
     """One ppermute of all the arrays of `tree`, packed into one byte buffer and unpacked on arrival.
 
     Same bytes on the wire as one ppermute per array. Why: XLA's GPU scheduler keeps one collective-permute
@@ -179,14 +229,18 @@ def fused_ppermute(tree, axis_name, perm):
     return jax.tree.unflatten(treedef, out)
 
 
-def ring_steps(step_fn, carry, kv, num_steps, send):
+def ring_steps(
+    step_fn: Callable[[Any, Any, Any], Any], carry: Any, kv: Any, num_steps: int, send: Callable[[Any], Any]
+) -> Any:
     """for step in 0..P-1: send the K/V block on (not after the last step), then `step_fn` on it: the
     `prefetch_steps` loop with the ring hop as the transfer (P-1 hops; O(S/P) memory, not O(S)). Returns the
     final carry."""
     return prefetch_steps(step_fn, carry, kv, lambda kv, _: send(kv), num_steps)
 
 
-def ring_steps_accumulating(step_fn, carry, blocks, num_steps, send):
+def ring_steps_accumulating(
+    step_fn: Callable[..., tuple[Any, Any]], carry: Any, blocks: Any, num_steps: int, send: Callable[[Any], Any]
+) -> tuple[Any, Any]:
     """A ring whose travelling blocks gather a sum on the way (the backward's K/V with their dK/dV).
 
     step_fn(carry, blocks, step, acc) -> (carry, acc): this rank's work on the blocks it holds, adding its
@@ -207,7 +261,7 @@ def ring_steps_accumulating(step_fn, carry, blocks, num_steps, send):
     carry, acc = step_fn(carry, blocks, 0, None)
     blocks = nxt
 
-    def middle(state, step):
+    def middle(state: tuple, step: jax.Array) -> tuple:
         (carry, acc), blocks = state
         nxt, received = send((blocks, acc))  # one send: with a fusing `send`, one transfer per step
         return (step_fn(carry, blocks, step, received), nxt), None
@@ -224,7 +278,7 @@ def tree_rounds(size: int) -> int:
     return max(size - 1, 0).bit_length()
 
 
-def tree_broadcast(x, axis_name, root):
+def tree_broadcast(x: jax.Array, axis_name: str, root: jax.typing.ArrayLike) -> jax.Array:
     """Every rank of `axis_name` gets root's `x`, by a binomial tree of ceil(log2 P) ppermute rounds.
 
     `root` may be traced (e.g. a scan step). In round t each rank sends to rank + 2^t (a fixed shift, so the
@@ -241,7 +295,7 @@ def tree_broadcast(x, axis_name, root):
     return x
 
 
-def tree_reduce(x, axis_name, root):
+def tree_reduce(x: jax.Array, axis_name: str, root: jax.typing.ArrayLike) -> jax.Array:
     """Sum of `x` over `axis_name`, valid on rank `root` (other ranks hold partial sums).
 
     The reverse binomial tree: in round t (from the widest) rank root + r sends to root + r - 2^t, which adds

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -22,7 +23,7 @@ def make_mesh(
     sp: int = 1,
     ep: int = 1,
     *,
-    devices=None,
+    devices: Sequence[jax.Device] | None = None,
     axis_types: str = "auto",
 ) -> Mesh:
     """A mesh with all six axes (size-1 axes included, so every PartitionSpec can name them).
@@ -57,7 +58,7 @@ def mesh_axis_size(mesh: Mesh, axis: str) -> int:
     return mesh.shape[axis] if axis in mesh.axis_names else 1
 
 
-def spec_entry(axes):
+def spec_entry(axes: str | Sequence[str] | None) -> str | tuple[str, ...] | None:
     """The PartitionSpec entry for a tuple of mesh axes: None, one name, or the tuple."""
     axes = tuple(axes)
     return None if not axes else axes[0] if len(axes) == 1 else axes
@@ -67,7 +68,7 @@ def is_explicit(mesh: Mesh) -> bool:
     return any(t == AxisType.Explicit for t in mesh.axis_types)
 
 
-def place(x, mesh: Mesh, spec: PartitionSpec):
+def place(x: jax.typing.ArrayLike, mesh: Mesh, spec: PartitionSpec) -> jax.Array:
     """Puts x in `spec` on `mesh`: needed before a shard_map on Explicit axes, harmless on Auto ones."""
     sharding = NamedSharding(mesh, spec)
     if is_explicit(mesh):

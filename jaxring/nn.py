@@ -25,12 +25,15 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.traverse_util import unflatten_dict
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 
 from jaxring import moe as moe_lib
 from jaxring import zero
 from jaxring.plan import ParallelPlan
-from jaxring.tensor.contract import KEPT_RESIDUAL, MATMUL_OUTPUT, ParamInfo, check_activation
+from jaxring.rope import Rope, as_rope
+from jaxring.tensor.contract import KEPT_RESIDUAL, LAYER_INPUT, MATMUL_OUTPUT, ParamInfo, check_activation
+from jaxring.tiling import over_tiles
 
 REMAT = ("none", "selective", "full")
 STACKED = "stacked"  # metadata flag of parameters with a leading layer dim
@@ -43,10 +46,18 @@ def param(rngs, shape, logical_axes, std, *, heads: int | None = None, dtype=jnp
     )
 
 
+def constant(shape, logical_axes, value: float, *, heads: int | None = None, dtype=jnp.float32):
+    """An nnx.Param filled with `value` (biases 0, norm scales 1), with its logical axes."""
+    return nnx.Param(jnp.full(shape, value, dtype), logical_axes=tuple(logical_axes), heads=heads)
+
+
 class Attention(nnx.Module):
     """Multi-head self-attention with GQA and RoPE; the tensor method and the attention core come from the plan.
 
-    Params: wq [hidden, heads·head_dim], wk/wv [hidden, kv_heads·head_dim], wo [heads·head_dim, hidden].
+    Params: wq [hidden, heads·head_dim], wk/wv [hidden, kv_heads·head_dim], wo [heads·head_dim, hidden];
+    with `qkv_bias` bq [heads·head_dim], bk/bv [kv_heads·head_dim]; with `proj_bias` bo [hidden]; with
+    `qk_norm` q_norm/k_norm [head_dim] (an RMSNorm per head before RoPE, Qwen3). head_dim defaults to
+    hidden / heads. rope: a `jaxring.rope.Rope`, a theta (plain RoPE) or None; window: a sliding window.
     """
 
     def __init__(
@@ -57,7 +68,12 @@ class Attention(nnx.Module):
         *,
         head_dim: int | None = None,
         causal: bool = True,
-        rope_theta: float | None = 10000.0,
+        rope: Rope | float | None = 10000.0,
+        window: int | None = None,
+        qkv_bias: bool = False,
+        proj_bias: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
         out_std: float | None = None,
         rngs: nnx.Rngs,
     ):
@@ -68,15 +84,26 @@ class Attention(nnx.Module):
             raise ValueError(f"hidden {hidden} is not divisible by num_heads {num_heads}")
         head_dim = head_dim or hidden // num_heads
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.causal, self.rope_theta = causal, rope_theta
+        self.causal, self.rope, self.window, self.norm_eps = causal, as_rope(rope), window, norm_eps
         std = hidden**-0.5
         self.wq = param(rngs, (hidden, num_heads * head_dim), ("embed", "heads"), std, heads=num_heads)
         self.wk = param(rngs, (hidden, num_kv_heads * head_dim), ("embed", "kv_heads"), std, heads=num_kv_heads)
         self.wv = param(rngs, (hidden, num_kv_heads * head_dim), ("embed", "kv_heads"), std, heads=num_kv_heads)
         self.wo = param(rngs, (num_heads * head_dim, hidden), ("heads", "embed"), out_std or std, heads=num_heads)
+        if qkv_bias:
+            self.bq = constant((num_heads * head_dim,), ("heads",), 0.0, heads=num_heads)
+            self.bk = constant((num_kv_heads * head_dim,), ("kv_heads",), 0.0, heads=num_kv_heads)
+            self.bv = constant((num_kv_heads * head_dim,), ("kv_heads",), 0.0, heads=num_kv_heads)
+        if proj_bias:
+            self.bo = constant((hidden,), ("embed",), 0.0)
+        if qk_norm:
+            self.q_norm = constant((head_dim,), (None,), 1.0)
+            self.k_norm = constant((head_dim,), (None,), 1.0)
+
+    WEIGHTS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")
 
     def weights(self, dtype):
-        return {name: getattr(self, name)[...].astype(dtype) for name in ("wq", "wk", "wv", "wo")}
+        return {name: getattr(self, name)[...].astype(dtype) for name in self.WEIGHTS if hasattr(self, name)}
 
     def __call__(self, x, positions, plan: ParallelPlan):
         """x: local [batch, seq, hidden] (the plan's activation layout); positions: local int32 [batch, seq]
@@ -90,15 +117,25 @@ class Attention(nnx.Module):
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             causal=self.causal,
-            rope_theta=self.rope_theta,
+            rope=self.rope,
+            window=self.window,
+            norm_eps=self.norm_eps,
         )
 
 
 class MLP(nnx.Module):
-    """GELU (w_in, w_out) or SwiGLU (w_gate, w_in, w_out) feed-forward; the tensor method from the plan."""
+    """GELU (w_in, w_out) or SwiGLU (w_gate, w_in, w_out) feed-forward, with `bias`: b_in, b_gate [ffn] and
+    b_out [hidden]; the tensor method from the plan."""
 
     def __init__(
-        self, hidden: int, ffn: int, activation: str = "gelu", *, out_std: float | None = None, rngs: nnx.Rngs
+        self,
+        hidden: int,
+        ffn: int,
+        activation: str = "gelu",
+        *,
+        bias: bool = False,
+        out_std: float | None = None,
+        rngs: nnx.Rngs,
     ):
         check_activation(activation)
         self.activation = activation
@@ -106,13 +143,21 @@ class MLP(nnx.Module):
         if activation == "swiglu":
             self.w_gate = param(rngs, (hidden, ffn), ("embed", "mlp"), hidden**-0.5)
         self.w_out = param(rngs, (ffn, hidden), ("mlp", "embed"), out_std or ffn**-0.5)
+        if bias:
+            self.b_in = constant((ffn,), ("mlp",), 0.0)
+            if activation == "swiglu":
+                self.b_gate = constant((ffn,), ("mlp",), 0.0)
+            self.b_out = constant((hidden,), ("embed",), 0.0)
+
+    WEIGHTS = ("w_in", "w_gate", "w_out", "b_in", "b_gate", "b_out")
 
     def weights(self, dtype):
-        names = ("w_in", "w_out") + (("w_gate",) if self.activation == "swiglu" else ())
-        return {name: getattr(self, name)[...].astype(dtype) for name in names}
+        return {name: getattr(self, name)[...].astype(dtype) for name in self.WEIGHTS if hasattr(self, name)}
 
     def __call__(self, x, plan: ParallelPlan):
-        return plan.tensor.mlp(plan, x, self.weights(x.dtype), activation=self.activation)
+        """x [b, s_act, hidden] -> like x; over `plan.mlp_tiles(x)` tiles of its rows (one when untiled)."""
+        w = self.weights(x.dtype)
+        return over_tiles(lambda x: plan.tensor.mlp(plan, x, w, activation=self.activation), plan.mlp_tiles(x), (x,))
 
 
 class Embed(nnx.Module):
@@ -143,6 +188,23 @@ class LayerNorm(nnx.Module):
         return plan.tensor.norm(plan, x, self.scale[...], self.bias[...], eps=self.eps)
 
 
+class RMSNorm(nnx.Module):
+    """RMSNorm over hidden with scale [hidden] (Llama): x · rsqrt(mean(x²) + eps) · scale; under Optimus the
+    hidden dim is split (the sum of squares is summed across the grid row)."""
+
+    def __init__(self, hidden: int, *, eps: float = 1e-6, rngs: nnx.Rngs | None = None):
+        del rngs
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((hidden,), jnp.float32), logical_axes=("embed",))
+
+    def __call__(self, x, plan: ParallelPlan):
+        """Computed in fp32, returned in x's dtype."""
+        return plan.tensor.rms_norm(plan, x, self.scale[...], eps=self.eps)
+
+
+NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
+
+
 class MoE(moe_lib.MoE):
     """Mixture-of-experts FFN (`jaxring.moe`: top-k router, dropless or capacity dispatch, aux and z losses),
     run as the plan's tensor method says: experts over ep (tokens exchanged by all-to-all), their FFN over tp
@@ -157,8 +219,16 @@ class MoE(moe_lib.MoE):
 def token_cross_entropy(x, w, targets, plan: ParallelPlan, *, tied: bool):
     """Per-token cross-entropy fp32 [batch, seq] (token layout) of logits x @ head; w is the head [hidden,
     vocab], or the embedding table [vocab, hidden] when `tied`. Under Megatron and Optimus the logits stay
-    split over the vocabulary."""
-    return plan.tensor.cross_entropy(plan, x, w, targets, tied=tied)
+    split over the vocabulary; with `plan.loss_tile` the logits exist one tile of rows at a time."""
+    method, tiles = plan.tensor, plan.loss_tiles(x)
+    if tiles == 1:
+        return method.cross_entropy(plan, x, w, targets, tied=tied)
+    losses = over_tiles(
+        lambda x, t: method.cross_entropy(plan, x, w, t, tied=tied),
+        tiles,
+        (x, method.tile_targets(plan, targets, tiles)),
+    )
+    return method.untile_losses(plan, losses, tiles)
 
 
 # ---------------------------------------------------------------------------------------- layer stacks
@@ -181,14 +251,33 @@ def stack(make_layer, num_layers: int, rngs: nnx.Rngs):
     return layers
 
 
-def remat_policy(remat: str, zero_stage: int = 0):
+OFFLOAD = ("none", "layer_inputs")
+
+
+def remat_policy(remat: str, zero_stage: int = 0, offload: str = "none"):
     """The jax.checkpoint policy of one layer for remat none/selective/full: none saves everything it computes,
     selective only the weight matmuls' outputs (dots without batch dims, and those computed inside a custom_vjp,
     named `MATMUL_OUTPUT`) and the residuals custom VJPs name `KEPT_RESIDUAL`, full nothing. In every mode the weights as the layer reads them
     are never saved for the backward (`zero.no_weights_saved`): ZeRO-3 gathers them again, the others slice
-    them again from the stack."""
+    them again from the stack.
+
+    offload "layer_inputs" (with remat full): each layer's input, named `LAYER_INPUT` by `Layers`, is the one
+    value kept, and it is kept in host memory ("pinned_host") between the forward and the backward [ALST];
+    XLA moves it out after the layer's forward and back before its backward."""
     if remat not in REMAT:
         raise ValueError(f"unknown remat {remat!r}; expected one of {', '.join(REMAT)}")
+    if offload not in OFFLOAD:
+        raise ValueError(f"unknown offload {offload!r}; expected one of {', '.join(OFFLOAD)}")
+    if offload != "none":
+        if remat != "full":
+            raise ValueError(f"offload {offload!r} needs remat 'full' (it keeps the layer inputs only), got {remat!r}")
+        host = jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=[LAYER_INPUT],
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+        return zero.no_weights_saved(zero_stage, host)
     selective = jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names(MATMUL_OUTPUT, KEPT_RESIDUAL),
@@ -212,6 +301,7 @@ class Layers:
     placements: object
     stage: int = 0
     remat: str = "none"
+    offload: str = "none"
 
     def __call__(self, carry, call):
         """call(layer, carry) -> carry for every layer in order, under `lax.scan`; carry: any pytree (e.g.
@@ -234,7 +324,13 @@ class Layers:
             )
             return call(nnx.merge(self.graphdef, weights), carry), None
 
-        body = jax.checkpoint(body, policy=remat_policy(self.remat, self.stage), prevent_cse=False)
+        if self.offload != "none":
+            layer = body
+
+            def body(carry, i):
+                return layer(jax.tree.map(lambda a: checkpoint_name(a, LAYER_INPUT), carry), i)
+
+        body = jax.checkpoint(body, policy=remat_policy(self.remat, self.stage, self.offload), prevent_cse=False)
         carry, _ = lax.scan(body, carry, jnp.arange(num_layers))
         return carry
 

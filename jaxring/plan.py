@@ -33,8 +33,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring.attention.layout import check_seq_len, layout_permutation
+from jaxring.attention.masking import check_window
 from jaxring.mesh import DATA_AXES, mesh_axis_size, spec_entry
 from jaxring.registry import pipeline_schedule, resolve_options, sequence_strategies, sequence_strategy, tensor_method
+from jaxring.tiling import tile_count
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -52,10 +54,13 @@ class ParallelPlan:
         block_ops: str = "auto",
         pipeline_schedule: str = "1f1b",
         microbatches: int | None = None,
+        loss_tile: int | None = None,
+        mlp_tile: int | None = None,
         **options,
     ):
         self.mesh, self.attention, self.layout, self.zero = mesh, attention, layout, zero
         self.block_ops, self.pipeline_schedule, self.microbatches = block_ops, pipeline_schedule, microbatches
+        self.loss_tile, self.mlp_tile = loss_tile, mlp_tile  # rows per tile of the head's loss, of the MLP
         strategy = sequence_strategy(attention)
         if self.sp > 1 and attention == "dense":
             others = ", ".join(s for s in sequence_strategies() if s != "dense")
@@ -84,6 +89,11 @@ class ParallelPlan:
         method.check_mesh(self)
         if zero is not None and (isinstance(zero, bool) or zero not in ZERO_STAGES):
             raise ValueError(f"zero stage {zero!r} must be one of {', '.join(map(str, ZERO_STAGES))}")
+        if self.fsdp > 1 and self.zero_stage < 3:
+            raise ValueError(
+                f"--fsdp {self.fsdp} with --zero {self.zero_stage}: fsdp means the parameters are sharded (ZeRO-3); "
+                f"use --dp {self.fsdp} for a data axis with ZeRO stage {self.zero_stage}, or leave --zero out"
+            )
         if self.pp > 1:
             _ = self.schedule  # make_schedule's one-line errors (unknown schedule, m < pp, ...)
             if self.zero_stage == 2:
@@ -237,10 +247,11 @@ class ParallelPlan:
         return self.strategy.layout_for(self.layout, causal)
 
     # ------------------------------------------------------------------ the attention core (inside shard_map)
-    def attend(self, q, k, v, positions, *, causal: bool):
+    def attend(self, q, k, v, positions, *, causal: bool, window: int | None = None):
         """Local attention of q [b, n, hq, d], k/v [b, n, hkv, d] (this device's tokens, in the layout):
         the plan's sequence strategy over `seq_axes`, or flash attention when sp = 1. positions int [b, n]
-        are shared by the batch rows (they come from the data-side layout)."""
+        are shared by the batch rows (they come from the data-side layout). window: a sliding window W
+        (needs causal): the query at position i sees keys i - W < j <= i; None: unlimited."""
         if self.sp == 1:
             from jaxring.attention.flash import flash_attention
             from jaxring.attention.ulysses import local_implementation
@@ -253,8 +264,11 @@ class ParallelPlan:
                 causal=causal,
                 q_positions=pos,
                 kv_positions=pos,
+                window=window,
                 implementation=local_implementation(self.block_ops),
             )
+        check_window(window, causal)  # here, so that the error comes before any strategy's collectives
+        windowed = {} if window is None else {"window": window}  # strategies registered without it still run
         return self.strategy.attend(
             q,
             k,
@@ -266,6 +280,7 @@ class ParallelPlan:
             sm_scale=None,
             block_ops=self.block_ops,
             **self.strategy_options,
+            **windowed,
         )
 
     # ------------------------------------------------------------------ checks
@@ -287,6 +302,16 @@ class ParallelPlan:
         if self.sp > 1:
             check_seq_len(seq_len, self.sp, self.seq_layout(causal))
         self.tensor.check_seq(self, seq_len)
+        rows = self.tensor.local_rows(self, seq_len)
+        tile_count(rows, self.loss_tile, "--loss-tile")
+        tile_count(rows, self.mlp_tile, "--mlp-tile")
+
+    def loss_tiles(self, x) -> int:
+        """Tiles of the LM head's loss over the rows of the local residual stream x [b, rows, h] (1: untiled)."""
+        return tile_count(x.shape[1], self.loss_tile, "--loss-tile")
+
+    def mlp_tiles(self, x) -> int:
+        return tile_count(x.shape[1], self.mlp_tile, "--mlp-tile")
 
     def check_heads(self, num_heads: int, num_kv_heads: int) -> None:
         """Heads after the tensor method's split must still suit the sequence strategy (Ulysses: divide sp)."""

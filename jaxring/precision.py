@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-__all__ = ["PRECISIONS", "bytes_per_element", "compute_dtype"]
+__all__ = ["BYTES_PER_ELEMENT", "PRECISIONS", "bytes_per_element", "compute_dtype"]
 
 PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+BYTES_PER_ELEMENT = {name: jnp.dtype(dtype).itemsize for name, dtype in PRECISIONS.items()}
 
 
-def compute_dtype(precision: str):
+def compute_dtype(precision: str) -> jnp.dtype:
     """The activation and matmul dtype of `precision`."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; expected one of {', '.join(PRECISIONS)}")

@@ -32,6 +32,7 @@ __all__ = [
     "ClusterSettings",
     "DataSettings",
     "GuardSettings",
+    "MemorySettings",
     "ModelSettings",
     "OptimizerSettings",
     "OutputSettings",
@@ -135,6 +136,12 @@ def _remat_modes() -> tuple[str, ...]:
     return REMAT
 
 
+def _packings() -> tuple[str, ...]:
+    from jaxring.data.packing import PACKINGS
+
+    return PACKINGS
+
+
 def _block_ops() -> tuple[str, ...]:
     from jaxring.attention.blockwise import BLOCK_OPS
 
@@ -153,6 +160,15 @@ class ModelSettings:
     overrides: dict = setting(
         {}, "change a preset field, e.g. --override num_layers=2 (repeatable)", flag="override", metavar="FIELD=VALUE"
     )
+    init_from: str | None = setting(
+        None,
+        "start from a Hugging Face checkpoint directory (config.json + safetensors; gpt): its config replaces "
+        "--preset; --override may change only rope_* and max_seq_len (context extension)",
+        metavar="DIR",
+    )
+    export_hf: str | None = setting(
+        None, "write the trained model as a Hugging Face checkpoint directory at the end (gpt)", metavar="DIR"
+    )
 
 
 @dataclasses.dataclass
@@ -166,11 +182,29 @@ class TrainingSettings:
     image_size: int | None = setting(None, "image side (dit; default: the preset's)", rule="int>=1")
     grad_accum: int = setting(1, "micro-steps accumulated per update (pp = 1)", rule="int>=1")
     precision: str = setting("fp32", "compute dtype; weights and optimizer state stay fp32", choices=_precisions)
+
+
+@dataclasses.dataclass
+class MemorySettings:
+    """What a step keeps, recomputes, tiles and offloads to fit long sequences."""
+
     remat: str = setting(
         "none",
         "recompute in the backward: none; selective (keeps the weight matmuls' outputs, recomputes attention "
         "cores, activations, norms); full (keeps each layer's input only)",
         choices=_remat_modes,
+    )
+    loss_tile: int | None = setting(
+        None, "tokens per tile of the LM head's loss (logits never whole; default: untiled)", rule="int>=1"
+    )
+    mlp_tile: int | None = setting(
+        None, "tokens per tile of the MLP ([tokens, ffn] never whole; default: untiled)", rule="int>=1"
+    )
+    offload: str = setting(
+        "none",
+        "host offload: none; layer_inputs (each layer's checkpointed input lives in host memory between the "
+        "forward and the backward; with --remat full)",
+        choices=("none", "layer_inputs"),
     )
 
 
@@ -245,7 +279,24 @@ class DataSettings:
     """Where the batches come from."""
 
     data: str | None = setting(
-        None, "text file or directory (byte-level), nanoGPT .bin, or (dit) image folder; default: bundled"
+        None,
+        "a document store (python -m jaxring.data prepare), a text/.jsonl/.parquet file or a directory of them "
+        "(prepared on first use into PATH.jaxring-cache/), a nanoGPT .bin (random windows), or (dit) an image "
+        "folder; default: bundled (the Python standard library's files, one document each)",
+    )
+    tokenizer: str | None = setting(
+        None, "bytes, or a tokenizer.json / a directory holding one (default: the store's own; bytes to prepare)"
+    )
+    text_field: str = setting("text", "the text field of .jsonl/.parquet inputs")
+    packing: str = setting(
+        "split",
+        "documents into rows (each + EOS): split (a long document continues in the next row) or drop (whole "
+        "documents only; longer ones skipped, rows padded)",
+        choices=_packings,
+    )
+    val_data: str | None = setting(None, "held-out documents from this store or file (default: a share of --data's)")
+    val_fraction: float = setting(
+        0.1, "share of --data's documents held out for validation (ignored with --val-data)", rule="float[0,1]"
     )
 
 
@@ -271,7 +322,20 @@ class OutputSettings:
     progress: bool = setting(True, "a progress bar (--no-progress: log lines)")
     profile: str | None = setting(None, "write a JAX profiler trace of a few steps to this directory")
     eval_at_end: bool = setting(True, "report the held-out loss after training")
+    eval_every: int = setting(
+        0, "steps between held-out losses in the metrics (0: none during training)", rule="int>=0"
+    )
     sample_tokens: int = setting(200, "gpt: tokens to generate at the end; dit: 0 skips the samples", rule="int>=0")
+    tensorboard: str | None = setting(None, "also write TensorBoard event files to this directory (extra: tensorboard)")
+    wandb: str | None = setting(None, "also log to this Weights & Biases project (extra: wandb; WANDB_MODE=offline)")
+
+    METRICS_FILE: typing.ClassVar[str] = "metrics.jsonl"
+
+    def metrics_path(self) -> str | None:
+        """Where the metrics go: --metrics-file, else OUT_DIR/metrics.jsonl (None before out_dir is known)."""
+        if self.metrics_file:
+            return self.metrics_file
+        return os.path.join(self.out_dir, self.METRICS_FILE) if self.out_dir else None
 
 
 @dataclasses.dataclass
@@ -303,6 +367,7 @@ class ClusterSettings:
 SECTIONS: dict[str, type] = {
     "model": ModelSettings,
     "training": TrainingSettings,
+    "memory": MemorySettings,
     "optimizer": OptimizerSettings,
     "parallel": ParallelSettings,
     "data": DataSettings,
@@ -418,6 +483,7 @@ class RunSpec:
 
     model: ModelSettings = dataclasses.field(default_factory=ModelSettings)
     training: TrainingSettings = dataclasses.field(default_factory=TrainingSettings)
+    memory: MemorySettings = dataclasses.field(default_factory=MemorySettings)
     optimizer: OptimizerSettings = dataclasses.field(default_factory=OptimizerSettings)
     parallel: ParallelSettings = dataclasses.field(default_factory=ParallelSettings)
     data: DataSettings = dataclasses.field(default_factory=DataSettings)
@@ -551,12 +617,32 @@ class RunSpec:
         for flag, path in (("--checkpoint-dir", ckpt), ("--out-dir", out)):
             if path and os.path.exists(path) and not os.path.isdir(path):
                 raise ValueError(f"{flag} {path!r} exists and is not a directory")
-        if self.data.data is not None and not os.path.exists(self.data.data):
-            raise ValueError(f"--data {self.data.data!r} does not exist")
+        init_from, export_hf = self.model.init_from, self.model.export_hf
+        if init_from is not None and not os.path.isdir(init_from):
+            raise ValueError(f"--init-from {init_from!r} is not a directory (a Hugging Face checkpoint)")
+        if export_hf is not None and os.path.exists(export_hf) and not os.path.isdir(export_hf):
+            raise ValueError(f"--export-hf {export_hf!r} exists and is not a directory")
+        d = self.data
+        for flag, path in (("--data", d.data), ("--val-data", d.val_data)):
+            if path is not None and not os.path.exists(path):
+                raise ValueError(f"{flag} {path!r} does not exist")
+        if d.tokenizer not in (None, "bytes") and not os.path.exists(d.tokenizer):
+            raise ValueError(f"--tokenizer {d.tokenizer!r} does not exist (give bytes, or a tokenizer.json)")
+        if d.val_fraction >= 1:
+            raise ValueError(f"--val-fraction {d.val_fraction} must be below 1 (it would hold out every document)")
         t = self.training
         if t.batch_size % t.grad_accum:
             raise ValueError(f"--batch-size {t.batch_size} is not divisible by --grad-accum {t.grad_accum}")
+        if self.memory.offload != "none" and self.memory.remat != "full":
+            raise ValueError(
+                f"--offload {self.memory.offload} keeps each layer's input in host memory and recomputes the rest: "
+                f"it needs --remat full (got --remat {self.memory.remat})"
+            )
         degrees = self.parallel.degrees()
+        if degrees["pp"] > 1 and self.memory.offload != "none":
+            from jaxring.train.step import OFFLOAD_WITH_PP
+
+            raise ValueError(OFFLOAD_WITH_PP.format(offload=self.memory.offload, pp=degrees["pp"]))
         if degrees["pp"] > 1 and t.grad_accum > 1:
             raise ValueError(
                 f"--grad-accum {t.grad_accum} with --pp {degrees['pp']}: the pipeline's micro-batches are the "
@@ -575,8 +661,12 @@ class RunSpec:
         return "ring" if self.parallel.degrees(device_count)["sp"] > 1 else "dense"
 
     def resolved(self, device_count: int) -> RunSpec:
-        """The spec with what defaults derive filled in: mesh degrees, the strategy, its options' defaults."""
+        """The spec with what defaults derive filled in: mesh degrees, the strategy, its options' defaults.
+        Degrees that do not multiply to `device_count`, micro-batches that do not suit pp, and a batch that
+        does not split over the data axes and micro-batches are one-line errors naming a setting that works."""
         p = dataclasses.replace(self.parallel, **self.parallel.degrees(device_count))
+        check_degrees(p, device_count, self.training)
+        check_batch_split(p, self.training)
         p.attention = self.attention(device_count)
         from jaxring.registry import resolve_options, sequence_strategy
         from jaxring.task import model_family
@@ -609,8 +699,89 @@ class RunSpec:
             pipeline_schedule=p.pipeline_schedule,
             microbatches=p.microbatches,
             block_ops=p.block_ops,
+            loss_tile=self.memory.loss_tile,
+            mlp_tile=self.memory.mlp_tile,
             **p.options,
         )
+
+
+def _degree_flags(degrees: Mapping[str, int]) -> str:
+    return " ".join(f"--{a} {n}" for a, n in degrees.items() if n > 1) or "(every degree 1)"
+
+
+def check_degrees(p: ParallelSettings, device_count: int, t: TrainingSettings) -> None:
+    """ValueError naming the flags and degrees near them that work, unless p's degrees multiply to
+    `device_count`. The suggestion keeps each given degree's nearest divisor of what is left, gives dp the
+    rest, and adds the batch size those degrees need when --batch-size does not split over them."""
+    degrees = p.degrees()
+    product = math.prod(degrees.values())
+    if product == device_count:
+        return
+    left, near = device_count, {}
+    for axis in ParallelSettings.DEGREES:
+        n = degrees.get(axis, 1)
+        if axis == "dp" or n == 1:
+            continue
+        near[axis] = min((d for d in range(1, left + 1) if left % d == 0), key=lambda d: (abs(d - n), -d))
+        left //= near[axis]
+    near["dp"] = left
+    fix = {a: near.get(a, 1) for a in ParallelSettings.DEGREES}
+    parts = _batch_parts(dataclasses.replace(p, **fix), t)[0]
+    batch = "" if t.batch_size % parts == 0 else f" --batch-size {-(-t.batch_size // parts) * parts}"
+    raise ValueError(
+        f"mesh degrees {_degree_flags(degrees)} multiply to {product}, but there are {device_count} devices (the "
+        f"degrees' product must equal the device count); e.g. {_degree_flags(fix)}{batch}"
+    )
+
+
+def _batch_parts(p: ParallelSettings, t: TrainingSettings) -> tuple[int, dict[str, int], int]:
+    """(the equal parts --batch-size splits into, the data degrees above 1, the micro-batches) for p's degrees."""
+    m = (2 * p.pp if p.microbatches is None else p.microbatches) if p.pp > 1 else 1
+    data = {a: getattr(p, a) for a in ("dp", "fsdp", "ep") if getattr(p, a) > 1}
+    return math.prod(data.values()) * m * t.grad_accum, data, m
+
+
+def _microbatch_counts(p: ParallelSettings, t: TrainingSettings, counts: range) -> list[int]:
+    """The micro-batch counts among `counts` that the pipeline schedule takes and the batch splits into."""
+    rows, rest = divmod(t.batch_size, _batch_parts(dataclasses.replace(p, pp=1), t)[0])
+    ok = [k for k in counts if p.pipeline_schedule != "interleaved" or k % p.pp == 0]
+    return [k for k in ok if not rest and rows % k == 0]
+
+
+def check_batch_split(p: ParallelSettings, t: TrainingSettings) -> None:
+    """ValueError naming the flags and a batch size (or micro-batch count) that works, unless --microbatches
+    suits --pp and --batch-size splits into dp·fsdp·ep × micro-batches × --grad-accum equal parts. `p` has its
+    degrees filled in."""
+    m = p.microbatches
+    if p.pp == 1 and m is not None:
+        raise ValueError(f"--microbatches {m} sets the pipeline's micro-batches, but --pp is 1; drop it or set --pp")
+    if p.pp > 1 and m is not None and (m < p.pp or (p.pipeline_schedule == "interleaved" and m % p.pp)):
+        works = _microbatch_counts(p, t, range(p.pp, 2 * p.pp + 1))
+        fix = f"use --microbatches {works[0]}" if works else f"use --microbatches {2 * p.pp} (the default, 2·pp)"
+        if m < p.pp:
+            raise ValueError(
+                f"--microbatches {m} is less than --pp {p.pp}: every pipeline stage needs a micro-batch in flight; "
+                f"{fix}"
+            )
+        raise ValueError(
+            f"--microbatches {m} is not divisible by --pp {p.pp}, which the interleaved schedule needs (it runs "
+            f"the micro-batches in groups of pp); {fix}"
+        )
+    parts, data, m = _batch_parts(p, t)
+    if t.batch_size % parts == 0:
+        return
+    terms = [f"--{a} {n}" for a, n in data.items()]
+    if m > 1:
+        terms.append(f"--microbatches {m}" if p.microbatches is not None else f"the default --microbatches {m} = 2·pp")
+    if t.grad_accum > 1:
+        terms.append(f"--grad-accum {t.grad_accum}")
+    fix = f"use --batch-size {-(-t.batch_size // parts) * parts}"
+    fewer = _microbatch_counts(p, t, range(p.pp, m)) if m > 1 else []
+    if fewer:
+        fix += f", or --microbatches {max(fewer)}"
+    raise ValueError(
+        f"--batch-size {t.batch_size} does not split into {parts} equal parts ({' × '.join(terms)}); {fix}"
+    )
 
 
 def _plain(value):
@@ -628,7 +799,17 @@ def _option_names() -> tuple[str, ...]:
     return tuple(all_options())
 
 
-_PLAN_SETTINGS = ("attention", "layout", "tensor_parallel", "zero", "pipeline_schedule", "microbatches", "block_ops")
+_PLAN_SETTINGS = (
+    "attention",
+    "layout",
+    "tensor_parallel",
+    "zero",
+    "pipeline_schedule",
+    "microbatches",
+    "block_ops",
+    "loss_tile",
+    "mlp_tile",
+)
 
 
 def make_plan(devices=None, **settings):
@@ -645,8 +826,9 @@ def make_plan(devices=None, **settings):
     for name, value in settings.items():
         if name not in allowed:
             raise ValueError(f"make_plan: unknown parallel setting {name!r}{nearest(name, allowed)}")
-        if name in _fields(ParallelSettings) and value is not None:
-            check_setting(ParallelSettings, name, value)
+        for section in (ParallelSettings, MemorySettings):
+            if name in _fields(section) and value is not None:
+                check_setting(section, name, value)
     devices = list(jax.devices() if devices is None else devices)
     p = ParallelSettings(**{k: settings.get(k) for k in ParallelSettings.DEGREES})
     degrees = p.degrees(len(devices))

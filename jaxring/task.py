@@ -24,6 +24,13 @@ first virtual stage, chunks of the stack on every stage and head on the last.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import jax
+
+    from jaxring.plan import ParallelPlan
+
 import dataclasses
 import math
 import types
@@ -45,25 +52,25 @@ ENTRY_POINT_GROUP = "jaxring.models"
 
 
 class Objective:
-    def prepare(self, batch, key):
+    def prepare(self, batch: Any, key: jax.Array) -> Any:
         """The step's inputs from a batch (global arrays, outside the shard_map); default: the batch itself."""
         del key
         return batch
 
-    def input_specs(self, plan) -> dict:
+    def input_specs(self, plan: ParallelPlan) -> dict:
         raise NotImplementedError
 
     @property
     def loss_count(self) -> int:
         raise NotImplementedError
 
-    def embed(self, model, mb, plan, dtype):
+    def embed(self, model: Any, mb: Any, plan: ParallelPlan, dtype: jax.typing.DTypeLike) -> Any:
         raise NotImplementedError
 
-    def layer(self, block, carry, mb, plan):
+    def layer(self, block: Any, carry: Any, mb: Any, plan: ParallelPlan) -> Any:
         raise NotImplementedError
 
-    def head(self, model, carry, mb, plan, dtype):
+    def head(self, model: Any, carry: Any, mb: Any, plan: ParallelPlan, dtype: jax.typing.DTypeLike) -> Any:
         raise NotImplementedError
 
 
@@ -79,7 +86,7 @@ class Task(Protocol):
     progress: tuple[str, ...]
     source_name: str
 
-    def model(self, seed: int): ...  # the nnx model (the same for a seed on any mesh), with a STACK attribute
+    def model(self, seed: int) -> Any: ...  # the nnx model (the same for a seed on any mesh), with a STACK attribute
 
     def batch(self, step: int, val: bool = False) -> dict: ...  # global arrays for `step` (a pure function of it)
 
@@ -90,7 +97,7 @@ class Task(Protocol):
 
     def metadata(self) -> dict: ...  # what a checkpoint must match to be restored (the model's config)
 
-    def finish(self, model, log: Callable[[str], None], out_dir: str) -> dict: ...  # samples after training
+    def finish(self, model: Any, log: Callable[[str], None], out_dir: str) -> dict: ...  # samples after training
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +131,7 @@ class ModelFamily:
     task: Callable
     workload_config: Callable | None = None
 
-    def get_config(self, preset: str, **overrides):
+    def get_config(self, preset: str, **overrides: Any) -> Any:
         """The preset's config with `overrides` (each checked by `check_override`)."""
         if preset not in self.presets:
             raise ValueError(f"unknown {self.name} preset {preset!r}; expected one of {', '.join(self.presets)}")
@@ -132,7 +139,9 @@ class ModelFamily:
             self.check_override(field, value)
         return dataclasses.replace(self.presets[preset], **overrides)
 
-    def config_for_workload(self, preset: str, *, seq_len: int | None, image_size: int | None = None, **overrides):
+    def config_for_workload(
+        self, preset: str, *, seq_len: int | None, image_size: int | None = None, **overrides: Any
+    ) -> Any:
         if self.workload_config is not None:
             return self.workload_config(preset, seq_len, image_size, overrides)
         return self.get_config(preset, **overrides)
@@ -149,7 +158,7 @@ class ModelFamily:
             out[f.name] = (tuple(a for a in args if a is not type(None)), type(None) in args)
         return out
 
-    def check_override(self, field: str, value) -> None:
+    def check_override(self, field: str, value: Any) -> None:
         """ValueError unless `field` is a config field and `value` fits its type and range (sizes and counts
         positive, numbers finite and non-negative)."""
         name = self.config_class.__name__

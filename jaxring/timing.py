@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
 
-def median_seconds(fn, *args, runs: int = 3, warmup: int = 1) -> float:
+def median_seconds(fn: Callable[..., Any], *args: Any, runs: int = 3, warmup: int = 1) -> float:
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     times = []

@@ -2,7 +2,7 @@
 
 The replica axes R of a weight are the plan's batch and sequence axes it is not already split over: the
 devices that hold the same weight while working on different tokens, so its gradient is a sum over R. With
-N = |R| devices and Ψ parameters (the Ultra-Scale Playbook, seed 003; Adam's k = 8 bytes of fp32 moments
+N = |R| devices and Ψ parameters ([Playbook] in REFERENCES.md; Adam's k = 8 bytes of fp32 moments
 here, fp32 master weights and gradients):
 
   stage 0  weights, gradients and optimizer state replicated; gradient all-reduce (psum over R): 2Ψ moved
@@ -29,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -67,12 +69,17 @@ class Placement:
         return P(*(self.with_zero() if stage >= 1 else self.spec))
 
 
-def _axes_of(entry) -> tuple:
+def _axes_of(entry: str | Sequence[str] | None) -> tuple:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def place(
-    spec: tuple, shape: tuple, logical_axes, replica: tuple[str, ...], mesh_shape: dict, zero_sharding: bool = True
+    spec: tuple,
+    shape: tuple,
+    logical_axes: tuple | None,
+    replica: tuple[str, ...],
+    mesh_shape: dict,
+    zero_sharding: bool = True,
 ) -> Placement:
     """The Placement of a weight of `shape` split as `spec`, replicated over `replica` (size N)."""
     used = {a for e in spec for a in _axes_of(e)}
@@ -93,35 +100,35 @@ def place(
 # ---------------------------------------------------------------------------------------- collectives
 
 
-def _scatter(x, placement: Placement):
+def _scatter(x: jax.Array, placement: Placement) -> jax.Array:
     return lax.psum_scatter(x, placement.replica, scatter_dimension=placement.zero_dim, tiled=True)
 
 
-def _slice(x, placement: Placement):
+def _slice(x: jax.Array, placement: Placement) -> jax.Array:
     """This rank's ZeRO slice of a replicated x (the part psum_scatter would leave here)."""
     n = math.prod(lax.axis_size(a) for a in placement.replica)
     size = x.shape[placement.zero_dim] // n
     return lax.dynamic_slice_in_dim(x, lax.axis_index(placement.replica) * size, size, placement.zero_dim)
 
 
-def gather_replicated(x, placement: Placement):
+def gather_replicated(x: jax.Array, placement: Placement) -> jax.Array:
     """All-gather of the ZeRO shards into the replicated weight (its type: replicated over R)."""
     return gather_invariant(x, placement.replica, placement.zero_dim)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _attach(w, shard, placement):
+def _attach(w: jax.Array, shard: jax.Array, placement: Placement) -> jax.Array:
     """Stage 2: the replicated weight as the layer uses it (varying over R); the gradient goes to `shard`,
     reduce-scattered right away, so no full gradient of the weight outlives its layer's backward."""
     del shard
     return vary(w, placement.replica)
 
 
-def _attach_fwd(w, shard, placement):
+def _attach_fwd(w: jax.Array, shard: jax.Array, placement: Placement) -> tuple[jax.Array, None]:
     return _attach(w, shard, placement), None
 
 
-def _attach_bwd(placement, _, g):
+def _attach_bwd(placement: Placement, _: None, g: jax.Array) -> tuple[None, jax.Array]:
     return None, _scatter(g, placement)
 
 
@@ -131,7 +138,7 @@ _attach.defvjp(_attach_fwd, _attach_bwd)
 # ---------------------------------------------------------------------------------------- the stages
 
 
-def inputs(stage: int, p, placement: Placement):
+def inputs(stage: int, p: jax.Array, placement: Placement) -> tuple[jax.Array, jax.Array | None]:
     """(diff, const) for weight p as stored: the step differentiates the loss w.r.t. diff."""
     if placement.zero_dim is None or stage in (0, 1):
         return vary(p, placement.replica), None  # each rank's own, unreduced gradient
@@ -141,7 +148,7 @@ def inputs(stage: int, p, placement: Placement):
     return p, None  # stage 3: the shard itself
 
 
-def materialize(stage: int, diff, const, placement: Placement):
+def materialize(stage: int, diff: jax.Array, const: jax.Array | None, placement: Placement) -> jax.Array:
     """The weight as a layer reads it."""
     if placement.zero_dim is None or stage in (0, 1):
         return diff
@@ -154,7 +161,7 @@ def materialize(stage: int, diff, const, placement: Placement):
     return w.reshape(diff.shape[:zd] + (-1,) + diff.shape[zd + 1 :])
 
 
-def reduce(stage: int, g, placement: Placement):
+def reduce(stage: int, g: jax.Array, placement: Placement) -> jax.Array:
     """The gradient of diff, reduced into the optimizer's layout (summed over R)."""
     if placement.zero_dim is None or stage == 0:
         return lax.psum(g, placement.replica) if placement.replica else g
@@ -163,21 +170,21 @@ def reduce(stage: int, g, placement: Placement):
     return g  # stages 2, 3: reduce-scattered by the backward itself
 
 
-def update_slice(stage: int, p, placement: Placement):
+def update_slice(stage: int, p: jax.Array, placement: Placement) -> jax.Array:
     """The part of weight p this rank updates (its ZeRO slice for stages 1, 2)."""
     if placement.zero_dim is not None and stage in (1, 2):
         return _slice(p, placement)
     return p
 
 
-def updated(stage: int, new_slice, placement: Placement):
+def updated(stage: int, new_slice: jax.Array, placement: Placement) -> jax.Array:
     """The stored weight after the update: stages 1, 2 all-gather the new slices."""
     if placement.zero_dim is not None and stage in (1, 2):
         return gather_replicated(new_slice, placement)
     return new_slice
 
 
-def global_norm(tree) -> jax.Array:
+def global_norm(tree: Any) -> jax.Array:
     """sqrt(Σ g²) over a tree of local gradient pieces: each leaf's sum of squares is summed over the mesh
     axes the leaf varies over (its distinct pieces), and not over those it is replicated on."""
     total = jnp.zeros((), jnp.float32)
@@ -188,7 +195,7 @@ def global_norm(tree) -> jax.Array:
     return jnp.sqrt(total)
 
 
-def is_weight_gather(prim, params) -> bool:
+def is_weight_gather(prim: Any, params: dict) -> bool:
     """A stage-3 weight all-gather (the untiled all_gather of `materialize`)."""
     return prim.name == "all_gather" and not params.get("tiled", True)
 
@@ -214,7 +221,7 @@ _FREE_OPS = frozenset(
 )
 
 
-def _free_custom_vjp(prim, params) -> bool:
+def _free_custom_vjp(prim: Any, params: dict) -> bool:
     """A custom_vjp whose primal is free data movement (stage 2's `_attach`: a varying cast)."""
     jaxpr = params.get("call_jaxpr")
     if prim.name != "custom_vjp_call" or jaxpr is None:
@@ -223,12 +230,12 @@ def _free_custom_vjp(prim, params) -> bool:
     return eqns is not None and all(e.primitive.name in _FREE_OPS for e in eqns)
 
 
-def no_weights_saved(stage: int, policy=None):
+def no_weights_saved(stage: int, policy: Callable[..., bool] | None = None) -> Callable[..., bool]:
     """A remat policy that saves what `policy` saves (None: everything computed), except the weights as the
     layers read them: stage 3's all-gathered weights are gathered again in the backward (3Ψ moved), stage 2's
     replicated weights are read again from their stored copy. Free data movement (`_FREE_OPS`) is recomputed."""
 
-    def keep(prim, *args, **params):
+    def keep(prim: Any, *args: Any, **params: Any) -> bool:
         if is_weight_gather(prim, params) or prim.name in _FREE_OPS or _free_custom_vjp(prim, params):
             return False
         return True if policy is None else policy(prim, *args, **params)

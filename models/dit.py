@@ -289,7 +289,7 @@ class DiTBlock(nnx.Module):
     """adaLN-Zero block: attention and MLP on modulated LayerNorms, each residual scaled by a gate."""
 
     def __init__(self, cfg: DiTConfig, *, rngs: nnx.Rngs):
-        self.attn = Attention(cfg.hidden, cfg.num_heads, causal=False, rope_theta=None, rngs=rngs)
+        self.attn = Attention(cfg.hidden, cfg.num_heads, causal=False, rope=None, rngs=rngs)
         self.mlp = MLP(cfg.hidden, cfg.ffn_size, "gelu", rngs=rngs)
         self.adaLN = Dense(cfg.hidden, 6 * cfg.hidden, ("embed", None), init="zero", rngs=rngs)
 

@@ -1,7 +1,11 @@
-"""A decoder-only GPT in Flax NNX, built from jaxring's parallel blocks.
+"""A decoder-only GPT in Flax NNX, built from jaxring's parallel blocks; the Llama family by configuration.
 
-Pre-LN; RoPE or learned positions; GELU or SwiGLU MLP; optional GQA; tied or untied embeddings. The parallel
-strategy is not part of the model: every call takes a `ParallelPlan`, so the same parameters run on any mesh.
+Pre-norm (LayerNorm or RMSNorm); RoPE (with linear, llama3 or yarn scaling) or learned positions; GELU or
+SwiGLU MLP; GQA/MQA; head_dim independent of hidden / heads; optional biases on q/k/v (Qwen2), the output
+projection and the MLP; QK-norm (Qwen3); a sliding window (Mistral); tied or untied embeddings. Presets with
+the published shapes of Llama 3 / 3.1, Mistral 7B, Qwen2.5 and Qwen3, each with a tiny twin for tests
+(`tiny-llama3`, ...); `models.hf` reads and writes their Hugging Face checkpoints. The parallel strategy is
+not part of the model: every call takes a `ParallelPlan`, so the same parameters run on any mesh.
 
     model = GPT(PRESETS["tiny"], rngs=nnx.Rngs(0))
     trainer = jaxring.train.Trainer(...)                    # or, inside plan.shard_map on local shards:
@@ -17,8 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxring.moe import MoEConfig
-from jaxring.nn import MLP, Attention, Embed, LayerNorm, Layers, MoE, stack, token_cross_entropy
+from jaxring.nn import MLP, NORMS, Attention, Embed, Layers, MoE, stack, token_cross_entropy
 from jaxring.plan import ParallelPlan
+from jaxring.rope import ROPE_SCALINGS, Rope
 from jaxring.task import Objective
 from jaxring.tensor.contract import ACTIVATIONS
 
@@ -41,6 +46,24 @@ class GPTConfig:
     activation: str = "gelu"  # "gelu" or "swiglu"
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
+    # RoPE scaling (context extension): none, linear (factor), llama3 (factor, low/high_freq_factor,
+    # original_max_positions), yarn (factor, beta_fast/slow, original_max_positions, attention_factor)
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int | None = None
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_attention_factor: float | None = None  # yarn; None: 0.1 ln(factor) + 1
+    norm: str = "layernorm"  # "layernorm" or "rmsnorm"
+    norm_eps: float = 1e-5
+    head_dim: int | None = None  # default hidden // num_heads
+    qkv_bias: bool = False  # biases on q, k, v (Qwen2)
+    proj_bias: bool = False  # bias on the attention output projection
+    mlp_bias: bool = False  # biases on the MLP's linears
+    qk_norm: bool = False  # RMSNorm per head on q and k before RoPE (Qwen3)
+    sliding_window: int | None = None  # query i attends keys i - W < j <= i (Mistral)
     # mixture of experts in every block's FFN (None: a dense MLP); see jaxring.moe.MoEConfig
     num_experts: int | None = None
     experts_per_token: int = 2
@@ -53,21 +76,32 @@ class GPTConfig:
     def __post_init__(self):
         for name in ("vocab_size", "num_layers", "hidden", "num_heads", "max_seq_len"):
             _check_positive_int(name, getattr(self, name))
-        for name in ("num_kv_heads", "ffn"):
+        for name in ("num_kv_heads", "ffn", "head_dim", "sliding_window", "rope_original_max_positions"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
+        for name in ("tie_embeddings", "qkv_bias", "proj_bias", "mlp_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} {getattr(self, name)!r} must be true or false")
+        if self.norm not in NORMS:
+            raise ValueError(f"norm {self.norm!r}: expected one of {', '.join(NORMS)}")
+        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not self.norm_eps > 0:
+            raise ValueError(f"norm_eps {self.norm_eps!r} must be a positive number")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(f"rope_scaling {self.rope_scaling!r}: expected one of {', '.join(ROPE_SCALINGS)}")
+        if self.positions == "rope":
+            _ = self.rope  # Rope's own checks (factor > 0, llama3/yarn need rope_original_max_positions, ...)
         if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
             raise ValueError(f"rope_theta {self.rope_theta!r} must be a positive number")
-        if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"tie_embeddings {self.tie_embeddings!r} must be true or false")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r}: expected one of {', '.join(ACTIVATIONS)}")
         if self.num_experts is not None:
-            self.moe  # MoEConfig's own checks (top-k <= experts, capacity > 0, ...)
+            _ = self.moe  # MoEConfig's own checks (top-k <= experts, capacity > 0, ...)
         if self.positions not in ("rope", "learned"):
             raise ValueError(f"positions {self.positions!r}: expected 'rope' or 'learned'")
-        if self.hidden % self.num_heads:
-            raise ValueError(f"hidden {self.hidden} is not divisible by num_heads {self.num_heads}")
+        if self.head_dim is None and self.hidden % self.num_heads:
+            raise ValueError(f"hidden {self.hidden} is not divisible by num_heads {self.num_heads} (or set head_dim)")
+        if self.positions == "rope" and self.attn_head_dim % 2:
+            raise ValueError(f"head_dim {self.attn_head_dim} must be even for RoPE")
         if self.num_heads % (self.num_kv_heads or self.num_heads):
             raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
 
@@ -76,8 +110,26 @@ class GPTConfig:
         return self.ffn or 4 * self.hidden
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.num_heads
+    def attn_head_dim(self) -> int:
+        """The head dimension in force: head_dim, else hidden // num_heads."""
+        return self.head_dim or self.hidden // self.num_heads
+
+    @property
+    def rope(self) -> Rope | None:
+        """The RoPE of the attention (None with learned positions)."""
+        if self.positions != "rope":
+            return None
+        return Rope(
+            theta=float(self.rope_theta),
+            scaling=self.rope_scaling,
+            factor=float(self.rope_factor),
+            low_freq_factor=float(self.rope_low_freq_factor),
+            high_freq_factor=float(self.rope_high_freq_factor),
+            original_max_positions=self.rope_original_max_positions,
+            beta_fast=float(self.rope_beta_fast),
+            beta_slow=float(self.rope_beta_slow),
+            attention_factor=None if self.rope_attention_factor is None else float(self.rope_attention_factor),
+        )
 
     @property
     def moe(self) -> MoEConfig | None:
@@ -97,8 +149,10 @@ class GPTConfig:
 
     def num_params(self, embeddings: bool = True, active: bool = False) -> int:
         """Parameters (all of them, or `active`: those one token uses, k of the E experts)."""
-        kv = (self.num_kv_heads or self.num_heads) * self.head_dim
-        attn = self.hidden * (2 * self.hidden + 2 * kv)
+        q = self.num_heads * self.attn_head_dim
+        kv = (self.num_kv_heads or self.num_heads) * self.attn_head_dim
+        attn = self.hidden * (2 * q + 2 * kv)
+        attn += (q + 2 * kv) * self.qkv_bias + self.hidden * self.proj_bias + 2 * self.attn_head_dim * self.qk_norm
         matrices = 3 if self.activation == "swiglu" else 2
         moe = self.moe
         if moe is None:
@@ -110,10 +164,13 @@ class GPTConfig:
                 + self.hidden * moe.num_experts
                 + matrices * self.hidden * (moe.shared_expert_ffn or 0)
             )
-        per_layer = attn + mlp + 4 * self.hidden
+        if self.mlp_bias and moe is None:
+            mlp += (matrices - 1) * self.ffn_size + self.hidden
+        norm = self.hidden * (2 if self.norm == "layernorm" else 1)
+        per_layer = attn + mlp + 2 * norm
         emb = self.vocab_size * self.hidden * (1 if self.tie_embeddings else 2)
         emb += self.max_seq_len * self.hidden if self.positions == "learned" else 0
-        return self.num_layers * per_layer + 2 * self.hidden + (emb if embeddings else 0)
+        return self.num_layers * per_layer + norm + (emb if embeddings else 0)
 
     def flops_per_token(self, seq_len: int, causal: bool = True) -> float:
         """Training FLOPs per token (the playbook's 6N + attention, causal attention counted as half; N counts
@@ -164,6 +221,52 @@ PRESETS = {
     ),
 }
 
+# The Llama family: RMSNorm, SwiGLU, RoPE, GQA, untied embeddings (as released on Hugging Face)
+_LLAMA = dict(norm="rmsnorm", activation="swiglu", tie_embeddings=False)
+_LLAMA3 = dict(_LLAMA, vocab_size=128256, num_kv_heads=8, rope_theta=500000.0, norm_eps=1e-5, max_seq_len=8192)
+_LLAMA31_ROPE = dict(
+    rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+    rope_original_max_positions=8192, max_seq_len=131072,
+)  # fmt: skip
+_QWEN = dict(_LLAMA, rope_theta=1e6, norm_eps=1e-6)
+PRESETS.update(
+    {
+        "llama3-8b": GPTConfig(num_layers=32, hidden=4096, num_heads=32, ffn=14336, **_LLAMA3),
+        "llama3.1-8b": GPTConfig(num_layers=32, hidden=4096, num_heads=32, ffn=14336, **{**_LLAMA3, **_LLAMA31_ROPE}),
+        "llama3-70b": GPTConfig(num_layers=80, hidden=8192, num_heads=64, ffn=28672, **_LLAMA3),
+        "mistral-7b": GPTConfig(
+            vocab_size=32000, num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8, ffn=14336,
+            norm_eps=1e-5, sliding_window=4096, max_seq_len=32768, **_LLAMA,
+        ),
+        "qwen2.5-7b": GPTConfig(
+            vocab_size=152064, num_layers=28, hidden=3584, num_heads=28, num_kv_heads=4, ffn=18944,
+            qkv_bias=True, max_seq_len=32768, **_QWEN,
+        ),
+        "qwen3-8b": GPTConfig(
+            vocab_size=151936, num_layers=36, hidden=4096, num_heads=32, num_kv_heads=8, head_dim=128, ffn=12288,
+            qk_norm=True, max_seq_len=40960, **_QWEN,
+        ),
+        # tiny twins (the same features, seconds on CPU): tests and notebooks
+        "tiny-llama3": GPTConfig(
+            num_layers=2, hidden=64, num_heads=4, ffn=128,
+            **{**_LLAMA3, **_LLAMA31_ROPE, "vocab_size": 256, "num_kv_heads": 2, "rope_original_max_positions": 32,
+               "max_seq_len": 256},
+        ),
+        "tiny-mistral": GPTConfig(
+            vocab_size=256, num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, ffn=128, norm_eps=1e-5,
+            sliding_window=16, max_seq_len=256, **_LLAMA,
+        ),
+        "tiny-qwen2": GPTConfig(
+            vocab_size=256, num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, ffn=128, qkv_bias=True,
+            max_seq_len=256, **_QWEN,
+        ),
+        "tiny-qwen3": GPTConfig(
+            vocab_size=256, num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, head_dim=32, ffn=128,
+            qk_norm=True, max_seq_len=256, **_QWEN,
+        ),
+    }
+)  # fmt: skip
+
 
 def check_plan(cfg: GPTConfig, plan: ParallelPlan, batch: int, seq_len: int) -> None:
     """Raises (one line naming the value and the rule) when a `cfg` model cannot run on `plan` with
@@ -204,19 +307,26 @@ MOE_METRICS = ("aux_loss", "z_loss", "drop_rate", "load_imbalance")  # averaged 
 class Block(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         out_std = (2 * cfg.num_layers) ** -0.5 * cfg.hidden**-0.5  # GPT-2's scaled residual init
-        self.ln1 = LayerNorm(cfg.hidden)
+        norm = NORMS[cfg.norm]
+        self.ln1 = norm(cfg.hidden, eps=cfg.norm_eps)
         self.attn = Attention(
             cfg.hidden,
             cfg.num_heads,
             cfg.num_kv_heads,
+            head_dim=cfg.attn_head_dim,
             causal=True,
+            rope=cfg.rope,
+            window=cfg.sliding_window,
+            qkv_bias=cfg.qkv_bias,
+            proj_bias=cfg.proj_bias,
+            qk_norm=cfg.qk_norm,
+            norm_eps=cfg.norm_eps,
             out_std=out_std,
-            rope_theta=cfg.rope_theta if cfg.positions == "rope" else None,
             rngs=rngs,
         )
-        self.ln2 = LayerNorm(cfg.hidden)
+        self.ln2 = norm(cfg.hidden, eps=cfg.norm_eps)
         if cfg.moe is None:
-            self.mlp = MLP(cfg.hidden, cfg.ffn_size, cfg.activation, out_std=out_std, rngs=rngs)
+            self.mlp = MLP(cfg.hidden, cfg.ffn_size, cfg.activation, bias=cfg.mlp_bias, out_std=out_std, rngs=rngs)
         else:
             self.mlp = MoE(cfg.hidden, cfg.moe, out_std=out_std, rngs=rngs)
 
@@ -230,7 +340,7 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
-    """Embedding, `num_layers` stacked blocks (scanned), final LayerNorm and the LM head (tied: the table).
+    """Embedding, `num_layers` stacked blocks (scanned), final norm and the LM head (tied: the table).
 
     Every compute method is *local*: it runs inside the plan's shard_map (the train step's, or
     `plan.shard_map`) on this device's shards; `layers` is the block stack as the step materializes it
@@ -247,7 +357,7 @@ class GPT(nnx.Module):
                 jax.random.normal(rngs.params(), (cfg.max_seq_len, cfg.hidden)) * 0.01, logical_axes=(None, "embed")
             )
         self.blocks = stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, rngs)
-        self.ln_f = LayerNorm(cfg.hidden)
+        self.ln_f = NORMS[cfg.norm](cfg.hidden, eps=cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.head = nnx.Param(
                 jax.random.normal(rngs.params(), (cfg.hidden, cfg.vocab_size)) * cfg.hidden**-0.5,

@@ -1,5 +1,5 @@
 """The GPT as jaxring trains and plans it: its `ModelFamily` (config, presets, objective, checks) and its
-training task (byte-level or token-id corpora, the data-side layout, a generated sample at the end).
+training task (packed documents of a store, or a .bin's windows; the data-side layout; a sample at the end).
 
 Declared to jaxring by the `jaxring.models` entry point `gpt = "models.gpt_train:FAMILY"` (pyproject.toml).
 """
@@ -7,13 +7,14 @@ Declared to jaxring by the `jaxring.models` entry point `gpt = "models.gpt_train
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxring.data import TokenBatches, global_array, host_rows, load_tokens, to_one_device
+from jaxring.data import StepBatches, global_array, host_rows, open_token_data, to_one_device
 from jaxring.mesh import make_mesh
 from jaxring.plan import ParallelPlan
 from jaxring.task import ModelFamily
@@ -22,22 +23,60 @@ from models import gpt
 DEFAULT_SEQ_LEN = 256
 
 
+def _log_main(message: str) -> None:
+    if jax.process_index() == 0:
+        print(message, flush=True)
+
+
+VOCAB_MULTIPLE = 128  # a vocabulary the data needs beyond the preset's is padded to this multiple (tp splits it)
+
+
+def _nearest_seq_len(plan: ParallelPlan, seq_len: int) -> int:
+    """The sequence length nearest `seq_len` that the plan splits (the longer one on a tie)."""
+    for distance in range(1, seq_len + 1):
+        for n in (seq_len + distance, seq_len - distance):
+            try:
+                plan.check_seq_len(n, causal=True)
+            except ValueError:
+                continue
+            if n > 0:
+                return n
+    raise AssertionError(f"no sequence length near {seq_len} splits over {plan.describe()}")
+
+
 class GPTTask:
-    """Next-token prediction on a token source, batches laid out by the plan once on the data side."""
+    """Next-token prediction on packed documents (or a .bin's windows), laid out by the plan on the data side.
+
+    Batches follow `jaxring.data.packing`'s convention ("tokens", "targets", "segment_ids", "positions" within
+    each document, "loss_mask"). The step receives the keys the objective declares (`input_specs`): an
+    objective that takes "segment_ids" gets document positions and the document fields; one that does not
+    gets "tokens", "targets" and the row's positions (it masks causally by position, so document positions
+    would let a token see a later document's), i.e. packed rows attended across documents.
+    """
 
     def __init__(self, spec, plan: ParallelPlan):
         t = spec.training
         self.seq_len = t.seq_len or DEFAULT_SEQ_LEN
-        self.source = load_tokens(spec.data.data)
-        self.source_name = self.source.name
+        self.data = open_token_data(spec.data, log=_log_main)
+        self.source = self.data.tokenizer  # encode/decode (the sample at the end, notebooks)
         overrides = dict(spec.model.overrides)
-        base = gpt.get_config(spec.model.preset, **overrides)
-        derived = {"vocab_size": self.source.vocab_size}
-        if base.positions == "learned":
-            derived["max_seq_len"] = max(base.max_seq_len, self.seq_len)
-        if base.vocab_size > self.source.vocab_size:
-            derived.pop("vocab_size")  # keep the preset's (padded) vocabulary
-        self.config = gpt.get_config(spec.model.preset, **{**overrides, **derived})
+        _check_overrides_fit_the_data(overrides, self.source, self.seq_len)
+        if spec.model.init_from is not None:
+            self.config = _pretrained_config(spec.model.init_from, overrides, self.data.vocab_size)
+        else:
+            base = gpt.get_config(spec.model.preset, **overrides)
+            derived = {}
+            if base.vocab_size < self.data.vocab_size:  # else keep the preset's (padded) vocabulary
+                derived["vocab_size"] = -(-self.data.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+            if base.positions == "learned":
+                derived["max_seq_len"] = max(base.max_seq_len, self.seq_len)
+            self.config = gpt.get_config(spec.model.preset, **{**overrides, **derived})
+        try:
+            plan.check_seq_len(self.seq_len, causal=True)
+        except ValueError as e:
+            raise ValueError(
+                f"--seq-len {self.seq_len}: {e}; e.g. --seq-len {_nearest_seq_len(plan, self.seq_len)}"
+            ) from None
         gpt.check_plan(self.config, plan, t.batch_size // t.grad_accum, self.seq_len)
         self.objective = gpt.NextTokenObjective(t.batch_size, self.seq_len)
         # the progress bar's MoE metrics (metrics.step_metrics' convention)
@@ -47,38 +86,71 @@ class GPTTask:
         shape = (t.batch_size, self.seq_len)
         self.row0, row1 = host_rows(self.sharding, shape)
         per_host = row1 - self.row0
-        host, hosts = self.row0 // per_host, t.batch_size // per_host
-        self.batches = TokenBatches(
-            self.source,
+        rows = dict(
             batch_size=t.batch_size,
             seq_len=self.seq_len,
-            seed=t.seed,
-            process_index=host,
-            process_count=hosts,
+            process_index=self.row0 // per_host,
+            process_count=t.batch_size // per_host,
+            vocab_size=self.config.vocab_size,
         )
-        self.val_batches = TokenBatches(
-            load_tokens(spec.data.data, split="val"),
-            batch_size=t.batch_size,
-            seq_len=self.seq_len,
-            seed=t.seed + 1,
-            process_index=host,
-            process_count=hosts,
-        )
+        self.batches = StepBatches(self.data.batches("train", seed=t.seed, **rows))
+        self._val = lambda: StepBatches(self.data.batches("val", seed=t.seed + 1, **rows), prefetch=0)
+        self.val_batches = None  # built when first asked for
+        self.source_name = self.batches.dataset.describe()
+        self.inputs = tuple(self.objective.input_specs(plan))
+
+    # ---- the data loader's position, saved in checkpoints (jaxring.train.loop)
+    def data_state(self) -> dict:
+        return self.batches.state()
+
+    def restore_data_state(self, state: dict | None, step: int, log) -> None:
+        """Continues the stream where the checkpoint's run was at `step`; without a usable state (an older
+        checkpoint, other data, another batch size) batch `step` is found by replaying the plans from 0."""
+        if state is not None and state.get("step") == step:
+            try:
+                self.batches.restore(state)
+                return
+            except ValueError as e:
+                log(f"warning: {e}; finding step {step}'s batch from the start of this run's stream")
 
     def model(self, seed: int):
-        return gpt.GPT(self.config, rngs=nnx.Rngs(seed))
+        init_from = self.spec.model.init_from
+        if init_from is None:
+            return gpt.GPT(self.config, rngs=nnx.Rngs(seed))
+        from models import hf
+
+        model, _ = hf.load_pretrained(init_from, self.plan, overrides=_changed(hf.read_config(init_from), self.config))
+        _log_main(f"initialized from {init_from} ({self.config.num_params() / 1e6:.1f}M parameters)")
+        return model
+
+    def check_validation_data(self) -> None:
+        """Every held-out token id inside the model's vocabulary, checked before training (not at the end)."""
+        source = self.data.val  # a .bin's TokenSource (its ids scanned) or a document store (its vocabulary)
+        tokens = getattr(source, "tokens", None)
+        top = max_token_id(tokens) if tokens is not None else source.vocab_size - 1
+        if top is not None and top >= self.config.vocab_size:
+            raise ValueError(
+                f"the held-out data {source.name} has token id {top}, outside the vocabulary of {self.config.vocab_size} "
+                f"(the training data's); use held-out data of the same tokenizer"
+            )
 
     def metadata(self) -> dict:
         return {"kind": "gpt", **dataclasses.asdict(self.config)}
 
     def batch(self, step: int, val: bool = False) -> dict:
+        if val and self.val_batches is None:
+            self.val_batches = self._val()
         rows = (self.val_batches if val else self.batches).get(step)
-        (tokens, targets), positions = self.plan.layout_tokens(rows[:, :-1], rows[:, 1:], causal=True)
-        positions = np.broadcast_to(positions, tokens.shape)
+        if "segment_ids" not in self.inputs:  # a model without document masks: rows attended whole
+            rows = {"tokens": rows["tokens"], "targets": rows["targets"]}
+        names = list(rows)
+        laid_out, row_positions = self.plan.layout_tokens(*(rows[k] for k in names), causal=True)
+        batch = dict(zip(names, laid_out))
+        batch.setdefault("positions", np.broadcast_to(row_positions, batch["tokens"].shape))
         shape = (self.spec.training.batch_size, self.seq_len)
         return {
-            name: global_array(self.sharding, shape, np.ascontiguousarray(a), self.row0)
-            for name, a in (("tokens", tokens), ("targets", targets), ("positions", positions))
+            name: global_array(self.sharding, shape, np.ascontiguousarray(batch[name]), self.row0)
+            for name in self.inputs
         }
 
     @property
@@ -87,6 +159,27 @@ class GPTTask:
 
     def flops_per_step(self) -> float:
         return self.config.flops_per_token(self.seq_len, causal=True) * self.tokens_per_step
+
+    def export(self, model, log) -> None:
+        """--export-hf DIR: the trained model written as a Hugging Face checkpoint (with the tokenizer.json of
+        --init-from or --tokenizer, when there is one)."""
+        export = self.spec.model.export_hf
+        if export is None:
+            return
+        from models import hf
+
+        files = hf.save_pretrained(model, self.config, export, tokenizer=self._tokenizer_file())
+        log(f"exported the model to {export} ({len(files)} files)")
+
+    def _tokenizer_file(self) -> str | None:
+        """The tokenizer.json to ship with an export: --init-from's, else --tokenizer's (a file or a directory)."""
+        candidates = [self.spec.model.init_from, self.spec.data.tokenizer]
+        for c in candidates:
+            if c and c != "bytes":
+                path = c if c.endswith(".json") else os.path.join(c, "tokenizer.json")
+                if os.path.isfile(path):
+                    return path
+        return None
 
     def finish(self, model, log, out_dir: str) -> dict:
         """A generated sample from the trained model, on one device."""
@@ -109,6 +202,40 @@ class GPTTask:
         return {"sample": text}
 
 
+VOCAB_PADDING = 128  # a vocab_size override may pad the data's vocabulary up to a multiple of this
+
+
+def _check_overrides_fit_the_data(overrides: dict, source, seq_len: int) -> None:
+    """A vocab_size override must cover the data's ids and stay within padding of them; a max_seq_len override
+    must not exceed the trained sequence length (positions beyond it are never trained)."""
+    vocab = overrides.get("vocab_size")
+    if isinstance(vocab, int):
+        padded = -(-source.vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+        if vocab < source.vocab_size:
+            raise ValueError(
+                f"--override vocab_size={vocab}: the data {source.name} has a vocabulary of {source.vocab_size} "
+                f"(token ids up to {source.vocab_size - 1}); leave vocab_size out to take the data's"
+            )
+        if vocab > padded:
+            raise ValueError(
+                f"--override vocab_size={vocab}: the data {source.name} has a vocabulary of {source.vocab_size}; "
+                f"rows past {padded} (padding to a multiple of {VOCAB_PADDING}) would never be used"
+            )
+    max_len = overrides.get("max_seq_len")
+    if isinstance(max_len, int) and max_len > seq_len:
+        raise ValueError(
+            f"--override max_seq_len={max_len}: the data is cut into sequences of --seq-len {seq_len}; positions "
+            f"past {seq_len} would never be trained (raise --seq-len, or leave max_seq_len out)"
+        )
+
+
+def max_token_id(tokens, chunk: int = 1 << 24) -> int | None:
+    """The largest id in a token array (read in chunks: it may be a memory-mapped file), None when empty."""
+    if len(tokens) == 0:
+        return None
+    return max(int(np.asarray(tokens[i : i + chunk]).max()) for i in range(0, len(tokens), chunk))
+
+
 def _abstract_batch(config, plan: ParallelPlan, batch: int, seq_len: int) -> dict:
     tok = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=plan.tokens_sharding())
     return {"tokens": tok, "targets": tok, "positions": tok}
@@ -128,3 +255,34 @@ FAMILY = ModelFamily(
     abstract_batch=_abstract_batch,
     task=GPTTask,
 )
+
+
+CONTEXT_EXTENSION = ("max_seq_len",)  # with every rope_* field: what --override may change under --init-from
+
+
+def _pretrained_config(path: str, overrides: dict, data_vocab: int) -> gpt.GPTConfig:
+    """The GPTConfig of a Hugging Face checkpoint, with the overrides a context extension may make."""
+    from models import hf
+
+    config = hf.read_config(path)
+    fixed = sorted(k for k in overrides if not (k.startswith("rope_") or k in CONTEXT_EXTENSION))
+    if fixed:
+        raise ValueError(
+            f"--override {fixed[0]}={overrides[fixed[0]]} contradicts --init-from {path}'s config.json "
+            f"({fixed[0]} = {getattr(config, fixed[0], None)!r}); only rope_* and max_seq_len may change"
+        )
+    if data_vocab > config.vocab_size:
+        raise ValueError(
+            f"the data's token ids reach {data_vocab - 1}, outside --init-from {path}'s vocabulary of "
+            f"{config.vocab_size}; give data of the checkpoint's tokenizer"
+        )
+    return dataclasses.replace(config, **overrides)
+
+
+def _changed(base: gpt.GPTConfig, config: gpt.GPTConfig) -> dict:
+    """The fields of `config` that differ from `base`."""
+    return {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if getattr(config, f.name) != getattr(base, f.name)
+    }

@@ -7,6 +7,9 @@ The sources are in the "percent" format that Jupytext, VS Code and PyCharm read:
 `# %% [markdown]` a Markdown cell whose lines are written as comments (`# text`, `#` for an empty line). In
 code cells a commented `# %pip ...` line is the `%pip` magic (so the source stays valid Python). Edit the
 source, run this script, and commit both; `tests/test_notebooks.py` checks that they agree.
+
+Each notebook gets an "Open in Colab" badge under its title, made from the repository URL in pyproject.toml
+(`[project.urls] Repository`); a source's `git+` install line must name that same repository.
 """
 
 from __future__ import annotations
@@ -15,11 +18,16 @@ import argparse
 import pathlib
 import re
 import sys
+import tomllib
 
 import nbformat
 
 HERE = pathlib.Path(__file__).resolve().parent
 SOURCES = HERE / "src"
+PYPROJECT = HERE.parent / "pyproject.toml"
+COLAB_BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
+_GITHUB = re.compile(r"^https://github\.com/(?P<path>[^/\s]+/[^/\s]+?)/?$")
+_INSTALL_URL = re.compile(r"git\+(https://[^\s\"'@]+)")
 _CELL = re.compile(r"^# %%( \[markdown\])?[ \t]*$", re.M)
 _MAGIC = re.compile(r"^(\s*)# (%pip\b.*)$", re.M)
 
@@ -31,6 +39,25 @@ def _markdown(text: str) -> str:
             raise ValueError(f"markdown line {line!r} does not start with '# '")
         lines.append(line[2:])
     return "\n".join(lines)
+
+
+def repository() -> str:
+    """The project's repository URL (pyproject.toml's `[project.urls] Repository`), a GitHub address."""
+    urls = tomllib.loads(PYPROJECT.read_text())["project"].get("urls", {})
+    url = urls.get("Repository")
+    if not url or not _GITHUB.match(url):
+        raise ValueError(
+            f"{PYPROJECT.name}: [project.urls] Repository = {url!r} must be a https://github.com/OWNER/NAME address "
+            f"(the notebooks' Colab badges open the notebooks from it)"
+        )
+    return url.rstrip("/")
+
+
+def colab_badge(notebook_name: str, repo: str) -> str:
+    """The "Open in Colab" badge (HTML) of notebooks/NOTEBOOK_NAME on the repository's main branch."""
+    path = _GITHUB.match(repo).group("path")
+    href = f"https://colab.research.google.com/github/{path}/blob/main/notebooks/{notebook_name}"
+    return f'<a href="{href}" target="_parent"><img src="{COLAB_BADGE}" alt="Open In Colab"/></a>'
 
 
 def cells(source: str) -> list[tuple[str, str]]:
@@ -49,15 +76,27 @@ def cells(source: str) -> list[tuple[str, str]]:
 
 
 def notebook(source_path: pathlib.Path) -> nbformat.NotebookNode:
-    """The notebook of one source: cells without outputs, stable ids, Colab and kernel metadata."""
+    """The notebook of one source: cells without outputs, stable ids, Colab and kernel metadata, and the Colab
+    badge under the title (the first line of the first cell, a Markdown one)."""
     name = source_path.stem + ".ipynb"
+    repo = repository()
+    source = source_path.read_text()
+    for url in _INSTALL_URL.findall(source):
+        if url.rstrip("/") != repo:
+            raise ValueError(f"{source_path.name}: installs from {url}, but pyproject.toml's repository is {repo}")
+    parts = cells(source)
+    kind, text = parts[0]
+    if kind != "markdown" or not text.startswith("# "):
+        raise ValueError(f"{source_path.name}: the first cell must be Markdown starting with the '# Title' line")
+    title, _, rest = text.partition("\n")
+    parts[0] = ("markdown", f"{title}\n\n{colab_badge(name, repo)}\n{rest}")
     nb = nbformat.v4.new_notebook()
     nb.metadata = {
         "colab": {"name": name, "provenance": []},
         "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
         "language_info": {"name": "python"},
     }
-    for i, (kind, text) in enumerate(cells(source_path.read_text())):
+    for i, (kind, text) in enumerate(parts):
         new = nbformat.v4.new_markdown_cell if kind == "markdown" else nbformat.v4.new_code_cell
         nb.cells.append(new(text, id=f"cell-{i:02d}"))
     nbformat.validate(nb)

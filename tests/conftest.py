@@ -10,6 +10,10 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
 
+from jaxring.platform import use_simulated_devices
+
+use_simulated_devices()  # (jaxring.platform: explicit, not an import side effect)
+
 
 import pytest
 

@@ -75,8 +75,9 @@ def mlp_block_reference(x, params, activation):
     return (jax.nn.silu(x @ params["w_gate"]) * (x @ params["w_in"])) @ params["w_out"]
 
 
-def attention_block_reference(x, params, positions, num_heads, num_kv_heads, causal, rope_theta):
-    """The tensor modules' attention contract on one device: projections, RoPE, dense attention, output."""
+def attention_block_reference(x, params, positions, num_heads, num_kv_heads, causal, rope_theta, window=None):
+    """The tensor modules' attention contract on one device: projections, RoPE, dense attention (with a sliding
+    window when given), output."""
     from jaxring import attention_reference
     from jaxring.rope import apply_rope
 
@@ -87,5 +88,5 @@ def attention_block_reference(x, params, positions, num_heads, num_kv_heads, cau
     v = (x @ params["wv"]).reshape(b, s, num_kv_heads, d)
     if rope_theta is not None:
         q, k = apply_rope(q, positions, rope_theta), apply_rope(k, positions, rope_theta)
-    out = attention_reference(q, k, v, causal=causal, q_positions=positions, kv_positions=positions)[0]
+    out = attention_reference(q, k, v, causal=causal, q_positions=positions, kv_positions=positions, window=window)[0]
     return out.reshape(b, s, num_heads * d) @ params["wo"]

@@ -203,10 +203,10 @@ def test_missing_directory(tmp_path, sp8):
     ck = Checkpointer(tmp_path / "nowhere")
     assert ck.latest_step() is None
     assert not (tmp_path / "nowhere").exists()  # opening does not create it
-    with pytest.raises(FileNotFoundError, match="checkpoint directory .*nowhere' does not exist"):
+    with pytest.raises(FileNotFoundError, match=r"checkpoint directory .*nowhere' does not exist"):
         ck.restore(None, as_target(state))
     (tmp_path / "nowhere").mkdir()
-    with pytest.raises(FileNotFoundError, match="no checkpoint in .*nowhere"):
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint in .*nowhere"):
         ck.restore(None, as_target(state))
     ck.close()
     (tmp_path / "file").write_text("x")

@@ -171,7 +171,7 @@ def test_refusals_name_the_value_and_the_rule():
     plan = ParallelPlan(mesh, attention="ring")
     with pytest.raises(
         ValueError,
-        match="the sp = 4 shard of 8 tokens is not divisible by tp = 2|seq 36 is not divisible by 2\\*sp = 8",
+        match=r"the sp = 4 shard of 8 tokens is not divisible by tp = 2|seq 36 is not divisible by 2\*sp = 8",
     ):
         plan.check_seq_len(36)
     with pytest.raises(ValueError, match="num_heads 6 is not divisible by tp = 4"):

@@ -129,7 +129,7 @@ def test_bin_files(tmp_path):
         np.testing.assert_array_equal(va.tokens, np.arange(20))
         assert va.vocab_size == 60001
     small = load_tokens(tmp_path, vocab_size=1000)
-    with pytest.raises(ValueError, match="token id 60000 .* outside .* vocab_size 1000"):
+    with pytest.raises(ValueError, match=r"token id 60000 .* outside .* vocab_size 1000"):
         TokenBatches(small, batch_size=8, seq_len=30, seed=0).get(0)
     (tmp_path / "odd.bin").write_bytes(b"\0\0\0")
     with pytest.raises(ValueError, match="not a whole number of uint16 tokens"):

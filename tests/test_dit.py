@@ -78,7 +78,7 @@ def reference_velocity(p, x, t, y, cfg=CFG):
     c = _lin(p["t_embed"]["fc2"], jax.nn.silu(_lin(p["t_embed"]["fc1"], temb))) + p["y_embed"]["table"][y]
     heads, s = cfg.num_heads, g * g
     for i in range(cfg.num_layers):
-        blk = jax.tree.map(lambda a: a[i], p["blocks"])  # the stacked layers' slice i
+        blk = jax.tree.map(lambda a, i=i: a[i], p["blocks"])  # the stacked layers' slice i
         sh1, sc1, g1, sh2, sc2, g2 = jnp.split(_lin(blk["adaLN"], jax.nn.silu(c))[:, None], 6, -1)
         z = _ln(h) * (1 + sc1) + sh1
         q, k, v = (z @ blk["attn"][n] for n in ("wq", "wk", "wv"))
@@ -156,7 +156,7 @@ def test_same_seed_same_parameters():
 
 
 def test_adaln_zero_blocks_start_as_identity(setup):
-    graphdef, template, pure, _, _ = setup
+    _graphdef, _template, pure, _, _ = setup
     plan = _single_plan()
     ks = jax.random.split(jax.random.PRNGKey(0), 2)
     x = jax.random.normal(ks[0], (2, CFG.num_tokens, CFG.hidden))
@@ -166,7 +166,7 @@ def test_adaln_zero_blocks_start_as_identity(setup):
     run = jax.jit(lambda layer, x, c: nnx.merge(layer_gd, layer)(x, c, pos, plan))
     fresh = nnx.to_pure_dict(fresh)
     for i in range(CFG.num_layers):
-        layer = jax.tree.map(lambda a: a[i], fresh)
+        layer = jax.tree.map(lambda a, i=i: a[i], fresh)
         assert np.abs(np.asarray(layer["adaLN"]["w"])).max() == 0
         np.testing.assert_array_equal(run(layer, x, c), x)
     perturbed = jax.tree.map(lambda a: a[0], pure["blocks"])  # the check can fail: a trained block is no identity
@@ -193,7 +193,7 @@ PLANS = {
 def test_loss_and_gradients_match_reference(name, setup, reference):
     """Same draws, same numbers: the loss and every parameter gradient under each plan equal the jnp reference
     (rtol 1e-4), computed by the train step's own path (one shard_map over the mesh)."""
-    graphdef, template, pure, images, labels = setup
+    graphdef, _template, pure, images, labels = setup
     mesh_kw, plan_kw, remat = PLANS[name]
     if name == "single":
         mesh_kw = dict(dp=1, devices=jax.devices()[:1])
@@ -229,7 +229,7 @@ def test_remat_modes_trade_memory(setup):
     temp = {}
     for remat in ("none", "selective", "full"):
 
-        def out(p):
+        def out(p, remat=remat):
             m = nnx.merge(graphdef, p)
             return Layers.of(m.blocks, remat)(x, lambda blk, x: blk(x, c, pos, plan)).sum()
 
@@ -243,7 +243,7 @@ def test_remat_modes_trade_memory(setup):
 
 def test_sample_is_euler_with_guidance(setup):
     """2 Euler steps with cfg 3 on sp=8 ring equal the same steps written with the jnp reference."""
-    graphdef, template, pure, _, _ = setup
+    graphdef, _template, pure, _, _ = setup
     model = nnx.merge(graphdef, pure)
     plan = ParallelPlan(jaxring.make_mesh(sp=8), attention="ring")
     labels, key, scale = np.array([0, 3, 9, 10]), jax.random.PRNGKey(11), 3.0
@@ -301,7 +301,7 @@ def test_errors(tmp_path):
         DiTConfig(hidden=66)
     with pytest.raises(ValueError, match="hidden 6 must be divisible by 4"):
         DiTConfig(hidden=6, num_heads=2)
-    with pytest.raises(ValueError, match="class_dropout 1.5"):
+    with pytest.raises(ValueError, match=r"class_dropout 1.5"):
         DiTConfig(class_dropout=1.5)
     with pytest.raises(ValueError, match="time_sampling 'cosine'"):
         DiTConfig(time_sampling="cosine")
@@ -316,7 +316,7 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError, match=r"labels float32\(4,\) must be integers"):
         flow_matching_inputs(CFG, x, jnp.zeros((4,)), key)
     with pytest.raises(
-        ValueError, match="micro-batch size .* 3 is not divisible by the data-parallel degree dp\\*fsdp\\*ep = 2"
+        ValueError, match=r"micro-batch size .* 3 is not divisible by the data-parallel degree dp\*fsdp\*ep = 2"
     ):
         check_plan(CFG, ParallelPlan(jaxring.make_mesh(dp=2, sp=4), attention="ring"), 3)
     with pytest.raises(ValueError, match="seq 9 is not divisible by sp = 8"):  # 9 tokens over sp = 8

@@ -85,7 +85,7 @@ def test_matches_jax_dot_product_attention():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision(dtype):
     q, k, v, dout, dlse = make_inputs(2, 2, 48, 48, 4, 2, 64, dtype)
-    out, lse, grads = check_against_reference(q, k, v, dout, dlse, rtol=2e-2, causal=True)
+    _, lse, _ = check_against_reference(q, k, v, dout, dlse, rtol=2e-2, causal=True)
     assert lse.dtype == jnp.float32
 
 
@@ -152,6 +152,43 @@ def test_block_ranges_skip_hidden_tiles():
     np.testing.assert_array_equal(
         np.asarray(flash_tiles.loop_ranges(vis, full))[0], [[0, 0, 2, 2], [0, 0, 2, 2], [2, 2, 4, 4], [2, 2, 4, 4]]
     )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Sliding window: query i sees keys i - W < j <= i (by positions); the tile loops cover only the band
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "window,q_len,kv_len,q_offset,segments",
+    [
+        (5, 64, 64, 0, False),  # inside a 16-tile: the diagonal tile and its left neighbour
+        (23, 40, 40, 0, True),  # spanning tiles, packed documents; 40 = 2.5 tiles: padded queries and keys
+        (20, 32, 64, 24, False),  # offset queries 24..55 over keys 0..63
+    ],
+    ids=["inside-a-tile", "spanning-padded-segments", "offset"],
+)
+def test_sliding_window(window, q_len, kv_len, q_offset, segments):
+    """out, lse, dq, dk, dv (GQA, a cotangent on lse too) against the reference with the same window; the
+    self-attention case against jax.nn's local window too."""
+    q, k, v, dout, dlse = make_inputs(11, 2, q_len, kv_len, 4, 2, 16)
+    kw = dict(q_positions=jnp.arange(q_len) + q_offset, kv_positions=jnp.arange(kv_len))
+    if segments:
+        kw["segment_ids"] = jnp.array([[1] * 15 + [2] * 19 + [0] * 6, [3] * 40])
+    out, _, _ = check_against_reference(q, k, v, dout, dlse, causal=True, window=window, **kw)
+    if q_len == kv_len and not (q_offset or segments):
+        expected = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window - 1, 0))
+        assert_close(out, expected, 2e-4, "out vs jax.nn")
+
+
+def test_window_tile_ranges_are_a_band():
+    """128 tokens in 16-tiles, window 40: row i loops over tiles i-3 .. i, unmasked only tile i-1 (whose every
+    pair is within 40 and causal); the tiles left of i-3 are never visited."""
+    pos = jnp.broadcast_to(jnp.arange(128, dtype=jnp.int32), (1, 128))
+    vis, full = flash_tiles.visibility(True, pos, pos, None, None, 1, 128, 128, 128, 16, 16, window=40)
+    ranges = np.asarray(flash_tiles.loop_ranges(vis, full))[0]
+    expected = [[0, 0, 0, 1]] + [[max(0, i - 3), i - 1, i, i + 1] for i in range(1, 8)]
+    np.testing.assert_array_equal(ranges, expected)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -253,7 +290,8 @@ def test_jnp_implementation_and_auto_on_cpu():
     assert flash_tiles.resolve_implementation(None) == ("pallas" if jax.default_backend() == "gpu" else "jnp")
 
 
-def test_kernels_lower_to_triton_for_gpu():
+@pytest.mark.parametrize("window", [None, 37], ids=["causal", "window"])
+def test_kernels_lower_to_triton_for_gpu(window):
     """The compiled path lowers to Triton IR for CUDA from a CPU-only machine (no GPU needed to trace),
     inside shard_map with check_vma=True too: catches ops the Triton lowering rejects."""
     mesh = jax.make_mesh((2,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
@@ -264,7 +302,15 @@ def test_kernels_lower_to_triton_for_gpu():
     def loss(q, k, v, seg):
         pos = jnp.arange(100) + jax.lax.axis_index("sp") * 100
         out = flash_attention(
-            q, k, v, causal=True, q_positions=pos, kv_positions=pos, segment_ids=seg, implementation="pallas"
+            q,
+            k,
+            v,
+            causal=True,
+            q_positions=pos,
+            kv_positions=pos,
+            segment_ids=seg,
+            window=window,
+            implementation="pallas",
         )
         return jax.lax.psum(out.astype(jnp.float32).sum(), "sp")
 
@@ -291,7 +337,7 @@ def test_errors_name_the_value_and_rule():
         flash_attention(q, jnp.zeros((1, 16, 2, 16)), jnp.zeros((1, 16, 2, 16)))
     with pytest.raises(ValueError, match="query heads 4 must be a multiple of key/value heads 3"):
         flash_attention(q, jnp.zeros((1, 16, 3, 32)), jnp.zeros((1, 16, 3, 32)))
-    with pytest.raises(TypeError, match="dtype int32.*bfloat16, float16 and float32"):
+    with pytest.raises(TypeError, match=r"dtype int32.*bfloat16, float16 and float32"):
         x = jnp.zeros((1, 16, 4, 32), jnp.int32)
         flash_attention(x, x, x)
     with pytest.raises(TypeError, match="dtype float64"):

@@ -15,7 +15,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxring.analysis import gpu
-from jaxring.analysis.roofline import PEAKS, attention_flops, roofline
+from jaxring.analysis.roofline import attention_flops, roofline
+from jaxring.devices import DEVICES
 
 AVAILABLE, WHY = gpu.available()
 needs_plugin = pytest.mark.skipif(not AVAILABLE, reason=f"deviceless GPU compile unavailable: {WHY}")
@@ -102,7 +103,7 @@ def test_schedule_analysis_finds_transfers_that_span_compute():
 
 
 def test_roofline():
-    h200 = PEAKS["h200"]
+    h200 = DEVICES["h200"]
     est = roofline(2 * 989.4e12, 1.0e12, "h200")  # 2 s of compute, 0.21 s of HBM
     assert est.bound == "compute" and est.time_s == pytest.approx(2.0) and est.mfu == pytest.approx(1.0)
     est = roofline(989.4e12, 9.6e12, "h200", model_flops=0.5 * 989.4e12)  # 1 s compute, 2 s memory

@@ -1,4 +1,4 @@
-"""METP (seed 000): the O = f(AB)C ring (FFN) and two-level MHA against unsharded jnp references (forward and
+"""METP [METP]: the O = f(AB)C ring (FFN) and two-level MHA against unsharded jnp references (forward and
 every gradient), collective bytes read from the compiled programs, saved residuals and memory, errors.
 
 Bytes are per device, as jaxring.analysis counts them: the bytes a device receives over the links, by
@@ -141,7 +141,7 @@ def test_mlp_forward_memory_does_not_grow_with_width():
     mesh = mesh_of(p)
     specs = (P(None, "tp", None), P(None, "tp"), P("tp", None))
     plain_ring = jax.shard_map(
-        lambda x, w_in, w_out: metp._metp_forward(x, (w_in,), w_out, metp.gelu, "tp"),
+        lambda x, w_in, w_out: metp._metp_forward(x, (w_in,), (), w_out, metp.gelu, "tp"),
         mesh=mesh,
         in_specs=specs,
         out_specs=specs[0],

@@ -422,7 +422,7 @@ def test_module_init_axes_and_call():
         (dict(capacity_factor=0.0), "capacity_factor=0.0 must be > 0"),
         (dict(capacity_factor=-1.0), "capacity_factor=-1.0 must be > 0"),
         (dict(num_experts=0), "num_experts=0 must be a positive integer"),
-        (dict(activation="relu"), "activation='relu' must be one of swiglu, gelu"),
+        (dict(activation="relu"), "activation='relu' must be one of gelu, swiglu"),
         (dict(shared_expert_ffn=0), "shared_expert_ffn=0 must be a positive integer or None"),
         (dict(grouped_matmul="dense"), "grouped_matmul='dense' must be one of auto, ragged_dot, blocked"),
         (dict(block_rows=0), "block_rows=0 must be a positive integer"),
@@ -435,7 +435,10 @@ def test_config_errors(kwargs, message):
     assert "\n" not in str(err.value)
 
 
-def _trace_local(mesh_name, config, params, x_spec=P(("dp", "fsdp", "ep"), "sp", None), specs=None, tp_axis="tp"):
+TOKEN_SPEC = P(("dp", "fsdp", "ep"), "sp", None)
+
+
+def _trace_local(mesh_name, config, params, x_spec=TOKEN_SPEC, specs=None, tp_axis="tp"):
     mesh = mesh_of(mesh_name)
     specs = specs if specs is not None else jax.tree.map(lambda _: P(), params)
     fn = jax.shard_map(

@@ -1,4 +1,4 @@
-"""Optimus 2D tensor parallelism (seed 002): SUMMA AB / ABᵀ / AᵀB forward and gradients, the MLP, attention,
+"""Optimus 2D tensor parallelism [Optimus]: SUMMA AB / ABᵀ / AᵀB forward and gradients, the MLP, attention,
 layernorm, embedding and cross-entropy blocks against plain jnp (forward and every gradient) on q = 2 (tp = 4)
 and dp = 2 × tp = 4, bytes moved against the paper's log-tree counts (Table 1), the one-block memory claim
 (stepwise SUMMA vs gathered panels, at q = 4 in a 16-device subprocess) and error messages."""
@@ -260,7 +260,7 @@ def test_layer_forward_bytes_against_table1(meshes):
     projection) log(p)/(2√p)·(2bsh + 4h²); together Table 1's log(p)/(2√p)·(7bsh + 12h²); each scaled by
     (1 + q(R-1))/(qR) for the shared tree round 0 (see above)."""
     mesh = meshes["q2"]
-    grid, q, data = optimus.grid_mesh(mesh)
+    grid, q, _data = optimus.grid_mesh(mesh)
     p = q * q
     b, s, h, n = 4, 8, 16, 4
     factor = math.log2(p) / (2 * math.sqrt(p)) * bcast(q, 1) / (q * _rounds(q))
@@ -343,7 +343,9 @@ MEMORY_SCRIPT = textwrap.dedent("""
 def test_stepwise_memory_is_constant_in_q_panels_grow():
     """At q = 8 (64 simulated devices, compiled only, in a subprocess): stepwise SUMMA holds a constant
     number of blocks (the shared round-0 block, the current and the prefetched one, and one round in flight:
-    under 4 per matrix), the collapsed form q-block panels (at least 2q = 16)."""
+    under 4 per matrix; on CPU 4.5, as each step's compute also waits for the transfer issued before it, the
+    guard against XLA:CPU's rendezvous deadlock in jaxring.collectives: under 5), the collapsed form q-block
+    panels (at least 2q = 16)."""
     env = dict(
         os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=64", JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="64"
     )
@@ -355,7 +357,7 @@ def test_stepwise_memory_is_constant_in_q_panels_grow():
     r = json.loads(result.stdout.strip().splitlines()[-1])
     q, blocks = r["q"], r["blocks"]  # blocks: |A block| + |B block| in bytes
     assert q == 8
-    assert r["stepwise"]["temp"] < 4 * blocks, r
+    assert r["stepwise"]["temp"] < 5 * blocks, r
     assert r["collapsed"]["temp"] >= q * blocks, r
     assert r["stepwise"]["moved"] == bcast(q, blocks), r  # (1 + 8·2) blocks of A and of B
 

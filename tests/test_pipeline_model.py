@@ -86,7 +86,7 @@ def test_pipelined_training_matches_one_device(name, tmp_path, one_device):
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (["--pp", "4", "--dp", "2", "--microbatches", "2"], "num_microbatches=2 is less than pp=4"),
+        (["--pp", "4", "--dp", "2", "--microbatches", "2"], "--microbatches 2 is less than --pp 4"),
         (
             ["--pp", "2", "--dp", "4", "--microbatches", "2", "--virtual-stages", "2"],
             "virtual_stages=2 is an option of interleaved, not of the chosen",
@@ -94,8 +94,12 @@ def test_pipelined_training_matches_one_device(name, tmp_path, one_device):
         (["--pp", "8", "--microbatches", "8"], "num_layers 4 is not divisible by pp 8"),
         (["--pp", "2", "--dp", "4", "--microbatches", "2", "--zero", "2"], "zero stage 2 does not combine with pp > 1"),
         (["--pp", "2", "--dp", "4", "--grad-accum", "2"], "the pipeline's micro-batches are the gradient accumulation"),
-        (["--pp", "2", "--dp", "4", "--microbatches", "4"], "is not divisible by the data-parallel degree"),
-        (["--dp", "8", "--microbatches", "2"], "sets the pipeline schedule, but pp = 1"),
+        (
+            ["--pp", "2", "--dp", "4", "--microbatches", "4"],
+            "--batch-size 8 does not split into 16 equal parts (--dp 4 × --microbatches 4); use --batch-size 16, "
+            "or --microbatches 2",
+        ),
+        (["--dp", "8", "--microbatches", "2"], "--microbatches 2 sets the pipeline's micro-batches, but --pp is 1"),
     ],
 )
 def test_refused_pipelines_get_one_line(flags, message, capsys):

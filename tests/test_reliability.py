@@ -445,7 +445,7 @@ def test_skip_mode_undoes_the_bad_step_and_logs_every_metric(tmp_path, monkeypat
 
     monkeypatch.setattr(loop, "Trainer", BadBatch)
     lines = []
-    losses, history = _run(
+    losses, _history = _run(
         log=lines.append, steps=5, metrics_file=str(tmp_path / "m.jsonl"), guard=DivergenceGuard(mode="skip")
     )
     assert "step 3: loss nan is not finite; skipped (its update undone, 1 in a row)" in lines

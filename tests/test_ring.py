@@ -166,7 +166,7 @@ def test_errors_name_the_value_and_rule():
     with pytest.raises(ValueError, match="query heads 4 must be a multiple of key/value heads 3"):
         jaxring.sharded_attention(q, k, v, mesh=mesh)
     q, k, v, _ = qkv(0, 1, 32, 4, 2, 8)
-    with pytest.raises(ValueError, match="unknown (attention )?strategy 'spiral'"):
+    with pytest.raises(ValueError, match=r"unknown (attention )?strategy 'spiral'"):
         jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="spiral")
     with pytest.raises(ValueError, match="unknown layout 'diagonal'"):
         jaxring.sharded_attention(q, k, v, mesh=mesh, layout="diagonal")

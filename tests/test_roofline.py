@@ -65,3 +65,20 @@ def test_serial_time_adds_compute_memory_and_links():
     assert est.serial_s == pytest.approx(est.compute_s + est.memory_s + est.comm_s)
     assert est.serial_mfu == pytest.approx(0.5 * est.compute_s / est.serial_s)
     assert est.serial_mfu < est.mfu
+
+
+def test_mfu_peak_is_the_device_tables():
+    """The training loop's MFU divides by jaxring.devices' peak: by device_kind, A100 before A10, fp32 runs at
+    TF32 on NVIDIA and bf16 on TPUs, none on CPU; roofline reads the same table."""
+    from jaxring.devices import DEVICES
+    from jaxring.train.metrics import peak_flops
+
+    kind = lambda name: type("Device", (), {"device_kind": name})
+    assert peak_flops(kind("NVIDIA H200"), "bf16") == DEVICES["h200"].flops_per_s["bf16"] == 989.4e12
+    assert peak_flops(kind("NVIDIA A100-SXM4-40GB"), "fp32") == 156e12
+    assert peak_flops(kind("NVIDIA A10G"), "bf16") == 125e12
+    assert peak_flops(kind("TPU v5 lite"), "fp32") == 197e12
+    assert peak_flops(kind("cpu"), "bf16") is None
+    assert roofline(989.4e12, 0.0, "h100").time_s == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no link_bytes_per_s"):
+        roofline(1.0, 1.0, "l4", dtype="bf16")

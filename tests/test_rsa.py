@@ -1,4 +1,4 @@
-"""Ring Self-Attention (seed 001) against the dense reference: forward, dQ/dK/dV, bytes moved, memory, errors."""
+"""Ring Self-Attention [RSA] against the dense reference: forward, dQ/dK/dV, bytes moved, memory, errors."""
 
 import jax
 import jax.numpy as jnp

@@ -147,7 +147,7 @@ def test_errors():
         jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="ulysses")
     with pytest.raises(ValueError, match="ulysses_size U=3 must be a positive integer dividing sp = 8"):
         jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="usp", ulysses_size=3)
-    with pytest.raises(ValueError, match="attention 'usp' needs ulysses_size"):
+    with pytest.raises(ValueError, match="strategy 'usp' needs ulysses_size"):
         jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="usp")
     with pytest.raises(ValueError, match="strategy 'ring' takes no option ulysses_size"):
         jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="ring", ulysses_size=2)

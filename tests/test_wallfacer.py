@@ -1,4 +1,4 @@
-"""WallFacer attention (seed 004): accuracy against the dense reference (forward and dQ/dK/dV), C = 1 against
+"""WallFacer attention [WallFacer]: accuracy against the dense reference (forward and dQ/dK/dV), C = 1 against
 ring attention, the factored mesh and the init map, bytes moved against the paper's formulas, causal
 balance of the team-level zigzag, and error messages."""
 
@@ -309,7 +309,7 @@ def test_errors_name_the_value_and_rule():
         wallfacer_mesh(mesh, 4)
     with pytest.raises(ValueError, match="team_size C=0 must be an integer ≥ 1"):
         sharded_wallfacer(q, k, v, mesh=mesh, team_size=0)
-    with pytest.raises(ValueError, match="unknown placement 'diagonal'"):
+    with pytest.raises(ValueError, match="placement 'diagonal' is not one of team_inner, ring_inner"):
         sharded_wallfacer(q, k, v, mesh=mesh, team_size=2, placement="diagonal")
     with pytest.raises(ValueError, match="layout 'striped' is not supported by wallfacer"):
         sharded_wallfacer(q, k, v, mesh=mesh, team_size=2, layout="striped")

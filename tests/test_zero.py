@@ -77,7 +77,7 @@ def _psi(params, select=lambda path: True):
 
 
 def test_every_weight_is_sharded(stages):
-    _, params = stages[0]
+    _, _params = stages[0]
     plan = ParallelPlan(jaxring.make_mesh(dp=N), zero=3)
     placements = param_placements(nnx.split(gpt.GPT(CFG, rngs=nnx.Rngs(0)))[1], plan)
     assert all(pl.zero_dim is not None for pl in jax.tree.leaves(placements, is_leaf=lambda x: hasattr(x, "zero_dim")))

@@ -2,3 +2,5 @@
 (`jaxring.analysis.gpu`, needs the gpu-compile extra) and roofline estimates (`jaxring.analysis.roofline`)."""
 
 from jaxring.analysis.compiled import CompiledStats, collective_traffic, compile_stats
+
+__all__ = ["CompiledStats", "collective_traffic", "compile_stats"]

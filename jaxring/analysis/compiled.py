@@ -26,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -112,7 +114,7 @@ def _executions(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
     """How many times each computation runs per program execution (loop bodies times their trip count)."""
     runs: dict[str, int] = {}
 
-    def visit(name: str, times: int):
+    def visit(name: str, times: int) -> None:
         runs[name] = runs.get(name, 0) + times
         for line in comps.get(name, []):
             if m := _WHILE.search(line):
@@ -146,7 +148,7 @@ def received_factor(kind: str, group: int) -> float:
     }[kind]
 
 
-def collective_ops(hlo_text: str):
+def collective_ops(hlo_text: str) -> dict[str, int]:
     """Yields (line, kind, result bytes, executions) for every collective in compiled HLO; loop bodies count
     once per iteration. Async start ops return (operand, result, ...): the result is counted."""
     comps, entry = _computations(hlo_text)
@@ -194,7 +196,7 @@ class CompiledStats:
         return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
 
 
-def compile_stats(fn, *args, num_devices: int | None = None, **kwargs) -> CompiledStats:
+def compile_stats(fn: Callable[..., Any], *args: Any, num_devices: int | None = None, **kwargs: Any) -> CompiledStats:
     """Compiles `jax.jit(fn)(*args, **kwargs)` (args may be `jax.ShapeDtypeStruct`s) and measures it."""
     compiled = jax.jit(fn).lower(*args, **kwargs).compile()
     mem = compiled.memory_analysis()
@@ -207,3 +209,29 @@ def compile_stats(fn, *args, num_devices: int | None = None, **kwargs) -> Compil
         mem.temp_size_in_bytes,
         mem.alias_size_in_bytes,
     )
+
+
+_HOST_SPACE = re.compile(r"\{[^}]*S\(5\)[^}]*\}")  # a layout in memory space 5: host memory
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.-]+) = ")
+
+
+def host_memory_traffic(hlo_text: str) -> dict[str, int]:
+    """The host-memory transfers of a compiled GPU program, as instructions of its HLO (each once, not per loop
+    trip). XLA marks a buffer placed in host memory by its layout's memory space 5 (`{...:S(5)}`), allocates
+    it with an `AllocateBuffer` custom call and moves data in and out with async fusions: a
+    `dynamic-update-slice-start` writes a device value into the host buffer, a `dynamic-slice-start` reads a
+    slice of it back. Returns {"to_host", "from_host", "host_buffers"}: zero for a program that keeps
+    everything on the device."""
+    counts = {"to_host": 0, "from_host": 0, "host_buffers": 0}
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.match(line)
+        if not m or not _HOST_SPACE.search(line):
+            continue
+        name, rest = m.group(1), line[m.end() :]
+        if "AllocateBuffer" in rest:
+            counts["host_buffers"] += 1
+        elif name.startswith("dynamic-update-slice-start"):
+            counts["to_host"] += 1
+        elif name.startswith("dynamic-slice-start"):
+            counts["from_host"] += 1
+    return counts

@@ -37,12 +37,20 @@ import functools
 import glob
 import importlib.resources
 import os
+import pathlib
 import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
+
+from jaxring import compat
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh, PartitionSpec
 
 TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}
 DEFAULT_TARGET = "h200"
@@ -92,7 +100,7 @@ def available() -> tuple[bool, str]:
     platforms = jax.config.jax_platforms
     if platforms not in ("cpu", None, ""):
         return False, f"jax_platforms is {platforms!r}; deviceless GPU compilation needs 'cpu' (JAX_PLATFORMS=cpu)"
-    if not platforms and _backends_started():
+    if not platforms and compat.backends_started():
         return False, (
             "JAX started its backends without jax_platforms='cpu'; set JAX_PLATFORMS=cpu before "
             "JAX starts (the CUDA plugin's device check fails without a GPU)"
@@ -104,15 +112,9 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-def _backends_started() -> bool:
-    from jax._src import xla_bridge
-
-    return bool(getattr(xla_bridge, "_backends", None))
-
-
 def use_deviceless() -> None:
     """Selects the CPU platform (required by deviceless GPU compilation) if no backend has started yet."""
-    if not _backends_started():
+    if not compat.backends_started():
         jax.config.update("jax_platforms", "cpu")
 
 
@@ -133,7 +135,7 @@ def gpu_devices(target: str = DEFAULT_TARGET, num_devices: int = 8) -> list:
     return list(_topology(target, num_devices).devices)
 
 
-def gpu_mesh(axes: dict[str, int], target: str = DEFAULT_TARGET):
+def gpu_mesh(axes: dict[str, int], target: str = DEFAULT_TARGET) -> Mesh:
     """A `jax.sharding.Mesh` (Auto axes) of abstract GPUs, e.g. gpu_mesh({"sp": 8})."""
     import math
 
@@ -144,7 +146,9 @@ def gpu_mesh(axes: dict[str, int], target: str = DEFAULT_TARGET):
     return Mesh(np.array(devices).reshape(tuple(axes.values())), tuple(axes))
 
 
-def abstract(shape, dtype, mesh, spec=None):
+def abstract(
+    shape: Sequence[int], dtype: jax.typing.DTypeLike, mesh: Mesh, spec: PartitionSpec | None = None
+) -> jax.ShapeDtypeStruct:
     """A `jax.ShapeDtypeStruct` sharded as `spec` (default replicated) over `mesh`."""
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -271,13 +275,13 @@ class GpuCompileReport:
 
 
 def compile_for_gpu(
-    fn,
-    *args,
+    fn: Callable[..., Any] | jax.stages.Lowered,
+    *args: Any,
     target: str | None = None,
     ptxas: bool | str = True,
     dump_dir: str | None = None,
     compiler_options: dict | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> GpuCompileReport:
     """Compiles `fn(*args, **kwargs)` for the GPUs its arguments are sharded on, and reports on it.
 
@@ -315,6 +319,7 @@ def compile_for_gpu(
         "output": mem.output_size_in_bytes,
         "temp": mem.temp_size_in_bytes,
         "alias": mem.alias_size_in_bytes,
+        "host_temp": mem.host_temp_size_in_bytes,  # buffers in host memory (offloaded values)
     }
     name = target or _target_of(devices)
     return GpuCompileReport(
@@ -330,7 +335,7 @@ def compile_for_gpu(
     )
 
 
-def _devices_of(compiled) -> list:
+def _devices_of(compiled: jax.stages.Compiled) -> list:
     try:
         leaves = jax.tree.leaves(compiled.input_shardings[0])  # the arguments may be pytrees
         return list(leaves[0].device_set) if leaves else []
@@ -338,7 +343,7 @@ def _devices_of(compiled) -> list:
         return []
 
 
-def _target_of(devices) -> str:
+def _target_of(devices: Sequence[jax.Device]) -> str:
     kind = getattr(devices[0], "device_kind", "") if devices else ""
     return "h200" if "H200" in kind else "h100" if "H100" in kind else kind or "gpu"
 
@@ -346,7 +351,7 @@ def _target_of(devices) -> str:
 _COST_KEYS = ("flops", "transcendentals", "bytes accessed")
 
 
-def host_cost_analysis(compiled) -> dict[str, float]:
+def host_cost_analysis(compiled: jax.stages.Compiled) -> dict[str, float]:
     """XLA's HloCostAnalysis of the compiled (optimized, per-device) module, run by the host's CPU client,
     loop bodies weighted by their trip counts (`weighted_cost`). {} when it cannot be computed. The key
     "loops_weighted" is 1.0, or 0.0 where the module could not be re-parsed and the figures are XLA's own
@@ -356,11 +361,7 @@ def host_cost_analysis(compiled) -> dict[str, float]:
     except Exception:
         pass
     try:
-        from jax._src import xla_bridge
-        from jax._src.lib import _jax
-
-        modules = compiled.runtime_executable().hlo_modules()
-        costs = [_jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), m) for m in modules]
+        costs = compat.executable_cost_analysis(compiled)
     except Exception:
         return {}
     return {k: float(sum(c.get(k, 0.0) for c in costs)) for k in _COST_KEYS} | {"loops_weighted": 0.0}
@@ -376,10 +377,6 @@ def weighted_cost(hlo: str) -> dict[str, float]:
     (nested loops recursively; a loop without a known trip count counts once). Conditionals are XLA's
     (the costlier branch).
     """
-    import jaxlib._hlo as hlo_lib
-    from jax._src import xla_bridge
-    from jax._src.lib import _jax
-
     lines = hlo.split("\n")
     if not lines or not lines[0].startswith("HloModule"):
         raise ValueError("not an HLO module text (no 'HloModule' header)")
@@ -389,18 +386,17 @@ def weighted_cost(hlo: str) -> dict[str, float]:
     if entry is None:
         raise ValueError("the HLO module has no ENTRY computation")
     unrooted = unrooted.replace("ENTRY %", "%", 1)
-    backend = xla_bridge.get_backend("cpu")
     comps, _ = _parse(hlo)
     xla_memo: dict[str, dict] = {}
 
-    def xla(name):
+    def xla(name: str) -> dict[str, float]:
         if name not in xla_memo:
             text = re.sub(r"^%" + re.escape(name) + r" ", "ENTRY %" + name + " ", unrooted, count=1, flags=re.M)
-            cost = _jax.hlo_module_cost_analysis(backend, hlo_lib.hlo_module_from_text(text))
+            cost = compat.hlo_cost_analysis(text)
             xla_memo[name] = {k: float(cost.get(k, 0.0)) for k in _COST_KEYS}
         return xla_memo[name]
 
-    def loops_in(name, seen):
+    def loops_in(name: str, seen: set[str]) -> list[tuple[str, int]]:
         """(body, trip) of the while loops run by `name` itself or by what it calls, loops not entered."""
         found = []
         for instr in comps.get(name, []):
@@ -416,7 +412,7 @@ def weighted_cost(hlo: str) -> dict[str, float]:
 
     memo: dict[str, dict] = {}
 
-    def cost(name):
+    def cost(name: str) -> dict[str, float]:
         if name not in memo:
             total = dict(xla(name))
             for body, trip in loops_in(name, {name}):
@@ -490,7 +486,7 @@ def read_kernels(dump_dir: str, ptxas: bool | str = True) -> list[Kernel]:
     """Kernels of the dumped module: launch shapes from `*thunk_sequence.txt`, resources from ptxas."""
     kernels: dict[str, Kernel] = {}
     for path in sorted(glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt"))):
-        for m in _THUNK.finditer(open(path).read()):
+        for m in _THUNK.finditer(pathlib.Path(path).read_text()):
             name = m.group(1)
             dims = [int(x) for x in m.groups()[1:8]]
             if name in kernels:
@@ -503,7 +499,7 @@ def read_kernels(dump_dir: str, ptxas: bool | str = True) -> list[Kernel]:
         if exe is None:
             raise RuntimeError("ptxas was not found (pip install nvidia-cuda-nvcc-cu12, or pass ptxas=False)")
         for path in sorted(glob.glob(os.path.join(dump_dir, "*.ptx"))):
-            names = _ENTRY.findall(open(path).read())
+            names = _ENTRY.findall(pathlib.Path(path).read_text())
             if pattern is not None and not any(pattern.search(n) for n in names):
                 continue
             for name, info in run_ptxas(path, exe).items():
@@ -611,7 +607,7 @@ def _callees(instr: _Instr) -> list[str]:
     return names
 
 
-def _collective_kind(instr: _Instr, comps) -> str | None:
+def _collective_kind(instr: _Instr, comps: dict[str, list[_Instr]]) -> str | None:
     """The collective an instruction is (or starts), else None."""
     op = instr.opcode.removesuffix("-start").removesuffix("-done")
     if op in _COLLECTIVES:
@@ -624,7 +620,7 @@ def _collective_kind(instr: _Instr, comps) -> str | None:
     return None
 
 
-def _is_compute(instr: _Instr, comps, memo: dict) -> bool:
+def _is_compute(instr: _Instr, comps: dict[str, list[_Instr]], memo: dict) -> bool:
     """Heavy work: custom calls (Pallas/Triton kernels, cuBLAS/cuDNN), dots and convolutions, fusions holding
     them, and control flow (conditional, call, while) holding any of these. Elementwise fusions, copies and
     slices do not count: overlap is about hiding a transfer behind the block compute."""
@@ -639,7 +635,7 @@ def _is_compute(instr: _Instr, comps, memo: dict) -> bool:
     return False
 
 
-def _computation_computes(name: str, comps, memo: dict) -> bool:
+def _computation_computes(name: str, comps: dict[str, list[_Instr]], memo: dict) -> bool:
     if name not in memo:
         memo[name] = False
         memo[name] = any(_is_compute(i, comps, memo) for i in comps.get(name, []))
@@ -674,7 +670,7 @@ def communication_loops(hlo: str) -> list[CommLoop]:
     return loops
 
 
-def _loop_report(body: str, comps, memo, trip) -> CommLoop | None:
+def _loop_report(body: str, comps: dict[str, list[_Instr]], memo: dict, trip: int | None) -> CommLoop | None:
     instrs = comps.get(body, [])
     position = {i.name: n for n, i in enumerate(instrs)}
     compute = [i.name for i in instrs if _is_compute(i, comps, memo)]

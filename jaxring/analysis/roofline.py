@@ -32,29 +32,19 @@ between devices (a causal ring with the contiguous layout; blocks a ring skips a
 run), NVLink latency, and the host (data loading, Python dispatch). So `mfu` bounds what a real step can
 reach; a measured MFU on the GPU will be lower.
 
-Peak figures: NVIDIA's datasheets for the SXM parts, dense (no sparsity); link bandwidth is NVLink 4's
-900 GB/s total, 450 GB/s each way.
+Peak figures, HBM and link bandwidth: `jaxring.devices` (the link bandwidth is per direction).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxring.analysis.compiled import CompiledStats
+
 import dataclasses
 
-
-@dataclasses.dataclass(frozen=True)
-class DevicePeak:
-    name: str
-    flops_per_s: dict  # dtype name -> dense peak FLOP/s (tensor cores where they apply)
-    hbm_bytes_per_s: float
-    link_bytes_per_s: float  # per direction
-    memory_bytes: int
-
-
-_HOPPER_FLOPS = {"bf16": 989.4e12, "f16": 989.4e12, "tf32": 494.7e12, "f32": 66.9e12, "fp8": 1978.9e12}
-PEAKS = {
-    "h100": DevicePeak("NVIDIA H100 SXM 80GB", _HOPPER_FLOPS, 3.35e12, 450e9, 80 * 10**9),
-    "h200": DevicePeak("NVIDIA H200 SXM 141GB", _HOPPER_FLOPS, 4.8e12, 450e9, 141 * 10**9),
-}
+from jaxring.devices import DeviceSpec, device_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,18 +72,10 @@ class Roofline:
         return dataclasses.asdict(self) | {"arithmetic_intensity": self.arithmetic_intensity}
 
 
-def peak(device: str | DevicePeak) -> DevicePeak:
-    if isinstance(device, DevicePeak):
-        return device
-    if device not in PEAKS:
-        raise ValueError(f"unknown device {device!r}; expected one of {', '.join(PEAKS)} or a DevicePeak")
-    return PEAKS[device]
-
-
 def roofline(
     flops: float,
     bytes_accessed: float,
-    device: str | DevicePeak = "h200",
+    device: str | DeviceSpec = "h200",
     dtype: str = "bf16",
     *,
     comm_bytes: float = 0.0,
@@ -101,21 +83,23 @@ def roofline(
     model_flops: float | None = None,
 ) -> Roofline:
     """The roofline time of one device's program and the MFU it allows (see the module docstring)."""
-    dev = peak(device)
+    dev = device_spec(device)
     if dtype not in dev.flops_per_s:
         raise ValueError(f"dtype {dtype!r} has no peak for {dev.name}; expected one of {', '.join(dev.flops_per_s)}")
     for name, value in (("flops", flops), ("bytes_accessed", bytes_accessed), ("comm_bytes", comm_bytes)):
         if value < 0:
             raise ValueError(f"{name}={value} must be >= 0")
+    for name in ("hbm_bytes_per_s", "link_bytes_per_s"):
+        if getattr(dev, name) is None:
+            raise ValueError(f"{dev.name} has no {name} in jaxring.devices; pass a DeviceSpec that states it")
     top = dev.flops_per_s[dtype]
     compute_s, memory_s = flops / top, bytes_accessed / dev.hbm_bytes_per_s
     comm_s = comm_bytes / dev.link_bytes_per_s
     local = max(compute_s, memory_s)
     time_s = max(local, comm_s) if overlap_comm else local + comm_s
+    bound = "compute" if compute_s >= memory_s else "memory"
     if overlap_comm and comm_s > local:
         bound = "communication"
-    else:
-        bound = "compute" if compute_s >= memory_s else "memory"
     model = flops if model_flops is None else float(model_flops)
     mfu = model / (time_s * top) if time_s > 0 else 0.0
     serial_s = compute_s + memory_s + comm_s
@@ -139,8 +123,8 @@ def roofline(
 
 
 def roofline_of(
-    report,
-    device: str | DevicePeak | None = None,
+    report: CompiledStats,
+    device: str | DeviceSpec | None = None,
     dtype: str = "bf16",
     *,
     causal: bool | None = None,

@@ -9,14 +9,19 @@ Backward (the transpose of the all-gather): dK, dV of the whole sequence are red
 (`psum_scatter`) back to their owners. Forward traffic 2 all-gathers of (P-1) K/V blocks; backward the same
 again as reduce-scatters of dK/dV (in the input dtype). Simpler than the ring and it overlaps nothing, and it
 keeps the gathered K/V (S tokens) alive for the backward: memory O(S) per device, unlike the ring's O(S/P).
+
+With a sliding window the gathered K/V are put in natural order first (one static gather; its transpose in
+the backward), so each query tile's window is one contiguous band of key tiles and the kernel visits only
+that band (in rank order a zig-zag or striped layout scatters it over several ranks' shards).
 """
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax import lax
 
 from jaxring.attention.flash import flash_attention
-from jaxring.attention.layout import gathered_positions, layout_positions
+from jaxring.attention.layout import gathered_positions, layout_positions, natural_order
 from jaxring.attention.masking import check_qkv
 from jaxring.attention.ulysses import local_implementation
 from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer
@@ -34,8 +39,10 @@ def allgather_attention(
     causal: bool = True,
     sm_scale: float | None = None,
     block_ops="auto",
+    window: int | None = None,
 ):
-    """All-gather attention inside `shard_map`, sequence already in `layout`; shapes as `ring_attention`."""
+    """All-gather attention inside `shard_map`, sequence already in `layout`; shapes as `ring_attention`
+    (window: the sliding window, see `ring_attention`; the local flash attention visits only its band)."""
     check_qkv(q, k, v)
     p, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
     n = q.shape[1]
@@ -43,6 +50,11 @@ def allgather_attention(
     kv_positions = gathered_positions(layout, 0, p, p, n)  # every rank's tokens, in rank order
     k, v = (lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k, v))
     kv_seg = None if segment_ids is None else lax.all_gather(segment_ids, axis_name, axis=1, tiled=True)
+    order = None if window is None else natural_order(layout, n * p, p)
+    if order is not None:  # the window's keys: one band of tiles
+        k, v = k[:, order], v[:, order]
+        kv_seg = None if kv_seg is None else kv_seg[:, order]
+        kv_positions = jnp.arange(n * p, dtype=jnp.int32)
     return flash_attention(
         q,
         k,
@@ -53,6 +65,7 @@ def allgather_attention(
         kv_positions=kv_positions,
         segment_ids=segment_ids,
         kv_segment_ids=kv_seg,
+        window=window,
         implementation=local_implementation(block_ops),
     )
 
@@ -81,9 +94,18 @@ def allgather_cost(s: AttentionShape, options: dict) -> AttentionCost:
 # ---------------------------------------------------------------------------------------- registry entry
 
 
-def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops):
+def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, window=None):
     return allgather_attention(
-        q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops
+        q,
+        k,
+        v,
+        segment_ids,
+        axis_name=seq_axes,
+        layout=layout,
+        causal=causal,
+        sm_scale=sm_scale,
+        block_ops=block_ops,
+        window=window,
     )
 
 

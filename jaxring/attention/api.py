@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring.attention.blockwise import get_block_ops
 from jaxring.attention.layout import check_seq_len, from_layout, to_layout
-from jaxring.attention.masking import check_qkv
+from jaxring.attention.masking import check_qkv, check_window
 from jaxring.attention.reference import attention_reference
 from jaxring.mesh import DATA_AXES, mesh_axis_size, spec_entry
 from jaxring.registry import sequence_strategy
@@ -51,6 +51,7 @@ def sharded_attention(
     batch_axes: tuple[str, ...] | None = None,
     head_axis: str = "tp",
     laid_out: bool = False,
+    window: int | None = None,
     **options,
 ):
     """Attention over global arrays, computed with a sequence-parallel strategy on `mesh`.
@@ -69,15 +70,20 @@ def sharded_attention(
       segment_ids: int [batch, seq] or None; tokens attend within their segment, 0 = padding.
       laid_out: the sequence axis is already in `layout` order (applied once on the data side, as a model
         does: `layout_permutation`); no re-layout here, and the output stays in that order.
+      window: sliding window W (needs causal): the query at position i sees keys i - W < j <= i (Mistral);
+        None: unlimited. Every strategy masks by true positions and skips blocks outside every window.
     Returns: out [batch, seq, q_heads, head_dim] in natural order (layout order if laid_out), differentiable
       in q, k, v.
     """
     check_attention_inputs(q, k, v, causal)
+    window = check_window(window, causal)
     entry = sequence_strategy(strategy)
     if layout is None:
         layout = entry.default_layout
     layout = entry.layout_for(layout, causal=True)
     sm_scale = None if sm_scale is None else float(sm_scale)  # a cache key: no traced or array scales
+    if sm_scale is not None and not (math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale {sm_scale!r} must be a finite number > 0 (the scores' scale)")
     if not entry.uses_block_ops and block_ops != "auto":
         raise ValueError(f"block_ops {block_ops!r}: {strategy} materialises its score rows and has no block compute")
     batch, seq = q.shape[:2]
@@ -85,12 +91,14 @@ def sharded_attention(
         raise ValueError(f"k/v seq {k.shape[1]} must equal q seq {seq} for self-attention")
     if segment_ids is not None and segment_ids.shape != (batch, seq):
         raise ValueError(f"segment_ids shape {segment_ids.shape} must be [batch, seq] = {(batch, seq)}")
+    if segment_ids is not None and not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise TypeError(f"segment_ids have dtype {jnp.dtype(segment_ids.dtype).name}; segment ids must be integers")
     if strategy == "dense":
         if options:
             raise ValueError(f"strategy 'dense' takes no option {', '.join(sorted(options))}")
         if laid_out and layout != "contiguous":
             raise ValueError(f"strategy 'dense' with laid_out=True needs layout 'contiguous', got {layout!r}")
-        return attention_reference(q, k, v, causal=causal, segment_ids=segment_ids, sm_scale=sm_scale)[0]
+        return attention_reference(q, k, v, causal=causal, segment_ids=segment_ids, sm_scale=sm_scale, window=window)[0]
 
     if seq_axis not in mesh.axis_names:
         raise ValueError(
@@ -138,12 +146,13 @@ def sharded_attention(
         sm_scale=sm_scale,
         block_ops=block_ops,
         laid_out=laid_out,
-        options=tuple(sorted(options.items())),
+        options=tuple(sorted(options.items())) + ((("window", window),) if window is not None else ()),
     )
 
 
 def _local(q, k, v, *segment_ids, strategy, seq_axes, layout, causal, sm_scale, block_ops, laid_out, options):
-    """The per-device body: re-layout (unless laid out), the strategy's local attention, back to natural."""
+    """The per-device body: re-layout (unless laid out), the strategy's local attention, back to natural.
+    `options` carries the window only when one is set (a strategy registered without it still runs)."""
     attend = sequence_strategy(strategy).attend
     kw = dict(seq_axes=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops, **dict(options))
     seg = segment_ids[0] if segment_ids else None

@@ -2,16 +2,17 @@
 
 Every distributed strategy calls a `BlockOps` pair on one (Q block, K/V block):
 
-  forward(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, *, causal, sm_scale)
+  forward(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, *, causal, sm_scale[, window])
       -> out fp32 [b, nq, hq, d] (normalised over this block's keys), lse fp32 [b, nq, hq]
   backward(q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-           *, causal, sm_scale)
+           *, causal, sm_scale[, window])
       -> dq fp32 [b, nq, hq, d], dk fp32 [b, nk, hkv, d], dv fp32 [b, nk, hkv, d]
 
 where `lse` and `delta = rowsum(dout * out)` are the *global* (whole-row) values, so the block's
 probabilities exp(s - lse) are exactly the global ones and the block gradients simply add up.
 Positions are int [n]; segment ids int [b, n] or None (0 = padding). K/V keep their own head count (GQA);
-they are never repeated.
+they are never repeated. `window` (a sliding window W, with causal: query i sees keys i - W < j <= i) is
+passed only when one is set (`with_window`), so a BlockOps without it still serves unwindowed attention.
 
 The jnp pair is the Pallas kernel's algorithm (`flash_kernels.py`) written with lax loops, so memory is
 linear in the block length (no [nq, nk] score matrix) and hidden tiles cost nothing:
@@ -41,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxring.attention.masking import attention_mask
+from jaxring.attention.masking import attention_mask, positions_may_meet
 from jaxring.vma import vary, varying_axes
 
 # Tiles of the jnp pair, tuned on 8 simulated CPU devices (benchmarks/ring_attention.py): the forward keeps
@@ -64,6 +65,18 @@ class BlockOps:
     accumulates: bool = False
 
 
+def with_window(ops: BlockOps, window: int | None) -> BlockOps:
+    """`ops` with the sliding window bound into both functions (`ops` itself when window is None)."""
+    if window is None:
+        return ops
+    return BlockOps(
+        f"{ops.name}, window {window}",
+        functools.partial(ops.forward, window=window),
+        functools.partial(ops.backward, window=window),
+        ops.accumulates,
+    )
+
+
 def _tile_size(n: int, target: int) -> int:
     """Largest divisor of n not above target; n itself (one tile) when no divisor reaches target / 8."""
     t = min(n, target)
@@ -72,11 +85,9 @@ def _tile_size(n: int, target: int) -> int:
     return t if t * 8 >= min(n, target) else n
 
 
-def tile_visible(q_positions, kv_positions, *, causal: bool):
-    """False when the causal mask hides every (query, key) pair of the tile: it can be skipped."""
-    if not causal:
-        return jnp.bool_(True)
-    return jnp.max(q_positions) >= jnp.min(kv_positions)
+def tile_visible(q_positions, kv_positions, *, causal: bool, window: int | None = None):
+    """False when the causal mask (and the window) hides every (query, key) pair of the tile: it can be skipped."""
+    return positions_may_meet(q_positions, kv_positions, causal=causal, window=window)
 
 
 def _check_positions(q, k, q_positions, kv_positions):
@@ -89,7 +100,9 @@ def _check_positions(q, k, q_positions, kv_positions):
             )
 
 
-def tile_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, *, causal: bool, q_tile: int, kv_tile: int):
+def tile_ranges(
+    q_positions, kv_positions, q_segment_ids, kv_segment_ids, *, causal: bool, q_tile: int, kv_tile: int, window=None
+):
     """int32 [nq / q_tile, 4]: for each Q tile the K/V tile loop (lo, full_lo, full_hi, hi), batch-wide."""
     from jaxring.attention.flash_tiles import loop_ranges, visibility
 
@@ -98,7 +111,9 @@ def tile_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, *, cau
     batch = q_segment_ids.shape[0] if seg else 1
     qpos = jnp.broadcast_to(q_positions.astype(jnp.int32), (batch, nq)) if causal else None
     kpos = jnp.broadcast_to(kv_positions.astype(jnp.int32), (batch, nk)) if causal else None
-    vis, full = visibility(causal, qpos, kpos, q_segment_ids, kv_segment_ids, batch, nq, nk, nk, q_tile, kv_tile)
+    vis, full = visibility(
+        causal, qpos, kpos, q_segment_ids, kv_segment_ids, batch, nq, nk, nk, q_tile, kv_tile, window
+    )
     return loop_ranges(jnp.any(vis, axis=0), jnp.all(full, axis=0))
 
 
@@ -130,9 +145,9 @@ def _varying(inputs, tree):
     return jax.tree.map(lambda x: vary(x, axes), tree)
 
 
-def _mask_scores(s, qpos, kpos, qseg, kseg, causal):
+def _mask_scores(s, qpos, kpos, qseg, kseg, causal, window):
     """s [b, hkv, g, tq, tk] with invisible pairs set to -inf."""
-    mask = attention_mask(qpos, kpos, qseg, kseg, causal=causal)
+    mask = attention_mask(qpos, kpos, qseg, kseg, causal=causal, window=window)
     return s if mask is None else jnp.where(mask[:, None, None], s, -jnp.inf)
 
 
@@ -150,6 +165,7 @@ def block_forward(
     q_tile: int = FORWARD_TILE,
     kv_tile: int = FORWARD_TILE,
     into=None,
+    window: int | None = None,
 ):
     """Attention of one Q block over one K/V block; see the module docstring for shapes.
 
@@ -162,7 +178,9 @@ def block_forward(
     hkv = k.shape[2]
     g = hq // hkv
     tq, tk = _tiles(q, k, q_tile, kv_tile)
-    ranges = tile_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal=causal, q_tile=tq, kv_tile=tk)
+    ranges = tile_ranges(
+        q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal=causal, q_tile=tq, kv_tile=tk, window=window
+    )
     inputs = (q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, ranges)
 
     def q_tile_body(i, outputs):
@@ -177,7 +195,13 @@ def block_forward(
             s = jnp.einsum("bhgqd,bkhd->bhgqk", q_i, _slice(k, keys, tk).astype(jnp.float32))
             if masked:
                 s = _mask_scores(
-                    s, qpos_i, _slice(kv_positions, keys, tk, 0), qseg_i, _slice(kv_segment_ids, keys, tk), causal
+                    s,
+                    qpos_i,
+                    _slice(kv_positions, keys, tk, 0),
+                    qseg_i,
+                    _slice(kv_segment_ids, keys, tk),
+                    causal,
+                    window,
                 )
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # rows with no key yet: no NaN
@@ -225,6 +249,7 @@ def block_backward(
     q_tile: int = BACKWARD_TILE,
     kv_tile: int = BACKWARD_TILE,
     into=None,
+    window: int | None = None,
 ):
     """Gradients of one (Q block, K/V block) pair given the global lse and delta; fp32 results.
 
@@ -235,7 +260,9 @@ def block_backward(
     nk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
     tq, tk = _tiles(q, k, q_tile, kv_tile)
-    ranges = tile_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal=causal, q_tile=tq, kv_tile=tk)
+    ranges = tile_ranges(
+        q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal=causal, q_tile=tq, kv_tile=tk, window=window
+    )
     inputs = (q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids, kv_segment_ids, ranges)
     # [b, tq, hq] -> [b, hkv, g, tq]
     as_rows = lambda x: jnp.transpose(x.reshape(b, tq, hkv, g), (0, 2, 3, 1))
@@ -258,7 +285,13 @@ def block_backward(
             s = jnp.einsum("bhgqd,bkhd->bhgqk", q_i, k_j)
             if masked:
                 s = _mask_scores(
-                    s, qpos_i, _slice(kv_positions, keys, tk, 0), qseg_i, _slice(kv_segment_ids, keys, tk), causal
+                    s,
+                    qpos_i,
+                    _slice(kv_positions, keys, tk, 0),
+                    qseg_i,
+                    _slice(kv_segment_ids, keys, tk),
+                    causal,
+                    window,
                 )
             p = jnp.exp(s - lse_i)
             dp = jnp.einsum("bhgqd,bkhd->bhgqk", do_i, v_j)

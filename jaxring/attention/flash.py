@@ -9,7 +9,9 @@ repeated, the kernels index the shared head in their BlockSpecs). out has q's sh
 
 Masking is by *positions*, never by array index, so a Q block and a K/V block taken from anywhere in a
 sequence (ring steps, zigzag or striped layouts) are masked exactly: with `causal`, query i sees key j iff
-q_positions[i] >= kv_positions[j]. Segment ids (0 = padding) restrict attention to equal, non-zero ids.
+q_positions[i] >= kv_positions[j]; with a sliding `window` W also q_positions[i] - kv_positions[j] < W (W keys
+including itself; the kernels visit only the band of tiles the window can reach). Segment ids (0 = padding)
+restrict attention to equal, non-zero ids.
 
 Three files: `flash_tiles.py` (per-kernel tiles, padding, block skipping), `flash_kernels.py` (the forward,
 dK/dV and dQ kernels, FlashAttention-2), and this one: validation, the differentiable `flash_attention`
@@ -132,7 +134,7 @@ def _forward(cfg, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
             qp,
             kp,
             (q, k, v, qp, kp, q_segment_ids, kv_segment_ids),
-            dict(causal=cfg.causal, sm_scale=cfg.sm_scale),
+            dict(causal=cfg.causal, sm_scale=cfg.sm_scale, window=cfg.window),
         )
         return out.astype(out_dtype), lse
     tiles = kernel_tiles(cfg, q.shape[3], q.shape[1], k.shape[1])
@@ -151,7 +153,7 @@ def _backward(cfg, q, k, v, dout, lse, delta, q_positions, kv_positions, q_segme
             qp,
             kp,
             (q, k, v, dout, lse, delta, qp, kp, q_segment_ids, kv_segment_ids),
-            dict(causal=cfg.causal, sm_scale=cfg.sm_scale),
+            dict(causal=cfg.causal, sm_scale=cfg.sm_scale, window=cfg.window),
         )
         return tuple(g.astype(dt) for g, dt in zip(grads, dtypes))
     tiles = kernel_tiles(cfg, q.shape[3], q.shape[1], k.shape[1])
@@ -223,6 +225,7 @@ def flash_attention(
     segment_ids=None,
     kv_segment_ids=None,
     return_lse: bool = False,
+    window: int | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
@@ -241,6 +244,8 @@ def flash_attention(
       segment_ids: int [batch, q_len]; kv_segment_ids: int [batch, kv_len], default segment_ids. Tokens attend
         within equal ids; 0 is padding (attends to nothing, attended by nothing).
       return_lse: also return lse fp32 [batch, q_len, q_heads] (natural log; differentiable).
+      window: sliding window W >= 1 (needs causal): query i sees keys with i - W < j <= i (by positions);
+        None: unlimited.
       block_q, block_k: tile sizes (powers of two >= 16) overriding the Hopper defaults of every kernel
         (forward, dK/dV and dQ); num_warps, num_stages: Triton launch settings. Ignored by "jnp".
       implementation: None/"auto", "pallas", "pallas_interpret" or "jnp" (see the module docstring).
@@ -251,7 +256,7 @@ def flash_attention(
     if kv_segment_ids is None:
         kv_segment_ids = segment_ids
     _check_inputs(q, k, v, q_positions, kv_positions, segment_ids, kv_segment_ids)
-    cfg = make_config(causal, sm_scale, q.shape[3], implementation, block_q, block_k, num_warps, num_stages)
+    cfg = make_config(causal, sm_scale, q.shape[3], implementation, block_q, block_k, num_warps, num_stages, window)
     out, lse = _attention_jit(cfg, q, k, v, q_positions, kv_positions, segment_ids, kv_segment_ids)
     return (out, lse) if return_lse else out
 
@@ -284,6 +289,7 @@ def flash_block_forward(
     *,
     causal: bool,
     sm_scale: float,
+    window: int | None = None,
     implementation: str | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -296,7 +302,7 @@ def flash_block_forward(
     rows that see none of this block's keys). Positions int [n] (or [b, n]); segment ids [b, n] or None.
     """
     _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
-    cfg = make_config(causal, sm_scale, q.shape[3], implementation, block_q, block_k, num_warps, num_stages)
+    cfg = make_config(causal, sm_scale, q.shape[3], implementation, block_q, block_k, num_warps, num_stages, window)
     return _block_forward_jit(cfg, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
 
 
@@ -314,6 +320,7 @@ def flash_block_backward(
     *,
     causal: bool,
     sm_scale: float,
+    window: int | None = None,
     implementation: str | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -331,7 +338,7 @@ def flash_block_backward(
         want = q.shape if name == "dout" else (b, nq, hq)
         if x.shape != want:
             raise ValueError(f"{name} has shape {x.shape}; expected {want}")
-    cfg = make_config(causal, sm_scale, q.shape[3], implementation, block_q, block_k, num_warps, num_stages)
+    cfg = make_config(causal, sm_scale, q.shape[3], implementation, block_q, block_k, num_warps, num_stages, window)
     return _block_backward_jit(cfg, q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
 
 

@@ -11,7 +11,8 @@ Algorithm (FlashAttention-2, https://arxiv.org/abs/2307.08691), on padded inputs
             batch, q head), holds one Q tile and loops over K/V tiles. Both recompute P = exp(S - lse):
             dV += P^T dO, dP = dO V^T, dS = P * (dP - delta), dQ += dS K * scale, dK += dS^T Q * scale.
 Each kernel runs three loops over its row of tiles (masked, unmasked, masked; `flash_tiles.loop_ranges`):
-tiles outside them are never loaded. fp32 inputs use full-precision (ieee) products, not tf32.
+tiles outside them are never loaded. A sliding window (cfg.window, with causal) narrows the ranges to the
+band of tiles near the diagonal and adds `i - j < W` to the masked tiles' mask. fp32 inputs use full-precision (ieee) products, not tf32.
 
 Inside `jax.shard_map` the compiled kernels work with check_vma=False and with check_vma=True: the inputs are
 cast to a common set of varying mesh axes (`lax.pcast`) and the pallas_call outputs are declared with it.
@@ -99,7 +100,7 @@ def _dot(a, b):
     return _dot_general(a, b, ((1,), (0,)))
 
 
-def _tile_mask(causal, kv_len, qpos, kpos, qseg, kseg, k_start, block_k):
+def _tile_mask(causal, kv_len, qpos, kpos, qseg, kseg, k_start, block_k, window=None):
     """Boolean [block_q, block_k] visibility of one tile (None: everything visible)."""
     mask = None
 
@@ -108,6 +109,8 @@ def _tile_mask(causal, kv_len, qpos, kpos, qseg, kseg, k_start, block_k):
 
     if causal:
         mask = both(mask, qpos[:, None] >= kpos[None, :])
+        if window is not None:  # sliding window: i - W < j (no overflow where j <= i)
+            mask = both(mask, qpos[:, None] - kpos[None, :] < window)
     if qseg is not None:
         mask = both(mask, (qseg[:, None] == kseg[None, :]) & (qseg[:, None] != 0))
     if kv_len is not None:  # only when keys were padded and nothing above masks them
@@ -150,6 +153,7 @@ def _fwd_kernel(
     sm_scale,
     block_k,
     index_mask_len,
+    window=None,
 ):
     """One (q block, batch, q head): out = softmax(q k^T * scale) v over the visible keys, and lse.
 
@@ -179,6 +183,7 @@ def _fwd_kernel(
                 kseg_ref[keys] if qseg is not None else None,
                 start,
                 block_k,
+                window,
             )
             if mask is not None:
                 s = jnp.where(mask, s, -jnp.inf)
@@ -209,7 +214,9 @@ def pallas_forward(cfg, tiles, layout, q, k, v, qpos, kpos, qseg, kseg, out_dtyp
     t = tiles["fwd"]
     b, hq, hkv, nq, nk, d_pad = (layout[n] for n in ("batch", "q_heads", "kv_heads", "nq", "nk", "d_pad"))
     groups = hq // hkv
-    vis, full = visibility(cfg.causal, qpos, kpos, qseg, kseg, b, nq, nk, layout["kv_len"], t.block_q, t.block_k)
+    vis, full = visibility(
+        cfg.causal, qpos, kpos, qseg, kseg, b, nq, nk, layout["kv_len"], t.block_q, t.block_k, cfg.window
+    )
     ranges = loop_ranges(vis, full)  # [b, nq/bq, 4]
     q, k, v, qpos, kpos, qseg, kseg, ranges = common_vma(
         q, k, v, qpos, kpos, qseg, kseg, ranges, interpret=cfg.implementation == "pallas_interpret"
@@ -235,7 +242,12 @@ def pallas_forward(cfg, tiles, layout, q, k, v, qpos, kpos, qseg, kseg, out_dtyp
     out_specs = [q_tile, pl.BlockSpec((None, None, t.block_q), lambda i, bi, h: (bi, h, i))]
     out_shape = [_out_struct(q.shape, out_dtype, q), _out_struct((b, hq, nq), jnp.float32, q)]
     kernel = functools.partial(
-        _fwd_kernel, causal=cfg.causal, sm_scale=cfg.sm_scale, block_k=t.block_k, index_mask_len=index_mask_len
+        _fwd_kernel,
+        causal=cfg.causal,
+        sm_scale=cfg.sm_scale,
+        block_k=t.block_k,
+        index_mask_len=index_mask_len,
+        window=cfg.window,
     )
     return pl.pallas_call(
         kernel,
@@ -274,6 +286,7 @@ def _dkv_kernel(
     block_q,
     groups,
     index_mask_len,
+    window=None,
 ):
     """One (k block, batch, kv head): dK, dV summed over the q blocks of all `groups` query heads.
 
@@ -304,6 +317,7 @@ def _dkv_kernel(
                 kseg,
                 k_start,
                 block_k,
+                window,
             )
             if mask is not None:
                 s = jnp.where(mask, s, -jnp.inf)
@@ -344,6 +358,7 @@ def _dq_kernel(
     sm_scale,
     block_k,
     index_mask_len,
+    window=None,
 ):
     """One (q block, batch, q head): dQ = scale * sum over K/V tiles of dS K.
 
@@ -373,6 +388,7 @@ def _dq_kernel(
                 kseg_ref[keys] if qseg is not None else None,
                 start,
                 block_k,
+                window,
             )
             if mask is not None:
                 s = jnp.where(mask, s, -jnp.inf)
@@ -398,7 +414,9 @@ def pallas_backward(cfg, tiles, layout, q, k, v, do, lse, delta, qpos, kpos, qse
 
     # dK/dV: grid over (k block, batch, kv head); loops over q blocks of the group's query heads.
     t = tiles["dkv"]
-    vis, full = visibility(cfg.causal, qpos, kpos, qseg, kseg, b, nq, nk, layout["kv_len"], t.block_q, t.block_k)
+    vis, full = visibility(
+        cfg.causal, qpos, kpos, qseg, kseg, b, nq, nk, layout["kv_len"], t.block_q, t.block_k, cfg.window
+    )
     ranges = loop_ranges(jnp.swapaxes(vis, 1, 2), jnp.swapaxes(full, 1, 2))  # [b, nk/bk, 4]
     (ranges,) = common_vma(ranges, q)[:1]
     nkb = nk // t.block_k
@@ -415,6 +433,7 @@ def pallas_backward(cfg, tiles, layout, q, k, v, do, lse, delta, qpos, kpos, qse
             block_q=t.block_q,
             groups=groups,
             index_mask_len=index_mask_len,
+            window=cfg.window,
         ),
         grid=(nkb, b, hkv),
         in_specs=[
@@ -439,7 +458,9 @@ def pallas_backward(cfg, tiles, layout, q, k, v, do, lse, delta, qpos, kpos, qse
 
     # dQ: grid over (q block, batch, q head); loops over k blocks.
     t = tiles["dq"]
-    vis, full = visibility(cfg.causal, qpos, kpos, qseg, kseg, b, nq, nk, layout["kv_len"], t.block_q, t.block_k)
+    vis, full = visibility(
+        cfg.causal, qpos, kpos, qseg, kseg, b, nq, nk, layout["kv_len"], t.block_q, t.block_k, cfg.window
+    )
     (ranges,) = common_vma(loop_ranges(vis, full), q)[:1]
     nqb = nq // t.block_q
     q_tile = pl.BlockSpec((None, t.block_q, None, d_pad), lambda i, bi, h: (bi, i, h, 0))
@@ -449,7 +470,12 @@ def pallas_backward(cfg, tiles, layout, q, k, v, do, lse, delta, qpos, kpos, qse
     k_row = pl.BlockSpec((None, nk), lambda i, bi, h: (bi, 0))
     dq = pl.pallas_call(
         functools.partial(
-            _dq_kernel, causal=cfg.causal, sm_scale=cfg.sm_scale, block_k=t.block_k, index_mask_len=index_mask_len
+            _dq_kernel,
+            causal=cfg.causal,
+            sm_scale=cfg.sm_scale,
+            block_k=t.block_k,
+            index_mask_len=index_mask_len,
+            window=cfg.window,
         ),
         grid=(nqb, b, hq),
         in_specs=[

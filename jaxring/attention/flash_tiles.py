@@ -10,23 +10,27 @@ masked (the largest int32 position under causal, segment 0 with segment ids, an 
 padded query rows are sliced off.
 
 Block skipping (`visibility`, `loop_ranges`): a few small jnp reductions compare block bounds (min/max
-position per block for causal, min/max non-zero segment id per block) and give every row of tiles a range
-[lo, hi) of tiles that may hold a visible pair, and inside it a sub-range [full_lo, full_hi) of tiles where
-every pair is visible; the kernels run masked [lo, full_lo), unmasked [full_lo, full_hi), masked [full_hi, hi).
+position per block for causal and the sliding window, min/max non-zero segment id per block; the tests are
+`masking.may_see` / `sees_all`) and give every row of tiles a range [lo, hi) of tiles that may hold a visible
+pair, and inside it a sub-range [full_lo, full_hi) of tiles where every pair is visible; the kernels run
+masked [lo, full_lo), unmasked [full_lo, full_hi), masked [full_hi, hi). With a window W the visible tiles of
+a row form a band of about (W + block_q) / block_k tiles along the diagonal: the work is O(seq · W), not
+O(seq²), and the tiles wholly inside the band take the unmasked path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from jaxring.attention.masking import INT_MAX, INT_MIN, check_window, may_see, sees_all, segment_bounds
+
 IMPLEMENTATIONS = ("auto", "pallas", "pallas_interpret", "jnp")
-INT_MIN = int(np.iinfo(np.int32).min)
-INT_MAX = int(np.iinfo(np.int32).max)
 MIN_BLOCK = 16  # Triton's dot needs every tile dimension >= 16.
 
 
@@ -46,6 +50,7 @@ class Config:
     block_k: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    window: int | None = None  # sliding window (causal only): query i sees keys i - window < j <= i
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,13 +118,16 @@ def check_block(name: str, value: int | None) -> None:
         raise ValueError(f"{name}={value!r} must be a power of two >= {MIN_BLOCK} (a Triton tile size)")
 
 
-def make_config(causal, sm_scale, head_dim, implementation, block_q, block_k, num_warps, num_stages):
+def make_config(causal, sm_scale, head_dim, implementation, block_q, block_k, num_warps, num_stages, window=None):
+    window = check_window(window, causal)
     check_block("block_q", block_q)
     check_block("block_k", block_k)
     for name, value in (("num_warps", num_warps), ("num_stages", num_stages)):
         if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
             raise ValueError(f"{name}={value!r} must be a positive integer")
     scale = head_dim**-0.5 if sm_scale is None else float(sm_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"sm_scale {sm_scale!r} must be a finite number > 0 (the scores' scale)")
     return Config(
         bool(causal),
         scale,
@@ -128,6 +136,7 @@ def make_config(causal, sm_scale, head_dim, implementation, block_q, block_k, nu
         None if block_k is None else int(block_k),
         num_warps,
         num_stages,
+        window,
     )
 
 
@@ -167,14 +176,13 @@ def block_stats(pos, seg, block: int):
         stats["pmin"], stats["pmax"] = p.min(-1), p.max(-1)
     if seg is not None:
         s = seg.reshape(b, n // block, block)
-        smin = jnp.where(s == 0, INT_MAX, s).min(-1)
-        smax = jnp.where(s == 0, INT_MIN, s).max(-1)
+        smin, smax = segment_bounds(s)
         stats["smin"], stats["smax"] = smin, smax
         stats["uniform"] = (smin == smax) & jnp.all(s != 0, axis=-1)
     return stats
 
 
-def visibility(causal, qpos, kpos, qseg, kseg, batch, nq, nk, kv_len, bq, bk):
+def visibility(causal, qpos, kpos, qseg, kseg, batch, nq, nk, kv_len, bq, bk, window=None):
     """vis[b, i, j]: tile (q block i, k block j) may hold a visible pair; full[b, i, j]: all its pairs are."""
     nqb, nkb = nq // bq, nk // bk
     vis = jnp.ones((batch, nqb, nkb), bool)
@@ -183,8 +191,9 @@ def visibility(causal, qpos, kpos, qseg, kseg, batch, nq, nk, kv_len, bq, bk):
         qs = block_stats(qpos if causal else None, qseg, bq)
         ks = block_stats(kpos if causal else None, kseg, bk)
         if causal:
-            vis = vis & (qs["pmax"][:, :, None] >= ks["pmin"][:, None, :])
-            full = full & (qs["pmin"][:, :, None] >= ks["pmax"][:, None, :])
+            bounds = (qs["pmin"][:, :, None], qs["pmax"][:, :, None], ks["pmin"][:, None, :], ks["pmax"][:, None, :])
+            vis = vis & may_see(*bounds, causal=True, window=window)
+            full = full & sees_all(*bounds, causal=True, window=window)
         if qseg is not None:
             vis = (
                 vis
@@ -217,7 +226,7 @@ def loop_ranges(vis, full):
         last = n - jnp.argmax(x[..., ::-1], axis=-1)
         return anyx, jnp.where(anyx, first, 0), jnp.where(anyx, last, 0)
 
-    any_v, lo, hi = first_last(vis)
+    _, lo, hi = first_last(vis)
     any_f, flo, fhi = first_last(full)
     contiguous = any_f & (jnp.sum(full, axis=-1) == fhi - flo)
     flo = jnp.where(contiguous, flo, lo)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -104,6 +105,16 @@ def layout_permutation(layout: str, seq_len: int, num_devices: int) -> np.ndarra
     check_seq_len(seq_len, num_devices, layout)
     n = seq_len // num_devices
     return np.concatenate([np.asarray(layout_positions(layout, r, num_devices, n)) for r in range(num_devices)])
+
+
+def natural_order(layout: str, seq_len: int, num_devices: int) -> np.ndarray | None:
+    """Static index map from the gathered sequence (every rank's shard, in rank order) to natural order:
+    x_natural = x_gathered[..., order, ...]; None for contiguous (already natural). Its inverse is
+    `layout_permutation`. A sliding window's keys are one contiguous band in natural order only."""
+    if layout == "contiguous":
+        return None
+    with jax.ensure_compile_time_eval():  # concrete even under jit
+        return np.argsort(layout_permutation(layout, seq_len, num_devices))
 
 
 def _zigzag_tables(p: int):

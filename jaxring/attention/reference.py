@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxring.attention.masking import attention_mask, check_qkv
+from jaxring.attention.masking import attention_mask, check_qkv, check_window
 
 
 def attention_reference(
@@ -22,6 +22,7 @@ def attention_reference(
     segment_ids=None,
     kv_segment_ids=None,
     sm_scale: float | None = None,
+    window: int | None = None,
 ):
     """Softmax attention computed densely in fp32.
 
@@ -33,12 +34,14 @@ def attention_reference(
       segment_ids: int [batch, q_len]; tokens attend only within their segment; 0 is padding.
       kv_segment_ids: int [batch, kv_len]; defaults to segment_ids (self-attention).
       sm_scale: score scale, default 1/sqrt(head_dim).
+      window: sliding window W (needs causal): query i sees keys i - W < j <= i; None: unlimited.
 
     Returns:
       out [batch, q_len, q_heads, head_dim] in q.dtype (rows with no visible key are 0) and
       lse [batch, q_len, q_heads] fp32, natural log (-inf for rows with no visible key).
     """
     check_qkv(q, k, v)
+    window = check_window(window, causal)
     batch, q_len, q_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     groups = q_heads // kv_heads
@@ -54,7 +57,7 @@ def attention_reference(
 
     qg = q.astype(jnp.float32).reshape(batch, q_len, kv_heads, groups, head_dim)
     s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32)) * scale
-    mask = attention_mask(q_positions, kv_positions, segment_ids, kv_segment_ids, causal=causal)
+    mask = attention_mask(q_positions, kv_positions, segment_ids, kv_segment_ids, causal=causal, window=window)
     o, lse = softmax_attend(s, v, mask)
     return o.reshape(batch, q_len, q_heads, head_dim).astype(q.dtype), lse.reshape(batch, q_len, q_heads)
 

@@ -13,6 +13,17 @@ the tiles the causal mask hides (a block hidden entirely is skipped with one `la
 form position runs (two for zig-zag): with zig-zag every rank does the same work (2P+1 half-chunk pairs),
 with contiguous rank r does r+1 blocks.
 
+Sliding window W (query i sees keys i - W < j <= i) and segment ids skip whole steps the same way
+(`attend_step`, `grads_step`): a step none of whose (Q run, K/V run) pairs has a key inside some query's
+window, or whose Q and K/V blocks share no segment (by the blocks' segment-id bounds: packed documents are
+numbered in order), is a `lax.cond` that returns its carry untouched. Such a step still costs its hop: the
+K/V block is sent on regardless (the next rank may need it; the ring's communication is unchanged, 2(P-1)
+K/V blocks forward), but no FLOPs (no score, exponential or matmul of that block, forward or backward).
+Inside a computed step the block ops visit only the tiles within the window. With W <= S/P a contiguous
+rank computes at most 2 of its P steps (2 blocks instead of r+1); a zig-zag half-chunk of queries reaches
+at most 3 half-chunks, so a rank computes at most 6 of its 2P+1 run pairs: with a window the contiguous
+layout is the balanced one (tests/test_window.py counts both; `benchmarks/sliding_window.py` times them).
+
 Backward (`jax.custom_vjp`): residuals are only q, k, v, out, lse (local, no received K/V, no scores).
 K/V travel the ring again, in the opposite direction, with their dK/dV accumulators (fp32) one hop behind
 (`collectives.ring_steps_accumulating`); after P accumulator hops dK/dV are home:
@@ -40,14 +51,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxring.attention.blockwise import BlockOps, get_block_ops
+from jaxring.attention.blockwise import BlockOps, get_block_ops, with_window
 from jaxring.attention.layout import RankTokens
-from jaxring.attention.masking import check_qkv
+from jaxring.attention.masking import check_qkv, check_window, positions_may_meet, segments_may_meet
 from jaxring.attention.merge import empty_partial
-from jaxring.attention.schedule import add_block_grads, attend_block, run_work
+from jaxring.attention.ring_step import add_block_grads, attend_block, pair_work, run_work, split_runs
 from jaxring.collectives import BACKWARD, ring_steps, ring_steps_accumulating, send_to_next
 from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer
 from jaxring.registry import SequenceStrategy, register_sequence_strategy
+from jaxring.vma import vary_like
 
 
 def ring_attention(
@@ -63,6 +75,7 @@ def ring_attention(
     block_ops: str | BlockOps = "auto",
     inner_ranks: int = 1,
     fuse_sends: bool | None = None,
+    window: int | None = None,
 ):
     """Ring attention over `axis_name`; call inside `shard_map` with the sequence already in `layout`.
 
@@ -75,9 +88,12 @@ def ring_attention(
       fuse_sends: send each hop's arrays (K, V, segment ids; in the backward with dK, dV) as one buffer, so
         one transfer per step overlaps the block compute on GPU (`collectives.fused_ppermute`). Default:
         with the compiled Pallas kernels (GPU) only.
+      window: sliding window W (needs causal): query i sees keys i - W < j <= i; steps outside every query's
+        window are skipped (see the module docstring). None: unlimited.
     Returns: out, local [batch, n, q_heads, head_dim] in q.dtype.
     """
     check_qkv(q, k, v)
+    window = check_window(window, causal)
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"k/v local seq {k.shape[1]} must equal q local seq {q.shape[1]} (self-attention)")
     tokens = RankTokens(layout, inner_ranks)
@@ -88,7 +104,8 @@ def ring_attention(
         )
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     ops = get_block_ops(block_ops)
-    return _ring(q, k, v, segment_ids, axis_name, tokens, causal, scale, ops, fuse_by_default(ops, fuse_sends))
+    fuse = fuse_by_default(ops, fuse_sends)
+    return _ring(q, k, v, segment_ids, axis_name, tokens, causal, scale, ops, fuse, window)
 
 
 def fuse_by_default(ops: BlockOps, fuse_sends: bool | None) -> bool:
@@ -101,11 +118,91 @@ def _parts(tokens: RankTokens, causal):
     return tokens.runs() if causal else 1
 
 
+# ------------------------------------------------------------- whole steps skipped: window and segments
+
+
+def step_visible(q_pos, kv_pos, q_seg, kv_seg, *, parts: int, causal: bool, window: int | None):
+    """Scalar bool: the (Q block, K/V block) step may hold a visible pair; None when only the causal test
+    applies (no window, no segment ids: `schedule.when_visible` does that one). The window is tested per
+    (Q run, K/V run) pair (exact for contiguous runs: a zig-zag step whose four run pairs all lie outside
+    the window is skipped although its block bounds overlap); segment ids by their per-row bounds."""
+    tests = []
+    if window is not None:
+        runs = [(qp, kp) for qp in split_runs(q_pos, parts, 0) for kp in split_runs(kv_pos, parts, 0)]
+        seen = [positions_may_meet(qp, kp, causal=causal, window=window) for qp, kp in runs]
+        tests.append(functools.reduce(jnp.logical_or, seen))
+    if q_seg is not None:
+        tests.append(segments_may_meet(q_seg, kv_seg))
+    return functools.reduce(jnp.logical_and, tests) if tests else None
+
+
+def step_work(q_pos, kv_pos, parts: int, causal: bool, window: int | None, computed=None):
+    """Query-key pairs of the run pairs a step computes (fp32): those the causal mask and the window do not
+    hide entirely, and none when the whole step is skipped (`computed` False)."""
+    if window is None:
+        work = run_work(q_pos, kv_pos, parts, causal)
+    else:
+        work = sum(
+            pair_work(qp, kp, positions_may_meet(qp, kp, causal=causal, window=window))
+            for qp in split_runs(q_pos, parts, 0)
+            for kp in split_runs(kv_pos, parts, 0)
+        )
+    return work if computed is None else jnp.where(computed, work, 0.0)
+
+
+def attend_step(ops, acc, q, q_pos, q_seg, k, v, kv_pos, kv_seg, *, parts, causal, sm_scale, window):
+    """`schedule.attend_block` with the window, the whole step skipped (one `lax.cond`: the carry untouched,
+    no FLOPs) unless `step_visible`. Returns (acc, computed: scalar bool or None)."""
+    ops = with_window(ops, window)
+    compute = lambda: attend_block(ops, acc, q, q_pos, q_seg, k, v, kv_pos, kv_seg, causal=causal, sm_scale=sm_scale)
+    visible = step_visible(q_pos, kv_pos, q_seg, kv_seg, parts=parts, causal=causal, window=window)
+    if visible is None:
+        return compute(), None
+    return lax.cond(visible, compute, lambda: acc), visible
+
+
+def grads_step(ops, grads, q, dout, lse, delta, q_pos, q_seg, k, v, kv_pos, kv_seg, *, parts, causal, sm_scale, window):
+    """`schedule.add_block_grads` with the window, the block's gradients skipped whole unless `step_visible`.
+
+    grads (dq, dk, dv) fp32, any of them None (the sum starts here). For block ops that do not accumulate,
+    the step's own gradients come out of the `lax.cond` and are added after it, so a received accumulator is
+    still not needed before the block compute is done (it stays in flight meanwhile)."""
+    ops = with_window(ops, window)
+
+    def block(g):
+        return add_block_grads(
+            ops, g, q, dout, lse, delta, q_pos, q_seg, k, v, kv_pos, kv_seg, causal=causal, sm_scale=sm_scale
+        )
+
+    visible = step_visible(q_pos, kv_pos, q_seg, kv_seg, parts=parts, causal=causal, window=window)
+    if visible is None:
+        return block(grads)
+    zeros = tuple(jnp.zeros_like(x, jnp.float32) for x in (q, k, v))
+    if ops.accumulates:  # added in place: the running sums pass through the cond
+        grads = tuple(z if g is None else g for g, z in zip(grads, zeros))
+        return lax.cond(visible, block, lambda g: g, grads)
+    own = lax.cond(visible, lambda: block((None, None, None)), lambda: zeros)
+    return tuple(x if acc is None else acc + x for acc, x in zip(grads, own))
+
+
+# ---------------------------------------------------------------------------------------------- the ring
+
+
 def ring_forward(
-    q, k, v, segment_ids, axis_name, tokens: RankTokens, causal, sm_scale, ops: BlockOps, fuse: bool = False
+    q,
+    k,
+    v,
+    segment_ids,
+    axis_name,
+    tokens: RankTokens,
+    causal,
+    sm_scale,
+    ops: BlockOps,
+    fuse: bool = False,
+    window: int | None = None,
 ):
     """The forward ring. Returns out fp32, lse fp32 [b, n, hq] and the work here: query-key pairs of the
-    (Q run, K/V run) pairs the causal mask does not hide entirely (fp32)."""
+    (Q run, K/V run) pairs computed, those the causal mask and the window do not hide entirely (fp32)."""
     p, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
     n, parts = q.shape[1], _parts(tokens, causal)
     q_pos = tokens.positions(rank, p, n)
@@ -114,32 +211,49 @@ def ring_forward(
         acc, work = carry
         k, v, kv_seg = kv
         kv_pos = tokens.positions((rank - step) % p, p, n)
-        acc = attend_block(ops, acc, q, q_pos, segment_ids, k, v, kv_pos, kv_seg, causal=causal, sm_scale=sm_scale)
-        return acc, work + run_work(q_pos, kv_pos, parts, causal)
+        acc, computed = attend_step(
+            ops,
+            acc,
+            q,
+            q_pos,
+            segment_ids,
+            k,
+            v,
+            kv_pos,
+            kv_seg,
+            parts=parts,
+            causal=causal,
+            sm_scale=sm_scale,
+            window=window,
+        )
+        return acc, work + step_work(q_pos, kv_pos, parts, causal, window, computed)
 
-    init = (empty_partial(q), jnp.zeros_like(q_pos[0], jnp.float32))
+    work0 = jnp.zeros_like(q_pos[0], jnp.float32)
+    if segment_ids is not None:  # the steps skipped by segment vary with them (check_vma)
+        work0 = vary_like(work0, segment_ids)
+    init = (empty_partial(q), work0)
     (out, lse), work = ring_steps(
         attend, init, (k, v, segment_ids), p, lambda kv: send_to_next(kv, axis_name, fuse=fuse)
     )
     return out, lse, work
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _ring(q, k, v, segment_ids, axis_name, tokens, causal, sm_scale, ops, fuse):
-    out, _, _ = ring_forward(q, k, v, segment_ids, axis_name, tokens, causal, sm_scale, ops, fuse)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
+def _ring(q, k, v, segment_ids, axis_name, tokens, causal, sm_scale, ops, fuse, window):
+    out, _, _ = ring_forward(q, k, v, segment_ids, axis_name, tokens, causal, sm_scale, ops, fuse, window)
     return out.astype(q.dtype)
 
 
-def _ring_fwd(q, k, v, segment_ids, axis_name, tokens, causal, sm_scale, ops, fuse):
-    out, lse, _ = ring_forward(q, k, v, segment_ids, axis_name, tokens, causal, sm_scale, ops, fuse)
+def _ring_fwd(q, k, v, segment_ids, axis_name, tokens, causal, sm_scale, ops, fuse, window):
+    out, lse, _ = ring_forward(q, k, v, segment_ids, axis_name, tokens, causal, sm_scale, ops, fuse, window)
     out = out.astype(q.dtype)
     return out, (q, k, v, segment_ids, out, lse)
 
 
-def _ring_bwd(axis_name, tokens, causal, sm_scale, ops, fuse, residuals, dout):
+def _ring_bwd(axis_name, tokens, causal, sm_scale, ops, fuse, window, residuals, dout):
     q, k, v, segment_ids, out, lse = residuals
     p, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
-    n = q.shape[1]
+    n, parts = q.shape[1], _parts(tokens, causal)
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     q_pos = tokens.positions(rank, p, n)
 
@@ -147,7 +261,7 @@ def _ring_bwd(axis_name, tokens, causal, sm_scale, ops, fuse, residuals, dout):
         k, v, kv_seg = kv
         kv_pos = tokens.positions((rank - BACKWARD * step) % p, p, n)
         dk, dv = (None, None) if dkv is None else dkv
-        dq, dk, dv = add_block_grads(
+        dq, dk, dv = grads_step(
             ops,
             (dq, dk, dv),
             q,
@@ -160,8 +274,10 @@ def _ring_bwd(axis_name, tokens, causal, sm_scale, ops, fuse, residuals, dout):
             v,
             kv_pos,
             kv_seg,
+            parts=parts,
             causal=causal,
             sm_scale=sm_scale,
+            window=window,
         )
         return dq, (dk, dv)  # dK/dV: summed by the ranks the block visits, home after P hops
 
@@ -207,9 +323,18 @@ def ring_cost(s: AttentionShape, options: dict) -> AttentionCost:
 # ---------------------------------------------------------------------------------------- registry entry
 
 
-def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops):
+def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, window=None):
     return ring_attention(
-        q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops
+        q,
+        k,
+        v,
+        segment_ids,
+        axis_name=seq_axes,
+        layout=layout,
+        causal=causal,
+        sm_scale=sm_scale,
+        block_ops=block_ops,
+        window=window,
     )
 
 

@@ -1,4 +1,4 @@
-"""Ring Self-Attention (RSA, seed 001: "Sequence Parallelism", Li et al.): materialised scores, two rings.
+"""Ring Self-Attention [RSA] ("Sequence Parallelism", Li et al.; REFERENCES.md): materialised scores, two rings.
 
 N devices on the `sp` axis, each holding n = L/N tokens of Q, K, V (in any layout). Rank r:
 
@@ -11,10 +11,12 @@ The score block S^r is [batch, q_heads, n, L] fp32: RSA's documented L²/N memor
 softmax; this is deliberately not flash attention). Columns are ordered by owner rank, and each column block
 carries its owner's true positions (`layout_positions`), so causal and segment masks are exact in every layout.
 The paper leaves causal masking open; here every rank computes all N score blocks, fully masked ones included
-(no block skipping, so the causal work per rank is the same in every layout, and half of it is wasted).
+(no block skipping, so the causal work per rank is the same in every layout, and half of it is wasted). A
+sliding window (query i sees keys i - W < j <= i) is one more term of the mask, with no skipping either: RSA's
+cost does not shrink with the window.
 
 Backward (`jax.custom_vjp`; the paper's "two ring-style P2P and two all-reduce", with the all-reduces done as
-reduce-scatters, see notes/rsa.md):
+reduce-scatters: a reduce-scatter moves half the bytes of an all-reduce and each rank needs only its own shard):
 
   pass V (ring):  dP^r[:, o-block] = dO^r V^oᵀ                            (N-1 hops of V)
   locally:        dS^r = P^r ⊙ (dP^r - rowsum(dP^r ⊙ P^r)) * sm_scale
@@ -59,7 +61,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxring.attention.layout import check_seq_len, layout_permutation, layout_positions
-from jaxring.attention.masking import attention_mask, check_qkv
+from jaxring.attention.masking import attention_mask, check_qkv, check_window
 from jaxring.collectives import BACKWARD, ring_steps, send_to_next
 from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer
 from jaxring.registry import SequenceStrategy, register_sequence_strategy
@@ -75,6 +77,7 @@ def rsa_attention(
     layout: str = "contiguous",
     causal: bool = True,
     sm_scale: float | None = None,
+    window: int | None = None,
 ):
     """Ring Self-Attention over `axis_name`; call inside `shard_map` with the sequence already in `layout`.
 
@@ -84,10 +87,12 @@ def rsa_attention(
       segment_ids: local int [batch, n] or None; 0 = padding (attends to nothing, output 0).
       layout: "contiguous", "zigzag" or "striped": how this rank's tokens were chosen (see layout.py).
       causal: mask keys after the query (by true positions); sm_scale: default 1/sqrt(head_dim).
+      window: sliding window W (needs causal): query i sees keys i - W < j <= i; None: unlimited.
     Returns: out, local [batch, n, q_heads, head_dim] in q.dtype. Differentiable in q, k, v with the paper's
     backward (see the module docstring for its communication).
     """
     check_qkv(q, k, v)
+    window = check_window(window, causal)
     batch, n = q.shape[:2]
     if k.shape[1] != n:
         raise ValueError(f"k/v local seq {k.shape[1]} must equal q local seq {n} for self-attention")
@@ -96,7 +101,7 @@ def rsa_attention(
     num = lax.axis_size(axis_name)
     check_seq_len(n * num, num, layout)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    return _rsa(q, k, v, segment_ids, axis_name, layout, bool(causal), scale)
+    return _rsa(q, k, v, segment_ids, axis_name, layout, bool(causal), scale, window)
 
 
 def _einsum(spec, a, b):
@@ -109,7 +114,7 @@ def _grouped(x, kv_heads):
     return x.astype(jnp.float32).reshape(b, n, kv_heads, hq // kv_heads, d)
 
 
-def rsa_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale):
+def rsa_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, window=None):
     """The two forward rings. Returns out fp32 [b, n, hq, d] and P fp32 [b, hkv, groups, n, L]."""
     num, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
     batch, n, _, _ = q.shape
@@ -135,7 +140,7 @@ def rsa_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale):
     q_pos = layout_positions(layout, rank, num, n)
     with jax.ensure_compile_time_eval():  # static: column o*n + i holds owner o's i-th position
         kv_pos = jnp.asarray(layout_permutation(layout, length, num), jnp.int32)
-    mask = attention_mask(q_pos, kv_pos, segment_ids, kv_seg, causal=causal)
+    mask = attention_mask(q_pos, kv_pos, segment_ids, kv_seg, causal=causal, window=window)
     s = s * sm_scale
     if mask is not None:
         s = jnp.where(mask[:, None, None], s, -jnp.inf)
@@ -154,18 +159,19 @@ def rsa_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale):
     return out.reshape(q.shape), p
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _rsa(q, k, v, segment_ids, axis_name, layout, causal, sm_scale):
-    out, _ = rsa_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _rsa(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, window):
+    out, _ = rsa_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, window)
     return out.astype(q.dtype)
 
 
-def _rsa_fwd(q, k, v, segment_ids, axis_name, layout, causal, sm_scale):
-    out, p = rsa_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale)
+def _rsa_fwd(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, window):
+    out, p = rsa_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, window)
     return out.astype(q.dtype), (q, k, v, p)
 
 
-def _rsa_bwd(axis_name, layout, causal, sm_scale, residuals, dout):
+def _rsa_bwd(axis_name, layout, causal, sm_scale, window, residuals, dout):
+    del window  # folded into P
     q, k, v, p = residuals
     num, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
     n, kv_heads = q.shape[1], k.shape[2]
@@ -224,9 +230,11 @@ def rsa_cost(s: AttentionShape, options: dict) -> AttentionCost:
 # ---------------------------------------------------------------------------------------- registry entry
 
 
-def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops):
+def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, window=None):
     del block_ops  # RSA materialises its score rows: no per-block compute
-    return rsa_attention(q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale)
+    return rsa_attention(
+        q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, window=window
+    )
 
 
 register_sequence_strategy(

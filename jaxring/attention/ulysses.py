@@ -8,7 +8,8 @@ Ulysses, for P devices on the `sp` axis, each holding n = S/P tokens of every he
 
 Four all-to-alls forward; their transposes (four more) in the backward, each moving (P-1)/P of a local
 block. The local attention is `flash_attention` (FA2 backward, recomputes from out and lse), so nothing of
-size S² is stored. Query heads must divide by P. GQA: K/V heads are repeated only as far as needed, to
+size S² is stored. With a sliding window the gathered sequence is put in natural order around the local
+attention (static gathers), so the kernel visits only the band of tiles the window reaches. Query heads must divide by P. GQA: K/V heads are repeated only as far as needed, to
 lcm(kv_heads, P), before the all-to-all (none when P divides kv_heads).
 
 Its hybrid with ring attention, USP, is `usp.py`.
@@ -19,11 +20,12 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxring.attention.blockwise import BlockOps
 from jaxring.attention.flash import flash_attention
-from jaxring.attention.layout import gathered_positions
+from jaxring.attention.layout import gathered_positions, natural_order
 from jaxring.attention.masking import check_qkv
 from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer
 from jaxring.registry import SequenceStrategy, register_sequence_strategy
@@ -76,8 +78,10 @@ def ulysses_attention(
     causal: bool = True,
     sm_scale: float | None = None,
     block_ops="auto",
+    window: int | None = None,
 ):
-    """Ulysses attention inside `shard_map`, sequence already in `layout`; shapes as `ring_attention`."""
+    """Ulysses attention inside `shard_map`, sequence already in `layout`; shapes as `ring_attention`
+    (window: the sliding window, see `ring_attention`)."""
     check_qkv(q, k, v)
     p = lax.axis_size(axis_name)
     check_heads_split(q.shape[2], p)
@@ -86,6 +90,11 @@ def ulysses_attention(
     positions = gathered_positions(layout, 0, p, p, n)  # every rank's tokens, in rank order
     seg = None if segment_ids is None else lax.all_gather(segment_ids, axis_name, axis=1, tiled=True)
     q, k, v = (seq_to_heads(x, axis_name) for x in (q, k, v))
+    order = None if window is None else natural_order(layout, n * p, p)
+    if order is not None:  # the window's keys: one band of tiles
+        q, k, v = (x[:, order] for x in (q, k, v))
+        seg = None if seg is None else seg[:, order]
+        positions = jnp.arange(n * p, dtype=jnp.int32)
     out = flash_attention(
         q,
         k,
@@ -95,8 +104,11 @@ def ulysses_attention(
         q_positions=positions,
         kv_positions=positions,
         segment_ids=seg,
+        window=window,
         implementation=local_implementation(block_ops),
     )
+    if order is not None:
+        out = out[:, np.argsort(order)]
     return heads_to_seq(out, axis_name)
 
 
@@ -129,9 +141,18 @@ def ulysses_cost(s: AttentionShape, options: dict) -> AttentionCost:
 # ---------------------------------------------------------------------------------------- registry entry
 
 
-def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops):
+def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, window=None):
     return ulysses_attention(
-        q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops
+        q,
+        k,
+        v,
+        segment_ids,
+        axis_name=seq_axes,
+        layout=layout,
+        causal=causal,
+        sm_scale=sm_scale,
+        block_ops=block_ops,
+        window=window,
     )
 
 

@@ -8,7 +8,8 @@ the R groups finishes the job:
   out = ring_attention_R(q, k, v)    # blocks U times longer, H/U heads, over the R ring groups
   out = all_to_all_U(out)            # back to [b, n, H, d]
 
-Traffic: 4 all-to-alls over U, plus ring attention over R on blocks U times larger with H/U heads.
+Traffic: 4 all-to-alls over U, plus ring attention over R on blocks U times larger with H/U heads. A sliding
+window is the ring's: its steps outside every query's window are skipped (the hop stays, the FLOPs go).
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def usp_attention(
     causal: bool = True,
     sm_scale: float | None = None,
     block_ops="auto",
+    window: int | None = None,
 ):
-    """USP inside `shard_map` over (ring_axis, ulysses_axis); the sequence rank is ring * U + ulysses."""
+    """USP inside `shard_map` over (ring_axis, ulysses_axis); the sequence rank is ring * U + ulysses.
+    window: the sliding window (see `ring_attention`)."""
     check_qkv(q, k, v)
     u = lax.axis_size(ulysses_axis)
     check_heads_split(q.shape[2], u, "ulysses_size")
@@ -65,6 +68,7 @@ def usp_attention(
         sm_scale=sm_scale,
         block_ops=block_ops,
         inner_ranks=u,
+        window=window,
     )
     if order is not None:
         out = out[:, np.argsort(order)]
@@ -106,7 +110,7 @@ def usp_cost(s: AttentionShape, options: dict) -> AttentionCost:
 # ---------------------------------------------------------------------------------------- registry entry
 
 
-def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, ulysses_size):
+def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, ulysses_size, window=None):
     del ulysses_size  # the factored view carries it
     ring_axis, ulysses_axis = seq_axes
     return usp_attention(
@@ -120,6 +124,7 @@ def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_o
         causal=causal,
         sm_scale=sm_scale,
         block_ops=block_ops,
+        window=window,
     )
 
 

@@ -1,4 +1,4 @@
-"""WallFacer attention (seed 004): multi-ring sequence parallelism with teams of C devices.
+"""WallFacer attention [WallFacer] (REFERENCES.md): multi-ring sequence parallelism with teams of C devices.
 
 P devices hold the sequence (n = S/P tokens each). They form P/C *teams* of C devices; P/C² teams make a
 *team group* (C groups). Within a group, the devices with the same rank a inside their team form a
@@ -64,6 +64,11 @@ every (Q team, K/V team chunk) pair costs 2 of the 4 run pairs, except the one m
 its own team chunk (3 of 4, the diagonal ones only half visible): max/min computed work 1 + C²/(2P) at run
 level, 1 + 1/(2·(P/C²)·h) in causally visible query-key pairs.
 
+A sliding window W (query i sees keys i - W < j <= i) skips sub-ring steps the same way (ring.py's
+`attend_step` / `grads_step`, forward and backward): a step none of whose run pairs reaches inside the window,
+or whose Q and K/V team chunks share no segment id, keeps its hop (the K/V, or in the backward the Q side,
+still move on) and computes nothing.
+
 Communication per device, elements (b batch, n = S/P, hq / hkv query / key-value heads per device, d head
 dim, tgs = P/C²; GQA: K/V travel with their own hkv heads; fp32 = accumulators, sent as fp32):
 
@@ -104,13 +109,14 @@ from jax.sharding import Mesh
 
 from jaxring.attention.blockwise import BlockOps, get_block_ops
 from jaxring.attention.layout import check_seq_len
-from jaxring.attention.masking import check_qkv
+from jaxring.attention.masking import check_qkv, check_window, positions_may_meet
 from jaxring.attention.merge import empty_partial
-from jaxring.attention.ring import fuse_by_default
-from jaxring.attention.schedule import add_block_grads, attend_block, pair_work, run_pairs
+from jaxring.attention.ring import attend_step, fuse_by_default, grads_step
+from jaxring.attention.ring_step import pair_work, split_runs
 from jaxring.collectives import ppermute, ring_steps, ring_steps_accumulating, send_to_next
 from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer
 from jaxring.registry import Option, SequenceStrategy, register_sequence_strategy
+from jaxring.vma import vary_like
 
 WF_AXES = ("wf_group", "wf_ring", "wf_team")
 GROUP, RING, TEAM = WF_AXES
@@ -296,11 +302,14 @@ def _team_combine(out_t, lse_t, c: int, zigzag: bool):
     return out, lse_own, _team_order(lse_all, c, zigzag)
 
 
-def _visible_pairs(q_pos, kv_pos, causal):
-    """Causally visible (query, key) pairs of a run pair (kv_pos one ascending contiguous run)."""
+def _visible_pairs(q_pos, kv_pos, causal, window=None):
+    """Visible (query, key) pairs of a run pair (kv_pos one ascending contiguous run): keys
+    max(k0, i - W + 1) .. min(i, k_last) for each query i (k0 .. i without a window)."""
     if not causal:
         return jnp.float32(q_pos.shape[0] * kv_pos.shape[0])
-    return jnp.sum(jnp.clip(q_pos - kv_pos[0] + 1, 0, kv_pos.shape[0]).astype(jnp.float32))
+    first, last = kv_pos[0], kv_pos[-1]
+    lo = first if window is None else jnp.maximum(first, q_pos - window + 1)
+    return jnp.sum(jnp.clip(jnp.minimum(q_pos, last) - lo + 1, 0).astype(jnp.float32))
 
 
 # --------------------------------------------------------------------------------------------- forward
@@ -311,7 +320,7 @@ def _coords():
     return g, j, a, lax.axis_size(RING)
 
 
-def _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops: BlockOps, fuse: bool = False):
+def _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops: BlockOps, fuse: bool = False, window=None):
     c, zigzag = team_size, layout == "zigzag"
     g, j, a, tgs = _coords()
     p, n = c * c * tgs, q.shape[1]
@@ -324,14 +333,34 @@ def _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops: Blo
         acc, work = carry
         k_c, v_c, kseg_c = kv
         kv_pos = team_positions(layout, ((j - step) % tgs) * c + a, p, c, n)  # the team chunk held now
-        acc = attend_block(ops, acc, q_t, q_pos, seg_t, k_c, v_c, kv_pos, kseg_c, causal=causal, sm_scale=sm_scale)
-        for qpos_i, kpos_j, computed in run_pairs(q_pos, kv_pos, parts, causal):
-            seen = jnp.where(computed, _visible_pairs(qpos_i, kpos_j, causal), 0.0)
-            work = work + jnp.stack([pair_work(qpos_i, kpos_j, computed), seen]).astype(work.dtype)
+        acc, step_computed = attend_step(
+            ops,
+            acc,
+            q_t,
+            q_pos,
+            seg_t,
+            k_c,
+            v_c,
+            kv_pos,
+            kseg_c,
+            parts=parts,
+            causal=causal,
+            sm_scale=sm_scale,
+            window=window,
+        )
+        for qpos_i in split_runs(q_pos, parts, 0):
+            for kpos_j in split_runs(kv_pos, parts, 0):
+                computed = positions_may_meet(qpos_i, kpos_j, causal=causal, window=window)
+                if step_computed is not None:
+                    computed = computed & step_computed
+                seen = jnp.where(computed, _visible_pairs(qpos_i, kpos_j, causal, window), 0.0)
+                work = work + jnp.stack([pair_work(qpos_i, kpos_j, computed), seen]).astype(work.dtype)
         return acc, work
 
     # varies over all three axes, like the work it accumulates (check_vma)
     work0 = jnp.zeros((2,), jnp.float32) + 0 * (g + j + a)
+    if seg_t is not None:  # steps skipped by segment: the count varies with the ids too
+        work0 = vary_like(work0, seg_t)
     send = lambda tree: send_to_next(tree, RING, fuse=fuse)
     acc, work = ring_steps(attend, (empty_partial(q_t), work0), kv, tgs, send)
     out_t, lse_t = acc
@@ -339,22 +368,22 @@ def _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops: Blo
     return out, lse, work, (q_t, seg_t, kv, lse_team)
 
 
-def wallfacer_forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops: BlockOps):
+def wallfacer_forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops: BlockOps, window=None):
     """The forward pass inside shard_map. Returns out fp32 [b, n, hq, d], lse fp32 [b, n, hq] (own rows) and
-    work fp32 [2] on this device: (query-key pairs of the run pairs computed, causally visible ones)."""
-    out, lse, work, _ = _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops)
+    work fp32 [2] on this device: (query-key pairs of the run pairs computed, visible ones: causal, window)."""
+    out, lse, work, _ = _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, window=window)
     return out, lse, work
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _wallfacer(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, fuse):
-    out, _, _, _ = _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, fuse)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
+def _wallfacer(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, fuse, window):
+    out, _, _, _ = _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, fuse, window)
     return out.astype(q.dtype)
 
 
-def _wallfacer_fwd(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, fuse):
+def _wallfacer_fwd(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, fuse, window):
     out, _, _, (q_t, seg_t, kv, lse_team) = _forward(
-        q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, fuse
+        q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, fuse, window
     )
     out = out.astype(q.dtype)
     return out, (q_t, seg_t, kv, out, lse_team)
@@ -363,9 +392,10 @@ def _wallfacer_fwd(q, k, v, segment_ids, team_size, layout, causal, sm_scale, op
 # -------------------------------------------------------------------------------------------- backward
 
 
-def _wallfacer_bwd(team_size, layout, causal, sm_scale, ops, fuse, residuals, dout):
+def _wallfacer_bwd(team_size, layout, causal, sm_scale, ops, fuse, window, residuals, dout):
     q_t, qseg_t, (k_u, v_u, kseg_u), out, lse_t = residuals
     c, zigzag = team_size, layout == "zigzag"
+    parts = 2 if zigzag and causal else 1
     g, j, a, tgs = _coords()
     p, n = c * c * tgs, out.shape[1]
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
@@ -377,7 +407,7 @@ def _wallfacer_bwd(team_size, layout, causal, sm_scale, ops, fuse, residuals, do
     def grads(dkv, q_side, step, dq):
         q_c, do_c, lse_c, delta_c, qseg_c = q_side
         q_pos = team_positions(layout, g * tgs + (j - step) % tgs, p, c, n)
-        dq, dk, dv = add_block_grads(
+        dq, dk, dv = grads_step(
             ops,
             (dq, *dkv),
             q_c,
@@ -390,8 +420,10 @@ def _wallfacer_bwd(team_size, layout, causal, sm_scale, ops, fuse, residuals, do
             v_u,
             kv_pos,
             kseg_u,
+            parts=parts,
             causal=causal,
             sm_scale=sm_scale,
+            window=window,
         )
         return (dk, dv), dq  # dQ travels with its Q (one hop behind); the tgs-th hop brings it home
 
@@ -421,6 +453,7 @@ def wallfacer_attention(
     layout: str = "contiguous",
     block_ops: str | BlockOps = "auto",
     fuse_sends: bool | None = None,
+    window: int | None = None,
 ):
     """WallFacer attention; call inside `shard_map` over a `wallfacer_mesh` with the sequence sharded over
     ("wf_group", "wf_ring", "wf_team") in `layout` (see `wallfacer_permutation`).
@@ -433,10 +466,13 @@ def wallfacer_attention(
       layout: "contiguous" or "zigzag" (the team-level zigzag of the module docstring).
       fuse_sends: each sub-ring hop's arrays as one buffer (see `ring_attention`); default with the
         compiled Pallas kernels only.
+      window: sliding window W (needs causal): query i sees keys i - W < j <= i; sub-ring steps outside
+        every query's window are skipped. None: unlimited.
     Returns: out, local [batch, n, q_heads, head_dim] in q.dtype; differentiable (Q-rotating backward).
     """
     check_qkv(q, k, v)
     check_wf_layout(layout)
+    window = check_window(window, causal)
     sizes = tuple(lax.axis_size(x) for x in WF_AXES)
     if sizes != (team_size, sizes[1], team_size):
         raise ValueError(
@@ -447,7 +483,8 @@ def wallfacer_attention(
         raise ValueError(f"local seq {q.shape[1]} must be even for the zigzag layout")
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     ops = get_block_ops(block_ops)
-    return _wallfacer(q, k, v, segment_ids, team_size, layout, causal, scale, ops, fuse_by_default(ops, fuse_sends))
+    fuse = fuse_by_default(ops, fuse_sends)
+    return _wallfacer(q, k, v, segment_ids, team_size, layout, causal, scale, ops, fuse, window)
 
 
 # ---------------------------------------------------------------------------------------- cost
@@ -504,10 +541,33 @@ def wallfacer_cost(s: AttentionShape, options: dict) -> AttentionCost:
 # ---------------------------------------------------------------------------------------- registry entry
 
 
-def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, team_size, placement="team_inner"):
+def _attend(
+    q,
+    k,
+    v,
+    segment_ids,
+    *,
+    seq_axes,
+    layout,
+    causal,
+    sm_scale,
+    block_ops,
+    team_size,
+    placement="team_inner",
+    window=None,
+):
     del seq_axes, placement  # WF_AXES, laid out by the factored view
     return wallfacer_attention(
-        q, k, v, segment_ids, team_size=team_size, causal=causal, sm_scale=sm_scale, layout=layout, block_ops=block_ops
+        q,
+        k,
+        v,
+        segment_ids,
+        team_size=team_size,
+        causal=causal,
+        sm_scale=sm_scale,
+        layout=layout,
+        block_ops=block_ops,
+        window=window,
     )
 
 

@@ -6,12 +6,15 @@ On a multi-host run every process reads only the rows of the global batch its de
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
+import numpy as np
 
 __all__ = ["global_array", "host_rows", "to_one_device"]
 
 
-def host_rows(sharding, global_shape) -> tuple[int, int]:
+def host_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> tuple[int, int]:
     """The contiguous range [lo, hi) of global batch rows this host's devices hold."""
     rows = [idx[0] for idx in sharding.addressable_devices_indices_map(global_shape).values()]
     lo = min(r.start or 0 for r in rows)
@@ -19,10 +22,12 @@ def host_rows(sharding, global_shape) -> tuple[int, int]:
     return lo, hi
 
 
-def global_array(sharding, global_shape, local_rows, row0: int):
+def global_array(
+    sharding: jax.sharding.Sharding, global_shape: tuple[int, ...], local_rows: np.ndarray, row0: int
+) -> jax.Array:
     """A global array from this host's rows [row0, row0 + len(local_rows)) of the global batch."""
 
-    def part(index):
+    def part(index: tuple[slice, ...]) -> np.ndarray:
         rows = index[0]
         start = (rows.start or 0) - row0
         stop = (rows.stop if rows.stop is not None else global_shape[0]) - row0
@@ -31,10 +36,10 @@ def global_array(sharding, global_shape, local_rows, row0: int):
     return jax.make_array_from_callback(global_shape, sharding, part)
 
 
-def to_one_device(tree, device):
+def to_one_device(tree: Any, device: jax.Device) -> Any:
     """Every array of `tree` whole on `device` (gathered from the other hosts first when it spans them)."""
 
-    def one(x):
+    def one(x: Any) -> Any:
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             from jax.experimental import multihost_utils
 

@@ -24,7 +24,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import sysconfig
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -144,7 +146,7 @@ class TokenSource:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: Iterable[int]) -> str:
         ids = np.asarray(ids).reshape(-1)
         if self.tokenizer == "bytes":
             if ids.size and (ids.min() < 0 or ids.max() > 255):
@@ -167,7 +169,29 @@ class TokenSource:
         return ids
 
 
-def _check_split(split):
+def check_regular(path: Path, what: str) -> None:
+    """Only regular files (and directories, of which only the regular files are read) are data: a FIFO would
+    block the read for ever, a device such as /dev/zero never ends. ValueError in one line otherwise."""
+    if path.is_dir() or path.is_file():  # (is_file: a regular file, through symlinks)
+        return
+    import stat
+
+    mode = path.stat().st_mode
+    kind = (
+        "a named pipe (FIFO)"
+        if stat.S_ISFIFO(mode)
+        else "a character device"
+        if stat.S_ISCHR(mode)
+        else "a block device"
+        if stat.S_ISBLK(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "not a regular file"
+    )
+    raise ValueError(f"{what} {str(path)!r} is {kind}: give a regular file or a directory of them")
+
+
+def _check_split(split: float) -> None:
     if split not in SPLITS:
         raise ValueError(f"split {split!r} must be one of {SPLITS}")
 
@@ -184,7 +208,7 @@ def _byte_tokens(parts: list[tuple[str, bytes]]) -> np.ndarray:
 
 def _split_tail(n: int, split: str) -> slice:
     """train = the first 90%, val = the last 10% (at least one token each way)."""
-    cut = min(max(int(round(n * (1 - VAL_FRACTION))), 1), max(n - 1, 1))
+    cut = min(max(round(n * (1 - VAL_FRACTION)), 1), max(n - 1, 1))
     return slice(0, cut) if split == "train" else slice(cut, n)
 
 
@@ -242,16 +266,18 @@ def _check_bin(path: Path) -> None:
 def _load_bin(path: Path, split: str, vocab_size: int | None) -> TokenSource:
     _check_bin(path)
     val_file = path.with_name("val.bin")
+    name = path.name
     if path.name == "train.bin" and val_file.is_file():
         chosen = path if split == "train" else val_file
         _check_bin(chosen)
         tokens = np.memmap(chosen, dtype=np.uint16, mode="r")
+        name = chosen.name
     else:
         tokens = np.memmap(path, dtype=np.uint16, mode="r")
         tokens = tokens[_split_tail(len(tokens), split)]
     # Both splits share one vocabulary: take it from the training file (the larger one).
     vocab = vocab_size if vocab_size is not None else _bin_vocab(np.memmap(path, dtype=np.uint16, mode="r"))
-    return TokenSource(tokens, int(vocab), f"{path.name}[{split}]", split, "none", (path.name,))
+    return TokenSource(tokens, int(vocab), f"{name}[{split}]", split, "none", (name,))
 
 
 def load_tokens(path: str | os.PathLike | None, *, split: str = "train", vocab_size: int | None = None) -> TokenSource:
@@ -277,6 +303,7 @@ def load_tokens(path: str | os.PathLike | None, *, split: str = "train", vocab_s
             f"standard-library corpus), a text file, a directory of "
             f"{'/'.join(TEXT_SUFFIXES)} files, or a uint16 .bin token file (nanoGPT format)"
         )
+    check_regular(p, "token data")
     if p.is_dir() and (p / "train.bin").is_file():
         p = p / "train.bin"
     if p.suffix == ".bin":
@@ -286,7 +313,7 @@ def load_tokens(path: str | os.PathLike | None, *, split: str = "train", vocab_s
     return _load_text(p, split)
 
 
-def _check_hosts(batch_size, process_index, process_count):
+def _check_hosts(batch_size: int, process_index: int, process_count: int) -> None:
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size {batch_size!r} must be a positive integer")
     if not isinstance(process_count, int) or process_count < 1:
@@ -301,7 +328,7 @@ def _check_hosts(batch_size, process_index, process_count):
     return batch_size // process_count
 
 
-def _check_seed_step(seed, step):
+def _check_seed_step(seed: int, step: int) -> None:
     if not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed {seed!r} must be a non-negative integer")
     if not isinstance(step, (int, np.integer)) or step < 0:
@@ -377,7 +404,7 @@ class ImageSource:
         return int(self.images.shape[0])
 
 
-def _resize(img, image_size: int):
+def _resize(img: Any, image_size: int) -> Any:
     from PIL import Image
 
     return img.resize((image_size, image_size), Image.Resampling.BILINEAR)
@@ -476,6 +503,8 @@ def load_images(path: str | os.PathLike | None, *, image_size: int, split: str |
         source = _load_digits(image_size)
     else:
         folder = Path(path)
+        if folder.exists():
+            check_regular(folder, "image folder")
         if not folder.is_dir():
             raise FileNotFoundError(
                 f"image folder {str(path)!r} does not exist or is not a directory; accepted: "

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-ACTIVATIONS = ("swiglu", "gelu")
+from jaxring.tensor.contract import ACTIVATIONS
+
 GROUPED_MATMULS = ("auto", "ragged_dot", "blocked")
 
 

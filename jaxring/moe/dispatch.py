@@ -49,15 +49,15 @@ class Assignments(NamedTuple):
     starts: jax.Array  # int32 [E]: first sorted row of each expert
 
 
-def _exclusive_cumsum(x, axis=-1):
+def _exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
     return jnp.cumsum(x, axis=axis) - x
 
 
-def _inverse_permutation(perm):
+def _inverse_permutation(perm: jax.Array) -> jax.Array:
     return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
 
 
-def sort_by_expert(experts, num_experts: int) -> Assignments:
+def sort_by_expert(experts: jax.Array, num_experts: int) -> Assignments:
     """experts int32 [T, k] -> the assignments sorted by expert, choice-rank-major within an expert."""
     num_tokens = experts.shape[0]
     flat = experts.T.reshape(-1)  # i = j*T + t
@@ -66,14 +66,14 @@ def sort_by_expert(experts, num_experts: int) -> Assignments:
     return Assignments(order, order % num_tokens, flat[order], counts, _exclusive_cumsum(counts))
 
 
-def combine(rows, assignments: Assignments, gates):
+def combine(rows: jax.Array, assignments: Assignments, gates: jax.Array) -> jax.Array:
     """Sorted expert outputs [T*k, h] -> sum_j gates[t, j] * out(t, j): fp32 [T, h]."""
     num_tokens, k = gates.shape
     out = rows[_inverse_permutation(assignments.order)].reshape(k, num_tokens, -1)
     return jnp.einsum("kth,tk->th", out.astype(jnp.float32), gates)
 
 
-def _slots(x, assignments: Assignments, starts, counts, size: int):
+def _slots(x: jax.Array, assignments: Assignments, starts: jax.Array, counts: jax.Array, size: int) -> jax.Array:
     """[len(starts), size, h]: slot (g, c) = x[token of sorted row starts[g] + c] if c < counts[g], else 0."""
     c = jnp.arange(size, dtype=jnp.int32)
     row = jnp.minimum(starts[:, None] + c[None], assignments.token.shape[0] - 1)
@@ -84,22 +84,22 @@ def _slots(x, assignments: Assignments, starts, counts, size: int):
 # -------------------------------------------------------------------------------------------- dropless
 
 
-def _grouped(rows, experts, group_sizes, config: MoEConfig):
+def _grouped(rows: jax.Array, experts: dict, group_sizes: jax.Array, config: MoEConfig) -> jax.Array:
     return grouped_ffn(rows, experts, group_sizes, config.activation, config.grouped_matmul, config.block_rows)
 
 
-def dropless_local(x, assignments: Assignments, experts, config: MoEConfig):
+def dropless_local(x: jax.Array, assignments: Assignments, experts: dict, config: MoEConfig) -> jax.Array:
     """All experts on this device: x [T, h] -> sorted expert outputs [T*k, h]."""
     return _grouped(x[assignments.token], experts, assignments.counts, config)
 
 
-def _regroup_received(recv_counts, buffer_rows: int):
+def _regroup_received(recv_counts: jax.Array, buffer_rows: int) -> tuple[jax.Array, jax.Array]:
     """Where each received row goes in the expert-grouped order, and the group sizes.
 
     recv_counts int32 [ep(source), E_l]: rows from source s are its experts' rows in expert order, then
     padding. Returns position int32 [ep*B] (padding rows after all real ones) and group_sizes int32 [E_l].
     """
-    ep, experts_local = recv_counts.shape
+    _ep, experts_local = recv_counts.shape
     chunk_start = _exclusive_cumsum(recv_counts, axis=1)  # within a source's buffer
     chunk_end = chunk_start + recv_counts
     p = jnp.arange(buffer_rows, dtype=jnp.int32)
@@ -120,7 +120,9 @@ def _regroup_received(recv_counts, buffer_rows: int):
     return position, group_sizes
 
 
-def dropless_exchange(x, assignments: Assignments, experts, config: MoEConfig, ep_axis: str, ep: int):
+def dropless_exchange(
+    x: jax.Array, assignments: Assignments, experts: dict, config: MoEConfig, ep_axis: str, ep: int
+) -> jax.Array:
     """Experts split over `ep_axis` (E_l = experts["w_in"].shape[0] here): x [T, h] -> sorted outputs
     [T*k, h], through two padded all_to_alls of [ep, B, h], B = T*min(k, E_l) (see the module docstring)."""
     num_tokens, hidden = x.shape
@@ -149,8 +151,14 @@ def dropless_exchange(x, assignments: Assignments, experts, config: MoEConfig, e
 
 
 def capacity_dispatch(
-    x, assignments: Assignments, capacity: int, experts, config: MoEConfig, ep_axis: str | None, ep: int
-):
+    x: jax.Array,
+    assignments: Assignments,
+    capacity: int,
+    experts: dict,
+    config: MoEConfig,
+    ep_axis: str | None,
+    ep: int,
+) -> tuple[jax.Array, jax.Array]:
     """x [T, h] -> (sorted expert outputs [T*k, h] with dropped rows 0, dropped count int32 scalar)."""
     num_experts = assignments.counts.shape[0]
     hidden = x.shape[-1]

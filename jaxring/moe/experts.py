@@ -25,47 +25,44 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxring.moe.config import GROUPED_MATMULS
+from jaxring.tensor.contract import activate
 from jaxring.vma import common_vma, vary_like
 
 
-def _act(activation, up, gate):
-    if activation == "swiglu":
-        return jax.nn.silu(gate) * up
-    return jax.nn.gelu(up, approximate=True)
-
-
-def _ffn(x, w, activation):
+def _ffn(x: jax.Array, w: dict, activation: str) -> jax.Array:
     up = x @ w["w_in"]
-    return _act(activation, up, x @ w["w_gate"] if activation == "swiglu" else None) @ w["w_out"]
+    return activate(up, x @ w["w_gate"] if activation == "swiglu" else None, activation) @ w["w_out"]
 
 
-def _exclusive_cumsum(x):
+def _exclusive_cumsum(x: jax.Array) -> jax.Array:
     return jnp.cumsum(x) - x
 
 
-def _group_of(positions, ends):
+def _group_of(positions: jax.Array, ends: jax.Array) -> jax.Array:
     """The group of each position, for groups ending (exclusive) at `ends`; len(ends) past the last."""
     return jnp.sum(positions[:, None] >= ends[None, :], axis=1)
 
 
-def _expert(experts, e):
+def _expert(experts: dict, e: jax.Array) -> dict:
     return {name: lax.dynamic_index_in_dim(w, e, keepdims=False) for name, w in experts.items()}
 
 
-def _blocks_forward(activation, blocks, block_expert, block_used, experts):
+def _blocks_forward(
+    activation: str, blocks: jax.Array, block_expert: jax.Array, block_used: jax.Array, experts: dict
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """Scan over row blocks [n, bm, h], block b through expert block_expert[b], skipped unless block_used[b]:
     (out [n, bm, h], up [n, bm, f], gate [n, bm, f] or [n, 0])."""
     bm = blocks.shape[1]
     f = experts["w_in"].shape[-1]
     gate_width = f if activation == "swiglu" else 0
 
-    def run(x, e):
+    def run(x: jax.Array, e: jax.Array) -> tuple:
         w = _expert(experts, e)
         up = x @ w["w_in"]
         gate = x @ w["w_gate"] if activation == "swiglu" else vary_like(jnp.zeros((bm, 0), x.dtype), x)
-        return _act(activation, up, gate) @ w["w_out"], up, gate
+        return activate(up, gate, activation) @ w["w_out"], up, gate
 
-    def skip(x, e):
+    def skip(x: jax.Array, e: jax.Array) -> tuple:
         return (
             jnp.zeros_like(x),
             vary_like(jnp.zeros((bm, f), x.dtype), x),
@@ -79,26 +76,32 @@ def _blocks_forward(activation, blocks, block_expert, block_used, experts):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _blocks_ffn(activation, blocks, block_expert, block_used, experts):
+def _blocks_ffn(
+    activation: str, blocks: jax.Array, block_expert: jax.Array, block_used: jax.Array, experts: dict
+) -> jax.Array:
     """The blocked grouped FFN with a hand-written backward: both passes skip unused blocks at run time and
     save only up/gate per block (autodiff of a cond inside a scan would stack the weights per block)."""
     return _blocks_forward(activation, blocks, block_expert, block_used, experts)[0]
 
 
-def _blocks_ffn_fwd(activation, blocks, block_expert, block_used, experts):
+def _blocks_ffn_fwd(
+    activation: str, blocks: jax.Array, block_expert: jax.Array, block_used: jax.Array, experts: dict
+) -> tuple[jax.Array, tuple]:
     out, up, gate = _blocks_forward(activation, blocks, block_expert, block_used, experts)
     return out, (blocks, block_expert, block_used, experts, up, gate)
 
 
-def _blocks_ffn_bwd(activation, residuals, d_out):
+def _blocks_ffn_bwd(activation: str, residuals: tuple, d_out: jax.Array) -> tuple:
     blocks, block_expert, block_used, experts, up, gate = residuals
 
-    def run(dw, x, e, up, gate, dy):
+    def run(
+        dw: dict, x: jax.Array, e: jax.Array, up: jax.Array, gate: jax.Array | None, dy: jax.Array
+    ) -> tuple[dict, jax.Array]:
         w = _expert(experts, e)
         if activation == "swiglu":
-            h, act_vjp = jax.vjp(lambda u, g: _act(activation, u, g), up, gate)
+            h, act_vjp = jax.vjp(lambda u, g: activate(u, g, activation), up, gate)
         else:
-            h, act_vjp = jax.vjp(lambda u: _act(activation, u, None), up)
+            h, act_vjp = jax.vjp(lambda u: activate(u, None, activation), up)
         dh = dy @ w["w_out"].T
         d_act = act_vjp(dh)
         dx = d_act[0] @ w["w_in"].T
@@ -108,10 +111,12 @@ def _blocks_ffn_bwd(activation, residuals, d_out):
             grads["w_gate"] = x.T @ d_act[1]
         return {n: dw[n].at[e].add(grads[n].astype(jnp.float32)) for n in dw}, dx.astype(x.dtype)
 
-    def skip(dw, x, e, up, gate, dy):
+    def skip(
+        dw: dict, x: jax.Array, e: jax.Array, up: jax.Array, gate: jax.Array | None, dy: jax.Array
+    ) -> tuple[dict, jax.Array]:
         return dw, jnp.zeros_like(x)
 
-    def step(dw, b):
+    def step(dw: dict, b: tuple) -> tuple[dict, jax.Array]:
         x, e, used, up, gate, dy = b
         return lax.cond(used, run, skip, dw, x, e, up, gate, dy)
 
@@ -123,7 +128,14 @@ def _blocks_ffn_bwd(activation, residuals, d_out):
 _blocks_ffn.defvjp(_blocks_ffn_fwd, _blocks_ffn_bwd)
 
 
-def grouped_ffn(rows, experts, group_sizes, activation: str, implementation: str = "auto", block_rows: int = 128):
+def grouped_ffn(
+    rows: jax.Array,
+    experts: dict,
+    group_sizes: jax.Array,
+    activation: str,
+    implementation: str = "auto",
+    block_rows: int = 128,
+) -> jax.Array:
     """rows [M, h] grouped by expert, experts {"w_in", "w_gate"?, "w_out"} [E_local, ...], group_sizes int32
     [E_local] -> [M, h] (partial over tp). implementation: "ragged_dot", "blocked", or "auto" (blocked on
     CPU, ragged_dot elsewhere)."""
@@ -133,7 +145,7 @@ def grouped_ffn(rows, experts, group_sizes, activation: str, implementation: str
     if implementation == "ragged_dot":
         up = lax.ragged_dot(rows, experts["w_in"], group_sizes)
         gate = lax.ragged_dot(rows, experts["w_gate"], group_sizes) if activation == "swiglu" else None
-        return lax.ragged_dot(_act(activation, up, gate), experts["w_out"], group_sizes)
+        return lax.ragged_dot(activate(up, gate, activation), experts["w_out"], group_sizes)
     if implementation != "blocked":
         raise ValueError(f"grouped matmul {implementation!r} must be one of {', '.join(GROUPED_MATMULS)}")
 
@@ -161,16 +173,16 @@ def grouped_ffn(rows, experts, group_sizes, activation: str, implementation: str
     return jnp.where((gr < num_groups)[:, None], out, jnp.zeros((), out.dtype))
 
 
-def batched_ffn(slots, experts, activation: str):
+def batched_ffn(slots: jax.Array, experts: dict, activation: str) -> jax.Array:
     """slots [E_local, C, h] (row c of expert e's buffer) -> [E_local, C, h] (partial over tp); empty slots
     hold zeros and give zeros (no biases)."""
     slots, experts = common_vma(slots, experts)
     up = jnp.einsum("ech,ehf->ecf", slots, experts["w_in"])
     gate = jnp.einsum("ech,ehf->ecf", slots, experts["w_gate"]) if activation == "swiglu" else None
-    return jnp.einsum("ecf,efh->ech", _act(activation, up, gate), experts["w_out"])
+    return jnp.einsum("ecf,efh->ech", activate(up, gate, activation), experts["w_out"])
 
 
-def dense_ffn(x, weights, activation: str):
+def dense_ffn(x: jax.Array, weights: dict, activation: str) -> jax.Array:
     """x [T, h], weights {"w_in", "w_gate"?: [h, f], "w_out": [f, h]} -> [T, h] (partial over tp)."""
     x, weights = common_vma(x, weights)
     return _ffn(x, weights, activation)

@@ -14,6 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxring.mesh import DATA_AXES
@@ -39,7 +40,7 @@ def _axis_size(name: str | None, role: str) -> int:
         ) from None
 
 
-def _check_params(params, config: MoEConfig, hidden: int, ep: int, tp: int):
+def _check_params(params: dict, config: MoEConfig, hidden: int, ep: int, tp: int) -> None:
     num_experts, experts_local = config.num_experts, config.num_experts // ep
     if params["router"].shape != (hidden, num_experts):
         raise ValueError(
@@ -60,14 +61,14 @@ def _check_params(params, config: MoEConfig, hidden: int, ep: int, tp: int):
 
 
 def moe_ffn(
-    x,
-    params,
+    x: jax.Array,
+    params: dict,
     *,
     config: MoEConfig,
     ep_axis: str | None = "ep",
     tp_axis: str | None = None,
     token_axes: tuple[str, ...] | None = None,
-):
+) -> tuple[jax.Array, dict]:
     """The MoE FFN on this device's tokens.
 
     Args:
@@ -161,13 +162,13 @@ def param_specs(config: MoEConfig, ep_axis: str | None = "ep", tp_axis: str | No
     return specs
 
 
-def sharded_moe_ffn(x, params, *, mesh, config: MoEConfig):
+def sharded_moe_ffn(x: jax.Array, params: dict, *, mesh: Mesh, config: MoEConfig) -> tuple[jax.Array, dict]:
     """moe_ffn on global arrays over a jaxring mesh: x [batch, seq, hidden] with batch over dp, fsdp, ep and
     seq over sp; experts over ep, their FFN over tp. Returns (y global, stats)."""
     x_spec = P(DATA_AXES, "sp", None)
     specs = {k: v for k, v in param_specs(config).items() if k in params}
 
-    def local(x, params):
+    def local(x: jax.Array, params: dict) -> tuple[jax.Array, dict]:
         return moe_ffn(x, params, config=config, ep_axis="ep", tp_axis="tp")
 
     return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, specs), out_specs=(x_spec, P()))(x, params)

@@ -14,7 +14,7 @@ class RouterBias(nnx.Variable):
     """DeepSeek-V3's selection bias [E]: not a Param (no gradient, no optimizer), set by update_router_bias."""
 
 
-def _param(rngs, shape, logical_axes, std):
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], logical_axes: tuple, std: float) -> nnx.Param:
     return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) * std, logical_axes=logical_axes)
 
 
@@ -81,7 +81,12 @@ class MoE(nnx.Module):
         return out
 
     def __call__(
-        self, x, *, ep_axis: str | None = "ep", tp_axis: str | None = None, token_axes: tuple[str, ...] | None = None
-    ):
+        self,
+        x: jax.Array,
+        *,
+        ep_axis: str | None = "ep",
+        tp_axis: str | None = None,
+        token_axes: tuple[str, ...] | None = None,
+    ) -> tuple[jax.Array, dict]:
         """x [batch, seq, hidden] local tokens -> (y [batch, seq, hidden], stats); see moe_ffn."""
         return moe_ffn(x, self.params(), config=self.config, ep_axis=ep_axis, tp_axis=tp_axis, token_axes=token_axes)

@@ -37,7 +37,7 @@ class Routing(NamedTuple):
     probs: jax.Array  # fp32 [T, E]
 
 
-def route(x, router, config: MoEConfig, bias=None) -> Routing:
+def route(x: jax.Array, router: jax.Array, config: MoEConfig, bias: jax.Array | None = None) -> Routing:
     """x [T, h] (any float dtype), router [h, E]; bias [E] or None (selection only, never in the gates)."""
     logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
     probs = jax.nn.softmax(logits, axis=-1)
@@ -49,12 +49,14 @@ def route(x, router, config: MoEConfig, bias=None) -> Routing:
     return Routing(experts.astype(jnp.int32), gates, logits, probs)
 
 
-def sum_over(x, axes: tuple[str, ...]):
+def sum_over(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """psum over `axes` (x first made varying over them), or x itself when there are none."""
     return lax.psum(vary(x, axes), axes) if axes else x
 
 
-def balance_losses(routing: Routing, load, num_tokens, token_axes: tuple[str, ...]):
+def balance_losses(
+    routing: Routing, load: jax.Array, num_tokens: jax.typing.ArrayLike, token_axes: tuple[str, ...]
+) -> tuple[jax.Array, jax.Array]:
     """(aux, z) fp32 scalars over the whole batch.
 
     load: int32 [E] assignments per expert over the whole batch; num_tokens: N, the batch's token count;
@@ -69,7 +71,7 @@ def balance_losses(routing: Routing, load, num_tokens, token_axes: tuple[str, ..
     return aux, z
 
 
-def update_router_bias(bias, load, rate: float = 1e-3):
+def update_router_bias(bias: jax.Array, load: jax.Array, rate: float = 1e-3) -> jax.Array:
     """DeepSeek-V3's aux-loss-free balancing: b_e += rate * sign(mean load - load_e), outside the gradient.
 
     bias: fp32 [E]; load: [E] assignments per expert of the last step (stats["load"]). Overloaded experts

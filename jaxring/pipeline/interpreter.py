@@ -22,6 +22,7 @@ per stage boundary per step (v·m forward over each link for interleaved, (v-1)�
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -40,15 +41,15 @@ def pipeline_loss_and_grads(
     embed_fn: Callable,
     stage_fn: Callable,
     loss_fn: Callable,
-    stage_params,
-    shared_params,
-    microbatches,
+    stage_params: Any,
+    shared_params: Any,
+    microbatches: Any,
     axis_name: str = "pp",
-    data_axes=None,
+    data_axes: tuple[str, ...] | None = None,
     reduce_data_axes: bool = True,
     poison: bool = False,
     stage_permute: str | None = None,
-):
+) -> tuple[jax.Array, Any, Any, Any]:
     """Loss and gradients of `loss_fn(head(stage_fn^(v·p)(embed_fn(mb))))` summed over micro-batches, pipelined.
 
     Call inside `jax.shard_map` (check_vma=True or False) over a mesh with `axis_name` of size
@@ -332,7 +333,13 @@ class _Interpreter:
         return {IDLE: idle, F: forward, B: backward, BW: backward, W: weight}[branch.kind]
 
     # ---- ticks ----
-    _SLOT = {"x": "x_slot", "dy": "dy_slot", "res": "res_slot", "wres": "wres_slot", "stash": "stash_slot"}
+    _SLOT: ClassVar[dict[str, str]] = {
+        "x": "x_slot",
+        "dy": "dy_slot",
+        "res": "res_slot",
+        "wres": "wres_slot",
+        "stash": "stash_slot",
+    }
 
     def _tick(self, state, t, branches: list[Branch], fwd_pairs, bwd_pairs):
         row = self.table[t, self.stage]

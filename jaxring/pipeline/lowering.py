@@ -16,6 +16,7 @@ every stage). So the residual buffer holds m slots for gpipe and at most p for 1
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable
 
 import numpy as np
 
@@ -75,12 +76,12 @@ class Lowered:
 class _Slots:
     """Per-stage slot allocator for one buffer: lowest free slot first."""
 
-    def __init__(self, p):
+    def __init__(self, p: int):
         self.free = [[] for _ in range(p)]
         self.size = [0] * p
         self.where: dict = {}
 
-    def take(self, s, key) -> int:
+    def take(self, s: int, key: Hashable) -> int:
         if self.free[s]:
             slot = min(self.free[s])
             self.free[s].remove(slot)
@@ -90,7 +91,7 @@ class _Slots:
         self.where[(s, key)] = slot
         return slot
 
-    def give(self, s, key) -> int:
+    def give(self, s: int, key: Hashable) -> int:
         slot = self.where.pop((s, key))
         self.free[s].append(slot)
         return slot

@@ -25,6 +25,7 @@ tick t+1), without reordering a stage's actions:
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -70,7 +71,7 @@ class Schedule:
         """The table as text: one row per stage, one column per tick; cells like F3 (F of micro-batch 3), with
         the chunk after a colon when v > 1 (F3:1)."""
 
-        def cell(t, s):
+        def cell(t: int, s: int) -> str:
             k = int(self.kind[t, s])
             if k == IDLE:
                 return "."
@@ -88,7 +89,9 @@ class Schedule:
         )
 
 
-def make_schedule(name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1, **options) -> Schedule:
+def make_schedule(
+    name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1, **options: Any
+) -> Schedule:
     """The table of the registered schedule `name` for p = num_stages, m = num_microbatches and its options
     (the interleaved schedule's `virtual_stages`: v chunks per stage)."""
     entry = pipeline_schedule(name)
@@ -115,11 +118,11 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, virtual_sta
 # Each order is a list of (kind, microbatch, chunk) for one stage.
 
 
-def _gpipe(s, p, m, v):
+def _gpipe(s: int, p: int, m: int, v: int) -> list[tuple[int, int, int]]:
     return [(F, i, 0) for i in range(m)] + [(BW, i, 0) for i in range(m)]
 
 
-def _one_f_one_b(s, p, m, v):
+def _one_f_one_b(s: int, p: int, m: int, v: int) -> list[tuple[int, int, int]]:
     warmup = min(p - 1 - s, m)
     order = [(F, i, 0) for i in range(warmup)]
     for i in range(m - warmup):
@@ -127,8 +130,8 @@ def _one_f_one_b(s, p, m, v):
     return order + [(BW, i, 0) for i in range(m - warmup, m)]
 
 
-def _interleaved(s, p, m, v):
-    def unit(k, backward):  # the k-th chunk-step of this stage: (microbatch, chunk)
+def _interleaved(s: int, p: int, m: int, v: int) -> list[tuple[int, int, int]]:
+    def unit(k: int, backward: bool) -> tuple[int, int]:  # the k-th chunk-step of this stage: (microbatch, chunk)
         group, r = divmod(k, p * v)
         c = r // p
         return group * p + r % p, (v - 1 - c if backward else c)
@@ -141,7 +144,7 @@ def _interleaved(s, p, m, v):
     return order + [(BW, *unit(k, True)) for k in range(total - warmup, total)]
 
 
-def _zero_bubble_h1(s, p, m, v):
+def _zero_bubble_h1(s: int, p: int, m: int, v: int) -> list[tuple[int, int, int]]:
     warmup = p - 1 - s
     order = [(F, i, 0) for i in range(warmup)]
     f, b, w = warmup, 0, 0
@@ -157,7 +160,7 @@ def _zero_bubble_h1(s, p, m, v):
     return order + [(W, i, 0) for i in range(w, m)]  # the held-back Ws fill the tail
 
 
-def _timetable(orders, p, v):
+def _timetable(orders: list[list[tuple[int, int, int]]], p: int, v: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Places each stage's ordered actions on ticks as early as their inputs allow (lockstep, one per tick)."""
     last = v * p - 1
     done: dict[tuple[int, int, int], int] = {}  # (kind, microbatch, virtual stage) -> tick it ran
@@ -171,7 +174,7 @@ def _timetable(orders, p, v):
                 continue
             kind, i, c = orders[s][position[s]]
             vs = c * p + s
-            before = lambda k, stage: done.get((k, i, stage), t) < t
+            before = lambda k, stage, i=i, t=t: done.get((k, i, stage), t) < t
             if kind == F:
                 ready = vs == 0 or before(F, vs - 1)
             elif kind in (B, BW):
@@ -194,7 +197,7 @@ def _timetable(orders, p, v):
 # ---------------------------------------------------------------------------------------- registry entries
 
 
-def _check_virtual_stages(v, pp: int) -> None:
+def _check_virtual_stages(v: int, pp: int) -> None:
     del pp
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 2:
         raise ValueError(

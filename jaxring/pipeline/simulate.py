@@ -25,6 +25,8 @@ for split backwards): what the stage holds residuals for. It depends on the tabl
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -49,7 +51,7 @@ class Simulation:
         return (self.makespan - self.busy) / self.busy
 
 
-def _costs(costs) -> dict:
+def _costs(costs: str | Mapping[str, float]) -> dict:
     if isinstance(costs, str):
         if costs not in COSTS:
             raise ValueError(f"costs {costs!r} must be one of {sorted(COSTS)} or a dict of action costs")
@@ -57,7 +59,7 @@ def _costs(costs) -> dict:
     return dict(costs)
 
 
-def simulate(schedule: Schedule, costs="paper", lockstep: bool = False) -> Simulation:
+def simulate(schedule: Schedule, costs: str | Mapping[str, float] = "paper", lockstep: bool = False) -> Simulation:
     """Times the table's actions (see the module docstring) and counts in-flight micro-batches."""
     costs = _costs(costs)
     p, v = schedule.num_stages, schedule.virtual_stages
@@ -115,14 +117,16 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
     return peaks
 
 
-def bubble_fraction(schedule: Schedule, costs="paper", lockstep: bool = False) -> float:
+def bubble_fraction(schedule: Schedule, costs: str | Mapping[str, float] = "paper", lockstep: bool = False) -> float:
     return simulate(schedule, costs, lockstep).bubble
 
 
 _COLORS = {F: "#4c72b0", B: "#55a868", W: "#c4ad66", BW: "#dd8452"}
 
 
-def plot_schedule(schedule: Schedule, costs="unit", lockstep: bool = True, ax=None):
+def plot_schedule(
+    schedule: Schedule, costs: str | Mapping[str, float] = "unit", lockstep: bool = True, ax: Any = None
+) -> Any:
     """Draws the timeline (stages down, time across; boxes labelled with the micro-batch, chunk after a colon)
     with matplotlib and returns the axes."""
     import matplotlib.pyplot as plt

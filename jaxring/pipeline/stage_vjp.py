@@ -13,7 +13,7 @@ inside the caller's shard_map, so collectives and varying axes are those of the 
 Residuals that depend only on the chunk's parameters (the weights themselves, their casts) are not stored per
 micro-batch: the backward recomputes them from the parameters (a cast at most; usually they are the parameters).
 
-The B/W split is jax's own partial evaluator (`partial_eval_jaxpr_nounits`, the machinery of `jax.linearize`)
+The B/W split is jax's own partial evaluator (`compat.partial_eval_jaxpr`, the machinery of `jax.linearize`)
 run on the backward jaxpr with the "W-only" residuals (those the input gradient does not read, e.g. each
 matmul's input) marked unknown: everything that does not need them (the whole input-gradient chain) is B; what
 does (the weight-gradient matmuls) is W, and the values W needs from B (the gradients at each layer's matmul
@@ -24,23 +24,20 @@ is exactly the whole backward, as in the zero-bubble paper (Qi et al. 2023, sect
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax._src.interpreters import partial_eval as pe
-from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
+
+from jaxring import compat
+from jaxring.compat import ClosedJaxpr
 
 
-def _eval(closed: ClosedJaxpr, args: list) -> list:
-    return jaxpr_as_fun(closed)(*args)
+def _used_inputs(jaxpr: Any, used_outputs: Sequence[bool]) -> list[bool]:
+    return compat.dce_jaxpr(jaxpr, list(used_outputs))[1]
 
 
-def _used_inputs(jaxpr, used_outputs) -> list[bool]:
-    return pe.dce_jaxpr(jaxpr, list(used_outputs))[1]
-
-
-def _pick(values, flags):
+def _pick(values: Sequence, flags: Sequence[bool]) -> list:
     return [v for v, f in zip(values, flags) if f]
 
 
@@ -61,12 +58,12 @@ class StageVJP:
     split: SplitBackward | None = None
 
     def forward(self, chunk: list, x: list, mb: list) -> tuple[list, list]:
-        out = _eval(self.fwd, [*chunk, *x, *mb])
+        out = compat.eval_closed_jaxpr(self.fwd, [*chunk, *x, *mb])
         nx = len(x)
         return out[:nx], out[nx:]
 
     def backward(self, chunk: list, saved: list, dy: list, mb: list) -> tuple[list, list]:
-        out = _eval(self.bwd, _pick([*chunk, *saved, *dy, *mb], self.bwd_used))
+        out = compat.eval_closed_jaxpr(self.bwd, _pick([*chunk, *saved, *dy, *mb], self.bwd_used))
         nc = len(chunk)
         return out[:nc], out[nc:]
 
@@ -91,12 +88,12 @@ class SplitBackward:
     # | ("const", value)
     w_unknown_inputs: list[int]  # saved indices of w_jaxpr's unknown inputs (in order)
 
-    def backward_input(self, chunk: list, saved_b: list, dy: list, mb: list):
+    def backward_input(self, chunk: list, saved_b: list, dy: list, mb: list) -> tuple[list, list, list]:
         """B: -> (dx leaves, stash leaves, {chunk leaf index: gradient} for the early leaves)."""
         saved = dict(zip(self.saved_b, saved_b))
         source = {"chunk": chunk, "dy": dy, "mb": mb}
         args = [saved[i] if kind == "saved" else source[kind][i] for kind, i in self.b_inputs]
-        out = _eval(self.b_jaxpr, args)
+        out = compat.eval_closed_jaxpr(self.b_jaxpr, args)
         known, residuals = out[: self.n_known_out], out[self.n_known_out :]
         dx = [known[i] for i in self.b_dx]
         early = {leaf: known[i] for leaf, i in zip(self.early_leaves, self.b_early)}
@@ -107,11 +104,11 @@ class SplitBackward:
         saved = dict(zip(self.saved_w, saved_w))
         source = {"stash": stash, "chunk": chunk, "mb": mb}
         residuals = [value if kind == "const" else source[kind][value] for kind, value in self.w_residuals]
-        out = _eval(self.w_jaxpr, [*residuals, *(saved[i] for i in self.w_unknown_inputs)])
+        out = compat.eval_closed_jaxpr(self.w_jaxpr, [*residuals, *(saved[i] for i in self.w_unknown_inputs)])
         return dict(zip(self.late_leaves, out))
 
 
-def stage_vjp(stage_fn: Callable, chunk, x, mb, *, split: bool) -> StageVJP:
+def stage_vjp(stage_fn: Callable, chunk: Any, x: Any, mb: Any, *, split: bool) -> StageVJP:
     """Traces `stage_fn(chunk, x, mb) -> y` (y like x) at these example values (tracers inside shard_map are fine;
     only their types are used) into a `StageVJP`; `split=True` also builds the B/W split."""
     chunk_leaves, chunk_tree = jax.tree.flatten(chunk)
@@ -120,7 +117,7 @@ def stage_vjp(stage_fn: Callable, chunk, x, mb, *, split: bool) -> StageVJP:
     nc, nx, nm = len(chunk_leaves), len(x_leaves), len(mb_leaves)
     rebuild = lambda c, xs, ms: (chunk_tree.unflatten(c), x_tree.unflatten(xs), mb_tree.unflatten(ms))
 
-    def fwd_all(c, xs, ms):
+    def fwd_all(c: Any, xs: Any, ms: Any) -> tuple[list, list]:
         chunk_, x_, mb_ = rebuild(c, xs, ms)
         y, vjp_fn = jax.vjp(lambda c_, x__: stage_fn(c_, x__, mb_), chunk_, x_)
         y_leaves, y_tree = jax.tree.flatten(y)
@@ -143,10 +140,10 @@ def stage_vjp(stage_fn: Callable, chunk, x, mb, *, split: bool) -> StageVJP:
         if any(used[nc:]):
             saved_idx.append(k)
     keep = [True] * nx + [k in saved_idx for k in range(n_res)]
-    fwd = ClosedJaxpr(pe.dce_jaxpr(full.jaxpr, keep, instantiate=True)[0], full.consts)
+    fwd = compat.close_jaxpr(compat.dce_jaxpr(full.jaxpr, keep, instantiate=True)[0], full.consts)
     saved_avals = [full.out_avals[nx + k] for k in saved_idx]
 
-    def bwd_all(c, saved, dys, ms, x_like):
+    def bwd_all(c: Any, saved: list, dys: list, ms: Any, x_like: Any) -> tuple[list, list]:
         chunk_, x_, mb_ = rebuild(c, x_like, ms)
         _, vjp_fn = jax.vjp(lambda c_, x__: stage_fn(c_, x__, mb_), chunk_, x_)
         leaves, tree = jax.tree.flatten(vjp_fn)
@@ -159,12 +156,12 @@ def stage_vjp(stage_fn: Callable, chunk, x, mb, *, split: bool) -> StageVJP:
 
     y_avals = full.out_avals[:nx]
     bwd_full = jax.make_jaxpr(bwd_all)(chunk_leaves, saved_avals, y_avals, mb_leaves, x_leaves)
-    bwd_jaxpr, used = pe.dce_jaxpr(bwd_full.jaxpr, [True] * len(bwd_full.out_avals))
+    bwd_jaxpr, used = compat.dce_jaxpr(bwd_full.jaxpr, [True] * len(bwd_full.out_avals))
     n_in = nc + len(saved_idx) + nx + nm
     if any(used[n_in:]):
         raise RuntimeError("the backward still reads the forward's input after its residuals were substituted")
     bwd_used = used[:n_in]
-    bwd = ClosedJaxpr(bwd_jaxpr, bwd_full.consts)
+    bwd = compat.close_jaxpr(bwd_jaxpr, bwd_full.consts)
     result = StageVJP(x_tree, chunk_tree, saved_avals, fwd, bwd, bwd_used)
     if split:
         result.split = _split(bwd, bwd_used, nc, len(saved_idx), nx, nm)
@@ -185,7 +182,7 @@ def _split(bwd: ClosedJaxpr, bwd_used: list[bool], nc: int, ns: int, nx: int, nm
     saved_b = sorted(i for (kind, i), r in zip(inputs, reads_b) if kind == "saved" and r)
     saved_w = sorted(i for (kind, i), r in zip(inputs, reads_b) if kind == "saved" and not r)
     unknowns = [kind == "saved" and i in saved_w for kind, i in inputs]
-    b_jaxpr, w_jaxpr, out_unknowns, _ = pe.partial_eval_jaxpr_nounits(bwd, unknowns, instantiate=False)
+    b_jaxpr, w_jaxpr, out_unknowns, _ = compat.partial_eval_jaxpr(bwd, unknowns, instantiate=False)
     if any(out_unknowns[nc:]):
         raise RuntimeError("the input gradient depends on a residual the dce said it does not read")
     known_positions = [j for j, u in enumerate(out_unknowns) if not u]
@@ -201,7 +198,7 @@ def _split(bwd: ClosedJaxpr, bwd_used: list[bool], nc: int, ns: int, nx: int, nm
     const_pos = {v: k for k, v in enumerate(jaxpr.constvars)}
     w_residuals, stash_from, stash_avals = [], [], []
     for r, var in enumerate(jaxpr.outvars[n_known_out:]):
-        if isinstance(var, Literal):
+        if compat.is_literal(var):
             w_residuals.append(("const", var.val))
         elif var in const_pos:
             w_residuals.append(("const", b_jaxpr.consts[const_pos[var]]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxring.analysis.compiled import _computations, _executions, _shape_bytes
 
@@ -36,7 +37,7 @@ def permute_bytes_by_pair(hlo_text: str) -> dict[tuple[int, int], int]:
     return moved
 
 
-def stage_link_bytes(hlo_text: str, mesh, axis_name: str = "pp") -> dict[tuple[int, int], int]:
+def stage_link_bytes(hlo_text: str, mesh: Mesh, axis_name: str = "pp") -> dict[tuple[int, int], int]:
     """{(source stage, target stage): bytes per replica} for a program compiled over `mesh` (device index i is
     mesh.devices.flat[i]). Raises if a permute connects devices that differ in another mesh axis, or if the
     replicas (the other axes' coordinates) do not all move the same bytes."""

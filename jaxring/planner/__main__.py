@@ -156,8 +156,8 @@ def run(args) -> int:
         args.device,
         args.devices,
         devices_per_node=args.devices_per_node,
-        intra_bw=args.intra_bw * gb if args.intra_bw else None,
-        inter_bw=args.inter_bw * gb if args.inter_bw else None,
+        intra_bw=args.intra_bw * gb if args.intra_bw is not None else None,
+        inter_bw=args.inter_bw * gb if args.inter_bw is not None else None,
         efficiency=args.efficiency,
         memory_fraction=args.memory_fraction,
     )

@@ -59,8 +59,8 @@ def auto_plan(spec, devices) -> tuple[dict, Result]:
     p = spec.parallel
     held = {k: getattr(p, k) for k in _HELD if getattr(p, k) is not None}
     held.update({k: v for k, v in p.options.items() if v is not None})
-    if t.remat != "none":
-        held["remat"] = t.remat  # --remat selective/full given: held; none (the default): searched
+    if spec.memory.remat != "none":
+        held["remat"] = spec.memory.remat  # --remat selective/full given: held; none (the default): searched
     result = search(w, cluster_of(list(devices)), only=held)
     return settings_of(result.best.candidate, w), result
 

@@ -13,8 +13,17 @@ The compute efficiency (fraction of dense bf16 peak a step's FLOPs run at) is st
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from jaxring.analysis.roofline import PEAKS
+from jaxring.devices import DEVICES as PEAKS
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,27 +88,33 @@ class Cluster:
     ) -> Cluster:
         if device not in DEVICES:
             raise ValueError(f"unknown device {device!r}; expected one of {', '.join(DEVICES)}")
-        if not isinstance(devices, int) or devices < 1:
+        if not _is_int(devices) or devices < 1:
             raise ValueError(f"devices {devices!r} must be a positive integer")
-        per_node = devices_per_node or min(devices, 8)
-        if not isinstance(per_node, int) or per_node < 1:
+        per_node = min(devices, 8) if devices_per_node is None else devices_per_node
+        if not _is_int(per_node) or per_node < 1:
             raise ValueError(f"devices per node {per_node!r} must be a positive integer")
-        if not 0 < efficiency <= 1:
-            raise ValueError(f"efficiency {efficiency} must be in (0, 1]")
-        if not 0 < memory_fraction <= 1:
-            raise ValueError(f"memory fraction {memory_fraction} must be in (0, 1]")
+        if devices > per_node and devices % per_node:
+            raise ValueError(
+                f"devices per node {per_node} does not divide the {devices} devices (nodes hold the same number "
+                f"of devices)"
+            )
+        for name, value in (("efficiency", efficiency), ("memory fraction", memory_fraction)):
+            if not _is_number(value) or not 0 < value <= 1:
+                raise ValueError(f"{name} {value!r} must be a number in (0, 1]")
         spec = DEVICES[device]
         if memory_bytes is not None:
+            if not _is_number(memory_bytes) or not math.isfinite(memory_bytes) or memory_bytes <= 0:
+                raise ValueError(f"memory bytes {memory_bytes!r} must be a finite number > 0")
             spec = dataclasses.replace(spec, memory_bytes=memory_bytes)
         for name, value in (("intra_bw", intra_bw), ("inter_bw", inter_bw)):
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} {value} must be positive (bytes per second)")
+            if value is not None and (not _is_number(value) or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{name} {value!r} must be a finite number > 0 (bytes per second)")
         return cls(
             spec,
             devices,
             per_node,
-            intra_bw or spec.nvlink_bytes_per_s,
-            inter_bw or spec.nic_bytes_per_s,
+            spec.nvlink_bytes_per_s if intra_bw is None else intra_bw,
+            spec.nic_bytes_per_s if inter_bw is None else inter_bw,
             efficiency=efficiency,
             memory_fraction=memory_fraction,
         )

@@ -44,6 +44,7 @@ import math
 
 from jaxring.costs import F32, AttentionCost, AttentionShape, LocalDims, ModelShape, Transfer
 from jaxring.planner.space import Candidate, Workload
+from jaxring.precision import BYTES_PER_ELEMENT as DTYPE_BYTES
 
 __all__ = [
     "DTYPE_BYTES",
@@ -61,7 +62,6 @@ __all__ = [
     "traffic",
 ]
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 # XLA:CPU sends bf16 collectives as f32 (convert, send, convert back): bytes measured on simulated CPU
 # devices are 4 per element whatever the precision.
 CPU_COLLECTIVE_BYTES = 4

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jaxring.costs import F32, AttentionCost, LocalDims, ModelShape, Transfer
 from jaxring.mesh import spec_entry
 from jaxring.registry import HasOptions, register_tensor_method
-from jaxring.rope import apply_rope
+from jaxring.rope import Rope, as_rope
 
 ACTIVATIONS = ("gelu", "swiglu")
 
@@ -43,6 +43,8 @@ MATMUL_OUTPUT = "jaxring_weight_matmul"
 # The name of a residual a custom_vjp keeps that is not a matmul output (METP attention's A_i and lse): selective
 # remat keeps it, rather than running the forward again in the backward.
 KEPT_RESIDUAL = "jaxring_kept_residual"
+# The name of a layer's input in the layer stack (`jaxring.nn.Layers`): host offload keeps it in host memory.
+LAYER_INPUT = "jaxring_layer_input"
 
 
 # ----------------------------------------------------------------------------------------- shared math
@@ -66,11 +68,61 @@ def split_heads(q, k, v, head_dim: int):
     return tuple(t.reshape(b, s, t.shape[-1] // head_dim, head_dim) for t in (q, k, v))
 
 
-def rope_qk(q, k, positions, rope_theta: float | None):
-    """RoPE on q and k [b, s, heads, d] at positions int [b, s] (identity when rope_theta is None)."""
-    if rope_theta is None:
+def rope_qk(q, k, positions, rope: Rope | float | None):
+    """RoPE on q and k [b, s, heads, d] at positions int [b, s] (identity when rope is None; a number is
+    plain RoPE's theta)."""
+    rope = as_rope(rope)
+    if rope is None:
         return q, k
-    return apply_rope(q, positions, rope_theta), apply_rope(k, positions, rope_theta)
+    return rope.apply(q, positions), rope.apply(k, positions)
+
+
+def add_bias(y, bias):
+    """y [..., n] + bias [n] (y unchanged when bias is None), in y's dtype."""
+    return y if bias is None else y + bias.astype(y.dtype)
+
+
+def head_norm(t, scale, *, eps: float):
+    """QK-norm: RMSNorm of each head [..., head_dim] with scale [head_dim] (fp32 math, t's dtype); identity
+    when scale is None."""
+    return t if scale is None else rms_norm(t, scale, eps=eps)
+
+
+def qk_norm_rope(q, k, w: dict, positions, rope: Rope | None, *, eps: float):
+    """The heads as attention sees them: QK-norm (when w has "q_norm"/"k_norm" [head_dim], Qwen3), then RoPE."""
+    q, k = head_norm(q, w.get("q_norm"), eps=eps), head_norm(k, w.get("k_norm"), eps=eps)
+    return rope_qk(q, k, positions, rope)
+
+
+def own_kv_head(w: dict, num_kv_heads: int, tp: int, head_dim: int, axis_name: str = "tp") -> dict:
+    """K/V heads replicated over a tensor group (num_kv_heads < tp, dividing it; Megatron-LM's way): w's wk,
+    wv [h, hkv·d] (and bk, bv) are whole on every rank, and rank r keeps its K/V head r // (tp / hkv). The
+    slice's transpose, with the weights typed replicated over the axis, sums the replicas' gradients.
+    Returns w unchanged when num_kv_heads >= tp."""
+    if num_kv_heads >= tp:
+        return w
+    head = jax.lax.axis_index(axis_name) // (tp // num_kv_heads)
+    w = dict(w)
+    for name in ("wk", "wv", "bk", "bv"):
+        if name in w:
+            w[name] = jax.lax.dynamic_slice_in_dim(w[name], head * head_dim, head_dim, axis=w[name].ndim - 1)
+    return w
+
+
+def check_kv_heads(num_heads: int, num_kv_heads: int, tp: int, method: str) -> None:
+    """Heads split over tp; K/V heads split too, or (fewer than tp) each replicated on tp / kv_heads ranks."""
+    if num_heads % tp:
+        raise ValueError(f"num_heads {num_heads} is not divisible by tp = {tp} ({method} splits the heads over tp)")
+    if num_kv_heads >= tp and num_kv_heads % tp:
+        raise ValueError(
+            f"num_kv_heads {num_kv_heads} is not divisible by tp = {tp} (kv heads >= tp are split over tp; "
+            f"fewer than tp must divide tp)"
+        )
+    if num_kv_heads < tp and tp % num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads {num_kv_heads} < tp = {tp} must divide tp (each kv head is replicated on "
+            f"tp / num_kv_heads ranks)"
+        )
 
 
 def merge_heads(out):
@@ -85,6 +137,13 @@ def layer_norm(x, scale, bias, *, eps: float = 1e-5):
     var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
     y = (xf - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32)
     return (y if bias is None else y + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def rms_norm(x, scale, *, eps: float = 1e-6):
+    """RMSNorm over the last dim in fp32, result in x.dtype: x · rsqrt(mean(x²) + eps) · scale."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps) * scale.astype(jnp.float32)
+    return y.astype(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,22 +227,44 @@ class TensorMethod(HasOptions):
         return x
 
     def norm(self, plan, x, scale, bias, *, eps: float = 1e-5):
+        """LayerNorm of the residual stream x [b, s_act, hidden] (local); scale, bias [hidden] (local blocks)."""
         return layer_norm(x, scale, bias, eps=eps)
 
+    def rms_norm(self, plan, x, scale, *, eps: float = 1e-6):
+        """RMSNorm of the residual stream x [b, s_act, hidden] (local); scale [hidden] (local block)."""
+        return rms_norm(x, scale, eps=eps)
+
     def attention(
-        self, plan, x, w: dict, positions, *, num_heads: int, num_kv_heads: int, head_dim: int, causal: bool, rope_theta
+        self,
+        plan,
+        x,
+        w: dict,
+        positions,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        causal: bool,
+        rope: Rope | None,
+        window: int | None = None,
+        norm_eps: float = 1e-6,
     ):
         """x [b, s_act, hidden]; w: wq [h, hq·d], wk/wv [h, hkv·d], wo [hq·d, h] (local blocks of the global
-        num_heads / num_kv_heads); positions int [b, s_tok]. Returns [b, s_act, hidden]."""
-        q, k, v = split_heads(x @ w["wq"], x @ w["wk"], x @ w["wv"], head_dim)
-        q, k = rope_qk(q, k, positions, rope_theta)
-        out = plan.attend(q, k, v, positions, causal=causal)
-        return merge_heads(out) @ w["wo"]
+        num_heads / num_kv_heads), optionally biases bq [hq·d], bk/bv [hkv·d], bo [h] and the QK-norm scales
+        q_norm/k_norm [d] (RMSNorm per head with eps `norm_eps`, before RoPE); positions int [b, s_tok];
+        window: a sliding window W (query i sees keys i - W < j <= i), None: unlimited. Returns [b, s_act, h]."""
+        q, k, v = (add_bias(x @ w[f"w{n}"], w.get(f"b{n}")) for n in "qkv")
+        q, k, v = split_heads(q, k, v, head_dim)
+        q, k = qk_norm_rope(q, k, w, positions, rope, eps=norm_eps)
+        out = plan.attend(q, k, v, positions, causal=causal, window=window)
+        return add_bias(merge_heads(out) @ w["wo"], w.get("bo"))
 
     def mlp(self, plan, x, w: dict, *, activation: str):
-        """x [b, s_act, hidden]; w: w_in [h, f] (and w_gate for swiglu), w_out [f, h] (local blocks)."""
-        gate = x @ w["w_gate"] if activation == "swiglu" else None
-        return activate(x @ w["w_in"], gate, activation) @ w["w_out"]
+        """x [b, s_act, hidden]; w: w_in [h, f] (and w_gate for swiglu), w_out [f, h] (local blocks), optionally
+        biases b_in, b_gate [f] and b_out [h]."""
+        gate = add_bias(x @ w["w_gate"], w.get("b_gate")) if activation == "swiglu" else None
+        h = activate(add_bias(x @ w["w_in"], w.get("b_in")), gate, activation)
+        return add_bias(h @ w["w_out"], w.get("b_out"))
 
     def moe(self, plan, x, moe):
         """(y, stats) of a `jaxring.moe.MoE` module on the residual stream x [b, s_act, hidden]: this device's
@@ -196,6 +277,19 @@ class TensorMethod(HasOptions):
         head = w.T if tied else w
         logits = (x @ head.astype(x.dtype)).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+    def local_rows(self, plan, seq_len: int) -> int:
+        """Tokens of the residual stream on a device: the rows a tiled MLP or loss cuts (seq / sp here)."""
+        return seq_len // plan.sp
+
+    def tile_targets(self, plan, targets, tiles: int):
+        """Token-layout targets [b, s_tok] arranged so that tile j of them (along axis 1) holds the targets of
+        tile j of the residual stream's rows (the identity when both layouts have the same rows)."""
+        return targets
+
+    def untile_losses(self, plan, losses, tiles: int):
+        """The inverse of `tile_targets` for per-token losses [b, s_tok]."""
+        return losses
 
     def activation_positions(self, plan, positions):
         """The positions [b, s_act] of the residual stream's tokens, from the token-layout positions [b, s_tok]

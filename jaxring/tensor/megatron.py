@@ -1,4 +1,4 @@
-"""Megatron-LM tensor parallelism with sequence parallelism (TP+SP), as in the Ultra-Scale Playbook (seed 003).
+"""Megatron-LM tensor parallelism with sequence parallelism (TP+SP), as in the Ultra-Scale Playbook [Playbook] (REFERENCES.md).
 
 A Transformer block on p = tp devices, with a local activation X_i of shape [b, s/p, h] on rank i:
 
@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring.attention.flash import flash_attention
+from jaxring.attention.masking import check_window
 from jaxring.costs import F32, LocalDims, ModelShape, Transfer
 from jaxring.mesh import DATA_AXES, mesh_axis_size, spec_entry
 from jaxring.registry import register_tensor_method
@@ -56,8 +57,10 @@ from jaxring.tensor.contract import (
     ParamInfo,
     TensorMethod,
     activate,
+    add_bias,
     modulation_gradients,
-    rope_qk,
+    own_kv_head,
+    qk_norm_rope,
 )
 from jaxring.vma import common_vma, gather_invariant, vary, varying_axes
 
@@ -218,12 +221,16 @@ def mlp(
     axis_name: str = "tp",
     sequence_parallel: bool = True,
     recompute_gather: bool = True,
+    b_in=None,
+    b_gate=None,
+    b_out=None,
 ):
     """Column-linear, activation, row-linear: gelu(X A) B, or SwiGLU (silu(X G) * (X A)) B.
 
     Args:
       x: [b, s/p, h] (sequence parallel) or [b, s, h] (plain TP). w_in, w_gate: local columns [h, ffn/p];
-      w_out: local rows [ffn/p, h].
+      w_out: local rows [ffn/p, h]. Optional biases: b_in, b_gate local [ffn/p] (added to the column outputs),
+      b_out [h] (added once, after the reduction).
     Returns: the same layout as x. The activation is recomputed in the backward (jax.checkpoint), so the
     block keeps x and the pre-activation(s) [b, s, ffn/p] after its forward.
     """
@@ -236,6 +243,7 @@ def mlp(
     kw = dict(axis_name=axis_name, sequence_parallel=sequence_parallel)
     ws = (w_in,) if w_gate is None else (w_in, w_gate)
     pre = column_parallel_linear(x, ws, recompute_gather=recompute_gather, **kw)
+    pre = tuple(add_bias(t, b) for t, b in zip(pre, (b_in, b_gate)))
 
     @jax.checkpoint  # saves pre and w_out; the activation is recomputed for dB = act(pre)ᵀ dO
     def act_linear(pre, w_out):
@@ -245,7 +253,8 @@ def mlp(
     if w_out.ndim != 2 or w_out.shape[0] != pre[0].shape[-1]:
         raise ValueError(f"w_out shape {w_out.shape} must be [ffn/p, hidden] with ffn/p = {pre[0].shape[-1]}")
     partial = act_linear(pre, w_out)  # row-linear, partial sums
-    return scatter_to_sp(partial, axis_name) if sequence_parallel else reduce_from_tp(partial, axis_name)
+    out = scatter_to_sp(partial, axis_name) if sequence_parallel else reduce_from_tp(partial, axis_name)
+    return add_bias(out, b_out)
 
 
 def attention(
@@ -258,11 +267,14 @@ def attention(
     *,
     head_dim: int,
     causal: bool = True,
-    rope_theta: float | None = 10000.0,
+    rope_theta=10000.0,
     axis_name: str = "tp",
     sequence_parallel: bool = True,
     recompute_gather: bool = True,
     attend=None,
+    extras: dict | None = None,
+    norm_eps: float = 1e-6,
+    window: int | None = None,
 ):
     """Self-attention with heads split over `axis_name`: Q, K, V column-linears, attention on the local heads
     over the whole (tp-gathered) sequence, output projection as a row-linear.
@@ -272,10 +284,16 @@ def attention(
       wq: local [h, hq*head_dim]; wk, wv: local [h, hkv*head_dim] with hq % hkv == 0 (query head j of this
         rank reads its K/V head j // (hq / hkv)); wo: local [hq*head_dim, h].
       positions: int [b, s/p] like x (then gathered with x) or already [b, s]: RoPE angles and the mask.
+      rope_theta: a theta (plain RoPE), a `jaxring.rope.Rope`, or None.
       attend: attend(q, k, v, positions) -> out on [b, s, heads, d]: the attention core, e.g. a sequence
         strategy over another mesh axis (tensor × sequence parallelism); default flash attention.
+      extras: optional local biases bq [hq·d], bk/bv [hkv·d] (on the column outputs), bo [h] (after the
+        reduction), and QK-norm scales q_norm/k_norm [d] (RMSNorm per head with eps `norm_eps`, before RoPE).
+      window: sliding window W of the default core (needs causal): the query at position i sees keys
+        i - W < j <= i; None: unlimited. A given `attend` applies its own.
     Returns: the same layout as x.
     """
+    extras = extras or {}
     if wq.shape[1] % head_dim or wk.shape[1] % head_dim or wk.shape != wv.shape:
         raise ValueError(
             f"wq {wq.shape}, wk {wk.shape}, wv {wv.shape}: columns must be whole heads of "
@@ -286,16 +304,17 @@ def attention(
         raise ValueError(f"local query heads {hq} must be a multiple of local kv heads {hkv}")
     kw = dict(axis_name=axis_name, sequence_parallel=sequence_parallel)
     q, k, v = column_parallel_linear(x, (wq, wk, wv), recompute_gather=recompute_gather, **kw)
+    q, k, v = (add_bias(t, extras.get(f"b{n}")) for t, n in zip((q, k, v), "qkv"))
     b, s = q.shape[:2]
     q, k, v = (t.reshape(b, s, -1, head_dim) for t in (q, k, v))
     gather = sequence_parallel and positions.shape[1] != s
     pos = gather_from_sp(positions, axis_name) if gather else positions  # [b, s]
-    q, k = rope_qk(q, k, pos, rope_theta)
+    q, k = qk_norm_rope(q, k, extras, pos, rope_theta, eps=norm_eps)
     if attend is None:
-        out = flash_attention(q, k, v, causal=causal, q_positions=pos, kv_positions=pos)
+        out = flash_attention(q, k, v, causal=causal, q_positions=pos, kv_positions=pos, window=window)
     else:
         out = attend(q, k, v, pos)  # [b, s, hq, d]
-    return row_parallel_linear(out.reshape(b, s, hq * head_dim), wo, **kw)
+    return add_bias(row_parallel_linear(out.reshape(b, s, hq * head_dim), wo, **kw), extras.get("bo"))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -485,6 +504,7 @@ def attention_block(
     num_kv_heads: int,
     causal: bool = True,
     rope_theta: float | None = 10000.0,
+    window: int | None = None,
 ):
     """TP+SP self-attention on global arrays.
 
@@ -492,6 +512,7 @@ def attention_block(
       x: [batch, seq, hidden]; params {"wq": [hidden, num_heads*head_dim], "wk", "wv": [hidden,
         num_kv_heads*head_dim], "wo": [num_heads*head_dim, hidden]}; head j owns columns j*d:(j+1)*d.
       positions: int32 [batch, seq]: RoPE (q and k, when rope_theta is not None) and the causal mask.
+      window: sliding window W (needs causal): the query at position i sees keys i - W < j <= i.
       num_heads % tp == 0. K/V heads: split over tp when num_kv_heads % tp == 0; when num_kv_heads < tp
         divides tp, each K/V head is REPLICATED on the tp / num_kv_heads ranks whose query heads read it (its
         gradient is the sum of the replicas'); anything else raises.
@@ -503,6 +524,7 @@ def attention_block(
     if set(params) != {"wq", "wk", "wv", "wo"}:
         raise ValueError(f"attention params must be wq, wk, wv, wo; got {tuple(sorted(params))}")
     _check_heads(num_heads, num_kv_heads, tp)
+    window = check_window(window, bool(causal))
     b, s, h = x.shape
     wq, wk, wv, wo = (params[n] for n in ("wq", "wk", "wv", "wo"))
     if wq.shape[0] != h or wq.shape[1] % num_heads:
@@ -533,6 +555,7 @@ def attention_block(
         head_dim=d,
         causal=bool(causal),
         rope_theta=None if rope_theta is None else float(rope_theta),
+        window=window,
     )
 
 
@@ -662,6 +685,18 @@ class Megatron(TensorMethod):
     def head_split(self, plan):
         return plan.tp
 
+    def local_rows(self, plan, seq_len):
+        return seq_len // (plan.sp * plan.tp)
+
+    def tile_targets(self, plan, targets, tiles):
+        # tile j of the rows, gathered over tp, is every rank's tile j in rank order: [b, tp, T, n/T] -> [b, T·tp·n/T]
+        b, n = targets.shape
+        return targets.reshape(b, plan.tp, tiles, n // (plan.tp * tiles)).transpose(0, 2, 1, 3).reshape(b, n)
+
+    def untile_losses(self, plan, losses, tiles):
+        b, n = losses.shape
+        return losses.reshape(b, tiles, plan.tp, n // (plan.tp * tiles)).transpose(0, 2, 1, 3).reshape(b, n)
+
     def activation_spec(self, plan):
         return P(spec_entry(plan.batch_axes), spec_entry(plan.seq_axes + ("tp",)), None)
 
@@ -689,31 +724,36 @@ class Megatron(TensorMethod):
     def norm(self, plan, x, scale, bias, *, eps=1e-5):
         return layer_norm(x, scale, bias, eps=eps)
 
-    def attention(self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope_theta):
-        wk, wv = w["wk"], w["wv"]
-        if num_kv_heads < plan.tp:
-            # K/V replicated (num_kv_heads < tp): this rank reads K/V head rank // (tp / num_kv_heads)
-            head = lax.axis_index("tp") // (plan.tp // num_kv_heads)
-            wk, wv = (lax.dynamic_slice_in_dim(t, head * head_dim, head_dim, axis=1) for t in (wk, wv))
+    def rms_norm(self, plan, x, scale, *, eps=1e-6):
+        return rms_norm(x, scale, eps=eps)
+
+    def attention(
+        self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope, window=None, norm_eps=1e-6
+    ):
+        w = own_kv_head(w, num_kv_heads, plan.tp, head_dim)  # fewer K/V heads than tp: replicated
 
         def attend(q, k, v, pos):
-            return plan.attend(q, k, v, pos, causal=causal)
+            return plan.attend(q, k, v, pos, causal=causal, window=window)
 
+        extras = {n: w[n] for n in ("bq", "bk", "bv", "bo", "q_norm", "k_norm") if n in w}
         return attention(
             x,
             w["wq"],
-            wk,
-            wv,
+            w["wk"],
+            w["wv"],
             w["wo"],
             positions,
             head_dim=head_dim,
             causal=causal,
-            rope_theta=rope_theta,
+            rope_theta=rope,
             attend=attend,
+            extras=extras,
+            norm_eps=norm_eps,
         )
 
     def mlp(self, plan, x, w, *, activation):
-        return mlp(x, w["w_in"], w["w_out"], w.get("w_gate"), activation=activation)
+        biases = {n: w[n] for n in ("b_in", "b_gate", "b_out") if n in w}
+        return mlp(x, w["w_in"], w["w_out"], w.get("w_gate"), activation=activation, **biases)
 
     def moe(self, plan, x, moe):
         """Experts' FFN split over tp (column/row, Megatron-style): the sequence shard is all-gathered over tp

@@ -1,4 +1,4 @@
-"""Memory-efficient tensor parallelism, METP (seed 000): O = f(AB)C on a ring, and two-level METP for MHA.
+"""Memory-efficient tensor parallelism, METP [METP] (REFERENCES.md): O = f(AB)C on a ring, and two-level METP for MHA.
 
 Everything here runs inside `shard_map` over one axis (`tp`) of size p, except the model-facing entry points
 (`mlp_block`, `attention_block`, `param_specs`) which take global arrays. METP splits the *sequence* over
@@ -12,7 +12,7 @@ O_i = Σ_r f(A_i B_r) C_r. The (B, C) blocks circulate; rank i holds block (i - 
       T = A_i B^(j);  O_i += f(T) C^(j)
 
 (Algorithm 1 sends to i-1; jaxring's rings all turn one way, `collectives.FORWARD`: the direction does not
-change the sums or the bytes, see metp.md.)
+change the sums or the bytes.)
 
 Backward (`jax.custom_vjp`, recompute): the residuals are A_i and the rank's own B, C blocks only (no T, no
 f(T)). The blocks go round again, with their gradient accumulators:
@@ -48,7 +48,9 @@ backward 2p·ceil(log2 p)·|W_j| + p(2p-1)·2|K_j| (|K_j| = b(s/p)(n_kv/p)d; wit
 
 Causal masking (the paper omits it) uses the tokens' positions, so it is exact for any token layout: each
 K/V block travels with its int32 positions (b·s/p a hop), and a block entirely in the future of the local
-queries is skipped (`lax.cond`). GQA: the kv heads split into the same p groups (num_kv_heads % p == 0).
+queries is skipped (`lax.cond`). A sliding window W (query i sees keys i - W < j <= i) masks by the same
+positions, and an inner-ring step whose block lies wholly outside every local query's window is skipped too
+(its hop stays, its FLOPs go; forward and backward). GQA: the kv heads split into the same p groups (num_kv_heads % p == 0).
 The per-block attention is a `BlockOps` pair (jnp on CPU, the Pallas flash kernel on GPU), called per batch
 row when causal (positions are per row).
 
@@ -69,10 +71,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxring.attention.blockwise import BlockOps, get_block_ops
+from jaxring.attention.blockwise import BlockOps, get_block_ops, with_window
+from jaxring.attention.masking import check_window, positions_may_meet
 from jaxring.attention.merge import empty_partial, merge_partials
 from jaxring.attention.ring import fuse_by_default
-from jaxring.attention.schedule import when_visible
+from jaxring.attention.ring_step import when_visible
 from jaxring.collectives import (
     BACKWARD,
     FORWARD,
@@ -82,11 +85,12 @@ from jaxring.collectives import (
     send_to_next,
     tree_broadcast,
     tree_reduce,
+    waits_for,
 )
 from jaxring.costs import F32, AttentionCost, LocalDims, ModelShape, Transfer, tree_rounds
 from jaxring.mesh import DATA_AXES, mesh_axis_size, spec_entry
 from jaxring.registry import register_tensor_method
-from jaxring.rope import apply_rope
+from jaxring.rope import Rope, as_rope
 from jaxring.sharded import run_local
 from jaxring.tensor.contract import (
     ACTIVATIONS,
@@ -94,7 +98,11 @@ from jaxring.tensor.contract import (
     MATMUL_OUTPUT,
     ParamInfo,
     TensorMethod,
+    add_bias,
+    check_kv_heads,
+    head_norm,
     modulation_gradients,
+    own_kv_head,
 )
 from jaxring.vma import vary_like, varying_axes
 
@@ -117,6 +125,11 @@ def _sum_to(g, like):
     return lax.psum(g, extra) if extra else g
 
 
+def _row_sum(dy):
+    """Σ over rows of dy [..., n] -> [n] fp32 (a bias gradient)."""
+    return jnp.sum(dy.reshape(-1, dy.shape[-1]).astype(jnp.float32), axis=0)
+
+
 def _outer(x, dy):
     """Σ over rows of xᵀ dy: x [..., k], dy [..., n] -> [k, n] fp32 (a weight gradient)."""
     return jnp.einsum("...k,...n->kn", x, dy, preferred_element_type=jnp.float32)
@@ -137,8 +150,8 @@ def swiglu(t_gate, t_in):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def metp(a, b, c, *, f=gelu, axis_name: str = "tp"):
-    """O_i = Σ_r f(A_i B_r) C_r on a ring over `axis_name` (call inside `shard_map`).
+def metp(a, b, c, *, f=gelu, axis_name: str = "tp", b_bias=None):
+    """O_i = Σ_r f(A_i B_r + β_r) C_r on a ring over `axis_name` (call inside `shard_map`).
 
     Args:
       a: local rows A_i [..., k1] (e.g. this rank's sequence shard [batch, s/p, hidden]); never moves.
@@ -146,9 +159,14 @@ def metp(a, b, c, *, f=gelu, axis_name: str = "tp"):
         (SwiGLU: (W_gate block, W_in block)).
       c: local row block C_(i,:) [k2/p, n].
       f: element-wise function of the product(s) A_i B_r (one argument per B block).
+      b_bias: optional bias blocks β_(i) [k2/p] of the products, one per B block (like b); they travel with
+        their B block (and their gradients with ΔB).
     Returns: O_i [..., n] in a.dtype. Differentiable (custom_vjp: recompute, gradients ride the ring).
     """
     bs = tuple(b) if isinstance(b, (tuple, list)) else (b,)
+    biases = () if b_bias is None else tuple(b_bias) if isinstance(b_bias, (tuple, list)) else (b_bias,)
+    if biases and (len(biases) != len(bs) or any(x.shape != bs[0].shape[1:] for x in biases)):
+        raise ValueError(f"b_bias {[x.shape for x in biases]} must be one [k2/p] = {bs[0].shape[1:]} block per B block")
     if not bs:
         raise ValueError("b must be an array or a non-empty tuple of arrays")
     for i, b_ in enumerate(bs):
@@ -158,31 +176,37 @@ def metp(a, b, c, *, f=gelu, axis_name: str = "tp"):
         raise ValueError(f"a's last dim {a.shape[-1]} must equal B's rows k1 = {bs[0].shape[0]}")
     if c.ndim != 2 or c.shape[0] != bs[0].shape[1]:
         raise ValueError(f"c has shape {c.shape}; expected [k2/p, n] with k2/p = {bs[0].shape[1]}")
-    return _metp(a, bs, c, f, axis_name)
+    return _metp(a, bs, biases, c, f, axis_name)
 
 
-def _metp_forward(a, bs, c, f, axis_name):
+def _products(a, bs, biases):
+    """T_ij = A_i B^(j) (+ β^(j)), fp32."""
+    t = [_mm(a, b_j) for b_j in bs]
+    return [t_r + beta.astype(jnp.float32) for t_r, beta in zip(t, biases)] if biases else t
+
+
+def _metp_forward(a, bs, biases, c, f, axis_name):
     """Algorithm 1. Returns O_i fp32."""
     p = lax.axis_size(axis_name)
 
     def step(o, blocks, j):
-        bs_j, c_j = blocks
-        t = [_mm(a, b_j) for b_j in bs_j]  # T_ij = A_i B^(j)
+        bs_j, biases_j, c_j = blocks
+        t = _products(a, bs_j, biases_j)  # T_ij = A_i B^(j)
         d = f(*t).astype(c_j.dtype)  # D_ij = f(T_ij)
         return o + _mm(d, c_j)  # O_i += D_ij C^(j)
 
     o = jnp.zeros_like(a, jnp.float32, shape=a.shape[:-1] + (c.shape[1],))
     send = lambda blocks: send_to_next(blocks, axis_name, shift=FORWARD)
-    return ring_steps(step, o, (bs, c), p, send)
+    return ring_steps(step, o, (bs, biases, c), p, send)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _metp(a, bs, c, f, axis_name):
-    return _metp_forward(a, bs, c, f, axis_name).astype(a.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _metp(a, bs, biases, c, f, axis_name):
+    return _metp_forward(a, bs, biases, c, f, axis_name).astype(a.dtype)
 
 
-def _metp_fwd(a, bs, c, f, axis_name):
-    return _metp(a, bs, c, f, axis_name), (a, bs, c)  # stores A_i (and the rank's own blocks) only
+def _metp_fwd(a, bs, biases, c, f, axis_name):
+    return _metp(a, bs, biases, c, f, axis_name), (a, bs, biases, c)  # A_i (and the rank's own blocks) only
 
 
 def _metp_bwd(f, axis_name, residuals, do):
@@ -192,46 +216,57 @@ def _metp_bwd(f, axis_name, residuals, do):
     are the same permutation, and XLA would otherwise reuse the forward's first hop in the backward when both
     passes are in one program, holding the received blocks from forward to backward.
     """
-    a, bs, c = residuals
+    a, bs, biases, c = residuals
     p = lax.axis_size(axis_name)
     send = lambda tree: send_to_next(tree, axis_name, shift=BACKWARD)
 
     def step(carry, blocks, j):
-        da, (dbs, dc) = carry
-        bts_j, ct_j = blocks  # B^(j)ᵀ, C^(j)ᵀ
-        t = [_mm(a, bt.T) for bt in bts_j]  # T_ij = A_i B^(j)  (fp32, as forward)
+        da, (dbs, dbiases, dc) = carry
+        bts_j, biases_j, ct_j = blocks  # B^(j)ᵀ, β^(j), C^(j)ᵀ
+        t = _products(a, [bt.T for bt in bts_j], biases_j)  # T_ij = A_i B^(j) (+ β^(j))  (fp32, as forward)
         d, f_vjp = jax.vjp(f, *t)  # D_ij = f(T_ij)
         dd = _mm(do, ct_j)  # ΔD_ij = ΔO_i C^(j)ᵀ
         dc = dc + _outer(d.astype(ct_j.dtype), do)  # ΔC^(j) += D_ijᵀ ΔO_i
         dt = [g.astype(a.dtype) for g in f_vjp(dd)]  # ΔT_ij = f'(T_ij) ⊙ ΔD_ij
         da = da + sum(_mm(dt_r, bt) for dt_r, bt in zip(dt, bts_j))  # ΔA_i += ΔT_ij B^(j)ᵀ
         dbs = tuple(db + _outer(a, dt_r) for db, dt_r in zip(dbs, dt))  # ΔB^(j) += A_iᵀ ΔT_ij
-        return da, send((dbs, dc))  # ΔB, ΔC move on with their block
+        dbiases = tuple(dbeta + _row_sum(dt_r) for dbeta, dt_r in zip(dbiases, dt))  # Δβ^(j) += Σ_rows ΔT_ij
+        return da, send((dbs, dbiases, dc))  # ΔB, Δβ, ΔC move on with their block
 
     zeros = lambda w: vary_like(jnp.zeros_like(w, jnp.float32), a)
-    init = (jnp.zeros_like(a, jnp.float32), (tuple(zeros(b_) for b_ in bs), zeros(c)))
-    blocks = (tuple(b_.T for b_ in bs), c.T)
-    da, (dbs, dc) = ring_steps(step, init, blocks, p, send)
+    init = (
+        jnp.zeros_like(a, jnp.float32),
+        (tuple(zeros(b_) for b_ in bs), tuple(zeros(beta) for beta in biases), zeros(c)),
+    )
+    blocks = (tuple(b_.T for b_ in bs), biases, c.T)
+    da, (dbs, dbiases, dc) = ring_steps(step, init, blocks, p, send)
     dbs = tuple(_sum_to(db, b_).astype(b_.dtype) for db, b_ in zip(dbs, bs))
-    return da.astype(a.dtype), dbs, _sum_to(dc, c).astype(c.dtype)
+    dbiases = tuple(_sum_to(g, beta).astype(beta.dtype) for g, beta in zip(dbiases, biases))
+    return da.astype(a.dtype), dbs, dbiases, _sum_to(dc, c).astype(c.dtype)
 
 
 _metp.defvjp(_metp_fwd, _metp_bwd)
 
 
-def metp_mlp(x, w_in, w_out, w_gate=None, *, activation: str = "gelu", axis_name: str = "tp"):
+def metp_mlp(
+    x, w_in, w_out, w_gate=None, *, activation: str = "gelu", axis_name: str = "tp", b_in=None, b_gate=None, b_out=None
+):
     """The FFN as METP (Eq. 2), inside `shard_map`.
 
     x: local [batch, s/p, hidden]; w_in (and w_gate for swiglu): local [hidden, ffn/p]; w_out: [ffn/p, hidden].
     gelu: gelu(x W_in) W_out; swiglu: (silu(x W_gate) ⊙ x W_in) W_out (both column blocks circulate).
+    Optional biases: b_in, b_gate local [ffn/p] (circulate with their blocks), b_out [hidden] (added after).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} must be one of {ACTIVATIONS}")
     if (w_gate is not None) != (activation == "swiglu"):
         raise ValueError(f"w_gate must be given exactly when activation == 'swiglu' (activation {activation!r})")
     if activation == "swiglu":
-        return metp(x, (w_gate, w_in), w_out, f=swiglu, axis_name=axis_name)
-    return metp(x, w_in, w_out, f=gelu, axis_name=axis_name)
+        biases = None if b_in is None else (b_gate, b_in)
+        out = metp(x, (w_gate, w_in), w_out, f=swiglu, axis_name=axis_name, b_bias=biases)
+    else:
+        out = metp(x, w_in, w_out, f=gelu, axis_name=axis_name, b_bias=b_in)
+    return add_bias(out, b_out)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -246,10 +281,12 @@ class _MhaConfig:
     kv_heads: int  # kv heads per group, n_kv/p
     head_dim: int
     causal: bool
-    rope_theta: float | None
+    rope: Rope | None
     sm_scale: float
     ops: BlockOps
     fuse: bool = False  # the inner ring's hops as one buffer each, dK/dV one hop behind (GPU form)
+    norm_eps: float = 1e-6  # QK-norm's RMSNorm eps
+    window: int | None = None  # sliding window (causal): query i sees keys i - window < j <= i
 
 
 def metp_attention(
@@ -264,9 +301,12 @@ def metp_attention(
     num_kv_heads: int | None = None,
     axis_name: str = "tp",
     causal: bool = True,
-    rope_theta: float | None = 10000.0,
+    rope_theta=10000.0,
     block_ops: str | BlockOps = "auto",
     fuse_sends: bool | None = None,
+    extras: dict | None = None,
+    norm_eps: float = 1e-6,
+    window: int | None = None,
 ):
     """Two-level METP multi-head self-attention (Algorithms 3-6), inside `shard_map` over `axis_name` (p).
 
@@ -277,13 +317,20 @@ def metp_attention(
         ·head_dim, hidden] (the group's rows of W_proj).
       positions: local int [batch, s/p], the tokens' true positions (RoPE and the causal mask).
       num_heads, num_kv_heads: global head counts (GQA when num_kv_heads < num_heads).
+      rope_theta: a theta (plain RoPE), a `jaxring.rope.Rope`, or None.
+      extras: optional biases bq [(num_heads/p)·head_dim], bk/bv [(num_kv_heads/p)·head_dim] (the group's,
+        broadcast with its weights), bo [hidden] (added to O_i), and the QK-norm scales q_norm/k_norm
+        [head_dim] (replicated; RMSNorm per head with eps `norm_eps`, before RoPE).
       fuse_sends: the inner ring's GPU form: each hop's K, V and positions (in the backward with the
         previous block's ΔK/ΔV, one hop behind) as one buffer sent before the block kernels, so a GPU
         overlaps every hop with them. Default: with the compiled Pallas kernels (GPU) only.
+      window: sliding window W (needs causal): the query at position i sees keys i - W < j <= i; inner-ring
+        steps outside every local query's window are skipped. None: unlimited.
     Returns: O_i [batch, s/p, hidden] in x.dtype. Differentiable in x and the weights (custom_vjp).
     """
     p = lax.axis_size(axis_name)
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    window = check_window(window, bool(causal))
     if x.ndim != 3:
         raise ValueError(f"x has shape {x.shape}; expected [batch, s/p, hidden]")
     if num_heads % p or num_kv_heads % p:
@@ -313,6 +360,18 @@ def metp_attention(
         raise ValueError(f"positions has shape {positions.shape}; expected [batch, s/p] = {x.shape[:2]}")
     if rope_theta is not None and d % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {d}")
+    extras = extras or {}
+    biases = tuple(extras[n] for n in ("bq", "bk", "bv") if n in extras)
+    norms = tuple(extras[n] for n in ("q_norm", "k_norm") if n in extras)
+    for name, group, count in (("bq, bk, bv", biases, 3), ("q_norm, k_norm", norms, 2)):
+        if group and len(group) != count:
+            raise ValueError(f"extras must hold all of {name} or none of them; got {sorted(extras)}")
+    for name, bias, w in zip(("bq", "bk", "bv"), biases, (wq, wk, wv)):
+        if bias.shape != w.shape[1:]:
+            raise ValueError(f"{name} block has shape {bias.shape}; expected {w.shape[1:]}")
+    for name, scale in zip(("q_norm", "k_norm"), norms):
+        if scale.shape != (d,):
+            raise ValueError(f"{name} has shape {scale.shape}; expected [head_dim] = {(d,)}")
     ops = get_block_ops(block_ops)
     cfg = _MhaConfig(
         axis_name,
@@ -320,27 +379,39 @@ def metp_attention(
         kv_heads,
         d,
         bool(causal),
-        None if rope_theta is None else float(rope_theta),
+        as_rope(rope_theta),
         d**-0.5,
         ops,
         fuse_by_default(ops, fuse_sends),
+        float(norm_eps),
+        window,
     )
     # O_i = Σ_j A_ij W_proj_j is a weight matmul's output: named, so selective remat keeps it (the layer's
     # MLP input depends on it) instead of running the two-level rings again in the backward
-    return checkpoint_name(_mha(x, wq, wk, wv, wo, positions, cfg), MATMUL_OUTPUT)
+    out = checkpoint_name(_mha(x, (wq, wk, wv, wo), biases, norms, positions, cfg), MATMUL_OUTPUT)
+    return add_bias(out, extras.get("bo"))
 
 
-def _rope(q, k, positions, cfg: _MhaConfig):
-    if cfg.rope_theta is None:
-        return q, k
-    return apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta)
+def _heads(t, scale, positions, cfg: _MhaConfig):
+    """A projection [b, s/p, heads, d] as attention sees it: QK-norm (scale [d], or None), then RoPE."""
+    t = head_norm(t, scale, eps=cfg.norm_eps)
+    return t if cfg.rope is None else cfg.rope.apply(t, positions)
 
 
-def _project(x, wq, wk, wv, positions, cfg: _MhaConfig):
-    """(Q_ij, K_ij, V_ij) = X_i W_qkv_j (+ RoPE): [b, s/p, heads, d] in x.dtype."""
+def _linear(x, w, bias, cfg: _MhaConfig):
+    """X_i W_j (+ b_j) as heads [b, s/p, heads, d] in x.dtype."""
     b, n = x.shape[:2]
-    q, k, v = (_mm(x, w).astype(x.dtype).reshape(b, n, -1, cfg.head_dim) for w in (wq, wk, wv))
-    return (*_rope(q, k, positions, cfg), v)
+    y = _mm(x, w)
+    y = y if bias is None else y + bias.astype(jnp.float32)
+    return y.astype(x.dtype).reshape(b, n, -1, cfg.head_dim)
+
+
+def _project(x, w_j, biases_j, norms, positions, cfg: _MhaConfig):
+    """(Q_ij, K_ij, V_ij) = X_i W_qkv_j (+ b_qkv_j, QK-norm, RoPE): [b, s/p, heads, d] in x.dtype."""
+    biases_j = biases_j or (None, None, None)
+    q, k, v = (_linear(x, w, bias, cfg) for w, bias in zip(w_j[:3], biases_j))
+    q_norm, k_norm = norms or (None, None)
+    return _heads(q, q_norm, positions, cfg), _heads(k, k_norm, positions, cfg), v
 
 
 def _block_forward(q, k, v, q_pos, kv_pos, cfg: _MhaConfig):
@@ -349,8 +420,10 @@ def _block_forward(q, k, v, q_pos, kv_pos, cfg: _MhaConfig):
         zeros = jnp.zeros((q.shape[1],), jnp.int32)
         return cfg.ops.forward(q, k, v, zeros, zeros, causal=False, sm_scale=cfg.sm_scale)
 
+    ops = with_window(cfg.ops, cfg.window)
+
     def one_row(q, k, v, qp, kp):
-        o, lse = cfg.ops.forward(q[None], k[None], v[None], qp, kp, causal=True, sm_scale=cfg.sm_scale)
+        o, lse = ops.forward(q[None], k[None], v[None], qp, kp, causal=True, sm_scale=cfg.sm_scale)
         return o[0], lse[0]
 
     return jax.vmap(one_row)(q, k, v, q_pos, kv_pos)
@@ -361,13 +434,23 @@ def _block_backward(q, k, v, da, lse, delta, q_pos, kv_pos, cfg: _MhaConfig):
         zeros = jnp.zeros((q.shape[1],), jnp.int32)
         return cfg.ops.backward(q, k, v, da, lse, delta, zeros, zeros, causal=False, sm_scale=cfg.sm_scale)
 
+    ops = with_window(cfg.ops, cfg.window)
+
     def one_row(q, k, v, da, lse, delta, qp, kp):
-        g = cfg.ops.backward(
+        g = ops.backward(
             q[None], k[None], v[None], da[None], lse[None], delta[None], qp, kp, causal=True, sm_scale=cfg.sm_scale
         )
         return tuple(x[0] for x in g)
 
     return jax.vmap(one_row)(q, k, v, da, lse, delta, q_pos, kv_pos)
+
+
+def _when_visible(cfg: _MhaConfig, q_pos, kv_pos, compute, skip):
+    """`schedule.when_visible`, also skipping a block wholly outside every query's window (by position bounds)."""
+    if cfg.window is None:
+        return when_visible(cfg.causal, q_pos, kv_pos, compute, skip)
+    visible = positions_may_meet(q_pos, kv_pos, causal=True, window=cfg.window)
+    return lax.cond(visible, compute, skip), visible
 
 
 def _inner_forward(q, k, v, positions, cfg: _MhaConfig):
@@ -378,8 +461,8 @@ def _inner_forward(q, k, v, positions, cfg: _MhaConfig):
 
     def attend(acc, kv, j):
         k_j, v_j, kv_pos = kv
-        part, _ = when_visible(
-            cfg.causal,
+        part, _ = _when_visible(
+            cfg,
             positions,
             kv_pos,  # a block wholly in the future: skipped
             lambda: _block_forward(q, k_j, v_j, positions, kv_pos, cfg),
@@ -411,8 +494,8 @@ def _inner_backward(q, k, v, da, lse, delta, positions, cfg: _MhaConfig):
             jnp.zeros_like(k_j, jnp.float32),
             jnp.zeros_like(v_j, jnp.float32),
         )
-        grads, _ = when_visible(
-            cfg.causal,
+        grads, _ = _when_visible(
+            cfg,
             positions,
             kv_pos,
             lambda: _block_backward(q, k_j, v_j, da, lse, delta, positions, kv_pos, cfg),
@@ -467,15 +550,16 @@ def _outer_steps(step_fn, carry, own, axis_name, reverse: bool = False):
     )
 
 
-def _mha_forward(x, weights, positions, cfg: _MhaConfig, keep: bool):
+def _mha_forward(x, weights, biases, norms, positions, cfg: _MhaConfig, keep: bool):
     """Algorithm 5. Returns O_i fp32 and, when `keep`, A_i [p, b, s/p, heads, d] (x.dtype) and lse fp32."""
     p = lax.axis_size(cfg.axis_name)
     b, n, _ = x.shape
 
-    def head_group(carry, w_j, j):
+    def head_group(carry, own_j, j):
         o, kept = carry
-        wq, wk, wv, wo = w_j  # broadcast from rank j
-        q, k, v = _project(x, wq, wk, wv, positions, cfg)  # (Q_ij, K_ij, V_ij) = X_i W_qkv_j
+        w_j, biases_j = own_j  # broadcast from rank j
+        wo = w_j[3]
+        q, k, v = _project(x, w_j, biases_j, norms, positions, cfg)  # (Q_ij, K_ij, V_ij) = X_i W_qkv_j
         a, lse = _inner_forward(q, k, v, positions, cfg)  # A_ij = METP_Attention(Q, K, V)
         a = a.astype(x.dtype)
         o = o + _mm(a.reshape(b, n, -1), wo)  # O_i += A_ij W_proj_j
@@ -488,21 +572,21 @@ def _mha_forward(x, weights, positions, cfg: _MhaConfig, keep: bool):
     if keep:
         a0 = jnp.zeros_like(x, shape=(p, b, n, cfg.heads, cfg.head_dim))
         kept = (a0, jnp.zeros_like(x, jnp.float32, shape=(p, b, n, cfg.heads)))
-    return _outer_steps(head_group, (o, kept), weights, cfg.axis_name)
+    return _outer_steps(head_group, (o, kept), (weights, biases), cfg.axis_name)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _mha(x, wq, wk, wv, wo, positions, cfg):
-    o, _ = _mha_forward(x, (wq, wk, wv, wo), positions, cfg, keep=False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _mha(x, weights, biases, norms, positions, cfg):
+    o, _ = _mha_forward(x, weights, biases, norms, positions, cfg, keep=False)
     return o.astype(x.dtype)
 
 
-def _mha_fwd(x, wq, wk, wv, wo, positions, cfg):
-    o, (a, lse) = _mha_forward(x, (wq, wk, wv, wo), positions, cfg, keep=True)
+def _mha_fwd(x, weights, biases, norms, positions, cfg):
+    o, (a, lse) = _mha_forward(x, weights, biases, norms, positions, cfg, keep=True)
     # stored: X_i, the attention output A_i and its lse (+ the rank's own weight blocks and positions); named,
     # so that selective remat around the layer keeps them rather than running this forward again
     a, lse = checkpoint_name(a, KEPT_RESIDUAL), checkpoint_name(lse, KEPT_RESIDUAL)
-    return o.astype(x.dtype), (x, (wq, wk, wv, wo), positions, a, lse)
+    return o.astype(x.dtype), (x, weights, biases, norms, positions, a, lse)
 
 
 def _mha_bwd(cfg, residuals, do):
@@ -510,37 +594,48 @@ def _mha_bwd(cfg, residuals, do):
 
     The head groups go in reverse order (any order is correct). Weight gradients are fp32 until the end.
     """
-    x, weights, positions, a_all, lse_all = residuals
+    x, weights, biases, norms, positions, a_all, lse_all = residuals
     rank = lax.axis_index(cfg.axis_name)
     b, n, _ = x.shape
-    rope = lambda t: t if cfg.rope_theta is None else apply_rope(t, positions, cfg.rope_theta)
     flat = lambda g: g.astype(x.dtype).reshape(b, n, -1)
+    # the QK-norm scales as varying copies: their vjp is then this rank's share (an invariant scale's vjp
+    # would already be psummed over tp, and _sum_to below sums the shares once)
+    q_norm, k_norm = jax.tree.map(lambda t: vary_like(t, x), norms) if norms else (None, None)
+    post = lambda t, scale: _heads(t, scale, positions, cfg)
 
-    def head_group(carry, w_j, j):
-        dx, dw_own = carry
-        wq, wk, wv, wo = w_j  # broadcast from rank j (again)
+    def head_group(carry, own_j, j):
+        dx, dw_own, dnorms = carry
+        w_j, biases_j = own_j  # broadcast from rank j (again)
+        wq, wk, wv, wo = w_j
         a, lse = a_all[j], lse_all[j]
         dwo = _outer(a.reshape(b, n, -1), do)  # ΔW_proj_j = A_ijᵀ ΔO_i
-        q, k, v = (_mm(x, w).astype(x.dtype).reshape(b, n, -1, cfg.head_dim) for w in (wq, wk, wv))
-        (q, q_rope_vjp), (k, k_rope_vjp) = jax.vjp(rope, q), jax.vjp(rope, k)  # recompute Q_ij, K_ij, V_ij
+        q, k, v = (_linear(x, w, bias, cfg) for w, bias in zip(w_j[:3], biases_j or (None,) * 3))
+        (q, q_vjp), (k, k_vjp) = jax.vjp(post, q, q_norm), jax.vjp(post, k, k_norm)  # recompute Q, K (QK-norm, RoPE)
         da = _mm(do, wo.T).reshape(a.shape).astype(x.dtype)  # ΔA_ij = ΔO_i W_proj_jᵀ
         delta = jnp.sum(da.astype(jnp.float32) * a.astype(jnp.float32), axis=-1)  # D_i = rowsum(ΔA ⊙ A)
         dq, (dk, dv) = _inner_backward(q, k, v, da, lse, delta, positions, cfg)
-        dq = flat(q_rope_vjp(dq.astype(x.dtype))[0])  # through RoPE (a rotation: its transpose)
+        dq, dq_norm = q_vjp(dq.astype(x.dtype))  # through RoPE (a rotation: its transpose) and the QK-norm
+        dq = flat(dq)
         dwq, dxq = _outer(x, dq), _mm(dq, wq.T)  # ΔQ's GEMMs first: in the GPU form
         if cfg.fuse:  # ΔK/ΔV are still on their last hop home
             (dk, dv), (dwq, dxq) = lax.optimization_barrier(((dk, dv), (dwq, dxq)))
-        dk, dv = flat(k_rope_vjp(dk.astype(x.dtype))[0]), flat(dv)
+        dk, dk_norm = k_vjp(dk.astype(x.dtype))
+        dk, dv = flat(dk), flat(dv)
         dx = dx + dxq + _mm(dk, wk.T) + _mm(dv, wv.T)  # ΔX_i += [ΔQ ΔK ΔV] W_qkv_jᵀ
         dw = (dwq, _outer(x, dk), _outer(x, dv), dwo)  # ΔW_qkv_j = X_iᵀ [ΔQ ΔK ΔV], ΔW_proj_j
-        reduced = jax.tree.map(lambda g: tree_reduce(g, cfg.axis_name, j), dw)  # Reduce onto rank j
+        db = tuple(_row_sum(g) for g in (dq, dk, dv)) if biases else ()  # Δb_qkv_j
+        dw = waits_for(dw, (dk, dv))  # XLA:CPU: ΔW_proj's reduce after the inner ring, not beside it
+        reduced = jax.tree.map(lambda g: tree_reduce(g, cfg.axis_name, j), (dw, db))  # Reduce onto rank j
         dw_own = jax.tree.map(lambda new, old: jnp.where(rank == j, new, old), reduced, dw_own)
-        return dx, dw_own
+        if norms:  # the QK-norm scales are shared by every head: summed here, over tp at the end
+            dnorms = (dnorms[0] + dq_norm.astype(jnp.float32), dnorms[1] + dk_norm.astype(jnp.float32))
+        return dx, dw_own, dnorms
 
     zeros = lambda w: vary_like(jnp.zeros_like(w, jnp.float32), x)
-    init = (jnp.zeros_like(x, jnp.float32), jax.tree.map(zeros, weights))
-    dx, dw = _outer_steps(head_group, init, weights, cfg.axis_name, reverse=True)
-    return (dx.astype(x.dtype), *(_sum_to(g, w).astype(w.dtype) for g, w in zip(dw, weights)), None)
+    init = (jnp.zeros_like(x, jnp.float32), jax.tree.map(zeros, (weights, biases)), jax.tree.map(zeros, norms))
+    dx, (dw, db), dn = _outer_steps(head_group, init, (weights, biases), cfg.axis_name, reverse=True)
+    grads = lambda gs, ws: tuple(_sum_to(g, w).astype(w.dtype) for g, w in zip(gs, ws))
+    return dx.astype(x.dtype), grads(dw, weights), grads(db, biases), grads(dn, norms), None
 
 
 _mha.defvjp(_mha_fwd, _mha_bwd)
@@ -631,17 +726,19 @@ def attention_block(
     rope_theta=10000.0,
     block_ops: str | BlockOps = "auto",
     fuse_sends: bool | None = None,
+    window: int | None = None,
 ):
     """Self-attention with two-level METP over the mesh's tp axis (batch over dp/fsdp, sequence over tp).
 
     params {"wq": [hidden, num_heads*head_dim], "wk": [hidden, num_kv_heads*head_dim], "wv": like wk,
     "wo": [num_heads*head_dim, hidden]}; head h's columns are h*head_dim:(h+1)*head_dim, so rank j's slice
     of each is head group j. positions: global int [batch, seq] (RoPE on q and k when rope_theta is not None;
-    the causal mask uses the same positions). fuse_sends: see `metp_attention`. Returns y [batch, seq, hidden]
-    in x.dtype.
+    the causal mask uses the same positions). fuse_sends: see `metp_attention`. window: sliding window W
+    (needs causal): the query at position i sees keys i - W < j <= i. Returns y [batch, seq, hidden] in x.dtype.
     """
     data_axes, tp = _check_mesh(mesh)
     _check_x(x, data_axes, mesh, tp)
+    window = check_window(window, bool(causal))
     if set(params) != {"wq", "wk", "wv", "wo"}:
         raise ValueError(f"attention params must be exactly wq, wk, wv, wo; got {tuple(sorted(params))}")
     hidden = x.shape[-1]
@@ -685,6 +782,7 @@ def attention_block(
         rope_theta=None if rope_theta is None else float(rope_theta),
         block_ops=block_ops,
         fuse_sends=fuse_sends,
+        window=window,
     )
 
 
@@ -735,11 +833,7 @@ class METP(TensorMethod):
 
     def check_model(self, plan, *, num_heads, num_kv_heads, hidden, ffn, vocab):
         tp = plan.tp
-        if num_heads % tp or num_kv_heads % tp:
-            raise ValueError(
-                f"num_heads {num_heads} and num_kv_heads {num_kv_heads} must be divisible by tp = "
-                f"{tp} (METP broadcasts one head group per rank)"
-            )
+        check_kv_heads(num_heads, num_kv_heads, tp, "METP, one head group per rank,")
         if ffn % tp:
             raise ValueError(f"ffn {ffn} is not divisible by tp = {tp} (each rank holds ffn/tp columns of W_in)")
 
@@ -750,6 +844,9 @@ class METP(TensorMethod):
     def head_split(self, plan):
         return plan.tp
 
+    def local_rows(self, plan, seq_len):
+        return seq_len // plan.tp
+
     def activation_spec(self, plan):
         return P(spec_entry(plan.batch_axes), "tp", None)
 
@@ -757,10 +854,18 @@ class METP(TensorMethod):
         return P(spec_entry(plan.batch_axes), "tp")
 
     def param_spec(self, plan, info: ParamInfo):
-        return tuple("tp" if a in ("heads", "kv_heads", "mlp") else None for a in info.logical_axes)
+        def axis(name):
+            if name == "kv_heads":  # fewer K/V heads than tp: replicated, each rank reads its own
+                return "tp" if info.heads is not None and info.heads % plan.tp == 0 else None
+            return "tp" if name in ("heads", "mlp") else None
 
-    def attention(self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope_theta):
-        del head_dim
+        return tuple(axis(a) for a in info.logical_axes)
+
+    def attention(
+        self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope, window=None, norm_eps=1e-6
+    ):
+        if num_kv_heads < plan.tp:  # each rank's group reads one replicated K/V head
+            w, num_kv_heads = own_kv_head(w, num_kv_heads, plan.tp, head_dim), plan.tp
         return metp_attention(
             x,
             w["wq"],
@@ -772,12 +877,16 @@ class METP(TensorMethod):
             num_kv_heads=num_kv_heads,
             axis_name="tp",
             causal=causal,
-            rope_theta=rope_theta,
+            rope_theta=rope,
             block_ops=plan.block_ops,
+            extras={n: w[n] for n in ("bq", "bk", "bv", "bo", "q_norm", "k_norm") if n in w},
+            norm_eps=norm_eps,
+            window=window,
         )
 
     def mlp(self, plan, x, w, *, activation):
-        return metp_mlp(x, w["w_in"], w["w_out"], w.get("w_gate"), activation=activation, axis_name="tp")
+        biases = {n: w[n] for n in ("b_in", "b_gate", "b_out") if n in w}
+        return metp_mlp(x, w["w_in"], w["w_out"], w.get("w_gate"), activation=activation, axis_name="tp", **biases)
 
     # --- cost model (the module docstring's bytes; METP Tables 1-2)
     recomputes_forward = True  # Q, K, V and f(AB) again in the backward (Algorithms 2 and 6)

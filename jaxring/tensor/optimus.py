@@ -1,4 +1,4 @@
-"""Optimus: 2D tensor parallelism with SUMMA products (seed 002, Xu et al. 2021).
+"""Optimus: 2D tensor parallelism with SUMMA products [Optimus] (Xu et al.; REFERENCES.md).
 
 tp = p = q² devices form a q×q grid (the `tp` axis split into rows `tpr` and columns `tpc`, tpc innermost;
 device (i, j) has tpr = i, tpc = j). Every matrix is split into q×q blocks, block (i, j) on device (i, j):
@@ -61,12 +61,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring.attention.flash import flash_attention
+from jaxring.attention.masking import check_window
 from jaxring.collectives import prefetch_steps, tree_broadcast, tree_reduce
 from jaxring.costs import F32, LocalDims, ModelShape, Transfer, tree_rounds
 from jaxring.mesh import DATA_AXES, factored_mesh, spec_entry
 from jaxring.registry import register_tensor_method
 from jaxring.sharded import run_local
-from jaxring.tensor.contract import ACTIVATIONS, ParamInfo, TensorMethod, rope_qk
+from jaxring.tensor.contract import ACTIVATIONS, ParamInfo, TensorMethod, add_bias, qk_norm_rope
 from jaxring.vma import common_vma
 
 ROW, COL = "tpr", "tpc"  # grid axes: device (i, j) has tpr = i, tpc = j
@@ -270,19 +271,21 @@ def _matmul(x, w, axes):
 def mlp_2d(x, params, *, activation: str = "gelu", axes=GRID):
     """y = gelu(x @ w_in) @ w_out, or (silu(x @ w_gate) * (x @ w_in)) @ w_out: two SUMMA products.
 
-    x: local [b/q, s, h/q]; params: local blocks w_in, w_gate [h/q, f/q], w_out [f/q, h/q].
+    x: local [b/q, s, h/q]; params: local blocks w_in, w_gate [h/q, f/q], w_out [f/q, h/q], optionally the
+    biases' column blocks b_in, b_gate [f/q] and b_out [h/q].
     swiglu puts the w_gate and w_in blocks side by side, so x is broadcast once for both.
     Returns local [b/q, s, h/q].
     """
     if activation == "gelu":
-        act = jax.nn.gelu(_matmul(x, params["w_in"], axes), approximate=True)
+        act = jax.nn.gelu(add_bias(_matmul(x, params["w_in"], axes), params.get("b_in")), approximate=True)
     elif activation == "swiglu":
         fq = params["w_in"].shape[1]
         both = _matmul(x, jnp.concatenate([params["w_gate"], params["w_in"]], axis=1), axes)
-        act = jax.nn.silu(both[..., :fq]) * both[..., fq:]
+        gate, inner = add_bias(both[..., :fq], params.get("b_gate")), add_bias(both[..., fq:], params.get("b_in"))
+        act = jax.nn.silu(gate) * inner
     else:
         raise ValueError(f"activation {activation!r} must be one of {ACTIVATIONS}")
-    return _matmul(act, params["w_out"], axes)
+    return add_bias(_matmul(act, params["w_out"], axes), params.get("b_out"))
 
 
 def attention_2d(
@@ -293,14 +296,19 @@ def attention_2d(
     num_heads: int,
     num_kv_heads: int,
     causal: bool = True,
-    rope_theta: float | None = 10000.0,
+    rope_theta=10000.0,
     axes=GRID,
+    window: int | None = None,
+    norm_eps: float = 1e-6,
 ):
     """Self-attention with n/q heads of b/q whole sequences per device (Fig. 4).
 
     x: local [b/q, s, h/q]; positions: local int [b/q, s]; params: local blocks wq [h/q, n·d/q],
-    wk, wv [h/q, n_kv·d/q], wo [n·d/q, h/q] (column block j of wq/wk/wv = heads of group j).
-    QKV is one SUMMA on the wq|wk|wv blocks side by side; softmax(QKᵀ)V is local; wo is a second SUMMA.
+    wk, wv [h/q, n_kv·d/q], wo [n·d/q, h/q] (column block j of wq/wk/wv = heads of group j), optionally
+    the biases' column blocks bq [n·d/q], bk/bv [n_kv·d/q], bo [h/q] and the QK-norm scales q_norm/k_norm [d]
+    (whole: heads are whole on a device). rope_theta: a theta, a `jaxring.rope.Rope` or None.
+    QKV is one SUMMA on the wq|wk|wv blocks side by side; softmax(QKᵀ)V is local (with a sliding `window` W,
+    needing causal, the query at position i sees keys i - W < j <= i); wo is a second SUMMA.
     Returns local [b/q, s, h/q].
     """
     q = lax.axis_size(axes[1])
@@ -310,12 +318,11 @@ def attention_2d(
     w_qkv = jnp.concatenate([params["wq"], params["wk"], params["wv"]], axis=1)
     qkv = _matmul(x, w_qkv, axes)  # [b/q, s, (n + 2 n_kv) d / q]
     sizes = (heads * head_dim, kv_heads * head_dim)
-    qh = qkv[..., : sizes[0]].reshape(bq, s, heads, head_dim)
-    kh = qkv[..., sizes[0] : sizes[0] + sizes[1]].reshape(bq, s, kv_heads, head_dim)
-    vh = qkv[..., sizes[0] + sizes[1] :].reshape(bq, s, kv_heads, head_dim)
-    qh, kh = rope_qk(qh, kh, positions, rope_theta)
-    out = flash_attention(qh, kh, vh, causal=causal, q_positions=positions, kv_positions=positions)
-    return _matmul(out.reshape(bq, s, heads * head_dim), params["wo"], axes)
+    parts = (qkv[..., : sizes[0]], qkv[..., sizes[0] : sizes[0] + sizes[1]], qkv[..., sizes[0] + sizes[1] :])
+    qh, kh, vh = (add_bias(t, params.get(f"b{n}")).reshape(bq, s, -1, head_dim) for t, n in zip(parts, "qkv"))
+    qh, kh = qk_norm_rope(qh, kh, params, positions, rope_theta, eps=norm_eps)
+    out = flash_attention(qh, kh, vh, causal=causal, q_positions=positions, kv_positions=positions, window=window)
+    return add_bias(_matmul(out.reshape(bq, s, heads * head_dim), params["wo"], axes), params.get("bo"))
 
 
 def layer_norm_2d(x, scale, bias, *, eps: float = 1e-5, col_axis: str = COL):
@@ -332,6 +339,15 @@ def layer_norm_2d(x, scale, bias, *, eps: float = 1e-5, col_axis: str = COL):
     var = jnp.maximum(sums[1] / h - mean * mean, 0.0)  # E[X²] - E[X]²
     y = (xf - mean[..., None]) * lax.rsqrt(var + eps)[..., None]
     return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def rms_norm_2d(x, scale, *, eps: float = 1e-6, col_axis: str = COL):
+    """RMSNorm over a hidden dimension split across the row: Σx² all-reduced within the row (one psum over
+    `col_axis`, as LayerNorm's statistics). x: local [..., h/q]; scale: local [h/q]. Returns x.dtype."""
+    h = x.shape[-1] * lax.axis_size(col_axis)
+    xf = x.astype(jnp.float32)
+    mean_square = lax.psum((xf * xf).sum(-1), col_axis) / h
+    return (xf * lax.rsqrt(mean_square + eps)[..., None] * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 def _lookup(tokens, e_lj, l):
@@ -500,7 +516,10 @@ def _run(kind, grid, data, static, args, specs):
     x_spec, tok_spec = _specs(data)
     local, options = {
         "mlp": (_mlp_local, dict(zip(("activation", "names"), static))),
-        "attention": (_attention_local, dict(zip(("num_heads", "num_kv_heads", "causal", "rope_theta"), static))),
+        "attention": (
+            _attention_local,
+            dict(zip(("num_heads", "num_kv_heads", "causal", "rope_theta", "window"), static)),
+        ),
         "layer_norm": (_layer_norm_local, dict(zip(("eps",), static))),
         "embed": (_embed_local, {}),
         "cross_entropy": (_cross_entropy_local, dict(zip(("tied",), static))),
@@ -546,16 +565,19 @@ def attention_block(
     num_kv_heads: int,
     causal: bool = True,
     rope_theta: float | None = 10000.0,
+    window: int | None = None,
 ):
     """params {"wq": [hidden, num_heads*head_dim], "wk": [hidden, num_kv_heads*head_dim], "wv": as wk,
     "wo": [num_heads*head_dim, hidden]}; head h's columns are h*head_dim:(h+1)*head_dim. positions: global
     int32 [batch, seq] (RoPE on q and k when rope_theta is not None; the causal mask uses the same
-    positions). Returns y [batch, seq, hidden].
+    positions). window: sliding window W (needs causal): the query at position i sees keys i - W < j <= i.
+    Returns y [batch, seq, hidden].
 
     Each device attends n/q heads of b/q sequences; num_heads and num_kv_heads must be divisible by q.
     """
     grid, q, data = grid_mesh(mesh)
     _check_batch(x, grid, q, data)
+    window = check_window(window, bool(causal))
     batch, seq, hidden = x.shape
     if not (isinstance(num_heads, int) and isinstance(num_kv_heads, int) and num_heads > 0 and num_kv_heads > 0):
         raise ValueError(f"num_heads {num_heads!r} and num_kv_heads {num_kv_heads!r} must be positive integers")
@@ -585,7 +607,7 @@ def attention_block(
         "attention",
         grid,
         data,
-        (num_heads, num_kv_heads, bool(causal), theta),
+        (num_heads, num_kv_heads, bool(causal), theta, window),
         (x, params, positions),
         (x_spec, {n: P(*GRID) for n in params}, tok_spec),
     )
@@ -709,6 +731,9 @@ class Optimus(TensorMethod):
     def head_split(self, plan):
         return self._q(plan)
 
+    def local_rows(self, plan, seq_len):
+        return seq_len
+
     def activation_spec(self, plan):
         return P(spec_entry(plan.batch_axes + (ROW,)), None, COL)
 
@@ -737,10 +762,23 @@ class Optimus(TensorMethod):
     def norm(self, plan, x, scale, bias, *, eps=1e-5):
         return layer_norm_2d(x, scale, bias, eps=eps)
 
-    def attention(self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope_theta):
+    def rms_norm(self, plan, x, scale, *, eps=1e-6):
+        return rms_norm_2d(x, scale, eps=eps)
+
+    def attention(
+        self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope, window=None, norm_eps=1e-6
+    ):
         del head_dim
         return attention_2d(
-            x, w, positions, num_heads=num_heads, num_kv_heads=num_kv_heads, causal=causal, rope_theta=rope_theta
+            x,
+            w,
+            positions,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            causal=causal,
+            rope_theta=rope,
+            window=window,
+            norm_eps=norm_eps,
         )
 
     def mlp(self, plan, x, w, *, activation):

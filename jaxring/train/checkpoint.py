@@ -12,16 +12,34 @@ item, a junk step directory) is caught on restore: a third item, ``checksums``, 
 every array's bits (see `checksum.py`; orbax itself checks no array data), and restore recomputes them on
 the restored arrays. A damaged step raises `DamagedCheckpointError` naming the step and what is wrong;
 ``restore_latest`` reports it, moves it aside to ``<step>.damaged`` and falls back to the newest intact
-step. A state holding a NaN or an Inf is never saved (`NonFiniteStateError`).
+step. A state holding a NaN or an Inf is never saved (`NonFiniteStateError`). The metadata item is
+checksummed too (a SHA-256 of its JSON, under ``checksums``): an edited or bit-flipped metadata file is damage
+like any other, never a false "incompatible model" or a false divergence on resume.
+
+Saving can fail in the background (a full disk, a directory made read-only, a vanished mount): `check()`
+(the training loop calls it after every step), `save`, `wait` and `close` raise `CheckpointSaveError` with one
+line, the unfinished temporary directory is removed, and orbax's own log lines are silenced while a
+Checkpointer is open (its error tracebacks would repeat ours hundreds of times). Opened with ``lock=True``
+(training), the directory is created and tried for writing at once, and a lock file ``jaxring.lock``
+(``{"pid", "host", "since"}``) keeps a second run from mixing its steps into it; the lock of a process that
+is gone (same host, pid not alive) is taken over.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import json
 import logging
+import os
+import shutil
+import socket
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -38,23 +56,131 @@ class NonFiniteStateError(ValueError):
     """The state to save holds a NaN or an Inf; it is not saved (it would poison every resume)."""
 
 
-def _ignore_closed_loop_callbacks() -> None:
-    """Drops one kind of noise: when orbax gives up reading a damaged step, tensorstore still completes the
-    step's other pending reads and calls back into orbax's already closed asyncio loop, which prints a
-    "RuntimeError: Event loop is closed" traceback per array. Every other unraisable error still goes to the
-    previous hook. Idempotent."""
-    previous = sys.unraisablehook
-    if getattr(previous, "_jaxring_filter", False):
-        return
+class CheckpointSaveError(OSError):
+    """A save could not be written (full disk, read-only or vanished directory); the message is one line."""
 
-    def hook(unraisable):
-        e = unraisable.exc_value
-        if isinstance(e, RuntimeError) and str(e) == "Event loop is closed":
+
+class CheckpointDirectoryInUse(ValueError):
+    """Another live run holds the checkpoint directory's lock."""
+
+
+METADATA_SUM = "__metadata_sha256__"  # the metadata item's checksum, an entry of the checksums item
+LOCK_FILE = "jaxring.lock"
+
+
+def _metadata_sum(metadata: dict) -> str:
+    """SHA-256 of the metadata's canonical JSON (sorted keys), as saved and as read back."""
+    return hashlib.sha256(json.dumps(metadata, sort_keys=True).encode()).hexdigest()
+
+
+class _Noise:
+    """Orbax's noise off while a Checkpointer is open, put back on close (nothing process-wide is left
+    changed behind the caller's back):
+
+    * its (absl) log lines below CRITICAL: a failed background save logs the same traceback from several
+      threads; the Checkpointer reports the failure itself, in one line;
+    * one kind of unraisable error: when orbax gives up reading a damaged step, tensorstore still completes
+      the step's other pending reads and calls back into orbax's already closed asyncio loop, which prints a
+      "RuntimeError: Event loop is closed" traceback per array. Every other unraisable error goes to the
+      hook that was there before.
+    """
+
+    def __init__(self):
+        self.logger = logging.getLogger("absl")
+        self.level = self.logger.level
+        self.logger.setLevel(logging.CRITICAL)
+        self.previous_hook = sys.unraisablehook
+        previous = self.previous_hook
+
+        def hook(unraisable: Any) -> None:
+            e = unraisable.exc_value
+            if isinstance(e, RuntimeError) and str(e) == "Event loop is closed":
+                return
+            previous(unraisable)
+
+        self.hook = hook
+        sys.unraisablehook = hook
+
+    def restore(self) -> None:
+        self.logger.setLevel(self.level)
+        if sys.unraisablehook is self.hook:  # (another hook installed since stays)
+            sys.unraisablehook = self.previous_hook
+
+
+def _join_orbax_threads(timeout_s: float = 60.0) -> None:
+    """Waits (up to `timeout_s` in all) for orbax's background save threads still running."""
+    import threading
+
+    deadline = time.monotonic() + timeout_s
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and type(t).__module__.startswith("orbax"):
+            t.join(max(deadline - time.monotonic(), 0))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+class DirectoryLock:
+    """``<directory>/jaxring.lock`` held by one live run: {"pid", "host", "since"}, created atomically.
+
+    A second run refuses in one line naming the holder; a lock left by a process that is gone (this host,
+    pid not alive) is taken over with a warning through `report`. Released (deleted) by `release`.
+    """
+
+    def __init__(self, directory: Path, report: Callable[[str], None] = print):
+        self.path = Path(directory) / LOCK_FILE
+        self.held = False
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is not None and not self._stale(holder):
+                    raise CheckpointDirectoryInUse(
+                        f"checkpoint directory {str(directory)!r} is in use by another run (pid {holder.get('pid')} "
+                        f"on {holder.get('host')}, since {holder.get('since')}); use another --checkpoint-dir, or "
+                        f"delete {str(self.path)!r} if that run is gone"
+                    ) from None
+                what = "an unreadable lock" if holder is None else f"the lock of pid {holder.get('pid')}, which is gone"
+                report(f"warning: {str(directory)!r}: taking over {what}")
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
             return
-        previous(unraisable)
+        raise CheckpointDirectoryInUse(f"could not take the lock {str(self.path)!r} (another run keeps taking it)")
 
-    hook._jaxring_filter = True
-    sys.unraisablehook = hook
+    def _holder(self) -> dict | None:
+        try:
+            holder = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        return holder if isinstance(holder, dict) else None
+
+    @staticmethod
+    def _stale(holder: dict) -> bool:
+        pid = holder.get("pid")
+        if holder.get("host") != socket.gethostname():
+            return False  # another host's process: cannot tell, so it holds
+        return not (isinstance(pid, int) and pid > 0 and _pid_alive(pid))
+
+    def release(self) -> None:
+        if self.held:
+            holder = self._holder()
+            if holder is not None and holder.get("pid") == os.getpid():
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+            self.held = False
 
 
 @contextlib.contextmanager
@@ -69,24 +195,29 @@ def _orbax_logs_quiet():
         logger.setLevel(level)
 
 
-def _one_line(e: BaseException, limit: int = 240) -> str:
-    """An exception as one short line: its root cause's message (orbax wraps tensorstore's precise one, e.g.
-    "OUT_OF_RANGE: ... byte range [0, 15253) is not valid for value of size 1000", in a vaguer one)."""
+def _root_cause(e: BaseException) -> BaseException:
     seen = set()
     while (e.__cause__ or e.__context__) is not None and id(e) not in seen:
         seen.add(id(e))
         e = e.__cause__ or e.__context__
+    return e
+
+
+def _one_line(e: BaseException, limit: int = 240) -> str:
+    """An exception as one short line: its root cause's message (orbax wraps tensorstore's precise one, e.g.
+    "OUT_OF_RANGE: ... byte range [0, 15253) is not valid for value of size 1000", in a vaguer one)."""
+    e = _root_cause(e)
     text = " ".join(str(e).split()) or type(e).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _paths(tree) -> dict[str, object]:
+def _paths(tree: Any) -> dict[str, object]:
     """{"opt/0/mu/kernel": leaf}: leaves by normalised path (orbax's metadata tree uses dicts throughout)."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     return {"/".join(checksum.key_name(k) for k in path): leaf for path, leaf in flat}
 
 
-def _flat_dict(d, prefix="") -> dict[str, object]:
+def _flat_dict(d: dict, prefix: str = "") -> dict[str, object]:
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
@@ -96,7 +227,7 @@ def _flat_dict(d, prefix="") -> dict[str, object]:
     return out
 
 
-def _abstract(path: str, leaf):
+def _abstract(path: str, leaf: Any) -> Any:
     """A restore target leaf: arrays become ShapeDtypeStructs; every array leaf must carry its sharding."""
     if isinstance(leaf, jax.Array):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
@@ -117,13 +248,27 @@ class Checkpointer:
     docstring). Use as a context manager, or call close() at the end so the last save is finished.
     """
 
-    def __init__(self, directory, *, keep: int = 3, async_save: bool = True):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        keep: int = 3,
+        async_save: bool = True,
+        lock: bool = False,
+        report: Callable[[str], None] = print,
+    ):
+        """lock: create the directory now, check it takes writes and hold its lock file (a training run);
+        False: open for reading (the directory is created by the first save)."""
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep {keep!r} must be a positive integer (how many checkpoints to keep)")
         self.directory = Path(directory).absolute()
         if self.directory.exists() and not self.directory.is_dir():
             raise ValueError(f"checkpoint directory {str(self.directory)!r} exists and is not a directory")
         self.keep = keep
+        self._lock = None
+        if lock and is_primary():
+            self._prepare_for_writing()
+            self._lock = DirectoryLock(self.directory, report)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=async_save, create=False
         )  # created by the first save, not by opening
@@ -132,12 +277,44 @@ class Checkpointer:
             "metadata": ocp.JsonCheckpointHandler(),
             "checksums": ocp.JsonCheckpointHandler(),
         }
-        with _orbax_logs_quiet():  # a junk step directory is reported on restore, not here
+        self._noise = _Noise()  # a junk step directory is reported on restore, not here
+        self._closed = False
+        self._failed = self._failed_step = None
+        self._saving = None  # the step whose save may still be in flight
+        try:
             self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        except BaseException:
+            self._release()
+            raise
+
+    def _prepare_for_writing(self) -> None:
+        """Creates the directory and writes (and removes) a probe file: a directory that cannot be created
+        or written fails here, in one line, before any step runs."""
+        where = f"checkpoint directory {str(self.directory)!r}"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointSaveError(f"{where} cannot be created ({e.strerror or e})") from None
+        probe = self.directory / f".jaxring-write-test-{os.getpid()}"
+        try:
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                probe.unlink()
+            raise CheckpointSaveError(f"{where} is not writable ({e.strerror or e})") from None
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        if getattr(self, "_noise", None) is not None:
+            self._noise.restore()
+            self._noise = None
 
     # -- saving ---------------------------------------------------------------------------------------
 
-    def save(self, step: int, state, *, metadata: dict) -> bool:
+    def save(self, step: int, state: Any, *, metadata: dict) -> bool:
         """Saves `state` (a pytree of possibly sharded jax arrays and python scalars) as `step`.
 
         metadata: a JSON-able dict; its "model" entry is what restore(expected_metadata=) compares.
@@ -147,6 +324,7 @@ class Checkpointer:
         """
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step {step!r} must be a non-negative integer")
+        self.check()
         if not isinstance(metadata, dict):
             raise ValueError(f"metadata must be a dict, got {type(metadata).__name__}")
         try:
@@ -168,8 +346,10 @@ class Checkpointer:
                 f"not saving step {step}: NaN or Inf values in {_some(bad)} (a non-finite "
                 f"state would poison every resume)"
             )
-        return bool(
-            self._manager.save(
+        sums = {**sums, METADATA_SUM: _metadata_sum(metadata)}
+        self._saving = step
+        try:
+            saved = self._manager.save(
                 step,
                 args=ocp.args.Composite(
                     state=ocp.args.StandardSave(state),
@@ -177,16 +357,74 @@ class Checkpointer:
                     checksums=ocp.args.JsonSave(sums),
                 ),
             )
-        )
+        except Exception as e:
+            self._fail(step, e)
+            raise CheckpointSaveError(self._failed) from None
+        return bool(saved)
+
+    def check(self) -> None:
+        """Raises CheckpointSaveError (one line) if a save has failed, in the background or before; returns at
+        once while a save is still running. The training loop calls it after every step; on a multi-host run
+        every process must call it at the same point (they agree: one process's failure stops them all)."""
+        if self._saving is not None and self._failed is None and not self._manager.is_saving_in_progress():
+            self._finish(raise_error=False)
+        if not all_processes_agree(self._failed is None):
+            raise CheckpointSaveError(self._failed or "a checkpoint save failed on another process (see its message)")
+
+    def _finish(self, raise_error: bool = True) -> None:
+        """Waits for the save in flight; its failure is recorded (and raised as CheckpointSaveError)."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            self._fail(self._saving, e)
+        self._saving = None
+        if raise_error and self._failed is not None:
+            raise CheckpointSaveError(self._failed)
+
+    def _fail(self, step: int, e: BaseException) -> None:
+        """Records a failed save in one line (its temporary directory is removed on close, once orbax's
+        threads are done with it)."""
+        reason, root = _one_line(e), _root_cause(e)
+        if isinstance(root, OSError) and root.errno == errno.ENOSPC:
+            reason += " (the disk is full: free space, or point --checkpoint-dir elsewhere)"
+        elif isinstance(root, OSError) and root.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            reason += " (the directory does not take writes)"
+        self._failed_step = step
+        self._saving = None
+        self._failed = f"saving checkpoint step {step} to {str(self.directory)!r} failed: {reason}"
+
+    def _remove_temporary(self, step: int) -> None:
+        if not is_primary() or not self.directory.is_dir():
+            return
+        for tmp in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def wait(self) -> None:
-        """Blocks until every pending asynchronous save is on disk (renamed into place)."""
-        self._manager.wait_until_finished()
+        """Blocks until every pending asynchronous save is on disk (renamed into place); CheckpointSaveError
+        if it failed."""
+        if self._failed is not None:
+            raise CheckpointSaveError(self._failed)
+        self._finish()
 
     def close(self) -> None:
-        """Waits for pending saves and releases the manager's background threads."""
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Waits for pending saves and releases the manager's background threads, the lock and the quieted
+        logs; CheckpointSaveError (after releasing everything) if the last save failed."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._failed is None:
+                self._finish()
+        finally:
+            if self._failed is not None:
+                with contextlib.suppress(Exception):
+                    self._manager.wait_until_finished()
+                _join_orbax_threads()  # a failed save's other writes go on after orbax reports the failure
+            with contextlib.suppress(Exception):
+                self._manager.close()
+            if self._failed_step is not None:
+                self._remove_temporary(self._failed_step)
+            self._release()
 
     def __enter__(self):
         return self
@@ -205,7 +443,7 @@ class Checkpointer:
         whose async save through this object is still in flight is counted: call wait() to be sure."""
         return self._manager.latest_step()
 
-    def _check_step(self, step):
+    def _check_step(self, step: int | None) -> int:
         if not self.directory.is_dir():
             raise FileNotFoundError(f"checkpoint directory {str(self.directory)!r} does not exist")
         steps = self.all_steps()
@@ -221,9 +459,18 @@ class Checkpointer:
         return step
 
     def metadata(self, step: int | None = None) -> dict:
-        """The metadata dict saved with `step` (default: the latest); DamagedCheckpointError if unreadable."""
+        """The metadata dict saved with `step` (default: the latest); DamagedCheckpointError if unreadable or
+        if it does not match its saved checksum (steps saved before metadata checksums are not checked)."""
         step = self._check_step(step)
-        return self._read_json(step, "metadata")
+        metadata = self._read_json(step, "metadata")
+        sums = self._read_json(step, "checksums") if (self.directory / str(step) / "checksums").is_dir() else {}
+        saved = sums.get(METADATA_SUM)
+        if saved is not None and saved != _metadata_sum(metadata):
+            raise DamagedCheckpointError(
+                f"checkpoint step {step} in {str(self.directory)!r}: its metadata does not match its checksum "
+                f"(the metadata file changed after the save)"
+            )
+        return metadata
 
     def _read_json(self, step: int, item: str) -> dict:
         if not (self.directory / str(step) / item).is_dir():
@@ -241,7 +488,9 @@ class Checkpointer:
             )
         return value
 
-    def restore(self, step: int | None, target, *, expected_metadata: dict | None = None, verify: bool = True):
+    def restore(
+        self, step: int | None, target: Any, *, expected_metadata: dict | None = None, verify: bool = True
+    ) -> Any:
         """The state saved at `step` (None: the latest), laid out as `target` says.
 
         target: the state's pytree with a ``jax.ShapeDtypeStruct`` (or a jax array) for every array leaf,
@@ -256,7 +505,6 @@ class Checkpointer:
         cannot be read back intact; ValueError when it is intact but does not fit `target`.
         """
         step = self._check_step(step)
-        _ignore_closed_loop_callbacks()
         if expected_metadata is not None:
             self._check_metadata(step, expected_metadata)
         targets = _paths(target)
@@ -275,6 +523,7 @@ class Checkpointer:
             detail = _one_line(error) if error is not None else "another process could not read its shards"
             raise DamagedCheckpointError(f"{where}: cannot read its arrays ({detail})") from error
         if saved_sums is not None:
+            saved_sums = {k: v for k, v in saved_sums.items() if k != METADATA_SUM}
             sums = checksum.state_checksums(restored)
             bad = checksum.mismatches(saved_sums, sums)
             if bad:
@@ -286,13 +535,17 @@ class Checkpointer:
                 raise DamagedCheckpointError(f"{where}: NaN or Inf values in {_some(nonfinite)}")
         return restored
 
-    def restore_latest(self, target, *, expected_metadata: dict | None = None, report=print):
+    def restore_latest(
+        self, target: Any, *, expected_metadata: dict | None = None, report: Callable[[str], None] = print
+    ) -> tuple[int | None, Any]:
         """(step, state) from the newest intact step (see newest_intact), or (None, None) if none is saved."""
         return self.newest_intact(
             lambda step: self.restore(step, target, expected_metadata=expected_metadata), report=report
         )
 
-    def newest_intact(self, restore_step, *, report=print):
+    def newest_intact(
+        self, restore_step: Callable[[int], Any], *, report: Callable[[str], None] = print
+    ) -> tuple[int | None, Any]:
         """(step, restore_step(step)) for the newest step that restores intact, or (None, None) if none is saved.
 
         restore_step(step) restores one step (e.g. ``lambda s: trainer.restore(ckpt, s)``); when it raises
@@ -322,7 +575,7 @@ class Checkpointer:
             )
         return None, None
 
-    def _set_aside(self, steps, report) -> None:
+    def _set_aside(self, steps: list[int], report: Callable[[str], None]) -> None:
         """Renames damaged step directories to <step>.damaged (kept for inspection, ignored as steps)."""
         if is_primary():
             for step in steps:
@@ -337,12 +590,12 @@ class Checkpointer:
         sync_processes("jaxring-checkpoint-set-aside")
         self._manager.reload()
 
-    def _check_metadata(self, step, expected):
+    def _check_metadata(self, step: int, expected: dict | None) -> None:
         if not isinstance(expected, dict):
             raise ValueError(f"expected_metadata must be a dict, got {type(expected).__name__}")
         if "model" not in expected:
             raise ValueError(f"expected_metadata has no 'model' entry to compare (keys: {sorted(expected)})")
-        saved = self._read_json(step, "metadata").get("model")
+        saved = self.metadata(step).get("model")
         if saved is None:
             raise ValueError(f"checkpoint step {step} in {str(self.directory)!r} records no 'model' metadata")
         want = _flat_dict(json.loads(json.dumps(expected["model"])))  # tuples → lists, as saved
@@ -358,7 +611,7 @@ class Checkpointer:
                 f"checkpoint from an incompatible model: {', '.join(diffs)} (checkpoint step {step} != expected)"
             )
 
-    def _check_shapes(self, step, targets: dict):
+    def _check_shapes(self, step: int, targets: dict) -> None:
         try:
             meta = self._manager.item_metadata(step)["state"]
             saved = _paths(getattr(meta, "tree", meta))

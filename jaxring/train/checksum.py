@@ -16,6 +16,8 @@ element is finite (a NaN/Inf state is never saved).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -23,7 +25,7 @@ from jax import lax
 _GOLDEN = 0x9E3779B1
 
 
-def key_name(k) -> str:
+def key_name(k: Any) -> str:
     """One path element as a plain name: dict keys, attribute names (NamedTuples, flax) and indices alike."""
     for attr in ("key", "name", "idx"):
         if hasattr(k, attr):
@@ -31,13 +33,13 @@ def key_name(k) -> str:
     return str(k)
 
 
-def array_paths(tree) -> dict[str, jax.Array]:
+def array_paths(tree: Any) -> dict[str, jax.Array]:
     """{"params/blocks/0/w": array}: the jax-array leaves by "/"-joined path (other leaves are left out)."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     return {"/".join(key_name(k) for k in path): leaf for path, leaf in flat if isinstance(leaf, jax.Array)}
 
 
-def _bits(x):
+def _bits(x: jax.Array) -> jax.Array:
     """The elements' bit patterns as uint32 (8-byte elements become two uint32 words: a trailing axis)."""
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
@@ -53,7 +55,7 @@ def _bits(x):
     raise ValueError(f"cannot checksum dtype {x.dtype}")
 
 
-def _flat_index(shape):
+def _flat_index(shape: tuple[int, ...]) -> jax.Array:
     """uint32 row-major flat index of every element (wraps mod 2³² past 4G elements)."""
     index = jnp.zeros(shape, jnp.uint32)
     stride = 1
@@ -63,7 +65,7 @@ def _flat_index(shape):
     return index
 
 
-def _one(x):
+def _one(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     b = _bits(x)
     i = _flat_index(b.shape)
     h1 = jnp.sum(b * (2 * i + 1), dtype=jnp.uint32)
@@ -73,11 +75,11 @@ def _one(x):
 
 
 @jax.jit
-def _all(arrays):
+def _all(arrays: list[jax.Array]) -> list:
     return [_one(x) for x in arrays]
 
 
-def state_checksums(tree) -> dict[str, dict]:
+def state_checksums(tree: Any) -> dict[str, dict]:
     """{path: {"h1": int, "h2": int, "finite": bool}} for every jax-array leaf of `tree`.
 
     One jitted pass over the arrays where they lie (sharded or not, on one host or many); the few scalars it

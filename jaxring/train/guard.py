@@ -77,11 +77,12 @@ class DivergenceGuard:
                 "skip", f"step {step}: {problem}; skipped (its update undone, {self.skips_in_a_row} in a row)"
             )
         more = f" after {self.skips_in_a_row} skipped steps in a row" if self.skips_in_a_row else ""
-        return Verdict(
-            "stop",
-            f"diverged at step {step}: {problem}{more}; stopping (lower --lr, or pass "
-            f"--on-divergence skip to skip such steps)",
+        advice = (
+            f"lower --lr, or check the data: skip mode gives up after {self.max_skips} skipped steps in a row"
+            if self.mode == "skip"
+            else "lower --lr, or pass --on-divergence skip to skip such steps"
         )
+        return Verdict("stop", f"diverged at step {step}: {problem}{more}; stopping ({advice})")
 
     def state_dict(self) -> dict:
         return {"recent": list(self.recent), "lowest_mean": None if math.isinf(self.lowest_mean) else self.lowest_mean}

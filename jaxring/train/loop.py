@@ -9,16 +9,28 @@ Failures end in one exception, each with a one-line message (train.py turns them
   * ValueError / FileNotFoundError: a bad setting, data or checkpoint directory (before any step runs).
   * `Diverged`: the loss went non-finite or spiked (see guard.py), or the state to save holds NaN/Inf; the
     bad state is never saved, the last checkpoint stays the newest.
-  * `Interrupted`: SIGTERM/SIGINT; the current step was finished, saved (with a checkpoint directory) and
-    every pending save waited for. A second signal exits at once.
+  * `Interrupted`: SIGTERM/SIGINT/SIGHUP; the current step was finished, saved (with a checkpoint directory)
+    and every pending save waited for. A second signal exits at once (see signals.py for the watchdog).
+  * `OutOfMemory` (a ValueError): an allocation failed (MemoryError, XLA's RESOURCE_EXHAUSTED) while
+    building the state, compiling or running a step; the message names the settings to shrink.
+  * `CheckpointSaveError` (an OSError): a save failed (full disk, read-only directory), also one that failed
+    in the background (checked after every step); its temporary directory is removed.
 On resume, a damaged newest checkpoint is reported and the newest intact one used.
+
+What a run reports: a header with the plan (mesh, strategies, layout, precision, remat) and, where a
+memory estimate is available (`estimated_memory_bytes`, a hook for the planner's estimate), that figure; a
+line per checkpoint save; a line before the held-out loss and the samples. Each step's metrics row
+(metrics.jsonl; TensorBoard with --tensorboard, W&B with --wandb) has: step, wall_time (Unix seconds),
+elapsed_s, lr, loss, grad_norm, tokens_per_s, mfu, step_time_s, peak_memory_bytes (the device's, null on
+CPU), host_memory_bytes, val_loss (every --eval-every steps), every other metric of the step; the first
+step of a run also has compile_s (its time, compilation included: its tokens_per_s and mfu are not the
+run's speed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
-import math
 import os
 import signal
 import time
@@ -29,7 +41,9 @@ from jaxring.spec import RunSpec
 from jaxring.train.checkpoint import Checkpointer, NonFiniteStateError
 from jaxring.train.guard import Diverged, DivergenceGuard
 from jaxring.train.metrics import (
+    MetricsLog,
     drop_rows_after,
+    host_memory_bytes,
     peak_flops,
     peak_memory_bytes,
     profile_steps,
@@ -38,11 +52,10 @@ from jaxring.train.metrics import (
     step_metrics,
 )
 from jaxring.train.signals import SIGNALS, GracefulStop, Interrupted
-from jaxring.train.trainer import Trainer
+from jaxring.train.trainer import Trainer, lr_schedule
 
 RUN_FILE = "run.yaml"
 RUNS_DIR = "runs"  # where a run that names no output directory gets one (DATE-TIME)
-METRICS_FILE = "metrics.jsonl"
 
 # settings that shape the optimizer schedule or the batches: a resume with other values gives other losses
 SCHEDULE_FIELDS = (
@@ -58,7 +71,52 @@ SCHEDULE_FIELDS = (
     "seq_len",
     "image_size",
     "data",
+    "tokenizer",
+    "text_field",
+    "packing",
 )
+
+
+class OutOfMemory(ValueError):
+    """An allocation failed; the message names the settings to shrink."""
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    if isinstance(e, MemoryError):
+        return True
+    text = str(e)
+    return isinstance(e, (RuntimeError, ValueError)) and (
+        "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
+    )
+
+
+@contextlib.contextmanager
+def _reporting_out_of_memory(spec: RunSpec, where: str, devices: int):
+    """MemoryError / XLA RESOURCE_EXHAUSTED inside becomes OutOfMemory: one line naming what to shrink."""
+    try:
+        yield
+    except Exception as e:
+        if not _is_out_of_memory(e):
+            raise
+        t = spec.training
+        size = f"--seq-len {t.seq_len}" if t.seq_len else (f"--image-size {t.image_size}" if t.image_size else "")
+        shrink = " or ".join(x for x in (f"--batch-size {t.batch_size}", size) if x)
+        raise OutOfMemory(
+            f"out of memory {where} ({type(e).__name__}: {_first_line(e)}); lower {shrink}, or use --remat full, "
+            f"more sequence or tensor parallelism, or more devices (now {devices})"
+        ) from None
+
+
+def _first_line(e: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def estimated_memory_bytes(spec: RunSpec, trainer) -> int | None:
+    """Per-device memory the run is estimated to need, for the header; None: no estimate (the planner's
+    memory estimate is to gate runs here, a separate piece of work: this is its hook)."""
+    del spec, trainer
+    return None
 
 
 def train(
@@ -80,14 +138,18 @@ def train(
     history = []
     with GracefulStop(signals) as stop:
         c = spec.checkpoint
-        ckpt = Checkpointer(c.checkpoint_dir, keep=c.keep_checkpoints) if c.checkpoint_dir else None
+        ckpt = None
+        if c.checkpoint_dir:
+            ckpt = Checkpointer(c.checkpoint_dir, keep=c.keep_checkpoints, lock=True, report=say)
         try:
             if ckpt is not None and not c.resume and ckpt.all_steps():
                 raise ValueError(
                     f"--checkpoint-dir {c.checkpoint_dir!r} already holds checkpoints (steps {ckpt.all_steps()}); "
                     f"pass --resume to continue from them, or use another directory"
                 )
-            trainer = Trainer(spec, devices)
+            with _reporting_out_of_memory(spec, "building the model and optimizer state", len(devices)):
+                trainer = Trainer(spec, devices)
+            _check_validation_data(trainer)
             if is_main:
                 os.makedirs(spec.output.out_dir, exist_ok=True)
                 spec.save(os.path.join(spec.output.out_dir, RUN_FILE))
@@ -104,15 +166,29 @@ def train(
             if stop.requested():
                 _stop_on_signal(stop, trainer, ckpt, guard, say)
             if ckpt is not None:
-                _save(ckpt, trainer, guard)
+                _save(ckpt, trainer, guard, say)
         finally:
             if ckpt is not None:
                 ckpt.close()  # waits for pending saves, also when stopping on an error
     if history and spec.output.eval_at_end:
-        say(f"final loss {history[-1]['loss']:.4f}; held-out loss {trainer.val_loss():.4f}")
+        say("evaluating the held-out loss...")
+        with _reporting_out_of_memory(spec, "evaluating the held-out loss", len(devices)):
+            say(f"final loss {history[-1]['loss']:.4f}; held-out loss {trainer.val_loss():.4f}")
+    export = getattr(trainer.task, "export", None)  # a task's own export of the trained model (gpt: --export-hf)
+    if is_main and history and export is not None:
+        export(trainer.model(), say)
     if is_main and spec.output.sample_tokens:
+        say(f"sampling from the trained model ({spec.output.sample_tokens} tokens/images)...")
         trainer.task.finish(trainer.model(), say, spec.output.out_dir)
     return history
+
+
+def _check_validation_data(trainer) -> None:
+    """The held-out batches' token ids checked against the vocabulary before the first step (a bad id
+    would otherwise surface only at the end, after the whole run)."""
+    check = getattr(trainer.task, "check_validation_data", None)
+    if check is not None:
+        check()
 
 
 def _fresh_run_dir() -> str:
@@ -126,35 +202,51 @@ def _fresh_run_dir() -> str:
 
 def prepare(spec: RunSpec, device_count: int) -> RunSpec:
     """The spec resolved for `device_count` devices and validated, with its output directory (OUT_DIR: as
-    given, else the checkpoint directory, else runs/DATE-TIME) and metrics file (default OUT_DIR/metrics.jsonl)
-    filled in."""
+    given, else the checkpoint directory, else runs/DATE-TIME) filled in (metrics go to OUT_DIR/metrics.jsonl unless
+    --metrics-file says otherwise)."""
     spec = spec.resolved(device_count)
     spec.validate()
     out = spec.output
     out_dir = out.out_dir or spec.checkpoint.checkpoint_dir or _fresh_run_dir()
-    metrics = out.metrics_file or os.path.join(out_dir, METRICS_FILE)
-    return dataclasses.replace(spec, output=dataclasses.replace(out, out_dir=out_dir, metrics_file=metrics))
+    return dataclasses.replace(spec, output=dataclasses.replace(out, out_dir=out_dir))
 
 
 def _describe(spec, trainer, say):
+    """The run's header: model, the plan (mesh, strategies, layout), numerics, batch, data, memory."""
     task = trainer.task
     n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
-    mesh = trainer.plan.mesh
+    mesh, p, t = trainer.plan.mesh, spec.parallel, spec.training
+    layout = f", layout={p.layout}" if p.layout and p.sp > 1 else ""
+    estimate = estimated_memory_bytes(spec, trainer)
+    memory = f" | estimated memory {estimate / 2**30:.2f} GiB per device" if estimate else ""
+    m = spec.memory
+    kept = f"remat {m.remat}" + "".join(
+        f", {name} {value}"
+        for name, value in (("loss tile", m.loss_tile), ("mlp tile", m.mlp_tile), ("offload", m.offload))
+        if value not in (None, "none")
+    )
     say(
-        f"{spec.model.model} {spec.model.preset}: {n_params / 1e6:.2f}M params | {trainer.plan.describe()} | "
-        f"{mesh.devices.size} x {mesh.devices.flat[0].device_kind} | batch {spec.training.batch_size} × "
-        f"{task.tokens_per_step // spec.training.batch_size} tokens | data {task.source_name}"
+        f"{spec.model.model} {spec.model.preset}: {n_params / 1e6:.2f}M params | plan: {trainer.plan.describe()}"
+        f"{layout} | precision {t.precision}, {kept} | {mesh.devices.size} x "
+        f"{mesh.devices.flat[0].device_kind} | batch {t.batch_size} × {task.tokens_per_step // t.batch_size} "
+        f"tokens | data {task.source_name}{memory}"
     )
 
 
 def _run(spec, trainer, ckpt, guard, stop, say, is_main) -> list[dict]:
     task = trainer.task
     peak = peak_flops(jax.devices()[0], spec.training.precision)
+    lr = lr_schedule(spec)
     history = []
-    metrics_file = open(spec.output.metrics_file, "a") if (spec.output.metrics_file and is_main) else None
+    metrics = MetricsLog(spec, is_main)
     bar = progress_bar(spec, trainer.step_count, is_main)
+    if bar is not None:  # lines between the bar's updates (saves, skips) go above it
+        say = _above_bar(bar, say)
     profiling = False
     profile_window = profile_steps(trainer.step_count, spec.training.steps) if spec.output.profile else None
+    eval_every, devices = spec.output.eval_every, trainer.plan.mesh.devices.size
+    started = time.perf_counter()
+    first = True
     try:
         while trainer.step_count < spec.training.steps and not stop.requested():
             step = trainer.step_count
@@ -165,67 +257,88 @@ def _run(spec, trainer, ckpt, guard, stop, say, is_main) -> list[dict]:
             # skip mode: the step itself keeps the old state when the loss exceeds the guard's limit (or is
             # not finite, as in every mode), so the guard's "skip" needs no undo here
             limit = guard.limit if guard.mode == "skip" else None
-            metrics, progress = step_metrics(trainer.step(max_loss=limit))  # waits for the step
+            where = f"at step {step + 1}" + (" (compiling the step)" if first else "")
+            with _reporting_out_of_memory(spec, where, devices):
+                out, progress = step_metrics(trainer.step(max_loss=limit))  # waits for the step
             dt = time.perf_counter() - t0
-            verdict = guard.check(step + 1, metrics["loss"])
+            verdict = guard.check(step + 1, out["loss"])
             if verdict is not None and verdict.action == "stop":
                 last = f" (newest checkpoint: step {ckpt.latest_step()})" if ckpt and ckpt.all_steps() else ""
                 raise Diverged(verdict.message + last)
             if verdict is not None:  # skip: the step kept the old state
-                if not metrics.get("skipped"):
+                if not out.get("skipped"):
                     raise AssertionError(f"the guard skipped step {step + 1}, but the step applied its update")
                 say(verdict.message)
             mfu = None if peak is None else task.flops_per_step() / dt / (peak * jax.device_count())
             record = {
                 "step": step + 1,
-                "loss": metrics["loss"],
-                **metrics,
+                "wall_time": time.time(),
+                "elapsed_s": time.perf_counter() - started,
+                "lr": float(lr(step)),
+                "loss": out["loss"],
+                **out,
                 "tokens_per_s": task.tokens_per_step / dt,
                 "mfu": mfu,
                 "step_time_s": dt,
                 "peak_memory_bytes": peak_memory_bytes(),
+                "host_memory_bytes": host_memory_bytes(),
             }
+            if first:
+                record["compile_s"] = dt  # the first step of the run compiles: its speed is not the run's
+                first = False
             if verdict is not None:
                 record["skipped"] = True
+            if eval_every and (step + 1) % eval_every == 0:
+                with _reporting_out_of_memory(spec, f"evaluating the held-out loss at step {step + 1}", devices):
+                    record["val_loss"] = trainer.val_loss()
             history.append(record)
-            if metrics_file:
-                metrics_file.write(json.dumps(_json_safe(record)) + "\n")
-                metrics_file.flush()
+            metrics.write(record)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(progress_postfix(record, progress))
             elif is_main and (step + 1) % spec.output.log_every == 0:
-                say(f"step {step + 1}: loss {record['loss']:.4f}, {record['tokens_per_s']:,.0f} tokens/s")
+                val = f", held-out {record['val_loss']:.4f}" if "val_loss" in record else ""
+                say(f"step {step + 1}: loss {record['loss']:.4f}{val}, {record['tokens_per_s']:,.0f} tokens/s")
             if profiling and step + 1 == profile_window[1]:
                 jax.profiler.stop_trace()
                 profiling = False
                 say(f"wrote a profile of steps {profile_window[0] + 1}..{profile_window[1]} to {spec.output.profile}")
-            if (
-                ckpt is not None
-                and spec.checkpoint.checkpoint_every
-                and trainer.step_count % spec.checkpoint.checkpoint_every == 0
-            ):
-                _save(ckpt, trainer, guard)
+            if ckpt is not None:
+                ckpt.check()  # a save that failed in the background stops the run here
+                every = spec.checkpoint.checkpoint_every
+                if every and trainer.step_count % every == 0:
+                    _save(ckpt, trainer, guard, say)
     finally:
         if profiling:
             jax.profiler.stop_trace()
         if bar is not None:
             bar.close()
-        if metrics_file:
-            metrics_file.close()
+        metrics.close()
     return history
+
+
+def _above_bar(bar, say):
+    """`say` for lines printed while the progress bar is up: through tqdm, above the bar (when `say` is the
+    plain print; a caller's own log function is kept)."""
+    if say is not print:
+        return say
+    return lambda *args, **kwargs: bar.write(" ".join(str(a) for a in args))
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
 
 
-def _save(ckpt, trainer, guard) -> bool:
-    """Saves the current step (not again if saved); Diverged if the state holds NaN/Inf (then nothing is saved)."""
-    metadata = {**trainer.metadata(), "guard": guard.state_dict()}
+def _save(ckpt, trainer, guard, say=None) -> bool:
+    """Saves the current step (not again if saved) and says so; Diverged if the state holds NaN/Inf (then
+    nothing is saved)."""
+    metadata = {**trainer.metadata(), "guard": guard.state_dict(), "data": _data_state(trainer)}
     try:
-        return ckpt.save(trainer.step_count, trainer.state(), metadata=metadata)
+        saved = ckpt.save(trainer.step_count, trainer.state(), metadata=metadata)
     except NonFiniteStateError as e:
         raise Diverged(f"{e}; stopping (newest checkpoint: step {ckpt.latest_step()})") from None
+    if saved and say is not None:
+        say(f"saving checkpoint step {trainer.step_count} to {ckpt.directory}")
+    return saved
 
 
 def _resume(spec, trainer, ckpt, guard, say):
@@ -235,12 +348,28 @@ def _resume(spec, trainer, ckpt, guard, say):
     step, _ = ckpt.newest_intact(lambda s: trainer.restore(ckpt, s), report=say)
     saved = ckpt.metadata(step)
     guard.load_state_dict(saved.get("guard"))
+    _restore_data_state(trainer, saved.get("data"), step, say)
     _warn_schedule(spec, saved.get("config") or {}, step, say)
-    if spec.output.metrics_file and jax.process_index() == 0:
-        dropped = drop_rows_after(spec.output.metrics_file, step)
+    if jax.process_index() == 0:
+        dropped = drop_rows_after(spec.output.metrics_path(), step)
         if dropped:
-            say(f"dropped {dropped} rows after step {step} from {spec.output.metrics_file} (those steps run again)")
+            say(f"dropped {dropped} rows after step {step} from {spec.output.metrics_path()} (those steps run again)")
     say(f"resumed from {spec.checkpoint.checkpoint_dir} at step {trainer.step_count}")
+
+
+# ---- the data loader's position (jaxring.data): a JSON dict in the checkpoint's metadata, under "data". A task
+# that keeps one has data_state() -> dict | None and restore_data_state(state, step, log) (models/gpt_train.py).
+
+
+def _data_state(trainer):
+    get = getattr(trainer.task, "data_state", None)
+    return None if get is None else get()
+
+
+def _restore_data_state(trainer, state, step: int, say):
+    restore = getattr(trainer.task, "restore_data_state", None)
+    if restore is not None:
+        restore(state, step, say)
 
 
 def _warn_schedule(spec, saved: dict, step: int, say):
@@ -265,23 +394,10 @@ def _stop_on_signal(stop, trainer, ckpt, guard, say):
     if ckpt is None:
         message = f"{name}: stopped after step {trainer.step_count}; no --checkpoint-dir, so nothing was saved"
     else:
-        _save(ckpt, trainer, guard)
+        _save(ckpt, trainer, guard, say)
         ckpt.wait()
         message = (
             f"{name}: stopped after step {trainer.step_count} and saved it to {ckpt.directory}; continue with --resume"
         )
     say(message)
     raise Interrupted(signum, message)
-
-
-def _json_safe(record: dict) -> dict:
-    """NaN/Inf as null (JSON has no NaN)."""
-
-    def fix(v):
-        if isinstance(v, float) and not math.isfinite(v):
-            return None
-        if isinstance(v, list):
-            return [fix(x) for x in v]
-        return v
-
-    return {k: fix(v) for k, v in record.items()}

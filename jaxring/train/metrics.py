@@ -2,31 +2,24 @@
 
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxring.spec import RunSpec
+
 import jax
 
-# dense bf16 (fp32: TF32) peak FLOP/s per device, by jax device_kind substring
-PEAK_FLOPS = {
-    "H200": (989e12, 495e12),
-    "H100": (989e12, 495e12),
-    "A100": (312e12, 156e12),
-    "L4": (121e12, 60e12),
-    "A10": (125e12, 62e12),
-    "TPU v5p": (459e12, 459e12),
-    "TPU v5 lite": (197e12, 197e12),
-    "TPU v4": (275e12, 275e12),
-}
+from jaxring.devices import device_spec_of
 
 
-def peak_flops(device, precision: str):
-    """Per-device peak FLOP/s for MFU, or None (CPU, unknown device)."""
-    kind = getattr(device, "device_kind", "")
-    for name, (bf16, fp32) in PEAK_FLOPS.items():
-        if name.lower() in kind.lower():
-            return bf16 if precision == "bf16" else fp32
-    return None
+def peak_flops(device: jax.Device, precision: str) -> float | None:
+    """Per-device peak FLOP/s for MFU (`jaxring.devices`), or None (CPU, unknown device)."""
+    spec = device_spec_of(device)
+    return None if spec is None else spec.peak_flops(precision)
 
 
-def peak_memory_bytes():
+def peak_memory_bytes() -> int | None:
     """Peak bytes in use on the first local device, or None where the backend does not say (CPU)."""
     stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
@@ -44,7 +37,7 @@ def profile_steps(start: int, end: int) -> tuple[int, int] | None:
     return first, min(first + PROFILE_STEPS, end)
 
 
-def progress_bar(spec, start: int, is_main: bool):
+def progress_bar(spec: RunSpec, start: int, is_main: bool) -> Any:
     """A tqdm bar over the run's steps (None when progress is off or on other hosts)."""
     if not (spec.output.progress and is_main):
         return None
@@ -98,7 +91,7 @@ def progress_postfix(record: dict, keys: tuple[str, ...]) -> dict:
     return fields
 
 
-def drop_rows_after(path, step: int) -> int:
+def drop_rows_after(path: str | os.PathLike, step: int) -> int:
     """Removes the rows of metrics file `path` whose "step" is after `step` (and unreadable lines: a row cut
     short by a kill), so a resumed run does not log those steps twice. Returns how many rows went."""
     import json
@@ -122,3 +115,122 @@ def drop_rows_after(path, step: int) -> int:
             f.write("".join(line + "\n" for line in keep))
         os.replace(tmp, path)
     return len(lines) - len(keep)
+
+
+# ------------------------------------------------------------------------------------- where metrics go
+
+
+def _scalars(record: dict) -> dict[str, float]:
+    """The record's numbers (bools and lists left out): what TensorBoard and W&B plot."""
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+    }
+
+
+class TensorBoardWriter:
+    """Scalars as TensorBoard event files in `directory` (the `tensorboard` package's event writer: the
+    optional extra ``tensorboard``). One event per metric per step, tagged "train/NAME"."""
+
+    def __init__(self, directory: str):
+        try:
+            from tensorboard.compat.proto.event_pb2 import Event
+            from tensorboard.compat.proto.summary_pb2 import Summary
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        except ImportError:
+            raise ValueError(
+                f"--tensorboard {directory!r} needs the tensorboard package: pip install 'jaxring[tensorboard]'"
+            ) from None
+        self._event, self._summary = Event, Summary
+        self._writer = EventFileWriter(directory)
+
+    def write(self, record: dict) -> None:
+        values = [self._summary.Value(tag=f"train/{k}", simple_value=v) for k, v in _scalars(record).items()]
+        self._writer.add_event(
+            self._event(
+                step=int(record["step"]), wall_time=record.get("wall_time", 0.0), summary=self._summary(value=values)
+            )
+        )
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbWriter:
+    """Scalars to a Weights & Biases run of `project` (the optional extra ``wandb``; WANDB_MODE=offline
+    writes locally)."""
+
+    def __init__(self, project: str, config: dict, directory: str | None):
+        try:
+            import wandb
+        except ImportError:
+            raise ValueError(f"--wandb {project!r} needs the wandb package: pip install 'jaxring[wandb]'") from None
+        self._run = wandb.init(project=project, config=config, dir=directory, reinit=True)
+
+    def write(self, record: dict) -> None:
+        self._run.log(_scalars(record), step=int(record["step"]))
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MetricsLog:
+    """Every logged step to the JSON-lines file and, when asked for, TensorBoard and W&B (primary process
+    only). write(record) takes one step's record; close() flushes and closes them all."""
+
+    def __init__(self, spec: RunSpec, is_main: bool):
+        import json
+
+        self._json = json
+        out = spec.output
+        self.sinks = []
+        path = out.metrics_path()
+        self.file = open(path, "a") if (path and is_main) else None  # noqa: SIM115 (closed by close())
+        if is_main and out.tensorboard:
+            self.sinks.append(TensorBoardWriter(out.tensorboard))
+        if is_main and out.wandb:
+            try:
+                self.sinks.append(WandbWriter(out.wandb, spec.flat(), out.out_dir))
+            except BaseException:
+                self.close()
+                raise
+
+    def write(self, record: dict) -> None:
+        if self.file:
+            self.file.write(self._json.dumps(json_safe(record)) + "\n")
+            self.file.flush()
+        for sink in self.sinks:
+            sink.write(record)
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+            self.file = None
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+
+def json_safe(record: dict) -> dict:
+    """NaN/Inf as null (JSON has no NaN)."""
+    import math
+
+    def fix(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, list):
+            return [fix(x) for x in v]
+        return v
+
+    return {k: fix(v) for k, v in record.items()}
+
+
+def host_memory_bytes() -> int:
+    """This process's peak resident memory (bytes): the memory figure where the device gives none (CPU)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)

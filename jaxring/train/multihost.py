@@ -14,11 +14,29 @@ Any failure (nobody at the coordinator, a process missing, duplicate ids, counts
 `MultiHostError` naming the coordinator, this process's id and what is wrong, raised on every process that
 took part, before JAX is touched. Only then is `jax.distributed.initialize` called, on the now known-good set
 of processes, with the same deadline.
+
+The hello also carries the run's settings (`shared_settings`: the run specification as given, without the
+settings that may differ per process: process id, coordinator, output paths, ...) and a hash of them:
+processes given different mesh flags (`--sp 8` on one, `--dp 2 --sp 4` on another) would otherwise start
+programs that wait for each other for ever; here every process stops with one line naming the setting.
+
+Without --coordinator / --num-processes (nor JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES) inside a SLURM job
+or an Open MPI launch of more than one task, `start_processes` lets `jax.distributed.initialize()` find the
+coordinator, the process count and this process's id itself (its cluster detection), then compares the
+settings' hashes across the processes. --coordinator still overrides.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxring.spec import ClusterSettings, RunSpec
+
+import hashlib
 import json
+import math
 import os
 import socket
 import time
@@ -30,7 +48,46 @@ class MultiHostError(ValueError):
     """The multi-host set-up is wrong (bad flags, unreachable coordinator, missing or duplicate process)."""
 
 
-def env_int(name: str):
+MAX_TIMEOUT_S = 1e6  # --init-timeout's bound (the spec's "seconds" rule): socket timeouts overflow past ~1e9
+
+# settings that may differ between the processes of one run (everything else must be the same everywhere)
+PER_PROCESS_SETTINGS = (
+    "process_id",
+    "coordinator",
+    "init_timeout",
+    "out_dir",
+    "metrics_file",
+    "progress",
+    "profile",
+    "log_every",
+    "tensorboard",
+    "wandb",
+)
+
+
+def shared_settings(spec: RunSpec) -> dict:
+    """The run's settings every process must agree on (as JSON values), by flat name."""
+    flat = {k: v for k, v in spec.flat().items() if k not in PER_PROCESS_SETTINGS}
+    return json.loads(json.dumps(flat, sort_keys=True, default=str))
+
+
+def settings_digest(settings: dict | None) -> str | None:
+    return None if settings is None else hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
+def _shown(value: object) -> str:
+    return "(not given)" if value is None else str(value)
+
+
+def _first_difference(ours: dict, theirs: dict) -> str:
+    """The first setting (by name) whose values differ."""
+    for key in sorted(set(ours) | set(theirs)):
+        if ours.get(key) != theirs.get(key):
+            return key
+    return "?"
+
+
+def env_int(name: str) -> int | None:
     """An integer environment variable, or None when unset; MultiHostError naming it when malformed."""
     value = os.environ.get(name)
     if value is None or value.strip() == "":
@@ -41,7 +98,9 @@ def env_int(name: str):
         raise MultiHostError(f"environment variable {name}={value!r} must be an integer") from None
 
 
-def check_flags(coordinator, num_processes, process_id, timeout_s) -> tuple[str, int]:
+def check_flags(
+    coordinator: str | None, num_processes: int | None, process_id: int | None, timeout_s: float
+) -> tuple[str, int]:
     """(host, port) of a well-formed multi-host set-up; MultiHostError naming the bad value otherwise."""
     if num_processes is None or process_id is None or not coordinator:
         missing = [
@@ -62,19 +121,24 @@ def check_flags(coordinator, num_processes, process_id, timeout_s) -> tuple[str,
         raise MultiHostError(f"--num-processes {num_processes!r} must be a positive integer")
     if isinstance(process_id, bool) or not isinstance(process_id, int) or not 0 <= process_id < num_processes:
         raise MultiHostError(f"--process-id {process_id!r} must be in [0, --num-processes = {num_processes})")
-    if not isinstance(timeout_s, (int, float)) or not np.isfinite(timeout_s) or timeout_s <= 0:
-        raise MultiHostError(f"--init-timeout {timeout_s!r} must be a positive number of seconds")
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, (int, float))
+        or not math.isfinite(timeout_s)
+        or not 0 < timeout_s <= MAX_TIMEOUT_S
+    ):
+        raise MultiHostError(f"--init-timeout {timeout_s!r} must be a finite number of seconds in (0, 1e6]")
     host, sep, port = str(coordinator).rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise MultiHostError(f"--coordinator {coordinator!r} must be HOST:PORT with a port in [1, 65535]")
     return host.strip("[]"), int(port)
 
 
-def _send(conn, message: dict) -> None:
+def _send(conn: socket.socket, message: dict) -> None:
     conn.sendall((json.dumps(message) + "\n").encode())
 
 
-def _receive(conn, deadline: float) -> dict | None:
+def _receive(conn: socket.socket, deadline: float) -> dict | None:
     """One JSON line from `conn` before `deadline`, or None (closed, timed out or not JSON)."""
     data = b""
     while not data.endswith(b"\n"):
@@ -99,7 +163,7 @@ def _receive(conn, deadline: float) -> dict | None:
 LATE_GRACE_S = 2.0  # after an error, process 0 still answers processes arriving this much later
 
 
-def _check_hello(hello: dict, address: str, seen: dict, num_processes: int) -> str | None:
+def _check_hello(hello: dict, address: str, seen: dict, num_processes: int, settings: dict | None = None) -> str | None:
     pid, count = hello.get("process_id"), hello.get("num_processes")
     if count != num_processes:
         return (
@@ -113,10 +177,20 @@ def _check_hello(hello: dict, address: str, seen: dict, num_processes: int) -> s
             f"two processes say --process-id {pid} (on {seen.get(pid, 'this process')} and {address}); "
             f"each id must be unique in [0, {num_processes})"
         )
+    if settings is not None and hello.get("digest") != settings_digest(settings):
+        theirs = hello.get("settings") if isinstance(hello.get("settings"), dict) else {}
+        key = _first_difference(settings, theirs)
+        flag = "--" + key.replace("_", "-")
+        return (
+            f"process {pid} (on {address}) was given {flag} {_shown(theirs.get(key))} but process 0 {flag} "
+            f"{_shown(settings.get(key))}; every process must be given the same run settings"
+        )
     return None
 
 
-def _rendezvous_coordinator(port: int, num_processes: int, timeout_s: float, where: str) -> None:
+def _rendezvous_coordinator(
+    port: int, num_processes: int, timeout_s: float, where: str, settings: dict | None = None
+) -> None:
     """Process 0: wait for the other processes' hellos, check them, answer each."""
     deadline = time.monotonic() + timeout_s
     try:  # every address, IPv4 and IPv6, as JAX's own service binds [::]:port
@@ -157,7 +231,7 @@ def _rendezvous_coordinator(port: int, num_processes: int, timeout_s: float, whe
                 conn.close()
                 continue
             conns.append(conn)
-            problem = _check_hello(hello, address, seen, num_processes)
+            problem = _check_hello(hello, address, seen, num_processes, settings)
             if problem is None:
                 seen[hello["process_id"]] = address
             elif error is None:
@@ -176,7 +250,15 @@ def _rendezvous_coordinator(port: int, num_processes: int, timeout_s: float, whe
         raise MultiHostError(f"{where}: {error}")
 
 
-def _rendezvous_peer(host: str, port: int, process_id: int, num_processes: int, timeout_s: float, where: str) -> None:
+def _rendezvous_peer(
+    host: str,
+    port: int,
+    process_id: int,
+    num_processes: int,
+    timeout_s: float,
+    where: str,
+    settings: dict | None = None,
+) -> None:
     """Process k > 0: reach process 0, say who this is, wait for its verdict."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
@@ -195,7 +277,10 @@ def _rendezvous_peer(host: str, port: int, process_id: int, num_processes: int, 
             time.sleep(min(0.2, max(deadline - time.monotonic(), 0)))
             continue
         with conn:
-            _send(conn, {"process_id": process_id, "num_processes": num_processes})
+            hello = {"process_id": process_id, "num_processes": num_processes}
+            if settings is not None:
+                hello.update(settings=settings, digest=settings_digest(settings))
+            _send(conn, hello)
             answer = _receive(conn, deadline)
         if answer is None:
             raise MultiHostError(
@@ -207,26 +292,111 @@ def _rendezvous_peer(host: str, port: int, process_id: int, num_processes: int, 
         return
 
 
-def initialize(coordinator, num_processes, process_id, *, timeout_s: float = 300, cpu_devices: int | None = None):
+def initialize(
+    coordinator: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    *,
+    timeout_s: float = 300,
+    cpu_devices: int | None = None,
+    settings: dict | None = None,
+) -> None:
     """Checks the set-up (see the module docstring), then `jax.distributed.initialize`.
 
     coordinator: "host:port" of process 0; num_processes: how many processes; process_id: this one's, in
     [0, num_processes). cpu_devices: local CPU devices per process (CPU-only runs; collectives over gloo).
+    settings: the run's `shared_settings`, compared across the processes (None: not compared).
     Raises MultiHostError (a ValueError) with one line naming the coordinator and this process's id.
     """
     host, port = check_flags(coordinator, num_processes, process_id, timeout_s)
+    if cpu_devices is not None:
+        _check_cpu_devices(cpu_devices)
     where = f"coordinator {coordinator}, process {process_id} of {num_processes}"
     if num_processes > 1:
         if process_id == 0:
-            _rendezvous_coordinator(port, num_processes, timeout_s, where)
+            _rendezvous_coordinator(port, num_processes, timeout_s, where, settings)
         else:
-            _rendezvous_peer(host, port, process_id, num_processes, timeout_s, where)
+            _rendezvous_peer(host, port, process_id, num_processes, timeout_s, where, settings)
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices across processes
     if cpu_devices is not None:
         jax.config.update("jax_num_cpu_devices", cpu_devices)
     jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=int(max(timeout_s, 1)))
+
+
+def _check_cpu_devices(count: int | None) -> None:
+    from jaxring.platform import check_cpu_devices
+
+    try:
+        check_cpu_devices(count)
+    except ValueError as e:
+        raise MultiHostError(str(e)) from None
+
+
+def detected_cluster(environ: Mapping[str, str] | None = None) -> str | None:
+    """ "SLURM" or "Open MPI" when this process is one of several tasks launched by it (what
+    `jax.distributed.initialize()` detects by itself), else None."""
+    env = os.environ if environ is None else environ
+
+    def count(name: str) -> int:
+        try:
+            return int(env.get(name, ""))
+        except ValueError:
+            return 0
+
+    if env.get("SLURM_JOB_ID") and count("SLURM_NTASKS") > 1 and env.get("SLURM_PROCID") is not None:
+        return "SLURM"
+    if count("OMPI_COMM_WORLD_SIZE") > 1 and env.get("OMPI_COMM_WORLD_RANK") is not None:
+        return "Open MPI"
+    return None
+
+
+def start_processes(
+    cluster: ClusterSettings, settings: dict | None = None, *, log: Callable[[str], None] = print
+) -> str | None:
+    """Starts the run's processes from its cluster settings (`jaxring.spec.ClusterSettings`): with
+    --coordinator / --num-processes / --process-id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+    JAX_PROCESS_ID) through `initialize`; else, inside a SLURM job or an Open MPI launch of several tasks,
+    through `jax.distributed.initialize()`'s own cluster detection (then the settings' hashes are compared
+    across processes). Returns how it started ("flags", "SLURM", "Open MPI") or None (one process)."""
+    coordinator = cluster.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    num_processes = cluster.num_processes if cluster.num_processes is not None else env_int("JAX_NUM_PROCESSES")
+    process_id = cluster.process_id if cluster.process_id is not None else env_int("JAX_PROCESS_ID")
+    if coordinator or num_processes is not None:
+        initialize(
+            coordinator,
+            num_processes,
+            process_id,
+            timeout_s=cluster.init_timeout,
+            cpu_devices=cluster.cpu_devices,
+            settings=settings,
+        )
+        return "flags"
+    kind = detected_cluster()
+    if kind is None:
+        return None
+    import jax
+
+    check_flags("detected:1", 1, 0, cluster.init_timeout)  # the timeout's bound
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(initialization_timeout=int(max(cluster.init_timeout, 1)))
+    except (RuntimeError, ValueError) as e:
+        raise MultiHostError(f"{kind} start-up: {' '.join(str(e).split())[:300]}") from None
+    if settings is not None:
+        from jax.experimental import multihost_utils
+
+        digest = np.frombuffer(bytes.fromhex(settings_digest(settings))[:8], np.int64)
+        every = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1)
+        if (every != every[0]).any():
+            other = int(np.nonzero(every != every[0])[0][0])
+            raise MultiHostError(
+                f"{kind} job: process {other} was given other run settings than process 0; every process must "
+                f"be given the same run settings"
+            )
+    log(f"{kind}: process {jax.process_index()} of {jax.process_count()} (found by jax.distributed)")
+    return kind
 
 
 # --------------------------------------------------------------------------------- agreement between processes

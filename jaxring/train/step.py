@@ -62,6 +62,13 @@ def _map(fn, tree, placements, *rest):
     return treedef.unflatten([fn(x, *o) for x, *o in zip(leaves, *others)])
 
 
+# The pipeline interpreter keeps each micro-batch's residuals in device buffers shared by its schedule's branches
+OFFLOAD_WITH_PP = (
+    "--offload {offload} is not supported with pipeline parallelism (pp = {pp}): the pipeline keeps its "
+    "micro-batches' layer inputs in device buffers; use --offload none or pp = 1"
+)
+
+
 class TrainStep:
     """The jitted update and held-out loss of a model on a plan (see the module docstring).
 
@@ -82,6 +89,7 @@ class TrainStep:
         *,
         dtype=jnp.float32,
         remat: str = "none",
+        offload: str = "none",
         grad_accum: int = 1,
         clip: float | None = 1.0,
         stack: str = "blocks",
@@ -89,7 +97,9 @@ class TrainStep:
     ):
         self.plan, self.graphdef, self.placements, self.tx, self.task = plan, graphdef, placements, tx, task
         self.dtype, self.remat, self.grad_accum, self.clip, self.stack = dtype, remat, grad_accum, clip, stack
-        self.layer_graphdef = layer_graphdef
+        self.layer_graphdef, self.offload = layer_graphdef, offload
+        if offload != "none" and plan.pp > 1:
+            raise ValueError(OFFLOAD_WITH_PP.format(offload=offload, pp=plan.pp))
         self.stage = plan.zero_stage
         is_pl = lambda x: isinstance(x, zero.Placement)
         self.param_specs = jax.tree.map(lambda pl: pl.param_spec(self.stage), placements, is_leaf=is_pl)
@@ -124,7 +134,13 @@ class TrainStep:
         weights = _map(lambda d, pl, c: zero.materialize(stage, d, c, pl), top, top_pl, top_const)
         model = nnx.merge(self.graphdef, {**weights, self.stack: diff[self.stack]})
         layers = Layers(
-            self.layer_graphdef, diff[self.stack], const[self.stack], self.placements[self.stack], stage, self.remat
+            self.layer_graphdef,
+            diff[self.stack],
+            const[self.stack],
+            self.placements[self.stack],
+            stage,
+            self.remat,
+            self.offload,
         )
         carry = task.embed(model, inputs, plan, self.dtype)
         carry = layers(carry, lambda block, carry: task.layer(block, carry, inputs, plan))
@@ -162,7 +178,9 @@ class TrainStep:
             return task.embed(model_of(shared), mb, plan, self.dtype)
 
         def stage_fn(chunk, carry, mb):
-            layers = Layers(self.layer_graphdef, chunk, None, self.placements[self.stack], stage, self.remat)
+            layers = Layers(
+                self.layer_graphdef, chunk, None, self.placements[self.stack], stage, self.remat, self.offload
+            )
             return layers(carry, lambda block, carry: task.layer(block, carry, mb, plan))
 
         def loss_fn(shared, carry, mb):
@@ -289,7 +307,18 @@ class TrainStep:
         return jax.jit(lambda params, batch, key: body(params, self.task.prepare(batch, key)))
 
 
-def value_and_grad(model, plan, objective, batch, key, *, dtype=jnp.float32, remat: str = "none", grad_accum: int = 1):
+def value_and_grad(
+    model,
+    plan,
+    objective,
+    batch,
+    key,
+    *,
+    dtype=jnp.float32,
+    remat: str = "none",
+    offload: str = "none",
+    grad_accum: int = 1,
+):
     """(loss, grads) of `objective` for an nnx `model` on `plan`, through the train step's own path (one
     shard_map, the plan's ZeRO stage): loss fp32 scalar, grads a nested dict like `nnx.to_pure_dict`.
     For tests and notebooks; training uses `TrainStep` directly."""
@@ -305,6 +334,7 @@ def value_and_grad(model, plan, objective, batch, key, *, dtype=jnp.float32, rem
         objective,
         dtype=dtype,
         remat=remat,
+        offload=offload,
         grad_accum=grad_accum,
         stack=model.STACK,
         layer_graphdef=nnx.split(getattr(model, model.STACK))[0],

@@ -1,6 +1,6 @@
 """The trainer: parameters and optimizer state on the plan's mesh, and the jitted update step.
 
-trainer = Trainer(TrainConfig(sp=8, steps=10))
+trainer = Trainer(RunSpec.of(sp=8, steps=10))
 out = trainer.step()          # {"loss", "grad_norm"}, device arrays
 """
 
@@ -22,15 +22,20 @@ from jaxring.train.checkpoint import Checkpointer
 from jaxring.train.step import TrainStep
 
 
-def optimizer(spec: RunSpec):
-    """AdamW with linear warmup and cosine decay to min_lr_ratio·lr. Clipping by the global norm is done by
-    the step itself (`TrainStep`), which sees the sharded gradients whole."""
+def lr_schedule(spec: RunSpec):
+    """step -> learning rate: linear warmup, then cosine decay to min_lr_ratio·lr."""
     cfg, steps = spec.optimizer, spec.training.steps
     warmup = min(cfg.warmup, steps)
-    schedule = optax.warmup_cosine_decay_schedule(
+    return optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, warmup, max(steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio
     )
-    return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)
+
+
+def optimizer(spec: RunSpec):
+    """AdamW on `lr_schedule`. Clipping by the global norm is done by the step itself (`TrainStep`), which
+    sees the sharded gradients whole."""
+    cfg = spec.optimizer
+    return optax.adamw(lr_schedule(spec), b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)
 
 
 # Checkpoints record how parameters are laid out; an older layout is refused with a clear message.
@@ -61,7 +66,8 @@ class Trainer:
             self.tx,
             self.task.objective,
             dtype=self.dtype,
-            remat=spec.training.remat,
+            remat=spec.memory.remat,
+            offload=spec.memory.offload,
             grad_accum=spec.training.grad_accum,
             clip=spec.optimizer.clip,
             stack=model.STACK,
@@ -122,7 +128,7 @@ class Trainer:
 
     def _reorder(self, state, order):
         """The state with every layer-stacked array (weights and their optimizer moments) taken in `order`."""
-        stacked = {k: jax.tree.map(lambda _: k == self.stack, v) for k, v in self.params.items()}
+        stacked = {k: jax.tree.map(lambda _, k=k: k == self.stack, v) for k, v in self.params.items()}
         take = lambda a, is_stacked: a[order] if is_stacked else a
 
         @functools.partial(jax.jit, out_shardings=(self.shardings, self.opt_shardings))

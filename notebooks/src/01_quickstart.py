@@ -1,8 +1,6 @@
 # %% [markdown]
 # # jaxring quick start: ring attention on a device mesh
 #
-# <a href="https://colab.research.google.com/github/jaxring/jaxring/blob/main/notebooks/01_quickstart.ipynb" target="_parent"><img src="https://colab.research.google.com/assets/colab-badge.svg" alt="Open In Colab"/></a>
-#
 # This notebook takes one attention layer's inputs, splits the **sequence** over all devices with
 # **ring attention**, checks the result against dense attention, times both, and shows how the
 # **zig-zag layout** balances causal attention across devices.

@@ -1,8 +1,6 @@
 # %% [markdown]
 # # Sequence- and tensor-parallel strategies side by side
 #
-# <a href="https://colab.research.google.com/github/jaxring/jaxring/blob/main/notebooks/02_strategies.ipynb" target="_parent"><img src="https://colab.research.google.com/assets/colab-badge.svg" alt="Open In Colab"/></a>
-#
 # Every sequence-parallel strategy in `jaxring.sharded_attention` runs here on the same inputs, forward and
 # backward. For each we check the result against dense attention, then read from the **compiled program**
 # how many bytes each device receives and how much memory each device needs as the sequence grows, and put
@@ -21,7 +19,7 @@
 # Options: `layout=` (`"contiguous"`, `"zigzag"`, `"striped"`; WallFacer takes the first two) for all;
 # `team_size=C` (C² divides `sp`) and `placement=` (`"team_inner"` / `"ring_inner"`: which devices are
 # neighbours) for WallFacer; `ulysses_size=U` (U divides `sp`) for USP. The strategies, their options and
-# their rules come from one registry, `jaxring.registry.SEQUENCE_STRATEGIES`, which `sharded_attention`,
+# their rules come from one registry, `jaxring.registry.sequence_strategies()`, which `sharded_attention`,
 # `ParallelPlan`, `train.py`'s flags and the error messages all read.
 #
 # Section 4 does the same for tensor parallelism: Megatron TP+SP, Optimus (2D SUMMA) and METP, the three
@@ -104,10 +102,10 @@ def forward_backward(options):
 FORWARD_BACKWARD = {name: forward_backward(options) for name, options in CONFIGS.items()}
 
 
-from jaxring.registry import SEQUENCE_STRATEGIES
+from jaxring.registry import sequence_strategies
 
-print("the registry (jaxring.registry.SEQUENCE_STRATEGIES):")
-for name, strategy in SEQUENCE_STRATEGIES.items():
+print("the registry (jaxring.registry.sequence_strategies()):")
+for name, strategy in sequence_strategies().items():
     options = ", ".join(strategy.option_names()) or "-"
     print(f"  {name:10s} options: {options:23s} {strategy.summary}")
 print(f"\nsp = {P}, heads = {HEADS}, head_dim = {HEAD_DIM}; the configurations run here:")
@@ -241,6 +239,8 @@ plt.show()
 # We measure the forward attention kernels alone (no re-layout), each inside its own `shard_map`.
 
 # %%
+import itertools
+
 from jax.sharding import PartitionSpec as PS
 
 from jaxring.attention.wallfacer import WF_AXES, wallfacer_attention, wallfacer_mesh
@@ -271,7 +271,10 @@ for c in (2, 4):
     if P % (c * c):
         continue
     wf = forward_kernel_bytes(
-        lambda q, k, v: wallfacer_attention(q, k, v, team_size=c, layout="zigzag"), wallfacer_mesh(mesh, c), WF_AXES, x
+        lambda q, k, v, c=c: wallfacer_attention(q, k, v, team_size=c, layout="zigzag"),
+        wallfacer_mesh(mesh, c),
+        WF_AXES,
+        x,
     )
     p2p = wf["collective-permute"] / block
     collectives = (sum(wf.values()) - wf["collective-permute"]) / block
@@ -311,7 +314,7 @@ for s in SWEEP_SEQS:
 for name in ("rsa", "ring zigzag"):
     growth = [
         math.log2(stats[name, b].temp_bytes / stats[name, a].temp_bytes) / math.log2(b / a)
-        for a, b in zip(SWEEP_SEQS, SWEEP_SEQS[1:])
+        for a, b in itertools.pairwise(SWEEP_SEQS)
     ]
     print(f"{name:12s} temp memory grows as seq^" + ", seq^".join(f"{g:.2f}" for g in growth))
 
@@ -424,7 +427,7 @@ def forward_backward(f):
     return run
 
 
-for name, (module, mesh) in TP_METHODS.items():
+for name, (_module, mesh) in TP_METHODS.items():
     print(f"{name:9s} mesh {dict((a, n) for a, n in mesh.shape.items() if n > 1)}")
 
 # %% [markdown]
@@ -568,7 +571,7 @@ print(f"{'seq':>7s} {'megatron':>10s} {'metp':>10s} {'metp / megatron':>16s}   (
 for seq in LAYER_SEQS:
     meg, me = tp_stats["megatron", seq].peak_bytes, tp_stats["metp", seq].peak_bytes
     print(f"{seq:7d} {meg / MiB:10.1f} {me / MiB:10.1f} {me / meg:16.3f}")
-for a, b in zip(LAYER_SEQS, LAYER_SEQS[1:]):
+for a, b in itertools.pairwise(LAYER_SEQS):
     growth = {name: tp_stats[name, b].peak_bytes - tp_stats[name, a].peak_bytes for name in ("megatron", "metp")}
     print(f"growth {a} -> {b}: metp / megatron = {growth['metp'] / growth['megatron']:.3f}")
 longest = LAYER_SEQS[-1]
@@ -794,7 +797,7 @@ tpsp_mesh = jaxring.make_mesh(tp=TPSP_TP, sp=TPSP_SP)
 TPSP_PLANS = (
     {
         name: ParallelPlan(tpsp_mesh, attention=name, tensor_parallel="megatron", **TPSP_OPTIONS.get(name, {}))
-        for name in SEQUENCE_STRATEGIES
+        for name in sequence_strategies()
         if name != "dense"
     }
     if P >= 4
@@ -1138,7 +1141,7 @@ for stage in STAGES:
 # weights (the full gradient of the layer being computed and of the one being reduce-scattered)
 one_layer = 4 * sum(x.size for x in jax.tree.leaves(zero_params["blocks"])) // ZERO_CFG.num_layers
 assert len(set(rest.values())) == 1 and batch_bytes <= rest[0] < batch_bytes + 64, rest
-for a, b in zip(STAGES, STAGES[1:]):
+for a, b in itertools.pairwise(STAGES):
     assert total[b] < total[a], (a, b)
     assert total[a] - total[b] >= playbook_memory[a] - playbook_memory[b] - 2 * one_layer, (a, b)
 

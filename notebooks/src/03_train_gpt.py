@@ -1,8 +1,6 @@
 # %% [markdown]
 # # Training a GPT on different meshes
 #
-# <a href="https://colab.research.google.com/github/jaxring/jaxring/blob/main/notebooks/03_train_gpt.ipynb" target="_parent"><img src="https://colab.research.google.com/assets/colab-badge.svg" alt="Open In Colab"/></a>
-#
 # This notebook trains jaxring's tiny GPT (byte-level, on a bundled corpus made of the Python standard
 # library's own source files, so nothing is downloaded) from the same seed on four different device meshes:
 #
@@ -49,17 +47,24 @@ print("devices:", describe_devices(devices), "| FAST mode" if FAST else "")
 # %% [markdown]
 # ## 1. Settings
 #
-# `jaxring.train.loop.TrainConfig` holds everything `python train.py` takes as flags: the model preset,
-# the mesh degrees (`dp`, `fsdp`, `tp`, `sp`; they must multiply to the number of devices used), each
-# axis's strategy (`attention=`, `layout=`, `tensor_parallel=`), the ZeRO stage (`zero=`), the optimizer
-# (AdamW with linear warmup and cosine decay), and output options. `model_overrides` changes fields of the
-# preset; in FAST mode the tiny preset is cut down to two layers of width 64 and 64-token sequences.
+# `jaxring.spec.RunSpec` is the run specification: everything `python train.py` takes as flags, in typed
+# sections (`model`, `training`, `optimizer`, `parallel`, `output`, ...). `RunSpec.of(...)` takes the flags'
+# names with underscores (`--batch-size` is `batch_size=`) and `spec.updated(...)` changes some of them in a
+# copy. Among them: the model preset, the mesh degrees (`dp`, `fsdp`, `tp`, `sp`; they must multiply to the
+# number of devices used), each axis's strategy (`attention=`, `layout=`, `tensor_parallel=`), the ZeRO
+# stage (`zero=`), the optimizer (AdamW with linear warmup and cosine decay), and output options.
+# `overrides` (`--override FIELD=VALUE`) changes fields of the preset; in FAST mode the tiny preset is cut
+# down to two layers of width 64 and 64-token sequences. `spec.plan(devices)` is the `ParallelPlan` the
+# run would use (what `jaxring.make_plan(**settings)` builds from the same settings).
 #
 # `sample_tokens=0` and `eval_at_end=False` switch off what `train()` does after the last step (a text
 # sample and a held-out loss): we do those ourselves below. `progress=False` prints a line every
-# `log_every` steps instead of a progress bar.
+# `log_every` steps instead of a progress bar. `out_dir` is where a run writes its resolved settings
+# (`run.yaml`) and its metrics (`metrics.jsonl`); here a temporary directory.
 
 # %%
+
+import tempfile
 
 import jax
 import matplotlib.pyplot as plt
@@ -80,14 +85,14 @@ MESHES = {
     "E": dict(dp=2, sp=half, attention="ring") if half > 1 else dict(dp=N),
 }
 
-STEPS = 20 if FAST else 300
+STEPS = 20 if FAST else 150
 BASE = RunSpec.of(
     model="gpt",
     preset="tiny",
     seed=0,
     steps=STEPS,
     batch_size=8,
-    seq_len=64 if FAST else 256,
+    seq_len=64 if FAST else 128,
     overrides=dict(num_layers=2, hidden=64, num_heads=8, ffn=128) if FAST else {},
     lr=3e-3,
     warmup=5 if FAST else 20,
@@ -95,10 +100,11 @@ BASE = RunSpec.of(
     eval_at_end=False,
     progress=False,
     log_every=5 if FAST else 50,
+    out_dir=tempfile.mkdtemp(prefix="jaxring-run-"),
 )
 CFG = {label: BASE.updated(**mesh) for label, mesh in MESHES.items()}
 NAME = {label: cfg.plan(use).describe() for label, cfg in CFG.items()}
-print(f"{STEPS} steps of {BASE.batch_size} sequences x {BASE.seq_len} tokens on {N} devices")
+print(f"{STEPS} steps of {BASE.training.batch_size} sequences x {BASE.training.seq_len} tokens on {N} devices")
 for label, name in NAME.items():
     print(f"  mesh {label}: {name}")
 
@@ -112,6 +118,25 @@ for label, name in NAME.items():
 # %%
 history_a = train(CFG["A"], devices=use)
 losses = {"A": np.array([record["loss"] for record in history_a])}
+
+# %% [markdown]
+# Like every `python train.py` run, it wrote its resolved settings to `OUT_DIR/run.yaml` (the defaults filled
+# in: the mesh degrees, the layout, the ZeRO stage, the strategy's options) and one JSON line per step to
+# `OUT_DIR/metrics.jsonl`. `python train.py --config run.yaml` repeats the run; flags given with it override
+# the file (`--print-config` prints the resolved YAML without training).
+
+# %%
+import json
+
+out_dir = CFG["A"].output.out_dir
+print(f"{out_dir}: {sorted(os.listdir(out_dir))}")
+with open(os.path.join(out_dir, "run.yaml")) as f:
+    run_yaml = f.read()
+print(run_yaml[run_yaml.index("parallel:") : run_yaml.index("data:")], end="")  # the mesh and its strategies
+assert RunSpec.load(os.path.join(out_dir, "run.yaml")).parallel.layout == "zigzag"  # a spec again
+with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+    first = json.loads(f.readline())
+print("metrics.jsonl, step 1:", {k: first[k] for k in ("step", "loss", "grad_norm", "tokens_per_s")})
 
 # %% [markdown]
 # `train()` is a loop around a `Trainer`, which holds the plan, the parameters (placed with their
@@ -186,7 +211,9 @@ model = nnx.merge(graphdef, jax.device_put(state, use[0]))  # the trained weight
 
 corpus = trainer_b.task.source
 prompt = list(corpus.encode("def "))
-ids = gpt.generate(model, one_device, prompt, 120 if FAST else 400, key=jax.random.PRNGKey(0), window=BASE.seq_len)
+ids = gpt.generate(
+    model, one_device, prompt, 120 if FAST else 400, key=jax.random.PRNGKey(0), window=BASE.training.seq_len
+)
 print(corpus.decode(prompt + ids))
 
 # %% [markdown]
@@ -204,8 +231,6 @@ print(corpus.decode(prompt + ids))
 # records the model config and the mesh.
 
 # %%
-import tempfile
-
 from jaxring.train.checkpoint import Checkpointer
 
 ckpt_dir = tempfile.mkdtemp(prefix="jaxring-gpt-")
@@ -254,7 +279,7 @@ for label, trainer in (*trainers.items(), ("E", trainer_e)):
 # learning-rate schedule has ended after `STEPS` steps, so both continue at its final value.
 
 # %%
-EXTRA = 5 if FAST else 50
+EXTRA = 5 if FAST else 20
 more_b = np.array([float(trainer_b.step()["loss"]) for _ in range(EXTRA)])
 more_e = np.array([float(trainer_e.step()["loss"]) for _ in range(EXTRA)])
 ckpt.close()

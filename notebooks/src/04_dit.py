@@ -1,8 +1,6 @@
 # %% [markdown]
 # # A Diffusion Transformer with sequence parallelism
 #
-# <a href="https://colab.research.google.com/github/jaxring/jaxring/blob/main/notebooks/04_dit.ipynb" target="_parent"><img src="https://colab.research.google.com/assets/colab-badge.svg" alt="Open In Colab"/></a>
-#
 # A DiT (Peebles & Xie, *Scalable Diffusion Models with Transformers*) turns an image into a sequence of
 # patch tokens and runs a Transformer over them, conditioned on the class and the noise level through
 # adaptive LayerNorm (adaLN-Zero). jaxring's DiT (`models/dit.py`) is trained by flow matching: it sees
@@ -41,9 +39,10 @@ print("devices:", describe_devices(devices), "| FAST mode" if FAST else "")
 # %% [markdown]
 # ## 1. Settings and data
 #
-# The same `TrainConfig` and `Trainer` as for the GPT (`03_train_gpt.ipynb`), with `model="dit"`. The
-# `tiny` DiT preset has 2 layers of width 64 and 4 heads; FAST mode keeps one layer and trains only a few
-# steps. Without `data=`, the bundled digits are used (1797 images, 10 classes, pixel values in [-1, 1]).
+# The same run specification (`RunSpec`) and `Trainer` as for the GPT (`03_train_gpt.ipynb`), with
+# `model="dit"`. The `tiny` DiT preset has 2 layers of width 64 and 4 heads; FAST mode keeps one layer and
+# trains only a few steps. Without `data=`, the bundled digits are used (1797 images, 10 classes, pixel
+# values in [-1, 1]).
 
 # %%
 
@@ -88,7 +87,7 @@ def show(images, titles=None, ncols=10, size=0.9):
     """A grid of [n, H, W, 1] images with values in [-1, 1]."""
     n = len(images)
     nrows = -(-n // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(size * ncols, size * nrows + 0.3), squeeze=False)
+    _fig, axes = plt.subplots(nrows, ncols, figsize=(size * ncols, size * nrows + 0.3), squeeze=False)
     for i, ax in enumerate(axes.flat):
         ax.axis("off")
         if i < n:
@@ -164,6 +163,7 @@ show(images, titles=[data.class_names[c] for c in labels])
 # What the samples look like depends on the training time: after the few steps of FAST mode they are
 # still mostly noise. With the full settings (1000 steps of 64 images, about 3 minutes on 8 simulated CPU
 # devices) most samples show the digit of their column, if blurred, and a few are not yet recognisable.
-# `python train.py --model dit` trains the same model from the command line and writes
-# a grid of samples to `samples.png`; `--preset dit-s` or `dit-1b` with `--image-size` and a folder of
-# images (`--data`) gives the long patch sequences that sequence parallelism is for.
+# `python train.py --model dit` trains the same model from the command line and writes a grid of samples
+# to `OUT_DIR/samples.png`, beside the run's `run.yaml` and `metrics.jsonl` (`--out-dir`); `--preset dit-s`
+# or `dit-1b` with `--image-size` and a folder of images (`--data`) gives the long patch sequences that
+# sequence parallelism is for.

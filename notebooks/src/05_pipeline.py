@@ -1,8 +1,6 @@
 # %% [markdown]
 # # Pipeline parallelism: four schedules in one SPMD program
 #
-# <a href="https://colab.research.google.com/github/jaxring/jaxring/blob/main/notebooks/05_pipeline.ipynb" target="_parent"><img src="https://colab.research.google.com/assets/colab-badge.svg" alt="Open In Colab"/></a>
-#
 # Pipeline parallelism splits the model's layers into `p` consecutive **stages**, one per device on the
 # `pp` mesh axis, and cuts the batch into `m` **micro-batches** that flow through the stages one after
 # another: stage 1 works on micro-batch 0 while stage 0 already works on micro-batch 1. Activations go
@@ -105,7 +103,7 @@ def chunks(name):
 tables = {name: make_schedule(name, P, M, v) for name, v in SCHEDULES.items()}
 longest = max(simulate(t, lockstep=lock).makespan for t in tables.values() for lock in (False, True))
 fig, axes = plt.subplots(len(tables), 2, figsize=(18, 2.3 * len(tables)))
-for (name, table), (left, right) in zip(tables.items(), axes):
+for table, (left, right) in zip(tables.values(), axes):
     plot_schedule(table, costs="paper", lockstep=False, ax=left)
     plot_schedule(table, costs="paper", lockstep=True, ax=right)
     left.set_xlabel("time, per-stage clock (t_F = 1)")
@@ -203,6 +201,8 @@ for p, m in ((2, 4), (4, 8), (4, 16), (8, 32)):
 
 # %%
 
+import tempfile
+
 from matplotlib.ticker import MaxNLocator
 
 from jaxring.spec import RunSpec
@@ -233,12 +233,17 @@ RUNS = {name: (BASE.updated(dp=4, pipeline_schedule=name, **chunks(name), **PIPE
 if not FAST:  # (FAST mode leaves it out to save a compile; tests/test_pipeline_model.py runs pp x sp)
     RUNS["1f1b, pp × sp"] = (BASE.updated(sp=4, attention="ring", pipeline_schedule="1f1b", **PIPELINE), devices)
 
-reference = train(BASE, devices=devices[:1], log=lambda *a: None)  # no pipeline, one device
-losses = {"no pipeline": np.array([r["loss"] for r in reference])}
+
+def losses_of(cfg, use):
+    """The per-step losses of one run (its run.yaml and metrics.jsonl go to a temporary directory)."""
+    history = train(cfg.updated(out_dir=tempfile.mkdtemp(prefix="jaxring-run-")), devices=use, log=lambda *a: None)
+    return np.array([r["loss"] for r in history])
+
+
+losses = {"no pipeline": losses_of(BASE, devices[:1])}  # no pipeline, one device
 names = {"no pipeline": "1 device"}
 for label, (cfg, use) in RUNS.items():
-    history = train(cfg, devices=use, log=lambda *a: None)
-    losses[label] = np.array([r["loss"] for r in history])
+    losses[label] = losses_of(cfg, use)
     names[label] = cfg.plan(use).describe()
     print(f"{label:>14s}: {names[label]}")
 
@@ -291,8 +296,8 @@ from jaxring.train.step import TrainStep
 from models import gpt
 
 MICRO = 4  # sequences per micro-batch: one per dp replica
-SEQ = BASE.seq_len
-model_config = gpt.get_config("tiny", **BASE.model_overrides)
+SEQ = BASE.training.seq_len
+model_config = gpt.get_config("tiny", **BASE.model.overrides)
 model = gpt.GPT(model_config, rngs=nnx.Rngs(0))
 graphdef, state = nnx.split(model)
 mesh = jaxring.make_mesh(pp=2, dp=4, devices=devices)

@@ -1,8 +1,6 @@
 # %% [markdown]
 # # Mixture of experts with expert parallelism
 #
-# <a href="https://colab.research.google.com/github/jaxring/jaxring/blob/main/notebooks/06_moe.ipynb" target="_parent"><img src="https://colab.research.google.com/assets/colab-badge.svg" alt="Open In Colab"/></a>
-#
 # A mixture-of-experts (MoE) layer replaces a Transformer block's MLP by `E` smaller MLPs, the **experts**,
 # and a **router** that sends each token to `k` of them (top-`k` of a softmax over the experts); the
 # token's output is the gate-weighted sum of its `k` experts' outputs. The model holds `E` experts' weights
@@ -61,12 +59,13 @@ print("devices:", describe_devices(devices), "| FAST mode" if FAST else "")
 # `RunSpec.of(preset="tiny-moe")` (`python train.py --preset tiny-moe`) is a 2-layer byte-level GPT of
 # width 64 whose every block has 8 SwiGLU experts (hidden size 128 each), top-2 routing with the two gates
 # renormalised to sum to 1 (as Mixtral), load-balancing loss weight 0.01 and z-loss weight 0.001, dropless.
-# Any GPT preset becomes an MoE with `model_overrides` (`--override num_experts=8`); the fields are
+# Any GPT preset becomes an MoE with `overrides` (`--override num_experts=8`); the fields are
 # `num_experts`, `experts_per_token`, `expert_ffn`, `shared_expert_ffn`, `capacity_factor`,
 # `aux_loss_weight`, `z_loss_weight`.
 
 # %%
 import dataclasses
+import tempfile
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -98,7 +97,7 @@ print(
     f"({moe.activation}), top-{moe.experts_per_token}, {'dropless' if moe.dropless else 'capacity'}; "
     f"{config.num_params() / 1e3:.0f}k parameters, {config.num_params(active=True) / 1e3:.0f}k used per token"
 )
-print(f"{STEPS} steps of {BASE.batch_size} sequences x {BASE.seq_len} tokens")
+print(f"{STEPS} steps of {BASE.training.batch_size} sequences x {BASE.training.seq_len} tokens")
 
 # %% [markdown]
 # ## 2. Expert parallelism on three meshes, one loss curve
@@ -127,8 +126,9 @@ METRICS = ("loss", "moe_aux_loss", "moe_z_loss", "load_imbalance", "drop_rate")
 
 
 def run(cfg, use):
-    """{metric: np.array over steps} of one training run."""
-    history = train(cfg, devices=use, log=lambda *a: None)
+    """{metric: np.array over steps} of one training run (its run.yaml and metrics.jsonl go to a temporary
+    directory)."""
+    history = train(cfg.updated(out_dir=tempfile.mkdtemp(prefix="jaxring-run-")), devices=use, log=lambda *a: None)
     return {k: np.array([r[k] for r in history]) for k in METRICS}
 
 
@@ -189,7 +189,7 @@ for label in MESHES:
 # %%
 capacity_cfg = BASE.updated(**MESHES["ep=4 × dp=2"], overrides=dict(capacity_factor=1.25))
 runs["capacity 1.25"] = run(capacity_cfg, devices)
-local_tokens = BASE.batch_size * BASE.seq_len // 8
+local_tokens = BASE.training.batch_size * BASE.training.seq_len // 8
 capacity = dataclasses.replace(moe, capacity_factor=1.25).capacity(local_tokens)
 print(
     f"T = {local_tokens} tokens per device, k = {moe.experts_per_token}, E = {moe.num_experts}: "
@@ -265,7 +265,7 @@ EP_MESH = dict(ep=4, dp=2)
 plan = ParallelPlan(jaxring.make_mesh(devices=devices, **EP_MESH))
 H, E, K, L = config.hidden, moe.num_experts, moe.experts_per_token, config.num_layers
 ep = EP_MESH["ep"]
-T = BASE.batch_size * BASE.seq_len // (EP_MESH["ep"] * EP_MESH["dp"])  # tokens per device
+T = BASE.training.batch_size * BASE.training.seq_len // (EP_MESH["ep"] * EP_MESH["dp"])  # tokens per device
 
 
 def abstract(tree, shardings):
@@ -282,14 +282,16 @@ def compiled_train_step(model_config):
         graphdef,
         param_placements(state, plan),
         tx,
-        gpt.NextTokenObjective(BASE.batch_size, BASE.seq_len),
+        gpt.NextTokenObjective(BASE.training.batch_size, BASE.training.seq_len),
         stack="blocks",
         layer_graphdef=nnx.split(model.blocks)[0],
     )
     params = abstract(nnx.to_pure_dict(state), step.shardings(step.param_specs))
     opt_specs = step.opt_state_specs(params)
     opt_state = abstract(jax.eval_shape(tx.init, params), step.shardings(opt_specs))
-    tokens = jax.ShapeDtypeStruct((BASE.batch_size, BASE.seq_len), jnp.int32, sharding=plan.tokens_sharding())
+    tokens = jax.ShapeDtypeStruct(
+        (BASE.training.batch_size, BASE.training.seq_len), jnp.int32, sharding=plan.tokens_sharding()
+    )
     batch = {"tokens": tokens, "targets": tokens, "positions": tokens}
     key, max_loss = jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((), jnp.float32)
     return step.build(opt_specs).lower(params, opt_state, batch, key, max_loss).compile()

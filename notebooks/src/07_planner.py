@@ -1,8 +1,6 @@
 # %% [markdown]
 # # Planning a long-sequence run
 #
-# <a href="https://colab.research.google.com/github/jaxring/jaxring/blob/main/notebooks/07_planner.ipynb" target="_parent"><img src="https://colab.research.google.com/assets/colab-badge.svg" alt="Open In Colab"/></a>
-#
 # Which mesh, sequence strategy, tensor method, ZeRO stage, pipeline schedule, remat and micro-batch should a
 # run use? `jaxring.planner` answers by searching every plan the library can run for a workload on a cluster
 # and ranking the ones that fit in memory by a predicted step time. Its cost model

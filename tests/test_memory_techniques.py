@@ -1,0 +1,177 @@
+"""Tiled loss, tiled MLP and host offload of the layer inputs: the same loss and gradients as the untiled,
+fully stored step (fp32, 1e-6 relative) on the plans of the test matrix; the compiled program's temporaries
+shrink with tiling; bad tile sizes and offload without full remat are one line."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxring
+from jaxring.analysis import gpu
+from jaxring.analysis.compiled import host_memory_traffic
+from jaxring.nn import param_placements
+from jaxring.train.step import TrainStep, value_and_grad
+from models import gpt
+
+CFG = gpt.GPTConfig(vocab_size=64, num_layers=2, hidden=32, num_heads=4, num_kv_heads=4, ffn=64, activation="swiglu")
+BATCH, SEQ = 4, 64
+
+# two compiles per plan: the untiled step, and the step with all three techniques at once
+PLANS = {
+    "one device": dict(devices=1),
+    "ring zigzag sp8": dict(sp=8, attention="ring", layout="zigzag"),
+    "ulysses sp4 dp2": dict(dp=2, sp=4, attention="ulysses"),
+    "megatron tp2 x ring sp4": dict(tp=2, sp=4, attention="ring"),
+    "metp tp4 dp2": dict(dp=2, tp=4, tensor_parallel="metp"),
+    "optimus tp4 dp2": dict(dp=2, tp=4, tensor_parallel="optimus"),
+    "pp2 x ring sp2 x dp2": dict(pp=2, sp=2, dp=2, attention="ring", microbatches=2),
+}
+# 2 rows per tile divides the local rows of every plan (64 / (tp·sp) = 8 at least): 4 or more tiles
+ALL = dict(loss_tile=2, mlp_tile=2, remat="full", offload="layer_inputs")
+ONE_AT_A_TIME = {
+    "tiled loss": dict(loss_tile=2),
+    "tiled mlp": dict(mlp_tile=2),
+    "offload": ALL | dict(loss_tile=None, mlp_tile=None),
+}
+
+
+def _batch(plan):
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, CFG.vocab_size, (BATCH, SEQ + 1)).astype(np.int32)
+    (tokens, targets), positions = plan.layout_tokens(rows[:, :-1], rows[:, 1:], causal=True)
+    positions = np.broadcast_to(positions, tokens.shape)
+    sharding = plan.tokens_sharding()
+    return {
+        k: jax.device_put(np.ascontiguousarray(v), sharding)
+        for k, v in (("tokens", tokens), ("targets", targets), ("positions", positions))
+    }
+
+
+def _loss_and_grads(settings: dict):
+    settings = dict(settings)
+    devices = jax.devices()[: settings.pop("devices", 8)]
+    remat, offload = settings.pop("remat", "none"), settings.pop("offload", "none")
+    plan = jaxring.make_plan(devices, **settings)
+    model = gpt.GPT(CFG, rngs=nnx.Rngs(0))
+    objective = gpt.NextTokenObjective(BATCH, SEQ)
+    loss, grads = value_and_grad(
+        model, plan, objective, _batch(plan), jax.random.PRNGKey(0), remat=remat, offload=offload
+    )
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+def _assert_same(got, want):
+    (loss, grads), (ref_loss, ref_grads) = got, want
+    assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (loss, ref_loss)
+
+    def close(path, a, b):
+        scale = max(np.abs(b).max(), 1e-30)
+        assert np.abs(a - b).max() <= 1e-6 * scale, (jax.tree_util.keystr(path), np.abs(a - b).max() / scale)
+
+    jax.tree_util.tree_map_with_path(close, grads, ref_grads)
+
+
+@pytest.mark.parametrize("plan_name", list(PLANS))
+def test_all_techniques_give_the_untiled_loss_and_gradients(plan_name):
+    settings = PLANS[plan_name]
+    techniques = ALL if "pp" not in settings else dict(loss_tile=2, mlp_tile=2)  # no offload under pp
+    _assert_same(_loss_and_grads(settings | techniques), _loss_and_grads(settings))
+
+
+def test_offload_with_a_pipeline_is_one_line():
+    from jaxring.spec import RunSpec
+
+    message = r"--offload layer_inputs is not supported with pipeline parallelism \(pp = 2\)"
+    with pytest.raises(ValueError, match=message):
+        RunSpec.of(offload="layer_inputs", remat="full", pp=2, dp=4).validate()
+    with pytest.raises(ValueError, match=message):
+        _loss_and_grads(PLANS["pp2 x ring sp2 x dp2"] | dict(remat="full", offload="layer_inputs"))
+
+
+def test_each_technique_alone_on_one_device():
+    reference = _loss_and_grads(PLANS["one device"])
+    for technique in ONE_AT_A_TIME.values():
+        _assert_same(_loss_and_grads(PLANS["one device"] | technique), reference)
+
+
+def _compiled(cfg, batch, seq, devices=None, **settings):
+    """The compiled gradient step of a GPT on one device (of `devices`, default this host's)."""
+    remat, offload = settings.pop("remat", "none"), settings.pop("offload", "none")
+    plan = jaxring.make_plan((devices or jax.devices())[:1], **settings)
+    model = gpt.GPT(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    step = TrainStep(
+        plan,
+        graphdef,
+        param_placements(state, plan),
+        None,
+        gpt.NextTokenObjective(batch, seq),
+        remat=remat,
+        offload=offload,
+        stack=model.STACK,
+        layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
+    )
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    params = jax.eval_shape(lambda: nnx.to_pure_dict(state))
+    lowered = step.build_grads().lower(params, {"tokens": tokens, "targets": tokens, "positions": tokens}, None)
+    return lowered.compile()
+
+
+def _temp_bytes(cfg, batch, seq, **settings):
+    return _compiled(cfg, batch, seq, **settings).memory_analysis().temp_size_in_bytes
+
+
+def test_tiling_shrinks_the_compiled_temporaries():
+    """At a size where the logits (and the MLP's [tokens, ffn]) dominate, the tiled step's temporaries are
+    smaller than the untiled one's by at least one fp32 [tokens, vocab] (resp. [tokens, ffn]) array less a tile."""
+    cfg = gpt.GPTConfig(vocab_size=4096, num_layers=1, hidden=32, num_heads=4, ffn=2048)
+    batch, seq, tile = 2, 64, 8
+    untiled = _temp_bytes(cfg, batch, seq)
+    loss_tiled = _temp_bytes(cfg, batch, seq, loss_tile=tile)
+    mlp_tiled = _temp_bytes(cfg, batch, seq, mlp_tile=tile)
+    logits, tile_logits = batch * seq * cfg.vocab_size * 4, batch * tile * cfg.vocab_size * 4
+    ffn, tile_ffn = batch * seq * cfg.ffn * 4, batch * tile * cfg.ffn * 4
+    assert untiled - loss_tiled >= logits - tile_logits, (untiled, loss_tiled, logits)
+    assert untiled - mlp_tiled >= ffn - tile_ffn, (untiled, mlp_tiled, ffn)
+
+
+@pytest.mark.skipif(not gpu.available()[0], reason="deviceless GPU compile unavailable (see jaxring/analysis/gpu.py)")
+def test_offload_moves_the_layer_inputs_to_host_memory_on_h100():
+    """Compiled for one H100 (no GPU needed): the offloaded step writes the layer inputs into a host buffer and
+    reads them back, and its device temporaries shrink (by less than what the host holds: the device keeps
+    buffers for the transfers in flight)."""
+    cfg = gpt.GPTConfig(vocab_size=256, num_layers=8, hidden=128, num_heads=4, ffn=256)
+    batch, seq = 1, 2048
+    devices = gpu.gpu_devices("h100", 1)
+    kept = _compiled(cfg, batch, seq, devices, remat="full")
+    offloaded = _compiled(cfg, batch, seq, devices, remat="full", offload="layer_inputs")
+    assert host_memory_traffic(kept.as_text()) == {"to_host": 0, "from_host": 0, "host_buffers": 0}
+    moved = host_memory_traffic(offloaded.as_text())
+    assert moved["to_host"] >= 1 and moved["from_host"] >= 1 and moved["host_buffers"] >= 1, moved
+    layer_inputs = cfg.num_layers * batch * seq * cfg.hidden * 4  # fp32 [b, s, h] per layer
+    k, o = kept.memory_analysis(), offloaded.memory_analysis()
+    assert (k.host_temp_size_in_bytes, o.host_temp_size_in_bytes) == (0, layer_inputs)
+    drop = k.temp_size_in_bytes - o.temp_size_in_bytes
+    assert drop >= layer_inputs // 2, (drop, layer_inputs)
+
+
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        (dict(sp=8, loss_tile=3), "--loss-tile 3 does not divide the 8 rows of the residual stream on a device"),
+        (dict(tp=2, sp=4, mlp_tile=3), "--mlp-tile 3 does not divide the 8 rows"),
+    ],
+)
+def test_tiles_must_divide_the_rows(settings, message):
+    plan = jaxring.make_plan(**settings)
+    with pytest.raises(ValueError, match=message):
+        plan.check_seq_len(SEQ)
+
+
+def test_offload_needs_full_remat():
+    from jaxring.spec import RunSpec
+
+    with pytest.raises(ValueError, match=r"--offload layer_inputs .* needs --remat full"):
+        RunSpec.of(offload="layer_inputs", remat="selective").validate()

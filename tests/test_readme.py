@@ -1,0 +1,288 @@
+"""Every command README.md shows runs and exits 0: the shell commands of its ```bash blocks (`pip install` and
+`pytest` aside), shortened, and `--help` of every benchmark script it names.
+
+The commands run in README order in one working directory, as a reader would type them (`--config run.yaml`
+reads the file the `--print-config ... > run.yaml` before it wrote; `--resume` continues the checkpoint the
+command before it saved). `python train.py` runs in this process through `train.main` with its steps cut to
+two (four after a resume), a smaller model, no sample or held-out loss, and its outputs in a temporary
+directory; `python -m jaxring.demo` at a short sequence; `python -m jaxring.data prepare` with one worker, on
+a `corpus.jsonl` and a `path/to/tokenizer.json` this file writes first (the reader's own files in the README);
+`python -m jaxring.planner` as shown (it runs nothing).
+A README command this file does not know how to run is a failure, so a new kind of command gets a runner here.
+
+Training commands that only repeat a code path the others cover are marked slow (`pytest -m slow` runs them);
+the default run keeps one of each: the main job, the configuration round trip, a sequence strategy, tensor ×
+sequence parallelism, the pipeline, the DiT, checkpoint and resume, the planner.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+
+# exact README commands (after joining continuation lines and dropping comments) that run only with -m slow
+SLOW = {
+    "python train.py --dp 2 --sp 4 --attention ulysses",
+    "python train.py --sp 8 --attention usp --ulysses-size 2",
+    "python train.py --dp 2 --tp 2 --sp 2 --attention usp --ulysses-size 2",
+    "python train.py --tp 4 --dp 2 --tensor-parallel optimus",
+    "python train.py --tp 8 --tensor-parallel metp",
+    "python train.py --dp 8 --zero 3",
+    "python train.py --pp 2 --dp 4 --pipeline-schedule interleaved --virtual-stages 2 --microbatches 2 "
+    "--override num_layers=4",
+    "python train.py --preset tiny-moe --ep 4 --dp 2",
+}
+SLOW_REASON = "repeats a code path the default README commands cover (a compile each, ~10 s on 2 cores)"
+
+
+def readme_commands(text: str) -> list[str]:
+    """The commands of the ```bash blocks: continuation lines joined, comments dropped, whitespace collapsed;
+    `pip install` and `pytest` left out."""
+    commands = []
+    for block in re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if (
+                not words or words[:2] == ["pip", "install"] or "pytest" in words
+            ):  # the test command (this test runs inside it)
+                continue
+            commands.append(shlex.join(words))
+    return commands
+
+
+def benchmark_scripts(text: str) -> list[str]:
+    """The benchmark scripts the README names (`python benchmarks/NAME.py`), in order, once each."""
+    return list(dict.fromkeys(re.findall(r"python (benchmarks/\w+\.py)", text)))
+
+
+COMMANDS = readme_commands(README.read_text())
+
+
+def test_readme_shows_commands():
+    """The extraction finds the main job and the strategies (it would pass vacuously otherwise)."""
+    assert "python train.py" in COMMANDS
+    assert any("--print-config" in c for c in COMMANDS) and any("--config" in c for c in COMMANDS)
+    assert len(COMMANDS) >= 10, COMMANDS
+
+
+def test_extraction_joins_lines_and_drops_comments():
+    text = "x\n```bash\npip install -e .\npython a.py --x 1 \\\n    --y 2   # note\n\n# only a comment\n```\n"
+    assert readme_commands(text) == ["python a.py --x 1 --y 2"]
+
+
+@functools.cache
+def _train_module():
+    """train.py (the repository root need not be on sys.path)."""
+    spec = importlib.util.spec_from_file_location("jaxring_train_cli", ROOT / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _flag(argv: list[str], name: str, default: str) -> str:
+    return argv[argv.index(name) + 1] if name in argv else default
+
+
+def shortened(argv: list[str], out_dir: pathlib.Path) -> list[str]:
+    """train.py's arguments with flags appended (argparse keeps the last value) that cut the run to two steps
+    (four after --resume, so it continues) of a smaller model, without the sample and held-out loss, writing
+    to `out_dir`."""
+    if "--help" in argv or "-h" in argv:
+        return argv
+    extra = ["--steps", "4" if "--resume" in argv else "2", "--no-progress", "--sample-tokens", "0"]
+    extra += ["--no-eval-at-end", "--out-dir", str(out_dir)]
+    model, preset = _flag(argv, "--model", "gpt"), _flag(argv, "--preset", "tiny")
+    overrides = {}
+    if model == "gpt":
+        extra += ["--seq-len", "64"]
+        if preset == "tiny":
+            overrides = {"num_layers": 2, "hidden": 64, "ffn": 128}
+    elif model == "dit":
+        overrides = {"num_layers": 1}
+    given = " ".join(argv)
+    for field, value in overrides.items():
+        if f"{field}=" not in given:  # the command's own override stays (pipelines need their num_layers)
+            extra += ["--override", f"{field}={value}"]
+    return argv + extra
+
+
+# the files a README command takes from the reader (its placeholders), made in the working directory first
+CORPUS_JSONL = "corpus.jsonl"
+TOKENIZER_JSON = "path/to/tokenizer.json"
+
+
+def write_reader_files(root: pathlib.Path) -> None:
+    """`corpus.jsonl` (documents with a "text" field: the modules of the jaxring package) and
+    `path/to/tokenizer.json` (a small byte-level BPE with <|endoftext|>, trained here on them; nothing is
+    downloaded)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts = [f.read_text(encoding="utf-8") for f in sorted((ROOT / "jaxring").glob("*.py"))]
+    (root / CORPUS_JSONL).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>"]
+    tok.train_from_iterator(texts, trainer=trainers.BpeTrainer(vocab_size=384, special_tokens=special))
+    (root / TOKENIZER_JSON).parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(root / TOKENIZER_JSON))
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """One working directory for the README's commands, in order (they build on each other's files), holding
+    the files the reader brings (write_reader_files)."""
+    root = tmp_path_factory.mktemp("readme")
+    write_reader_files(root)
+    return root
+
+
+def _params():
+    out = []
+    for i, command in enumerate(COMMANDS):
+        marks = [pytest.mark.slow(reason=SLOW_REASON)] if command in SLOW else []
+        out.append(pytest.param(i, command, marks=marks, id=command.removeprefix("python ")[:90]))
+    return out
+
+
+@pytest.mark.parametrize("index,command", _params())
+def test_readme_command_runs(index, command, workdir, monkeypatch, capsys):
+    monkeypatch.chdir(workdir)
+    words = shlex.split(command)
+    redirect = None
+    if ">" in words:  # `... > FILE`: the command's stdout goes to FILE
+        at = words.index(">")
+        words, redirect = words[:at], words[at + 1]
+    if words[:2] == ["python", "train.py"]:
+        argv = shortened(words[2:], workdir / f"out{index}")
+        if "--config" in argv:
+            path = _flag(argv, "--config", "")
+            assert (workdir / path).is_file(), f"{path} is written by a README command before this one"
+        if "--resume" in argv:
+            ckpt = _flag(argv, "--checkpoint-dir", "")
+            assert (workdir / ckpt).is_dir(), f"{ckpt}/ is written by a README command before this one"
+        code = _exit_code(_train_module().main, argv)
+    elif words[:3] == ["python", "-m", "jaxring.demo"]:
+        from jaxring import demo
+
+        code = _exit_code(demo.main, words[3:] + ["--seq", "256", "--runs", "1"])
+    elif words[:3] == ["python", "-m", "jaxring.data"]:
+        from jaxring.data.__main__ import main as data_main
+
+        code = _exit_code(data_main, words[3:] + ["--workers", "1", "--no-progress"])  # 1 worker: CI has 2 cores
+    elif words[:3] == ["python", "-m", "jaxring.planner"]:
+        from jaxring.planner.__main__ import main as planner_main
+
+        code = _exit_code(planner_main, words[3:])
+    else:
+        pytest.fail(f"tests/test_readme.py does not know how to run the README command {command!r}: teach it")
+    out, err = capsys.readouterr()
+    assert code == 0, f"{command!r} exited with {code}:\n{err[-3000:]}"
+    if redirect is not None:
+        (workdir / redirect).write_text(out)
+
+
+def _exit_code(main, argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse: --help (0) or a bad flag (2)
+        return e.code if isinstance(e.code, int) else 1
+
+
+def test_train_help_lists_every_flag_the_readme_uses(capsys):
+    """Each `--flag` of a README train.py command is one train.py accepts (`--help` lists it)."""
+    code = _exit_code(_train_module().main, ["--help"])
+    shown = capsys.readouterr().out
+    assert code == 0
+    used = {w for c in COMMANDS if c.startswith("python train.py") for w in shlex.split(c) if w.startswith("--")}
+    missing = sorted(flag for flag in used if not re.search(rf"{re.escape(flag)}\b", shown))
+    assert not missing, f"README uses flags train.py --help does not list: {missing}"
+
+
+def test_benchmarks_the_readme_names_show_their_help():
+    """`python benchmarks/NAME.py --help` exits 0 for every script the README names (one interpreter for all:
+    each script's imports and argument parser run; nothing is benchmarked)."""
+    scripts = benchmark_scripts(README.read_text())
+    assert len(scripts) >= 5, scripts
+    missing = [s for s in scripts if not (ROOT / s).is_file()]
+    assert not missing, f"README names benchmark scripts that do not exist: {missing}"
+    program = (
+        "import contextlib, io, runpy, sys\n"
+        "for path in sys.argv[1:]:\n"
+        "    sys.argv = [path, '--help']\n"
+        "    try:\n"
+        "        with contextlib.redirect_stdout(io.StringIO()):\n"
+        "            runpy.run_path(path, run_name='__main__')\n"
+        "        code = 0\n"
+        "    except SystemExit as e:\n"
+        "        code = e.code or 0\n"
+        "    print(path, code, flush=True)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program, *scripts], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    codes = dict(line.rsplit(" ", 1) for line in result.stdout.splitlines() if line.startswith("benchmarks/"))
+    failed = {s: codes.get(s, "did not run") for s in scripts if codes.get(s) != "0"}
+    assert result.returncode == 0 and not failed, f"{failed}\n{result.stderr[-3000:]}"
+
+
+def test_notebooks_extra_installs_jupyterlab():
+    """`pip install -e ".[notebooks]"` (README's notebook set-up) brings JupyterLab and a kernel."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {re.split(r"[<>=\[; ]", r, maxsplit=1)[0].lower() for r in extras["notebooks"]}
+    assert {"jupyterlab", "ipykernel", "matplotlib"} <= names, names
+
+
+# (flags, the one line's text, the flags with its suggestion applied)
+FIRST_RUN_MISTAKES = [
+    (["--sp", "3"], "mesh degrees --sp 3 multiply to 3, but there are 8 devices", ["--dp", "2", "--sp", "4"]),
+    (["--tp", "3"], "mesh degrees --tp 3 multiply to 3, but there are 8 devices", ["--dp", "2", "--tp", "4"]),
+    (
+        ["--pp", "2"],
+        "mesh degrees --pp 2 multiply to 2, but there are 8 devices (the degrees' product must equal the device "
+        "count); e.g. --dp 4 --pp 2 --batch-size 16",
+        ["--dp", "4", "--pp", "2", "--batch-size", "16"],
+    ),
+    (
+        ["--pp", "2", "--dp", "4", "--microbatches", "4"],
+        "--batch-size 8 does not split into 16 equal parts (--dp 4 × --microbatches 4); use --batch-size 16, "
+        "or --microbatches 2",
+        ["--pp", "2", "--dp", "4", "--microbatches", "4", "--batch-size", "16"],
+    ),
+    (
+        ["--pp", "4", "--dp", "2", "--microbatches", "2"],
+        "--microbatches 2 is less than --pp 4: every pipeline stage needs a micro-batch in flight; use "
+        "--microbatches 4",
+        ["--pp", "4", "--dp", "2", "--microbatches", "4"],
+    ),
+    (
+        ["--seq-len", "100"],
+        "--seq-len 100: seq 100 is not divisible by 2*sp = 16, needed by the zigzag layout; e.g. --seq-len 96",
+        ["--seq-len", "96"],
+    ),
+]
+
+
+@pytest.mark.parametrize("flags,message,fixed", FIRST_RUN_MISTAKES, ids=[" ".join(m[0]) for m in FIRST_RUN_MISTAKES])
+def test_first_run_mistakes_name_a_setting_that_works(flags, message, fixed, tmp_path, capsys):
+    """A common first-run mistake ends in one line (exit 2) naming the value, the rule and a setting that
+    works, and that setting passes the run's checks (--print-config resolves and validates the run)."""
+    main = _train_module().main
+    assert main([*flags, "--out-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert main(["--print-config", *fixed, "--out-dir", str(tmp_path)]) == 0, capsys.readouterr().err
