@@ -196,11 +196,14 @@ def _factorizations(n: int, k: int):
 
 
 def sequence_choices(sp: int) -> list[tuple[str, dict]]:
-    """(strategy, options) for sp: dense alone when sp = 1, else every registered strategy but dense with each
-    combination of the values its options' `search` lists."""
-    if sp == 1:
-        return [("dense", {})]
-    return [(name, opts) for name, e in sequence_strategies().items() if name != "dense" for opts in e.option_grid(sp)]
+    """(strategy, options) for sp: when sp = 1 the entries that split nothing (no `attend`: "dense"), else every
+    entry that splits the sequence, with each combination of the values its options' `search` lists."""
+    return [
+        (name, opts)
+        for name, e in sequence_strategies().items()
+        if (e.attend is None) == (sp == 1)
+        for opts in e.option_grid(sp)
+    ]
 
 
 def tensor_choices(tp: int, sp: int) -> list[tuple[str | None, dict]]:
@@ -209,7 +212,7 @@ def tensor_choices(tp: int, sp: int) -> list[tuple[str | None, dict]]:
     out = []
     for name, method in tensor_methods().items():
         if method.accepts(tp) and (sp == 1 or method.sequence_parallel):
-            out += [(None if name == "none" else name, opts) for opts in method.option_grid(tp)]
+            out += [(name if method.axes else None, opts) for opts in method.option_grid(tp)]
     return out
 
 

@@ -195,7 +195,7 @@ class Candidate:
         """The plan, after the model's own rules (heads, layers vs pp, experts vs ep, batch and sequence splits)
         for this workload. Raises ValueError (one line)."""
         plan = self.plan(devices, block_ops)
-        plan.run_mesh  # the strategy's and the method's views of the devices (their errors)
+        _ = plan.run_mesh  # the strategy's and the method's views of the devices (their errors)
         steps = self.steps(workload)
         if steps < 1 or workload.global_batch % (self.data_degree * self.micro_batch):
             raise ValueError(
