@@ -19,6 +19,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from tqdm.auto import tqdm
 
 from jaxring.moe import MoEConfig
 from jaxring.nn import MLP, NORMS, Attention, Embed, Layers, MoE, stack, token_cross_entropy
@@ -447,9 +448,20 @@ class NextTokenObjective(Objective):
         return losses.sum(), aux
 
 
-def generate(model: GPT, plan: ParallelPlan, prompt, num_tokens: int, *, key, window: int, temperature: float = 0.8):
+def generate(
+    model: GPT,
+    plan: ParallelPlan,
+    prompt,
+    num_tokens: int,
+    *,
+    key,
+    window: int,
+    temperature: float = 0.8,
+    progress: bool = False,
+):
     """Samples `num_tokens` after `prompt` (int list) on one device (a plan with all degrees 1), recomputing a
-    causal window of fixed length (one compile). Returns the generated ids (list of int)."""
+    causal window of fixed length (one compile). Returns the generated ids (list of int). progress: a tqdm bar
+    over the tokens (the gap after training's bar)."""
     if plan.mesh.devices.size != 1:
         raise ValueError(f"generate runs on one device; got a plan over {plan.mesh.devices.size} devices")
     graphdef, state = nnx.split(model)
@@ -462,7 +474,7 @@ def generate(model: GPT, plan: ParallelPlan, prompt, num_tokens: int, *, key, wi
 
     ids = list(prompt)[-window:] or [0]
     out = []
-    for _ in range(num_tokens):
+    for _ in tqdm(range(num_tokens), desc="sampling", unit="token", disable=not progress, leave=False):
         ctx = ids[-window:]
         tokens = jnp.zeros((1, window), jnp.int32).at[0, : len(ctx)].set(jnp.asarray(ctx, jnp.int32))
         logits = next_logits(state, tokens, len(ctx) - 1)

@@ -196,6 +196,7 @@ class GPTTask:
             self.spec.output.sample_tokens,
             key=jax.random.PRNGKey(0),
             window=min(self.seq_len, 256),
+            progress=self.spec.output.progress,
         )
         text = self.source.decode(list(prompt) + ids)
         log(f"--- sample ---\n{text}\n--------------")
