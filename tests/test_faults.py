@@ -370,7 +370,10 @@ def test_out_of_memory_names_the_settings_to_shrink(monkeypatch, capsys):
 
 BAD_SETTINGS = [
     (["--cpu-devices", "100000"], r"--cpu-devices 100000 is more simulated CPU devices than this host can run"),
-    (["--fsdp", "8", "--zero", "0"], r"--fsdp 8 with --zero 0: fsdp means the parameters are sharded \(ZeRO-3\)"),
+    (
+        ["--fsdp", "8", "--zero", "0", "--batch-size", "8"],
+        r"--fsdp 8 with --zero 0: fsdp means the parameters are sharded \(ZeRO-3\)",
+    ),
     (
         ["--init-timeout", "1e20", "--num-processes", "2", "--process-id", "1", "--coordinator", "h:1"],
         r"--init-timeout 1e\+20 must be a finite number of seconds in \(0, 1e6\]",

@@ -191,7 +191,10 @@ def test_checkpoint_of_the_per_layer_layout_is_refused(tmp_path):
             del meta["param_layout"]
             path.write_text(json.dumps(meta))
     for path in (p for p in (tmp_path / "ckpt").rglob("*") if p.is_file() and p.parent.name == "checksums"):
-        sums = json.loads(path.read_text())  # nor a checksum of its metadata (recorded since jaxring 0.2)
+        try:  # nor a checksum of its metadata (recorded since jaxring 0.2); orbax's commit marker is no JSON
+            sums = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
         sums.pop("__metadata_sha256__", None)
         path.write_text(json.dumps(sums))
     with pytest.raises(ValueError, match=r"parameter layout per-layer .* needs 'stacked-layers-v1'"):
