@@ -46,17 +46,17 @@ class GPTConfig:
     max_seq_len: int = 1024  # learned positions only
     activation: str = "gelu"  # "gelu" or "swiglu"
     tie_embeddings: bool = True
-    rope_theta: float = 10000.0
-    # RoPE scaling (context extension): none, linear (factor), llama3 (factor, low/high_freq_factor,
+    rope_theta: float = Rope.theta
+    # RoPE scaling (context extension; defaults are jaxring.rope.Rope's): none, linear (factor), llama3 (factor, low/high_freq_factor,
     # original_max_positions), yarn (factor, beta_fast/slow, original_max_positions, attention_factor)
     rope_scaling: str = "none"
-    rope_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_positions: int | None = None
-    rope_beta_fast: float = 32.0
-    rope_beta_slow: float = 1.0
-    rope_attention_factor: float | None = None  # yarn; None: 0.1 ln(factor) + 1
+    rope_factor: float = Rope.factor
+    rope_low_freq_factor: float = Rope.low_freq_factor
+    rope_high_freq_factor: float = Rope.high_freq_factor
+    rope_original_max_positions: int | None = Rope.original_max_positions
+    rope_beta_fast: float = Rope.beta_fast
+    rope_beta_slow: float = Rope.beta_slow
+    rope_attention_factor: float | None = Rope.attention_factor  # yarn; None: 0.1 ln(factor) + 1
     norm: str = "layernorm"  # "layernorm" or "rmsnorm"
     norm_eps: float = 1e-5
     head_dim: int | None = None  # default hidden // num_heads
