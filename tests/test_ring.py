@@ -16,7 +16,9 @@ from jaxring.attention.blockwise import BlockOps, block_backward, block_forward
 from jaxring.attention.layout import RankTokens
 from jaxring.attention.ring import get_block_ops, ring_attention, ring_forward
 
-MESHES = {"sp2": dict(sp=2, dp=4), "sp4": dict(sp=4, dp=2), "sp8": dict(sp=8), "dp2xsp4": dict(dp=2, sp=4)}
+# (sp4 is the dp2 x sp4 mesh: a fourth entry "dp2xsp4" repeated its six cases on the same mesh)
+MESHES = {"sp2": dict(sp=2, dp=4), "sp4": dict(sp=4, dp=2), "sp8": dict(sp=8)}
+SLOW = pytest.mark.slow
 
 
 def ring_and_reference(mesh, q, k, v, dout, *, causal, layout, segment_ids=None):
@@ -53,7 +55,7 @@ def test_heads_and_dims_against_jax_nn(q_heads, kv_heads, head_dim):
     check(ring, (out_nn, vjp_nn(dout)), 2e-4)
 
 
-@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+@pytest.mark.parametrize("layout", ["zigzag", pytest.param("striped", marks=SLOW)])  # striped: the same kernel
 def test_bf16_inputs_accumulate_in_fp32(layout):
     mesh = jaxring.make_mesh(sp=8)
     q, k, v, dout = qkv(2, 1, 128, 4, 2, 32, dtype=jnp.bfloat16)
@@ -113,7 +115,7 @@ def _local_ring(mesh, **kw):
     return jax.shard_map(lambda q, k, v: ring_attention(q, k, v, **kw), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("layout", [pytest.param("contiguous", marks=SLOW), "zigzag"])  # one formula for both
 def test_bytes_moved_match_the_ring_formula(layout):
     sp, batch, seq, kv_heads, head_dim = 8, 1, 256, 2, 16
     mesh = jaxring.make_mesh(sp=sp)
