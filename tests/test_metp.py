@@ -231,7 +231,10 @@ def test_attention_matches_reference(p, causal):
     check_tree(got, ref, f"attention p={p} causal={causal}")
 
 
-@pytest.mark.parametrize("fuse_sends", [False, True], ids=["cpu-form", "gpu-form"])
+# the GPU form (also checked at S 64 by test_attention_gpu_form_matches_reference_and_bytes) with -m slow
+@pytest.mark.parametrize(
+    "fuse_sends", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["cpu-form", "gpu-form"]
+)
 def test_attention_forward_backward_repeatable(fuse_sends):
     """Jitted forward + backward at tp = 8 with longer sequences (S 256, hidden 64, traced positions), run three
     times from one compilation: each run matches the reference, in the CPU form of the inner rings and in the
