@@ -67,7 +67,9 @@ def check_against_reference(q, k, v, dout, dlse, rtol=2e-4, **kwargs):
         (True, 64, 64, 2, 2, 64, (32, 16)),  # plain causal self-attention, several tiles per row
         (False, 40, 40, 4, 2, 24, (16, 16)),  # full, GQA, 40 = 2.5 tiles, head_dim 24 padded to 32
         (True, 40, 72, 4, 1, 80, (16, 32)),  # causal MQA, different lengths, head_dim 80 padded to 128
-        (False, 24, 56, 2, 1, 64, (16, 16)),  # full cross-attention with MQA, partial tiles on both sides
+        # full cross-attention with MQA, partial tiles on both sides: -m slow (full, MQA, partial tiles and different
+        # lengths each run in the cases above)
+        pytest.param(False, 24, 56, 2, 1, 64, (16, 16), marks=pytest.mark.slow),
     ],
 )
 def test_matches_reference(causal, q_len, kv_len, q_heads, kv_heads, head_dim, blocks):
