@@ -41,7 +41,13 @@ KERNEL_ENV = {
     "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
 }
 # run only with -m slow: each costs 1.5-8 minutes on 2 cores and repeats APIs the default ones cover
-SLOW_NOTEBOOKS = {"02_strategies.ipynb", "05_pipeline.ipynb", "06_moe.ipynb", "07_planner.ipynb"}
+SLOW_NOTEBOOKS = {
+    "02_strategies.ipynb",
+    "05_pipeline.ipynb",
+    "06_moe.ipynb",
+    "07_planner.ipynb",
+    "08_context_extension.ipynb",
+}
 
 
 def test_notebooks_exist():
