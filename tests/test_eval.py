@@ -84,7 +84,8 @@ def test_perplexity_and_needle_commands(checkpoint, tmp_path, capsys):
     assert "ring" in result["plan"] and "32-64" in text.replace(" ", "")
     check_png(os.path.join(out, "perplexity.png"))
 
-    argv = ["needle", checkpoint, "--lengths", "96", "--depths", "0,0.5,1", "--samples", "2", "--out", out, *RING]
+    argv = ["needle", checkpoint, "--lengths", "96", "--depths", "0,0.5,1", "--samples", "2", "--batch-size", "3"]
+    argv += ["--out", out, *RING]  # 6 sequences in two batches of 3
     code, text, err = run(argv, capsys)
     assert code == 0, err
     result = json.loads(pathlib.Path(out, "needle.json").read_text())

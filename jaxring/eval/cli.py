@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="in [0, 1]")
             s.add_argument("--samples", type=int, default=2, help="pass keys per cell (default: 2)")
             s.add_argument("--seed", type=int, default=0, help="seed of the pass keys (default: 0)")
+            s.add_argument("--batch-size", type=int, help="sequences per forward pass (default: a length's all)")
     return p
 
 
@@ -130,6 +131,7 @@ def _run(args: argparse.Namespace, spec: RunSpec) -> int:
             depths=args.depths,
             samples=args.samples,
             seed=args.seed,
+            batch_size=args.batch_size,
             progress=bar,
             label=args.label,
         )

@@ -73,19 +73,24 @@ def evaluate(
     depths: Sequence[float],
     samples: int = 1,
     seed: int = 0,
+    batch_size: int | None = None,
     filler: str = FILLER,
     progress: Callable | None = None,
     label: str | None = None,
 ) -> dict:
     """{"model", "label", "plan", "lengths", "depths", "samples", "accuracy" [len(lengths)][len(depths)],
     "cells": [{"length", "depth", "sample", "pass_key", "hit", "answer_loss"}]}. Every length is checked
-    against the model and plan before any runs. progress(total) -> a bar with update(n), or None."""
+    against the model and plan before any runs. batch_size: sequences per forward pass (default: all
+    len(depths) * samples of a length in one). progress(total) -> a bar with update(n), or None."""
     check_depths(depths)
     if samples < 1:
         raise ValueError(f"--samples {samples} must be a positive integer")
     rows = len(depths) * samples
+    batch_size = rows if batch_size is None else batch_size
+    if batch_size < 1:
+        raise ValueError(f"--batch-size {batch_size} must be a positive integer")
     for length in lengths:
-        check_context(loaded, plan, rows, length)
+        check_context(loaded, plan, min(batch_size, rows), length)
         sequence(loaded.tokenizer, length, 0.0, 10000, filler)  # too short for the needle: said now
     bar = progress(len(lengths) * rows) if progress else None
     accuracy, cells = [], []
@@ -99,7 +104,15 @@ def evaluate(
                 seqs.append(ids)
                 answer_lens.append(n)
         batch = np.stack(seqs)
-        losses, hits = token_scores(loaded, plan, batch[:, :-1], batch[:, 1:])
+        losses, hits = [], []
+        for i in range(0, rows, batch_size):
+            part = batch[i : i + batch_size]
+            loss, hit = token_scores(loaded, plan, part[:, :-1], part[:, 1:])
+            losses.append(loss)
+            hits.append(hit)
+            if bar is not None:
+                bar.update(len(part))
+        losses, hits = np.concatenate(losses), np.concatenate(hits)
         row = np.zeros(len(depths))
         for r, (key, n) in enumerate(zip(keys, answer_lens)):
             j, k = divmod(r, samples)
@@ -116,8 +129,6 @@ def evaluate(
                 }
             )
         accuracy.append([float(a) for a in row])
-        if bar is not None:
-            bar.update(rows)
     if bar is not None:
         bar.close()
     return {
