@@ -18,6 +18,8 @@ def padded_batch(plan: ParallelPlan, rows: int) -> int:
 def check_context(loaded: LoadedModel, plan: ParallelPlan, rows: int, seq_len: int) -> None:
     """One-line ValueError when `rows` sequences of `seq_len` tokens cannot run on the plan (the sequence
     split, the heads, learned positions shorter than seq_len, ...): asked before any work is done."""
+    if loaded.family.token_scores is None:
+        raise ValueError(f"model family {loaded.family.name!r} declares no token_scores: it cannot be evaluated here")
     loaded.family.check_plan(loaded.config, plan, padded_batch(plan, rows), seq_len)
 
 
