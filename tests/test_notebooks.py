@@ -9,7 +9,7 @@ notebooks print came out the same with and without it.
 
 Running all seven takes about 19 minutes on a shared 2-core machine (02_strategies 489 s, 05_pipeline 232 s,
 06_moe 141 s, 03_train_gpt 131 s, 07_planner 88 s, 04_dit 37 s, 01_quickstart 34 s, at a load average of
-about 8), too much for CI's budget. By default a representative subset runs (about 3.5 minutes there):
+about 8; 08_context_extension took 618 s at a load average of about 19), too much for CI's budget. By default a representative subset runs (about 3.5 minutes there):
 01_quickstart (ring attention against dense), 03_train_gpt (the run specification, `train()`, run.yaml,
 `Trainer` and checkpoints) and 04_dit (the DiT through the same `Trainer`). The others are marked slow
 (SLOW_NOTEBOOKS; `python -m pytest -m slow tests/test_notebooks.py` runs them); every notebook is still
