@@ -96,11 +96,23 @@ def test_perplexity_and_needle_commands(checkpoint, tmp_path, capsys):
     check_png(os.path.join(out, "needle.png"))
 
 
-def test_sharded_scores_equal_transformers_logits():
-    """A Hugging Face directory on ring zig-zag sp=8: losses and argmax hits from the committed logits."""
+SCORE_PLANS = [
+    pytest.param(dict(sp=8, attention="ring", layout="zigzag"), id="ring-zigzag-sp8"),
+    pytest.param(
+        dict(tp=2, sp=4, attention="ring", tensor_parallel="megatron"),
+        id="megatron-tp2-ring-sp4",
+        marks=pytest.mark.slow(reason="a second compile of the same path under tensor parallelism"),
+    ),
+]
+
+
+@pytest.mark.parametrize("settings", SCORE_PLANS)
+def test_sharded_scores_equal_transformers_logits(settings):
+    """A Hugging Face directory on a sharded plan: losses and argmax hits from the committed logits."""
     data = dict(np.load(os.path.join(FIXTURES, "llama3", "oracle.npz")))
-    loaded = load_model(os.path.join(FIXTURES, "llama3"), ring_plan())
-    losses, hits = token_scores(loaded, ring_plan(), data["tokens"], data["targets"])
+    plan = jaxring.make_plan(**settings)
+    loaded = load_model(os.path.join(FIXTURES, "llama3"), plan)
+    losses, hits = token_scores(loaded, plan, data["tokens"], data["targets"])
     logits, targets = data["logits"].astype(np.float64), data["targets"]
     picked = np.take_along_axis(logits, targets[..., None], -1)[..., 0]
     want = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1) - picked
@@ -110,7 +122,7 @@ def test_sharded_scores_equal_transformers_logits():
     np.testing.assert_array_equal(hits[clear], (logits.argmax(-1) == targets)[clear])
     # the scores also say hit where the target is the argmax (the fixture's targets are random: few are)
     argmax_targets = logits.argmax(-1).astype(np.int32)
-    _, all_hits = token_scores(loaded, ring_plan(), data["tokens"], argmax_targets)
+    _, all_hits = token_scores(loaded, plan, data["tokens"], argmax_targets)
     assert all_hits[clear].all()
 
 
