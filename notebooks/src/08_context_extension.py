@@ -106,7 +106,8 @@ long_spec = RunSpec.of(
     **ring,
 )
 history_long = train(long_spec, devices=use)
-print(json.load(open(os.path.join(LONG_DIR, "config.json")))["rope_parameters"])
+with open(os.path.join(LONG_DIR, "config.json")) as f:
+    print(json.load(f)["rope_parameters"])  # the exported config.json: YaRN over the original 256
 
 # %% [markdown]
 # ## 3. Loss by position, before and after
