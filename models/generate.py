@@ -61,7 +61,6 @@ class Decoder:
             jax.tree.map(lambda s: NamedSharding(plan.run_mesh, s), self.specs, is_leaf=lambda s: isinstance(s, P)),
         )
         self.cache_spec = cache_spec(plan)
-        self._steps = {}
 
     # ------------------------------------------------------------------ shapes and layout
     def cache_shape(self, batch: int, length: int) -> tuple[int, ...]:
@@ -109,16 +108,12 @@ class Decoder:
         return self._prefill(self.params, laid, positions)
 
     # ------------------------------------------------------------------ one decoding step
-    def step(self, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None):
-        """The jitted step(params, k, v, cache_positions, tokens int [b], positions int [b], key) -> (next
+    @functools.cached_property
+    def step(self):
+        """The jitted step(params, k, v, cache_positions, tokens int [b], positions int [b], key, rule) -> (next
         tokens int32 [b], logits fp32 [b, vocab], k, v): feeds each sequence's token at its position, writes its
-        K/V into the cache (donated) and samples the next token."""
-        rule = (float(temperature), top_k, None if top_p is None else float(top_p))
-        if rule not in self._steps:
-            self._steps[rule] = self._make_step(*rule)
-        return self._steps[rule]
-
-    def _make_step(self, temperature, top_k, top_p):
+        K/V into the cache (donated) and draws the next token by `rule` = `sampling_rule(...)` (traced: one
+        compile for every temperature, top-k and top-p)."""
         plan, graphdef, cfg = self.plan, self.graphdef, self.cfg
         rows = P(spec_entry(plan.batch_axes))
 
@@ -142,11 +137,20 @@ class Decoder:
         out_specs = (P(spec_entry(plan.batch_axes), None), self.cache_spec, self.cache_spec)
         sharded = plan.shard_map(local, in_specs, out_specs)
 
-        def step(params, k, v, cache_positions, tokens, positions, key):
+        def step(params, k, v, cache_positions, tokens, positions, key, rule):
             logits, k, v = sharded(params, k, v, cache_positions, tokens, positions)
-            return sample(logits, key, temperature=temperature, top_k=top_k, top_p=top_p), logits, k, v
+            return sample(logits, key, **rule), logits, k, v
 
         return jax.jit(step, donate_argnums=(1, 2))
+
+
+def sampling_rule(temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None) -> dict:
+    """The decoding step's sampling settings as arrays (top_k None: every token; top_p None: 1)."""
+    return {
+        "temperature": jnp.float32(temperature),
+        "top_k": jnp.int32(np.iinfo(np.int32).max if top_k is None else top_k),
+        "top_p": jnp.float32(1.0 if top_p is None else top_p),
+    }
 
 
 def check_prompts(prompts, vocab_size: int) -> None:
@@ -204,16 +208,16 @@ def generate(
         tokens[i, : len(p)] = np.asarray(p, np.int32)
 
     k, v = decoder.prefill(tokens)
-    step = decoder.step(temperature, top_k, top_p)
+    rule = sampling_rule(temperature, top_k, top_p)
     cache_positions = decoder.cache_positions(length)
     key = jax.random.PRNGKey(0) if key is None else key
-    positions = jnp.asarray(lengths - 1)
-    token = jnp.asarray(tokens[np.arange(batch), lengths - 1])
+    rows = decoder.plan.sharding(P(spec_entry(plan.batch_axes)))  # one placement every step: one compile
+    token = tokens[np.arange(batch), lengths - 1]
     out = []
-    for _ in tqdm(range(max_new_tokens), desc="sampling", unit="token", disable=not progress, leave=False):
+    for i in tqdm(range(max_new_tokens), desc="sampling", unit="token", disable=not progress, leave=False):
         key, sub = jax.random.split(key)
-        token, _, k, v = step(decoder.params, k, v, cache_positions, token, positions, sub)
+        token, positions = jax.device_put((token, lengths - 1 + i), rows)
+        token, _, k, v = decoder.step(decoder.params, k, v, cache_positions, token, positions, sub, rule)
         out.append(token)
-        positions = positions + 1
     ids = np.stack([np.asarray(t) for t in out], axis=1)
     return [row.tolist() for row in ids[: len(prompts)]]
