@@ -55,12 +55,17 @@ class Decoder:
         check_decodable(plan)
         self.model, self.plan, self.cfg = model, plan, model.cfg
         self.graphdef, state = nnx.split(model)
+        self._state = nnx.to_pure_dict(state)
         self.specs = weight_specs(state, plan)
-        self.params = jax.device_put(
-            nnx.to_pure_dict(state),
-            jax.tree.map(lambda s: NamedSharding(plan.run_mesh, s), self.specs, is_leaf=lambda s: isinstance(s, P)),
+        self.param_shardings = jax.tree.map(
+            lambda s: NamedSharding(plan.run_mesh, s), self.specs, is_leaf=lambda s: isinstance(s, P)
         )
         self.cache_spec = cache_spec(plan)
+
+    @functools.cached_property
+    def params(self):
+        """The weights placed as the plan splits them (replicated over sp, heads/vocab over tp)."""
+        return jax.device_put(self._state, self.param_shardings)
 
     # ------------------------------------------------------------------ shapes and layout
     def cache_shape(self, batch: int, length: int) -> tuple[int, ...]:
@@ -73,6 +78,20 @@ class Decoder:
         """jax.ShapeDtypeStruct of the K (or V) cache with its sharding (fp32)."""
         sharding = NamedSharding(self.plan.run_mesh, self.cache_spec)
         return jax.ShapeDtypeStruct(self.cache_shape(batch, length), jnp.float32, sharding=sharding)
+
+    def abstract_step_inputs(self, batch: int, length: int) -> tuple:
+        """The arguments of `step` as sharded jax.ShapeDtypeStructs (greedy rule): for `step.lower(*...)`
+        with no weights or devices present (e.g. a deviceless GPU compile of an `nnx.eval_shape` model)."""
+        shaped = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+        params = jax.tree.map(shaped, self._state, self.param_shardings)
+        rows = jax.ShapeDtypeStruct(
+            (batch,), jnp.int32, sharding=self.plan.sharding(P(spec_entry(self.plan.batch_axes)))
+        )
+        slots = jax.ShapeDtypeStruct((length,), jnp.int32, sharding=self.plan.sharding(P(self.plan.seq_axis)))
+        cache = self.abstract_cache(batch, length)
+        key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+        rule = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sampling_rule(0.0))
+        return params, cache, cache, slots, rows, rows, key, rule
 
     def cache_positions(self, length: int) -> jax.Array:
         """int32 [length]: the true position of every cache slot, in the plan's layout, sharded over sp."""

@@ -18,7 +18,7 @@ from jaxring.inference import sample
 from jaxring.nn import Layers
 from jaxring.plan import ParallelPlan
 from models import gpt
-from models.generate import Decoder, generate, sampling_rule
+from models.generate import Decoder, generate
 
 SLOW = pytest.mark.slow
 NEW = 6  # tokens generated per prompt
@@ -126,13 +126,8 @@ def test_prefill_cache_is_the_one_device_cache_in_the_plan_layout():
 
 
 def _decode_step_argument_bytes(decoder, batch, length):
-    abstract = decoder.abstract_cache(batch, length)
-    rows = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    lowered = decoder.step.lower(
-        decoder.params, abstract, abstract, decoder.cache_positions(length), rows, rows, jax.random.PRNGKey(0),
-        sampling_rule(0.0),
-    )  # fmt: skip
-    return lowered.compile().memory_analysis().argument_size_in_bytes
+    compiled = decoder.step.lower(*decoder.abstract_step_inputs(batch, length)).compile()
+    return compiled.memory_analysis().argument_size_in_bytes
 
 
 def test_decode_step_holds_one_sp_th_of_the_cache_per_device():
