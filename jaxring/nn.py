@@ -139,8 +139,8 @@ class Attention(nnx.Module):
 
     def decode(self, x, positions, cache: tuple, cache_positions, plan: ParallelPlan):
         """One decoding step (`jaxring.inference.decode_attention`): x [b, 1, hidden] new tokens at positions
-        int [b]; cache (k, v) local [b, n, local kv heads, head_dim] at cache_positions int [n]. Returns
-        (y [b, 1, hidden], cache with the new K/V written)."""
+        int [b] attend the cache (k, v) local [b, n, local kv heads, head_dim] at cache_positions int [n] and
+        themselves. Returns (y [b, 1, hidden], their (k, v) [b, local kv heads, head_dim] to write)."""
         if not self.causal:
             raise ValueError("decoding with a KV cache needs causal attention")
         return inference.decode_attention(

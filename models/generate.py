@@ -12,9 +12,11 @@
    until the step that writes it.
 2. Decode (`Block.decode`, `jaxring.inference.decode_attention`). Step t feeds each sequence its last token
    at its own position (the first step re-feeds the last prompt token, whose logits give the first new
-   token): its K/V is written into the slot that owns that position, every device attends its shard
-   (causal, the sliding window), and the partial outputs are merged once by log-sum-exp over sp. The MLP
-   and the head run on the one new token per sequence (Megatron: summed over tp; logits gathered over tp).
+   token): every device attends its cache shard (the positions before the token's, within the sliding
+   window), the partial outputs are merged once by log-sum-exp over sp, then with the token's own key. The
+   MLP and the head run on the one new token per sequence (Megatron: summed over tp; logits gathered over
+   tp). After the last layer, every layer's new K/V is written into the slot that owns its position, in place
+   (the cache is donated to the step).
 3. Sampling (`jaxring.inference.sample`): greedy at temperature 0, else temperature, top-k, top-p.
 """
 
@@ -40,6 +42,7 @@ from jaxring.inference import (
     decode_logits,
     local_kv_heads,
     sample,
+    write_cache,
 )
 from jaxring.mesh import make_mesh, spec_entry
 from jaxring.nn import Layers, weight_specs
@@ -145,10 +148,11 @@ class Decoder:
             def body(x, xs):
                 layer_params, k, v = xs
                 block = nnx.merge(layers.graphdef, layer_params)
-                x, (k, v) = block.decode(x, positions, (k, v), cache_positions, plan)
-                return x, (k, v)
+                return block.decode(x, positions, (k, v), cache_positions, plan)
 
-            x, (k, v) = lax.scan(body, x, (layers.diff, k, v))
+            x, (k_new, v_new) = lax.scan(body, x, (layers.diff, k, v))  # the cache is only read here
+            k = write_cache(k, k_new, cache_positions, positions)  # then written once, in place (donated)
+            v = write_cache(v, v_new, cache_positions, positions)
             w, tied = m.head_weight(jnp.float32)
             return decode_logits(plan, m.ln_f(x, plan), w, tied=tied), k, v
 

@@ -340,12 +340,13 @@ class Block(nnx.Module):
 
     def decode(self, x, positions, cache: tuple, cache_positions, plan: ParallelPlan):
         """One decoding step of the block (see `models.generate`): x [b, 1, hidden] new tokens at positions
-        int [b]; cache (k, v) local [b, n, kv heads, head_dim] at cache_positions int [n]. Returns (x, cache)."""
-        y, cache = self.attn.decode(self.ln1(x, plan), positions, cache, cache_positions, plan)
+        int [b]; cache (k, v) local [b, n, kv heads, head_dim] at cache_positions int [n]. Returns (x, the new
+        tokens' (k, v) [b, kv heads, head_dim])."""
+        y, kv = self.attn.decode(self.ln1(x, plan), positions, cache, cache_positions, plan)
         x = x + y
         h = self.ln2(x, plan)
         if not isinstance(self.mlp, MoE):
-            return x + self.mlp.decode(h, plan), cache
+            return x + self.mlp.decode(h, plan), kv
         y, _ = moe_ffn(
             h,
             self.mlp.params(),
@@ -354,7 +355,7 @@ class Block(nnx.Module):
             tp_axis="tp" if plan.tp > 1 else None,
             token_axes=plan.batch_axes,
         )
-        return x + y, cache
+        return x + y, kv
 
 
 class GPT(nnx.Module):

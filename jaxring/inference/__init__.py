@@ -13,6 +13,7 @@ from jaxring.inference.decode import (
     decode_mlp,
     local_kv_heads,
     merge_over,
+    own_key,
     prefill_kv,
     write_cache,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "decode_mlp",
     "local_kv_heads",
     "merge_over",
+    "own_key",
     "prefill_kv",
     "sample",
     "write_cache",

@@ -6,11 +6,12 @@ repeated) for every cached position, each device holding the positions its train
 each slot has). A decoding step, for one new token per sequence at position t_b:
 
   every device        q, k_t, v_t = x W_q, x W_k, x W_v            (x: the new token, replicated over sp)
-  the owner of t_b    K[slot(t_b)], V[slot(t_b)] = k_t, v_t          (the append)
   every device        (o_i, lse_i) = softmax-attention of q over its shard, keys j with
-                      j <= t_b and j > t_b - W (sliding window; slots beyond a prompt hold stale values and
-                      are masked until written)
-  once                gather (o_i, lse_i) over sp; o = merge_partials over i   (log-sum-exp, not a ring)
+                      j < t_b and j > t_b - W (sliding window; slots from t_b on hold stale values)
+  once                gather (o_i, lse_i) over sp; (o, lse) = merge_partials over i   (log-sum-exp, not a ring)
+  every device        o = merge_partials(o, lse, v_t, q·k_t)      (the new token's own key)
+  the owner of t_b    K[slot(t_b)], V[slot(t_b)] = k_t, v_t   (`write_cache`, after all layers: one scatter
+                      into the donated cache, which is never copied)
 
 The heads split over tp as Megatron's: local q heads hq/tp, kv heads hkv/tp (or each rank its own kv head when
 hkv < tp); the output projection and the MLP's second linear are summed over tp, the vocab-split logits
@@ -100,13 +101,13 @@ def prefill_kv(
 
 
 def write_cache(cache: jax.Array, new: jax.Array, cache_positions: jax.Array, positions: jax.Array) -> jax.Array:
-    """cache [b, n, h, d] with new [b, h, d] written where cache_positions [n] equals positions [b] (on the
-    device holding that position; elsewhere unchanged)."""
+    """cache [layers, b, n, h, d] with new [layers, b, h, d] written where cache_positions [n] equals
+    positions [b] (on the device holding that position; elsewhere unchanged)."""
     match = cache_positions[None, :] == positions[:, None]  # [b, n]
     owned, slot = match.any(axis=-1), jnp.argmax(match, axis=-1)
-    rows = jnp.arange(cache.shape[0])
+    rows = jnp.arange(cache.shape[1])
     new = vary_like(new.astype(cache.dtype), cache)
-    return cache.at[rows, slot].set(jnp.where(owned[:, None, None], new, cache[rows, slot]))
+    return cache.at[:, rows, slot].set(jnp.where(owned[None, :, None, None], new, cache[:, rows, slot]))
 
 
 def attend_cache_shard(
@@ -121,14 +122,15 @@ def attend_cache_shard(
     """Partial attention of one query per sequence over this device's cache shard.
 
     q [b, hq, d]; k, v [b, n, hkv, d] (query head j reads kv head j // (hq / hkv)); key_positions int [n];
-    positions int [b] (the queries'). Keys j <= t (and j > t - window) are seen. Returns (o [b, hq, d], lse
+    positions int [b] (the queries'). Keys j < t (and j > t - window) are seen: the query's own key is not in
+    the cache yet. Returns (o [b, hq, d], lse
     [b, hq]) fp32, o normalised over the seen keys, lse = -inf (o = 0) where none is seen.
     """
     b, hq, d = q.shape
     hkv = k.shape[2]
     qg = q.astype(jnp.float32).reshape(b, hkv, hq // hkv, d) * d**-0.5
     scores = jnp.einsum("bkgd,bnkd->bkgn", qg, k.astype(jnp.float32))
-    seen = key_positions[None, :] <= positions[:, None]
+    seen = key_positions[None, :] < positions[:, None]
     if window is not None:
         seen &= key_positions[None, :] > positions[:, None] - window
     scores = jnp.where(seen[:, None, None, :], scores, -jnp.inf)
@@ -138,16 +140,24 @@ def attend_cache_shard(
     return o.reshape(b, hq, d), lse.reshape(b, hq)
 
 
-def merge_over(o: jax.Array, lse: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+def merge_over(o: jax.Array, lse: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
     """The partial results (o [b, h, d], lse [b, h]) of every device over `axes` merged by their log-sum-exp:
-    one all-gather of (o, lse), then `merge_partials`. Returns o, the same on every device of `axes`."""
+    one all-gather of (o, lse), then `merge_partials`. Returns (o, lse), the same on every device of `axes`."""
     if not axes:
-        return o
+        return o, lse
     os_, lses = (gather_invariant(t[None], axes, 0) for t in (o, lse))
     out, total = os_[0], lses[0]
     for i in range(1, os_.shape[0]):
         out, total = merge_partials(out, total, os_[i], lses[i])
-    return out
+    return out, total
+
+
+def own_key(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The partial result of each query q [b, hq, d] over its own token's key alone, k, v [b, hkv, d]:
+    (o = v [b, hq, d], lse = q·k / sqrt(d) [b, hq]) fp32."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (jnp.repeat(t.astype(jnp.float32), group, axis=1) for t in (k, v))
+    return v, jnp.sum(q.astype(jnp.float32) * k, axis=-1) * q.shape[-1] ** -0.5
 
 
 def decode_attention(
@@ -164,21 +174,21 @@ def decode_attention(
     window: int | None,
     norm_eps: float,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """One attention layer for the new tokens x [b, 1, hidden] at positions int [b]: appends their K/V to the
-    local cache (k, v) [b, n, local kv heads, d] at the slot holding that position and attends the cache.
-    Returns (y [b, 1, hidden], (k, v))."""
+    """One attention layer for the new tokens x [b, 1, hidden] at positions int [b], attending the local cache
+    (k, v) [b, n, local kv heads, d] (the positions before theirs) and their own keys. Returns (y [b, 1, hidden],
+    (k_t, v_t) [b, local kv heads, d]): the new K/V, for `write_cache`."""
     if plan.tp > 1:
         w = own_kv_head(w, num_kv_heads, plan.tp, head_dim)
     q, k, v = split_heads(*(add_bias(x @ w[f"w{n}"], w.get(f"b{n}")) for n in "qkv"), head_dim)
     q, k = qk_norm_rope(q, k, w, positions[:, None], rope, eps=norm_eps)
-    k_cache = write_cache(cache[0], k[:, 0], cache_positions, positions)
-    v_cache = write_cache(cache[1], v[:, 0], cache_positions, positions)
-    o, lse = attend_cache_shard(q[:, 0], k_cache, v_cache, cache_positions, positions, window=window)
-    o = merge_over(o, lse, plan.seq_axes)
+    q, k, v = q[:, 0], k[:, 0], v[:, 0]
+    o, lse = attend_cache_shard(q, cache[0], cache[1], cache_positions, positions, window=window)
+    o, lse = merge_over(o, lse, plan.seq_axes)
+    o, _ = merge_partials(o, lse, *own_key(q, k, v))
     y = o.reshape(x.shape[0], 1, -1).astype(x.dtype) @ w["wo"]
     if plan.tp > 1:
         y = lax.psum(y, "tp")
-    return add_bias(y, w.get("bo")), (k_cache, v_cache)
+    return add_bias(y, w.get("bo")), (k, v)
 
 
 def decode_mlp(plan: ParallelPlan, x: jax.Array, w: dict, *, activation: str) -> jax.Array:
