@@ -135,6 +135,7 @@ def main():
             "cpu": "gpt tiny (4 layers, hidden 128, 8 heads x 16, vocab 256), fp32, batch 1, greedy, "
             f"{args.length}-token cache of random K/V, the new token at the last slot",
             "h200": "gpt llama3.1-8b, fp32 weights and cache, batch 1, ring zigzag layout, deviceless compile",
+            "environment": "JAX_PLATFORMS=cpu, in a venv with the gpu-compile extra (compile-only CUDA plugin)",
         },
     )
     if args.only in (None, "cpu"):
