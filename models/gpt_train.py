@@ -189,13 +189,13 @@ class GPTTask:
         graphdef, state = nnx.split(model)
         single = nnx.merge(graphdef, to_one_device(state, device))
         prompt = self.source.encode("def ")
-        ids = gpt.generate(
+        (ids,) = gpt.generate(
             single,
             one,
-            list(prompt),
+            [list(prompt)],
             self.spec.output.sample_tokens,
+            temperature=0.8,
             key=jax.random.PRNGKey(0),
-            window=min(self.seq_len, 256),
             progress=self.spec.output.progress,
         )
         text = self.source.decode(list(prompt) + ids)
