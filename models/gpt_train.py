@@ -268,7 +268,11 @@ def _pretrained_config(path: str, overrides: dict, data_vocab: int) -> gpt.GPTCo
     from models import hf
 
     config = hf.read_config(path)
-    fixed = sorted(k for k in overrides if not (k.startswith("rope_") or k in CONTEXT_EXTENSION))
+    fixed = sorted(
+        k
+        for k, value in overrides.items()
+        if not (k.startswith("rope_") or k in CONTEXT_EXTENSION) and value != getattr(config, k, None)
+    )
     if fixed:
         raise ValueError(
             f"--override {fixed[0]}={overrides[fixed[0]]} contradicts --init-from {path}'s config.json "
