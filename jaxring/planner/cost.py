@@ -373,9 +373,10 @@ def bytes_by_axes(transfers) -> dict[tuple[str, ...], float]:
 @dataclasses.dataclass(frozen=True)
 class Memory:
     """Per-device bytes. The step's stored state (weights, Adam moments, the batch) plus the larger of its two
-    peaks: the start of the backward (gradient buffers, every saved activation, one layer's backward working
-    set) and the update (gradients, their reduction, the new moments: 16 bytes a parameter at ZeRO-0,
-    measured on the compiled GPU program)."""
+    peaks: the backward (gradient buffers, every saved activation, and the larger of one layer's backward
+    working set and the head's logits) and the update (gradients, their reduction, the new moments: 16 bytes a
+    parameter at ZeRO-0, measured on the compiled GPU program). `host`: what host offload keeps in host memory
+    (not in the total)."""
 
     params: float
     optimizer: float
@@ -384,6 +385,7 @@ class Memory:
     working: float
     update: float
     other: float = 0.0
+    host: float = 0.0
 
     @property
     def backward(self) -> float:
@@ -394,11 +396,11 @@ class Memory:
         return self.params + self.optimizer + self.other + max(self.backward, self.update)
 
     def as_dict(self) -> dict:
-        keys = ("params", "optimizer", "gradients", "activations", "working", "update", "other")
+        keys = ("params", "optimizer", "gradients", "activations", "working", "update", "other", "host")
         return {k: round(getattr(self, k)) for k in keys} | {"total": round(self.total)}
 
 
-def saved_per_layer(w: Workload, s: Shapes, remat: str) -> float:
+def saved_per_layer(w: Workload, s: Shapes, remat: str, mlp_tile: int | None = None) -> float:
     """Bytes one layer keeps for its backward, one micro-batch (what the compiled step's layer scan stacks).
 
     none       the residual stream and norms in fp32 (8 arrays [b, n_act, h] and 4 of statistics), a K/V
@@ -410,6 +412,8 @@ def saved_per_layer(w: Workload, s: Shapes, remat: str) -> float:
                sum and its norm are recomputed from it) and the FFN's up (and gate) projection; the FFN's
                down projection output is not a residual (measured per layer on the compiled CPU step)
     full       the layer input (WallFacer's and the playbook's per-layer checkpoint)
+
+    mlp_tile: a tiled MLP (`--mlp-tile`) keeps its input only; its FFN-wide arrays are recomputed per tile.
     """
     m, x, core = s.model, s.local, s.core
     em, d = m.em, m.head_dim
@@ -417,13 +421,16 @@ def saved_per_layer(w: Workload, s: Shapes, remat: str) -> float:
     if remat == "full":
         return b * na * h * em + core.kept(remat)
     qkvo = b * n * (2 * x.heads + 2 * x.kv_heads) * d * em
+    tiled = mlp_tile is not None and mlp_tile < n
     if remat == "selective":
-        return b * na * h * em + qkvo + (m.ffn_matrices - 1) * b * n * f * em + core.kept(remat)
+        ffn = b * n * h * em if tiled else (m.ffn_matrices - 1) * b * n * f * em
+        return b * na * h * em + qkvo + ffn + core.kept(remat)
     stream = 8 * b * na * x.h_act * F32 + 4 * b * na * F32
     if s.method.recomputes_forward:
         return stream + core.kept(remat)
     rope = b * n * (x.heads + x.kv_heads) * d * (F32 if w.model == "gpt" else em)
-    return stream + b * n * x.kv_heads * d * em + rope + core.kept(remat) + _mlp_saved(w, s)
+    mlp = b * n * h * em if tiled else _mlp_saved(w, s)
+    return stream + b * n * x.kv_heads * d * em + rope + core.kept(remat) + mlp
 
 
 def _mlp_saved(w: Workload, s: Shapes) -> float:
@@ -453,8 +460,16 @@ def _attention_working(s: Shapes) -> float:
     return out
 
 
+# One layer's backward keeps this share of the layer's un-rematerialised residuals (`saved_per_layer(...,
+# "none")`) live beside the attention core's buffers. Fitted on the compiled CPU step
+# (benchmarks/results/memory_model.json): without remat about the whole layer (its residuals are read as the
+# backward walks the layer, the cotangents of the same sizes appear); with selective or full remat the
+# recomputed forward frees the FFN's and the norms' residuals as their gradients are formed: 3/4.
+LAYER_WORKING_SHARE = {"none": 1.0, "selective": 0.75, "full": 0.75}
+
+
 def memory(w: Workload, c: Candidate, leaves, *, cpu: bool = False, plan=None, s: Shapes | None = None) -> Memory:
-    """Per-device bytes of the step's peak (see `Memory`)."""
+    """Per-device bytes of the step's peak (see `Memory`), with the candidate's remat, tiles and offload."""
     s = s if s is not None else shapes(w, c, plan, cpu)
     remat, x, em = c.remat, s.local, s.model.em
     params = optimizer = grads = update = 0.0
@@ -479,7 +494,14 @@ def memory(w: Workload, c: Candidate, leaves, *, cpu: bool = False, plan=None, s
         grads += layer_grad  # one layer's gradient before its reduce-scatter
     if c.zero == 3:
         grads += 2 * layer_grad / F32 * em  # one layer's weights gathered (forward and backward)
-    per_layer = saved_per_layer(w, s, remat)
+    per_layer = saved_per_layer(w, s, remat, c.mlp_tile)
+    host = 0.0
+    if c.offload == "layer_inputs" and not cpu:
+        # each layer's checkpointed input lives in pinned host memory between the forward and the backward
+        # (on CPU host and device memory are one: nothing moves)
+        inputs = x.b * x.n_act * s.model.hidden * em
+        host = s.layers * inputs
+        per_layer -= inputs
     if c.pp > 1:
         info = pipeline_info(c.pipeline_schedule, c.pp, s.steps, s.schedule)
         chunks = info.peak_in_flight
@@ -487,11 +509,7 @@ def memory(w: Workload, c: Candidate, leaves, *, cpu: bool = False, plan=None, s
         activations += 2 * chunks * activation_bytes(w, s, em)  # pipeline buffers (inbox, gradients)
     else:
         activations = s.layers * per_layer
-    # one layer's backward: with full remat its forward again, keeping every residual (tried: the FFN's freed
-    # before the attention core's buffers: under-predicts by up to 14% on the compiled CPU step); otherwise
-    # about half a layer's residuals live beside the attention core's buffers
-    layer_work = saved_per_layer(w, s, "none") * (1.0 if remat == "full" else 0.5)
-    working = layer_work + _attention_working(s)
+    working = LAYER_WORKING_SHARE[remat] * saved_per_layer(w, s, "none") + _attention_working(s)
     # the step's batch as stored (tokens, targets, positions int32; DiT: images, labels)
     rows = w.global_batch // c.data_degree // x.batch_split
     if w.model == "gpt":
@@ -499,9 +517,11 @@ def memory(w: Workload, c: Candidate, leaves, *, cpu: bool = False, plan=None, s
     else:
         other = rows * (w.config.image_size**2 * w.config.channels * 4 + 4)
     if x.vocab is not None:
-        # the logits and their gradient in the activation dtype, the softmax in fp32
-        working += x.b * x.n * x.vocab * (2 * em + F32)
-    return Memory(params, optimizer, grads, activations, working, update, other)
+        # the head's backward, before the layers': the logits (or one tile of them) and their gradient in the
+        # activation dtype, the softmax in fp32
+        rows_at_once = x.n if c.loss_tile is None else min(c.loss_tile, x.n)
+        working = max(working, x.b * rows_at_once * x.vocab * (2 * em + F32))
+    return Memory(params, optimizer, grads, activations, working, update, other, host)
 
 
 # ---------------------------------------------------------------------------------------------- time
