@@ -83,3 +83,20 @@ def test_the_header_shows_the_estimate_and_a_run_that_fits_trains(tmp_path):
     header = next(line for line in lines if "plan:" in line)
     assert "estimated memory" in header and "GiB per device" in header, header
     assert len(history) == 1 and json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+
+
+def test_compile_for_without_the_cuda_plugin_is_one_line(capsys):
+    """--compile-for compiles for a GPU without one; where jax[cuda12] is missing (CI's venv), one line saying
+    what to install, exit 2. The verdict's form: the last line of a run that has the plugin."""
+    import train as cli
+    from jaxring.planner.compile_for import GIB, Verdict
+
+    rc = cli.main(["--compile-for", "h100x8", "--steps", "1"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "--compile-for h100x8" in err and "jax[cuda12]" in err
+    assert cli.main(["--compile-for", "a100x3"]) == 2
+    assert "expected one of h100x8, h200x8, h100x1" in capsys.readouterr().err
+    fits = Verdict("sp=8", 71.2 * GIB, 69.8 * GIB, 76.0 * GIB)
+    assert fits.line() == "fits: compiled 71.2 GiB per device, estimate 69.8 GiB, budget 76.0 GiB"
+    assert Verdict("sp=8", 80 * GIB, 79 * GIB, 76 * GIB).line().startswith("does not fit: compiled 80.0 GiB")
