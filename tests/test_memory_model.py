@@ -21,7 +21,7 @@ from models import gpt
 CONFIG = gpt.GPTConfig(vocab_size=1024, num_layers=2, hidden=128, num_heads=8, ffn=512)
 
 ROWS = {
-    "ring sp8": dict(sp=8, attention="ring"),
+    "ulysses sp8": dict(sp=8, attention="ulysses"),
     "ulysses sp8, remat full": dict(sp=8, attention="ulysses", remat="full"),
     "ring sp8, remat full, offload and both tiles": dict(
         sp=8, attention="ring", remat="full", offload="layer_inputs", loss_tile=64, mlp_tile=64

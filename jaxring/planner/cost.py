@@ -461,11 +461,12 @@ def _attention_working(s: Shapes) -> float:
 
 
 # One layer's backward keeps this share of the layer's un-rematerialised residuals (`saved_per_layer(...,
-# "none")`) live beside the attention core's buffers. Fitted on the compiled CPU step
-# (benchmarks/results/memory_model.json): without remat about the whole layer (its residuals are read as the
-# backward walks the layer, the cotangents of the same sizes appear); with selective or full remat the
-# recomputed forward frees the FFN's and the norms' residuals as their gradients are formed: 3/4.
-LAYER_WORKING_SHARE = {"none": 1.0, "selective": 0.75, "full": 0.75}
+# "none")`, with a tiled MLP one tile's FFN-wide arrays) live beside the attention core's buffers: with
+# selective or full remat the recomputed forward's, without remat the residuals read and the cotangents of
+# the same sizes formed as the backward walks the layer. One share for every mode, fitted on the compiled CPU
+# step (benchmarks/results/memory_model.json): 0.75 puts the GPT rows within 10% but three (ring and RSA
+# without remat, Megatron tp8, both under by 11-16%) and the DiT's top plan of tests/test_planner.py 14% over.
+LAYER_WORKING_SHARE = {"none": 0.75, "selective": 0.75, "full": 0.75}
 
 
 def memory(w: Workload, c: Candidate, leaves, *, cpu: bool = False, plan=None, s: Shapes | None = None) -> Memory:
@@ -509,7 +510,10 @@ def memory(w: Workload, c: Candidate, leaves, *, cpu: bool = False, plan=None, s
         activations += 2 * chunks * activation_bytes(w, s, em)  # pipeline buffers (inbox, gradients)
     else:
         activations = s.layers * per_layer
-    working = LAYER_WORKING_SHARE[remat] * saved_per_layer(w, s, "none") + _attention_working(s)
+    layer = saved_per_layer(w, s, "none", c.mlp_tile)
+    if c.mlp_tile is not None and c.mlp_tile < x.n:
+        layer += 6 * x.b * c.mlp_tile * x.ffn * em  # one MLP tile's FFN-wide arrays, live in its backward
+    working = LAYER_WORKING_SHARE[remat] * layer + _attention_working(s)
     # the step's batch as stored (tokens, targets, positions int32; DiT: images, labels)
     rows = w.global_batch // c.data_degree // x.batch_split
     if w.model == "gpt":
@@ -517,10 +521,11 @@ def memory(w: Workload, c: Candidate, leaves, *, cpu: bool = False, plan=None, s
     else:
         other = rows * (w.config.image_size**2 * w.config.channels * 4 + 4)
     if x.vocab is not None:
-        # the head's backward, before the layers': the logits (or one tile of them) and their gradient in the
-        # activation dtype, the softmax in fp32
+        # the head's backward, before the layers': the logits (or one tile of them) in the activation dtype
+        # and the softmax in fp32 (their gradient takes the logits' place: 6 bytes an element in bf16, as
+        # the deviceless H100 compile of GPT-7B at 262,144 tokens shows, benchmarks/results/memory_techniques.json)
         rows_at_once = x.n if c.loss_tile is None else min(c.loss_tile, x.n)
-        working = max(working, x.b * rows_at_once * x.vocab * (2 * em + F32))
+        working = max(working, x.b * rows_at_once * x.vocab * (em + F32))
     return Memory(params, optimizer, grads, activations, working, update, other, host)
 
 
