@@ -35,11 +35,14 @@ class DoesNotFit(ValueError):
 
 def workload_of(spec: RunSpec) -> Workload:
     """The planner's workload of a (resolved) run specification: its model, sequence, batch and precision."""
+    from jaxring.task import model_family
+
     t = spec.training
+    causal = model_family(spec.model.model).causal  # a causal model's default 256 tokens; a DiT: its images
     return Workload.of(
         spec.model.model,
         spec.model.preset,
-        seq_len=t.seq_len or 256,
+        seq_len=t.seq_len or (256 if causal else None),
         image_size=t.image_size,
         global_batch=t.batch_size,
         precision=t.precision,
@@ -93,7 +96,7 @@ def estimate(spec: RunSpec, devices: Sequence[jax.Device]) -> Memory | None:
         return None
     try:
         return _memory(workload_of(spec), candidate_of(spec), _on_cpu(devices))
-    except (ValueError, NotImplementedError, KeyError):
+    except (ValueError, NotImplementedError, KeyError, AttributeError, TypeError):
         return None
 
 
