@@ -96,7 +96,7 @@ def shapes(w: Workload, c: Candidate, plan=None, cpu: bool = False) -> Shapes:
     cfg = w.config
     heads = cfg.num_heads
     kv = getattr(cfg, "num_kv_heads", None) or heads
-    dit = w.model == "dit"  # adaLN: per-sequence modulation vectors in every block and the final layer
+    terms = w.terms  # what the family adds beyond its blocks (a DiT's adaLN vectors, ...)
     em = DTYPE_BYTES[w.precision]
     m = ModelShape(
         b=c.micro_batch,
@@ -113,8 +113,8 @@ def shapes(w: Workload, c: Candidate, plan=None, cpu: bool = False) -> Shapes:
         tied=bool(getattr(cfg, "tie_embeddings", False)),
         moe=w.moe is not None,
         causal=w.causal,
-        modulation=6 if dit else 0,
-        final_modulation=2 if dit else 0,
+        modulation=terms.modulation,
+        final_modulation=terms.final_modulation,
         e=CPU_COLLECTIVE_BYTES if cpu else em,
         em=em,
         cpu=cpu,
@@ -227,9 +227,9 @@ def gradient_sync(w: Workload, c: Candidate, s: Shapes, leaves) -> list[Transfer
     A = s.steps
     for leaf in leaves:
         psi = leaf.size * F32
-        # the DiT's conditioning path (timestep, label, adaLN) runs on per-sequence vectors the tensor axes do not
-        # split: its gradients come out whole (the modulation vectors' gradients are summed instead)
-        conditioning = w.model == "dit" and any(k in leaf.path for k in ("adaLN", "t_embed", "y_embed"))
+        # a conditioning path (the DiT's timestep, label, adaLN) runs on per-sequence vectors the tensor axes do
+        # not split: its gradients come out whole (the modulation vectors' gradients are summed instead)
+        conditioning = any(k in leaf.path for k in w.terms.conditioning)
         if leaf.unsplit_tensor and not conditioning:
             g = math.prod(s.tensor[a] for a in leaf.unsplit_tensor)
             # a tied table left whole over the tensor axes is read by the lookup and the head: two psums
@@ -283,12 +283,10 @@ def gradient_sync(w: Workload, c: Candidate, s: Shapes, leaves) -> list[Transfer
 
 
 def activation_bytes(w: Workload, s: Shapes, e: int) -> float:
-    """One micro-batch's residual stream as it crosses a stage boundary (DiT: plus its conditioning row)."""
+    """One micro-batch's residual stream as it crosses a stage boundary (plus the family's per-sequence rows:
+    the DiT's conditioning row)."""
     x = s.local
-    act = x.b * x.n_act * s.model.hidden * e
-    if w.model == "dit":
-        act += x.b * s.model.hidden * e
-    return act
+    return x.b * x.n_act * s.model.hidden * e + w.terms.boundary_rows * x.b * s.model.hidden * e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -428,7 +426,7 @@ def saved_per_layer(w: Workload, s: Shapes, remat: str, mlp_tile: int | None = N
     stream = 8 * b * na * x.h_act * F32 + 4 * b * na * F32
     if s.method.recomputes_forward:
         return stream + core.kept(remat)
-    rope = b * n * (x.heads + x.kv_heads) * d * (F32 if w.model == "gpt" else em)
+    rope = b * n * (x.heads + x.kv_heads) * d * (F32 if w.terms.rotary_fp32 else em)
     mlp = b * n * h * em if tiled else _mlp_saved(w, s)
     return stream + b * n * x.kv_heads * d * em + rope + core.kept(remat) + mlp
 
@@ -514,12 +512,9 @@ def memory(w: Workload, c: Candidate, leaves, *, cpu: bool = False, plan=None, s
     if c.mlp_tile is not None and c.mlp_tile < x.n:
         layer += 6 * x.b * c.mlp_tile * x.ffn * em  # one MLP tile's FFN-wide arrays, live in its backward
     working = LAYER_WORKING_SHARE[remat] * layer + _attention_working(s)
-    # the step's batch as stored (tokens, targets, positions int32; DiT: images, labels)
+    # the step's batch as stored (the family's: tokens, targets, positions int32; a DiT's images and labels)
     rows = w.global_batch // c.data_degree // x.batch_split
-    if w.model == "gpt":
-        other = 3 * rows * w.seq_len // (c.sp * x.token_split) * 4
-    else:
-        other = rows * (w.config.image_size**2 * w.config.channels * 4 + 4)
+    other = w.terms.stored_batch(w.config, rows, w.seq_len // (c.sp * x.token_split))
     if x.vocab is not None:
         # the head's backward, before the layers': the logits (or one tile of them) in the activation dtype
         # and the softmax in fp32 (their gradient takes the logits' place: 6 bytes an element in bf16, as
@@ -561,17 +556,13 @@ def compute_flops(w: Workload, c: Candidate, remat: str, s: Shapes) -> tuple[flo
     tokens = w.tokens_per_step
     causal = 0.5 if w.causal else 1.0
     attention = 12 * cfg.num_layers * cfg.hidden * seq * causal * tokens
-    if w.model == "gpt":
-        mats = 3 if cfg.activation == "swiglu" else 2
-        moe = w.moe
-        ffn_params = (
-            mats * cfg.hidden * cfg.ffn_size if moe is None else moe.experts_per_token * mats * cfg.hidden * moe.ffn
-        )
-    else:
-        ffn_params = 2 * cfg.hidden * cfg.ffn_size
+    mats, moe = s.model.ffn_matrices, w.moe
+    ffn_params = (
+        mats * cfg.hidden * cfg.ffn_size if moe is None else moe.experts_per_token * mats * cfg.hidden * moe.ffn
+    )
     ffn = 6 * cfg.num_layers * ffn_params * tokens
     total = w.flops_per_step()
-    layers = total - (6 * cfg.vocab_size * cfg.hidden * tokens if w.model == "gpt" else 0)
+    layers = total - (6 * s.model.vocab * cfg.hidden * tokens if s.model.vocab is not None else 0)
     extra = 0.0
     if remat == "full" or s.method.recomputes_forward:
         extra += layers / 3

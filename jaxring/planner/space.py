@@ -85,6 +85,18 @@ class Workload:
         return self.family.causal
 
     @property
+    def terms(self):
+        """The family's `jaxring.costs.WorkloadTerms` (what the cost model adds beyond the blocks)."""
+        from jaxring.costs import WorkloadTerms
+
+        return self.family.planner_terms or WorkloadTerms()
+
+    @property
+    def image_size(self) -> int | None:
+        """The image side of an image workload (its config's image_size), else None."""
+        return getattr(self.config, "image_size", None)
+
+    @property
     def tokens_per_step(self) -> int:
         return self.seq_len * self.global_batch
 
@@ -98,11 +110,7 @@ class Workload:
 
     def describe(self) -> str:
         name = self.preset or self.model
-        what = (
-            f"{self.seq_len:,} tokens"
-            if self.model == "gpt"
-            else f"{self.config.image_size}² images = {self.seq_len:,} tokens"
-        )
+        what = f"{self.image_size}² images = {self.seq_len:,} tokens" if self.image_size else f"{self.seq_len:,} tokens"
         return f"{self.model} {name}, {what} × {self.global_batch} per step, {self.precision}"
 
 
