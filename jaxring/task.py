@@ -117,6 +117,12 @@ class ModelFamily:
         the preset with the overrides);
     planner_terms: a `jaxring.costs.WorkloadTerms`, what the planner's cost model adds for the family beyond
         its blocks (default: a token model's).
+    Optional, for `python -m jaxring.eval` (None: the family is not evaluated there):
+    load_pretrained(path, plan, overrides) -> (model, config): a Hugging Face checkpoint directory, placed on
+        the plan, with config fields overridden (e.g. RoPE scaling);
+    token_scores(model, tokens, targets, plan) -> (losses fp32 [b, s], hits bool [b, s]) as numpy arrays in
+        token order, from ONE sharded forward pass: each token's cross-entropy of `targets` and whether the
+        target is the argmax of its logits.
     """
 
     name: str
@@ -133,6 +139,8 @@ class ModelFamily:
     task: Callable
     workload_config: Callable | None = None
     planner_terms: Any = None  # a jaxring.costs.WorkloadTerms: what the planner adds for this family (None: a GPT's)
+    load_pretrained: Callable | None = None
+    token_scores: Callable | None = None
 
     def get_config(self, preset: str, **overrides: Any) -> Any:
         """The preset's config with `overrides` (each checked by `check_override`)."""

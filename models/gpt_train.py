@@ -18,7 +18,7 @@ from jaxring.data import StepBatches, global_array, host_rows, open_token_data, 
 from jaxring.mesh import make_mesh
 from jaxring.plan import ParallelPlan
 from jaxring.task import ModelFamily
-from models import gpt
+from models import gpt, gpt_eval
 
 DEFAULT_SEQ_LEN = 256
 
@@ -189,13 +189,13 @@ class GPTTask:
         graphdef, state = nnx.split(model)
         single = nnx.merge(graphdef, to_one_device(state, device))
         prompt = self.source.encode("def ")
-        ids = gpt.generate(
+        (ids,) = gpt.generate(
             single,
             one,
-            list(prompt),
+            [list(prompt)],
             self.spec.output.sample_tokens,
+            temperature=0.8,
             key=jax.random.PRNGKey(0),
-            window=min(self.seq_len, 256),
             progress=self.spec.output.progress,
         )
         text = self.source.decode(list(prompt) + ids)
@@ -255,6 +255,8 @@ FAMILY = ModelFamily(
     flops_per_step=lambda config, seq_len, batch: config.flops_per_token(seq_len, causal=True) * seq_len * batch,
     abstract_batch=_abstract_batch,
     task=GPTTask,
+    load_pretrained=gpt_eval.load_pretrained,
+    token_scores=gpt_eval.token_scores,
 )
 
 
