@@ -13,6 +13,10 @@ Every setting is a flag (below, with its default) and a key of the run's YAML (`
 each run writes its resolved settings to OUT_DIR/run.yaml. Without an accelerator, --cpu-devices N simulated
 CPU devices are used (default 8). With no mesh flag the whole machine is one sequence-parallel ring.
 
+`--compile-for h100x8` (h200x8, h100x1, h200x1) compiles the run's step for that machine with no GPU (needs
+jax[cuda12]) and exits: its last line `fits: compiled X GiB per device, estimate Y GiB, budget Z GiB` (exit 0)
+or `does not fit: ...` (exit 3); with --plan auto, the planner's best plan for that machine that fits.
+
 Exit codes: 0 done; 2 a bad flag, config, data file, checkpoint or multi-host set-up (one line on stderr;
 --debug shows the traceback); 3 training diverged (see --on-divergence); 128 + N stopped by signal N
 (SIGTERM: 143, SIGINT: 130, SIGHUP: 129) after finishing the step and saving it (a step or save that
@@ -37,6 +41,8 @@ def main(argv=None) -> int:
     from jaxring.train.signals import Interrupted
 
     try:
+        if meta.compile_for:
+            return compile_only(spec, meta.compile_for)
         return run(spec, print_config=meta.print_config)
     except Interrupted as e:  # the loop saved and said so
         return e.exit_code
@@ -57,6 +63,18 @@ def main(argv=None) -> int:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def compile_only(spec, target: str) -> int:
+    """--compile-for TARGET: the run's step compiled for a GPU machine without one; 0 fits, 3 does not."""
+    import os
+
+    from jaxring.planner.compile_for import check_target, compile_for
+
+    spec.validate()
+    check_target(target)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless: the CUDA plugin's device check needs the CPU platform
+    return compile_for(spec, target)
 
 
 def run(spec, *, print_config: bool = False) -> int:

@@ -20,7 +20,7 @@ from jaxring.spec import SECTIONS, RunSpec, _accepts, _choices, _fields, _flag
 __all__ = ["EXIT_USER_ERROR", "META_FLAGS", "build_parser", "parse_command_line"]
 
 EXIT_USER_ERROR = 2
-META_FLAGS = ("config", "print_config", "debug")
+META_FLAGS = ("config", "print_config", "debug", "compile_for")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,6 +52,12 @@ def build_parser(prog: str = "train.py", description: str | None = None) -> argp
     g.add_argument("--config", metavar="YAML", help="start from this run.yaml; flags given here override it")
     g.add_argument("--print-config", action="store_true", help="print the resolved run as YAML and exit")
     g.add_argument("--debug", action="store_true", help="show the traceback of an error, not only its line")
+    g.add_argument(
+        "--compile-for",
+        metavar="TARGET",
+        help="compile the run's step for a GPU machine without one (h100x8, h200x8, h100x1, h200x1; needs "
+        "jax[cuda12]) and exit: 0 fits, 3 does not fit",
+    )
     defaults = RunSpec()
     for section, cls in SECTIONS.items():
         g = p.add_argument_group(section, " ".join((cls.__doc__ or "").split()))

@@ -22,6 +22,7 @@ accumulators the kernels keep are fp32 (F32 = 4).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 F32 = 4
 
@@ -44,6 +45,38 @@ class Transfer:
 def tree_rounds(q: int) -> int:
     """Rounds of a binomial-tree broadcast or reduce over q ranks (⌈log2 q⌉)."""
     return max(q - 1, 0).bit_length()
+
+
+# ---------------------------------------------------------------------------------------- model families
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadTerms:
+    """What a model family adds to the planner's prices beyond its stack of Transformer blocks
+    (`ModelFamily.planner_terms`; the defaults are a token model's: a GPT's).
+
+    modulation, final_modulation  per-sequence [b, hidden] vectors per block, and of the final layer, that meet
+                                  split tokens (a DiT's adaLN: 6 and 2)
+    conditioning                  parameter path parts whose gradients come out whole over the tensor axes (a
+                                  conditioning path on per-sequence vectors: "adaLN", "t_embed", "y_embed")
+    boundary_rows                 per-sequence [hidden] rows that cross a pipeline stage with the residual stream
+    rotary_fp32                   a layer keeps fp32 rotary halves of q and k (else in the activation dtype)
+    batch_bytes                   (config, rows, tokens per device) -> bytes of one device's stored batch
+                                  (default: tokens, targets and positions, int32)
+    """
+
+    modulation: int = 0
+    final_modulation: int = 0
+    conditioning: tuple[str, ...] = ()
+    boundary_rows: int = 0
+    rotary_fp32: bool = True
+    batch_bytes: Callable | None = None
+
+    def stored_batch(self, config: object, rows: int, tokens: int) -> float:
+        """Bytes of one device's stored batch: `rows` sequences of `tokens` tokens on this device."""
+        if self.batch_bytes is not None:
+            return self.batch_bytes(config, rows, tokens)
+        return 3 * rows * tokens * 4
 
 
 # ---------------------------------------------------------------------------------------- tensor methods

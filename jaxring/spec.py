@@ -206,6 +206,12 @@ class MemorySettings:
         "forward and the backward; with --remat full)",
         choices=("none", "layer_inputs"),
     )
+    device_memory_gib: float | None = setting(
+        None,
+        "memory per device (GiB) the run's estimated memory is checked against before compiling (default: the "
+        "accelerator's own; simulated CPU devices: no check)",
+        rule="float>0",
+    )
 
 
 @dataclasses.dataclass

@@ -114,7 +114,9 @@ class ModelFamily:
     abstract_batch(config, plan, batch, seq_len) -> {name: jax.ShapeDtypeStruct} of one global batch;
     task(spec, plan) -> Task: the model with its data, for `jaxring.train`;
     workload_config(preset, seq_len, image_size, overrides) -> config for a planner workload (default:
-        the preset with the overrides).
+        the preset with the overrides);
+    planner_terms: a `jaxring.costs.WorkloadTerms`, what the planner's cost model adds for the family beyond
+        its blocks (default: a token model's).
     Optional, for `python -m jaxring.eval` (None: the family is not evaluated there):
     load_pretrained(path, plan, overrides) -> (model, config): a Hugging Face checkpoint directory, placed on
         the plan, with config fields overridden (e.g. RoPE scaling);
@@ -136,6 +138,7 @@ class ModelFamily:
     abstract_batch: Callable
     task: Callable
     workload_config: Callable | None = None
+    planner_terms: Any = None  # a jaxring.costs.WorkloadTerms: what the planner adds for this family (None: a GPT's)
     load_pretrained: Callable | None = None
     token_scores: Callable | None = None
 

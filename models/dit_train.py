@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxring.costs import WorkloadTerms
 from jaxring.data import ImageBatches, global_array, host_rows, load_images, to_one_device
 from jaxring.mesh import make_mesh
 from jaxring.plan import ParallelPlan
@@ -125,4 +126,15 @@ FAMILY = ModelFamily(
     abstract_batch=_abstract_batch,
     task=DiTTask,
     workload_config=_workload_config,
+    # adaLN: 6 modulation vectors per block and 2 in the final layer, a conditioning path on per-image vectors
+    # (its gradients whole over tp), the conditioning row beside the stream at a pipeline boundary; the stored
+    # batch is the images (fp32) and their labels
+    planner_terms=WorkloadTerms(
+        modulation=6,
+        final_modulation=2,
+        conditioning=("adaLN", "t_embed", "y_embed"),
+        boundary_rows=1,
+        rotary_fp32=False,
+        batch_bytes=lambda config, rows, tokens: rows * (config.image_size**2 * config.channels * 4 + 4),
+    ),
 )

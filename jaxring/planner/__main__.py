@@ -195,7 +195,7 @@ def run(args) -> int:
         + " ".join(best.candidate.train_flags())
         + (f" --grad-accum {best.candidate.steps(w)}" if best.candidate.pp == 1 and best.candidate.steps(w) > 1 else "")
         + f" --batch-size {w.global_batch}"
-        + (f" --seq-len {w.seq_len}" if w.model == "gpt" else f" --image-size {w.config.image_size}")
+        + (f" --image-size {w.image_size}" if w.image_size else f" --seq-len {w.seq_len}")
         + f" --precision {w.precision}"
     )
     bytes_axes = ", ".join(

@@ -14,7 +14,7 @@ import dataclasses
 
 from jaxring.planner.cluster import Cluster
 from jaxring.planner.search import Result, search
-from jaxring.planner.space import Candidate, Workload
+from jaxring.planner.space import Candidate
 
 # the spec's parallel settings a search can hold fixed (Candidate's fields have the same names)
 _HELD = ("dp", "pp", "tp", "sp", "ep", "attention", "layout", "tensor_parallel", "zero", "microbatches")
@@ -39,30 +39,32 @@ def cluster_of(devices) -> Cluster:
     return Cluster.of(device_kind(devices), len(devices), devices_per_node=per_node)
 
 
-def settings_of(c: Candidate, w: Workload) -> dict:
+def settings_of(c: Candidate, w) -> dict:
     """The run spec's flat settings of a candidate (grad_accum: the micro-steps when pp = 1)."""
     return c.settings(w)
 
 
-def auto_plan(spec, devices) -> tuple[dict, Result]:
-    """(the spec's settings of the best plan, the search result); the spec's given parallel settings held."""
-    t = spec.training
-    w = Workload.of(
-        spec.model.model,
-        spec.model.preset,
-        seq_len=t.seq_len or 256,
-        image_size=t.image_size,
-        global_batch=t.batch_size,
-        precision=t.precision,
-        **spec.model.overrides,
-    )
+def held_settings(spec) -> dict:
+    """The spec's given parallel settings (and remat when not the default), held fixed in a search."""
     p = spec.parallel
     held = {k: getattr(p, k) for k in _HELD if getattr(p, k) is not None}
     held.update({k: v for k, v in p.options.items() if v is not None})
     if spec.memory.remat != "none":
         held["remat"] = spec.memory.remat  # --remat selective/full given: held; none (the default): searched
-    result = search(w, cluster_of(list(devices)), only=held)
-    return settings_of(result.best.candidate, w), result
+    for name in ("loss_tile", "mlp_tile"):
+        if getattr(spec.memory, name) is not None:
+            held[name] = getattr(spec.memory, name)
+    if spec.memory.offload != "none":
+        held["offload"] = spec.memory.offload
+    return held
+
+
+def auto_plan(spec, devices) -> tuple[dict, Result]:
+    """(the spec's settings of the best plan, the search result); the spec's given parallel settings held."""
+    from jaxring.planner.fit import workload_of
+
+    result = search(workload_of(spec), cluster_of(list(devices)), only=held_settings(spec))
+    return settings_of(result.best.candidate, result.workload), result
 
 
 def apply_auto_plan(spec, devices, log=print):

@@ -48,6 +48,7 @@ def compiled_peak(w: Workload, c: Candidate, *, target: str | None = None, devic
         seq_len=w.seq_len,
         precision=w.precision,
         remat=c.remat,
+        offload=c.offload,
         grad_accum=c.steps(w) if c.pp == 1 else 1,
     )
     m = compiled.memory_analysis()

@@ -112,6 +112,8 @@ def build_train_step(
     grad_accum: int = 1,
     precision: str = "bf16",
     remat: str = "full",
+    offload: str = "none",
+    clip: float | None = 1.0,
 ):
     """(step, abstract args) of the trainer's jitted update for a `config` GPT or DiT on `plan` with a global
     batch of `batch` sequences (images), without allocating anything."""
@@ -132,7 +134,9 @@ def build_train_step(
         objective,
         dtype=compute_dtype(precision),
         remat=remat,
+        offload=offload,
         grad_accum=grad_accum,
+        clip=clip,
         stack=model.STACK,
         layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
     )

@@ -96,7 +96,7 @@ def shapes(w: Workload, c: Candidate, plan=None, cpu: bool = False) -> Shapes:
     cfg = w.config
     heads = cfg.num_heads
     kv = getattr(cfg, "num_kv_heads", None) or heads
-    dit = w.model == "dit"  # adaLN: per-sequence modulation vectors in every block and the final layer
+    terms = w.terms  # what the family adds beyond its blocks (a DiT's adaLN vectors, ...)
     em = DTYPE_BYTES[w.precision]
     m = ModelShape(
         b=c.micro_batch,
@@ -113,8 +113,8 @@ def shapes(w: Workload, c: Candidate, plan=None, cpu: bool = False) -> Shapes:
         tied=bool(getattr(cfg, "tie_embeddings", False)),
         moe=w.moe is not None,
         causal=w.causal,
-        modulation=6 if dit else 0,
-        final_modulation=2 if dit else 0,
+        modulation=terms.modulation,
+        final_modulation=terms.final_modulation,
         e=CPU_COLLECTIVE_BYTES if cpu else em,
         em=em,
         cpu=cpu,
@@ -227,9 +227,9 @@ def gradient_sync(w: Workload, c: Candidate, s: Shapes, leaves) -> list[Transfer
     A = s.steps
     for leaf in leaves:
         psi = leaf.size * F32
-        # the DiT's conditioning path (timestep, label, adaLN) runs on per-sequence vectors the tensor axes do not
-        # split: its gradients come out whole (the modulation vectors' gradients are summed instead)
-        conditioning = w.model == "dit" and any(k in leaf.path for k in ("adaLN", "t_embed", "y_embed"))
+        # a conditioning path (the DiT's timestep, label, adaLN) runs on per-sequence vectors the tensor axes do
+        # not split: its gradients come out whole (the modulation vectors' gradients are summed instead)
+        conditioning = any(k in leaf.path for k in w.terms.conditioning)
         if leaf.unsplit_tensor and not conditioning:
             g = math.prod(s.tensor[a] for a in leaf.unsplit_tensor)
             # a tied table left whole over the tensor axes is read by the lookup and the head: two psums
@@ -283,12 +283,10 @@ def gradient_sync(w: Workload, c: Candidate, s: Shapes, leaves) -> list[Transfer
 
 
 def activation_bytes(w: Workload, s: Shapes, e: int) -> float:
-    """One micro-batch's residual stream as it crosses a stage boundary (DiT: plus its conditioning row)."""
+    """One micro-batch's residual stream as it crosses a stage boundary (plus the family's per-sequence rows:
+    the DiT's conditioning row)."""
     x = s.local
-    act = x.b * x.n_act * s.model.hidden * e
-    if w.model == "dit":
-        act += x.b * s.model.hidden * e
-    return act
+    return x.b * x.n_act * s.model.hidden * e + w.terms.boundary_rows * x.b * s.model.hidden * e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,9 +371,10 @@ def bytes_by_axes(transfers) -> dict[tuple[str, ...], float]:
 @dataclasses.dataclass(frozen=True)
 class Memory:
     """Per-device bytes. The step's stored state (weights, Adam moments, the batch) plus the larger of its two
-    peaks: the start of the backward (gradient buffers, every saved activation, one layer's backward working
-    set) and the update (gradients, their reduction, the new moments: 16 bytes a parameter at ZeRO-0,
-    measured on the compiled GPU program)."""
+    peaks: the backward (gradient buffers, every saved activation, and the larger of one layer's backward
+    working set and the head's logits) and the update (gradients, their reduction, the new moments: 16 bytes a
+    parameter at ZeRO-0, measured on the compiled GPU program). `host`: what host offload keeps in host memory
+    (not in the total)."""
 
     params: float
     optimizer: float
@@ -384,6 +383,7 @@ class Memory:
     working: float
     update: float
     other: float = 0.0
+    host: float = 0.0
 
     @property
     def backward(self) -> float:
@@ -394,11 +394,11 @@ class Memory:
         return self.params + self.optimizer + self.other + max(self.backward, self.update)
 
     def as_dict(self) -> dict:
-        keys = ("params", "optimizer", "gradients", "activations", "working", "update", "other")
+        keys = ("params", "optimizer", "gradients", "activations", "working", "update", "other", "host")
         return {k: round(getattr(self, k)) for k in keys} | {"total": round(self.total)}
 
 
-def saved_per_layer(w: Workload, s: Shapes, remat: str) -> float:
+def saved_per_layer(w: Workload, s: Shapes, remat: str, mlp_tile: int | None = None) -> float:
     """Bytes one layer keeps for its backward, one micro-batch (what the compiled step's layer scan stacks).
 
     none       the residual stream and norms in fp32 (8 arrays [b, n_act, h] and 4 of statistics), a K/V
@@ -410,6 +410,8 @@ def saved_per_layer(w: Workload, s: Shapes, remat: str) -> float:
                sum and its norm are recomputed from it) and the FFN's up (and gate) projection; the FFN's
                down projection output is not a residual (measured per layer on the compiled CPU step)
     full       the layer input (WallFacer's and the playbook's per-layer checkpoint)
+
+    mlp_tile: a tiled MLP (`--mlp-tile`) keeps its input only; its FFN-wide arrays are recomputed per tile.
     """
     m, x, core = s.model, s.local, s.core
     em, d = m.em, m.head_dim
@@ -417,13 +419,16 @@ def saved_per_layer(w: Workload, s: Shapes, remat: str) -> float:
     if remat == "full":
         return b * na * h * em + core.kept(remat)
     qkvo = b * n * (2 * x.heads + 2 * x.kv_heads) * d * em
+    tiled = mlp_tile is not None and mlp_tile < n
     if remat == "selective":
-        return b * na * h * em + qkvo + (m.ffn_matrices - 1) * b * n * f * em + core.kept(remat)
+        ffn = b * n * h * em if tiled else (m.ffn_matrices - 1) * b * n * f * em
+        return b * na * h * em + qkvo + ffn + core.kept(remat)
     stream = 8 * b * na * x.h_act * F32 + 4 * b * na * F32
     if s.method.recomputes_forward:
         return stream + core.kept(remat)
-    rope = b * n * (x.heads + x.kv_heads) * d * (F32 if w.model == "gpt" else em)
-    return stream + b * n * x.kv_heads * d * em + rope + core.kept(remat) + _mlp_saved(w, s)
+    rope = b * n * (x.heads + x.kv_heads) * d * (F32 if w.terms.rotary_fp32 else em)
+    mlp = b * n * h * em if tiled else _mlp_saved(w, s)
+    return stream + b * n * x.kv_heads * d * em + rope + core.kept(remat) + mlp
 
 
 def _mlp_saved(w: Workload, s: Shapes) -> float:
@@ -453,8 +458,17 @@ def _attention_working(s: Shapes) -> float:
     return out
 
 
+# One layer's backward keeps this share of the layer's un-rematerialised residuals (`saved_per_layer(...,
+# "none")`, with a tiled MLP one tile's FFN-wide arrays) live beside the attention core's buffers: with
+# selective or full remat the recomputed forward's, without remat the residuals read and the cotangents of
+# the same sizes formed as the backward walks the layer. One share for every mode, fitted on the compiled CPU
+# step (benchmarks/results/memory_model.json): 0.75 puts the GPT rows within 10% but three (ring and RSA
+# without remat, Megatron tp8, both under by 11-16%) and the DiT's top plan of tests/test_planner.py 14% over.
+LAYER_WORKING_SHARE = {"none": 0.75, "selective": 0.75, "full": 0.75}
+
+
 def memory(w: Workload, c: Candidate, leaves, *, cpu: bool = False, plan=None, s: Shapes | None = None) -> Memory:
-    """Per-device bytes of the step's peak (see `Memory`)."""
+    """Per-device bytes of the step's peak (see `Memory`), with the candidate's remat, tiles and offload."""
     s = s if s is not None else shapes(w, c, plan, cpu)
     remat, x, em = c.remat, s.local, s.model.em
     params = optimizer = grads = update = 0.0
@@ -479,7 +493,14 @@ def memory(w: Workload, c: Candidate, leaves, *, cpu: bool = False, plan=None, s
         grads += layer_grad  # one layer's gradient before its reduce-scatter
     if c.zero == 3:
         grads += 2 * layer_grad / F32 * em  # one layer's weights gathered (forward and backward)
-    per_layer = saved_per_layer(w, s, remat)
+    per_layer = saved_per_layer(w, s, remat, c.mlp_tile)
+    host = 0.0
+    if c.offload == "layer_inputs" and not cpu:
+        # each layer's checkpointed input lives in pinned host memory between the forward and the backward
+        # (on CPU host and device memory are one: nothing moves)
+        inputs = x.b * x.n_act * s.model.hidden * em
+        host = s.layers * inputs
+        per_layer -= inputs
     if c.pp > 1:
         info = pipeline_info(c.pipeline_schedule, c.pp, s.steps, s.schedule)
         chunks = info.peak_in_flight
@@ -487,21 +508,20 @@ def memory(w: Workload, c: Candidate, leaves, *, cpu: bool = False, plan=None, s
         activations += 2 * chunks * activation_bytes(w, s, em)  # pipeline buffers (inbox, gradients)
     else:
         activations = s.layers * per_layer
-    # one layer's backward: with full remat its forward again, keeping every residual (tried: the FFN's freed
-    # before the attention core's buffers: under-predicts by up to 14% on the compiled CPU step); otherwise
-    # about half a layer's residuals live beside the attention core's buffers
-    layer_work = saved_per_layer(w, s, "none") * (1.0 if remat == "full" else 0.5)
-    working = layer_work + _attention_working(s)
-    # the step's batch as stored (tokens, targets, positions int32; DiT: images, labels)
+    layer = saved_per_layer(w, s, "none", c.mlp_tile)
+    if c.mlp_tile is not None and c.mlp_tile < x.n:
+        layer += 6 * x.b * c.mlp_tile * x.ffn * em  # one MLP tile's FFN-wide arrays, live in its backward
+    working = LAYER_WORKING_SHARE[remat] * layer + _attention_working(s)
+    # the step's batch as stored (the family's: tokens, targets, positions int32; a DiT's images and labels)
     rows = w.global_batch // c.data_degree // x.batch_split
-    if w.model == "gpt":
-        other = 3 * rows * w.seq_len // (c.sp * x.token_split) * 4
-    else:
-        other = rows * (w.config.image_size**2 * w.config.channels * 4 + 4)
+    other = w.terms.stored_batch(w.config, rows, w.seq_len // (c.sp * x.token_split))
     if x.vocab is not None:
-        # the logits and their gradient in the activation dtype, the softmax in fp32
-        working += x.b * x.n * x.vocab * (2 * em + F32)
-    return Memory(params, optimizer, grads, activations, working, update, other)
+        # the head's backward, before the layers': the logits (or one tile of them) in the activation dtype
+        # and the softmax in fp32 (their gradient takes the logits' place: 6 bytes an element in bf16, as
+        # the deviceless H100 compile of GPT-7B at 262,144 tokens shows, benchmarks/results/memory_techniques.json)
+        rows_at_once = x.n if c.loss_tile is None else min(c.loss_tile, x.n)
+        working = max(working, x.b * rows_at_once * x.vocab * (em + F32))
+    return Memory(params, optimizer, grads, activations, working, update, other, host)
 
 
 # ---------------------------------------------------------------------------------------------- time
@@ -536,17 +556,13 @@ def compute_flops(w: Workload, c: Candidate, remat: str, s: Shapes) -> tuple[flo
     tokens = w.tokens_per_step
     causal = 0.5 if w.causal else 1.0
     attention = 12 * cfg.num_layers * cfg.hidden * seq * causal * tokens
-    if w.model == "gpt":
-        mats = 3 if cfg.activation == "swiglu" else 2
-        moe = w.moe
-        ffn_params = (
-            mats * cfg.hidden * cfg.ffn_size if moe is None else moe.experts_per_token * mats * cfg.hidden * moe.ffn
-        )
-    else:
-        ffn_params = 2 * cfg.hidden * cfg.ffn_size
+    mats, moe = s.model.ffn_matrices, w.moe
+    ffn_params = (
+        mats * cfg.hidden * cfg.ffn_size if moe is None else moe.experts_per_token * mats * cfg.hidden * moe.ffn
+    )
     ffn = 6 * cfg.num_layers * ffn_params * tokens
     total = w.flops_per_step()
-    layers = total - (6 * cfg.vocab_size * cfg.hidden * tokens if w.model == "gpt" else 0)
+    layers = total - (6 * s.model.vocab * cfg.hidden * tokens if s.model.vocab is not None else 0)
     extra = 0.0
     if remat == "full" or s.method.recomputes_forward:
         extra += layers / 3

@@ -37,6 +37,8 @@ from jaxring.registry import (
     tensor_methods,
 )
 
+MEMORY_SETTINGS = ("loss_tile", "mlp_tile", "offload")
+
 
 class NoPlanError(ValueError):
     """Nothing fits: the message names the tightest constraint (one line)."""
@@ -393,6 +395,9 @@ def search(w: Workload, cluster: Cluster, *, only: dict | None = None, keep: int
             f"the registry's options {', '.join(sorted(all_options()))}"
         )
 
+    # the memory section's tiles and offload are not searched: held ones apply to every candidate
+    memory = {k: only.pop(k) for k in MEMORY_SETTINGS if k in only}
+
     def value(c: Candidate, name: str):
         return getattr(c, name) if name in fields else c.option(name)
 
@@ -412,6 +417,8 @@ def search(w: Workload, cluster: Cluster, *, only: dict | None = None, keep: int
             rejected[key] = Rejection("rule", 1, c, msg)
 
     for c in candidates(w, cluster):
+        if memory:
+            c = dataclasses.replace(c, **memory)
         if only and not all(
             value(c, k) in v if isinstance(v, (tuple, list, set, frozenset)) else value(c, k) == v
             for k, v in only.items()

@@ -85,6 +85,18 @@ class Workload:
         return self.family.causal
 
     @property
+    def terms(self):
+        """The family's `jaxring.costs.WorkloadTerms` (what the cost model adds beyond the blocks)."""
+        from jaxring.costs import WorkloadTerms
+
+        return self.family.planner_terms or WorkloadTerms()
+
+    @property
+    def image_size(self) -> int | None:
+        """The image side of an image workload (its config's image_size), else None."""
+        return getattr(self.config, "image_size", None)
+
+    @property
     def tokens_per_step(self) -> int:
         return self.seq_len * self.global_batch
 
@@ -98,11 +110,7 @@ class Workload:
 
     def describe(self) -> str:
         name = self.preset or self.model
-        what = (
-            f"{self.seq_len:,} tokens"
-            if self.model == "gpt"
-            else f"{self.config.image_size}² images = {self.seq_len:,} tokens"
-        )
+        what = f"{self.image_size}² images = {self.seq_len:,} tokens" if self.image_size else f"{self.seq_len:,} tokens"
         return f"{self.model} {name}, {what} × {self.global_batch} per step, {self.precision}"
 
 
@@ -124,6 +132,9 @@ class Candidate:
     pipeline_schedule: str = "1f1b"
     microbatches: int | None = None
     remat: str = "none"
+    loss_tile: int | None = None  # the run spec's memory settings (tokens per tile of the loss, of the MLP)
+    mlp_tile: int | None = None
+    offload: str = "none"
     micro_batch: int = 1  # sequences per data replica in one micro-step (pp = 1) or micro-batch (pp > 1)
     options: tuple = ()  # the chosen entries' options: (name, value) pairs, sorted by name (a dict is taken)
 
@@ -159,6 +170,7 @@ class Candidate:
         kw = dict(attention=self.attention, layout=self.layout, tensor_parallel=self.tensor_parallel, zero=self.zero)
         if self.pp > 1:
             kw.update(pipeline_schedule=self.pipeline_schedule, microbatches=self.microbatches)
+        kw.update({k: v for k, v in (("loss_tile", self.loss_tile), ("mlp_tile", self.mlp_tile)) if v is not None})
         return kw | dict(self._live_options())
 
     def _entries(self) -> list:
@@ -216,6 +228,7 @@ class Candidate:
         with the workload, grad_accum too (the micro-steps when pp = 1)."""
         out = {**self.mesh_degrees(), "fsdp": 1, "attention": self.attention if self.sp > 1 else None}
         out.update(layout=self.layout, tensor_parallel=self.tensor_parallel, zero=self.zero, remat=self.remat)
+        out.update(loss_tile=self.loss_tile, mlp_tile=self.mlp_tile, offload=self.offload)
         if self.pp > 1:
             out.update(pipeline_schedule=self.pipeline_schedule, microbatches=self.microbatches)
         out.update(self._live_options())
@@ -252,12 +265,15 @@ class Candidate:
             parts.append(self.pipeline_schedule + opts(entries[2], f"m={self.microbatches}"))
         if self.remat != "none":
             parts.append(f"remat={self.remat}")
+        parts += [f"{n}={v}" for n, v in (("loss_tile", self.loss_tile), ("mlp_tile", self.mlp_tile)) if v]
+        if self.offload != "none":
+            parts.append(f"offload={self.offload}")
         parts.append(f"mb={self.micro_batch}")
         return " ".join(parts)
 
 
 # settings train.py need not be told: the run specification's defaults (degrees of 1; no flag for fsdp)
-_FLAG_DEFAULTS = {"dp": 1, "pp": 1, "tp": 1, "sp": 1, "ep": 1, "fsdp": 1, "zero": 0, "remat": "none"}
+_FLAG_DEFAULTS = {"dp": 1, "pp": 1, "tp": 1, "sp": 1, "ep": 1, "fsdp": 1, "zero": 0, "remat": "none", "offload": "none"}
 
 
 class _StandIn:

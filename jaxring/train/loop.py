@@ -17,8 +17,11 @@ Failures end in one exception, each with a one-line message (train.py turns them
     in the background (checked after every step); its temporary directory is removed.
 On resume, a damaged newest checkpoint is reported and the newest intact one used.
 
-What a run reports: a header with the plan (mesh, strategies, layout, precision, remat) and, where a
-memory estimate is available (`estimated_memory_bytes`, a hook for the planner's estimate), that figure; a
+Before anything is built, the planner's memory estimate of the run (`estimated_memory_bytes`) is checked
+against the device memory (--device-memory-gib, else the accelerator's): a run that cannot fit stops in one
+line (`jaxring.planner.fit.DoesNotFit`, a ValueError: exit 2) naming the estimate, the device memory and the
+setting to change. What a run reports: a header with the plan (mesh, strategies, layout, precision, remat,
+tiles, offload) and the estimated memory per device (where the planner can price the run); a
 line per checkpoint save; a line before the held-out loss and the samples. Each step's metrics row
 (metrics.jsonl; TensorBoard with --tensorboard, W&B with --wandb) has: step, wall_time (Unix seconds),
 elapsed_s, lr, loss, grad_norm, tokens_per_s, mfu, step_time_s, peak_memory_bytes (the device's, null on
@@ -112,11 +115,14 @@ def _first_line(e: BaseException, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def estimated_memory_bytes(spec: RunSpec, trainer) -> int | None:
-    """Per-device memory the run is estimated to need, for the header; None: no estimate (the planner's
-    memory estimate is to gate runs here, a separate piece of work: this is its hook)."""
-    del spec, trainer
-    return None
+def estimated_memory_bytes(spec: RunSpec, devices) -> int | None:
+    """Per-device memory the run is estimated to need (the planner's `jaxring.planner.fit.check_fits`); None:
+    no estimate. Raises `DoesNotFit` (a ValueError, one line: the estimate, the device memory and the setting
+    to change) when the estimate exceeds the device memory, before anything is built or compiled."""
+    from jaxring.planner.fit import check_fits
+
+    memory = check_fits(spec, list(devices))
+    return None if memory is None else round(memory.total)
 
 
 def train(
@@ -147,6 +153,7 @@ def train(
                     f"--checkpoint-dir {c.checkpoint_dir!r} already holds checkpoints (steps {ckpt.all_steps()}); "
                     f"pass --resume to continue from them, or use another directory"
                 )
+            estimate = estimated_memory_bytes(spec, devices)  # a run that cannot fit stops here, in one line
             with _reporting_out_of_memory(spec, "building the model and optimizer state", len(devices)):
                 trainer = Trainer(spec, devices)
             _check_validation_data(trainer)
@@ -161,7 +168,7 @@ def train(
                     f"{spec.training.steps} (raise --steps to train further)"
                 )
                 return []
-            _describe(spec, trainer, say)
+            _describe(spec, trainer, say, estimate)
             history = _run(spec, trainer, ckpt, guard, stop, say, is_main)
             if stop.requested():
                 _stop_on_signal(stop, trainer, ckpt, guard, say)
@@ -211,13 +218,12 @@ def prepare(spec: RunSpec, device_count: int) -> RunSpec:
     return dataclasses.replace(spec, output=dataclasses.replace(out, out_dir=out_dir))
 
 
-def _describe(spec, trainer, say):
+def _describe(spec, trainer, say, estimate: int | None = None):
     """The run's header: model, the plan (mesh, strategies, layout), numerics, batch, data, memory."""
     task = trainer.task
     n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
     mesh, p, t = trainer.plan.mesh, spec.parallel, spec.training
     layout = f", layout={p.layout}" if p.layout and p.sp > 1 else ""
-    estimate = estimated_memory_bytes(spec, trainer)
     memory = f" | estimated memory {estimate / 2**30:.2f} GiB per device" if estimate else ""
     m = spec.memory
     kept = f"remat {m.remat}" + "".join(

@@ -1,0 +1,157 @@
+"""`train.py ... --compile-for TARGET`: will this run fit on that machine? Compiled for it, with no GPU.
+
+    python train.py --preset 7b --seq-len 262144 --sp 8 --remat full --compile-for h100x8
+    ...
+    fits: compiled 41.2 GiB per device, estimate 39.8 GiB, budget 67.1 GiB
+
+The run's exact train step (`jaxring.planner.compiled.build_train_step`: the trainer's `TrainStep` with the
+run's plan, remat, offload, tiles, accumulation, precision and clipping; the attention's Pallas kernels) is
+compiled for the target's GPU topology without a GPU (deviceless AOT: `jaxring.analysis.gpu`), on abstract
+inputs: nothing is allocated. The last line compares the compiled program's memory per device (argument +
+output + temp - alias bytes of `memory_analysis()`) and the planner's estimate (`jaxring.planner.cost.memory`)
+with the budget: --device-memory-gib, else the device's memory times the planner's usable fraction (0.9).
+Exit 0 when it fits, 3 when not. With --plan auto, the planner's ranked plans for the target are compiled in
+order until one fits (at most `TRIES`).
+
+Needs the compile-only CUDA plugin (`pip install "jax[cuda12]"`, the `gpu-compile` extra, in its own venv):
+without it the flag is refused in one line (exit 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxring.spec import RunSpec
+
+GIB = 2**30
+EXIT_DOES_NOT_FIT = 3
+TRIES = 3  # ranked plans compiled at most with --plan auto
+
+# target: (the GPU, how many); the GPU names a target config of jaxring.analysis.gpu and a planner device
+TARGETS = {"h100x8": ("h100", 8), "h200x8": ("h200", 8), "h100x1": ("h100", 1), "h200x1": ("h200", 1)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What --compile-for found: the plan compiled, its bytes per device, the budget."""
+
+    plan: str
+    compiled: float
+    estimate: float
+    budget: float
+
+    @property
+    def fits(self) -> bool:
+        return self.compiled <= self.budget
+
+    def line(self) -> str:
+        head = "fits" if self.fits else "does not fit"
+        return (
+            f"{head}: compiled {_gib(self.compiled)} GiB per device, estimate {_gib(self.estimate)} GiB, "
+            f"budget {_gib(self.budget)} GiB"
+        )
+
+
+def _gib(n: float) -> str:
+    """GiB with one decimal (three below 1 GiB)."""
+    return f"{n / GIB:.1f}" if n >= GIB else f"{n / GIB:.3f}"
+
+
+def check_target(target: str) -> tuple[str, int]:
+    """(gpu, devices) of a target name; ValueError naming the known targets."""
+    if target not in TARGETS:
+        raise ValueError(f"--compile-for {target!r} is not a known target; expected one of {', '.join(TARGETS)}")
+    return TARGETS[target]
+
+
+def require_plugin(target: str) -> None:
+    """ValueError (one line: what to install) unless deviceless GPU compilation works in this environment."""
+    from jaxring.analysis import gpu
+
+    ok, why = gpu.available()
+    if not ok:
+        import jax
+
+        raise ValueError(
+            f"--compile-for {target} compiles for a GPU without one, which this environment cannot: {why} (e.g. "
+            f'pip install "jax[cuda12]=={jax.__version__}" nvidia-cuda-nvcc-cu12 in its own venv)'
+        )
+
+
+def budget_bytes(spec: RunSpec, gpu: str) -> float:
+    """--device-memory-gib, else the device's memory times the planner's usable fraction."""
+    from jaxring.planner.cluster import Cluster
+
+    if spec.memory.device_memory_gib is not None:
+        return spec.memory.device_memory_gib * GIB
+    return Cluster.of(gpu, 1).usable_memory
+
+
+def _compile(spec: RunSpec, devices: list) -> tuple[float, float, str]:
+    """(compiled bytes, estimated bytes, the plan) of the resolved run's step on the abstract GPUs."""
+    from jaxring.planner import cost
+    from jaxring.planner.compiled import compile_train_step
+    from jaxring.planner.fit import candidate_of, workload_of
+    from jaxring.planner.params import param_leaves
+
+    spec = spec.resolved(len(devices))
+    spec.validate()
+    spec = dataclasses.replace(spec, parallel=dataclasses.replace(spec.parallel, block_ops="pallas"))
+    w, c = workload_of(spec), candidate_of(spec)
+    plan = spec.plan(devices)
+    t = spec.training
+    w.family.check_plan(w.config, plan, t.batch_size // t.grad_accum, w.seq_len)
+    estimate = cost.memory(w, c, param_leaves(w.model, w.config, c.check(w)), cpu=False).total
+    compiled = compile_train_step(
+        w.model,
+        w.config,
+        plan,
+        batch=t.batch_size,
+        seq_len=w.seq_len,
+        precision=t.precision,
+        remat=spec.memory.remat,
+        offload=spec.memory.offload,
+        grad_accum=t.grad_accum,
+        clip=spec.optimizer.clip,
+    )
+    m = compiled.memory_analysis()
+    peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    return float(peak), float(estimate), plan.describe()
+
+
+def _ranked_specs(spec: RunSpec, gpu: str, count: int) -> list[RunSpec]:
+    """--plan auto: the planner's best plans for the target (settings the user gave held), as run specs."""
+    from jaxring.planner.auto import held_settings
+    from jaxring.planner.cluster import Cluster
+    from jaxring.planner.fit import workload_of
+    from jaxring.planner.search import search
+
+    result = search(workload_of(spec), Cluster.of(gpu, count), only=held_settings(spec))
+    parallel = dataclasses.replace(spec.parallel, options={}, plan="manual")
+    base = dataclasses.replace(spec, parallel=parallel)
+    return [base.updated(**ev.candidate.settings(result.workload)) for ev in result.ranked[:TRIES]]
+
+
+def compile_for(spec: RunSpec, target: str, log: Callable[[str], None] = print) -> int:
+    """Compiles the run's step for `target` and logs what it found, the verdict last; 0 fits, 3 does not.
+    Raises ValueError (one line) for a bad target, a missing plugin or a plan the model refuses."""
+    gpu_name, count = check_target(target)
+    require_plugin(target)
+    from jaxring.analysis import gpu
+
+    devices = gpu.gpu_devices(gpu_name, count)
+    budget = budget_bytes(spec, gpu_name)
+    specs = _ranked_specs(spec, gpu_name, count) if spec.parallel.plan == "auto" else [spec]
+    verdict = None
+    for i, candidate in enumerate(specs, 1):
+        compiled, estimate, plan = _compile(candidate, devices)
+        verdict = Verdict(plan, compiled, estimate, budget)
+        which = f"plan {i} of the planner's ranking: " if spec.parallel.plan == "auto" else ""
+        log(f"--compile-for {target}: {which}{plan}: {verdict.line()}")
+        if verdict.fits:
+            break
+    log(verdict.line())
+    return 0 if verdict.fits else EXIT_DOES_NOT_FIT

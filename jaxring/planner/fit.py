@@ -1,0 +1,171 @@
+"""Will a run fit? The planner's memory estimate of a run specification, checked before anything compiles.
+
+    memory = estimate(spec, devices)                 # jaxring.planner.cost.Memory per device, or None
+    check_fits(spec, devices)                        # DoesNotFit (one line) when the estimate exceeds the budget
+
+The estimate is `jaxring.planner.cost.memory` of the run's own plan (the spec's mesh, strategies, remat, tiles,
+offload, micro-batching) for the run's model: per device, the stored state plus the larger of the backward's
+and the update's peak (see `cost.Memory`). It is compared with the device memory: --device-memory-gib when
+given, else the accelerator's own (`memory_stats()["bytes_limit"]`); simulated CPU devices have none, so a CPU
+run is checked only with --device-memory-gib. A run that does not fit stops before compiling, in one line
+naming the estimate, the budget and the first setting change (--remat full, --loss-tile, --mlp-tile, larger
+sp) that the estimate says would fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from jaxring.planner.cost import Memory
+from jaxring.planner.space import Candidate, Workload
+
+if TYPE_CHECKING:
+    import jax
+
+    from jaxring.spec import RunSpec
+
+GIB = 2**30
+
+
+class DoesNotFit(ValueError):
+    """The run's estimated memory per device exceeds the device's (one line: estimate, budget, the fix)."""
+
+
+def workload_of(spec: RunSpec) -> Workload:
+    """The planner's workload of a (resolved) run specification: its model, sequence, batch and precision."""
+    from jaxring.task import model_family
+
+    t = spec.training
+    causal = model_family(spec.model.model).causal  # a causal model's default 256 tokens; a DiT: its images
+    return Workload.of(
+        spec.model.model,
+        spec.model.preset,
+        seq_len=t.seq_len or (256 if causal else None),
+        image_size=t.image_size,
+        global_batch=t.batch_size,
+        precision=t.precision,
+        **spec.model.overrides,
+    )
+
+
+def candidate_of(spec: RunSpec) -> Candidate:
+    """The planner's candidate of a resolved run specification (fsdp counts as dp: the same program)."""
+    p, m, t = spec.parallel, spec.memory, spec.training
+    data = p.dp * p.fsdp * p.ep
+    steps = t.grad_accum if p.pp == 1 else (p.microbatches or 2 * p.pp)
+    return Candidate.of(
+        dp=p.dp * p.fsdp,
+        pp=p.pp,
+        tp=p.tp,
+        sp=p.sp,
+        ep=p.ep,
+        attention=p.attention,
+        layout=p.layout,
+        tensor_parallel=p.tensor_parallel if p.tp > 1 else None,
+        zero=p.zero,
+        pipeline_schedule=p.pipeline_schedule,
+        microbatches=steps if p.pp > 1 else None,
+        remat=m.remat,
+        loss_tile=m.loss_tile,
+        mlp_tile=m.mlp_tile,
+        offload=m.offload,
+        micro_batch=max(1, t.batch_size // (data * steps)),
+        **p.options,
+    )
+
+
+def _memory(w: Workload, c: Candidate, cpu: bool) -> Memory:
+    from jaxring.planner import cost
+    from jaxring.planner.params import param_leaves
+
+    plan = c.check(w)
+    return cost.memory(w, c, param_leaves(w.model, w.config, plan), cpu=cpu, plan=plan)
+
+
+def _on_cpu(devices: Sequence[jax.Device]) -> bool:
+    return getattr(devices[0], "platform", "cpu") == "cpu"
+
+
+def estimate(spec: RunSpec, devices: Sequence[jax.Device]) -> Memory | None:
+    """The estimated memory per device of the resolved run `spec` on `devices`; None when the planner cannot
+    price it (a model loaded from a checkpoint directory, an entry without a cost model, a plan the stand-in
+    check refuses: the run itself then reports what is wrong)."""
+    if spec.model.init_from is not None:
+        return None
+    try:
+        return _memory(workload_of(spec), candidate_of(spec), _on_cpu(devices))
+    except (ValueError, NotImplementedError, KeyError, AttributeError, TypeError):
+        return None
+
+
+def device_memory_bytes(spec: RunSpec, devices: Sequence[jax.Device]) -> float | None:
+    """The memory budget per device: --device-memory-gib, else the accelerator's allocator limit, else None."""
+    given = spec.memory.device_memory_gib
+    if given is not None:
+        return given * GIB
+    if _on_cpu(devices):
+        return None
+    try:
+        stats = devices[0].memory_stats() or {}
+    except Exception:  # a backend without memory statistics: no budget to check
+        return None
+    limit = stats.get("bytes_limit")
+    return float(limit) if limit else None
+
+
+def _remedies(spec: RunSpec, c: Candidate, w: Workload) -> list[tuple[str, Candidate]]:
+    """Setting changes to try, cumulative, in the order a user would: remat, tiles, offload, then more sp."""
+    out = []
+    if c.remat != "full":
+        c = dataclasses.replace(c, remat="full")
+        out.append(("--remat full", c))
+    rows = w.seq_len // max(1, c.sp)
+    tile = next((d for d in (4096, 2048, 1024, 512, 256, 128, 64) if d < rows and rows % d == 0), None)
+    if tile is not None and c.loss_tile is None and getattr(w.config, "vocab_size", None):
+        c = dataclasses.replace(c, loss_tile=tile)
+        out.append((f"--loss-tile {tile}", c))
+    if tile is not None and c.mlp_tile is None:
+        c = dataclasses.replace(c, mlp_tile=tile)
+        out.append((f"--mlp-tile {tile}", c))
+    if c.offload == "none" and c.pp == 1:
+        c = dataclasses.replace(c, offload="layer_inputs")
+        out.append(("--offload layer_inputs", c))
+    return out
+
+
+def advice(spec: RunSpec, devices: Sequence[jax.Device], budget: float) -> str:
+    """The first cumulative setting change whose estimate fits `budget`, as flags; else what is left."""
+    w, c = workload_of(spec), candidate_of(spec)
+    cpu = _on_cpu(devices)
+    flags = []
+    for flag, changed in _remedies(spec, c, w):
+        if cpu and flag.startswith("--offload"):
+            continue  # host and device memory are one on CPU
+        flags.append(flag)
+        try:
+            if _memory(w, changed, cpu).total <= budget:
+                return "use " + " ".join(flags)
+        except ValueError:
+            continue
+    tried = f"even with {' '.join(flags)}; " if flags else ""
+    return (
+        f"{tried}use a larger --sp (more devices) or --tp, a shorter --seq-len or a smaller --batch-size "
+        f"(now sp {spec.parallel.sp}, seq-len {w.seq_len}, batch {w.global_batch})"
+    )
+
+
+def check_fits(spec: RunSpec, devices: Sequence[jax.Device]) -> Memory | None:
+    """The estimate (None when there is none); DoesNotFit (one line) when it exceeds the device memory."""
+    memory = estimate(spec, devices)
+    budget = device_memory_bytes(spec, devices)
+    if memory is None or budget is None or memory.total <= budget:
+        return memory
+    source = "--device-memory-gib" if spec.memory.device_memory_gib is not None else devices[0].device_kind
+    raise DoesNotFit(
+        f"the run does not fit: estimated {memory.total / GIB:.2f} GiB per device (weights and Adam "
+        f"{(memory.params + memory.optimizer) / GIB:.2f}, activations {memory.activations / GIB:.2f}, working "
+        f"{memory.working / GIB:.2f}), above the {budget / GIB:.2f} GiB device memory ({source}); "
+        f"{advice(spec, devices, budget)}"
+    )

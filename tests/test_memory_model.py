@@ -1,0 +1,102 @@
+"""The planner's memory estimate against the compiled train step, and train.py's check before compiling.
+
+The compared quantity, per device: argument + output + temp - alias bytes of the compiled step's
+`memory_analysis()` against `cost.memory(...).total` of the same plan (benchmarks/memory_model.py runs the
+whole grid; here a representative few of its rows, smaller). A run whose estimate exceeds the device memory
+(--device-memory-gib on CPU) stops before building anything, in one line naming the estimate, the device
+memory and the setting to change (exit 2); the run's header shows the estimate.
+"""
+
+import json
+
+import jax
+import pytest
+
+from jaxring.planner import cost
+from jaxring.planner.compiled import compile_train_step
+from jaxring.planner.params import param_leaves
+from jaxring.planner.space import Candidate, Workload
+from models import gpt
+
+CONFIG = gpt.GPTConfig(vocab_size=1024, num_layers=2, hidden=128, num_heads=8, ffn=512)
+
+ROWS = {
+    "ulysses sp8": dict(sp=8, attention="ulysses"),
+    "ulysses sp8, remat full": dict(sp=8, attention="ulysses", remat="full"),
+    "ring sp8, remat full, offload and both tiles": dict(
+        sp=8, attention="ring", remat="full", offload="layer_inputs", loss_tile=64, mlp_tile=64
+    ),
+    "megatron tp2 x ring sp4, loss tile": dict(tp=2, sp=4, attention="ring", tensor_parallel="megatron", loss_tile=64),
+}
+
+
+@pytest.mark.parametrize("name", list(ROWS))
+def test_estimate_within_10_percent_of_the_compiled_step(name):
+    w = Workload("gpt", CONFIG, 2048, 1, "fp32")
+    c = Candidate.of(**ROWS[name])
+    estimate = cost.memory(w, c, param_leaves(w.model, w.config, c.check(w)), cpu=True).total
+    compiled = compile_train_step(
+        w.model,
+        w.config,
+        c.check(w, devices=jax.devices()[: c.devices]),
+        batch=1,
+        seq_len=w.seq_len,
+        precision="fp32",
+        remat=c.remat,
+        offload=c.offload,
+        grad_accum=1,
+    )
+    m = compiled.memory_analysis()
+    peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    assert abs(estimate / peak - 1) <= 0.10, (name, estimate, peak)
+
+
+def test_a_run_that_cannot_fit_stops_in_one_line_before_compiling(capsys, tmp_path):
+    import train as cli
+
+    rc = cli.main(["--seq-len", "16384", "--device-memory-gib", "1", "--steps", "1", "--out-dir", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert len(err.splitlines()) == 1, err
+    assert "GiB per device" in err and "1.00 GiB device memory (--device-memory-gib)" in err
+    assert "use --remat full" in err  # the first change the estimate says fits
+    assert not (tmp_path / "run.yaml").exists()  # stopped before building the run
+
+
+def test_the_header_shows_the_estimate_and_a_run_that_fits_trains(tmp_path):
+    from jaxring.spec import RunSpec
+    from jaxring.train.loop import train
+
+    lines = []
+    spec = RunSpec.of(
+        steps=1,
+        seq_len=64,
+        batch_size=8,
+        overrides={"num_layers": 1},
+        sample_tokens=0,
+        progress=False,
+        eval_at_end=False,
+        out_dir=str(tmp_path),
+    )
+    spec = spec.updated(device_memory_gib=1.0)
+    history = train(spec, log=lines.append, signals=())
+    header = next(line for line in lines if "plan:" in line)
+    assert "estimated memory" in header and "GiB per device" in header, header
+    assert len(history) == 1 and json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+
+
+def test_compile_for_without_the_cuda_plugin_is_one_line(capsys):
+    """--compile-for compiles for a GPU without one; where jax[cuda12] is missing (CI's venv), one line saying
+    what to install, exit 2. The verdict's form: the last line of a run that has the plugin."""
+    import train as cli
+    from jaxring.planner.compile_for import GIB, Verdict
+
+    rc = cli.main(["--compile-for", "h100x8", "--steps", "1"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "--compile-for h100x8" in err and "jax[cuda12]" in err
+    assert cli.main(["--compile-for", "a100x3"]) == 2
+    assert "expected one of h100x8, h200x8, h100x1" in capsys.readouterr().err
+    fits = Verdict("sp=8", 71.2 * GIB, 69.8 * GIB, 76.0 * GIB)
+    assert fits.line() == "fits: compiled 71.2 GiB per device, estimate 69.8 GiB, budget 76.0 GiB"
+    assert Verdict("sp=8", 80 * GIB, 79 * GIB, 76 * GIB).line().startswith("does not fit: compiled 80.0 GiB")
