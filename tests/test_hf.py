@@ -237,6 +237,7 @@ def test_train_py_init_from_and_export_hf(tmp_path, capsys):
     )  # an equal value is no contradiction
     rc = cli.main([*common, "--lr", "1e-6", "--warmup", "0", "--export-hf", str(out), "--override", "rope_factor=16"])
     assert rc == 0
+    assert f"gpt {src}:" in capsys.readouterr().out  # the header names the checkpoint, not the default preset
     before, _ = hf.load_pretrained(str(src))
     after, cfg_after = hf.load_pretrained(str(out))
     assert cfg_after == gpt.dataclasses.replace(cfg, rope_factor=16.0, head_dim=cfg.attn_head_dim)

@@ -232,7 +232,7 @@ def _describe(spec, trainer, say, estimate: int | None = None):
         if value not in (None, "none")
     )
     say(
-        f"{spec.model.model} {spec.model.preset}: {n_params / 1e6:.2f}M params | plan: {trainer.plan.describe()}"
+        f"{spec.model.model} {spec.model.init_from or spec.model.preset}: {n_params / 1e6:.2f}M params | plan: {trainer.plan.describe()}"
         f"{layout} | precision {t.precision}, {kept} | {mesh.devices.size} x "
         f"{mesh.devices.flat[0].device_kind} | batch {t.batch_size} × {task.tokens_per_step // t.batch_size} "
         f"tokens | data {task.source_name}{memory}"
