@@ -214,3 +214,12 @@ def test_documents_do_not_leak():
     whole = lambda bt: dict(bt, segment_ids=np.ones_like(bt["segment_ids"]), positions=rows)
     assert abs(float(run(whole(only_b))[0]) - float(run(whole(changed))[0])) > 1e-4
     assert abs(float(run(whole(only_b))[0]) - loss_b) > 1e-4  # row positions: B's loss is not its own
+
+
+@slow
+def test_mixture_of_experts_packed_documents():
+    """MoE blocks (dropless, top-2 of 4, balance and z losses off so the loss is the tokens' alone) on ep2 × sp4
+    ring zigzag: the same per-document oracle."""
+    cfg = dataclasses.replace(CFG, num_experts=4, experts_per_token=2, aux_loss_weight=0.0, z_loss_weight=0.0)
+    model, batch = GPT(cfg, rngs=nnx.Rngs(2)), packed_documents(seed=3)
+    check(grads_fn(model, ep=2, sp=4, attention="ring", layout="zigzag")(batch), oracle(model, batch))
