@@ -28,8 +28,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 
+from jaxring import inference, zero
 from jaxring import moe as moe_lib
-from jaxring import zero
 from jaxring.plan import ParallelPlan
 from jaxring.rope import Rope, as_rope
 from jaxring.tensor.contract import KEPT_RESIDUAL, LAYER_INPUT, MATMUL_OUTPUT, ParamInfo, check_activation
@@ -125,6 +125,41 @@ class Attention(nnx.Module):
             segment_ids=segment_ids,
         )
 
+    def kv(self, x, positions, plan: ParallelPlan):
+        """The KV-cache entries of x (normed input, local, activation layout) at token-layout positions int
+        [b, n]: (k, v) [b, n, local kv heads, head_dim] as attention sees them (QK-norm, RoPE; see
+        `jaxring.inference.prefill_kv`)."""
+        return inference.prefill_kv(
+            plan,
+            x,
+            self.weights(x.dtype),
+            positions,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rope=self.rope,
+            norm_eps=self.norm_eps,
+        )
+
+    def decode(self, x, positions, cache: tuple, cache_positions, plan: ParallelPlan):
+        """One decoding step (`jaxring.inference.decode_attention`): x [b, 1, hidden] new tokens at positions
+        int [b] attend the cache (k, v) local [b, n, local kv heads, head_dim] at cache_positions int [n] and
+        themselves. Returns (y [b, 1, hidden], their (k, v) [b, local kv heads, head_dim] to write)."""
+        if not self.causal:
+            raise ValueError("decoding with a KV cache needs causal attention")
+        return inference.decode_attention(
+            plan,
+            x,
+            self.weights(x.dtype),
+            positions,
+            cache,
+            cache_positions,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rope=self.rope,
+            window=self.window,
+            norm_eps=self.norm_eps,
+        )
+
 
 class MLP(nnx.Module):
     """GELU (w_in, w_out) or SwiGLU (w_gate, w_in, w_out) feed-forward, with `bias`: b_in, b_gate [ffn] and
@@ -161,6 +196,10 @@ class MLP(nnx.Module):
         """x [b, s_act, hidden] -> like x; over `plan.mlp_tiles(x)` tiles of its rows (one when untiled)."""
         w = self.weights(x.dtype)
         return over_tiles(lambda x: plan.tensor.mlp(plan, x, w, activation=self.activation), plan.mlp_tiles(x), (x,))
+
+    def decode(self, x, plan: ParallelPlan):
+        """x [b, 1, hidden] (new tokens, replicated over sp and tp) -> like x (`jaxring.inference.decode_mlp`)."""
+        return inference.decode_mlp(plan, x, self.weights(x.dtype), activation=self.activation)
 
 
 class Embed(nnx.Module):

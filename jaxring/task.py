@@ -115,6 +115,12 @@ class ModelFamily:
     task(spec, plan) -> Task: the model with its data, for `jaxring.train`;
     workload_config(preset, seq_len, image_size, overrides) -> config for a planner workload (default:
         the preset with the overrides).
+    Optional, for `python -m jaxring.eval` (None: the family is not evaluated there):
+    load_pretrained(path, plan, overrides) -> (model, config): a Hugging Face checkpoint directory, placed on
+        the plan, with config fields overridden (e.g. RoPE scaling);
+    token_scores(model, tokens, targets, plan) -> (losses fp32 [b, s], hits bool [b, s]) as numpy arrays in
+        token order, from ONE sharded forward pass: each token's cross-entropy of `targets` and whether the
+        target is the argmax of its logits.
     """
 
     name: str
@@ -130,6 +136,8 @@ class ModelFamily:
     abstract_batch: Callable
     task: Callable
     workload_config: Callable | None = None
+    load_pretrained: Callable | None = None
+    token_scores: Callable | None = None
 
     def get_config(self, preset: str, **overrides: Any) -> Any:
         """The preset's config with `overrides` (each checked by `check_override`)."""

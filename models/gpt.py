@@ -19,9 +19,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from tqdm.auto import tqdm
 
-from jaxring.moe import MoEConfig
+from jaxring.moe import MoEConfig, moe_ffn
 from jaxring.nn import MLP, NORMS, Attention, Embed, Layers, MoE, stack, token_cross_entropy
 from jaxring.plan import ParallelPlan
 from jaxring.rope import ROPE_SCALINGS, Rope
@@ -340,6 +339,25 @@ class Block(nnx.Module):
         y, stats = self.mlp(self.ln2(x, plan), plan)
         return x + y, {k: stats[k] for k in ("loss",) + MOE_METRICS}
 
+    def decode(self, x, positions, cache: tuple, cache_positions, plan: ParallelPlan):
+        """One decoding step of the block (see `models.generate`): x [b, 1, hidden] new tokens at positions
+        int [b]; cache (k, v) local [b, n, kv heads, head_dim] at cache_positions int [n]. Returns (x, the new
+        tokens' (k, v) [b, kv heads, head_dim])."""
+        y, kv = self.attn.decode(self.ln1(x, plan), positions, cache, cache_positions, plan)
+        x = x + y
+        h = self.ln2(x, plan)
+        if not isinstance(self.mlp, MoE):
+            return x + self.mlp.decode(h, plan), kv
+        y, _ = moe_ffn(
+            h,
+            self.mlp.params(),
+            config=self.mlp.config,
+            ep_axis="ep" if plan.ep > 1 else None,
+            tp_axis="tp" if plan.tp > 1 else None,
+            token_axes=plan.batch_axes,
+        )
+        return x + y, kv
+
 
 class GPT(nnx.Module):
     """Embedding, `num_layers` stacked blocks (scanned), final norm and the LM head (tied: the table).
@@ -482,36 +500,21 @@ class NextTokenObjective(Objective):
 
 def generate(
     model: GPT,
-    plan: ParallelPlan,
-    prompt,
-    num_tokens: int,
+    plan: ParallelPlan | None,
+    prompts: list[list[int]],
+    max_new_tokens: int,
     *,
-    key,
-    window: int,
-    temperature: float = 0.8,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    key=None,
     progress: bool = False,
-):
-    """Samples `num_tokens` after `prompt` (int list) on one device (a plan with all degrees 1), recomputing a
-    causal window of fixed length (one compile). Returns the generated ids (list of int). progress: a tqdm bar
-    over the tokens (the gap after training's bar)."""
-    if plan.mesh.devices.size != 1:
-        raise ValueError(f"generate runs on one device; got a plan over {plan.mesh.devices.size} devices")
-    graphdef, state = nnx.split(model)
+) -> list[list[int]]:
+    """`max_new_tokens` ids generated after each prompt (a list of token-id lists, any lengths), with a KV cache
+    sharded over the plan (plan=None: one device); temperature 0 is greedy. See `models.generate.generate`."""
+    from models.generate import generate as generate_with_cache
 
-    @jax.jit
-    def next_logits(state, tokens, index):
-        m = nnx.merge(graphdef, state)
-        positions = jnp.arange(window, dtype=jnp.int32)[None]
-        return m.logits(tokens, positions, plan, Layers.of(m.blocks))[0, index]
-
-    ids = list(prompt)[-window:] or [0]
-    out = []
-    for _ in tqdm(range(num_tokens), desc="sampling", unit="token", disable=not progress, leave=False):
-        ctx = ids[-window:]
-        tokens = jnp.zeros((1, window), jnp.int32).at[0, : len(ctx)].set(jnp.asarray(ctx, jnp.int32))
-        logits = next_logits(state, tokens, len(ctx) - 1)
-        key, sub = jax.random.split(key)
-        token = int(jax.random.categorical(sub, logits / max(temperature, 1e-6)))
-        ids.append(token)
-        out.append(token)
-    return out
+    return generate_with_cache(
+        model, plan, prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, key=key,
+        progress=progress,
+    )  # fmt: skip

@@ -18,7 +18,7 @@ from jaxring.data import StepBatches, global_array, host_rows, open_token_data, 
 from jaxring.mesh import make_mesh
 from jaxring.plan import ParallelPlan
 from jaxring.task import ModelFamily
-from models import gpt
+from models import gpt, gpt_eval
 
 DEFAULT_SEQ_LEN = 256
 
@@ -190,13 +190,13 @@ class GPTTask:
         graphdef, state = nnx.split(model)
         single = nnx.merge(graphdef, to_one_device(state, device))
         prompt = self.source.encode("def ")
-        ids = gpt.generate(
+        (ids,) = gpt.generate(
             single,
             one,
-            list(prompt),
+            [list(prompt)],
             self.spec.output.sample_tokens,
+            temperature=0.8,
             key=jax.random.PRNGKey(0),
-            window=min(self.seq_len, 256),
             progress=self.spec.output.progress,
         )
         text = self.source.decode(list(prompt) + ids)
@@ -256,6 +256,8 @@ FAMILY = ModelFamily(
     flops_per_step=lambda config, seq_len, batch: config.flops_per_token(seq_len, causal=True) * seq_len * batch,
     abstract_batch=_abstract_batch,
     task=GPTTask,
+    load_pretrained=gpt_eval.load_pretrained,
+    token_scores=gpt_eval.token_scores,
 )
 
 
@@ -267,7 +269,11 @@ def _pretrained_config(path: str, overrides: dict, data_vocab: int) -> gpt.GPTCo
     from models import hf
 
     config = hf.read_config(path)
-    fixed = sorted(k for k in overrides if not (k.startswith("rope_") or k in CONTEXT_EXTENSION))
+    fixed = sorted(
+        k
+        for k, value in overrides.items()
+        if not (k.startswith("rope_") or k in CONTEXT_EXTENSION) and value != getattr(config, k, None)
+    )
     if fixed:
         raise ValueError(
             f"--override {fixed[0]}={overrides[fixed[0]]} contradicts --init-from {path}'s config.json "

@@ -74,8 +74,21 @@ TPxSP = {
 }
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("name", list(TPxSP))
+# by default every strategy causal and the zig-zag ring full too; with -m slow also the others full and the
+# contiguous ring (the layouts against the reference: test_ring.py)
+@pytest.mark.parametrize(
+    "name,causal",
+    [
+        pytest.param(
+            n,
+            c,
+            id=f"{n}-{'causal' if c else 'full'}",
+            marks=[pytest.mark.slow] if n == "ring-contiguous" or (not c and n != "ring") else [],
+        )
+        for n in TPxSP
+        for c in (True, False)
+    ],
+)
 def test_attention_block_tp_x_sp_matches_dense(name, causal):
     """Megatron over tp=2 (heads, and the sequence in the norm regions) × a sequence strategy over sp=4, GQA:
     output, dx and every weight gradient equal the single-device block (dense attention)."""

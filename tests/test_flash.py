@@ -67,7 +67,9 @@ def check_against_reference(q, k, v, dout, dlse, rtol=2e-4, **kwargs):
         (True, 64, 64, 2, 2, 64, (32, 16)),  # plain causal self-attention, several tiles per row
         (False, 40, 40, 4, 2, 24, (16, 16)),  # full, GQA, 40 = 2.5 tiles, head_dim 24 padded to 32
         (True, 40, 72, 4, 1, 80, (16, 32)),  # causal MQA, different lengths, head_dim 80 padded to 128
-        (False, 24, 56, 2, 1, 64, (16, 16)),  # full cross-attention with MQA, partial tiles on both sides
+        # full cross-attention with MQA, partial tiles on both sides: -m slow (full, MQA, partial tiles and different
+        # lengths each run in the cases above)
+        pytest.param(False, 24, 56, 2, 1, 64, (16, 16), marks=pytest.mark.slow),
     ],
 )
 def test_matches_reference(causal, q_len, kv_len, q_heads, kv_heads, head_dim, blocks):
@@ -82,7 +84,7 @@ def test_matches_jax_dot_product_attention():
     assert_close(out, expected, 2e-4, "out")
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)])  # one path
 def test_half_precision(dtype):
     q, k, v, dout, dlse = make_inputs(2, 2, 48, 48, 4, 2, 64, dtype)
     _, lse, _ = check_against_reference(q, k, v, dout, dlse, rtol=2e-2, causal=True)
@@ -99,7 +101,16 @@ def test_sm_scale():
 # --------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("q_offset,kv_offset", [(48, 0), (0, 40), (16, 0)], ids=["after", "before", "overlap"])
+# "after" (every key visible: the unmasked tiles) with -m slow; test_block_entry_points_sum_to_reference and the
+# causal cases of test_matches_reference take that path too
+@pytest.mark.parametrize(
+    "q_offset,kv_offset",
+    [
+        pytest.param(48, 0, id="after", marks=pytest.mark.slow),
+        pytest.param(0, 40, id="before"),
+        pytest.param(16, 0, id="overlap"),
+    ],
+)
 def test_offset_blocks(q_offset, kv_offset):
     q, k, v, dout, dlse = make_inputs(4, 2, 32, 48, 4, 2, 32)
     q_pos, kv_pos = jnp.arange(32) + q_offset, jnp.arange(48) + kv_offset
@@ -120,7 +131,7 @@ def test_batched_and_unsorted_positions():
     check_against_reference(q, k, v, dout, dlse, causal=True, q_positions=q_pos, kv_positions=kv_pos)
 
 
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])  # full: -m slow
 def test_segment_ids_with_padding(causal):
     q, k, v, dout, dlse = make_inputs(6, 3, 40, 40, 2, 1, 32)
     seg = jnp.array(

@@ -230,6 +230,11 @@ def test_train_py_init_from_and_export_hf(tmp_path, capsys):
     assert cli.main([*common, "--override", "hidden=32"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--override hidden=32 contradicts --init-from" in err[0], err
+    from models.gpt_train import _pretrained_config
+
+    assert (
+        _pretrained_config(str(src), {"hidden": cfg.hidden}, 0).hidden == cfg.hidden
+    )  # an equal value is no contradiction
     rc = cli.main([*common, "--lr", "1e-6", "--warmup", "0", "--export-hf", str(out), "--override", "rope_factor=16"])
     assert rc == 0
     before, _ = hf.load_pretrained(str(src))

@@ -74,8 +74,9 @@ def _assert_same(got, want):
 
 
 # CI's default run leaves out the METP and Optimus rows (`slow`; `python -m pytest -m ""` runs them): Megatron
-# covers the tensor-parallel tiling by default
-SLOW_PLANS = ("metp tp4 dp2", "optimus tp4 dp2")
+# covers the tensor-parallel tiling by default; and the pipeline row (69 s in CI: the tiles inside the stages;
+# test_pipeline_model.py runs pp x sp against one device, test_offload_with_a_pipeline_is_one_line the refusal)
+SLOW_PLANS = ("metp tp4 dp2", "optimus tp4 dp2", "pp2 x ring sp2 x dp2")
 
 
 @pytest.mark.parametrize(

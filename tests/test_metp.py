@@ -209,6 +209,16 @@ def mha_config(p, causal):
 
 MHA_CASES = [(p, c) for p in (2, 4, 8) for c in (True, False)]
 MHA_IDS = [f"p{p}-{'causal' if c else 'full'}" for p, c in MHA_CASES]
+# full attention on p = 2 and p = 8 (two compiles each, shared by the reference and bytes tests) with -m slow: every
+# p runs causal and p = 4 full by default
+SLOW_MHA = ((2, False), (8, False))
+
+
+def _mha_params(cases):
+    return [
+        pytest.param(*c, id=MHA_IDS[MHA_CASES.index(c)], marks=[pytest.mark.slow] if c in SLOW_MHA else [])
+        for c in cases
+    ]
 
 
 @functools.cache
@@ -225,13 +235,16 @@ def mha_case(p, causal, **options):
     return got, ref, moved
 
 
-@pytest.mark.parametrize("p,causal", MHA_CASES, ids=MHA_IDS)
+@pytest.mark.parametrize("p,causal", _mha_params(MHA_CASES))
 def test_attention_matches_reference(p, causal):
     got, ref, _ = mha_case(p, causal)
     check_tree(got, ref, f"attention p={p} causal={causal}")
 
 
-@pytest.mark.parametrize("fuse_sends", [False, True], ids=["cpu-form", "gpu-form"])
+# the GPU form (also checked at S 64 by test_attention_gpu_form_matches_reference_and_bytes) with -m slow
+@pytest.mark.parametrize(
+    "fuse_sends", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["cpu-form", "gpu-form"]
+)
 def test_attention_forward_backward_repeatable(fuse_sends):
     """Jitted forward + backward at tp = 8 with longer sequences (S 256, hidden 64, traced positions), run three
     times from one compilation: each run matches the reference, in the CPU form of the inner rings and in the
@@ -268,9 +281,7 @@ def mha_bytes(p, causal, kv_heads, *, backward):
     return F32 * (fwd + bwd if backward else fwd)
 
 
-@pytest.mark.parametrize(
-    "p,causal", [c for c in MHA_CASES if c != (2, True)], ids=[i for c, i in zip(MHA_CASES, MHA_IDS) if c != (2, True)]
-)
+@pytest.mark.parametrize("p,causal", _mha_params([c for c in MHA_CASES if c != (2, True)]))
 def test_attention_bytes(p, causal):
     """Forward + backward, exact. (p = 2 causal is left out: its one-hop loops are unrolled and XLA then sends
     the positions, the same for every head group, once instead of once per group.)"""
@@ -322,6 +333,7 @@ def test_attention_forward_bytes_and_residuals(p, causal):
     ], extra
 
 
+@pytest.mark.slow  # (compiles both layers at s = 1024) METP's residuals and per-width memory run by default above
 def test_layer_peak_below_megatron():
     """One FFN + MHA layer, forward and backward, compiled peak per device: METP below Megatron TP+SP at a long
     sequence (Megatron holds the gathered X [b, s, h] and [b, s, ffn/p]; METP only sequence shards and tiles)."""

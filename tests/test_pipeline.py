@@ -255,7 +255,15 @@ def _case_id(case):
     return "-".join([name, f"m{m}", "x".join(f"{k}{d}" for k, d in degrees.items()), *options])
 
 
-@pytest.mark.parametrize("name,m,v,layers,degrees,options", CASES, ids=[_case_id(c) for c in CASES])
+# with -m slow only: gpipe and zero-bubble at pp=4 (each schedule runs at pp=2 by default, and 1F1B and
+# interleaved at pp=4, the middle stages' path)
+SLOW_CASES = ("gpipe-m4-pp4", "zero-bubble-m5-pp4")
+
+
+@pytest.mark.parametrize(
+    "name,m,v,layers,degrees,options",
+    [pytest.param(*c, id=_case_id(c), marks=[pytest.mark.slow] if _case_id(c) in SLOW_CASES else []) for c in CASES],
+)
 def test_pipelined_gradients_equal_sequential(name, m, v, layers, degrees, options):
     """Loss, aux and every gradient equal the sequential stack's, with every buffer slot and unsent message
     poisoned with NaN (a wrong read would show); and the compiled program moves exactly the schedule's bytes."""

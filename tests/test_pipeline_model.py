@@ -78,9 +78,13 @@ RUNS = {
 }
 
 
-@pytest.mark.parametrize(  # pp4 repeats the pp2 schedules' paths at 4 stages: `slow` (not in CI's default run)
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("pp4") else n for n in RUNS]
-)
+# `slow` (not in CI's default run): pp4, which repeats the pp2 schedules' paths at 4 stages, and pp2-gpipe, whose
+# path through the train step is 1F1B's with another order of the same actions (test_pipeline.py checks every
+# schedule's gradients against the sequential stack by default)
+SLOW_RUNS = ("pp4-1f1b", "pp4-zero-bubble", "pp2-gpipe")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_RUNS else n for n in RUNS])
 def test_pipelined_training_matches_one_device(name, tmp_path, one_device):
     np.testing.assert_allclose(_losses(tmp_path, RUNS[name]), one_device, rtol=1e-3)
 

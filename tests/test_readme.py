@@ -7,12 +7,14 @@ command before it saved). `python train.py` runs in this process through `train.
 two (four after a resume), a smaller model, no sample or held-out loss, and its outputs in a temporary
 directory; `python -m jaxring.demo` at a short sequence; `python -m jaxring.data prepare` with one worker, on
 a `corpus.jsonl` and a `path/to/tokenizer.json` this file writes first (the reader's own files in the README);
-`python -m jaxring.planner` as shown (it runs nothing).
+`python -m jaxring.planner` as shown (it runs nothing); `python -m jaxring.eval` on one 64-token batch or one
+96-token needle length.
 A README command this file does not know how to run is a failure, so a new kind of command gets a runner here.
 
 Training commands that only repeat a code path the others cover are marked slow (`pytest -m slow` runs them);
 the default run keeps one of each: the main job, the configuration round trip, a sequence strategy, tensor ×
-sequence parallelism, the pipeline, the DiT, checkpoint and resume, the planner.
+sequence parallelism, the DiT, checkpoint and resume, the planner. (The pipeline commands are slow here: every
+schedule runs through train.py by default in test_pipeline_model.py, zero-bubble at pp2 × dp4 among them.)
 """
 
 from __future__ import annotations
@@ -38,9 +40,12 @@ SLOW = {
     "python train.py --tp 4 --dp 2 --tensor-parallel optimus",
     "python train.py --tp 8 --tensor-parallel metp",
     "python train.py --dp 8 --zero 3",
+    "python train.py --pp 2 --dp 4 --pipeline-schedule zero-bubble --microbatches 4 --batch-size 16 "
+    "--override num_layers=4",
     "python train.py --pp 2 --dp 4 --pipeline-schedule interleaved --virtual-stages 2 --microbatches 2 "
     "--override num_layers=4",
     "python train.py --preset tiny-moe --ep 4 --dp 2",
+    "python -m jaxring.eval perplexity ctx/base --seq-len 2048 --sp 8 --attention ring --layout zigzag --out ctx/eval-base",
 }
 SLOW_REASON = "repeats a code path the default README commands cover (a compile each, ~10 s on 2 cores)"
 
@@ -105,7 +110,7 @@ def shortened(argv: list[str], out_dir: pathlib.Path) -> list[str]:
     overrides = {}
     if model == "gpt":
         extra += ["--seq-len", "64"]
-        if preset == "tiny":
+        if preset == "tiny" and "--init-from" not in argv:  # a pre-trained model keeps its shapes
             overrides = {"num_layers": 2, "hidden": 64, "ffn": 128}
     elif model == "dit":
         overrides = {"num_layers": 1}
@@ -113,6 +118,17 @@ def shortened(argv: list[str], out_dir: pathlib.Path) -> list[str]:
     for field, value in overrides.items():
         if f"{field}=" not in given:  # the command's own override stays (pipelines need their num_layers)
             extra += ["--override", f"{field}={value}"]
+    return argv + extra
+
+
+def eval_shortened(argv: list[str]) -> list[str]:
+    """python -m jaxring.eval's arguments cut to one short batch (64 tokens) or one needle length (96 tokens:
+    the needle, question and answer in bytes take 79), two depths, one sample, no progress bar."""
+    extra = ["--no-progress"]
+    if argv[0] == "perplexity":
+        extra += ["--seq-len", "64", "--batches", "1"]
+    elif argv[0] == "needle":
+        extra += ["--lengths", "96", "--depths", "0,1", "--samples", "1"]
     return argv + extra
 
 
@@ -182,6 +198,10 @@ def test_readme_command_runs(index, command, workdir, monkeypatch, capsys):
         from jaxring.data.__main__ import main as data_main
 
         code = _exit_code(data_main, words[3:] + ["--workers", "1", "--no-progress"])  # 1 worker: CI has 2 cores
+    elif words[:3] == ["python", "-m", "jaxring.eval"]:
+        from jaxring.eval.cli import main as eval_main
+
+        code = _exit_code(eval_main, eval_shortened(words[3:]))
     elif words[:3] == ["python", "-m", "jaxring.planner"]:
         from jaxring.planner.__main__ import main as planner_main
 

@@ -16,7 +16,9 @@ from jaxring.attention.blockwise import BlockOps, block_backward, block_forward
 from jaxring.attention.layout import RankTokens
 from jaxring.attention.ring import get_block_ops, ring_attention, ring_forward
 
-MESHES = {"sp2": dict(sp=2, dp=4), "sp4": dict(sp=4, dp=2), "sp8": dict(sp=8), "dp2xsp4": dict(dp=2, sp=4)}
+# (sp4 is the dp2 x sp4 mesh: a fourth entry "dp2xsp4" repeated its six cases on the same mesh)
+MESHES = {"sp2": dict(sp=2, dp=4), "sp4": dict(sp=4, dp=2), "sp8": dict(sp=8)}
+SLOW = pytest.mark.slow
 
 
 def ring_and_reference(mesh, q, k, v, dout, *, causal, layout, segment_ids=None):
@@ -27,9 +29,21 @@ def ring_and_reference(mesh, q, k, v, dout, *, causal, layout, segment_ids=None)
     return with_reference(ring, q, k, v, dout, causal=causal, segment_ids=segment_ids)
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("layout", jaxring.LAYOUTS)
-@pytest.mark.parametrize("mesh_name", list(MESHES))
+def _reference_cases():
+    """(mesh, layout, causal) for every mesh and layout; full attention (where a layout only permutes the tokens)
+    on sp2 and sp4 only for zig-zag by default, the others with -m slow."""
+    return [
+        pytest.param(
+            m, layout, causal, id=f"{m}-{layout}-{'causal' if causal else 'full'}", marks=[SLOW] if slow else []
+        )
+        for m in MESHES
+        for layout in jaxring.LAYOUTS
+        for causal in (True, False)
+        for slow in [not causal and m != "sp8" and layout != "zigzag"]
+    ]
+
+
+@pytest.mark.parametrize("mesh_name,layout,causal", _reference_cases())
 def test_matches_reference(mesh_name, layout, causal):
     kw = MESHES[mesh_name]
     mesh = jaxring.make_mesh(**kw)
@@ -41,7 +55,7 @@ def test_matches_reference(mesh_name, layout, causal):
 
 @pytest.mark.parametrize(
     "q_heads,kv_heads,head_dim",
-    [(8, 2, 16), (8, 1, 16), (4, 4, 64), (4, 2, 80)],
+    [(8, 2, 16), (8, 1, 16), pytest.param(4, 4, 64, marks=SLOW), (4, 2, 80)],  # dim64: the unpadded case, slow
     ids=["gqa8/2", "mqa", "dim64", "dim80"],
 )
 def test_heads_and_dims_against_jax_nn(q_heads, kv_heads, head_dim):
@@ -53,7 +67,7 @@ def test_heads_and_dims_against_jax_nn(q_heads, kv_heads, head_dim):
     check(ring, (out_nn, vjp_nn(dout)), 2e-4)
 
 
-@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+@pytest.mark.parametrize("layout", ["zigzag", pytest.param("striped", marks=SLOW)])  # striped: the same kernel
 def test_bf16_inputs_accumulate_in_fp32(layout):
     mesh = jaxring.make_mesh(sp=8)
     q, k, v, dout = qkv(2, 1, 128, 4, 2, 32, dtype=jnp.bfloat16)
@@ -113,7 +127,7 @@ def _local_ring(mesh, **kw):
     return jax.shard_map(lambda q, k, v: ring_attention(q, k, v, **kw), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("layout", [pytest.param("contiguous", marks=SLOW), "zigzag"])  # one formula for both
 def test_bytes_moved_match_the_ring_formula(layout):
     sp, batch, seq, kv_heads, head_dim = 8, 1, 256, 2, 16
     mesh = jaxring.make_mesh(sp=sp)

@@ -50,7 +50,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# with -m slow only: C = 1 contiguous full (C = 1 is ring attention, test_team_size_one_is_ring_attention) and the
+# dp2 x sp4 ring-inner contiguous full case (dp2 x sp4 and ring-inner placement both run by default)
+SLOW_CASES = ("sp8-C1-contiguous-full", "dp2xsp4-C2-ringinner-contiguous-full")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
 def test_matches_reference(case):
     degrees, c, placement, layout, causal, hq, hkv, d, batch = CASES[case]
     mesh = jaxring.make_mesh(**degrees)
@@ -76,7 +81,7 @@ def test_segments_with_padding_and_an_all_padding_device(layout, causal):
     assert all(np.all(np.asarray(g)[seg == 0] == 0) for g in grads)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("layout", [pytest.param("contiguous", marks=pytest.mark.slow), "zigzag"])
 def test_team_size_one_is_ring_attention(layout):
     mesh = jaxring.make_mesh(sp=8)
     q, k, v, dout = qkv(7, 1, 32, 4, 2, 16)
@@ -94,6 +99,7 @@ def test_team_size_one_is_ring_attention(layout):
     check(*run(q, k, v, dout), 1e-6)
 
 
+@pytest.mark.slow  # the block kernels' fp32 accumulation runs by default in test_ring.py's bf16 case
 def test_bf16_inputs_accumulate_in_fp32():
     mesh = jaxring.make_mesh(sp=8)
     q, k, v, dout = qkv(2, 1, 64, 4, 2, 32, dtype=jnp.bfloat16)

@@ -194,10 +194,11 @@ for label in ("B", "C", "D"):
 # %% [markdown]
 # ## 3. Generating text
 #
-# `models.gpt.generate(model, plan, prompt, num_tokens, key=..., window=...)` samples one byte at a time,
-# at temperature 0.8 by default. It recomputes the model on a fixed window of the last `window` tokens, so
-# the forward pass compiles once. For generation we gather the trained parameters onto a single device and
-# use a one-device plan. The corpus object encodes text to byte ids and decodes ids back to text.
+# `models.gpt.generate(model, plan, prompts, max_new_tokens, temperature=..., top_k=..., top_p=..., key=...)`
+# samples one byte at a time for a batch of prompts: one forward pass over the prompts fills a KV cache
+# (sharded over the plan's `sp` like the training sequence), then each new token attends that cache. Here we
+# gather the trained parameters onto a single device and use a one-device plan (`plan=None` does the same).
+# The corpus object encodes text to byte ids and decodes ids back to text.
 
 # %%
 from flax import nnx
@@ -211,9 +212,7 @@ model = nnx.merge(graphdef, jax.device_put(state, use[0]))  # the trained weight
 
 corpus = trainer_b.task.source
 prompt = list(corpus.encode("def "))
-ids = gpt.generate(
-    model, one_device, prompt, 120 if FAST else 400, key=jax.random.PRNGKey(0), window=BASE.training.seq_len
-)
+(ids,) = gpt.generate(model, one_device, [prompt], 120 if FAST else 400, temperature=0.8, key=jax.random.PRNGKey(0))
 print(corpus.decode(prompt + ids))
 
 # %% [markdown]

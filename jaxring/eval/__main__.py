@@ -1,0 +1,5 @@
+import sys
+
+from jaxring.eval.cli import main
+
+sys.exit(main())

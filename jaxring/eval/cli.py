@@ -1,0 +1,144 @@
+"""`python -m jaxring.eval perplexity|needle CHECKPOINT [options] [plan flags]`.
+
+CHECKPOINT: a jaxring checkpoint directory (`train.py --checkpoint-dir`) or a Hugging Face one. The plan
+flags are train.py's (`--sp 8 --attention ring --layout zigzag`, `--tp 2 --tensor-parallel megatron`, ...:
+`jaxring.cli`); the model runs as one SPMD program on it. Writes OUT/perplexity.json + perplexity.png or
+OUT/needle.json + needle.png and prints a table. A mistake (a missing checkpoint, a context the model or plan
+cannot take, a depth outside [0, 1]) ends in one line and exit code 2.
+
+    python -m jaxring.eval perplexity runs/ckpt --seq-len 2048 --sp 8 --attention ring --layout zigzag
+    python -m jaxring.eval needle HF_DIR --lengths 1024,2048 --depths 0,0.5,1 --sp 8 --attention ring
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from jaxring.cli import EXIT_USER_ERROR, parse_command_line
+from jaxring.spec import RunSpec
+
+PROG = "python -m jaxring.eval"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        self.exit(EXIT_USER_ERROR, f"error: {message} (see {self.prog} --help)\n")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 1024,2048") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers")
+    return values
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers, e.g. 0,0.5,1") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, text in (
+        ("perplexity", "loss by position bucket on held-out data"),
+        ("needle", "pass-key retrieval over context lengths x needle depths"),
+    ):
+        s = sub.add_parser(name, help=text, description=text + "; plan flags as train.py's (--sp, --attention, ...)")
+        s.add_argument("checkpoint", help="a jaxring checkpoint directory or a Hugging Face directory")
+        s.add_argument("--out", default="eval", help="directory of the JSON and PNG (default: eval)")
+        s.add_argument("--label", help="the model's name in the table, JSON and plot (default: its path)")
+        s.add_argument("--model", default="gpt", help="model family of a Hugging Face directory (default: gpt)")
+        s.add_argument("--step", type=int, help="the checkpoint step (default: the newest)")
+        s.add_argument("--tokenizer", help="bytes or a tokenizer.json (default: the model's)")
+        s.add_argument(
+            "--override", action="append", default=[], metavar="FIELD=VALUE", help="change a config field (RoPE)"
+        )
+        s.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
+        s.add_argument("--debug", action="store_true", help="show the traceback of an error")
+        if name == "perplexity":
+            s.add_argument("--seq-len", type=int, required=True, help="tokens per row (the context evaluated)")
+            s.add_argument("--data", help="a store, text/.jsonl file or directory (default: the bundled corpus)")
+            s.add_argument("--batch-size", type=int, default=1, help="rows per forward pass (default: 1)")
+            s.add_argument("--batches", type=int, default=4, help="forward passes (default: 4)")
+            s.add_argument("--first-bucket", type=int, help="end of the first bucket (default: seq_len/8, <= 256)")
+        else:
+            s.add_argument("--lengths", type=_ints, required=True, help="context lengths, e.g. 1024,2048,4096")
+            s.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="in [0, 1]")
+            s.add_argument("--samples", type=int, default=2, help="pass keys per cell (default: 2)")
+            s.add_argument("--seed", type=int, default=0, help="seed of the pass keys (default: 0)")
+            s.add_argument("--batch-size", type=int, help="sequences per forward pass (default: a length's all)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, rest = build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    spec, _ = parse_command_line(rest, prog=f"{PROG} {args.command}")  # the plan flags (one line when bad)
+    try:
+        return _run(args, spec)
+    except (ValueError, FileNotFoundError) as e:
+        if args.debug:
+            raise
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def _run(args: argparse.Namespace, spec: RunSpec) -> int:
+    import jax
+    from tqdm.auto import tqdm
+
+    from jaxring.eval import loading, needle, perplexity, plots
+    from jaxring.task import model_family
+
+    if args.command == "needle":  # said before anything loads
+        needle.check_depths(args.depths)
+    devices = jax.devices()
+    spec = spec.resolved(len(devices))
+    plan = spec.plan(devices)
+    overrides = dict(model_family(args.model).parse_override(item) for item in args.override)
+    loaded = loading.load_model(
+        args.checkpoint, plan, family=args.model, overrides=overrides, tokenizer=args.tokenizer, step=args.step
+    )
+    os.makedirs(args.out, exist_ok=True)
+    if args.command == "perplexity":
+        bar = lambda rows: tqdm(rows, total=args.batches, desc="perplexity", unit="batch", disable=not args.progress)
+        result = perplexity.evaluate(
+            loaded,
+            plan,
+            seq_len=args.seq_len,
+            data=args.data,
+            batch_size=args.batch_size,
+            batches=args.batches,
+            first_bucket=args.first_bucket,
+            progress=bar,
+            label=args.label,
+        )
+        text, png = perplexity.table(result), plots.perplexity_plot([result], os.path.join(args.out, "perplexity.png"))
+    else:
+        bar = lambda total: tqdm(total=total, desc="needle", unit="seq", disable=not args.progress)
+        result = needle.evaluate(
+            loaded,
+            plan,
+            lengths=args.lengths,
+            depths=args.depths,
+            samples=args.samples,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            progress=bar,
+            label=args.label,
+        )
+        text, png = needle.table(result), plots.needle_heatmap(result, os.path.join(args.out, "needle.png"))
+    path = os.path.join(args.out, f"{args.command}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(text)
+    print(f"wrote {path} and {png}")
+    return 0

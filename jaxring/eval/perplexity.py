@@ -1,0 +1,126 @@
+"""Loss by position: does a token far into the context get predicted better than one near its start?
+
+Held-out rows of `seq_len` tokens (the val split of a document store, a text/.jsonl file prepared on first
+use, or the bundled corpus; `jaxring.data`) run through the model in one sharded forward pass each; every
+token's loss is put in the bucket of its position in the row (the number of tokens the model saw before it):
+[0, first), [first, 2·first), [2·first, 4·first), ... up to seq_len, powers of two. Tokens the batch masks
+out (padding) are left out. A model that uses its context has a lower loss in the later buckets; one pushed
+past the context it was trained for shows the loss rising there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from jaxring.data import Tokenizer
+from jaxring.eval.loading import LoadedModel
+from jaxring.eval.scoring import check_context, token_scores
+from jaxring.plan import ParallelPlan
+
+
+def bucket_edges(seq_len: int, first: int | None = None) -> list[int]:
+    """[0, first, 2·first, 4·first, ..., seq_len]; first defaults to seq_len/8 rounded down to a power of two,
+    at most 256 (so 2048 tokens give 0, 256, 512, 1024, 2048)."""
+    if first is None:
+        first = min(256, 2 ** max(0, int(math.log2(seq_len)) - 3))
+    if first < 1 or first >= seq_len:
+        raise ValueError(f"--first-bucket {first} must lie in [1, seq_len = {seq_len})")
+    edges, end = [0], first
+    while end < seq_len:
+        edges.append(end)
+        end *= 2
+    return edges + [seq_len]
+
+
+def held_out_rows(
+    data: str | None, tokenizer: Tokenizer | None, seq_len: int, batch_size: int, batches: int, vocab_size: int
+) -> Iterator[dict]:
+    """Yields `batches` dicts {"tokens", "targets", "loss_mask"} of int [batch_size, seq_len] rows of the val
+    split of `data` (see `jaxring.spec.DataSettings.data`; None: the bundled corpus), tokenized by `tokenizer`."""
+    from jaxring.data import StepBatches, open_token_data
+    from jaxring.spec import RunSpec
+
+    settings = RunSpec.of(data=data, tokenizer=None if tokenizer is None else tokenizer.name).data
+    token_data = open_token_data(settings)
+    if token_data.vocab_size > vocab_size:
+        raise ValueError(
+            f"the data {token_data.name} has token ids up to {token_data.vocab_size - 1}, outside the model's "
+            f"vocabulary of {vocab_size}; give data of the model's tokenizer (--tokenizer)"
+        )
+    rows = StepBatches(
+        token_data.batches("val", batch_size=batch_size, seq_len=seq_len, seed=0, vocab_size=vocab_size), prefetch=0
+    )
+    for step in range(batches):
+        batch = rows.get(step)
+        mask = batch.get("loss_mask")
+        yield {
+            "tokens": np.asarray(batch["tokens"], np.int32),
+            "targets": np.asarray(batch["targets"], np.int32),
+            "loss_mask": np.ones(batch["tokens"].shape, bool) if mask is None else np.asarray(mask, bool),
+        }
+
+
+def evaluate(
+    loaded: LoadedModel,
+    plan: ParallelPlan,
+    *,
+    seq_len: int,
+    data: str | None = None,
+    batch_size: int = 1,
+    batches: int = 4,
+    first_bucket: int | None = None,
+    progress: Callable | None = None,
+    label: str | None = None,
+) -> dict:
+    """{"model", "label", "data", "plan", "seq_len", "tokens", "loss", "perplexity", "buckets": [{"start", "end",
+    "tokens", "loss", "perplexity"}]} over `batches` held-out batches of `batch_size` rows of `seq_len` tokens.
+    progress: wraps the batches' iterator (a tqdm bar), or None."""
+    if batch_size < 1 or batches < 1:
+        raise ValueError(f"--batch-size {batch_size} and --batches {batches} must be positive")
+    edges = bucket_edges(seq_len, first_bucket)
+    check_context(loaded, plan, batch_size, seq_len)
+    sums, counts = np.zeros(len(edges) - 1), np.zeros(len(edges) - 1, np.int64)
+    bucket_of = np.searchsorted(edges, np.arange(seq_len), side="right") - 1
+    rows = held_out_rows(data, loaded.tokenizer, seq_len, batch_size, batches, loaded.config.vocab_size)
+    for batch in progress(rows) if progress else rows:
+        losses, _ = token_scores(loaded, plan, batch["tokens"], batch["targets"])
+        mask = batch["loss_mask"]
+        np.add.at(sums, np.broadcast_to(bucket_of, mask.shape)[mask], losses[mask])
+        np.add.at(counts, np.broadcast_to(bucket_of, mask.shape)[mask], 1)
+    buckets = []
+    for i in range(len(edges) - 1):
+        loss = float(sums[i] / counts[i]) if counts[i] else float("nan")
+        buckets.append(
+            {
+                "start": edges[i],
+                "end": edges[i + 1],
+                "tokens": int(counts[i]),
+                "loss": loss,
+                "perplexity": math.exp(loss),
+            }
+        )
+    total = float(sums.sum() / max(counts.sum(), 1))
+    return {
+        "model": loaded.name,
+        "label": label or loaded.name,
+        "data": data or "bundled",
+        "plan": plan.describe(),
+        "seq_len": seq_len,
+        "tokens": int(counts.sum()),
+        "loss": total,
+        "perplexity": math.exp(total),
+        "buckets": buckets,
+    }
+
+
+def table(result: dict) -> str:
+    """The buckets as a text table."""
+    lines = [f"{result['label']}: {result['tokens']} tokens of {result['data']} at seq_len {result['seq_len']}"]
+    lines.append(f"{'positions':>15} {'tokens':>9} {'loss':>8} {'ppl':>9}")
+    for b in result["buckets"]:
+        lines.append(f"{b['start']:>7}-{b['end']:<7} {b['tokens']:>9} {b['loss']:>8.4f} {b['perplexity']:>9.2f}")
+    lines.append(f"{'all':>15} {result['tokens']:>9} {result['loss']:>8.4f} {result['perplexity']:>9.2f}")
+    return "\n".join(lines)
