@@ -105,9 +105,11 @@ class Attention(nnx.Module):
     def weights(self, dtype):
         return {name: getattr(self, name)[...].astype(dtype) for name in self.WEIGHTS if hasattr(self, name)}
 
-    def __call__(self, x, positions, plan: ParallelPlan):
+    def __call__(self, x, positions, plan: ParallelPlan, segment_ids=None):
         """x: local [batch, seq, hidden] (the plan's activation layout); positions: local int32 [batch, seq]
-        (the plan's token layout). Returns y like x."""
+        (the plan's token layout), the RoPE positions: each packed document's restart at 0; segment_ids: local
+        int32 [batch, seq] like positions, each token's document (0: padding), or None (one document per row).
+        The causal mask follows the tokens' order in the row (the plan's layout). Returns y like x."""
         return plan.tensor.attention(
             plan,
             x,
@@ -120,6 +122,7 @@ class Attention(nnx.Module):
             rope=self.rope,
             window=self.window,
             norm_eps=self.norm_eps,
+            segment_ids=segment_ids,
         )
 
     def kv(self, x, positions, plan: ParallelPlan):

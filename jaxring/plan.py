@@ -28,6 +28,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -247,23 +248,29 @@ class ParallelPlan:
         return self.strategy.layout_for(self.layout, causal)
 
     # ------------------------------------------------------------------ the attention core (inside shard_map)
-    def attend(self, q, k, v, positions, *, causal: bool, window: int | None = None):
+    def attend(self, q, k, v, token_order=None, *, causal: bool, window: int | None = None, segment_ids=None):
         """Local attention of q [b, n, hq, d], k/v [b, n, hkv, d] (this device's tokens, in the layout):
-        the plan's sequence strategy over `seq_axes`, or flash attention when sp = 1. positions int [b, n]
-        are shared by the batch rows (they come from the data-side layout). window: a sliding window W
-        (needs causal): the query at position i sees keys i - W < j <= i; None: unlimited."""
+        the plan's sequence strategy over `seq_axes`, or flash attention when sp = 1.
+
+        The causal mask (and a sliding window W: query i sees keys i - W < j <= i) is by the tokens' order in
+        the row, never by RoPE positions (which restart in every packed document): at sp = 1 the layout is the
+        identity and the order is `token_order` int [n] (default arange(n)); at sp > 1 the strategy derives
+        each block's order from the layout. segment_ids int [b, n] (the token layout, like the tokens): a
+        query sees only keys of its own document; 0 is padding (sees nothing, output 0). None: one document.
+        """
         if self.sp == 1:
             from jaxring.attention.flash import flash_attention
             from jaxring.attention.ulysses import local_implementation
 
-            pos = positions[0]
+            order = jnp.arange(q.shape[1], dtype=jnp.int32) if token_order is None else token_order
             return flash_attention(
                 q,
                 k,
                 v,
                 causal=causal,
-                q_positions=pos,
-                kv_positions=pos,
+                q_positions=order,
+                kv_positions=order,
+                segment_ids=segment_ids,
                 window=window,
                 implementation=local_implementation(self.block_ops),
             )
@@ -273,7 +280,7 @@ class ParallelPlan:
             q,
             k,
             v,
-            None,
+            segment_ids,
             seq_axes=self.seq_axes,
             layout=self.seq_layout(causal),
             causal=causal,

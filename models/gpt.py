@@ -330,9 +330,10 @@ class Block(nnx.Module):
         else:
             self.mlp = MoE(cfg.hidden, cfg.moe, out_std=out_std, rngs=rngs)
 
-    def __call__(self, x, positions, plan: ParallelPlan):
-        """x -> x (dense MLP), or -> (x, MoE statistics) (mixture of experts)."""
-        x = x + self.attn(self.ln1(x, plan), positions, plan)
+    def __call__(self, x, positions, plan: ParallelPlan, segment_ids=None):
+        """x -> x (dense MLP), or -> (x, MoE statistics) (mixture of experts). positions: RoPE positions
+        (each packed document's restart at 0); segment_ids: each token's document, or None (see Attention)."""
+        x = x + self.attn(self.ln1(x, plan), positions, plan, segment_ids)
         if not isinstance(self.mlp, MoE):
             return x + self.mlp(self.ln2(x, plan), plan)
         y, stats = self.mlp(self.ln2(x, plan), plan)
@@ -394,9 +395,9 @@ class GPT(nnx.Module):
         return carry
 
     @staticmethod
-    def block_step(block: Block, carry, positions, plan: ParallelPlan):
+    def block_step(block: Block, carry, positions, plan: ParallelPlan, segment_ids=None):
         """One block on the carry (MoE statistics summed over the layers)."""
-        out = block(carry["x"], positions, plan)
+        out = block(carry["x"], positions, plan, segment_ids)
         if "moe" not in carry:
             return {"x": out}
         x, stats = out
@@ -409,10 +410,10 @@ class GPT(nnx.Module):
         w, tied = self.head_weight(dtype)
         return token_cross_entropy(x, w, targets, plan, tied=tied)
 
-    def features(self, tokens, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32):
+    def features(self, tokens, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32, segment_ids=None):
         """Final hidden states, local [batch, seq, hidden] (activation layout)."""
         carry = self.embed_tokens(tokens, positions, dtype, plan=plan)
-        carry = layers(carry, lambda block, carry: self.block_step(block, carry, positions, plan))
+        carry = layers(carry, lambda block, carry: self.block_step(block, carry, positions, plan, segment_ids))
         return self.ln_f(carry["x"], plan)
 
     def head_weight(self, dtype):
@@ -420,10 +421,14 @@ class GPT(nnx.Module):
         w = self.embed.table[...] if self.cfg.tie_embeddings else self.head[...]
         return w.astype(dtype), self.cfg.tie_embeddings
 
-    def token_losses(self, tokens, targets, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32):
-        """Cross-entropy fp32 [batch, seq] (token layout) of predicting `targets`."""
+    def token_losses(
+        self, tokens, targets, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32, segment_ids=None
+    ):
+        """Cross-entropy fp32 [batch, seq] (token layout) of predicting `targets`. positions: int32 [batch, seq],
+        RoPE's (and learned positions'); with packed documents they restart at 0 in each, and segment_ids
+        int32 [batch, seq] (1, 2, ... per document, 0 padding) keep each token's attention inside its document."""
         carry = self.embed_tokens(tokens, positions, dtype, plan=plan)
-        carry = layers(carry, lambda block, carry: self.block_step(block, carry, positions, plan))
+        carry = layers(carry, lambda block, carry: self.block_step(block, carry, positions, plan, segment_ids))
         return self.head_losses(carry, targets, plan, dtype)
 
     def logits(self, tokens, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32):
@@ -438,13 +443,38 @@ class NextTokenObjective(Objective):
     """Mean next-token cross-entropy of batches {"tokens", "targets", "positions"} (int32 [batch, seq], laid out
     by the plan on the data side): what `jaxring.train.step.TrainStep` optimizes. For a mixture of experts,
     aux["extra_loss"] is the layers' load-balancing and z losses (over the whole micro-batch: the step adds it
-    to the mean token loss) and the MoE metrics are averaged over the layers."""
+    to the mean token loss) and the MoE metrics are averaged over the layers.
+
+    documents: the batches are packed documents (`jaxring.data.packing`'s convention): also "segment_ids" and
+    "loss_mask", and "positions" restart at 0 in every document (RoPE by document position; the causal mask
+    follows the row). Attention stays inside each document, and the loss is the mean over the targets with
+    loss_mask 1 of the whole step's batch (every micro-batch, pipeline stage and data shard): `prepare` turns
+    the mask into "loss_weights" = loss_mask · (batch·seq / unmasked count), so that the step's division by
+    `loss_count` = batch·seq gives that mean.
+    """
 
     batch_size: int
     seq_len: int
+    documents: bool = False
+
+    @property
+    def batch_keys(self) -> tuple[str, ...]:
+        """The arrays a batch holds (each int32 [batch, seq], laid out by the plan like the tokens)."""
+        return ("tokens", "targets", "positions") + (("segment_ids", "loss_mask") if self.documents else ())
+
+    def prepare(self, batch: dict, key) -> dict:
+        del key
+        if not self.documents:
+            return batch
+        inputs = {k: v for k, v in batch.items() if k != "loss_mask"}
+        mask = batch["loss_mask"].astype(jnp.float32)
+        unmasked = jnp.maximum(jnp.sum(mask), 1.0)  # the whole step's batch: a global array here
+        inputs["loss_weights"] = mask * (self.loss_count / unmasked)
+        return inputs
 
     def input_specs(self, plan: ParallelPlan) -> dict:
-        return {name: plan.token_spec() for name in ("tokens", "targets", "positions")}
+        names = ("tokens", "targets", "positions") + (("segment_ids", "loss_weights") if self.documents else ())
+        return {name: plan.token_spec() for name in names}
 
     @property
     def loss_count(self) -> int:
@@ -454,10 +484,12 @@ class NextTokenObjective(Objective):
         return model.embed_tokens(mb["tokens"], mb["positions"], dtype, plan=plan)
 
     def layer(self, block: Block, carry, mb: dict, plan: ParallelPlan):
-        return GPT.block_step(block, carry, mb["positions"], plan)
+        return GPT.block_step(block, carry, mb["positions"], plan, mb.get("segment_ids"))
 
     def head(self, model: GPT, carry, mb: dict, plan: ParallelPlan, dtype):
         losses = model.head_losses(carry, mb["targets"], plan, dtype)
+        if self.documents:
+            losses = losses * mb["loss_weights"]
         if "moe" not in carry:
             return losses.sum(), {}
         stats, num_layers = carry["moe"], model.cfg.num_layers

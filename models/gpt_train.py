@@ -48,10 +48,11 @@ class GPTTask:
     """Next-token prediction on packed documents (or a .bin's windows), laid out by the plan on the data side.
 
     Batches follow `jaxring.data.packing`'s convention ("tokens", "targets", "segment_ids", "positions" within
-    each document, "loss_mask"). The step receives the keys the objective declares (`input_specs`): an
-    objective that takes "segment_ids" gets document positions and the document fields; one that does not
-    gets "tokens", "targets" and the row's positions (it masks causally by position, so document positions
-    would let a token see a later document's), i.e. packed rows attended across documents.
+    each document, "loss_mask"). The batch holds the keys the objective declares (`batch_keys`): from a
+    document store the objective takes documents (`NextTokenObjective.documents`: attention inside each
+    document, RoPE by document position, the loss over loss_mask); a .bin's windows are one stream with no
+    documents, so it gets "tokens", "targets" and the row's positions (the same computation as one segment
+    per row, without the masks' work).
     """
 
     def __init__(self, spec, plan: ParallelPlan):
@@ -78,7 +79,7 @@ class GPTTask:
                 f"--seq-len {self.seq_len}: {e}; e.g. --seq-len {_nearest_seq_len(plan, self.seq_len)}"
             ) from None
         gpt.check_plan(self.config, plan, t.batch_size // t.grad_accum, self.seq_len)
-        self.objective = gpt.NextTokenObjective(t.batch_size, self.seq_len)
+        self.objective = gpt.NextTokenObjective(t.batch_size, self.seq_len, documents=not self.data.is_windows)
         # the progress bar's MoE metrics (metrics.step_metrics' convention)
         self.progress = ("moe_aux_loss", "load_imbalance", "drop_rate") if self.config.moe is not None else ()
         self.plan, self.spec = plan, spec
@@ -97,7 +98,7 @@ class GPTTask:
         self._val = lambda: StepBatches(self.data.batches("val", seed=t.seed + 1, **rows), prefetch=0)
         self.val_batches = None  # built when first asked for
         self.source_name = self.batches.dataset.describe()
-        self.inputs = tuple(self.objective.input_specs(plan))
+        self.inputs = self.objective.batch_keys
 
     # ---- the data loader's position, saved in checkpoints (jaxring.train.loop)
     def data_state(self) -> dict:

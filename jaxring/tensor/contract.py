@@ -248,15 +248,19 @@ class TensorMethod(HasOptions):
         rope: Rope | None,
         window: int | None = None,
         norm_eps: float = 1e-6,
+        segment_ids=None,
     ):
         """x [b, s_act, hidden]; w: wq [h, hq·d], wk/wv [h, hkv·d], wo [hq·d, h] (local blocks of the global
         num_heads / num_kv_heads), optionally biases bq [hq·d], bk/bv [hkv·d], bo [h] and the QK-norm scales
-        q_norm/k_norm [d] (RMSNorm per head with eps `norm_eps`, before RoPE); positions int [b, s_tok];
-        window: a sliding window W (query i sees keys i - W < j <= i), None: unlimited. Returns [b, s_act, h]."""
+        q_norm/k_norm [d] (RMSNorm per head with eps `norm_eps`, before RoPE); positions int [b, s_tok]: the
+        RoPE positions (restarting at 0 in every packed document); segment_ids int [b, s_tok] or None: each
+        token's document (0: padding), attention stays inside it. The causal mask and a sliding window W (query
+        i sees keys i - W < j <= i; None: unlimited) follow the tokens' order in the row (the plan's layout).
+        Returns [b, s_act, h]."""
         q, k, v = (add_bias(x @ w[f"w{n}"], w.get(f"b{n}")) for n in "qkv")
         q, k, v = split_heads(q, k, v, head_dim)
         q, k = qk_norm_rope(q, k, w, positions, rope, eps=norm_eps)
-        out = plan.attend(q, k, v, positions, causal=causal, window=window)
+        out = plan.attend(q, k, v, causal=causal, window=window, segment_ids=segment_ids)
         return add_bias(merge_heads(out) @ w["wo"], w.get("bo"))
 
     def mlp(self, plan, x, w: dict, *, activation: str):

@@ -275,6 +275,7 @@ def attention(
     extras: dict | None = None,
     norm_eps: float = 1e-6,
     window: int | None = None,
+    segment_ids=None,
 ):
     """Self-attention with heads split over `axis_name`: Q, K, V column-linears, attention on the local heads
     over the whole (tp-gathered) sequence, output projection as a row-linear.
@@ -283,10 +284,13 @@ def attention(
       x: [b, s/p, h] (sequence parallel) or [b, s, h] (plain TP).
       wq: local [h, hq*head_dim]; wk, wv: local [h, hkv*head_dim] with hq % hkv == 0 (query head j of this
         rank reads its K/V head j // (hq / hkv)); wo: local [hq*head_dim, h].
-      positions: int [b, s/p] like x (then gathered with x) or already [b, s]: RoPE angles and the mask.
+      positions: int [b, s/p] like x (then gathered with x) or already [b, s]: RoPE angles (and the default
+        core's causal mask).
       rope_theta: a theta (plain RoPE), a `jaxring.rope.Rope`, or None.
-      attend: attend(q, k, v, positions) -> out on [b, s, heads, d]: the attention core, e.g. a sequence
-        strategy over another mesh axis (tensor × sequence parallelism); default flash attention.
+      attend: attend(q, k, v, positions, segment_ids) -> out on [b, s, heads, d]: the attention core, e.g. a
+        sequence strategy over another mesh axis (tensor × sequence parallelism); default flash attention.
+      segment_ids: int [b, s/p] or [b, s] like positions (gathered with them), or None: packed documents
+        (a query sees only keys of its segment; 0 is padding).
       extras: optional local biases bq [hq·d], bk/bv [hkv·d] (on the column outputs), bo [h] (after the
         reduction), and QK-norm scales q_norm/k_norm [d] (RMSNorm per head with eps `norm_eps`, before RoPE).
       window: sliding window W of the default core (needs causal): the query at position i sees keys
@@ -309,11 +313,12 @@ def attention(
     q, k, v = (t.reshape(b, s, -1, head_dim) for t in (q, k, v))
     gather = sequence_parallel and positions.shape[1] != s
     pos = gather_from_sp(positions, axis_name) if gather else positions  # [b, s]
+    seg = gather_from_sp(segment_ids, axis_name) if gather and segment_ids is not None else segment_ids
     q, k = qk_norm_rope(q, k, extras, pos, rope_theta, eps=norm_eps)
     if attend is None:
-        out = flash_attention(q, k, v, causal=causal, q_positions=pos, kv_positions=pos, window=window)
+        out = flash_attention(q, k, v, causal=causal, q_positions=pos, kv_positions=pos, segment_ids=seg, window=window)
     else:
-        out = attend(q, k, v, pos)  # [b, s, hq, d]
+        out = attend(q, k, v, pos, seg)  # [b, s, hq, d]
     return add_bias(row_parallel_linear(out.reshape(b, s, hq * head_dim), wo, **kw), extras.get("bo"))
 
 
@@ -728,12 +733,26 @@ class Megatron(TensorMethod):
         return rms_norm(x, scale, eps=eps)
 
     def attention(
-        self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope, window=None, norm_eps=1e-6
+        self,
+        plan,
+        x,
+        w,
+        positions,
+        *,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        rope,
+        window=None,
+        norm_eps=1e-6,
+        segment_ids=None,
     ):
         w = own_kv_head(w, num_kv_heads, plan.tp, head_dim)  # fewer K/V heads than tp: replicated
 
-        def attend(q, k, v, pos):
-            return plan.attend(q, k, v, pos, causal=causal, window=window)
+        def attend(q, k, v, rope_positions, segment_ids):
+            del rope_positions  # the mask follows the token order (the plan's layout), not RoPE positions
+            return plan.attend(q, k, v, causal=causal, window=window, segment_ids=segment_ids)
 
         extras = {n: w[n] for n in ("bq", "bk", "bv", "bo", "q_norm", "k_norm") if n in w}
         return attention(
@@ -749,6 +768,7 @@ class Megatron(TensorMethod):
             attend=attend,
             extras=extras,
             norm_eps=norm_eps,
+            segment_ids=segment_ids,
         )
 
     def mlp(self, plan, x, w, *, activation):

@@ -63,6 +63,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -72,7 +73,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring.attention.blockwise import BlockOps, get_block_ops, with_window
-from jaxring.attention.masking import check_window, positions_may_meet
+from jaxring.attention.masking import check_window, positions_may_meet, segments_may_meet
 from jaxring.attention.merge import empty_partial, merge_partials
 from jaxring.attention.ring import fuse_by_default
 from jaxring.attention.ring_step import when_visible
@@ -307,6 +308,8 @@ def metp_attention(
     extras: dict | None = None,
     norm_eps: float = 1e-6,
     window: int | None = None,
+    segment_ids=None,
+    token_order=None,
 ):
     """Two-level METP multi-head self-attention (Algorithms 3-6), inside `shard_map` over `axis_name` (p).
 
@@ -315,7 +318,8 @@ def metp_attention(
       wq: local [hidden, (num_heads/p)·head_dim], rank i's head group (heads i·n/p .. (i+1)·n/p, head-major
         columns); wk, wv: [hidden, (num_kv_heads/p)·head_dim] (the same group's kv heads); wo: [(num_heads/p)
         ·head_dim, hidden] (the group's rows of W_proj).
-      positions: local int [batch, s/p], the tokens' true positions (RoPE and the causal mask).
+      positions: local int [batch, s/p], the tokens' RoPE positions (and the causal mask's, unless
+        `token_order` is given).
       num_heads, num_kv_heads: global head counts (GQA when num_kv_heads < num_heads).
       rope_theta: a theta (plain RoPE), a `jaxring.rope.Rope`, or None.
       extras: optional biases bq [(num_heads/p)·head_dim], bk/bv [(num_kv_heads/p)·head_dim] (the group's,
@@ -326,6 +330,10 @@ def metp_attention(
         overlaps every hop with them. Default: with the compiled Pallas kernels (GPU) only.
       window: sliding window W (needs causal): the query at position i sees keys i - W < j <= i; inner-ring
         steps outside every local query's window are skipped. None: unlimited.
+      segment_ids: local int [batch, s/p] or None: packed documents, a query sees only keys of its segment
+        (0: padding). They travel the inner ring with K/V; a step whose blocks share no segment is skipped.
+      token_order: local int [batch, s/p], the tokens' order in the row for the causal mask and the window
+        (packed documents restart their RoPE positions; the mask follows the row); default `positions`.
     Returns: O_i [batch, s/p, hidden] in x.dtype. Differentiable in x and the weights (custom_vjp).
     """
     p = lax.axis_size(axis_name)
@@ -356,8 +364,10 @@ def metp_attention(
                 f"{name} block has shape {w.shape}; expected {want} (hidden {h}, {heads} q heads "
                 f"and {kv_heads} kv heads of dim {d} per group)"
             )
-    if positions.shape != x.shape[:2]:
-        raise ValueError(f"positions has shape {positions.shape}; expected [batch, s/p] = {x.shape[:2]}")
+    order = positions if token_order is None else token_order
+    for name, t in (("positions", positions), ("token_order", order), ("segment_ids", segment_ids)):
+        if t is not None and t.shape != x.shape[:2]:
+            raise ValueError(f"{name} has shape {t.shape}; expected [batch, s/p] = {x.shape[:2]}")
     if rope_theta is not None and d % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {d}")
     extras = extras or {}
@@ -388,8 +398,18 @@ def metp_attention(
     )
     # O_i = Σ_j A_ij W_proj_j is a weight matmul's output: named, so selective remat keeps it (the layer's
     # MLP input depends on it) instead of running the two-level rings again in the backward
-    out = checkpoint_name(_mha(x, (wq, wk, wv, wo), biases, norms, positions, cfg), MATMUL_OUTPUT)
+    tokens = _Tokens(positions, order, segment_ids)
+    out = checkpoint_name(_mha(x, (wq, wk, wv, wo), biases, norms, tokens, cfg), MATMUL_OUTPUT)
     return add_bias(out, extras.get("bo"))
+
+
+class _Tokens(typing.NamedTuple):
+    """The local tokens' int [b, s/p] arrays: RoPE positions, order in the row (the causal mask's), and
+    segment ids (None: one document)."""
+
+    rope: jax.Array
+    order: jax.Array
+    segments: jax.Array | None
 
 
 def _heads(t, scale, positions, cfg: _MhaConfig):
@@ -414,67 +434,79 @@ def _project(x, w_j, biases_j, norms, positions, cfg: _MhaConfig):
     return _heads(q, q_norm, positions, cfg), _heads(k, k_norm, positions, cfg), v
 
 
-def _block_forward(q, k, v, q_pos, kv_pos, cfg: _MhaConfig):
-    """One (Q block, K/V block) through the BlockOps forward, positions per batch row."""
+def _block_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, cfg: _MhaConfig):
+    """One (Q block, K/V block) through the BlockOps forward, positions (and segment ids) per batch row."""
     if not cfg.causal:
         zeros = jnp.zeros((q.shape[1],), jnp.int32)
-        return cfg.ops.forward(q, k, v, zeros, zeros, causal=False, sm_scale=cfg.sm_scale)
+        return cfg.ops.forward(q, k, v, zeros, zeros, q_seg, kv_seg, causal=False, sm_scale=cfg.sm_scale)
 
     ops = with_window(cfg.ops, cfg.window)
 
-    def one_row(q, k, v, qp, kp):
-        o, lse = ops.forward(q[None], k[None], v[None], qp, kp, causal=True, sm_scale=cfg.sm_scale)
+    def one_row(q, k, v, qp, kp, qs, ks):
+        qs, ks = (None, None) if qs is None else (qs[None], ks[None])
+        o, lse = ops.forward(q[None], k[None], v[None], qp, kp, qs, ks, causal=True, sm_scale=cfg.sm_scale)
         return o[0], lse[0]
 
-    return jax.vmap(one_row)(q, k, v, q_pos, kv_pos)
+    return jax.vmap(one_row)(q, k, v, q_pos, kv_pos, q_seg, kv_seg)
 
 
-def _block_backward(q, k, v, da, lse, delta, q_pos, kv_pos, cfg: _MhaConfig):
+def _block_backward(q, k, v, da, lse, delta, q_pos, kv_pos, q_seg, kv_seg, cfg: _MhaConfig):
     if not cfg.causal:
         zeros = jnp.zeros((q.shape[1],), jnp.int32)
-        return cfg.ops.backward(q, k, v, da, lse, delta, zeros, zeros, causal=False, sm_scale=cfg.sm_scale)
+        return cfg.ops.backward(
+            q, k, v, da, lse, delta, zeros, zeros, q_seg, kv_seg, causal=False, sm_scale=cfg.sm_scale
+        )
 
     ops = with_window(cfg.ops, cfg.window)
 
-    def one_row(q, k, v, da, lse, delta, qp, kp):
+    def one_row(q, k, v, da, lse, delta, qp, kp, qs, ks):
+        qs, ks = (None, None) if qs is None else (qs[None], ks[None])
         g = ops.backward(
-            q[None], k[None], v[None], da[None], lse[None], delta[None], qp, kp, causal=True, sm_scale=cfg.sm_scale
-        )
+            q[None], k[None], v[None], da[None], lse[None], delta[None], qp, kp, qs, ks, causal=True,
+            sm_scale=cfg.sm_scale,
+        )  # fmt: skip
         return tuple(x[0] for x in g)
 
-    return jax.vmap(one_row)(q, k, v, da, lse, delta, q_pos, kv_pos)
+    return jax.vmap(one_row)(q, k, v, da, lse, delta, q_pos, kv_pos, q_seg, kv_seg)
 
 
-def _when_visible(cfg: _MhaConfig, q_pos, kv_pos, compute, skip):
-    """`schedule.when_visible`, also skipping a block wholly outside every query's window (by position bounds)."""
-    if cfg.window is None:
+def _when_visible(cfg: _MhaConfig, q_pos, kv_pos, q_seg, kv_seg, compute, skip):
+    """`schedule.when_visible`, also skipping a block wholly outside every query's window (by position bounds)
+    or sharing no segment with the queries (by segment-id bounds: packed documents are numbered in order)."""
+    if cfg.window is None and q_seg is None:
         return when_visible(cfg.causal, q_pos, kv_pos, compute, skip)
-    visible = positions_may_meet(q_pos, kv_pos, causal=True, window=cfg.window)
+    visible = positions_may_meet(q_pos, kv_pos, causal=cfg.causal, window=cfg.window)
+    if q_seg is not None:
+        visible = visible & segments_may_meet(q_seg, kv_seg)
     return lax.cond(visible, compute, skip), visible
 
 
-def _inner_forward(q, k, v, positions, cfg: _MhaConfig):
+def _inner_forward(q, k, v, tokens: _Tokens, cfg: _MhaConfig):
     """Algorithm 3 (with the safe online softmax): Q_i stays, K/V of the head group go round the ring (with
-    their positions when causal). Returns A_ij fp32 [b, s/p, heads, d] and lse fp32 [b, s/p, heads].
+    their order in the row when causal, and their segment ids). Returns A_ij fp32 [b, s/p, heads, d] and lse
+    fp32 [b, s/p, heads].
     """
     p = lax.axis_size(cfg.axis_name)
+    order, seg = tokens.order, tokens.segments
 
     def attend(acc, kv, j):
-        k_j, v_j, kv_pos = kv
+        k_j, v_j, kv_pos, kv_seg = kv
         part, _ = _when_visible(
             cfg,
-            positions,
-            kv_pos,  # a block wholly in the future: skipped
-            lambda: _block_forward(q, k_j, v_j, positions, kv_pos, cfg),
+            order,
+            kv_pos,  # a block wholly in the future (or of other documents): skipped
+            seg,
+            kv_seg,
+            lambda: _block_forward(q, k_j, v_j, order, kv_pos, seg, kv_seg, cfg),
             lambda: empty_partial(q),
         )
         return merge_partials(*acc, *part)
 
     send = lambda kv: send_to_next(kv, cfg.axis_name, shift=FORWARD, fuse=cfg.fuse)
-    return ring_steps(attend, empty_partial(q), (k, v, positions if cfg.causal else None), p, send)
+    return ring_steps(attend, empty_partial(q), (k, v, order if cfg.causal else None, seg), p, send)
 
 
-def _inner_backward(q, k, v, da, lse, delta, positions, cfg: _MhaConfig):
+def _inner_backward(q, k, v, da, lse, delta, tokens: _Tokens, cfg: _MhaConfig):
     """Algorithm 4: ΔQ stays, ΔK/ΔV travel with K/V (p hops: home at the end). fp32 results.
 
     CPU form: each step adds its block's ΔK/ΔV and sends the sums on with the block (K, V, positions and
@@ -487,8 +519,10 @@ def _inner_backward(q, k, v, da, lse, delta, positions, cfg: _MhaConfig):
     p = lax.axis_size(cfg.axis_name)
     send = lambda tree: send_to_next(tree, cfg.axis_name, shift=BACKWARD, fuse=cfg.fuse)
 
+    order, seg = tokens.order, tokens.segments
+
     def block_grads(kv):
-        k_j, v_j, kv_pos = kv
+        k_j, v_j, kv_pos, kv_seg = kv
         zeros = lambda: (
             jnp.zeros_like(q, jnp.float32),
             jnp.zeros_like(k_j, jnp.float32),
@@ -496,14 +530,16 @@ def _inner_backward(q, k, v, da, lse, delta, positions, cfg: _MhaConfig):
         )
         grads, _ = _when_visible(
             cfg,
-            positions,
+            order,
             kv_pos,
-            lambda: _block_backward(q, k_j, v_j, da, lse, delta, positions, kv_pos, cfg),
+            seg,
+            kv_seg,
+            lambda: _block_backward(q, k_j, v_j, da, lse, delta, order, kv_pos, seg, kv_seg, cfg),
             zeros,
         )
         return grads
 
-    kv = (k, v, positions if cfg.causal else None)
+    kv = (k, v, order if cfg.causal else None, seg)
     if cfg.fuse:
 
         def accumulate(dq, kv, j, acc):
@@ -550,7 +586,7 @@ def _outer_steps(step_fn, carry, own, axis_name, reverse: bool = False):
     )
 
 
-def _mha_forward(x, weights, biases, norms, positions, cfg: _MhaConfig, keep: bool):
+def _mha_forward(x, weights, biases, norms, tokens: _Tokens, cfg: _MhaConfig, keep: bool):
     """Algorithm 5. Returns O_i fp32 and, when `keep`, A_i [p, b, s/p, heads, d] (x.dtype) and lse fp32."""
     p = lax.axis_size(cfg.axis_name)
     b, n, _ = x.shape
@@ -559,8 +595,8 @@ def _mha_forward(x, weights, biases, norms, positions, cfg: _MhaConfig, keep: bo
         o, kept = carry
         w_j, biases_j = own_j  # broadcast from rank j
         wo = w_j[3]
-        q, k, v = _project(x, w_j, biases_j, norms, positions, cfg)  # (Q_ij, K_ij, V_ij) = X_i W_qkv_j
-        a, lse = _inner_forward(q, k, v, positions, cfg)  # A_ij = METP_Attention(Q, K, V)
+        q, k, v = _project(x, w_j, biases_j, norms, tokens.rope, cfg)  # (Q_ij, K_ij, V_ij) = X_i W_qkv_j
+        a, lse = _inner_forward(q, k, v, tokens, cfg)  # A_ij = METP_Attention(Q, K, V)
         a = a.astype(x.dtype)
         o = o + _mm(a.reshape(b, n, -1), wo)  # O_i += A_ij W_proj_j
         if keep:
@@ -576,17 +612,17 @@ def _mha_forward(x, weights, biases, norms, positions, cfg: _MhaConfig, keep: bo
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _mha(x, weights, biases, norms, positions, cfg):
-    o, _ = _mha_forward(x, weights, biases, norms, positions, cfg, keep=False)
+def _mha(x, weights, biases, norms, tokens, cfg):
+    o, _ = _mha_forward(x, weights, biases, norms, tokens, cfg, keep=False)
     return o.astype(x.dtype)
 
 
-def _mha_fwd(x, weights, biases, norms, positions, cfg):
-    o, (a, lse) = _mha_forward(x, weights, biases, norms, positions, cfg, keep=True)
-    # stored: X_i, the attention output A_i and its lse (+ the rank's own weight blocks and positions); named,
+def _mha_fwd(x, weights, biases, norms, tokens, cfg):
+    o, (a, lse) = _mha_forward(x, weights, biases, norms, tokens, cfg, keep=True)
+    # stored: X_i, the attention output A_i and its lse (+ the rank's own weight blocks and token arrays); named,
     # so that selective remat around the layer keeps them rather than running this forward again
     a, lse = checkpoint_name(a, KEPT_RESIDUAL), checkpoint_name(lse, KEPT_RESIDUAL)
-    return o.astype(x.dtype), (x, weights, biases, norms, positions, a, lse)
+    return o.astype(x.dtype), (x, weights, biases, norms, tokens, a, lse)
 
 
 def _mha_bwd(cfg, residuals, do):
@@ -594,14 +630,14 @@ def _mha_bwd(cfg, residuals, do):
 
     The head groups go in reverse order (any order is correct). Weight gradients are fp32 until the end.
     """
-    x, weights, biases, norms, positions, a_all, lse_all = residuals
+    x, weights, biases, norms, tokens, a_all, lse_all = residuals
     rank = lax.axis_index(cfg.axis_name)
     b, n, _ = x.shape
     flat = lambda g: g.astype(x.dtype).reshape(b, n, -1)
     # the QK-norm scales as varying copies: their vjp is then this rank's share (an invariant scale's vjp
     # would already be psummed over tp, and _sum_to below sums the shares once)
     q_norm, k_norm = jax.tree.map(lambda t: vary_like(t, x), norms) if norms else (None, None)
-    post = lambda t, scale: _heads(t, scale, positions, cfg)
+    post = lambda t, scale: _heads(t, scale, tokens.rope, cfg)
 
     def head_group(carry, own_j, j):
         dx, dw_own, dnorms = carry
@@ -613,7 +649,7 @@ def _mha_bwd(cfg, residuals, do):
         (q, q_vjp), (k, k_vjp) = jax.vjp(post, q, q_norm), jax.vjp(post, k, k_norm)  # recompute Q, K (QK-norm, RoPE)
         da = _mm(do, wo.T).reshape(a.shape).astype(x.dtype)  # ΔA_ij = ΔO_i W_proj_jᵀ
         delta = jnp.sum(da.astype(jnp.float32) * a.astype(jnp.float32), axis=-1)  # D_i = rowsum(ΔA ⊙ A)
-        dq, (dk, dv) = _inner_backward(q, k, v, da, lse, delta, positions, cfg)
+        dq, (dk, dv) = _inner_backward(q, k, v, da, lse, delta, tokens, cfg)
         dq, dq_norm = q_vjp(dq.astype(x.dtype))  # through RoPE (a rotation: its transpose) and the QK-norm
         dq = flat(dq)
         dwq, dxq = _outer(x, dq), _mm(dq, wq.T)  # ΔQ's GEMMs first: in the GPU form
@@ -862,10 +898,25 @@ class METP(TensorMethod):
         return tuple(axis(a) for a in info.logical_axes)
 
     def attention(
-        self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope, window=None, norm_eps=1e-6
+        self,
+        plan,
+        x,
+        w,
+        positions,
+        *,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        rope,
+        window=None,
+        norm_eps=1e-6,
+        segment_ids=None,
     ):
         if num_kv_heads < plan.tp:  # each rank's group reads one replicated K/V head
             w, num_kv_heads = own_kv_head(w, num_kv_heads, plan.tp, head_dim), plan.tp
+        b, n = positions.shape  # the tokens are contiguous over tp (no layout at sp = 1): rank r holds r·n ..
+        order = jnp.broadcast_to(lax.axis_index("tp") * n + jnp.arange(n, dtype=jnp.int32), (b, n))
         return metp_attention(
             x,
             w["wq"],
@@ -882,6 +933,8 @@ class METP(TensorMethod):
             extras={n: w[n] for n in ("bq", "bk", "bv", "bo", "q_norm", "k_norm") if n in w},
             norm_eps=norm_eps,
             window=window,
+            segment_ids=segment_ids,
+            token_order=order,
         )
 
     def mlp(self, plan, x, w, *, activation):

@@ -300,10 +300,14 @@ def attention_2d(
     axes=GRID,
     window: int | None = None,
     norm_eps: float = 1e-6,
+    segment_ids=None,
+    token_order=None,
 ):
     """Self-attention with n/q heads of b/q whole sequences per device (Fig. 4).
 
-    x: local [b/q, s, h/q]; positions: local int [b/q, s]; params: local blocks wq [h/q, n·d/q],
+    x: local [b/q, s, h/q]; positions: local int [b/q, s], RoPE's (and the causal mask's unless `token_order`
+    int [s] or [b/q, s] is given: packed documents restart their positions, the mask follows the row);
+    segment_ids: local int [b/q, s] or None, a query sees only keys of its segment (0: padding); params: local blocks wq [h/q, n·d/q],
     wk, wv [h/q, n_kv·d/q], wo [n·d/q, h/q] (column block j of wq/wk/wv = heads of group j), optionally
     the biases' column blocks bq [n·d/q], bk/bv [n_kv·d/q], bo [h/q] and the QK-norm scales q_norm/k_norm [d]
     (whole: heads are whole on a device). rope_theta: a theta, a `jaxring.rope.Rope` or None.
@@ -321,7 +325,10 @@ def attention_2d(
     parts = (qkv[..., : sizes[0]], qkv[..., sizes[0] : sizes[0] + sizes[1]], qkv[..., sizes[0] + sizes[1] :])
     qh, kh, vh = (add_bias(t, params.get(f"b{n}")).reshape(bq, s, -1, head_dim) for t, n in zip(parts, "qkv"))
     qh, kh = qk_norm_rope(qh, kh, params, positions, rope_theta, eps=norm_eps)
-    out = flash_attention(qh, kh, vh, causal=causal, q_positions=positions, kv_positions=positions, window=window)
+    order = positions if token_order is None else token_order
+    out = flash_attention(
+        qh, kh, vh, causal=causal, q_positions=order, kv_positions=order, segment_ids=segment_ids, window=window
+    )
     return add_bias(_matmul(out.reshape(bq, s, heads * head_dim), params["wo"], axes), params.get("bo"))
 
 
@@ -766,7 +773,20 @@ class Optimus(TensorMethod):
         return rms_norm_2d(x, scale, eps=eps)
 
     def attention(
-        self, plan, x, w, positions, *, num_heads, num_kv_heads, head_dim, causal, rope, window=None, norm_eps=1e-6
+        self,
+        plan,
+        x,
+        w,
+        positions,
+        *,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        causal,
+        rope,
+        window=None,
+        norm_eps=1e-6,
+        segment_ids=None,
     ):
         del head_dim
         return attention_2d(
@@ -779,6 +799,8 @@ class Optimus(TensorMethod):
             rope_theta=rope,
             window=window,
             norm_eps=norm_eps,
+            segment_ids=segment_ids,
+            token_order=jnp.arange(positions.shape[1], dtype=jnp.int32),  # whole rows: the layout's order
         )
 
     def mlp(self, plan, x, w, *, activation):
