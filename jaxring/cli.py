@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Sequence
 
 from jaxring.spec import SECTIONS, RunSpec, _accepts, _choices, _fields, _flag
 
@@ -24,12 +25,12 @@ META_FLAGS = ("config", "print_config", "debug", "compile_for")
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):
+    def error(self, message: str):
         """One line (not the usage block), exit code 2."""
         self.exit(EXIT_USER_ERROR, f"error: {message} (see {self.prog} --help)\n")
 
 
-def _default_text(value) -> str:
+def _default_text(value: object) -> str:
     if value is None:
         return "none"
     if isinstance(value, bool):
@@ -109,7 +110,9 @@ def _add_options(p: argparse.ArgumentParser) -> None:
         )
 
 
-def parse_command_line(argv=None, prog: str = "train.py", description: str | None = None):
+def parse_command_line(
+    argv: Sequence[str] | None = None, prog: str = "train.py", description: str | None = None
+) -> tuple[RunSpec, argparse.Namespace]:
     """(spec, meta): the run specification from `--config` (if given) with the flags over it (not yet
     validated), and the namespace of the meta flags (config, print_config, debug). Bad flags, a bad YAML
     file or an unknown key end the process with one line and exit code 2."""

@@ -31,11 +31,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jax.sharding import Mesh
 
 from jaxring.costs import F32, AttentionCost, AttentionShape
+
+if TYPE_CHECKING:
+    from jaxring.tensor.contract import TensorMethod
 
 __all__ = [
     "HasOptions",
@@ -201,7 +204,7 @@ def _builtins() -> None:
         import jaxring.tensor  # noqa: F401 (imported for their registrations)
 
 
-def _register(table: dict, entry, kind: str):
+def _register(table: dict, entry: HasOptions, kind: str):
     if not entry.name or not isinstance(entry.name, str):
         raise ValueError(f"a {kind} needs a name, got {entry.name!r}")
     old = table.get(entry.name)
@@ -224,7 +227,7 @@ def register_sequence_strategy(entry: SequenceStrategy) -> SequenceStrategy:
     return _register(_SEQUENCE, entry, "sequence strategy")
 
 
-def register_tensor_method(method):
+def register_tensor_method(method: TensorMethod) -> TensorMethod:
     """A `jaxring.tensor.contract.TensorMethod` instance."""
     return _register(_TENSOR, method, "tensor method")
 
@@ -234,7 +237,7 @@ def register_pipeline_schedule(entry: PipelineSchedule) -> PipelineSchedule:
 
 
 @contextlib.contextmanager
-def registered(entry) -> Iterator[Any]:
+def registered(entry: HasOptions) -> Iterator[Any]:
     """Registers `entry` (a SequenceStrategy, TensorMethod or PipelineSchedule) for the `with` block only, then
     removes it: an experiment or a test that must leave the registry as it found it."""
     _builtins()
@@ -269,7 +272,7 @@ def pipeline_schedules() -> dict[str, PipelineSchedule]:
     return dict(_SCHEDULES)
 
 
-def _lookup(table: dict, name, what: str, hidden=()):
+def _lookup(table: dict, name: str, what: str, hidden: tuple[str, ...] = ()):
     _builtins()
     if name not in table:
         names = ", ".join(n for n in table if n not in hidden)
@@ -281,7 +284,7 @@ def sequence_strategy(name: str) -> SequenceStrategy:
     return _lookup(_SEQUENCE, name, "attention strategy")
 
 
-def tensor_method(name: str | None):
+def tensor_method(name: str | None) -> TensorMethod:
     """The TensorMethod registered as `name` (None: no tensor parallelism)."""
     return _lookup(_TENSOR, "none" if name is None else name, "tensor parallelism", hidden=("none",))
 

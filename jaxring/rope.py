@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -73,13 +74,13 @@ class Rope:
             return float(self.attention_factor)
         return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
-    def cos_sin(self, positions, head_dim: int):
+    def cos_sin(self, positions: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array]:
         """(cos, sin) fp32 [..., head_dim // 2] at positions int [...], scaled by `attention_scaling`."""
         angles = jnp.asarray(positions, jnp.float32)[..., None] * jnp.asarray(self.inv_freq(head_dim))
         scale = self.attention_scaling
         return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
-    def apply(self, x, positions):
+    def apply(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """x [batch, seq, heads, head_dim] rotated at positions int [batch, seq] or [seq]; x's dtype (fp32 math)."""
         cos, sin = self.cos_sin(positions, x.shape[-1])  # [(b,) s, d/2]
         if cos.ndim == 2:
@@ -89,7 +90,7 @@ class Rope:
         return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def as_rope(value) -> Rope | None:
+def as_rope(value: Rope | float | None) -> Rope | None:
     """A `Rope` from a Rope, a theta (plain RoPE) or None (no RoPE)."""
     if value is None or isinstance(value, Rope):
         return value
@@ -113,7 +114,7 @@ def _inv_freq(rope: Rope, head_dim: int) -> np.ndarray:
     return base.astype(np.float32)
 
 
-def _llama3(inv_freq, rope: Rope):
+def _llama3(inv_freq: np.ndarray, rope: Rope):
     original = rope.original_max_positions
     low_wavelen, high_wavelen = original / rope.low_freq_factor, original / rope.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -124,10 +125,10 @@ def _llama3(inv_freq, rope: Rope):
     return np.where(medium, blended, scaled)
 
 
-def _yarn(inv_freq, rope: Rope, head_dim: int):
+def _yarn(inv_freq: np.ndarray, rope: Rope, head_dim: int):
     original = rope.original_max_positions
 
-    def correction_dim(rotations):  # the dim whose wavelength makes `rotations` turns over the original context
+    def correction_dim(rotations: float):  # the dim whose wavelength makes `rotations` turns over the original context
         return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
 
     low = max(math.floor(correction_dim(rope.beta_fast)), 0)
@@ -139,12 +140,12 @@ def _yarn(inv_freq, rope: Rope, head_dim: int):
     return inv_freq / rope.factor * (1 - extrapolation) + inv_freq * extrapolation
 
 
-def rope_frequencies(head_dim: int, theta: float = 10000.0):
+def rope_frequencies(head_dim: int, theta: float = 10000.0) -> jax.Array:
     """Inverse frequencies fp32 [head_dim // 2] of plain RoPE."""
     return jnp.asarray(Rope(theta=theta).inv_freq(head_dim))
 
 
-def apply_rope(x, positions, rope: Rope | float = 10000.0):
+def apply_rope(x: jax.Array, positions: jax.Array, rope: Rope | float = 10000.0) -> jax.Array:
     """Rotates halves (x[..., :d/2], x[..., d/2:]) by angle position · inv_freq (see `Rope.apply`).
 
     Args:

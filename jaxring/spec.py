@@ -23,8 +23,13 @@ import math
 import os
 import types
 import typing
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import jax
+
+    from jaxring.plan import ParallelPlan
 
 __all__ = [
     "SECTIONS",
@@ -65,7 +70,7 @@ def setting(
     flag: str | None = None,
     metavar: str | None = None,
     entries: Callable[[], dict] | None = None,
-):
+) -> Any:
     """A dataclass field that is a run setting: its default, its help, its rule (see RULE_TEXT) or choices
     (a tuple, or a function returning one: registries fill in late), its flag if not --NAME-WITH-DASHES, and
     `entries`: a function returning {name: registry entry} whose summaries the help lists."""
@@ -393,7 +398,7 @@ def _flat_index() -> dict[str, str]:
     return {name: s for s, cls in SECTIONS.items() for name in _fields(cls) if name != "options"}
 
 
-def nearest(name: str, names) -> str:
+def nearest(name: str, names: Iterable[str]) -> str:
     """' (did you mean X?)' for the closest of `names`, or ''."""
     match = difflib.get_close_matches(name, list(names), n=1, cutoff=0.5)
     return f" (did you mean {match[0]!r}?)" if match else ""
@@ -416,15 +421,15 @@ def _accepts(section: type, name: str) -> tuple[tuple[type, ...], bool]:
     return tuple(a for a in args if a is not type(None)), type(None) in args
 
 
-def _is_int(v) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v) -> bool:
+def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def check_rule(label: str, value, rule: str) -> None:
+def check_rule(label: str, value: object, rule: str) -> None:
     """ValueError "LABEL VALUE must be RULE" unless `value` obeys `rule` (a key of RULE_TEXT)."""
     if rule == "int>=1":
         ok = _is_int(value) and value >= 1
@@ -446,12 +451,12 @@ def check_rule(label: str, value, rule: str) -> None:
         raise ValueError(f"{label} {value!r} must be {RULE_TEXT[rule]}")
 
 
-def _choices(meta) -> tuple | None:
+def _choices(meta: Mapping[str, Any]) -> tuple | None:
     choices = meta.get("choices")
     return choices() if callable(choices) else choices
 
 
-def check_setting(section: type, name: str, value) -> None:
+def check_setting(section: type, name: str, value: object) -> None:
     """One setting's type, rule and choices; ValueError naming the flag, the value and the rule."""
     f = _fields(section)[name]
     label = (f.metadata.get("flag") and _flag(f.metadata["flag"])) or _flag(name)
@@ -692,7 +697,7 @@ class RunSpec:
         )
         return dataclasses.replace(self, parallel=p)
 
-    def plan(self, devices=None):
+    def plan(self, devices: Sequence[jax.Device] | None = None) -> ParallelPlan:
         """The ParallelPlan the run's parallel settings name (see `make_plan`)."""
         p = self.parallel
         return make_plan(
@@ -790,7 +795,7 @@ def check_batch_split(p: ParallelSettings, t: TrainingSettings) -> None:
     )
 
 
-def _plain(value):
+def _plain(value: Any):
     """YAML-safe: tuples as lists, mappings as dicts."""
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
@@ -818,7 +823,7 @@ _PLAN_SETTINGS = (
 )
 
 
-def make_plan(devices=None, **settings):
+def make_plan(devices: Sequence[jax.Device] | None = None, **settings) -> ParallelPlan:
     """The `ParallelPlan` that `train.py` builds from the same parallel settings, by the flags' names with
     underscores: make_plan(sp=8, attention="ring", layout="zigzag", tp=2, tensor_parallel="megatron", pp=2,
     pipeline_schedule="1f1b", microbatches=4, team_size=..., ...). Degrees not given are 1; with none given,

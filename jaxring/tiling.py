@@ -16,6 +16,8 @@ the same rows (`TensorMethod.tile_targets` arranges the token-layout targets to 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +39,7 @@ def tile_count(rows: int, tile: int | None, what: str) -> int:
     return rows // tile
 
 
-def over_tiles(fn, tiles: int, arrays: tuple, axis: int = 1):
+def over_tiles(fn: Callable[..., Any], tiles: int, arrays: tuple, axis: int = 1) -> Any:
     """fn(*tile_of_each_array) on `tiles` equal consecutive tiles along `axis` of every array, one tile at a
     time (a `lax.map`); the results (a pytree of arrays with the same tiled axis) concatenated back along
     `axis`. The backward recomputes each tile's forward from its inputs and takes its VJP, one tile at a time,
@@ -47,11 +49,11 @@ def over_tiles(fn, tiles: int, arrays: tuple, axis: int = 1):
     if tiles == 1:
         return fn(*arrays)
 
-    def split(a):
+    def split(a: jax.Array):
         n = a.shape[axis]
         return jnp.moveaxis(a.reshape(a.shape[:axis] + (tiles, n // tiles) + a.shape[axis + 1 :]), axis, 0)
 
-    def merge(o):
+    def merge(o: jax.Array):
         o = jnp.moveaxis(o, 0, axis)
         return o.reshape(o.shape[:axis] + (o.shape[axis] * o.shape[axis + 1],) + o.shape[axis + 2 :])
 
@@ -60,27 +62,27 @@ def over_tiles(fn, tiles: int, arrays: tuple, axis: int = 1):
     return jax.tree.map(merge, _tiled(closed, parts, tuple(consts)))
 
 
-def _differentiable(a) -> bool:
+def _differentiable(a: jax.Array) -> bool:
     return jnp.issubdtype(a.dtype, jnp.inexact)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _tiled(fn, parts, consts):
+def _tiled(fn: Callable[..., Any], parts: tuple[jax.Array, ...], consts: tuple[jax.Array, ...]):
     return lax.map(lambda p: fn(*p, *consts), parts)
 
 
-def _tiled_fwd(fn, parts, consts):
+def _tiled_fwd(fn: Callable[..., Any], parts: tuple[jax.Array, ...], consts: tuple[jax.Array, ...]):
     return _tiled(fn, parts, consts), (parts, consts)
 
 
-def _tiled_bwd(fn, residuals, g):
+def _tiled_bwd(fn: Callable[..., Any], residuals: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]], g: Any):
     """Per tile: its forward again and its VJP; d(consts) summed over the tiles (the first tile's seeds the
     sum, so it has the type the VJP gives), d(parts) stacked."""
     parts, consts = residuals
     diff = [i for i, p in enumerate(parts) if _differentiable(p)]
 
-    def tile_vjp(p, g_tile):
-        def f(dp, c):
+    def tile_vjp(p: tuple[jax.Array, ...], g_tile: Any):
+        def f(dp: list[jax.Array], c: tuple[jax.Array, ...]):
             q = list(p)
             for i, a in zip(diff, dp, strict=True):
                 q[i] = a
@@ -92,7 +94,7 @@ def _tiled_bwd(fn, residuals, g):
     first = jax.tree.map(lambda a: a[0], (parts, g))
     d_first, d_consts = tile_vjp(*first)
 
-    def step(acc, tile):
+    def step(acc: tuple[jax.Array, ...], tile: tuple[tuple[jax.Array, ...], Any]):
         d_parts, d_c = tile_vjp(*tile)
         return jax.tree.map(jnp.add, acc, d_c), d_parts
 

@@ -17,6 +17,9 @@ that band (in rank order a zig-zag or striped layout scatters it over several ra
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -27,20 +30,23 @@ from jaxring.attention.ulysses import local_implementation
 from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer
 from jaxring.registry import SequenceStrategy, register_sequence_strategy
 
+if TYPE_CHECKING:
+    from jaxring.attention.blockwise import BlockOps
+
 
 def allgather_attention(
-    q,
-    k,
-    v,
-    segment_ids=None,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
     *,
-    axis_name="sp",
+    axis_name: str | tuple[str, ...] = "sp",
     layout: str = "zigzag",
     causal: bool = True,
     sm_scale: float | None = None,
-    block_ops="auto",
+    block_ops: str | BlockOps = "auto",
     window: int | None = None,
-):
+) -> jax.Array:
     """All-gather attention inside `shard_map`, sequence already in `layout`; shapes as `ring_attention`
     (window: the sliding window, see `ring_attention`; the local flash attention visits only its band)."""
     check_qkv(q, k, v)
@@ -94,7 +100,19 @@ def allgather_cost(s: AttentionShape, options: dict) -> AttentionCost:
 # ---------------------------------------------------------------------------------------- registry entry
 
 
-def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, window=None):
+def _attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    *,
+    seq_axes: tuple[str, ...],
+    layout: str,
+    causal: bool,
+    sm_scale: float,
+    block_ops: str | BlockOps,
+    window: int | None = None,
+):
     return allgather_attention(
         q,
         k,

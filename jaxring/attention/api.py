@@ -7,8 +7,11 @@ inputs, lays the sequence out, and runs the strategy's `attend` in a shard_map o
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
+import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxring.attention.blockwise import get_block_ops
@@ -19,10 +22,13 @@ from jaxring.mesh import DATA_AXES, mesh_axis_size, spec_entry
 from jaxring.registry import sequence_strategy
 from jaxring.sharded import run_local
 
+if TYPE_CHECKING:
+    from jaxring.attention.blockwise import BlockOps
+
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def check_attention_inputs(q, k, v, causal) -> None:
+def check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> None:
     """Shapes (check_qkv), one floating dtype for q, k and v, and a real bool for causal."""
     check_qkv(q, k, v)
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
@@ -36,24 +42,24 @@ def check_attention_inputs(q, k, v, causal) -> None:
 
 
 def sharded_attention(
-    q,
-    k,
-    v,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
     *,
-    mesh,
+    mesh: Mesh,
     strategy: str = "ring",
     causal: bool = True,
     layout: str | None = None,
-    segment_ids=None,
+    segment_ids: jax.Array | None = None,
     sm_scale: float | None = None,
-    block_ops="auto",
+    block_ops: str | BlockOps = "auto",
     seq_axis: str = "sp",
     batch_axes: tuple[str, ...] | None = None,
     head_axis: str = "tp",
     laid_out: bool = False,
     window: int | None = None,
     **options,
-):
+) -> jax.Array:
     """Attention over global arrays, computed with a sequence-parallel strategy on `mesh`.
 
     Args:
@@ -150,7 +156,20 @@ def sharded_attention(
     )
 
 
-def _local(q, k, v, *segment_ids, strategy, seq_axes, layout, causal, sm_scale, block_ops, laid_out, options):
+def _local(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *segment_ids,
+    strategy: str,
+    seq_axes: tuple[str, ...],
+    layout: str,
+    causal: bool,
+    sm_scale: float,
+    block_ops: str | BlockOps,
+    laid_out: bool,
+    options: tuple[tuple[str, object], ...],
+):
     """The per-device body: re-layout (unless laid out), the strategy's local attention, back to natural.
     `options` carries the window only when one is set (a strategy registered without it still runs)."""
     attend = sequence_strategy(strategy).attend

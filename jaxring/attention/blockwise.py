@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -85,12 +86,14 @@ def _tile_size(n: int, target: int) -> int:
     return t if t * 8 >= min(n, target) else n
 
 
-def tile_visible(q_positions, kv_positions, *, causal: bool, window: int | None = None):
+def tile_visible(
+    q_positions: jax.Array, kv_positions: jax.Array, *, causal: bool, window: int | None = None
+) -> jax.Array:
     """False when the causal mask (and the window) hides every (query, key) pair of the tile: it can be skipped."""
     return positions_may_meet(q_positions, kv_positions, causal=causal, window=window)
 
 
-def _check_positions(q, k, q_positions, kv_positions):
+def _check_positions(q: jax.Array, k: jax.Array, q_positions: jax.Array, kv_positions: jax.Array):
     """Positions are shared by the batch: int [n] (per-row positions would be split along the wrong axis)."""
     for name, pos, n in (("q_positions", q_positions, q.shape[1]), ("kv_positions", kv_positions, k.shape[1])):
         if pos.shape != (n,):
@@ -101,8 +104,16 @@ def _check_positions(q, k, q_positions, kv_positions):
 
 
 def tile_ranges(
-    q_positions, kv_positions, q_segment_ids, kv_segment_ids, *, causal: bool, q_tile: int, kv_tile: int, window=None
-):
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    q_segment_ids: jax.Array | None,
+    kv_segment_ids: jax.Array | None,
+    *,
+    causal: bool,
+    q_tile: int,
+    kv_tile: int,
+    window: int | None = None,
+) -> jax.Array:
     """int32 [nq / q_tile, 4]: for each Q tile the K/V tile loop (lo, full_lo, full_hi, hi), batch-wide."""
     from jaxring.attention.flash_tiles import loop_ranges, visibility
 
@@ -117,15 +128,15 @@ def tile_ranges(
     return loop_ranges(jnp.any(vis, axis=0), jnp.all(full, axis=0))
 
 
-def _tiles(q, k, q_tile, kv_tile):
+def _tiles(q: jax.Array, k: jax.Array, q_tile: int, kv_tile: int):
     return _tile_size(q.shape[1], q_tile), _tile_size(k.shape[1], kv_tile)
 
 
-def _slice(x, start, size, axis=1):
+def _slice(x: jax.Array | None, start: int | jax.Array, size: int, axis: int = 1):
     return None if x is None else lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
-def _three_loops(rng, body, carry):
+def _three_loops(rng: jax.Array, body: Callable[..., Any], carry: tuple[jax.Array, ...]):
     """body(j, carry, masked=...) over K/V tiles [lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, hi)."""
     lo, flo, fhi, hi = rng[0], rng[1], rng[2], rng[3]
     carry = lax.fori_loop(lo, flo, functools.partial(body, masked=True), carry)
@@ -133,40 +144,48 @@ def _three_loops(rng, body, carry):
     return lax.fori_loop(fhi, hi, functools.partial(body, masked=True), carry)
 
 
-def _heads_major(x, kv_heads):
+def _heads_major(x: jax.Array, kv_heads: int):
     """[b, t, hq, d] -> [b, kv_heads, groups, t, d] (query heads grouped by the K/V head they read)."""
     b, t, hq, d = x.shape
     return jnp.transpose(x.reshape(b, t, kv_heads, hq // kv_heads, d), (0, 2, 3, 1, 4))
 
 
-def _varying(inputs, tree):
+def _varying(inputs: Iterable[jax.Array | None], tree: Any):
     """`tree` (loop carries) made varying over every mesh axis any input varies over (check_vma)."""
     axes = frozenset().union(*(varying_axes(x) for x in inputs if x is not None))
     return jax.tree.map(lambda x: vary(x, axes), tree)
 
 
-def _mask_scores(s, qpos, kpos, qseg, kseg, causal, window):
+def _mask_scores(
+    s: jax.Array,
+    qpos: jax.Array,
+    kpos: jax.Array,
+    qseg: jax.Array | None,
+    kseg: jax.Array | None,
+    causal: bool,
+    window: int | None,
+):
     """s [b, hkv, g, tq, tk] with invisible pairs set to -inf."""
     mask = attention_mask(qpos, kpos, qseg, kseg, causal=causal, window=window)
     return s if mask is None else jnp.where(mask[:, None, None], s, -jnp.inf)
 
 
 def block_forward(
-    q,
-    k,
-    v,
-    q_positions,
-    kv_positions,
-    q_segment_ids=None,
-    kv_segment_ids=None,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
     *,
     causal: bool,
     sm_scale: float,
     q_tile: int = FORWARD_TILE,
     kv_tile: int = FORWARD_TILE,
-    into=None,
+    into: tuple[jax.Array, jax.Array] | None = None,
     window: int | None = None,
-):
+) -> tuple[jax.Array, jax.Array]:
     """Attention of one Q block over one K/V block; see the module docstring for shapes.
 
     into: optional running (out, lse) fp32 of the same queries over other keys; the online softmax then
@@ -183,13 +202,13 @@ def block_forward(
     )
     inputs = (q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, ranges)
 
-    def q_tile_body(i, outputs):
+    def q_tile_body(i: jax.Array, outputs: tuple[jax.Array, jax.Array]):
         out, lse = outputs
         rows = i * tq
         q_i = _heads_major(_slice(q, rows, tq).astype(jnp.float32) * sm_scale, hkv)  # [b, hkv, g, tq, d]
         qpos_i, qseg_i = _slice(q_positions, rows, tq, 0), _slice(q_segment_ids, rows, tq)
 
-        def kv_tile_body(j, carry, *, masked):
+        def kv_tile_body(j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array], *, masked: bool):
             acc, m, l = carry
             keys = j * tk
             s = jnp.einsum("bhgqd,bkhd->bhgqk", q_i, _slice(k, keys, tk).astype(jnp.float32))
@@ -233,24 +252,24 @@ def block_forward(
 
 
 def block_backward(
-    q,
-    k,
-    v,
-    dout,
-    lse,
-    delta,
-    q_positions,
-    kv_positions,
-    q_segment_ids=None,
-    kv_segment_ids=None,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    dout: jax.Array,
+    lse: jax.Array,
+    delta: jax.Array,
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
     *,
     causal: bool,
     sm_scale: float,
     q_tile: int = BACKWARD_TILE,
     kv_tile: int = BACKWARD_TILE,
-    into=None,
+    into: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     window: int | None = None,
-):
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gradients of one (Q block, K/V block) pair given the global lse and delta; fp32 results.
 
     into: optional fp32 (dq, dk, dv) accumulators; this pair's gradients are added to them in place.
@@ -267,7 +286,7 @@ def block_backward(
     # [b, tq, hq] -> [b, hkv, g, tq]
     as_rows = lambda x: jnp.transpose(x.reshape(b, tq, hkv, g), (0, 2, 3, 1))
 
-    def q_tile_body(i, grads):
+    def q_tile_body(i: jax.Array, grads: tuple[jax.Array, jax.Array, jax.Array]):
         dq, dk, dv = grads
         rows = i * tq
         q_i = _heads_major(_slice(q, rows, tq).astype(jnp.float32) * sm_scale, hkv)  # [b, hkv, g, tq, d]
@@ -277,7 +296,7 @@ def block_backward(
         delta_i = as_rows(_slice(delta, rows, tq))[..., None]
         qpos_i, qseg_i = _slice(q_positions, rows, tq, 0), _slice(q_segment_ids, rows, tq)
 
-        def kv_tile_body(j, carry, *, masked):
+        def kv_tile_body(j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array], *, masked: bool):
             dq_i, dk, dv = carry
             keys = j * tk
             k_j = _slice(k, keys, tk).astype(jnp.float32)

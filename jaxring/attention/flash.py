@@ -31,6 +31,8 @@ so they contribute exactly nothing.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +41,7 @@ from jaxring.attention.blockwise import BlockOps, block_backward, block_forward
 from jaxring.attention.flash_kernels import pallas_backward, pallas_forward
 from jaxring.attention.flash_tiles import (
     IMPLEMENTATIONS,
+    Config,
     default_block_config,
     kernel_tiles,
     make_config,
@@ -65,7 +68,15 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(j
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
+def _check_inputs(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array | None,
+    kv_positions: jax.Array | None,
+    q_segment_ids: jax.Array | None,
+    kv_segment_ids: jax.Array | None,
+):
     check_qkv(q, k, v)  # ranks, batch, head_dim, GQA divisibility
     for name, x in (("q", q), ("k", k), ("v", v)):
         if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
@@ -102,7 +113,9 @@ def _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _jnp_call(fn, q_positions, kv_positions, args, kwargs):
+def _jnp_call(
+    fn: Callable[..., Any], q_positions: jax.Array | None, kv_positions: jax.Array | None, args: tuple, kwargs: dict
+):
     """block_forward/backward take [n] positions; batched [b, n] positions run them per batch row."""
     if q_positions.ndim == 1 and kv_positions.ndim == 1:
         return fn(*args[:-4], q_positions, kv_positions, *args[-2:], **kwargs)
@@ -119,13 +132,23 @@ def _jnp_call(fn, q_positions, kv_positions, args, kwargs):
     return jax.vmap(one)(*args[:-4], qp, kp, *args[-2:])
 
 
-def _default_positions(q_positions, kv_positions, q_len, kv_len):
+def _default_positions(q_positions: jax.Array | None, kv_positions: jax.Array | None, q_len: int, kv_len: int):
     qp = jnp.arange(q_len, dtype=jnp.int32) if q_positions is None else jnp.asarray(q_positions)
     kp = jnp.arange(kv_len, dtype=jnp.int32) if kv_positions is None else jnp.asarray(kv_positions)
     return qp, kp
 
 
-def _forward(cfg, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, out_dtype):
+def _forward(
+    cfg: Config,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array | None,
+    kv_positions: jax.Array | None,
+    q_segment_ids: jax.Array | None,
+    kv_segment_ids: jax.Array | None,
+    out_dtype: jax.typing.DTypeLike,
+):
     """-> out [b, nq, hq, d] (out_dtype), lse [b, nq, hq] fp32."""
     if cfg.implementation == "jnp":
         qp, kp = _default_positions(q_positions, kv_positions, q.shape[1], k.shape[1])
@@ -144,7 +167,20 @@ def _forward(cfg, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
     return out[:, :q_len, :, :d], jnp.swapaxes(lse, 1, 2)[:, :q_len]
 
 
-def _backward(cfg, q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids, kv_segment_ids, dtypes):
+def _backward(
+    cfg: Config,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    dout: jax.Array,
+    lse: jax.Array,
+    delta: jax.Array,
+    q_positions: jax.Array | None,
+    kv_positions: jax.Array | None,
+    q_segment_ids: jax.Array | None,
+    kv_segment_ids: jax.Array | None,
+    dtypes: Sequence[jax.typing.DTypeLike],
+):
     """lse, delta [b, nq, hq] (global values) -> dq, dk, dv in `dtypes`."""
     if cfg.implementation == "jnp":
         qp, kp = _default_positions(q_positions, kv_positions, q.shape[1], k.shape[1])
@@ -178,16 +214,34 @@ def _backward(cfg, q, k, v, dout, lse, delta, q_positions, kv_positions, q_segme
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
+def _attention(
+    cfg: Config,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array | None,
+    kv_positions: jax.Array | None,
+    q_segment_ids: jax.Array | None,
+    kv_segment_ids: jax.Array | None,
+):
     return _forward(cfg, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, q.dtype)
 
 
-def _attention_fwd(cfg, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
+def _attention_fwd(
+    cfg: Config,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array | None,
+    kv_positions: jax.Array | None,
+    q_segment_ids: jax.Array | None,
+    kv_segment_ids: jax.Array | None,
+):
     out, lse = _forward(cfg, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, q.dtype)
     return (out, lse), (q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, out, lse)
 
 
-def _attention_bwd(cfg, res, cts):
+def _attention_bwd(cfg: Config, res: tuple, cts: tuple[jax.Array, jax.Array]):
     q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, out, lse = res
     dout, dlse = cts
     # delta = rowsum(dO * O); d lse / d S = P, so a cotangent on lse enters as delta - dlse.
@@ -214,16 +268,16 @@ _attention_jit = jax.jit(_attention, static_argnums=0)
 
 
 def flash_attention(
-    q,
-    k,
-    v,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
     *,
     causal: bool = True,
     sm_scale: float | None = None,
-    q_positions=None,
-    kv_positions=None,
-    segment_ids=None,
-    kv_segment_ids=None,
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
     return_lse: bool = False,
     window: int | None = None,
     block_q: int | None = None,
@@ -231,7 +285,7 @@ def flash_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     implementation: str | None = None,
-):
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Memory-efficient exact attention; differentiable (FA2 backward).
 
     Args:
@@ -267,25 +321,46 @@ def flash_attention(
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _block_forward_jit(cfg, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
+def _block_forward_jit(
+    cfg: Config,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array | None,
+    kv_positions: jax.Array | None,
+    q_segment_ids: jax.Array | None,
+    kv_segment_ids: jax.Array | None,
+):
     return _forward(cfg, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _block_backward_jit(cfg, q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
+def _block_backward_jit(
+    cfg: Config,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    dout: jax.Array,
+    lse: jax.Array,
+    delta: jax.Array,
+    q_positions: jax.Array | None,
+    kv_positions: jax.Array | None,
+    q_segment_ids: jax.Array | None,
+    kv_segment_ids: jax.Array | None,
+):
     return _backward(
         cfg, q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids, kv_segment_ids, (jnp.float32,) * 3
     )
 
 
 def flash_block_forward(
-    q,
-    k,
-    v,
-    q_positions,
-    kv_positions,
-    q_segment_ids=None,
-    kv_segment_ids=None,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array | None,
+    kv_positions: jax.Array | None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
     *,
     causal: bool,
     sm_scale: float,
@@ -295,7 +370,7 @@ def flash_block_forward(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-):
+) -> tuple[jax.Array, jax.Array]:
     """BlockOps forward: attention of one Q block over one K/V block.
 
     Returns out fp32 [b, nq, hq, d] (normalised over this block's keys) and lse fp32 [b, nq, hq] (-inf on
@@ -307,16 +382,16 @@ def flash_block_forward(
 
 
 def flash_block_backward(
-    q,
-    k,
-    v,
-    dout,
-    lse,
-    delta,
-    q_positions,
-    kv_positions,
-    q_segment_ids=None,
-    kv_segment_ids=None,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    dout: jax.Array,
+    lse: jax.Array,
+    delta: jax.Array,
+    q_positions: jax.Array | None,
+    kv_positions: jax.Array | None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
     *,
     causal: bool,
     sm_scale: float,
@@ -326,7 +401,7 @@ def flash_block_backward(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-):
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """BlockOps backward: fp32 (dq, dk, dv) of one (Q block, K/V block) pair.
 
     lse and delta = rowsum(dout * out) are the *global* per-row values [b, nq, hq] (over all K/V blocks), so

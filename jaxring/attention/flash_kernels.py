@@ -26,6 +26,8 @@ import functools
 import inspect
 import math
 import re
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxring.attention.flash_tiles import loop_ranges, visibility
+from jaxring.attention.flash_tiles import Config, Tiles, loop_ranges, visibility
 from jaxring.vma import vary, varying_axes
 
 LOG2E = math.log2(math.e)
@@ -47,7 +49,7 @@ _CompilerParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompiler
 # ----------------------------------------------------------------------------------------------------------
 
 
-def common_vma(*xs, interpret: bool = False):
+def common_vma(*xs, interpret: bool = False) -> list[jax.Array | None]:
     """Casts every array to the union of their varying mesh axes (a no-op outside shard_map)."""
     axes = frozenset().union(*(varying_axes(x) for x in xs if x is not None))
     if axes and interpret and JAX_VERSION < (0, 11):
@@ -64,7 +66,7 @@ JAX_VERSION = tuple(int(x) for x in re.findall(r"\d+", jax.__version__)[:2])
 _SDS_PARAMS = inspect.signature(jax.ShapeDtypeStruct.__init__).parameters
 
 
-def _out_struct(shape, dtype, like):
+def _out_struct(shape: tuple[int, ...], dtype: jax.typing.DTypeLike, like: jax.Array):
     """ShapeDtypeStruct carrying `like`'s varying mesh axes (jax 0.10: manual_axis_type; other versions: vma)."""
     aval = jax.typeof(like)
     if "manual_axis_type" in _SDS_PARAMS and getattr(aval, "manual_axis_type", None) is not None:
@@ -79,32 +81,42 @@ def _out_struct(shape, dtype, like):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _dot_general(a, b, contract):
+def _dot_general(a: jax.Array, b: jax.Array, contract: tuple[tuple[int, ...], tuple[int, ...]]):
     # fp32 inputs: full-precision (ieee) products; Triton's default for fp32 would be tf32.
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     return lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32)
 
 
-def _dot_nt(a, b):
+def _dot_nt(a: jax.Array, b: jax.Array):
     """a @ b.T with fp32 accumulation."""
     return _dot_general(a, b, ((1,), (1,)))
 
 
-def _dot_tn(a, b):
+def _dot_tn(a: jax.Array, b: jax.Array):
     """a.T @ b with fp32 accumulation."""
     return _dot_general(a, b, ((0,), (0,)))
 
 
-def _dot(a, b):
+def _dot(a: jax.Array, b: jax.Array):
     """a @ b with fp32 accumulation."""
     return _dot_general(a, b, ((1,), (0,)))
 
 
-def _tile_mask(causal, kv_len, qpos, kpos, qseg, kseg, k_start, block_k, window=None):
+def _tile_mask(
+    causal: bool,
+    kv_len: int | None,
+    qpos: jax.Array | None,
+    kpos: jax.Array | None,
+    qseg: jax.Array | None,
+    kseg: jax.Array | None,
+    k_start: int | jax.Array,
+    block_k: int,
+    window: int | None = None,
+):
     """Boolean [block_q, block_k] visibility of one tile (None: everything visible)."""
     mask = None
 
-    def both(a, b):
+    def both(a: jax.Array | None, b: jax.Array):
         return b if a is None else a & b
 
     if causal:
@@ -118,7 +130,7 @@ def _tile_mask(causal, kv_len, qpos, kpos, qseg, kseg, k_start, block_k, window=
     return mask
 
 
-def _three_loops(ranges_ref, row, body, carry):
+def _three_loops(ranges_ref: jax.Ref, row: int | jax.Array, body: Callable[..., Any], carry: Any):
     """Runs body over tiles [lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, hi) masked."""
     lo, flo, fhi, hi = (ranges_ref[row, c] for c in range(4))
     carry = lax.fori_loop(lo, flo, functools.partial(body, masked=True), carry)
@@ -126,7 +138,7 @@ def _three_loops(ranges_ref, row, body, carry):
     return lax.fori_loop(fhi, hi, functools.partial(body, masked=True), carry)
 
 
-def _load_rows_lse(lse_ref, idx):
+def _load_rows_lse(lse_ref: jax.Ref, idx: slice | tuple):
     """lse (natural log) -> log2 domain; -inf rows (see nothing) -> 0 so exp2(-inf - 0) = 0, never NaN."""
     lse = lse_ref[idx]
     return jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
@@ -138,22 +150,22 @@ def _load_rows_lse(lse_ref, idx):
 
 
 def _fwd_kernel(
-    ranges_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    qpos_ref,
-    kpos_ref,
-    qseg_ref,
-    kseg_ref,
-    o_ref,
-    lse_ref,
+    ranges_ref: jax.Ref,
+    q_ref: jax.Ref,
+    k_ref: jax.Ref,
+    v_ref: jax.Ref,
+    qpos_ref: jax.Ref | None,
+    kpos_ref: jax.Ref | None,
+    qseg_ref: jax.Ref | None,
+    kseg_ref: jax.Ref | None,
+    o_ref: jax.Ref,
+    lse_ref: jax.Ref,
     *,
-    causal,
-    sm_scale,
-    block_k,
-    index_mask_len,
-    window=None,
+    causal: bool,
+    sm_scale: float,
+    block_k: int,
+    index_mask_len: int | None,
+    window: int | None = None,
 ):
     """One (q block, batch, q head): out = softmax(q k^T * scale) v over the visible keys, and lse.
 
@@ -167,7 +179,7 @@ def _fwd_kernel(
     qseg = qseg_ref[...] if qseg_ref is not None else None
     qk_scale = sm_scale * LOG2E  # scores in log2 units: exp(x) = exp2(x * log2 e)
 
-    def body(j, carry, *, masked):
+    def body(j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array], *, masked: bool):
         acc, m_prev, l_prev = carry
         start = pl.multiple_of(j * block_k, block_k)
         keys = pl.ds(start, block_k)
@@ -209,7 +221,19 @@ def _fwd_kernel(
     lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)  # natural-log lse
 
 
-def pallas_forward(cfg, tiles, layout, q, k, v, qpos, kpos, qseg, kseg, out_dtype):
+def pallas_forward(
+    cfg: Config,
+    tiles: dict[str, Tiles],
+    layout: dict[str, int],
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    qpos: jax.Array | None,
+    kpos: jax.Array | None,
+    qseg: jax.Array | None,
+    kseg: jax.Array | None,
+    out_dtype: jax.typing.DTypeLike,
+) -> list[jax.Array]:
     """Padded inputs -> out [b, nq, hq, d_pad] (out_dtype), lse [b, hq, nq] fp32."""
     t = tiles["fwd"]
     b, hq, hkv, nq, nk, d_pad = (layout[n] for n in ("batch", "q_heads", "kv_heads", "nq", "nk", "d_pad"))
@@ -267,26 +291,26 @@ def pallas_forward(cfg, tiles, layout, q, k, v, qpos, kpos, qseg, kseg, out_dtyp
 
 
 def _dkv_kernel(
-    ranges_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    delta_ref,
-    qpos_ref,
-    kpos_ref,
-    qseg_ref,
-    kseg_ref,
-    dk_ref,
-    dv_ref,
+    ranges_ref: jax.Ref,
+    q_ref: jax.Ref,
+    k_ref: jax.Ref,
+    v_ref: jax.Ref,
+    do_ref: jax.Ref,
+    lse_ref: jax.Ref,
+    delta_ref: jax.Ref,
+    qpos_ref: jax.Ref | None,
+    kpos_ref: jax.Ref | None,
+    qseg_ref: jax.Ref | None,
+    kseg_ref: jax.Ref | None,
+    dk_ref: jax.Ref,
+    dv_ref: jax.Ref,
     *,
-    causal,
-    sm_scale,
-    block_q,
-    groups,
-    index_mask_len,
-    window=None,
+    causal: bool,
+    sm_scale: float,
+    block_q: int,
+    groups: int,
+    index_mask_len: int | None,
+    window: int | None = None,
 ):
     """One (k block, batch, kv head): dK, dV summed over the q blocks of all `groups` query heads.
 
@@ -301,7 +325,7 @@ def _dkv_kernel(
     kseg = kseg_ref[...] if kseg_ref is not None else None
     qk_scale = sm_scale * LOG2E
 
-    def body(i, carry, *, head, masked):
+    def body(i: jax.Array, carry: tuple[jax.Array, jax.Array], *, head: int | jax.Array, masked: bool):
         dk, dv = carry
         rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
         q = q_ref[rows, head, :]
@@ -328,7 +352,7 @@ def _dkv_kernel(
         dk = dk + _dot_tn(ds.astype(q.dtype), q)  # dK += dS^T Q   (scale at the end)
         return dk, dv
 
-    def one_head(head, carry):
+    def one_head(head: int | jax.Array, carry: tuple[jax.Array, jax.Array]):
         return _three_loops(ranges_ref, j, functools.partial(body, head=head), carry)
 
     zeros = jnp.zeros(dk_ref.shape, jnp.float32)
@@ -341,24 +365,24 @@ def _dkv_kernel(
 
 
 def _dq_kernel(
-    ranges_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    delta_ref,
-    qpos_ref,
-    kpos_ref,
-    qseg_ref,
-    kseg_ref,
-    dq_ref,
+    ranges_ref: jax.Ref,
+    q_ref: jax.Ref,
+    k_ref: jax.Ref,
+    v_ref: jax.Ref,
+    do_ref: jax.Ref,
+    lse_ref: jax.Ref,
+    delta_ref: jax.Ref,
+    qpos_ref: jax.Ref | None,
+    kpos_ref: jax.Ref | None,
+    qseg_ref: jax.Ref | None,
+    kseg_ref: jax.Ref | None,
+    dq_ref: jax.Ref,
     *,
-    causal,
-    sm_scale,
-    block_k,
-    index_mask_len,
-    window=None,
+    causal: bool,
+    sm_scale: float,
+    block_k: int,
+    index_mask_len: int | None,
+    window: int | None = None,
 ):
     """One (q block, batch, q head): dQ = scale * sum over K/V tiles of dS K.
 
@@ -373,7 +397,7 @@ def _dq_kernel(
     qseg = qseg_ref[...] if qseg_ref is not None else None
     qk_scale = sm_scale * LOG2E
 
-    def body(j, dq, *, masked):
+    def body(j: jax.Array, dq: jax.Array, *, masked: bool):
         start = pl.multiple_of(j * block_k, block_k)
         keys = pl.ds(start, block_k)
         k, v = k_ref[keys, :], v_ref[keys, :]
@@ -401,7 +425,22 @@ def _dq_kernel(
     dq_ref[...] = (dq * sm_scale).astype(dq_ref.dtype)
 
 
-def pallas_backward(cfg, tiles, layout, q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, dtypes):
+def pallas_backward(
+    cfg: Config,
+    tiles: dict[str, Tiles],
+    layout: dict[str, int],
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    do: jax.Array,
+    lse: jax.Array,
+    delta: jax.Array,
+    qpos: jax.Array | None,
+    kpos: jax.Array | None,
+    qseg: jax.Array | None,
+    kseg: jax.Array | None,
+    dtypes: Sequence[jax.typing.DTypeLike],
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Padded inputs (lse, delta [b, hq, nq]) -> dq, dk, dv padded, in `dtypes`."""
     b, hq, hkv, nq, nk, d_pad = (layout[n] for n in ("batch", "q_heads", "kv_heads", "nq", "nk", "d_pad"))
     groups = hq // hkv

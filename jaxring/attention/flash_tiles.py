@@ -118,7 +118,17 @@ def check_block(name: str, value: int | None) -> None:
         raise ValueError(f"{name}={value!r} must be a power of two >= {MIN_BLOCK} (a Triton tile size)")
 
 
-def make_config(causal, sm_scale, head_dim, implementation, block_q, block_k, num_warps, num_stages, window=None):
+def make_config(
+    causal: bool,
+    sm_scale: float | None,
+    head_dim: int,
+    implementation: str,
+    block_q: int | None,
+    block_k: int | None,
+    num_warps: int | None,
+    num_stages: int | None,
+    window: int | None = None,
+) -> Config:
     window = check_window(window, causal)
     check_block("block_q", block_q)
     check_block("block_k", block_k)
@@ -145,7 +155,7 @@ def make_config(causal, sm_scale, head_dim, implementation, block_q, block_k, nu
 # ----------------------------------------------------------------------------------------------------------
 
 
-def pad_axis(x, axis: int, size: int, value=0):
+def pad_axis(x: jax.Array | None, axis: int, size: int, value: int = 0) -> jax.Array | None:
     if x is None or x.shape[axis] == size:
         return x
     widths = [(0, 0)] * x.ndim
@@ -153,12 +163,12 @@ def pad_axis(x, axis: int, size: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def pad_tokens(x, seq_len: int, head_dim: int):
+def pad_tokens(x: jax.Array, seq_len: int, head_dim: int) -> jax.Array:
     """[b, n, h, d] -> [b, seq_len, h, head_dim] with zeros."""
     return pad_axis(pad_axis(x, 1, seq_len), 3, head_dim)
 
 
-def as_batched(x, batch: int, length: int, padded: int, fill: int):
+def as_batched(x: jax.Array | None, batch: int, length: int, padded: int, fill: int) -> jax.Array | None:
     """[n] or [b, n] ints -> [b, padded] int32, padded with `fill`."""
     if x is None:
         return None
@@ -167,7 +177,7 @@ def as_batched(x, batch: int, length: int, padded: int, fill: int):
     return pad_axis(x, 1, padded, fill)
 
 
-def block_stats(pos, seg, block: int):
+def block_stats(pos: jax.Array | None, seg: jax.Array | None, block: int) -> dict[str, jax.Array]:
     """Per-tile bounds: min/max position, min/max non-zero segment id, 'one segment, no padding'."""
     b, n = (pos if pos is not None else seg).shape
     stats = {}
@@ -182,7 +192,20 @@ def block_stats(pos, seg, block: int):
     return stats
 
 
-def visibility(causal, qpos, kpos, qseg, kseg, batch, nq, nk, kv_len, bq, bk, window=None):
+def visibility(
+    causal: bool,
+    qpos: jax.Array | None,
+    kpos: jax.Array | None,
+    qseg: jax.Array | None,
+    kseg: jax.Array | None,
+    batch: int,
+    nq: int,
+    nk: int,
+    kv_len: int,
+    bq: int,
+    bk: int,
+    window: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """vis[b, i, j]: tile (q block i, k block j) may hold a visible pair; full[b, i, j]: all its pairs are."""
     nqb, nkb = nq // bq, nk // bk
     vis = jnp.ones((batch, nqb, nkb), bool)
@@ -212,7 +235,7 @@ def visibility(causal, qpos, kpos, qseg, kseg, batch, nq, nk, kv_len, bq, bk, wi
     return vis, full & vis
 
 
-def loop_ranges(vis, full):
+def loop_ranges(vis: jax.Array, full: jax.Array) -> jax.Array:
     """For each row of tiles (last axis = the loop axis): int32 [..., 4] = (lo, full_lo, full_hi, hi).
 
     Tiles outside [lo, hi) are skipped; [full_lo, full_hi) need no mask. When the fully visible tiles are
@@ -220,7 +243,7 @@ def loop_ranges(vis, full):
     """
     n = vis.shape[-1]
 
-    def first_last(x):
+    def first_last(x: jax.Array):
         anyx = jnp.any(x, axis=-1)
         first = jnp.argmax(x, axis=-1)
         last = n - jnp.argmax(x[..., ::-1], axis=-1)
@@ -234,7 +257,26 @@ def loop_ranges(vis, full):
     return jnp.stack([lo, flo, fhi, hi], axis=-1).astype(jnp.int32)
 
 
-def prepare(cfg, tiles, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
+def prepare(
+    cfg: Config,
+    tiles: dict[str, Tiles],
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array | None,
+    kv_positions: jax.Array | None,
+    q_segment_ids: jax.Array | None,
+    kv_segment_ids: jax.Array | None,
+) -> tuple[
+    jax.Array,
+    jax.Array,
+    jax.Array,
+    jax.Array | None,
+    jax.Array | None,
+    jax.Array | None,
+    jax.Array | None,
+    dict[str, int],
+]:
     """Pads everything to kernel shapes; returns the padded arrays and the static layout."""
     b, q_len, hq, d = q.shape
     kv_len, hkv = k.shape[1], k.shape[2]

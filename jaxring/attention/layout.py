@@ -46,7 +46,7 @@ def check_seq_len(seq_len: int, num_devices: int, layout: str, *, relayout: bool
         raise ValueError(f"seq {seq_len} is not divisible by {rule}")
 
 
-def layout_positions(layout: str, rank, num_devices: int, local_len: int):
+def layout_positions(layout: str, rank: int | jax.Array, num_devices: int, local_len: int) -> jax.Array:
     """True token positions held by `rank` (an int or a traced scalar): int32 [local_len]."""
     check_layout(layout)
     i = jnp.arange(local_len, dtype=jnp.int32)
@@ -61,7 +61,9 @@ def layout_positions(layout: str, rank, num_devices: int, local_len: int):
     return jnp.concatenate([first, second])
 
 
-def gathered_positions(layout: str, first_rank, count: int, num_devices: int, local_len: int):
+def gathered_positions(
+    layout: str, first_rank: int | jax.Array, count: int, num_devices: int, local_len: int
+) -> jax.Array:
     """Positions of the shards of `count` consecutive layout ranks from `first_rank`, concatenated."""
     return jnp.concatenate([layout_positions(layout, first_rank + u, num_devices, local_len) for u in range(count)])
 
@@ -78,7 +80,7 @@ class RankTokens:
     layout: str
     inner: int = 1
 
-    def run_order(self, local_len: int):
+    def run_order(self, local_len: int) -> np.ndarray | None:
         """Static permutation from the gathered (rank-major) order to run order, or None if identical."""
         if self.layout != "zigzag" or self.inner == 1:
             return None
@@ -88,7 +90,7 @@ class RankTokens:
         late = [chunk(u, 1) for u in reversed(range(self.inner))]
         return np.concatenate(early + late)
 
-    def positions(self, ring_rank, ring_size: int, local_len: int):
+    def positions(self, ring_rank: int | jax.Array, ring_size: int, local_len: int) -> jax.Array:
         """int32 [local_len] true positions held by `ring_rank` (int or traced), in run order."""
         per = local_len // self.inner
         pos = gathered_positions(self.layout, ring_rank * self.inner, self.inner, ring_size * self.inner, per)
@@ -134,12 +136,12 @@ def _zigzag_tables(p: int):
     return perms, slots
 
 
-def _halves(x, seq_dim):
+def _halves(x: jax.Array, seq_dim: int):
     n = x.shape[seq_dim]
     return lax.slice_in_dim(x, 0, n // 2, axis=seq_dim), lax.slice_in_dim(x, n // 2, n, axis=seq_dim)
 
 
-def to_layout(x, layout: str, axis_name, seq_dim: int = 1):
+def to_layout(x: jax.Array, layout: str, axis_name: str | tuple[str, ...], seq_dim: int = 1) -> jax.Array:
     """Inside shard_map: a contiguous shard of the sequence -> this rank's shard in `layout`."""
     check_layout(layout)
     p = lax.axis_size(axis_name)
@@ -157,7 +159,7 @@ def to_layout(x, layout: str, axis_name, seq_dim: int = 1):
     return jnp.where(first_is_slot0, jnp.concatenate(recv, seq_dim), jnp.concatenate(recv[::-1], seq_dim))
 
 
-def from_layout(x, layout: str, axis_name, seq_dim: int = 1):
+def from_layout(x: jax.Array, layout: str, axis_name: str | tuple[str, ...], seq_dim: int = 1) -> jax.Array:
     """Inside shard_map: the inverse of `to_layout`."""
     check_layout(layout)
     p = lax.axis_size(axis_name)

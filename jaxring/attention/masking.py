@@ -14,6 +14,7 @@ with no visible pair, never drop a visible one) and exact for contiguous positio
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -28,7 +29,7 @@ def check_heads(q_heads: int, kv_heads: int) -> int:
     return q_heads // kv_heads
 
 
-def check_qkv(q, k, v) -> None:
+def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
     """Validates [batch, seq, heads, head_dim] shapes shared by q, k and v."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
@@ -44,7 +45,7 @@ def check_qkv(q, k, v) -> None:
     check_heads(q.shape[2], k.shape[2])
 
 
-def check_window(window, causal: bool) -> int | None:
+def check_window(window: int | None, causal: bool) -> int | None:
     """The sliding window as an int (None: unlimited), or a one-line error naming the value and the rule."""
     if window is None:
         return None
@@ -57,7 +58,15 @@ def check_window(window, causal: bool) -> int | None:
     return int(window)
 
 
-def attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids, *, causal: bool, window=None):
+def attention_mask(
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    q_segment_ids: jax.Array | None,
+    kv_segment_ids: jax.Array | None,
+    *,
+    causal: bool,
+    window: int | None = None,
+) -> jax.Array | None:
     """Boolean mask broadcastable to [batch, q_len, kv_len], or None when nothing is masked.
 
     q_positions [q_len] or [batch, q_len]; kv_positions [kv_len] or [batch, kv_len] (int).
@@ -82,12 +91,14 @@ def attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids, *, 
 # ----------------------------------------------------------------------------------- skipping by bounds
 
 
-def _plus_window(x, window: int):
+def _plus_window(x: jax.Array, window: int):
     """x + window, saturating at INT_MAX (padded keys carry INT_MAX positions)."""
     return jnp.where(x > INT_MAX - window, INT_MAX, x + window)
 
 
-def may_see(q_min, q_max, k_min, k_max, *, causal: bool, window=None):
+def may_see(
+    q_min: jax.Array, q_max: jax.Array, k_min: jax.Array, k_max: jax.Array, *, causal: bool, window: int | None = None
+) -> jax.Array:
     """True where some query in [q_min, q_max] may see some key in [k_min, k_max] (elementwise on bounds).
 
     causal: q_max >= k_min; window: q_min - k_max < W, written q_min < k_max + W (saturating: padded
@@ -101,7 +112,9 @@ def may_see(q_min, q_max, k_min, k_max, *, causal: bool, window=None):
     return vis
 
 
-def sees_all(q_min, q_max, k_min, k_max, *, causal: bool, window=None):
+def sees_all(
+    q_min: jax.Array, q_max: jax.Array, k_min: jax.Array, k_max: jax.Array, *, causal: bool, window: int | None = None
+) -> jax.Array:
     """True where every query in [q_min, q_max] sees every key in [k_min, k_max]: no mask needed."""
     full = jnp.bool_(True)
     if causal:
@@ -111,7 +124,9 @@ def sees_all(q_min, q_max, k_min, k_max, *, causal: bool, window=None):
     return full
 
 
-def positions_may_meet(q_positions, kv_positions, *, causal: bool, window=None):
+def positions_may_meet(
+    q_positions: jax.Array, kv_positions: jax.Array, *, causal: bool, window: int | None = None
+) -> jax.Array:
     """Scalar bool: some query of the block may see some key of it, from the blocks' position bounds."""
     if not causal:
         return jnp.bool_(True)
@@ -119,14 +134,14 @@ def positions_may_meet(q_positions, kv_positions, *, causal: bool, window=None):
     return may_see(jnp.min(q), jnp.max(q), jnp.min(k), jnp.max(k), causal=True, window=window)
 
 
-def segment_bounds(segment_ids):
+def segment_bounds(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(min, max) of the non-zero segment ids along the last axis (INT_MAX, INT_MIN where all padding)."""
     smin = jnp.where(segment_ids == 0, INT_MAX, segment_ids).min(-1)
     smax = jnp.where(segment_ids == 0, INT_MIN, segment_ids).max(-1)
     return smin, smax
 
 
-def segments_may_meet(q_segment_ids, kv_segment_ids):
+def segments_may_meet(q_segment_ids: jax.Array, kv_segment_ids: jax.Array) -> jax.Array:
     """Scalar bool: in some batch row a query and a key may share a non-zero segment id (bounds overlap).
 
     q_segment_ids [b, nq], kv_segment_ids [b, nk]; packed documents are numbered in sequence order, so two

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 
-def merge_partials(out_a, lse_a, out_b, lse_b):
+def merge_partials(
+    out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """Merges two partial softmax-attention results over disjoint key sets.
 
     out_*: [..., heads, head_dim] fp32 (each normalised over its own keys); lse_*: [..., heads] fp32 natural
@@ -20,7 +23,7 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     return out, lse
 
 
-def empty_partial(q):
+def empty_partial(q: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The identity of `merge_partials` for queries `q` [b, n, heads, dim]: zero output, lse = -inf (fp32).
 
     Built "like" q, so inside `shard_map` it varies over the same mesh axes as q (check_vma-safe).

@@ -12,18 +12,18 @@ from jaxring.attention.masking import attention_mask, check_qkv, check_window
 
 
 def attention_reference(
-    q,
-    k,
-    v,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
     *,
     causal: bool = True,
-    q_positions=None,
-    kv_positions=None,
-    segment_ids=None,
-    kv_segment_ids=None,
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
     sm_scale: float | None = None,
     window: int | None = None,
-):
+) -> tuple[jax.Array, jax.Array]:
     """Softmax attention computed densely in fp32.
 
     Args:
@@ -62,7 +62,7 @@ def attention_reference(
     return o.reshape(batch, q_len, q_heads, head_dim).astype(q.dtype), lse.reshape(batch, q_len, q_heads)
 
 
-def softmax_attend(s, v, mask):
+def softmax_attend(s: jax.Array, v: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """Masked softmax of grouped scores times V: the core shared by the reference and the jnp block path.
 
     s: fp32 scores [batch, kv_heads, groups, q_len, kv_len]; v: [batch, kv_len, kv_heads, head_dim];

@@ -63,12 +63,12 @@ from jaxring.vma import vary_like
 
 
 def ring_attention(
-    q,
-    k,
-    v,
-    segment_ids=None,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
     *,
-    axis_name="sp",
+    axis_name: str | tuple[str, ...] = "sp",
     layout: str = "zigzag",
     causal: bool = True,
     sm_scale: float | None = None,
@@ -76,7 +76,7 @@ def ring_attention(
     inner_ranks: int = 1,
     fuse_sends: bool | None = None,
     window: int | None = None,
-):
+) -> jax.Array:
     """Ring attention over `axis_name`; call inside `shard_map` with the sequence already in `layout`.
 
     Args:
@@ -113,7 +113,7 @@ def fuse_by_default(ops: BlockOps, fuse_sends: bool | None) -> bool:
     return ops.name == "pallas" if fuse_sends is None else bool(fuse_sends)
 
 
-def _parts(tokens: RankTokens, causal):
+def _parts(tokens: RankTokens, causal: bool):
     """Position runs a rank's tokens form (work is counted per run pair; only causal masking hides one)."""
     return tokens.runs() if causal else 1
 
@@ -121,7 +121,16 @@ def _parts(tokens: RankTokens, causal):
 # ------------------------------------------------------------- whole steps skipped: window and segments
 
 
-def step_visible(q_pos, kv_pos, q_seg, kv_seg, *, parts: int, causal: bool, window: int | None):
+def step_visible(
+    q_pos: jax.Array,
+    kv_pos: jax.Array,
+    q_seg: jax.Array | None,
+    kv_seg: jax.Array | None,
+    *,
+    parts: int,
+    causal: bool,
+    window: int | None,
+) -> jax.Array | None:
     """Scalar bool: the (Q block, K/V block) step may hold a visible pair; None when only the causal test
     applies (no window, no segment ids: `schedule.when_visible` does that one). The window is tested per
     (Q run, K/V run) pair (exact for contiguous runs: a zig-zag step whose four run pairs all lie outside
@@ -136,7 +145,9 @@ def step_visible(q_pos, kv_pos, q_seg, kv_seg, *, parts: int, causal: bool, wind
     return functools.reduce(jnp.logical_and, tests) if tests else None
 
 
-def step_work(q_pos, kv_pos, parts: int, causal: bool, window: int | None, computed=None):
+def step_work(
+    q_pos: jax.Array, kv_pos: jax.Array, parts: int, causal: bool, window: int | None, computed: jax.Array | None = None
+) -> jax.Array:
     """Query-key pairs of the run pairs a step computes (fp32): those the causal mask and the window do not
     hide entirely, and none when the whole step is skipped (`computed` False)."""
     if window is None:
@@ -150,7 +161,22 @@ def step_work(q_pos, kv_pos, parts: int, causal: bool, window: int | None, compu
     return work if computed is None else jnp.where(computed, work, 0.0)
 
 
-def attend_step(ops, acc, q, q_pos, q_seg, k, v, kv_pos, kv_seg, *, parts, causal, sm_scale, window):
+def attend_step(
+    ops: BlockOps,
+    acc: tuple[jax.Array, jax.Array],
+    q: jax.Array,
+    q_pos: jax.Array,
+    q_seg: jax.Array | None,
+    k: jax.Array,
+    v: jax.Array,
+    kv_pos: jax.Array,
+    kv_seg: jax.Array | None,
+    *,
+    parts: int,
+    causal: bool,
+    sm_scale: float,
+    window: int | None,
+) -> tuple[tuple[jax.Array, jax.Array], jax.Array | None]:
     """`schedule.attend_block` with the window, the whole step skipped (one `lax.cond`: the carry untouched,
     no FLOPs) unless `step_visible`. Returns (acc, computed: scalar bool or None)."""
     ops = with_window(ops, window)
@@ -161,7 +187,25 @@ def attend_step(ops, acc, q, q_pos, q_seg, k, v, kv_pos, kv_seg, *, parts, causa
     return lax.cond(visible, compute, lambda: acc), visible
 
 
-def grads_step(ops, grads, q, dout, lse, delta, q_pos, q_seg, k, v, kv_pos, kv_seg, *, parts, causal, sm_scale, window):
+def grads_step(
+    ops: BlockOps,
+    grads: tuple[jax.Array | None, jax.Array | None, jax.Array | None],
+    q: jax.Array,
+    dout: jax.Array,
+    lse: jax.Array,
+    delta: jax.Array,
+    q_pos: jax.Array,
+    q_seg: jax.Array | None,
+    k: jax.Array,
+    v: jax.Array,
+    kv_pos: jax.Array,
+    kv_seg: jax.Array | None,
+    *,
+    parts: int,
+    causal: bool,
+    sm_scale: float,
+    window: int | None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`schedule.add_block_grads` with the window, the block's gradients skipped whole unless `step_visible`.
 
     grads (dq, dk, dv) fp32, any of them None (the sum starts here). For block ops that do not accumulate,
@@ -169,7 +213,7 @@ def grads_step(ops, grads, q, dout, lse, delta, q_pos, q_seg, k, v, kv_pos, kv_s
     still not needed before the block compute is done (it stays in flight meanwhile)."""
     ops = with_window(ops, window)
 
-    def block(g):
+    def block(g: tuple[jax.Array | None, jax.Array | None, jax.Array | None]):
         return add_block_grads(
             ops, g, q, dout, lse, delta, q_pos, q_seg, k, v, kv_pos, kv_seg, causal=causal, sm_scale=sm_scale
         )
@@ -189,25 +233,29 @@ def grads_step(ops, grads, q, dout, lse, delta, q_pos, q_seg, k, v, kv_pos, kv_s
 
 
 def ring_forward(
-    q,
-    k,
-    v,
-    segment_ids,
-    axis_name,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    axis_name: str | tuple[str, ...],
     tokens: RankTokens,
-    causal,
-    sm_scale,
+    causal: bool,
+    sm_scale: float,
     ops: BlockOps,
     fuse: bool = False,
     window: int | None = None,
-):
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The forward ring. Returns out fp32, lse fp32 [b, n, hq] and the work here: query-key pairs of the
     (Q run, K/V run) pairs computed, those the causal mask and the window do not hide entirely (fp32)."""
     p, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
     n, parts = q.shape[1], _parts(tokens, causal)
     q_pos = tokens.positions(rank, p, n)
 
-    def attend(carry, kv, step):
+    def attend(
+        carry: tuple[tuple[jax.Array, jax.Array], jax.Array],
+        kv: tuple[jax.Array, jax.Array, jax.Array | None],
+        step: int | jax.Array,
+    ):
         acc, work = carry
         k, v, kv_seg = kv
         kv_pos = tokens.positions((rank - step) % p, p, n)
@@ -239,25 +287,64 @@ def ring_forward(
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
-def _ring(q, k, v, segment_ids, axis_name, tokens, causal, sm_scale, ops, fuse, window):
+def _ring(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    axis_name: str | tuple[str, ...],
+    tokens: RankTokens,
+    causal: bool,
+    sm_scale: float,
+    ops: BlockOps,
+    fuse: bool,
+    window: int | None,
+):
     out, _, _ = ring_forward(q, k, v, segment_ids, axis_name, tokens, causal, sm_scale, ops, fuse, window)
     return out.astype(q.dtype)
 
 
-def _ring_fwd(q, k, v, segment_ids, axis_name, tokens, causal, sm_scale, ops, fuse, window):
+def _ring_fwd(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    axis_name: str | tuple[str, ...],
+    tokens: RankTokens,
+    causal: bool,
+    sm_scale: float,
+    ops: BlockOps,
+    fuse: bool,
+    window: int | None,
+):
     out, lse, _ = ring_forward(q, k, v, segment_ids, axis_name, tokens, causal, sm_scale, ops, fuse, window)
     out = out.astype(q.dtype)
     return out, (q, k, v, segment_ids, out, lse)
 
 
-def _ring_bwd(axis_name, tokens, causal, sm_scale, ops, fuse, window, residuals, dout):
+def _ring_bwd(
+    axis_name: str | tuple[str, ...],
+    tokens: RankTokens,
+    causal: bool,
+    sm_scale: float,
+    ops: BlockOps,
+    fuse: bool,
+    window: int | None,
+    residuals: tuple,
+    dout: jax.Array,
+):
     q, k, v, segment_ids, out, lse = residuals
     p, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
     n, parts = q.shape[1], _parts(tokens, causal)
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     q_pos = tokens.positions(rank, p, n)
 
-    def grads(dq, kv, step, dkv):
+    def grads(
+        dq: jax.Array,
+        kv: tuple[jax.Array, jax.Array, jax.Array | None],
+        step: int | jax.Array,
+        dkv: tuple[jax.Array, jax.Array] | None,
+    ):
         k, v, kv_seg = kv
         kv_pos = tokens.positions((rank - BACKWARD * step) % p, p, n)
         dk, dv = (None, None) if dkv is None else dkv
@@ -323,7 +410,19 @@ def ring_cost(s: AttentionShape, options: dict) -> AttentionCost:
 # ---------------------------------------------------------------------------------------- registry entry
 
 
-def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, window=None):
+def _attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    *,
+    seq_axes: tuple[str, ...],
+    layout: str,
+    causal: bool,
+    sm_scale: float,
+    block_ops: str | BlockOps,
+    window: int | None = None,
+):
     return ring_attention(
         q,
         k,

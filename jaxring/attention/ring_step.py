@@ -8,14 +8,21 @@ two for zig-zag): a (Q run, K/V run) pair counts unless the causal mask hides al
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxring.attention.blockwise import tile_visible
 from jaxring.attention.merge import empty_partial, merge_partials
 
+if TYPE_CHECKING:
+    from jaxring.attention.blockwise import BlockOps
 
-def split_runs(x, parts: int, axis: int):
+
+def split_runs(x: jax.Array | None, parts: int, axis: int) -> list[jax.Array | None]:
     """Splits x into `parts` equal slices along axis (a rank's position runs)."""
     if x is None:
         return [None] * parts
@@ -23,7 +30,9 @@ def split_runs(x, parts: int, axis: int):
     return [lax.slice_in_dim(x, i * size, (i + 1) * size, axis=axis) for i in range(parts)]
 
 
-def when_visible(causal, q_pos, kv_pos, compute, skip):
+def when_visible(
+    causal: bool, q_pos: jax.Array, kv_pos: jax.Array, compute: Callable[[], Any], skip: Callable[[], Any]
+) -> tuple[Any, bool | jax.Array]:
     """Runs `compute` unless the causal mask hides the whole (Q, K/V) pair: (result, computed?)."""
     if not causal:
         return compute(), True
@@ -31,12 +40,14 @@ def when_visible(causal, q_pos, kv_pos, compute, skip):
     return lax.cond(visible, compute, skip), visible
 
 
-def pair_work(q_pos, kv_pos, computed):
+def pair_work(q_pos: jax.Array, kv_pos: jax.Array, computed: bool | jax.Array) -> jax.Array:
     """Query-key pairs a run pair computed, as fp32 (int32 would overflow past 2³¹ pairs per block)."""
     return jnp.where(computed, float(q_pos.shape[0] * kv_pos.shape[0]), 0.0).astype(jnp.float32)
 
 
-def run_pairs(q_pos, kv_pos, parts: int, causal: bool):
+def run_pairs(
+    q_pos: jax.Array, kv_pos: jax.Array, parts: int, causal: bool
+) -> list[tuple[jax.Array, jax.Array, bool | jax.Array]]:
     """[(q run positions, kv run positions, visible?)] for every (Q run, K/V run) pair of two blocks."""
     pairs = []
     for qp in split_runs(q_pos, parts, 0):
@@ -45,12 +56,25 @@ def run_pairs(q_pos, kv_pos, parts: int, causal: bool):
     return pairs
 
 
-def run_work(q_pos, kv_pos, parts: int, causal: bool):
+def run_work(q_pos: jax.Array, kv_pos: jax.Array, parts: int, causal: bool) -> jax.Array:
     """Query-key pairs of the run pairs the causal mask does not hide entirely (fp32)."""
     return sum(pair_work(qp, kp, visible) for qp, kp, visible in run_pairs(q_pos, kv_pos, parts, causal))
 
 
-def attend_block(ops, acc, q, q_pos, q_seg, k, v, kv_pos, kv_seg, *, causal, sm_scale):
+def attend_block(
+    ops: BlockOps,
+    acc: tuple[jax.Array, jax.Array],
+    q: jax.Array,
+    q_pos: jax.Array,
+    q_seg: jax.Array | None,
+    k: jax.Array,
+    v: jax.Array,
+    kv_pos: jax.Array,
+    kv_seg: jax.Array | None,
+    *,
+    causal: bool,
+    sm_scale: float,
+) -> tuple[jax.Array, jax.Array]:
     """acc (out, lse fp32) merged with the attention of Q over one K/V block (skipped if hidden)."""
     if ops.accumulates:
         return when_visible(
@@ -70,7 +94,23 @@ def attend_block(ops, acc, q, q_pos, q_seg, k, v, kv_pos, kv_seg, *, causal, sm_
     return merge_partials(*acc, *part)
 
 
-def add_block_grads(ops, grads, q, dout, lse, delta, q_pos, q_seg, k, v, kv_pos, kv_seg, *, causal, sm_scale):
+def add_block_grads(
+    ops: BlockOps,
+    grads: tuple[jax.Array | None, jax.Array | None, jax.Array | None],
+    q: jax.Array,
+    dout: jax.Array,
+    lse: jax.Array,
+    delta: jax.Array,
+    q_pos: jax.Array,
+    q_seg: jax.Array | None,
+    k: jax.Array,
+    v: jax.Array,
+    kv_pos: jax.Array,
+    kv_seg: jax.Array | None,
+    *,
+    causal: bool,
+    sm_scale: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """grads (dq, dk, dv) fp32 plus those of one (Q block, K/V block) pair given the global lse and delta.
 
     Any of them may be None (no sum yet: it starts at this pair's). Hidden blocks add nothing. Block ops that

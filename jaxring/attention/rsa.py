@@ -55,6 +55,7 @@ of collective-permute and 8(N-1)·c bytes of reduce-scatter.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -66,19 +67,22 @@ from jaxring.collectives import BACKWARD, ring_steps, send_to_next
 from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer
 from jaxring.registry import SequenceStrategy, register_sequence_strategy
 
+if TYPE_CHECKING:
+    from jaxring.attention.blockwise import BlockOps
+
 
 def rsa_attention(
-    q,
-    k,
-    v,
-    segment_ids=None,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
     *,
-    axis_name="sp",
+    axis_name: str | tuple[str, ...] = "sp",
     layout: str = "contiguous",
     causal: bool = True,
     sm_scale: float | None = None,
     window: int | None = None,
-):
+) -> jax.Array:
     """Ring Self-Attention over `axis_name`; call inside `shard_map` with the sequence already in `layout`.
 
     Args:
@@ -104,17 +108,27 @@ def rsa_attention(
     return _rsa(q, k, v, segment_ids, axis_name, layout, bool(causal), scale, window)
 
 
-def _einsum(spec, a, b):
+def _einsum(spec: str, a: jax.Array, b: jax.Array):
     return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32), preferred_element_type=jnp.float32)
 
 
-def _grouped(x, kv_heads):
+def _grouped(x: jax.Array, kv_heads: int):
     """[b, n, hq, d] -> fp32 [b, n, hkv, groups, d] (query head h reads kv head h // groups)."""
     b, n, hq, d = x.shape
     return x.astype(jnp.float32).reshape(b, n, kv_heads, hq // kv_heads, d)
 
 
-def rsa_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, window=None):
+def rsa_forward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    axis_name: str | tuple[str, ...],
+    layout: str,
+    causal: bool,
+    sm_scale: float,
+    window: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """The two forward rings. Returns out fp32 [b, n, hq, d] and P fp32 [b, hkv, groups, n, L]."""
     num, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
     batch, n, _, _ = q.shape
@@ -123,7 +137,9 @@ def rsa_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, windo
     send = lambda tree: send_to_next(tree, axis_name)
 
     # pass 1: K chunks (with their segment ids) go round; fill the score columns of each chunk's owner
-    def fill_scores(carry, kv, step):
+    def fill_scores(
+        carry: tuple[jax.Array, jax.Array | None], kv: tuple[jax.Array, jax.Array | None], step: int | jax.Array
+    ):
         s, kv_seg = carry
         k_o, seg_o = kv
         col = ((rank - step) % num) * n
@@ -151,7 +167,7 @@ def rsa_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, windo
     p = p / jnp.where(l == 0.0, 1.0, l)  # rows with no visible key: P = 0
 
     # pass 2: V chunks go round; O += P[:, owner block] V_owner
-    def attend(o, v_o, step):
+    def attend(o: jax.Array, v_o: jax.Array, step: int | jax.Array):
         p_o = lax.dynamic_slice_in_dim(p, ((rank - step) % num) * n, n, axis=4)
         return o + _einsum("bhgqk,bkhd->bqhgd", p_o, v_o)
 
@@ -160,17 +176,45 @@ def rsa_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, windo
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _rsa(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, window):
+def _rsa(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    axis_name: str | tuple[str, ...],
+    layout: str,
+    causal: bool,
+    sm_scale: float,
+    window: int | None,
+):
     out, _ = rsa_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, window)
     return out.astype(q.dtype)
 
 
-def _rsa_fwd(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, window):
+def _rsa_fwd(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    axis_name: str | tuple[str, ...],
+    layout: str,
+    causal: bool,
+    sm_scale: float,
+    window: int | None,
+):
     out, p = rsa_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, window)
     return out.astype(q.dtype), (q, k, v, p)
 
 
-def _rsa_bwd(axis_name, layout, causal, sm_scale, window, residuals, dout):
+def _rsa_bwd(
+    axis_name: str | tuple[str, ...],
+    layout: str,
+    causal: bool,
+    sm_scale: float,
+    window: int | None,
+    residuals: tuple,
+    dout: jax.Array,
+):
     del window  # folded into P
     q, k, v, p = residuals
     num, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
@@ -180,14 +224,14 @@ def _rsa_bwd(axis_name, layout, causal, sm_scale, window, residuals, dout):
     owner_col = lambda step: ((rank - BACKWARD * step) % num) * n
 
     # ring V: dP = dO Vᵀ, column block by owner
-    def fill_dp(dp, v_o, step):
+    def fill_dp(dp: jax.Array, v_o: jax.Array, step: int | jax.Array):
         return lax.dynamic_update_slice_in_dim(dp, _einsum("bqhgd,bkhd->bhgqk", dog, v_o), owner_col(step), axis=4)
 
     dp = ring_steps(fill_dp, jnp.zeros_like(p), v, num, send)
     ds = p * (dp - jnp.sum(dp * p, axis=-1, keepdims=True)) * sm_scale
 
     # ring K: dQ = Σ_o dS[:, owner block] K_owner
-    def add_dq(dq, k_o, step):
+    def add_dq(dq: jax.Array, k_o: jax.Array, step: int | jax.Array):
         return dq + _einsum("bhgqk,bkhd->bqhgd", lax.dynamic_slice_in_dim(ds, owner_col(step), n, axis=4), k_o)
 
     dq = ring_steps(add_dq, jnp.zeros_like(qg), k, num, send)
@@ -230,7 +274,19 @@ def rsa_cost(s: AttentionShape, options: dict) -> AttentionCost:
 # ---------------------------------------------------------------------------------------- registry entry
 
 
-def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, window=None):
+def _attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    *,
+    seq_axes: tuple[str, ...],
+    layout: str,
+    causal: bool,
+    sm_scale: float,
+    block_ops: str | BlockOps,
+    window: int | None = None,
+):
     del block_ops  # RSA materialises its score rows: no per-block compute
     return rsa_attention(
         q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, window=window

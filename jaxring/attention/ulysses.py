@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -31,7 +32,7 @@ from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer
 from jaxring.registry import SequenceStrategy, register_sequence_strategy
 
 
-def local_implementation(block_ops) -> str | None:
+def local_implementation(block_ops: str | BlockOps) -> str | None:
     """The `flash_attention` implementation matching a block-ops choice."""
     name = block_ops.name if isinstance(block_ops, BlockOps) else block_ops
     if name in ("auto", "jnp", "pallas", "pallas_interpret"):
@@ -50,36 +51,36 @@ def check_heads_split(q_heads: int, degree: int, what: str = "sp") -> None:
         )
 
 
-def repeat_kv_for_split(k, degree: int):
+def repeat_kv_for_split(k: jax.Array, degree: int) -> jax.Array:
     """Repeats each K/V head so the head count becomes lcm(kv_heads, degree) (unchanged when divisible)."""
     kv_heads = k.shape[2]
     factor = math.lcm(kv_heads, degree) // kv_heads
     return k if factor == 1 else jnp.repeat(k, factor, axis=2)
 
 
-def seq_to_heads(x, axis_name):
+def seq_to_heads(x: jax.Array, axis_name: str | tuple[str, ...]) -> jax.Array:
     """[b, n, h, d] sequence shard -> [b, n*P, h/P, d] head shard (one all-to-all)."""
     return lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
 
 
-def heads_to_seq(x, axis_name):
+def heads_to_seq(x: jax.Array, axis_name: str | tuple[str, ...]) -> jax.Array:
     """Inverse of `seq_to_heads`."""
     return lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
 
 
 def ulysses_attention(
-    q,
-    k,
-    v,
-    segment_ids=None,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
     *,
-    axis_name="sp",
+    axis_name: str | tuple[str, ...] = "sp",
     layout: str = "contiguous",
     causal: bool = True,
     sm_scale: float | None = None,
-    block_ops="auto",
+    block_ops: str | BlockOps = "auto",
     window: int | None = None,
-):
+) -> jax.Array:
     """Ulysses attention inside `shard_map`, sequence already in `layout`; shapes as `ring_attention`
     (window: the sliding window, see `ring_attention`)."""
     check_qkv(q, k, v)
@@ -141,7 +142,19 @@ def ulysses_cost(s: AttentionShape, options: dict) -> AttentionCost:
 # ---------------------------------------------------------------------------------------- registry entry
 
 
-def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, window=None):
+def _attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    *,
+    seq_axes: tuple[str, ...],
+    layout: str,
+    causal: bool,
+    sm_scale: float,
+    block_ops: str | BlockOps,
+    window: int | None = None,
+):
     return ulysses_attention(
         q,
         k,

@@ -15,7 +15,9 @@ window is the ring's: its steps outside every query's window are skipped (the ho
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
+import jax
 import numpy as np
 from jax import lax
 from jax.sharding import Mesh
@@ -28,23 +30,26 @@ from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer
 from jaxring.mesh import factored_mesh
 from jaxring.registry import Option, SequenceStrategy, register_sequence_strategy
 
+if TYPE_CHECKING:
+    from jaxring.attention.blockwise import BlockOps
+
 USP_AXES = ("usp_ring", "usp_ulysses")
 
 
 def usp_attention(
-    q,
-    k,
-    v,
-    segment_ids=None,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
     *,
-    ring_axis,
-    ulysses_axis,
+    ring_axis: str,
+    ulysses_axis: str,
     layout: str = "zigzag",
     causal: bool = True,
     sm_scale: float | None = None,
-    block_ops="auto",
+    block_ops: str | BlockOps = "auto",
     window: int | None = None,
-):
+) -> jax.Array:
     """USP inside `shard_map` over (ring_axis, ulysses_axis); the sequence rank is ring * U + ulysses.
     window: the sliding window (see `ring_attention`)."""
     check_qkv(q, k, v)
@@ -110,7 +115,20 @@ def usp_cost(s: AttentionShape, options: dict) -> AttentionCost:
 # ---------------------------------------------------------------------------------------- registry entry
 
 
-def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, ulysses_size, window=None):
+def _attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    *,
+    seq_axes: tuple[str, ...],
+    layout: str,
+    causal: bool,
+    sm_scale: float,
+    block_ops: str | BlockOps,
+    ulysses_size: int,
+    window: int | None = None,
+):
     del ulysses_size  # the factored view carries it
     ring_axis, ulysses_axis = seq_axes
     return usp_attention(
@@ -133,7 +151,7 @@ def _view(mesh: Mesh, options: dict, axis: str):
     return factored_mesh(mesh, axis, USP_AXES, (sp // u, u)), USP_AXES
 
 
-def _check_ulysses_size(u, sp: int) -> None:
+def _check_ulysses_size(u: object, sp: int) -> None:
     if isinstance(u, bool) or not isinstance(u, int) or u < 1 or sp % u:
         raise ValueError(f"ulysses_size U={u!r} must be a positive integer dividing sp = {sp}")
 

@@ -100,6 +100,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -127,7 +128,7 @@ WF_LAYOUTS = ("contiguous", "zigzag")
 # ----------------------------------------------------------------------------------------------- checks
 
 
-def check_team_size(team_size, sp: int) -> int:
+def check_team_size(team_size: int, sp: int) -> int:
     """Returns tgs = sp / C² (the sub-ring length), or raises naming C, sp and the rule."""
     if isinstance(team_size, bool) or not isinstance(team_size, int) or team_size < 1:
         raise ValueError(f"team_size C={team_size!r} must be an integer ≥ 1 with C² dividing sp = {sp}")
@@ -202,7 +203,7 @@ def init_pairs(num_devices: int, team_size: int, inverse: bool = False) -> list[
 # ------------------------------------------------------------------------------------------ positions
 
 
-def team_positions(layout: str, team, num_devices: int, team_size: int, local_len: int):
+def team_positions(layout: str, team: int | jax.Array, num_devices: int, team_size: int, local_len: int) -> jax.Array:
     """int32 [C·n]: the true positions of team `team`'s tokens in team order (int or traced team)."""
     check_wf_layout(layout)
     c, n = team_size, local_len
@@ -214,7 +215,7 @@ def team_positions(layout: str, team, num_devices: int, team_size: int, local_le
     return jnp.concatenate([team * h + i, (2 * num_devices // c - 1 - team) * h + i])
 
 
-def _team_order(x, c: int, zigzag: bool, axis: int = 1):
+def _team_order(x: jax.Array, c: int, zigzag: bool, axis: int = 1):
     """Member order (as all-gathered: member 0's n tokens, member 1's, ...) -> team order."""
     if not zigzag or c == 1 or x is None:
         return x
@@ -226,7 +227,7 @@ def _team_order(x, c: int, zigzag: bool, axis: int = 1):
     return jnp.concatenate([flat(first), flat(second)], axis)
 
 
-def _member_order(x, c: int, zigzag: bool, axis: int = 1):
+def _member_order(x: jax.Array, c: int, zigzag: bool, axis: int = 1):
     """Inverse of `_team_order`."""
     if not zigzag or c == 1 or x is None:
         return x
@@ -237,7 +238,9 @@ def _member_order(x, c: int, zigzag: bool, axis: int = 1):
     return x.reshape(x.shape[:axis] + (2 * c * h,) + x.shape[axis + 3 :])
 
 
-def wallfacer_positions(layout: str, rank, num_devices: int, team_size: int, local_len: int):
+def wallfacer_positions(
+    layout: str, rank: int | jax.Array, num_devices: int, team_size: int, local_len: int
+) -> jax.Array:
     """int32 [n]: true positions of the tokens device `rank` (logical rank R = g·P/C + j·C + a) holds."""
     c, n = team_size, local_len
     team_pos = _member_order(team_positions(layout, rank // c, num_devices, c, n), c, layout == "zigzag", 0)
@@ -264,21 +267,21 @@ def wallfacer_permutation(layout: str, seq_len: int, num_devices: int, team_size
 # ------------------------------------------------------------------------------------- communication
 
 
-def _gather(x, c: int, zigzag: bool):
+def _gather(x: jax.Array | None, c: int, zigzag: bool):
     """The team's C·n tokens of x (team order) from every member's n tokens."""
     if x is None or c == 1:
         return x
     return _team_order(lax.all_gather(x, TEAM, axis=1, tiled=True), c, zigzag)
 
 
-def _scatter(x, c: int, zigzag: bool):
+def _scatter(x: jax.Array, c: int, zigzag: bool):
     """Sums the members' team-order [.., C·n, ..] partials; each member keeps its own n rows."""
     if c == 1:
         return x
     return lax.psum_scatter(_member_order(x, c, zigzag), TEAM, scatter_dimension=1, tiled=True)
 
 
-def _init_map(tree, num_devices: int, c: int, inverse: bool = False):
+def _init_map(tree: Any, num_devices: int, c: int, inverse: bool = False):
     """Algorithm 2's initial send (or its inverse) over all three axes; nothing to do for C = 1."""
     if c == 1:
         return tree
@@ -286,7 +289,7 @@ def _init_map(tree, num_devices: int, c: int, inverse: bool = False):
     return jax.tree.map(lambda x: ppermute(x, WF_AXES, pairs), tree)
 
 
-def _team_combine(out_t, lse_t, c: int, zigzag: bool):
+def _team_combine(out_t: jax.Array, lse_t: jax.Array, c: int, zigzag: bool):
     """ReduceScatter_combine: (own rows' out, own rows' team lse, team lse of all C·n rows in team order)."""
     if c == 1:
         return out_t, lse_t, lse_t
@@ -302,7 +305,7 @@ def _team_combine(out_t, lse_t, c: int, zigzag: bool):
     return out, lse_own, _team_order(lse_all, c, zigzag)
 
 
-def _visible_pairs(q_pos, kv_pos, causal, window=None):
+def _visible_pairs(q_pos: jax.Array, kv_pos: jax.Array, causal: bool, window: int | None = None):
     """Visible (query, key) pairs of a run pair (kv_pos one ascending contiguous run): keys
     max(k0, i - W + 1) .. min(i, k_last) for each query i (k0 .. i without a window)."""
     if not causal:
@@ -320,7 +323,19 @@ def _coords():
     return g, j, a, lax.axis_size(RING)
 
 
-def _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops: BlockOps, fuse: bool = False, window=None):
+def _forward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    team_size: int,
+    layout: str,
+    causal: bool,
+    sm_scale: float,
+    ops: BlockOps,
+    fuse: bool = False,
+    window: int | None = None,
+):
     c, zigzag = team_size, layout == "zigzag"
     g, j, a, tgs = _coords()
     p, n = c * c * tgs, q.shape[1]
@@ -329,7 +344,11 @@ def _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops: Blo
     kv = _init_map((k_t, v_t, seg_t), p, c)
     q_pos = team_positions(layout, g * tgs + j, p, c, n)
 
-    def attend(carry, kv, step):
+    def attend(
+        carry: tuple[tuple[jax.Array, jax.Array], jax.Array],
+        kv: tuple[jax.Array, jax.Array, jax.Array | None],
+        step: int | jax.Array,
+    ):
         acc, work = carry
         k_c, v_c, kseg_c = kv
         kv_pos = team_positions(layout, ((j - step) % tgs) * c + a, p, c, n)  # the team chunk held now
@@ -368,7 +387,18 @@ def _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops: Blo
     return out, lse, work, (q_t, seg_t, kv, lse_team)
 
 
-def wallfacer_forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops: BlockOps, window=None):
+def wallfacer_forward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    team_size: int,
+    layout: str,
+    causal: bool,
+    sm_scale: float,
+    ops: BlockOps,
+    window: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The forward pass inside shard_map. Returns out fp32 [b, n, hq, d], lse fp32 [b, n, hq] (own rows) and
     work fp32 [2] on this device: (query-key pairs of the run pairs computed, visible ones: causal, window)."""
     out, lse, work, _ = _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, window=window)
@@ -376,12 +406,36 @@ def wallfacer_forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
-def _wallfacer(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, fuse, window):
+def _wallfacer(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    team_size: int,
+    layout: str,
+    causal: bool,
+    sm_scale: float,
+    ops: BlockOps,
+    fuse: bool,
+    window: int | None,
+):
     out, _, _, _ = _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, fuse, window)
     return out.astype(q.dtype)
 
 
-def _wallfacer_fwd(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, fuse, window):
+def _wallfacer_fwd(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    team_size: int,
+    layout: str,
+    causal: bool,
+    sm_scale: float,
+    ops: BlockOps,
+    fuse: bool,
+    window: int | None,
+):
     out, _, _, (q_t, seg_t, kv, lse_team) = _forward(
         q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, fuse, window
     )
@@ -392,7 +446,17 @@ def _wallfacer_fwd(q, k, v, segment_ids, team_size, layout, causal, sm_scale, op
 # -------------------------------------------------------------------------------------------- backward
 
 
-def _wallfacer_bwd(team_size, layout, causal, sm_scale, ops, fuse, window, residuals, dout):
+def _wallfacer_bwd(
+    team_size: int,
+    layout: str,
+    causal: bool,
+    sm_scale: float,
+    ops: BlockOps,
+    fuse: bool,
+    window: int | None,
+    residuals: tuple,
+    dout: jax.Array,
+):
     q_t, qseg_t, (k_u, v_u, kseg_u), out, lse_t = residuals
     c, zigzag = team_size, layout == "zigzag"
     parts = 2 if zigzag and causal else 1
@@ -404,7 +468,12 @@ def _wallfacer_bwd(team_size, layout, causal, sm_scale, ops, fuse, window, resid
     kv_pos = team_positions(layout, j * c + a, p, c, n)
     send = (lambda tree: send_to_next(tree, RING, fuse=fuse)) if tgs > 1 else (lambda tree: tree)
 
-    def grads(dkv, q_side, step, dq):
+    def grads(
+        dkv: tuple[jax.Array, jax.Array],
+        q_side: tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None],
+        step: int | jax.Array,
+        dq: jax.Array | None,
+    ):
         q_c, do_c, lse_c, delta_c, qseg_c = q_side
         q_pos = team_positions(layout, g * tgs + (j - step) % tgs, p, c, n)
         dq, dk, dv = grads_step(
@@ -442,10 +511,10 @@ _wallfacer.defvjp(_wallfacer_fwd, _wallfacer_bwd)
 
 
 def wallfacer_attention(
-    q,
-    k,
-    v,
-    segment_ids=None,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
     *,
     team_size: int,
     causal: bool = True,
@@ -454,7 +523,7 @@ def wallfacer_attention(
     block_ops: str | BlockOps = "auto",
     fuse_sends: bool | None = None,
     window: int | None = None,
-):
+) -> jax.Array:
     """WallFacer attention; call inside `shard_map` over a `wallfacer_mesh` with the sequence sharded over
     ("wf_group", "wf_ring", "wf_team") in `layout` (see `wallfacer_permutation`).
 
@@ -542,19 +611,19 @@ def wallfacer_cost(s: AttentionShape, options: dict) -> AttentionCost:
 
 
 def _attend(
-    q,
-    k,
-    v,
-    segment_ids,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
     *,
-    seq_axes,
-    layout,
-    causal,
-    sm_scale,
-    block_ops,
-    team_size,
-    placement="team_inner",
-    window=None,
+    seq_axes: tuple[str, ...],
+    layout: str,
+    causal: bool,
+    sm_scale: float,
+    block_ops: str | BlockOps,
+    team_size: int,
+    placement: str = "team_inner",
+    window: int | None = None,
 ):
     del seq_axes, placement  # WF_AXES, laid out by the factored view
     return wallfacer_attention(

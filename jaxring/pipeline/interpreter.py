@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxring.collectives import stage_local
-from jaxring.pipeline.lowering import Branch, Lowered, lower
+from jaxring.pipeline.lowering import Branch, Lowered, Segment, lower
 from jaxring.pipeline.schedules import BW, IDLE, B, F, Schedule, W
 from jaxring.pipeline.stage_vjp import stage_vjp
 from jaxring.vma import vary, varying_axes
@@ -120,27 +120,27 @@ def pipeline_loss_and_grads(
     return run.finish(state, stage_params, shared_params, reduce_data_axes)
 
 
-def _index(tree, i):
+def _index(tree: Any, i: int | jax.Array):
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
 
-def _read(buffers: list, slot) -> list:
+def _read(buffers: list, slot: int | jax.Array) -> list:
     return [lax.dynamic_index_in_dim(b, slot, keepdims=False) for b in buffers]
 
 
-def _write(buffers: list, slot, values: list) -> list:
+def _write(buffers: list, slot: int | jax.Array, values: list) -> list:
     return [
         lax.dynamic_update_index_in_dim(b, vary(x.astype(b.dtype), varying_axes(b)), slot, 0)
         for b, x in zip(buffers, values)
     ]
 
 
-def _vma(aval) -> frozenset:
+def _vma(aval: jax.core.ShapedArray) -> frozenset:
     mat = getattr(aval, "manual_axis_type", None)
     return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
 
 
-def _full(aval, count, fill, extra_vma=frozenset()):
+def _full(aval: jax.core.ShapedArray, count: int, fill: float, extra_vma: frozenset[str] = frozenset()):
     value = fill if jnp.issubdtype(aval.dtype, jnp.floating) else 0
     return vary(jnp.full((count, *aval.shape), value, aval.dtype), _vma(aval) | extra_vma)
 
@@ -149,16 +149,16 @@ class _Interpreter:
     def __init__(
         self,
         lowered: Lowered,
-        embed_fn,
-        stage_fn,
-        loss_fn,
-        stage_params,
-        shared_params,
-        microbatches,
-        axis_name,
-        data_axes,
-        poison,
-        stage_permute,
+        embed_fn: Callable,
+        stage_fn: Callable,
+        loss_fn: Callable,
+        stage_params: Any,
+        shared_params: Any,
+        microbatches: Any,
+        axis_name: str,
+        data_axes: tuple[str, ...] | None,
+        poison: bool,
+        stage_permute: str | None,
     ):
         self.lowered, self.schedule = lowered, lowered.schedule
         self.stage_permute = stage_permute
@@ -181,7 +181,7 @@ class _Interpreter:
         self._trace_stage(pp)
 
     # ---- tracing the pieces once (types only; nothing here runs) ----
-    def _trace_stage(self, pp):
+    def _trace_stage(self, pp: frozenset[str]):
         """Types of the activation (x), the residuals and the loss. Activations vary over what the embedding
         output varies over, the pipeline axis and the data axes (every leaf alike), and over whatever more
         stage_fn's output varies over (e.g. a sequence-parallel axis)."""
@@ -192,7 +192,7 @@ class _Interpreter:
         x_vma |= pp | self.data_axes
         for _ in range(3):
 
-            def embed_x(shared, mb, x_vma=x_vma):
+            def embed_x(shared: Any, mb: Any, x_vma: frozenset[str] = x_vma):
                 return jax.tree.map(lambda a: vary(a, x_vma), self.embed_fn(shared, mb))
 
             x_avals = jax.make_jaxpr(embed_x)(self.shared, mb0).out_avals
@@ -246,7 +246,7 @@ class _Interpreter:
         return state
 
     @staticmethod
-    def _zeros_like(tree):
+    def _zeros_like(tree: Any):
         return jax.tree.map(lambda a: vary(jnp.zeros(a.shape, jnp.float32), varying_axes(a)), tree)
 
     @property
@@ -258,15 +258,15 @@ class _Interpreter:
     # slot contents to write back, messages, gradient contributions. Buffers and accumulators are updated
     # outside the switch: a conditional's outputs never share memory with its operands, so passing the buffers
     # through it would copy every buffer on every tick.
-    def _chunk(self, c):
+    def _chunk(self, c: int | jax.Array):
         if self.schedule.virtual_stages == 1:
             return jax.tree.map(lambda a: a[0], self.stage_params)
         return _index(self.stage_params, c)
 
-    def _embed(self, shared, mb):
+    def _embed(self, shared: Any, mb: Any):
         return jax.tree.map(lambda a, e: vary(a, e), self.embed_fn(shared, mb), self.x_vma)
 
-    def _embed_grad(self, mb, dx_leaves):
+    def _embed_grad(self, mb: Any, dx_leaves: list[jax.Array]):
         """The embedding's gradient on the first virtual stage: embed_fn's vjp, recomputed (a lookup)."""
         _, embed_vjp = jax.vjp(lambda shared: self._embed(shared, mb), self.shared)
         return embed_vjp(self.x_tree.unflatten(dx_leaves))[0]
@@ -291,10 +291,10 @@ class _Interpreter:
         vjp = self.vjps[max(branch.stage, 0)]
         split = vjp.split
 
-        def idle(read, f):
+        def idle(read: dict[str, list[jax.Array]], f: dict[str, jax.Array]):
             return {}
 
-        def forward(read, f):
+        def forward(read: dict[str, list[jax.Array]], f: dict[str, jax.Array]):
             mb = _index(self.microbatches, f["mb"])
             chunk = jax.tree.leaves(self._chunk(f["chunk"]))
             x = jax.tree.leaves(self._embed(self.shared, mb)) if branch.first else read["x"]
@@ -311,7 +311,7 @@ class _Interpreter:
             d_shared, dy = loss_vjp(jnp.ones_like(loss))
             return {**out, "d_shared": d_shared, "loss": (loss, aux), "dy": jax.tree.leaves(dy)}
 
-        def backward(read, f):  # BW (whole) or B (input gradient)
+        def backward(read: dict[str, list[jax.Array]], f: dict[str, jax.Array]):  # BW (whole) or B (input gradient)
             mb = _index(self.microbatches, f["mb"])
             chunk = jax.tree.leaves(self._chunk(f["chunk"]))
             if branch.kind == BW:
@@ -324,7 +324,7 @@ class _Interpreter:
                 return {**out, "d_shared": self._embed_grad(mb, dx)}
             return {**out, "send_b": dx}
 
-        def weight(read, f):  # W
+        def weight(read: dict[str, list[jax.Array]], f: dict[str, jax.Array]):  # W
             mb = _index(self.microbatches, f["mb"])
             chunk = jax.tree.leaves(self._chunk(f["chunk"]))
             late = split.backward_weight(chunk, read["wres"], read["stash"], jax.tree.leaves(mb))
@@ -341,7 +341,14 @@ class _Interpreter:
         "stash": "stash_slot",
     }
 
-    def _tick(self, state, t, branches: list[Branch], fwd_pairs, bwd_pairs):
+    def _tick(
+        self,
+        state: dict[str, Any],
+        t: int | jax.Array,
+        branches: list[Branch],
+        fwd_pairs: tuple[tuple[int, int], ...],
+        bwd_pairs: tuple[tuple[int, int], ...],
+    ):
         row = self.table[t, self.stage]
         f = {
             name: row[self.lowered.field(name)]
@@ -384,11 +391,11 @@ class _Interpreter:
         slot = {name: jnp.maximum(f[self._SLOT[name]], 0) for name in reads | writes}
         read = {name: _read(state[name], slot[name]) for name in reads | writes}
 
-        def complete(action):
+        def complete(action: Callable[[dict, dict], dict]):
             """Runs a branch and fills in what it does not produce: a written slot keeps its content, messages
             are `fill`, contributions zero; every value cast to one type across branches."""
 
-            def run(read, f):
+            def run(read: dict[str, list[jax.Array]], f: dict[str, jax.Array]):
                 out = action(read, f)
                 result = {}
                 for name in sorted(produced):
@@ -416,10 +423,10 @@ class _Interpreter:
 
             return run
 
-        def on_stage(action, stage):
+        def on_stage(action: Callable[[dict, dict], dict], stage: int):
             """Traced as stage `stage`'s own branch (its collectives address that stage's devices)."""
 
-            def run(read, f):
+            def run(read: dict[str, list[jax.Array]], f: dict[str, jax.Array]):
                 if stage < 0:
                     return action(read, f)
                 with stage_local(self.axis_name, stage, self.stage_permute):
@@ -450,7 +457,7 @@ class _Interpreter:
                 state[inbox] = self._receive(state[inbox], f[recv], received)
         return state
 
-    def _accumulate_stage(self, acc_tree, c, grads: list):
+    def _accumulate_stage(self, acc_tree: Any, c: jax.Array, grads: list):
         leaves, tree = jax.tree.flatten(acc_tree)
         if self.schedule.virtual_stages == 1:
             leaves = [acc.at[0].add(g) for acc, g in zip(leaves, grads)]
@@ -462,7 +469,7 @@ class _Interpreter:
         return tree.unflatten(leaves)
 
     @staticmethod
-    def _receive(buffers, slot, received):
+    def _receive(buffers: list[jax.Array], slot: jax.Array, received: list[jax.Array]):
         valid = slot >= 0
         slot = jnp.maximum(slot, 0)
         old = _read(buffers, slot)
@@ -474,7 +481,7 @@ class _Interpreter:
         state = self.init_state()
         for seg in lowered.segments:
 
-            def period(state, r, seg=seg):
+            def period(state: dict[str, Any], r: int | jax.Array, seg: Segment = seg):
                 for j in range(seg.period):
                     t0 = seg.start + j
                     t = t0 if isinstance(r, int) else t0 + r * seg.period
@@ -487,11 +494,11 @@ class _Interpreter:
                 state = lax.fori_loop(0, seg.repeats, lambda r, s: period(s, r), state)
         return state
 
-    def finish(self, state, stage_params, shared_params, reduce_data_axes):
+    def finish(self, state: dict[str, Any], stage_params: Any, shared_params: Any, reduce_data_axes: bool):
         pp = frozenset({self.axis_name})
         data = self.data_axes if reduce_data_axes else frozenset()
 
-        def reduce(g, like, axes):
+        def reduce(g: jax.Array, like: jax.Array, axes: frozenset[str]):
             axes = tuple(sorted(axes & varying_axes(g) if self.typed else axes))
             g = lax.psum(g, axes) if axes else g
             return g.astype(like.dtype)

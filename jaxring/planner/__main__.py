@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 
 EXIT_USER_ERROR = 2
 
@@ -48,11 +49,11 @@ def _held(text: str):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):
+    def error(self, message: str):
         self.exit(EXIT_USER_ERROR, f"error: {message} (see python -m jaxring.planner --help)\n")
 
 
-def parse_args(argv=None):
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     from jaxring.planner.cluster import DEVICES
 
     p = _Parser(
@@ -114,7 +115,7 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # the planner runs nothing on a device; a compile check for a GPU target needs the CPU platform
     if args.device != "cpu":
@@ -130,7 +131,7 @@ def main(argv=None) -> int:
         return EXIT_USER_ERROR
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from jaxring.planner.check import GPU_TARGETS, compiled_peak, gpu_target_available
     from jaxring.planner.cluster import Cluster
     from jaxring.planner.search import search

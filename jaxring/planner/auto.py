@@ -11,16 +11,23 @@ Settings the user gave (a mesh degree, --attention, --zero, an option, ...) are 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from jaxring.planner.cluster import Cluster
 from jaxring.planner.search import Result, search
-from jaxring.planner.space import Candidate
+from jaxring.planner.space import Candidate, Workload
+
+if TYPE_CHECKING:
+    import jax
+
+    from jaxring.spec import RunSpec
 
 # the spec's parallel settings a search can hold fixed (Candidate's fields have the same names)
 _HELD = ("dp", "pp", "tp", "sp", "ep", "attention", "layout", "tensor_parallel", "zero", "microbatches")
 
 
-def device_kind(devices) -> str:
+def device_kind(devices: Sequence[jax.Device]) -> str:
     kind = str(getattr(devices[0], "device_kind", "")).lower()
     if getattr(devices[0], "platform", "") == "gpu":
         if "h200" in kind:
@@ -32,19 +39,19 @@ def device_kind(devices) -> str:
     return "cpu"
 
 
-def cluster_of(devices) -> Cluster:
+def cluster_of(devices: Sequence[jax.Device]) -> Cluster:
     per_node = max(1, len([d for d in devices if d.process_index == devices[0].process_index]))
     if getattr(devices[0], "platform", "") == "cpu":
         per_node = len(devices)  # simulated devices share one host
     return Cluster.of(device_kind(devices), len(devices), devices_per_node=per_node)
 
 
-def settings_of(c: Candidate, w) -> dict:
+def settings_of(c: Candidate, w: Workload) -> dict:
     """The run spec's flat settings of a candidate (grad_accum: the micro-steps when pp = 1)."""
     return c.settings(w)
 
 
-def held_settings(spec) -> dict:
+def held_settings(spec: RunSpec) -> dict:
     """The spec's given parallel settings (and remat when not the default), held fixed in a search."""
     p = spec.parallel
     held = {k: getattr(p, k) for k in _HELD if getattr(p, k) is not None}
@@ -59,7 +66,7 @@ def held_settings(spec) -> dict:
     return held
 
 
-def auto_plan(spec, devices) -> tuple[dict, Result]:
+def auto_plan(spec: RunSpec, devices: Sequence[jax.Device]) -> tuple[dict, Result]:
     """(the spec's settings of the best plan, the search result); the spec's given parallel settings held."""
     from jaxring.planner.fit import workload_of
 
@@ -67,7 +74,7 @@ def auto_plan(spec, devices) -> tuple[dict, Result]:
     return settings_of(result.best.candidate, result.workload), result
 
 
-def apply_auto_plan(spec, devices, log=print):
+def apply_auto_plan(spec: RunSpec, devices: Sequence[jax.Device], log: Callable[[str], object] = print) -> RunSpec:
     """`train.py --plan auto`: the spec with its parallel settings (and grad_accum, remat) from the planner's
     best plan for `devices`, settings the user gave held fixed; `plan` becomes "manual"."""
     settings, result = auto_plan(spec, devices)

@@ -11,7 +11,13 @@ CPU path, as a deviceless compile runs on the CPU platform). Peak = arguments + 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from jaxring.planner.space import Candidate, Workload
+
+if TYPE_CHECKING:
+    import jax
 
 GPU_TARGETS = {"h100": "h100", "h200": "h200", "a100-40gb": "h100", "a100-80gb": "h100"}
 
@@ -22,7 +28,9 @@ def gpu_target_available() -> tuple[bool, str]:
     return gpu.available()
 
 
-def compiled_peak(w: Workload, c: Candidate, *, target: str | None = None, devices=None) -> float:
+def compiled_peak(
+    w: Workload, c: Candidate, *, target: str | None = None, devices: Sequence[jax.Device] | None = None
+) -> float:
     """Per-device peak bytes of the compiled step of `c` for `w`: on the GPU topology `target` ("h100",
     "h200"), or on `devices` (default: the first c.devices of jax.devices())."""
     import jax

@@ -17,15 +17,21 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxring.analysis.compiled import collective_ops, received_factor
 from jaxring.precision import compute_dtype
+
+if TYPE_CHECKING:
+    from jaxring.plan import ParallelPlan
 
 _PAIRS = re.compile(r"source_target_pairs=\{(.*?)\}\}")
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
@@ -47,13 +53,15 @@ def _groups(line: str, num_devices: int) -> list[list[int]]:
     return [list(range(num_devices))]
 
 
-def _axes_spanned(members, coords, names) -> tuple[str, ...]:
+def _axes_spanned(
+    members: Sequence[int], coords: Mapping[int, tuple[int, ...]], names: Sequence[str]
+) -> tuple[str, ...]:
     """The mesh axes along which the devices `members` differ (in mesh order)."""
     c = np.array([coords[i] for i in members])
     return tuple(n for j, n in enumerate(names) if len(set(c[:, j])) > 1)
 
 
-def axis_traffic(hlo_text: str, mesh, *, skip_scalars: bool = True) -> dict[tuple[str, ...], int]:
+def axis_traffic(hlo_text: str, mesh: Mesh, *, skip_scalars: bool = True) -> dict[tuple[str, ...], int]:
     """{run-mesh axes an op spans: bytes received per device} for a program compiled over `mesh`."""
     names = mesh.axis_names
     coords = {i: np.unravel_index(i, mesh.devices.shape) for i in range(mesh.devices.size)}
@@ -98,14 +106,14 @@ def user_axes(run_axes: tuple[str, ...]) -> tuple[str, ...]:
 # ------------------------------------------------------------------------------------ compiling a step
 
 
-def _abstract(tree, shardings):
+def _abstract(tree: Any, shardings: Any):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
 def build_train_step(
     model_kind: str,
-    config,
-    plan,
+    config: Any,
+    plan: ParallelPlan,
     *,
     batch: int,
     seq_len: int | None = None,
@@ -114,7 +122,7 @@ def build_train_step(
     remat: str = "full",
     offload: str = "none",
     clip: float | None = 1.0,
-):
+) -> tuple[Callable[..., Any], tuple]:
     """(step, abstract args) of the trainer's jitted update for a `config` GPT or DiT on `plan` with a global
     batch of `batch` sequences (images), without allocating anything."""
     from jaxring.nn import param_placements
@@ -148,7 +156,7 @@ def build_train_step(
     return step.build(opt_specs), args
 
 
-def compile_train_step(model_kind: str, config, plan, **kwargs):
+def compile_train_step(model_kind: str, config: Any, plan: ParallelPlan, **kwargs) -> jax.stages.Compiled:
     """The compiled train step (see `build_train_step`): `.memory_analysis()`, `.as_text()`."""
     fn, args = build_train_step(model_kind, config, plan, **kwargs)
     return fn.lower(*args).compile()

@@ -9,9 +9,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import TYPE_CHECKING, Any
 
 import jax
 from flax import nnx
+
+if TYPE_CHECKING:
+    from jaxring.plan import ParallelPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +30,7 @@ class ParamLeaf:
 
 
 @functools.lru_cache(maxsize=16)
-def abstract_state(model: str, config):
+def abstract_state(model: str, config: Any) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, abstract nnx.State) of the model, nothing allocated."""
     from jaxring.task import model_family
 
@@ -34,7 +38,7 @@ def abstract_state(model: str, config):
     return nnx.split(nnx.eval_shape(lambda: build(config, nnx.Rngs(0))))
 
 
-def param_leaves(model: str, config, plan) -> list[ParamLeaf]:
+def param_leaves(model: str, config: Any, plan: ParallelPlan) -> list[ParamLeaf]:
     from jaxring.nn import param_placements
     from jaxring.zero import Placement
 

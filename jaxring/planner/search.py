@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from jaxring.nn import REMAT
 from jaxring.planner import cost
@@ -36,6 +38,9 @@ from jaxring.registry import (
     tensor_method,
     tensor_methods,
 )
+
+if TYPE_CHECKING:
+    from jaxring.plan import ParallelPlan
 
 MEMORY_SETTINGS = ("loss_tile", "mlp_tile", "offload")
 
@@ -55,7 +60,7 @@ class Evaluated:
     compiled_memory: float | None = None  # filled by a compile check
 
     @property
-    def plan(self):
+    def plan(self) -> ParallelPlan:
         """The candidate's ParallelPlan (on stand-in devices)."""
         return self.candidate.check(self.workload)
 
@@ -242,7 +247,7 @@ def _stage_chunks(schedule: str, pp: int, options: tuple) -> int | None:
         return None
 
 
-def candidates(w: Workload, cluster: Cluster, remat_modes=None):
+def candidates(w: Workload, cluster: Cluster, remat_modes: Sequence[str] | None = None) -> Iterator[Candidate]:
     """Every candidate for `w` on `cluster.devices` devices (before validation)."""
     n = cluster.devices
     layers = w.config.num_layers
@@ -299,13 +304,13 @@ class _Cache:
     def _key(c: Candidate) -> tuple:
         return (c.dp, c.pp, c.tp, c.sp, c.ep, c.attention, c.tensor_parallel, c.options)
 
-    def param_leaves(self, c: Candidate, plan):
+    def param_leaves(self, c: Candidate, plan: ParallelPlan):
         key = self._key(c)
         if key not in self.leaves:
             self.leaves[key] = param_leaves(self.w.model, self.w.config, plan)
         return self.leaves[key]
 
-    def locality(self, c: Candidate, plan, axes_list):
+    def locality(self, c: Candidate, plan: ParallelPlan, axes_list: Iterable[tuple[str, ...]]):
         have = self.local.setdefault(self._key(c), {})
         missing = [a for a in set(axes_list) if a not in have]
         if missing:
@@ -313,7 +318,9 @@ class _Cache:
         return have
 
 
-def evaluate(w: Workload, c: Candidate, cluster: Cluster, plan=None, cache: _Cache | None = None) -> Evaluated:
+def evaluate(
+    w: Workload, c: Candidate, cluster: Cluster, plan: ParallelPlan | None = None, cache: _Cache | None = None
+) -> Evaluated:
     """The cost model's prediction for one candidate (it must be valid: see Candidate.check). plan: its
     ParallelPlan, or one of the same mesh and strategies (the cost model reads its run mesh and weights).
     Raises ValueError naming a registry entry that has no cost model."""
@@ -406,7 +413,7 @@ def search(w: Workload, cluster: Cluster, *, only: dict | None = None, keep: int
     seen_rules: dict = {}
     structures: dict = {}
 
-    def reject(c, e, quick=None):
+    def reject(c: Candidate, e: Exception, quick: tuple | None = None):
         msg = " ".join(str(e).split())
         key = _rule_key(msg)
         if quick is not None:
@@ -470,7 +477,9 @@ def search(w: Workload, cluster: Cluster, *, only: dict | None = None, keep: int
     return Result(w, cluster, fits[:keep] if keep else fits, rejected, considered)
 
 
-def _tightest(w: Workload, cluster: Cluster, over, rejected, considered) -> str:
+def _tightest(
+    w: Workload, cluster: Cluster, over: list[Evaluated], rejected: dict[str, Rejection], considered: int
+) -> str:
     """One line: why nothing fits, naming the constraint closest to being met."""
     where = f"{w.describe()} on {cluster.devices} × {cluster.device.name}"
     if over:

@@ -16,11 +16,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxring.precision import PRECISIONS
+
+if TYPE_CHECKING:
+    import jax
+
+    from jaxring.costs import WorkloadTerms
+    from jaxring.moe.config import MoEConfig
+    from jaxring.plan import ParallelPlan
+    from jaxring.registry import HasOptions
+    from jaxring.task import ModelFamily
 
 MESH_DEGREES = ("dp", "pp", "fsdp", "ep", "sp", "tp")
 
@@ -75,7 +86,7 @@ class Workload:
         return cls(model, config, tokens, global_batch, precision, preset)
 
     @property
-    def family(self):
+    def family(self) -> ModelFamily:
         from jaxring.task import model_family
 
         return model_family(self.model)
@@ -85,7 +96,7 @@ class Workload:
         return self.family.causal
 
     @property
-    def terms(self):
+    def terms(self) -> WorkloadTerms:
         """The family's `jaxring.costs.WorkloadTerms` (what the cost model adds beyond the blocks)."""
         from jaxring.costs import WorkloadTerms
 
@@ -101,7 +112,7 @@ class Workload:
         return self.seq_len * self.global_batch
 
     @property
-    def moe(self):
+    def moe(self) -> MoEConfig | None:
         return getattr(self.config, "moe", None)
 
     def flops_per_step(self) -> float:
@@ -150,7 +161,7 @@ class Candidate:
         options = {k: v for k, v in settings.items() if k not in fields}
         return cls(**{k: v for k, v in settings.items() if k in fields}, options=options)
 
-    def option(self, name: str, default=None):
+    def option(self, name: str, default: object = None) -> object:
         """The value of an entry's option (default when the candidate does not set it)."""
         return dict(self.options).get(name, default)
 
@@ -193,7 +204,7 @@ class Candidate:
         """Micro-steps per step: gradient accumulation (pp = 1) or the pipeline's micro-batches."""
         return workload.global_batch // (self.data_degree * self.micro_batch)
 
-    def plan(self, devices=None, block_ops: str = "auto"):
+    def plan(self, devices: Sequence[jax.Device] | None = None, block_ops: str = "auto") -> ParallelPlan:
         """The ParallelPlan (raises the library's one-line ValueError when the combination is not allowed).
         devices: real devices (a list of device count), or None for stand-ins (validation and the run-mesh
         view only; nothing can be compiled on them). block_ops: the attention's per-block compute ("pallas"
@@ -203,7 +214,9 @@ class Candidate:
         mesh = _mesh(self.dp, self.pp, self.tp, self.sp, self.ep) if devices is None else _real_mesh(self, devices)
         return ParallelPlan(mesh, block_ops=block_ops, **self.plan_kwargs())
 
-    def check(self, workload: Workload, devices=None, block_ops: str = "auto"):
+    def check(
+        self, workload: Workload, devices: Sequence[jax.Device] | None = None, block_ops: str = "auto"
+    ) -> ParallelPlan:
         """The plan, after the model's own rules (heads, layers vs pp, experts vs ep, batch and sequence splits)
         for this workload. Raises ValueError (one line)."""
         plan = self.plan(devices, block_ops)
@@ -251,7 +264,7 @@ class Candidate:
         entries = self._entries()
         given = dict(self._live_options())
 
-        def opts(entry, *first):
+        def opts(entry: HasOptions, *first):
             items = [*first, *(f"{n}={given[n]}" for n in entry.option_names() if n in given)]
             return f"({','.join(items)})" if items else ""
 
@@ -289,7 +302,7 @@ class _StandIn:
 
 
 @functools.lru_cache(maxsize=4096)
-def _mesh(dp, pp, tp, sp, ep) -> Mesh:
+def _mesh(dp: int, pp: int, tp: int, sp: int, ep: int) -> Mesh:
     from jaxring.mesh import MESH_AXES
 
     sizes = {"dp": dp, "pp": pp, "fsdp": 1, "ep": ep, "sp": sp, "tp": tp}
@@ -298,7 +311,7 @@ def _mesh(dp, pp, tp, sp, ep) -> Mesh:
     return Mesh(devices, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def _real_mesh(c: Candidate, devices) -> Mesh:
+def _real_mesh(c: Candidate, devices: Sequence[jax.Device]) -> Mesh:
     from jaxring.mesh import make_mesh
 
     return make_mesh(dp=c.dp, pp=c.pp, tp=c.tp, sp=c.sp, ep=c.ep, devices=list(devices))

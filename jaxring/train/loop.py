@@ -37,6 +37,8 @@ import dataclasses
 import os
 import signal
 import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import jax
 
@@ -115,7 +117,7 @@ def _first_line(e: BaseException, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def estimated_memory_bytes(spec: RunSpec, devices) -> int | None:
+def estimated_memory_bytes(spec: RunSpec, devices: Sequence[jax.Device]) -> int | None:
     """Per-device memory the run is estimated to need (the planner's `jaxring.planner.fit.check_fits`); None:
     no estimate. Raises `DoesNotFit` (a ValueError, one line: the estimate, the device memory and the setting
     to change) when the estimate exceeds the device memory, before anything is built or compiled."""
@@ -126,7 +128,12 @@ def estimated_memory_bytes(spec: RunSpec, devices) -> int | None:
 
 
 def train(
-    spec: RunSpec, *, devices=None, log=print, guard: DivergenceGuard | None = None, signals=SIGNALS
+    spec: RunSpec,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    log: Callable[..., object] = print,
+    guard: DivergenceGuard | None = None,
+    signals: Iterable[int] = SIGNALS,
 ) -> list[dict]:
     """Trains; returns the per-step metrics (a dict per step: every metric the step returns, plus timing).
 
@@ -190,7 +197,7 @@ def train(
     return history
 
 
-def _check_validation_data(trainer) -> None:
+def _check_validation_data(trainer: Trainer) -> None:
     """The held-out batches' token ids checked against the vocabulary before the first step (a bad id
     would otherwise surface only at the end, after the whole run)."""
     check = getattr(trainer.task, "check_validation_data", None)
@@ -218,7 +225,7 @@ def prepare(spec: RunSpec, device_count: int) -> RunSpec:
     return dataclasses.replace(spec, output=dataclasses.replace(out, out_dir=out_dir))
 
 
-def _describe(spec, trainer, say, estimate: int | None = None):
+def _describe(spec: RunSpec, trainer: Trainer, say: Callable[..., object], estimate: int | None = None):
     """The run's header: model, the plan (mesh, strategies, layout), numerics, batch, data, memory."""
     task = trainer.task
     n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
@@ -239,7 +246,15 @@ def _describe(spec, trainer, say, estimate: int | None = None):
     )
 
 
-def _run(spec, trainer, ckpt, guard, stop, say, is_main) -> list[dict]:
+def _run(
+    spec: RunSpec,
+    trainer: Trainer,
+    ckpt: Checkpointer,
+    guard: DivergenceGuard,
+    stop: GracefulStop,
+    say: Callable[..., object],
+    is_main: bool,
+) -> list[dict]:
     task = trainer.task
     peak = peak_flops(jax.devices()[0], spec.training.precision)
     lr = lr_schedule(spec)
@@ -323,7 +338,7 @@ def _run(spec, trainer, ckpt, guard, stop, say, is_main) -> list[dict]:
     return history
 
 
-def _above_bar(bar, say):
+def _above_bar(bar: Any, say: Callable[..., object]):
     """`say` for lines printed while the progress bar is up: through tqdm, above the bar (when `say` is the
     plain print; a caller's own log function is kept)."""
     if say is not print:
@@ -334,7 +349,9 @@ def _above_bar(bar, say):
 # ------------------------------------------------------------------------------------------------ checkpoints
 
 
-def _save(ckpt, trainer, guard, say=None) -> bool:
+def _save(
+    ckpt: Checkpointer, trainer: Trainer, guard: DivergenceGuard, say: Callable[..., object] | None = None
+) -> bool:
     """Saves the current step (not again if saved) and says so; Diverged if the state holds NaN/Inf (then
     nothing is saved)."""
     metadata = {**trainer.metadata(), "guard": guard.state_dict(), "data": _data_state(trainer)}
@@ -347,7 +364,7 @@ def _save(ckpt, trainer, guard, say=None) -> bool:
     return saved
 
 
-def _resume(spec, trainer, ckpt, guard, say):
+def _resume(spec: RunSpec, trainer: Trainer, ckpt: Checkpointer, guard: DivergenceGuard, say: Callable[..., object]):
     if not ckpt.all_steps():
         say(f"--resume: no checkpoint in {spec.checkpoint.checkpoint_dir} yet; starting from step 0")
         return
@@ -367,18 +384,18 @@ def _resume(spec, trainer, ckpt, guard, say):
 # that keeps one has data_state() -> dict | None and restore_data_state(state, step, log) (models/gpt_train.py).
 
 
-def _data_state(trainer):
+def _data_state(trainer: Trainer):
     get = getattr(trainer.task, "data_state", None)
     return None if get is None else get()
 
 
-def _restore_data_state(trainer, state, step: int, say):
+def _restore_data_state(trainer: Trainer, state: dict | None, step: int, say: Callable[..., object]):
     restore = getattr(trainer.task, "restore_data_state", None)
     if restore is not None:
         restore(state, step, say)
 
 
-def _warn_schedule(spec, saved: dict, step: int, say):
+def _warn_schedule(spec: RunSpec, saved: dict, step: int, say: Callable[..., object]):
     """One warning line when the run's schedule or batches differ from the checkpoint's run."""
     now = spec.flat()
     diffs = [
@@ -393,7 +410,9 @@ def _warn_schedule(spec, saved: dict, step: int, say):
         )
 
 
-def _stop_on_signal(stop, trainer, ckpt, guard, say):
+def _stop_on_signal(
+    stop: GracefulStop, trainer: Trainer, ckpt: Checkpointer, guard: DivergenceGuard, say: Callable[..., object]
+):
     """After a SIGTERM/SIGINT: save this step, wait for every pending save, raise Interrupted."""
     signum = stop.signum or signal.SIGTERM  # another process's signal: SIGTERM-like
     name = signal.Signals(signum).name

@@ -19,6 +19,8 @@ runs outside the shard_map, under the same jit.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -32,14 +34,18 @@ from jaxring import zero
 from jaxring.nn import Layers
 from jaxring.vma import vary, vary_like, varying_axes
 
+if TYPE_CHECKING:
+    from jaxring.plan import ParallelPlan
+    from jaxring.task import Objective
 
-def psum_varying(x, exclude=()):
+
+def psum_varying(x: jax.Array, exclude: Iterable[str] = ()) -> jax.Array:
     """Sum of local x over every mesh axis it varies over (a replicated x is counted once), but `exclude`."""
     axes = tuple(sorted(varying_axes(x) - set(exclude)))
     return lax.psum(x, axes) if axes else x
 
 
-def replicated(x, exclude=()):
+def replicated(x: jax.Array, exclude: Iterable[str] = ()) -> jax.Array:
     """x, a value equal on every device but typed as varying (e.g. carried through the pipeline with the
     activations), as a replicated value: the mean of its equal copies."""
     axes = tuple(sorted(varying_axes(x) - set(exclude)))
@@ -48,7 +54,7 @@ def replicated(x, exclude=()):
     return lax.psum(x, axes) / math.prod(lax.axis_size(a) for a in axes)
 
 
-def _split(tree, placements, fn):
+def _split(tree: Any, placements: Any, fn: Callable[[jax.Array, zero.Placement], tuple[Any, Any]]):
     """Applies fn(leaf, placement) -> (a, b) leafwise; returns the two trees."""
     leaves, treedef = jax.tree.flatten(tree)
     pls = treedef.flatten_up_to(placements)
@@ -56,7 +62,7 @@ def _split(tree, placements, fn):
     return treedef.unflatten([a for a, _ in pairs]), treedef.unflatten([b for _, b in pairs])
 
 
-def _map(fn, tree, placements, *rest):
+def _map(fn: Callable[..., Any], tree: Any, placements: Any, *rest):
     leaves, treedef = jax.tree.flatten(tree)
     others = [treedef.flatten_up_to(r) for r in (placements,) + rest]
     return treedef.unflatten([fn(x, *o) for x, *o in zip(leaves, *others)])
@@ -81,19 +87,19 @@ class TrainStep:
 
     def __init__(
         self,
-        plan,
-        graphdef,
-        placements,
-        tx,
-        task,
+        plan: ParallelPlan,
+        graphdef: nnx.GraphDef,
+        placements: Any,
+        tx: optax.GradientTransformation | None,
+        task: Objective,
         *,
-        dtype=jnp.float32,
+        dtype: jax.typing.DTypeLike = jnp.float32,
         remat: str = "none",
         offload: str = "none",
         grad_accum: int = 1,
         clip: float | None = 1.0,
         stack: str = "blocks",
-        layer_graphdef=None,
+        layer_graphdef: nnx.GraphDef | None = None,
     ):
         self.plan, self.graphdef, self.placements, self.tx, self.task = plan, graphdef, placements, tx, task
         self.dtype, self.remat, self.grad_accum, self.clip, self.stack = dtype, remat, grad_accum, clip, stack
@@ -107,10 +113,10 @@ class TrainStep:
         self.input_specs = task.input_specs(plan)
 
     # ------------------------------------------------------------------ layouts
-    def shardings(self, specs):
+    def shardings(self, specs: Any) -> Any:
         return jax.tree.map(lambda s: NamedSharding(self.plan.run_mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
-    def opt_state_specs(self, abstract_params):
+    def opt_state_specs(self, abstract_params: Any) -> Any:
         """Specs of the optimizer state: moments like their weights' ZeRO layout, counts replicated."""
         abstract = jax.eval_shape(self.tx.init, abstract_params)
         return optax.tree_map_params(
@@ -123,7 +129,7 @@ class TrainStep:
         )
 
     # ------------------------------------------------------------------ the local loss
-    def _loss(self, diff, const, inputs, stage):
+    def _loss(self, diff: dict, const: dict, inputs: Any, stage: int):
         """(mean-loss contribution, aux) of one micro-batch, on local shards: the objective's embed, the layer
         stack (a scan whose layers remat by `self.remat`, `nn.remat_policy`) and head. The weights outside the
         stack are materialized once and held through the backward (ZeRO-3: gathered once)."""
@@ -153,7 +159,7 @@ class TrainStep:
         objective = data_loss + aux.pop("extra_loss", 0.0) / self.grad_accum
         return objective, {"loss": data_loss, **aux}
 
-    def _pipeline_value_and_grad(self, params, inputs):
+    def _pipeline_value_and_grad(self, params: dict, inputs: Any):
         """Loss, aux and gradients with the layer stack split over pp, run by the plan's schedule
         (`jaxring.pipeline`): embed on the first virtual stage, chunks of `Layers` on every stage, the head and
         loss on the last. The pipeline's micro-batches are the step's gradient accumulation."""
@@ -170,20 +176,20 @@ class TrainStep:
         micro = jax.tree.map(lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:]), inputs)
         count = float(task.loss_count)
 
-        def model_of(shared):
+        def model_of(shared: dict):
             weights = _map(lambda d, pl, c: zero.materialize(stage, d, c, pl), shared, top_pl, top_const)
             return nnx.merge(self.graphdef, {**weights, self.stack: diff[self.stack]})
 
-        def embed_fn(shared, mb):
+        def embed_fn(shared: dict, mb: Any):
             return task.embed(model_of(shared), mb, plan, self.dtype)
 
-        def stage_fn(chunk, carry, mb):
+        def stage_fn(chunk: Any, carry: Any, mb: Any):
             layers = Layers(
                 self.layer_graphdef, chunk, None, self.placements[self.stack], stage, self.remat, self.offload
             )
             return layers(carry, lambda block, carry: task.layer(block, carry, mb, plan))
 
-        def loss_fn(shared, carry, mb):
+        def loss_fn(shared: dict, carry: Any, mb: Any):
             # runs on the last stage alone (inside its switch branch): sums over the data axes, never over pp
             loss_sum, aux = task.head(model_of(shared), carry, mb, plan, self.dtype)
             aux = {k: replicated(x, exclude=("pp",)) for k, x in aux.items()}
@@ -212,7 +218,7 @@ class TrainStep:
         aux = {k: same(x) if k == "loss" else same(x) / m for k, x in aux.items()}
         return aux.pop("loss"), aux, grads
 
-    def _value_and_grad(self, params, inputs):
+    def _value_and_grad(self, params: dict, inputs: Any):
         if self.plan.pp > 1:
             return self._pipeline_value_and_grad(params, inputs)
         stage = self.stage
@@ -225,7 +231,7 @@ class TrainStep:
             accum = self.grad_accum
             micro = jax.tree.map(lambda x: x.reshape((accum, x.shape[0] // accum) + x.shape[1:]), inputs)
 
-            def body(carry, mb):
+            def body(carry: tuple[jax.Array, dict, dict], mb: Any):
                 (loss, aux), grads = grad_fn(diff, mb)
                 return jax.tree.map(jnp.add, carry, (loss, aux, grads)), None
 
@@ -242,7 +248,7 @@ class TrainStep:
         return aux.pop("loss"), aux, grads
 
     # ------------------------------------------------------------------ the step
-    def _local_step(self, params, opt_state, inputs, max_loss):
+    def _local_step(self, params: dict, opt_state: optax.OptState, inputs: Any, max_loss: jax.Array):
         stage = self.stage
         loss, aux, grads = self._value_and_grad(params, inputs)
         norm = zero.global_norm(grads)
@@ -252,7 +258,7 @@ class TrainStep:
         # a non-finite loss, or one over max_loss (the divergence guard's limit), leaves the state as it was
         ok = jnp.isfinite(loss) & (loss <= max_loss)
 
-        def update(params, opt_state):
+        def update(params: dict, opt_state: optax.OptState):
             mine = _map(lambda p, pl: zero.update_slice(stage, p, pl), params, self.placements)
             updates, opt_state = self.tx.update(grads, opt_state, mine)
             new = optax.apply_updates(mine, updates)
@@ -261,7 +267,7 @@ class TrainStep:
         params, opt_state = lax.cond(ok, update, lambda p, o: (p, o), params, opt_state)
         return params, opt_state, {"loss": loss, "grad_norm": norm, "skipped": ~ok, **aux}
 
-    def build(self, opt_specs):
+    def build(self, opt_specs: Any) -> Callable[..., tuple[dict, optax.OptState, dict]]:
         """The jitted step(params, opt_state, batch, key, max_loss) -> (params, opt_state, metrics). The update
         is not applied (metrics["skipped"]) when the loss is not finite or exceeds max_loss (fp32 scalar)."""
         body = self.plan.shard_map(
@@ -270,7 +276,7 @@ class TrainStep:
             out_specs=(self.param_specs, opt_specs, P()),
         )
 
-        def step(params, opt_state, batch, key, max_loss):
+        def step(params: dict, opt_state: optax.OptState, batch: dict, key: jax.Array, max_loss: jax.Array):
             return body(params, opt_state, self.task.prepare(batch, key), max_loss)
 
         replicated = NamedSharding(self.plan.run_mesh, P())
@@ -280,12 +286,12 @@ class TrainStep:
             out_shardings=(self.shardings(self.param_specs), self.shardings(opt_specs), replicated),
         )
 
-    def build_eval(self):
+    def build_eval(self) -> Callable[[dict, dict, jax.Array], jax.Array]:
         """The jitted held-out loss(params, batch, key) -> fp32 scalar (no gradients; under pp the pipeline
         runs its whole schedule and the gradients are dropped)."""
         stage = 3 if self.stage == 3 else 0
 
-        def local(params, inputs):
+        def local(params: dict, inputs: Any):
             if self.plan.pp > 1:
                 return self._pipeline_value_and_grad(params, inputs)[0]
             diff, const = _split(params, self.placements, lambda p, pl: zero.inputs(stage, p, pl))
@@ -294,11 +300,11 @@ class TrainStep:
         body = self.plan.shard_map(local, in_specs=(self.param_specs, self.input_specs), out_specs=P())
         return jax.jit(lambda params, batch, key: body(params, self.task.prepare(batch, key)))
 
-    def build_grads(self):
+    def build_grads(self) -> Callable[[dict, dict, jax.Array], tuple[jax.Array, dict, dict]]:
         """The jitted (params, batch, key) -> (loss, aux, grads): gradients summed over the replica axes, in the
         optimizer's layout (ZeRO shards for stages >= 1), before clipping."""
 
-        def local(params, inputs):
+        def local(params: dict, inputs: Any):
             return self._value_and_grad(params, inputs)
 
         body = self.plan.shard_map(
@@ -308,17 +314,17 @@ class TrainStep:
 
 
 def value_and_grad(
-    model,
-    plan,
-    objective,
-    batch,
-    key,
+    model: nnx.Module,
+    plan: ParallelPlan,
+    objective: Objective,
+    batch: dict,
+    key: jax.Array,
     *,
-    dtype=jnp.float32,
+    dtype: jax.typing.DTypeLike = jnp.float32,
     remat: str = "none",
     offload: str = "none",
     grad_accum: int = 1,
-):
+) -> tuple[jax.Array, dict]:
     """(loss, grads) of `objective` for an nnx `model` on `plan`, through the train step's own path (one
     shard_map, the plan's ZeRO stage): loss fp32 scalar, grads a nested dict like `nnx.to_pure_dict`.
     For tests and notebooks; training uses `TrainStep` directly."""

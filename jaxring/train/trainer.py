@@ -7,6 +7,7 @@ out = trainer.step()          # {"loss", "grad_norm"}, device arrays
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from jaxring.train.checkpoint import Checkpointer
 from jaxring.train.step import TrainStep
 
 
-def lr_schedule(spec: RunSpec):
+def lr_schedule(spec: RunSpec) -> optax.Schedule:
     """step -> learning rate: linear warmup, then cosine decay to min_lr_ratio·lr."""
     cfg, steps = spec.optimizer, spec.training.steps
     warmup = min(cfg.warmup, steps)
@@ -31,7 +32,7 @@ def lr_schedule(spec: RunSpec):
     )
 
 
-def optimizer(spec: RunSpec):
+def optimizer(spec: RunSpec) -> optax.GradientTransformation:
     """AdamW on `lr_schedule`. Clipping by the global norm is done by the step itself (`TrainStep`), which
     sees the sharded gradients whole."""
     cfg = spec.optimizer
@@ -46,7 +47,7 @@ class Trainer:
     """Holds the plan, task, parameters and optimizer state; `step()` runs one jitted update (one SPMD
     program over the whole mesh: `jaxring.train.step.TrainStep`)."""
 
-    def __init__(self, spec: RunSpec, devices=None):
+    def __init__(self, spec: RunSpec, devices: Sequence[jax.Device] | None = None):
         """spec: the run (resolved and validated here for the devices); devices: default `jax.devices()`."""
         devices = list(jax.devices() if devices is None else devices)
         spec = spec.resolved(len(devices))
@@ -94,10 +95,10 @@ class Trainer:
         self.step_count = 0
 
     # --- host side
-    def key(self, step):
+    def key(self, step: int) -> jax.Array:
         return jax.random.fold_in(jax.random.PRNGKey(self.spec.training.seed), step)
 
-    def step(self, max_loss: float | None = None):
+    def step(self, max_loss: float | None = None) -> dict:
         """One update; returns its metrics (device scalars). The update is skipped inside the step (the state
         stays as it was, metrics["skipped"] is true) when the loss is not finite or exceeds max_loss."""
         batch = self.task.batch(self.step_count)
@@ -108,31 +109,31 @@ class Trainer:
         self.step_count += 1
         return {**out, "progress": getattr(self.task, "progress", ())}
 
-    def set_state(self, state: dict):
+    def set_state(self, state: dict) -> None:
         """Puts a state like `state()`'s back (natural layer order, e.g. restored)."""
         if self.layer_order is not None:
             state = self._reorder(state, self.layer_order)
         self.params, self.opt_state = state["params"], state["opt_state"]
 
-    def val_loss(self):
+    def val_loss(self) -> float:
         return float(self._eval(self.params, self.task.batch(0, val=True), self.key(2**31 - 1)))
 
-    def model(self):
+    def model(self) -> nnx.Module:
         return nnx.merge(self.graphdef, self.state()["params"])
 
     # --- checkpoints
-    def state(self):
+    def state(self) -> dict:
         """{"params", "opt_state"} with the layer stack in natural order (as saved in checkpoints)."""
         state = {"params": self.params, "opt_state": self.opt_state}
         return state if self.layer_order is None else self._reorder(state, np.argsort(self.layer_order))
 
-    def _reorder(self, state, order):
+    def _reorder(self, state: dict, order: np.ndarray):
         """The state with every layer-stacked array (weights and their optimizer moments) taken in `order`."""
         stacked = {k: jax.tree.map(lambda _, k=k: k == self.stack, v) for k, v in self.params.items()}
         take = lambda a, is_stacked: a[order] if is_stacked else a
 
         @functools.partial(jax.jit, out_shardings=(self.shardings, self.opt_shardings))
-        def reorder(params, opt_state):
+        def reorder(params: dict, opt_state: optax.OptState):
             params = jax.tree.map(take, params, stacked)
             opt_state = optax.tree_map_params(self.tx, take, opt_state, stacked)
             return params, opt_state
@@ -140,7 +141,7 @@ class Trainer:
         params, opt_state = reorder(state["params"], state["opt_state"])
         return {"params": params, "opt_state": opt_state}
 
-    def metadata(self):
+    def metadata(self) -> dict:
         return {
             "model": self.task.metadata(),
             "mesh": self.plan.describe(),
@@ -148,7 +149,7 @@ class Trainer:
             "param_layout": PARAM_LAYOUT,
         }
 
-    def restore(self, ckpt: Checkpointer, step=None):
+    def restore(self, ckpt: Checkpointer, step: int | None = None) -> None:
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state())
         step = ckpt.latest_step() if step is None else step
         layout = ckpt.metadata(step).get("param_layout")
