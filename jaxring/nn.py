@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,14 +41,29 @@ REMAT = ("none", "selective", "full")
 STACKED = "stacked"  # metadata flag of parameters with a leading layer dim
 
 
-def param(rngs, shape, logical_axes, std, *, heads: int | None = None, dtype=jnp.float32):
+def param(
+    rngs: nnx.Rngs,
+    shape: tuple[int, ...],
+    logical_axes: Sequence[str | None],
+    std: float,
+    *,
+    heads: int | None = None,
+    dtype: jnp.dtype = jnp.float32,
+) -> nnx.Param:
     """A normal(0, std) nnx.Param with its logical axes (and head count along a heads axis)."""
     return nnx.Param(
         jax.random.normal(rngs.params(), shape, dtype) * std, logical_axes=tuple(logical_axes), heads=heads
     )
 
 
-def constant(shape, logical_axes, value: float, *, heads: int | None = None, dtype=jnp.float32):
+def constant(
+    shape: tuple[int, ...],
+    logical_axes: Sequence[str | None],
+    value: float,
+    *,
+    heads: int | None = None,
+    dtype: jnp.dtype = jnp.float32,
+) -> nnx.Param:
     """An nnx.Param filled with `value` (biases 0, norm scales 1), with its logical axes."""
     return nnx.Param(jnp.full(shape, value, dtype), logical_axes=tuple(logical_axes), heads=heads)
 
@@ -102,10 +119,12 @@ class Attention(nnx.Module):
 
     WEIGHTS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")
 
-    def weights(self, dtype):
+    def weights(self, dtype: jnp.dtype) -> dict[str, jax.Array]:
         return {name: getattr(self, name)[...].astype(dtype) for name in self.WEIGHTS if hasattr(self, name)}
 
-    def __call__(self, x, positions, plan: ParallelPlan, segment_ids=None):
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, plan: ParallelPlan, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
         """x: local [batch, seq, hidden] (the plan's activation layout); positions: local int32 [batch, seq]
         (the plan's token layout), the RoPE positions: each packed document's restart at 0; segment_ids: local
         int32 [batch, seq] like positions, each token's document (0: padding), or None (one document per row).
@@ -125,7 +144,7 @@ class Attention(nnx.Module):
             segment_ids=segment_ids,
         )
 
-    def kv(self, x, positions, plan: ParallelPlan):
+    def kv(self, x: jax.Array, positions: jax.Array, plan: ParallelPlan) -> tuple[jax.Array, jax.Array]:
         """The KV-cache entries of x (normed input, local, activation layout) at token-layout positions int
         [b, n]: (k, v) [b, n, local kv heads, head_dim] as attention sees them (QK-norm, RoPE; see
         `jaxring.inference.prefill_kv`)."""
@@ -140,7 +159,9 @@ class Attention(nnx.Module):
             norm_eps=self.norm_eps,
         )
 
-    def decode(self, x, positions, cache: tuple, cache_positions, plan: ParallelPlan):
+    def decode(
+        self, x: jax.Array, positions: jax.Array, cache: tuple, cache_positions: jax.Array, plan: ParallelPlan
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """One decoding step (`jaxring.inference.decode_attention`): x [b, 1, hidden] new tokens at positions
         int [b] attend the cache (k, v) local [b, n, local kv heads, head_dim] at cache_positions int [n] and
         themselves. Returns (y [b, 1, hidden], their (k, v) [b, local kv heads, head_dim] to write)."""
@@ -189,15 +210,15 @@ class MLP(nnx.Module):
 
     WEIGHTS = ("w_in", "w_gate", "w_out", "b_in", "b_gate", "b_out")
 
-    def weights(self, dtype):
+    def weights(self, dtype: jnp.dtype) -> dict[str, jax.Array]:
         return {name: getattr(self, name)[...].astype(dtype) for name in self.WEIGHTS if hasattr(self, name)}
 
-    def __call__(self, x, plan: ParallelPlan):
+    def __call__(self, x: jax.Array, plan: ParallelPlan) -> jax.Array:
         """x [b, s_act, hidden] -> like x; over `plan.mlp_tiles(x)` tiles of its rows (one when untiled)."""
         w = self.weights(x.dtype)
         return over_tiles(lambda x: plan.tensor.mlp(plan, x, w, activation=self.activation), plan.mlp_tiles(x), (x,))
 
-    def decode(self, x, plan: ParallelPlan):
+    def decode(self, x: jax.Array, plan: ParallelPlan) -> jax.Array:
         """x [b, 1, hidden] (new tokens, replicated over sp and tp) -> like x (`jaxring.inference.decode_mlp`)."""
         return inference.decode_mlp(plan, x, self.weights(x.dtype), activation=self.activation)
 
@@ -208,7 +229,15 @@ class Embed(nnx.Module):
     def __init__(self, vocab: int, hidden: int, *, rngs: nnx.Rngs, std: float = 0.02):
         self.table = param(rngs, (vocab, hidden), ("vocab", "embed"), std)
 
-    def __call__(self, tokens, plan: ParallelPlan, dtype=jnp.float32, *, positions=None, pos_table=None):
+    def __call__(
+        self,
+        tokens: jax.Array,
+        plan: ParallelPlan,
+        dtype: jnp.dtype = jnp.float32,
+        *,
+        positions: jax.Array | None = None,
+        pos_table: jax.Array | None = None,
+    ) -> jax.Array:
         """tokens: local int [batch, seq] (token layout) -> x local [batch, seq, hidden] (activation layout),
         plus the learned position rows of `positions` when `pos_table` [max_seq, hidden] is given."""
         table = self.table[...].astype(dtype)
@@ -225,7 +254,7 @@ class LayerNorm(nnx.Module):
         self.scale = nnx.Param(jnp.ones((hidden,), jnp.float32), logical_axes=("embed",))
         self.bias = nnx.Param(jnp.zeros((hidden,), jnp.float32), logical_axes=("embed",))
 
-    def __call__(self, x, plan: ParallelPlan):
+    def __call__(self, x: jax.Array, plan: ParallelPlan) -> jax.Array:
         """Computed in fp32, returned in x's dtype."""
         return plan.tensor.norm(plan, x, self.scale[...], self.bias[...], eps=self.eps)
 
@@ -239,7 +268,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
         self.scale = nnx.Param(jnp.ones((hidden,), jnp.float32), logical_axes=("embed",))
 
-    def __call__(self, x, plan: ParallelPlan):
+    def __call__(self, x: jax.Array, plan: ParallelPlan) -> jax.Array:
         """Computed in fp32, returned in x's dtype."""
         return plan.tensor.rms_norm(plan, x, self.scale[...], eps=self.eps)
 
@@ -254,11 +283,11 @@ class MoE(moe_lib.MoE):
     scalars over the whole batch ("loss": the weighted aux + z loss to add once per layer, "aux_loss", "z_loss",
     "drop_rate", "load_imbalance") and "load" int32 [E]."""
 
-    def __call__(self, x, plan: ParallelPlan):
+    def __call__(self, x: jax.Array, plan: ParallelPlan) -> tuple[jax.Array, dict[str, jax.Array]]:
         return plan.tensor.moe(plan, x, functools.partial(moe_lib.moe_ffn, params=self.params(), config=self.config))
 
 
-def token_cross_entropy(x, w, targets, plan: ParallelPlan, *, tied: bool):
+def token_cross_entropy(x: jax.Array, w: jax.Array, targets: jax.Array, plan: ParallelPlan, *, tied: bool) -> jax.Array:
     """Per-token cross-entropy fp32 [batch, seq] (token layout) of logits x @ head; w is the head [hidden,
     vocab], or the embedding table [vocab, hidden] when `tied`. Under Megatron and Optimus the logits stay
     split over the vocabulary; with `plan.loss_tile` the logits exist one tile of rows at a time."""
@@ -276,7 +305,7 @@ def token_cross_entropy(x, w, targets, plan: ParallelPlan, *, tied: bool):
 # ---------------------------------------------------------------------------------------- layer stacks
 
 
-def stack(make_layer, num_layers: int, rngs: nnx.Rngs):
+def stack(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
     """`num_layers` layers made by make_layer(rngs), as one module whose parameters are stacked [L, ...]
     (flagged `stacked` in their metadata). Deterministic in the seed, whatever the mesh."""
     if not isinstance(num_layers, int) or num_layers < 1:
@@ -284,7 +313,7 @@ def stack(make_layer, num_layers: int, rngs: nnx.Rngs):
 
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(rngs):
+    def make(rngs: nnx.Rngs) -> nnx.Module:
         return make_layer(rngs)
 
     layers = make(rngs)
@@ -296,7 +325,7 @@ def stack(make_layer, num_layers: int, rngs: nnx.Rngs):
 OFFLOAD = ("none", "layer_inputs")
 
 
-def remat_policy(remat: str, zero_stage: int = 0, offload: str = "none"):
+def remat_policy(remat: str, zero_stage: int = 0, offload: str = "none") -> Callable[..., bool]:
     """The jax.checkpoint policy of one layer for remat none/selective/full: none saves everything it computes,
     selective only the weight matmuls' outputs (dots without batch dims, and those computed inside a custom_vjp,
     named `MATMUL_OUTPUT`) and the residuals custom VJPs name `KEPT_RESIDUAL`, full nothing. In every mode the weights as the layer reads them
@@ -345,7 +374,7 @@ class Layers:
     remat: str = "none"
     offload: str = "none"
 
-    def __call__(self, carry, call):
+    def __call__(self, carry: Any, call: Callable[[nnx.Module, Any], Any]) -> Any:
         """call(layer, carry) -> carry for every layer in order, under `lax.scan`; carry: any pytree (e.g.
         {"x": [b, s, h] activations, plus MoE statistics or DiT's conditioning}) keeping its shapes."""
         layer_placements = jax.tree.map(_per_layer, self.placements, is_leaf=_is_placement)
@@ -353,7 +382,7 @@ class Layers:
         num_layers = jax.tree.leaves(self.diff)[0].shape[0]
         at = lambda tree, i: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
-        def body(carry, i):
+        def body(carry: Any, i: jax.Array) -> tuple[Any, None]:
             # the stacks are read as constants, layer i sliced here: a layer's weights are never copied into
             # a stacked residual for the backward (the policy recomputes the slice)
             diff, const_i = at(self.diff, i), at(const, i)
@@ -369,7 +398,7 @@ class Layers:
         if self.offload != "none":
             layer = body
 
-            def body(carry, i):
+            def body(carry: Any, i: jax.Array) -> tuple[Any, None]:
                 return layer(jax.tree.map(lambda a: checkpoint_name(a, LAYER_INPUT), carry), i)
 
         body = jax.checkpoint(body, policy=remat_policy(self.remat, self.stage, self.offload), prevent_cse=False)
@@ -377,7 +406,7 @@ class Layers:
         return carry
 
     @classmethod
-    def of(cls, module, remat: str = "none"):
+    def of(cls, module: nnx.Module, remat: str = "none") -> Layers:
         """The layers of a stacked nnx module as they are (no ZeRO): for use outside a train step, e.g. on one
         device or inside your own shard_map."""
         pure = nnx.to_pure_dict(nnx.split(module)[1])
@@ -385,12 +414,12 @@ class Layers:
         return cls(_layer_graphdef(module), pure, None, placements, 0, remat)
 
 
-def _layer_graphdef(module):
+def _layer_graphdef(module: nnx.Module):
     """The graphdef of one layer of a stacked module (the same graph: nnx graphs carry no shapes)."""
     return nnx.split(module)[0]
 
 
-def _is_placement(x):
+def _is_placement(x: Any):
     return isinstance(x, zero.Placement)
 
 
@@ -402,7 +431,7 @@ def _per_layer(pl: zero.Placement) -> zero.Placement:
 # ---------------------------------------------------------------------------------------- placements
 
 
-def _info(path, var) -> ParamInfo:
+def _info(path: tuple, var: nnx.Variable) -> tuple[ParamInfo, bool]:
     meta = var.get_metadata()
     shape = tuple(var.shape)
     stacked = bool(meta.get(STACKED))
@@ -414,7 +443,7 @@ def _info(path, var) -> ParamInfo:
     ), stacked
 
 
-def param_placements(state, plan: ParallelPlan) -> dict:
+def param_placements(state: nnx.State, plan: ParallelPlan) -> dict:
     """zero.Placement of every parameter of an nnx.State, as a nested dict like `nnx.to_pure_dict(state)`.
 
     The tensor method splits a weight by its logical axes; a stacked weight's layer dim stays whole (pp
@@ -439,7 +468,7 @@ def param_placements(state, plan: ParallelPlan) -> dict:
     return unflatten_dict(flat)
 
 
-def _check_split(path, shape, spec, mesh_shape):
+def _check_split(path: tuple, shape: tuple[int, ...], spec: tuple, mesh_shape: dict[str, int]):
     for dim, entry in zip(shape, spec):
         axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
         size = 1
@@ -451,14 +480,14 @@ def _check_split(path, shape, spec, mesh_shape):
             )
 
 
-def weight_specs(state, plan: ParallelPlan) -> dict:
+def weight_specs(state: nnx.State, plan: ParallelPlan) -> dict:
     """PartitionSpec of every parameter as the plan's tensor method (and pipeline) split it, without ZeRO:
     the in_specs of the weights for running blocks inside `plan.shard_map` (inference, tests, your own step).
     Nested like `nnx.to_pure_dict(state)`."""
     return jax.tree.map(lambda pl: pl.param_spec(0), param_placements(state, plan), is_leaf=_is_placement)
 
 
-def param_shardings(state, plan: ParallelPlan) -> dict:
+def param_shardings(state: nnx.State, plan: ParallelPlan) -> dict:
     """NamedSharding of every parameter as stored between steps (ZeRO-3 shards them), nested like
     `nnx.to_pure_dict(state)`."""
     stage = plan.zero_stage

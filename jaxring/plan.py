@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +40,11 @@ from jaxring.attention.masking import check_window
 from jaxring.mesh import DATA_AXES, mesh_axis_size, spec_entry
 from jaxring.registry import pipeline_schedule, resolve_options, sequence_strategies, sequence_strategy, tensor_method
 from jaxring.tiling import tile_count
+
+if TYPE_CHECKING:
+    from jaxring.pipeline.schedules import Schedule
+    from jaxring.registry import HasOptions, SequenceStrategy
+    from jaxring.tensor.contract import TensorMethod
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -144,15 +151,15 @@ class ParallelPlan:
 
     # ------------------------------------------------------------------ registry entries and their options
     @property
-    def strategy(self):
+    def strategy(self) -> SequenceStrategy:
         return sequence_strategy(self.attention)
 
     @property
-    def tensor(self):
+    def tensor(self) -> TensorMethod:
         """The TensorMethod (its `name` is "none" without tensor parallelism)."""
         return tensor_method(self.tensor_parallel)
 
-    def _entry_options(self, entry) -> dict:
+    def _entry_options(self, entry: HasOptions) -> dict:
         return {k: v for k, v in self.options.items() if k in entry.option_names()}
 
     @property
@@ -170,7 +177,7 @@ class ParallelPlan:
 
     # ------------------------------------------------------------------ pipeline
     @functools.cached_property
-    def schedule(self):
+    def schedule(self) -> Schedule | None:
         """The pipeline's table (`jaxring.pipeline.make_schedule`), None when pp = 1."""
         if self.pp == 1:
             return None
@@ -194,7 +201,7 @@ class ParallelPlan:
                 f"holds the same number of layers)"
             )
 
-    def layer_order(self, num_layers: int):
+    def layer_order(self, num_layers: int) -> np.ndarray | None:
         """Where each stored layer comes from: None (natural order), or for interleaved stages the index map
         `stored = natural[order]` that puts pp rank s's chunks (virtual stages c·pp + s) next to each other, so
         the stack splits over pp as P("pp")."""
@@ -239,7 +246,7 @@ class ParallelPlan:
         return self.batch_axes + self.seq_axes
 
     @property
-    def seq_axis(self):
+    def seq_axis(self) -> str | tuple[str, ...] | None:
         """The sequence entry of a PartitionSpec (None when sp = 1)."""
         return spec_entry(self.seq_axes)
 
@@ -248,7 +255,17 @@ class ParallelPlan:
         return self.strategy.layout_for(self.layout, causal)
 
     # ------------------------------------------------------------------ the attention core (inside shard_map)
-    def attend(self, q, k, v, token_order=None, *, causal: bool, window: int | None = None, segment_ids=None):
+    def attend(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        token_order: jax.Array | None = None,
+        *,
+        causal: bool,
+        window: int | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
         """Local attention of q [b, n, hq, d], k/v [b, n, hkv, d] (this device's tokens, in the layout):
         the plan's sequence strategy over `seq_axes`, or flash attention when sp = 1.
 
@@ -313,11 +330,11 @@ class ParallelPlan:
         tile_count(rows, self.loss_tile, "--loss-tile")
         tile_count(rows, self.mlp_tile, "--mlp-tile")
 
-    def loss_tiles(self, x) -> int:
+    def loss_tiles(self, x: jax.Array) -> int:
         """Tiles of the LM head's loss over the rows of the local residual stream x [b, rows, h] (1: untiled)."""
         return tile_count(x.shape[1], self.loss_tile, "--loss-tile")
 
-    def mlp_tiles(self, x) -> int:
+    def mlp_tiles(self, x: jax.Array) -> int:
         return tile_count(x.shape[1], self.mlp_tile, "--mlp-tile")
 
     def check_heads(self, num_heads: int, num_kv_heads: int) -> None:
@@ -327,14 +344,14 @@ class ParallelPlan:
             self.strategy.check_heads(local_q, num_kv_heads, self.sp, self.strategy_options)
 
     # ------------------------------------------------------------------ data side
-    def token_permutation(self, seq_len: int, causal: bool = True):
+    def token_permutation(self, seq_len: int, causal: bool = True) -> np.ndarray | None:
         """Index map applied once to tokens, targets and positions (None when the layout is the identity)."""
         layout = self.seq_layout(causal)
         if self.sp == 1 or layout == "contiguous":
             return None
         return layout_permutation(layout, seq_len, self.sp)
 
-    def layout_tokens(self, *arrays, causal: bool = True):
+    def layout_tokens(self, *arrays: np.ndarray | jax.Array, causal: bool = True) -> tuple[tuple, np.ndarray]:
         """Permutes each [batch, seq, ...] array along seq into the plan's layout; returns the arrays and the
         positions int32 [seq] of the laid-out tokens (arange when no layout applies)."""
         seq_len = arrays[0].shape[1]
@@ -367,7 +384,7 @@ class ParallelPlan:
     def activation_sharding(self) -> NamedSharding:
         return self.sharding(self.activation_spec())
 
-    def shard_map(self, fn, in_specs, out_specs):
+    def shard_map(self, fn: Callable, in_specs: Any, out_specs: Any) -> Callable:
         """`jax.shard_map(fn)` over the run mesh (check_vma on: gradient reductions follow the types)."""
         return jax.shard_map(fn, mesh=self.run_mesh, in_specs=in_specs, out_specs=out_specs)
 

@@ -41,10 +41,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from jaxring.costs import F32, AttentionCost, AttentionShape, LocalDims, ModelShape, Transfer
 from jaxring.planner.space import Candidate, Workload
 from jaxring.precision import BYTES_PER_ELEMENT as DTYPE_BYTES
+
+if TYPE_CHECKING:
+    from jaxring.plan import ParallelPlan
+    from jaxring.planner.cluster import Cluster
+    from jaxring.planner.params import ParamLeaf
 
 __all__ = [
     "DTYPE_BYTES",
@@ -88,7 +95,7 @@ class Shapes:
     schedule: tuple  # the pipeline schedule's options, (name, value) pairs
 
 
-def shapes(w: Workload, c: Candidate, plan=None, cpu: bool = False) -> Shapes:
+def shapes(w: Workload, c: Candidate, plan: ParallelPlan | None = None, cpu: bool = False) -> Shapes:
     """The shapes and the attention core's price of `c` for `w`. plan: its ParallelPlan (default: on stand-in
     devices), or one of the same mesh and strategies. cpu: priced for XLA:CPU (fp32 collectives, jnp block
     ops). Raises ValueError naming an entry that has no cost model."""
@@ -219,7 +226,7 @@ def moe_layer(w: Workload, s: Shapes) -> list[Transfer]:
 # ---------------------------------------------------------------------------------------------- gradients
 
 
-def gradient_sync(w: Workload, c: Candidate, s: Shapes, leaves) -> list[Transfer]:
+def gradient_sync(w: Workload, c: Candidate, s: Shapes, leaves: Sequence[ParamLeaf]) -> list[Transfer]:
     """Weight gradients: psums over the tensor axes a weight is replicated on (each micro-step), the pipeline's
     shared weights over pp, and the ZeRO stage's reduction over the replica axes (see the module docstring)."""
     out = []
@@ -340,7 +347,14 @@ def pipeline_sends(w: Workload, c: Candidate, s: Shapes) -> list[Transfer]:
 # ---------------------------------------------------------------------------------------------- the step
 
 
-def traffic(w: Workload, c: Candidate, leaves, cpu: bool = False, plan=None, s: Shapes | None = None) -> list[Transfer]:
+def traffic(
+    w: Workload,
+    c: Candidate,
+    leaves: Sequence[ParamLeaf],
+    cpu: bool = False,
+    plan: ParallelPlan | None = None,
+    s: Shapes | None = None,
+) -> list[Transfer]:
     """Every transfer of one step, per device (bytes of a layer times the layers and micro-steps)."""
     s = s if s is not None else shapes(w, c, plan, cpu)
     per_layer = list(s.core.transfers) + s.method.layer_transfers(s.model, s.local) + moe_layer(w, s)
@@ -357,7 +371,7 @@ def traffic(w: Workload, c: Candidate, leaves, cpu: bool = False, plan=None, s: 
     return [t for t in _on_mesh(out, s) if t.bytes > 0 and t.axes]
 
 
-def bytes_by_axes(transfers) -> dict[tuple[str, ...], float]:
+def bytes_by_axes(transfers: Sequence[Transfer]) -> dict[tuple[str, ...], float]:
     """{run-mesh axes: bytes per device per step}, as `jaxring.planner.compiled.axis_traffic` reads them."""
     out: dict[tuple[str, ...], float] = {}
     for t in transfers:
@@ -467,7 +481,15 @@ def _attention_working(s: Shapes) -> float:
 LAYER_WORKING_SHARE = {"none": 0.75, "selective": 0.75, "full": 0.75}
 
 
-def memory(w: Workload, c: Candidate, leaves, *, cpu: bool = False, plan=None, s: Shapes | None = None) -> Memory:
+def memory(
+    w: Workload,
+    c: Candidate,
+    leaves: Sequence[ParamLeaf],
+    *,
+    cpu: bool = False,
+    plan: ParallelPlan | None = None,
+    s: Shapes | None = None,
+) -> Memory:
     """Per-device bytes of the step's peak (see `Memory`), with the candidate's remat, tiles and offload."""
     s = s if s is not None else shapes(w, c, plan, cpu)
     remat, x, em = c.remat, s.local, s.model.em
@@ -574,7 +596,7 @@ def compute_flops(w: Workload, c: Candidate, remat: str, s: Shapes) -> tuple[flo
     return (total + extra) / n, attention / n, ffn / n
 
 
-def link(axes: tuple[str, ...], locality: dict, cluster) -> tuple[float, float]:
+def link(axes: tuple[str, ...], locality: dict, cluster: Cluster) -> tuple[float, float]:
     """(bandwidth, latency) of a transfer over `axes`: NVLink when every group of it lies in one node."""
     if locality.get(axes, False):
         return cluster.intra_bw, cluster.intra_latency
@@ -582,7 +604,14 @@ def link(axes: tuple[str, ...], locality: dict, cluster) -> tuple[float, float]:
 
 
 def step_time(
-    w: Workload, c: Candidate, transfers, cluster, locality: dict, leaves=(), plan=None, s: Shapes | None = None
+    w: Workload,
+    c: Candidate,
+    transfers: Sequence[Transfer],
+    cluster: Cluster,
+    locality: dict,
+    leaves: Sequence[ParamLeaf] = (),
+    plan: ParallelPlan | None = None,
+    s: Shapes | None = None,
 ) -> StepTime:
     """The step's seconds on `cluster` (see the module docstring). locality: {axes: True when intra-node}."""
     s = s if s is not None else shapes(w, c, plan, cluster.cpu)
@@ -623,7 +652,7 @@ def step_time(
     return StepTime(compute, comm, hidden, bubble, optimizer)
 
 
-def locality(plan, axes_list, devices_per_node: int) -> dict:
+def locality(plan: ParallelPlan, axes_list: Sequence[tuple[str, ...]], devices_per_node: int) -> dict:
     """{axes: True when every group of devices that differ only along `axes` lies within one node} for the
     run mesh of `plan` (stand-in or real devices; device i is on node i // devices_per_node)."""
     import numpy as np

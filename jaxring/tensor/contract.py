@@ -24,6 +24,8 @@ they change. The shared math (QKV projection and head split, RoPE, GQA, activati
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +36,11 @@ from jaxring.costs import F32, AttentionCost, LocalDims, ModelShape, Transfer
 from jaxring.mesh import spec_entry
 from jaxring.registry import HasOptions, register_tensor_method
 from jaxring.rope import Rope, as_rope
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from jaxring.plan import ParallelPlan
 
 ACTIVATIONS = ("gelu", "swiglu")
 
@@ -55,20 +62,20 @@ def check_activation(activation: str) -> None:
         raise ValueError(f"unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}")
 
 
-def activate(h_in, h_gate, activation: str):
+def activate(h_in: jax.Array, h_gate: jax.Array | None, activation: str) -> jax.Array:
     """gelu(h_in) (tanh approximation), or silu(h_gate) * h_in (SwiGLU)."""
     if activation == "swiglu":
         return jax.nn.silu(h_gate) * h_in
     return jax.nn.gelu(h_in, approximate=True)
 
 
-def split_heads(q, k, v, head_dim: int):
+def split_heads(q: jax.Array, k: jax.Array, v: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """[b, s, heads·d] projections -> [b, s, heads, d] (head j owns columns j·d .. (j+1)·d)."""
     b, s = q.shape[:2]
     return tuple(t.reshape(b, s, t.shape[-1] // head_dim, head_dim) for t in (q, k, v))
 
 
-def rope_qk(q, k, positions, rope: Rope | float | None):
+def rope_qk(q: jax.Array, k: jax.Array, positions: jax.Array, rope: Rope | float | None) -> tuple[jax.Array, jax.Array]:
     """RoPE on q and k [b, s, heads, d] at positions int [b, s] (identity when rope is None; a number is
     plain RoPE's theta)."""
     rope = as_rope(rope)
@@ -77,18 +84,20 @@ def rope_qk(q, k, positions, rope: Rope | float | None):
     return rope.apply(q, positions), rope.apply(k, positions)
 
 
-def add_bias(y, bias):
+def add_bias(y: jax.Array, bias: jax.Array | None) -> jax.Array:
     """y [..., n] + bias [n] (y unchanged when bias is None), in y's dtype."""
     return y if bias is None else y + bias.astype(y.dtype)
 
 
-def head_norm(t, scale, *, eps: float):
+def head_norm(t: jax.Array, scale: jax.Array | None, *, eps: float) -> jax.Array:
     """QK-norm: RMSNorm of each head [..., head_dim] with scale [head_dim] (fp32 math, t's dtype); identity
     when scale is None."""
     return t if scale is None else rms_norm(t, scale, eps=eps)
 
 
-def qk_norm_rope(q, k, w: dict, positions, rope: Rope | None, *, eps: float):
+def qk_norm_rope(
+    q: jax.Array, k: jax.Array, w: dict, positions: jax.Array, rope: Rope | None, *, eps: float
+) -> tuple[jax.Array, jax.Array]:
     """The heads as attention sees them: QK-norm (when w has "q_norm"/"k_norm" [head_dim], Qwen3), then RoPE."""
     q, k = head_norm(q, w.get("q_norm"), eps=eps), head_norm(k, w.get("k_norm"), eps=eps)
     return rope_qk(q, k, positions, rope)
@@ -125,12 +134,12 @@ def check_kv_heads(num_heads: int, num_kv_heads: int, tp: int, method: str) -> N
         )
 
 
-def merge_heads(out):
+def merge_heads(out: jax.Array) -> jax.Array:
     """[b, s, heads, d] -> [b, s, heads·d]."""
     return out.reshape(out.shape[0], out.shape[1], -1)
 
 
-def layer_norm(x, scale, bias, *, eps: float = 1e-5):
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, *, eps: float = 1e-5) -> jax.Array:
     """LayerNorm over the last dim in fp32, result in x.dtype; scale, bias [hidden] (bias may be None)."""
     xf = x.astype(jnp.float32)
     mean = jnp.mean(xf, axis=-1, keepdims=True)
@@ -139,7 +148,7 @@ def layer_norm(x, scale, bias, *, eps: float = 1e-5):
     return (y if bias is None else y + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-def rms_norm(x, scale, *, eps: float = 1e-6):
+def rms_norm(x: jax.Array, scale: jax.Array, *, eps: float = 1e-6) -> jax.Array:
     """RMSNorm over the last dim in fp32, result in x.dtype: x · rsqrt(mean(x²) + eps) · scale."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps) * scale.astype(jnp.float32)
@@ -172,26 +181,28 @@ class TensorMethod(HasOptions):
     axes: tuple[str, ...] = ()  # the mesh axes the method splits tensors over (tp, or a view of it)
 
     # --- mesh view and checks
-    def view(self, mesh):
+    def view(self, mesh: Mesh) -> Mesh:
         """The mesh with tp factored as the method needs (Optimus: a q×q grid); unchanged by default."""
         return mesh
 
-    def tensor_axes(self, plan) -> tuple[str, ...]:
+    def tensor_axes(self, plan: ParallelPlan) -> tuple[str, ...]:
         """The mesh axes the method splits tensors over."""
         return self.axes
 
-    def check_mesh(self, plan) -> None:
+    def check_mesh(self, plan: ParallelPlan) -> None:
         """Raises on degrees the method cannot use (called by the plan)."""
         if plan.tp > 1 and not self.axes:
             raise ValueError(f"tp = {plan.tp} needs a tensor-parallel method (--tensor-parallel)")
 
-    def check_model(self, plan, *, num_heads: int, num_kv_heads: int, hidden: int, ffn: int, vocab: int | None) -> None:
+    def check_model(
+        self, plan: ParallelPlan, *, num_heads: int, num_kv_heads: int, hidden: int, ffn: int, vocab: int | None
+    ) -> None:
         """Raises when the model's sizes do not split as the method needs (heads, hidden, ffn, vocab)."""
 
-    def check_seq(self, plan, seq_len: int) -> None:
+    def check_seq(self, plan: ParallelPlan, seq_len: int) -> None:
         """Raises when the sequence does not split as the method needs (beyond the sequence strategy's rule)."""
 
-    def batch_split(self, plan) -> int:
+    def batch_split(self, plan: ParallelPlan) -> int:
         """How many ways the method splits the batch beyond the data axes (Optimus: q)."""
         return self.batch_split_at(plan.tp)
 
@@ -199,47 +210,56 @@ class TensorMethod(HasOptions):
         """`batch_split` for tp devices."""
         return 1
 
-    def head_split(self, plan) -> int:
+    def head_split(self, plan: ParallelPlan) -> int:
         """How many ways the method splits the attention heads (the local heads are num_heads / this)."""
         return 1
 
     # --- layouts
-    def activation_spec(self, plan) -> P:
+    def activation_spec(self, plan: ParallelPlan) -> P:
         return P(spec_entry(plan.batch_axes), spec_entry(plan.seq_axes), None)
 
-    def token_spec(self, plan) -> P:
+    def token_spec(self, plan: ParallelPlan) -> P:
         return P(spec_entry(plan.batch_axes), spec_entry(plan.seq_axes))
 
-    def param_spec(self, plan, info: ParamInfo) -> tuple:
+    def param_spec(self, plan: ParallelPlan, info: ParamInfo) -> tuple:
         """Mesh axes per dim of one layer's parameter (None: not split by the tensor method)."""
         return (None,) * len(info.shape)
 
-    def vector_spec(self, plan) -> P:
+    def vector_spec(self, plan: ParallelPlan) -> P:
         """Per-sequence vectors [batch, hidden] (e.g. DiT's conditioning), as the residual stream's rows."""
         return P(spec_entry(plan.batch_axes), None)
 
     # --- layers (local shards, inside the plan's shard_map)
-    def embed(self, plan, tokens, table, positions=None, pos_table=None):
+    def embed(
+        self,
+        plan: ParallelPlan,
+        tokens: jax.Array,
+        table: jax.Array,
+        positions: jax.Array | None = None,
+        pos_table: jax.Array | None = None,
+    ) -> jax.Array:
         """tokens int [b, s_tok] -> x [b, s_act, hidden] (plus learned positions when pos_table is given)."""
         x = jnp.take(table, tokens, axis=0)
         if pos_table is not None:
             x = x + jnp.take(pos_table, positions, axis=0)
         return x
 
-    def norm(self, plan, x, scale, bias, *, eps: float = 1e-5):
+    def norm(
+        self, plan: ParallelPlan, x: jax.Array, scale: jax.Array, bias: jax.Array | None, *, eps: float = 1e-5
+    ) -> jax.Array:
         """LayerNorm of the residual stream x [b, s_act, hidden] (local); scale, bias [hidden] (local blocks)."""
         return layer_norm(x, scale, bias, eps=eps)
 
-    def rms_norm(self, plan, x, scale, *, eps: float = 1e-6):
+    def rms_norm(self, plan: ParallelPlan, x: jax.Array, scale: jax.Array, *, eps: float = 1e-6) -> jax.Array:
         """RMSNorm of the residual stream x [b, s_act, hidden] (local); scale [hidden] (local block)."""
         return rms_norm(x, scale, eps=eps)
 
     def attention(
         self,
-        plan,
-        x,
+        plan: ParallelPlan,
+        x: jax.Array,
         w: dict,
-        positions,
+        positions: jax.Array,
         *,
         num_heads: int,
         num_kv_heads: int,
@@ -248,8 +268,8 @@ class TensorMethod(HasOptions):
         rope: Rope | None,
         window: int | None = None,
         norm_eps: float = 1e-6,
-        segment_ids=None,
-    ):
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
         """x [b, s_act, hidden]; w: wq [h, hq·d], wk/wv [h, hkv·d], wo [hq·d, h] (local blocks of the global
         num_heads / num_kv_heads), optionally biases bq [hq·d], bk/bv [hkv·d], bo [h] and the QK-norm scales
         q_norm/k_norm [d] (RMSNorm per head with eps `norm_eps`, before RoPE); positions int [b, s_tok]: the
@@ -263,44 +283,48 @@ class TensorMethod(HasOptions):
         out = plan.attend(q, k, v, causal=causal, window=window, segment_ids=segment_ids)
         return add_bias(merge_heads(out) @ w["wo"], w.get("bo"))
 
-    def mlp(self, plan, x, w: dict, *, activation: str):
+    def mlp(self, plan: ParallelPlan, x: jax.Array, w: dict, *, activation: str) -> jax.Array:
         """x [b, s_act, hidden]; w: w_in [h, f] (and w_gate for swiglu), w_out [f, h] (local blocks), optionally
         biases b_in, b_gate [f] and b_out [h]."""
         gate = add_bias(x @ w["w_gate"], w.get("b_gate")) if activation == "swiglu" else None
         h = activate(add_bias(x @ w["w_in"], w.get("b_in")), gate, activation)
         return add_bias(h @ w["w_out"], w.get("b_out"))
 
-    def moe(self, plan, x, moe):
+    def moe(
+        self, plan: ParallelPlan, x: jax.Array, moe: Callable[..., tuple[jax.Array, dict]]
+    ) -> tuple[jax.Array, dict]:
         """(y, stats) of a `jaxring.moe.MoE` module on the residual stream x [b, s_act, hidden]: this device's
         tokens go to their experts over ep; stats are summed over the batch and sequence axes."""
         return moe(x, ep_axis="ep" if plan.ep > 1 else None, tp_axis=None, token_axes=plan.batch_axes + plan.seq_axes)
 
-    def cross_entropy(self, plan, x, w, targets, *, tied: bool):
+    def cross_entropy(
+        self, plan: ParallelPlan, x: jax.Array, w: jax.Array, targets: jax.Array, *, tied: bool
+    ) -> jax.Array:
         """Per-token loss fp32 [b, s_tok] of logits x @ head: w is the head [h, vocab], or the embedding
         table [vocab, h] when `tied`."""
         head = w.T if tied else w
         logits = (x @ head.astype(x.dtype)).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
-    def local_rows(self, plan, seq_len: int) -> int:
+    def local_rows(self, plan: ParallelPlan, seq_len: int) -> int:
         """Tokens of the residual stream on a device: the rows a tiled MLP or loss cuts (seq / sp here)."""
         return seq_len // plan.sp
 
-    def tile_targets(self, plan, targets, tiles: int):
+    def tile_targets(self, plan: ParallelPlan, targets: jax.Array, tiles: int) -> jax.Array:
         """Token-layout targets [b, s_tok] arranged so that tile j of them (along axis 1) holds the targets of
         tile j of the residual stream's rows (the identity when both layouts have the same rows)."""
         return targets
 
-    def untile_losses(self, plan, losses, tiles: int):
+    def untile_losses(self, plan: ParallelPlan, losses: jax.Array, tiles: int) -> jax.Array:
         """The inverse of `tile_targets` for per-token losses [b, s_tok]."""
         return losses
 
-    def activation_positions(self, plan, positions):
+    def activation_positions(self, plan: ParallelPlan, positions: jax.Array) -> jax.Array:
         """The positions [b, s_act] of the residual stream's tokens, from the token-layout positions [b, s_tok]
         (the same unless the method splits the sequence further, as Megatron does over tp)."""
         return positions
 
-    def local_vector(self, plan, c):
+    def local_vector(self, plan: ParallelPlan, c: jax.Array) -> jax.Array:
         """This device's part of a per-sequence vector c [b_local, hidden] that matches the residual stream's
         columns (identity unless the method splits hidden)."""
         return c
@@ -339,7 +363,9 @@ class TensorMethod(HasOptions):
         return 0.0
 
 
-def modulation_gradients(vectors: int, m: ModelShape, x: LocalDims, what: str, axes=("tp",)) -> list[Transfer]:
+def modulation_gradients(
+    vectors: int, m: ModelShape, x: LocalDims, what: str, axes: tuple[str, ...] = ("tp",)
+) -> list[Transfer]:
     """A method that splits the tokens over `axes` meets per-sequence [b, hidden] vectors (DiT's adaLN
     modulation) whole on every device: their fp32 gradients are summed over the split (all-reduce)."""
     if not vectors:

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +65,12 @@ from jaxring.tensor.contract import (
     qk_norm_rope,
 )
 from jaxring.vma import common_vma, gather_invariant, vary, varying_axes
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from jaxring.plan import ParallelPlan
+    from jaxring.rope import Rope
 
 __all__ = [
     "attention",
@@ -94,23 +102,23 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------------------
 
 
-def copy_to_tp(x, axis_name: str = "tp"):
+def copy_to_tp(x: jax.Array, axis_name: str = "tp") -> jax.Array:
     """f: identity forward, all-reduce (psum over `axis_name`) backward. x is replicated over the axis
     (a no-op when x already varies over it: then its gradient is reduced wherever it became varying)."""
     return vary(x, (axis_name,))
 
 
-def reduce_from_tp(x, axis_name: str = "tp"):
+def reduce_from_tp(x: jax.Array, axis_name: str = "tp") -> jax.Array:
     """f*: all-reduce forward, identity backward (psum's transpose under check_vma)."""
     return lax.psum(x, axis_name)
 
 
-def gather_from_sp(x, axis_name: str = "tp", axis: int = 1):
+def gather_from_sp(x: jax.Array, axis_name: str = "tp", axis: int = 1) -> jax.Array:
     """g: all-gather the sequence shards [b, s/p, ...] -> [b, s, ...]; backward: reduce-scatter."""
     return lax.all_gather(x, axis_name, axis=axis, tiled=True)
 
 
-def scatter_to_sp(x, axis_name: str = "tp", axis: int = 1):
+def scatter_to_sp(x: jax.Array, axis_name: str = "tp", axis: int = 1) -> jax.Array:
     """g*: reduce-scatter partial sums [b, s, ...] -> summed shard [b, s/p, ...]; backward: all-gather."""
     return lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
 
@@ -121,17 +129,17 @@ def scatter_to_sp(x, axis_name: str = "tp", axis: int = 1):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _gather_linear(axis_name, x, ws):
+def _gather_linear(axis_name: str, x: jax.Array, ws: tuple[jax.Array, ...]):
     y = gather_from_sp(x, axis_name)  # g: [b, s, h]
     return tuple(jnp.einsum("bsh,hn->bsn", y, w) for w in ws)
 
 
-def _gather_linear_fwd(axis_name, x, ws):
+def _gather_linear_fwd(axis_name: str, x: jax.Array, ws: tuple[jax.Array, ...]):
     # residuals: the LOCAL shard x [b, s/p, h] and the weight shards, never the gathered [b, s, h]
     return _gather_linear(axis_name, x, ws), (x, ws)
 
 
-def _gather_linear_bwd(axis_name, res, dzs):
+def _gather_linear_bwd(axis_name: str, res: tuple, dzs: tuple[jax.Array, ...]):
     x, ws = res
     # X is all-gathered again. The barrier orders the gather after dZ exists; gathering it as [b, p, s/p, h]
     # (reshaped for free) makes it a different HLO op from the forward's gather, so XLA's CSE cannot merge
@@ -148,8 +156,13 @@ _gather_linear.defvjp(_gather_linear_fwd, _gather_linear_bwd)
 
 
 def column_parallel_linear(
-    x, w, *, axis_name: str = "tp", sequence_parallel: bool = True, recompute_gather: bool = True
-):
+    x: jax.Array,
+    w: jax.Array | Sequence[jax.Array],
+    *,
+    axis_name: str = "tp",
+    sequence_parallel: bool = True,
+    recompute_gather: bool = True,
+) -> jax.Array | tuple[jax.Array, ...]:
     """Y A_i with A split by columns over `axis_name`.
 
     Args:
@@ -184,7 +197,9 @@ def column_parallel_linear(
     return out if isinstance(w, (tuple, list)) else out[0]
 
 
-def row_parallel_linear(x, w, *, axis_name: str = "tp", sequence_parallel: bool = True):
+def row_parallel_linear(
+    x: jax.Array, w: jax.Array, *, axis_name: str = "tp", sequence_parallel: bool = True
+) -> jax.Array:
     """Z_i B_i with B split by rows over `axis_name`, then summed over ranks.
 
     Args:
@@ -206,25 +221,25 @@ def row_parallel_linear(x, w, *, axis_name: str = "tp", sequence_parallel: bool 
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _check_activation(activation):
+def _check_activation(activation: str):
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
 
 
 def mlp(
-    x,
-    w_in,
-    w_out,
-    w_gate=None,
+    x: jax.Array,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    w_gate: jax.Array | None = None,
     *,
     activation: str = "gelu",
     axis_name: str = "tp",
     sequence_parallel: bool = True,
     recompute_gather: bool = True,
-    b_in=None,
-    b_gate=None,
-    b_out=None,
-):
+    b_in: jax.Array | None = None,
+    b_gate: jax.Array | None = None,
+    b_out: jax.Array | None = None,
+) -> jax.Array:
     """Column-linear, activation, row-linear: gelu(X A) B, or SwiGLU (silu(X G) * (X A)) B.
 
     Args:
@@ -246,7 +261,7 @@ def mlp(
     pre = tuple(add_bias(t, b) for t, b in zip(pre, (b_in, b_gate)))
 
     @jax.checkpoint  # saves pre and w_out; the activation is recomputed for dB = act(pre)ᵀ dO
-    def act_linear(pre, w_out):
+    def act_linear(pre: tuple[jax.Array, ...], w_out: jax.Array) -> jax.Array:
         a = activate(pre[0], pre[1] if activation == "swiglu" else None, activation)
         return jnp.einsum("bsn,nh->bsh", a, w_out)
 
@@ -258,25 +273,25 @@ def mlp(
 
 
 def attention(
-    x,
-    wq,
-    wk,
-    wv,
-    wo,
-    positions,
+    x: jax.Array,
+    wq: jax.Array,
+    wk: jax.Array,
+    wv: jax.Array,
+    wo: jax.Array,
+    positions: jax.Array,
     *,
     head_dim: int,
     causal: bool = True,
-    rope_theta=10000.0,
+    rope_theta: Rope | float | None = 10000.0,
     axis_name: str = "tp",
     sequence_parallel: bool = True,
     recompute_gather: bool = True,
-    attend=None,
+    attend: Callable[..., jax.Array] | None = None,
     extras: dict | None = None,
     norm_eps: float = 1e-6,
     window: int | None = None,
-    segment_ids=None,
-):
+    segment_ids: jax.Array | None = None,
+) -> jax.Array:
     """Self-attention with heads split over `axis_name`: Q, K, V column-linears, attention on the local heads
     over the whole (tp-gathered) sequence, output projection as a row-linear.
 
@@ -327,7 +342,7 @@ def attention(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _replicated_params(x, *params):
+def _replicated_params(x: jax.Array, *params: jax.Array | None):
     """Replicated parameters entering x's region. Where x differs per rank (SP region: the tp axis; the
     data axes) this is f — identity forward, all-reduce of the gradient backward — the Playbook's "LayerNorm
     grads all-reduced over TP" (and DP's). Where x is replicated (plain TP) nothing is reduced."""
@@ -335,7 +350,7 @@ def _replicated_params(x, *params):
     return tuple(None if p is None else vary(p, axes) for p in params)
 
 
-def layer_norm(x, gamma, beta=None, *, eps: float = 1e-5):
+def layer_norm(x: jax.Array, gamma: jax.Array, beta: jax.Array | None = None, *, eps: float = 1e-5) -> jax.Array:
     """LayerNorm over the hidden dim of a sequence shard x [b, s/p, h]; gamma, beta [h] replicated.
 
     Computed in fp32, returned in x.dtype. Gradients of gamma/beta are summed over the ranks x varies over.
@@ -352,7 +367,7 @@ def layer_norm(x, gamma, beta=None, *, eps: float = 1e-5):
     return (y if beta is None else y + beta).astype(x.dtype)
 
 
-def rms_norm(x, gamma, *, eps: float = 1e-6):
+def rms_norm(x: jax.Array, gamma: jax.Array, *, eps: float = 1e-6) -> jax.Array:
     """RMSNorm over the hidden dim of x [b, s/p, h]; gamma [h] replicated (gradient summed as layer_norm)."""
     if gamma.shape != x.shape[-1:]:
         raise ValueError(f"gamma {gamma.shape} must be [hidden] = {x.shape[-1:]}")
@@ -367,7 +382,9 @@ def rms_norm(x, gamma, *, eps: float = 1e-6):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def vocab_parallel_embed(tokens, table, *, axis_name: str = "tp", sequence_parallel: bool = True):
+def vocab_parallel_embed(
+    tokens: jax.Array, table: jax.Array, *, axis_name: str = "tp", sequence_parallel: bool = True
+) -> jax.Array:
     """Embedding with the table split by vocab rows: rank r holds ids [r·v/p, (r+1)·v/p).
 
     Args:
@@ -383,7 +400,7 @@ def vocab_parallel_embed(tokens, table, *, axis_name: str = "tp", sequence_paral
     return scatter_to_sp(emb, axis_name) if sequence_parallel else reduce_from_tp(emb, axis_name)
 
 
-def vocab_parallel_cross_entropy(logits, targets, *, axis_name: str = "tp"):
+def vocab_parallel_cross_entropy(logits: jax.Array, targets: jax.Array, *, axis_name: str = "tp") -> jax.Array:
     """Cross-entropy over logits split by vocab, never gathered: rank r holds ids [r·v/p, (r+1)·v/p).
 
       m = pmax(max_j l_j);  Z = psum(sum_j exp(l_j - m));  l_t = psum(l_target if mine else 0)
@@ -409,7 +426,7 @@ def vocab_parallel_cross_entropy(logits, targets, *, axis_name: str = "tp"):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _mesh_axes(mesh, batch: int):
+def _mesh_axes(mesh: Mesh, batch: int):
     """(data axes spec entry, tp) after checking the mesh: a tp axis; only dp, fsdp, tp larger than 1."""
     if "tp" not in mesh.axis_names:
         raise ValueError(f"mesh axes {mesh.axis_names} have no 'tp' axis; Megatron TP+SP splits over it")
@@ -431,17 +448,17 @@ def _check_divisible(what: str, value: int, tp: int, extra: str = ""):
         raise ValueError(f"{what} {value} is not divisible by tp = {tp}{extra}")
 
 
-def _check_x(x, tp):
+def _check_x(x: jax.Array, tp: int):
     if x.ndim != 3:
         raise ValueError(f"x has shape {x.shape}; expected [batch, seq, hidden]")
     _check_divisible("seq", x.shape[1], tp, " (sequence parallelism splits the sequence over tp)")
 
 
-def _run(mesh, local, in_specs, out_specs, *args, **options):
+def _run(mesh: Mesh, local: Callable, in_specs: Any, out_specs: Any, *args: Any, **options: Any):
     return run_local(local, mesh, in_specs, out_specs, *args, **options)
 
 
-def mlp_block(x, params, *, mesh, activation: str = "gelu"):
+def mlp_block(x: jax.Array, params: dict[str, jax.Array], *, mesh: Mesh, activation: str = "gelu") -> jax.Array:
     """TP+SP MLP on global arrays.
 
     Args:
@@ -479,7 +496,7 @@ def mlp_block(x, params, *, mesh, activation: str = "gelu"):
     )
 
 
-def _mlp_local(x, w_in, *rest, activation):
+def _mlp_local(x: jax.Array, w_in: jax.Array, *rest: jax.Array, activation: str):
     w_gate, w_out = rest if activation == "swiglu" else (None, rest[0])
     return mlp(x, w_in, w_out, w_gate, activation=activation)
 
@@ -500,17 +517,17 @@ def _check_heads(num_heads: int, num_kv_heads: int, tp: int):
 
 
 def attention_block(
-    x,
-    params,
-    positions,
+    x: jax.Array,
+    params: dict[str, jax.Array],
+    positions: jax.Array,
     *,
-    mesh,
+    mesh: Mesh,
     num_heads: int,
     num_kv_heads: int,
     causal: bool = True,
     rope_theta: float | None = 10000.0,
     window: int | None = None,
-):
+) -> jax.Array:
     """TP+SP self-attention on global arrays.
 
     Args:
@@ -564,11 +581,13 @@ def attention_block(
     )
 
 
-def _attention_local(x, wq, wk, wv, wo, positions, **kw):
+def _attention_local(
+    x: jax.Array, wq: jax.Array, wk: jax.Array, wv: jax.Array, wo: jax.Array, positions: jax.Array, **kw: Any
+):
     return attention(x, wq, wk, wv, wo, positions, **kw)
 
 
-def embed(tokens, table, *, mesh):
+def embed(tokens: jax.Array, table: jax.Array, *, mesh: Mesh) -> jax.Array:
     """Vocab-parallel embedding lookup: tokens int [batch, seq], table [vocab, hidden] (vocab over tp).
 
     Returns [batch, seq, hidden], sequence-sharded over tp (the SP region that follows)."""
@@ -580,11 +599,11 @@ def embed(tokens, table, *, mesh):
     return _run(mesh, _embed_local, (P(data, None), P("tp", None)), P(data, "tp", None), tokens, table)
 
 
-def _embed_local(tokens, table):
+def _embed_local(tokens: jax.Array, table: jax.Array):
     return vocab_parallel_embed(tokens, table)
 
 
-def cross_entropy(x, w_head, targets, *, mesh):
+def cross_entropy(x: jax.Array, w_head: jax.Array, targets: jax.Array, *, mesh: Mesh) -> jax.Array:
     """Per-token loss of a vocab-parallel LM head: x [batch, seq, hidden], w_head [hidden, vocab] (vocab over
     tp), targets int [batch, seq]. Logits [b, s, vocab/tp] stay sharded (never gathered).
 
@@ -608,7 +627,7 @@ def cross_entropy(x, w_head, targets, *, mesh):
     )
 
 
-def _cross_entropy_local(x, w_head, targets):
+def _cross_entropy_local(x: jax.Array, w_head: jax.Array, targets: jax.Array):
     return vocab_parallel_cross_entropy(column_parallel_linear(x, w_head), targets)
 
 
@@ -629,7 +648,7 @@ _SPECS = {
 }
 
 
-def param_specs(mesh, params_shapes, *, num_kv_heads: int | None = None) -> dict:
+def param_specs(mesh: Mesh, params_shapes: dict[str, Any], *, num_kv_heads: int | None = None) -> dict:
     """NamedSharding per parameter name: column-linears (w_in, w_gate, wq, wk, wv, w_head) split their
     columns over tp, row-linears (w_out, wo) their rows, the embedding table (table/embedding) its vocab
     rows; norm parameters (gamma, beta, scale) are replicated.
@@ -672,14 +691,16 @@ class Megatron(TensorMethod):
     axes = ("tp",)
     summary = "Megatron TP+SP: column/row linears, heads over tp, sequence over tp in the norm regions"
 
-    def check_model(self, plan, *, num_heads, num_kv_heads, hidden, ffn, vocab):
+    def check_model(
+        self, plan: ParallelPlan, *, num_heads: int, num_kv_heads: int, hidden: int, ffn: int, vocab: int | None
+    ) -> None:
         tp = plan.tp
         _check_heads(num_heads, num_kv_heads, tp)
         _check_divisible("ffn", ffn, tp, " (column/row-linears split it over tp)")
         if vocab is not None:
             _check_divisible("vocab", vocab, tp, " (the embedding and head split the vocabulary over tp)")
 
-    def check_seq(self, plan, seq_len):
+    def check_seq(self, plan: ParallelPlan, seq_len: int) -> None:
         local = seq_len // plan.sp
         if local % plan.tp:
             where = f"the sp = {plan.sp} shard of {local} tokens" if plan.sp > 1 else f"seq {seq_len}"
@@ -687,25 +708,25 @@ class Megatron(TensorMethod):
                 f"{where} is not divisible by tp = {plan.tp} (Megatron's sequence-parallel regions split it over tp)"
             )
 
-    def head_split(self, plan):
+    def head_split(self, plan: ParallelPlan) -> int:
         return plan.tp
 
-    def local_rows(self, plan, seq_len):
+    def local_rows(self, plan: ParallelPlan, seq_len: int) -> int:
         return seq_len // (plan.sp * plan.tp)
 
-    def tile_targets(self, plan, targets, tiles):
+    def tile_targets(self, plan: ParallelPlan, targets: jax.Array, tiles: int) -> jax.Array:
         # tile j of the rows, gathered over tp, is every rank's tile j in rank order: [b, tp, T, n/T] -> [b, T·tp·n/T]
         b, n = targets.shape
         return targets.reshape(b, plan.tp, tiles, n // (plan.tp * tiles)).transpose(0, 2, 1, 3).reshape(b, n)
 
-    def untile_losses(self, plan, losses, tiles):
+    def untile_losses(self, plan: ParallelPlan, losses: jax.Array, tiles: int) -> jax.Array:
         b, n = losses.shape
         return losses.reshape(b, tiles, plan.tp, n // (plan.tp * tiles)).transpose(0, 2, 1, 3).reshape(b, n)
 
-    def activation_spec(self, plan):
+    def activation_spec(self, plan: ParallelPlan) -> P:
         return P(spec_entry(plan.batch_axes), spec_entry(plan.seq_axes + ("tp",)), None)
 
-    def param_spec(self, plan, info: ParamInfo):
+    def param_spec(self, plan: ParallelPlan, info: ParamInfo) -> tuple:
         spec = []
         for axis in info.logical_axes:
             if axis in ("heads", "mlp", "vocab"):
@@ -716,41 +737,52 @@ class Megatron(TensorMethod):
                 spec.append(None)
         return tuple(spec)
 
-    def embed(self, plan, tokens, table, positions=None, pos_table=None):
+    def embed(
+        self,
+        plan: ParallelPlan,
+        tokens: jax.Array,
+        table: jax.Array,
+        positions: jax.Array | None = None,
+        pos_table: jax.Array | None = None,
+    ) -> jax.Array:
         x = vocab_parallel_embed(tokens, table)  # [b, s_sp/tp, h]
         if pos_table is not None:
             x = x + jnp.take(pos_table, self.activation_positions(plan, positions), axis=0)
         return x
 
-    def activation_positions(self, plan, positions):
+    def activation_positions(self, plan: ParallelPlan, positions: jax.Array) -> jax.Array:
         n = positions.shape[1] // plan.tp  # this rank's SP sub-shard
         return lax.dynamic_slice_in_dim(positions, lax.axis_index("tp") * n, n, axis=1)
 
-    def norm(self, plan, x, scale, bias, *, eps=1e-5):
+    def norm(
+        self, plan: ParallelPlan, x: jax.Array, scale: jax.Array, bias: jax.Array | None, *, eps: float = 1e-5
+    ) -> jax.Array:
         return layer_norm(x, scale, bias, eps=eps)
 
-    def rms_norm(self, plan, x, scale, *, eps=1e-6):
+    def rms_norm(self, plan: ParallelPlan, x: jax.Array, scale: jax.Array, *, eps: float = 1e-6) -> jax.Array:
         return rms_norm(x, scale, eps=eps)
 
     def attention(
         self,
-        plan,
-        x,
-        w,
-        positions,
+        plan: ParallelPlan,
+        x: jax.Array,
+        w: dict,
+        positions: jax.Array,
         *,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        causal,
-        rope,
-        window=None,
-        norm_eps=1e-6,
-        segment_ids=None,
-    ):
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        causal: bool,
+        rope: Rope | None,
+        window: int | None = None,
+        norm_eps: float = 1e-6,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
         w = own_kv_head(w, num_kv_heads, plan.tp, head_dim)  # fewer K/V heads than tp: replicated
 
-        def attend(q, k, v, rope_positions, segment_ids):
+        def attend(
+            q: jax.Array, k: jax.Array, v: jax.Array, rope_positions: jax.Array, segment_ids: jax.Array | None
+        ) -> jax.Array:
             del rope_positions  # the mask follows the token order (the plan's layout), not RoPE positions
             return plan.attend(q, k, v, causal=causal, window=window, segment_ids=segment_ids)
 
@@ -771,11 +803,13 @@ class Megatron(TensorMethod):
             segment_ids=segment_ids,
         )
 
-    def mlp(self, plan, x, w, *, activation):
+    def mlp(self, plan: ParallelPlan, x: jax.Array, w: dict, *, activation: str) -> jax.Array:
         biases = {n: w[n] for n in ("b_in", "b_gate", "b_out") if n in w}
         return mlp(x, w["w_in"], w["w_out"], w.get("w_gate"), activation=activation, **biases)
 
-    def moe(self, plan, x, moe):
+    def moe(
+        self, plan: ParallelPlan, x: jax.Array, moe: Callable[..., tuple[jax.Array, dict]]
+    ) -> tuple[jax.Array, dict]:
         """Experts' FFN split over tp (column/row, Megatron-style): the sequence shard is all-gathered over tp
         (typed replicated: moe_ffn needs the tokens the same on every tp rank), moe_ffn all-reduces its output
         over tp, and this rank keeps its shard. That is an all-reduce where a dense Megatron MLP has a
@@ -787,7 +821,9 @@ class Megatron(TensorMethod):
         n = x.shape[1]
         return lax.dynamic_slice_in_dim(y, lax.axis_index("tp") * n, n, axis=1), stats
 
-    def cross_entropy(self, plan, x, w, targets, *, tied):
+    def cross_entropy(
+        self, plan: ParallelPlan, x: jax.Array, w: jax.Array, targets: jax.Array, *, tied: bool
+    ) -> jax.Array:
         head = w.T if tied else w  # local [h, vocab/tp]
         return vocab_parallel_cross_entropy(column_parallel_linear(x, head.astype(x.dtype)), targets)
 

@@ -64,6 +64,8 @@ import dataclasses
 import functools
 import math
 import typing
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -107,8 +109,13 @@ from jaxring.tensor.contract import (
 )
 from jaxring.vma import vary_like, varying_axes
 
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
-def _mm(x, w):
+    from jaxring.plan import ParallelPlan
+
+
+def _mm(x: jax.Array, w: jax.Array):
     """x [..., k] @ w [k, n] with fp32 accumulation.
 
     Written as a dot with a unit batch dimension (XLA removes it): selective remat keeps the outputs of dots
@@ -119,29 +126,29 @@ def _mm(x, w):
     return out.reshape(*x.shape[:-1], w.shape[-1])
 
 
-def _sum_to(g, like):
+def _sum_to(g: jax.Array, like: jax.Array):
     """A weight's gradient summed over the axes it varies over and the weight does not (the data axes:
     a weight replicated over dp/fsdp gets the psum of its per-shard gradients)."""
     extra = tuple(sorted(varying_axes(g) - varying_axes(like)))
     return lax.psum(g, extra) if extra else g
 
 
-def _row_sum(dy):
+def _row_sum(dy: jax.Array):
     """Σ over rows of dy [..., n] -> [n] fp32 (a bias gradient)."""
     return jnp.sum(dy.reshape(-1, dy.shape[-1]).astype(jnp.float32), axis=0)
 
 
-def _outer(x, dy):
+def _outer(x: jax.Array, dy: jax.Array):
     """Σ over rows of xᵀ dy: x [..., k], dy [..., n] -> [k, n] fp32 (a weight gradient)."""
     return jnp.einsum("...k,...n->kn", x, dy, preferred_element_type=jnp.float32)
 
 
-def gelu(t):
+def gelu(t: jax.Array) -> jax.Array:
     """f of the GeLU FFN (Eq. 2): tanh-approximate GeLU."""
     return jax.nn.gelu(t, approximate=True)
 
 
-def swiglu(t_gate, t_in):
+def swiglu(t_gate: jax.Array, t_in: jax.Array) -> jax.Array:
     """f of the SwiGLU FFN: silu(X W_gate) ⊙ (X W_in)."""
     return jax.nn.silu(t_gate) * t_in
 
@@ -151,7 +158,15 @@ def swiglu(t_gate, t_in):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def metp(a, b, c, *, f=gelu, axis_name: str = "tp", b_bias=None):
+def metp(
+    a: jax.Array,
+    b: jax.Array | Sequence[jax.Array],
+    c: jax.Array,
+    *,
+    f: Callable[..., jax.Array] = gelu,
+    axis_name: str = "tp",
+    b_bias: jax.Array | Sequence[jax.Array] | None = None,
+) -> jax.Array:
     """O_i = Σ_r f(A_i B_r + β_r) C_r on a ring over `axis_name` (call inside `shard_map`).
 
     Args:
@@ -180,17 +195,24 @@ def metp(a, b, c, *, f=gelu, axis_name: str = "tp", b_bias=None):
     return _metp(a, bs, biases, c, f, axis_name)
 
 
-def _products(a, bs, biases):
+def _products(a: jax.Array, bs: Sequence[jax.Array], biases: Sequence[jax.Array]):
     """T_ij = A_i B^(j) (+ β^(j)), fp32."""
     t = [_mm(a, b_j) for b_j in bs]
     return [t_r + beta.astype(jnp.float32) for t_r, beta in zip(t, biases)] if biases else t
 
 
-def _metp_forward(a, bs, biases, c, f, axis_name):
+def _metp_forward(
+    a: jax.Array,
+    bs: tuple[jax.Array, ...],
+    biases: tuple[jax.Array, ...],
+    c: jax.Array,
+    f: Callable[..., jax.Array],
+    axis_name: str,
+):
     """Algorithm 1. Returns O_i fp32."""
     p = lax.axis_size(axis_name)
 
-    def step(o, blocks, j):
+    def step(o: jax.Array, blocks: tuple, j: jax.Array) -> jax.Array:
         bs_j, biases_j, c_j = blocks
         t = _products(a, bs_j, biases_j)  # T_ij = A_i B^(j)
         d = f(*t).astype(c_j.dtype)  # D_ij = f(T_ij)
@@ -202,15 +224,29 @@ def _metp_forward(a, bs, biases, c, f, axis_name):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _metp(a, bs, biases, c, f, axis_name):
+def _metp(
+    a: jax.Array,
+    bs: tuple[jax.Array, ...],
+    biases: tuple[jax.Array, ...],
+    c: jax.Array,
+    f: Callable[..., jax.Array],
+    axis_name: str,
+):
     return _metp_forward(a, bs, biases, c, f, axis_name).astype(a.dtype)
 
 
-def _metp_fwd(a, bs, biases, c, f, axis_name):
+def _metp_fwd(
+    a: jax.Array,
+    bs: tuple[jax.Array, ...],
+    biases: tuple[jax.Array, ...],
+    c: jax.Array,
+    f: Callable[..., jax.Array],
+    axis_name: str,
+):
     return _metp(a, bs, biases, c, f, axis_name), (a, bs, biases, c)  # A_i (and the rank's own blocks) only
 
 
-def _metp_bwd(f, axis_name, residuals, do):
+def _metp_bwd(f: Callable[..., jax.Array], axis_name: str, residuals: tuple, do: jax.Array):
     """Algorithm 2: recompute T, ΔB/ΔC accumulators travel with their blocks (p hops: home at the end).
 
     The blocks circulate transposed (Bᵀ, Cᵀ: the operands of ΔT Bᵀ and ΔO Cᵀ). Besides, at p = 2 both rings
@@ -221,7 +257,7 @@ def _metp_bwd(f, axis_name, residuals, do):
     p = lax.axis_size(axis_name)
     send = lambda tree: send_to_next(tree, axis_name, shift=BACKWARD)
 
-    def step(carry, blocks, j):
+    def step(carry: tuple, blocks: tuple, j: jax.Array) -> tuple:
         da, (dbs, dbiases, dc) = carry
         bts_j, biases_j, ct_j = blocks  # B^(j)ᵀ, β^(j), C^(j)ᵀ
         t = _products(a, [bt.T for bt in bts_j], biases_j)  # T_ij = A_i B^(j) (+ β^(j))  (fp32, as forward)
@@ -250,8 +286,17 @@ _metp.defvjp(_metp_fwd, _metp_bwd)
 
 
 def metp_mlp(
-    x, w_in, w_out, w_gate=None, *, activation: str = "gelu", axis_name: str = "tp", b_in=None, b_gate=None, b_out=None
-):
+    x: jax.Array,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    w_gate: jax.Array | None = None,
+    *,
+    activation: str = "gelu",
+    axis_name: str = "tp",
+    b_in: jax.Array | None = None,
+    b_gate: jax.Array | None = None,
+    b_out: jax.Array | None = None,
+) -> jax.Array:
     """The FFN as METP (Eq. 2), inside `shard_map`.
 
     x: local [batch, s/p, hidden]; w_in (and w_gate for swiglu): local [hidden, ffn/p]; w_out: [ffn/p, hidden].
@@ -291,26 +336,26 @@ class _MhaConfig:
 
 
 def metp_attention(
-    x,
-    wq,
-    wk,
-    wv,
-    wo,
-    positions,
+    x: jax.Array,
+    wq: jax.Array,
+    wk: jax.Array,
+    wv: jax.Array,
+    wo: jax.Array,
+    positions: jax.Array,
     *,
     num_heads: int,
     num_kv_heads: int | None = None,
     axis_name: str = "tp",
     causal: bool = True,
-    rope_theta=10000.0,
+    rope_theta: Rope | float | None = 10000.0,
     block_ops: str | BlockOps = "auto",
     fuse_sends: bool | None = None,
     extras: dict | None = None,
     norm_eps: float = 1e-6,
     window: int | None = None,
-    segment_ids=None,
-    token_order=None,
-):
+    segment_ids: jax.Array | None = None,
+    token_order: jax.Array | None = None,
+) -> jax.Array:
     """Two-level METP multi-head self-attention (Algorithms 3-6), inside `shard_map` over `axis_name` (p).
 
     Args:
@@ -412,13 +457,13 @@ class _Tokens(typing.NamedTuple):
     segments: jax.Array | None
 
 
-def _heads(t, scale, positions, cfg: _MhaConfig):
+def _heads(t: jax.Array, scale: jax.Array | None, positions: jax.Array, cfg: _MhaConfig):
     """A projection [b, s/p, heads, d] as attention sees it: QK-norm (scale [d], or None), then RoPE."""
     t = head_norm(t, scale, eps=cfg.norm_eps)
     return t if cfg.rope is None else cfg.rope.apply(t, positions)
 
 
-def _linear(x, w, bias, cfg: _MhaConfig):
+def _linear(x: jax.Array, w: jax.Array, bias: jax.Array | None, cfg: _MhaConfig):
     """X_i W_j (+ b_j) as heads [b, s/p, heads, d] in x.dtype."""
     b, n = x.shape[:2]
     y = _mm(x, w)
@@ -426,7 +471,14 @@ def _linear(x, w, bias, cfg: _MhaConfig):
     return y.astype(x.dtype).reshape(b, n, -1, cfg.head_dim)
 
 
-def _project(x, w_j, biases_j, norms, positions, cfg: _MhaConfig):
+def _project(
+    x: jax.Array,
+    w_j: tuple[jax.Array, ...],
+    biases_j: tuple[jax.Array, ...],
+    norms: tuple[jax.Array, ...],
+    positions: jax.Array,
+    cfg: _MhaConfig,
+):
     """(Q_ij, K_ij, V_ij) = X_i W_qkv_j (+ b_qkv_j, QK-norm, RoPE): [b, s/p, heads, d] in x.dtype."""
     biases_j = biases_j or (None, None, None)
     q, k, v = (_linear(x, w, bias, cfg) for w, bias in zip(w_j[:3], biases_j))
@@ -434,7 +486,16 @@ def _project(x, w_j, biases_j, norms, positions, cfg: _MhaConfig):
     return _heads(q, q_norm, positions, cfg), _heads(k, k_norm, positions, cfg), v
 
 
-def _block_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, cfg: _MhaConfig):
+def _block_forward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_pos: jax.Array,
+    kv_pos: jax.Array,
+    q_seg: jax.Array | None,
+    kv_seg: jax.Array | None,
+    cfg: _MhaConfig,
+):
     """One (Q block, K/V block) through the BlockOps forward, positions (and segment ids) per batch row."""
     if not cfg.causal:
         zeros = jnp.zeros((q.shape[1],), jnp.int32)
@@ -442,7 +503,15 @@ def _block_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, cfg: _MhaConfig):
 
     ops = with_window(cfg.ops, cfg.window)
 
-    def one_row(q, k, v, qp, kp, qs, ks):
+    def one_row(
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        qp: jax.Array,
+        kp: jax.Array,
+        qs: jax.Array | None,
+        ks: jax.Array | None,
+    ) -> tuple[jax.Array, jax.Array]:
         qs, ks = (None, None) if qs is None else (qs[None], ks[None])
         o, lse = ops.forward(q[None], k[None], v[None], qp, kp, qs, ks, causal=True, sm_scale=cfg.sm_scale)
         return o[0], lse[0]
@@ -450,7 +519,19 @@ def _block_forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, cfg: _MhaConfig):
     return jax.vmap(one_row)(q, k, v, q_pos, kv_pos, q_seg, kv_seg)
 
 
-def _block_backward(q, k, v, da, lse, delta, q_pos, kv_pos, q_seg, kv_seg, cfg: _MhaConfig):
+def _block_backward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    da: jax.Array,
+    lse: jax.Array,
+    delta: jax.Array,
+    q_pos: jax.Array,
+    kv_pos: jax.Array,
+    q_seg: jax.Array | None,
+    kv_seg: jax.Array | None,
+    cfg: _MhaConfig,
+):
     if not cfg.causal:
         zeros = jnp.zeros((q.shape[1],), jnp.int32)
         return cfg.ops.backward(
@@ -459,7 +540,18 @@ def _block_backward(q, k, v, da, lse, delta, q_pos, kv_pos, q_seg, kv_seg, cfg: 
 
     ops = with_window(cfg.ops, cfg.window)
 
-    def one_row(q, k, v, da, lse, delta, qp, kp, qs, ks):
+    def one_row(
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        da: jax.Array,
+        lse: jax.Array,
+        delta: jax.Array,
+        qp: jax.Array,
+        kp: jax.Array,
+        qs: jax.Array | None,
+        ks: jax.Array | None,
+    ) -> tuple[jax.Array, ...]:
         qs, ks = (None, None) if qs is None else (qs[None], ks[None])
         g = ops.backward(
             q[None], k[None], v[None], da[None], lse[None], delta[None], qp, kp, qs, ks, causal=True,
@@ -470,7 +562,15 @@ def _block_backward(q, k, v, da, lse, delta, q_pos, kv_pos, q_seg, kv_seg, cfg: 
     return jax.vmap(one_row)(q, k, v, da, lse, delta, q_pos, kv_pos, q_seg, kv_seg)
 
 
-def _when_visible(cfg: _MhaConfig, q_pos, kv_pos, q_seg, kv_seg, compute, skip):
+def _when_visible(
+    cfg: _MhaConfig,
+    q_pos: jax.Array,
+    kv_pos: jax.Array,
+    q_seg: jax.Array | None,
+    kv_seg: jax.Array | None,
+    compute: Callable[[], Any],
+    skip: Callable[[], Any],
+):
     """`schedule.when_visible`, also skipping a block wholly outside every query's window (by position bounds)
     or sharing no segment with the queries (by segment-id bounds: packed documents are numbered in order)."""
     if cfg.window is None and q_seg is None:
@@ -481,7 +581,7 @@ def _when_visible(cfg: _MhaConfig, q_pos, kv_pos, q_seg, kv_seg, compute, skip):
     return lax.cond(visible, compute, skip), visible
 
 
-def _inner_forward(q, k, v, tokens: _Tokens, cfg: _MhaConfig):
+def _inner_forward(q: jax.Array, k: jax.Array, v: jax.Array, tokens: _Tokens, cfg: _MhaConfig):
     """Algorithm 3 (with the safe online softmax): Q_i stays, K/V of the head group go round the ring (with
     their order in the row when causal, and their segment ids). Returns A_ij fp32 [b, s/p, heads, d] and lse
     fp32 [b, s/p, heads].
@@ -489,7 +589,7 @@ def _inner_forward(q, k, v, tokens: _Tokens, cfg: _MhaConfig):
     p = lax.axis_size(cfg.axis_name)
     order, seg = tokens.order, tokens.segments
 
-    def attend(acc, kv, j):
+    def attend(acc: tuple[jax.Array, jax.Array], kv: tuple, j: jax.Array) -> tuple[jax.Array, jax.Array]:
         k_j, v_j, kv_pos, kv_seg = kv
         part, _ = _when_visible(
             cfg,
@@ -506,7 +606,16 @@ def _inner_forward(q, k, v, tokens: _Tokens, cfg: _MhaConfig):
     return ring_steps(attend, empty_partial(q), (k, v, order if cfg.causal else None, seg), p, send)
 
 
-def _inner_backward(q, k, v, da, lse, delta, tokens: _Tokens, cfg: _MhaConfig):
+def _inner_backward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    da: jax.Array,
+    lse: jax.Array,
+    delta: jax.Array,
+    tokens: _Tokens,
+    cfg: _MhaConfig,
+):
     """Algorithm 4: ΔQ stays, ΔK/ΔV travel with K/V (p hops: home at the end). fp32 results.
 
     CPU form: each step adds its block's ΔK/ΔV and sends the sums on with the block (K, V, positions and
@@ -521,7 +630,7 @@ def _inner_backward(q, k, v, da, lse, delta, tokens: _Tokens, cfg: _MhaConfig):
 
     order, seg = tokens.order, tokens.segments
 
-    def block_grads(kv):
+    def block_grads(kv: tuple) -> tuple[jax.Array, jax.Array, jax.Array]:
         k_j, v_j, kv_pos, kv_seg = kv
         zeros = lambda: (
             jnp.zeros_like(q, jnp.float32),
@@ -542,14 +651,16 @@ def _inner_backward(q, k, v, da, lse, delta, tokens: _Tokens, cfg: _MhaConfig):
     kv = (k, v, order if cfg.causal else None, seg)
     if cfg.fuse:
 
-        def accumulate(dq, kv, j, acc):
+        def accumulate(
+            dq: jax.Array, kv: tuple, j: jax.Array, acc: tuple[jax.Array, jax.Array] | None
+        ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
             dq_j, dk_j, dv_j = block_grads(kv)
             dkv = (dk_j, dv_j) if acc is None else (acc[0] + dk_j, acc[1] + dv_j)  # after the kernels
             return dq + dq_j, dkv
 
         return ring_steps_accumulating(accumulate, jnp.zeros_like(q, jnp.float32), kv, p, send)
 
-    def grads(carry, kv, j):
+    def grads(carry: tuple, kv: tuple, j: jax.Array) -> tuple:
         dq, (dk, dv) = carry
         dq_j, dk_j, dv_j = block_grads(kv)
         return dq + dq_j, send((dk + dk_j, dv + dv_j))
@@ -558,7 +669,9 @@ def _inner_backward(q, k, v, da, lse, delta, tokens: _Tokens, cfg: _MhaConfig):
     return ring_steps(grads, init, kv, p, send)
 
 
-def _outer_steps(step_fn, carry, own, axis_name, reverse: bool = False):
+def _outer_steps(
+    step_fn: Callable[[Any, Any, jax.Array], Any], carry: Any, own: Any, axis_name: str, reverse: bool = False
+):
     """for each head group j: carry = step_fn(carry, W_j, j), W_j = rank j's `own` blocks broadcast to all.
 
     Groups 0..p-1 (p-1..0 when `reverse`). The next group's broadcast is issued before this group's compute
@@ -586,12 +699,20 @@ def _outer_steps(step_fn, carry, own, axis_name, reverse: bool = False):
     )
 
 
-def _mha_forward(x, weights, biases, norms, tokens: _Tokens, cfg: _MhaConfig, keep: bool):
+def _mha_forward(
+    x: jax.Array,
+    weights: tuple[jax.Array, ...],
+    biases: tuple[jax.Array, ...],
+    norms: tuple[jax.Array, ...],
+    tokens: _Tokens,
+    cfg: _MhaConfig,
+    keep: bool,
+):
     """Algorithm 5. Returns O_i fp32 and, when `keep`, A_i [p, b, s/p, heads, d] (x.dtype) and lse fp32."""
     p = lax.axis_size(cfg.axis_name)
     b, n, _ = x.shape
 
-    def head_group(carry, own_j, j):
+    def head_group(carry: tuple, own_j: tuple, j: jax.Array) -> tuple:
         o, kept = carry
         w_j, biases_j = own_j  # broadcast from rank j
         wo = w_j[3]
@@ -612,12 +733,26 @@ def _mha_forward(x, weights, biases, norms, tokens: _Tokens, cfg: _MhaConfig, ke
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _mha(x, weights, biases, norms, tokens, cfg):
+def _mha(
+    x: jax.Array,
+    weights: tuple[jax.Array, ...],
+    biases: tuple[jax.Array, ...],
+    norms: tuple[jax.Array, ...],
+    tokens: _Tokens,
+    cfg: _MhaConfig,
+):
     o, _ = _mha_forward(x, weights, biases, norms, tokens, cfg, keep=False)
     return o.astype(x.dtype)
 
 
-def _mha_fwd(x, weights, biases, norms, tokens, cfg):
+def _mha_fwd(
+    x: jax.Array,
+    weights: tuple[jax.Array, ...],
+    biases: tuple[jax.Array, ...],
+    norms: tuple[jax.Array, ...],
+    tokens: _Tokens,
+    cfg: _MhaConfig,
+):
     o, (a, lse) = _mha_forward(x, weights, biases, norms, tokens, cfg, keep=True)
     # stored: X_i, the attention output A_i and its lse (+ the rank's own weight blocks and token arrays); named,
     # so that selective remat around the layer keeps them rather than running this forward again
@@ -625,7 +760,7 @@ def _mha_fwd(x, weights, biases, norms, tokens, cfg):
     return o.astype(x.dtype), (x, weights, biases, norms, tokens, a, lse)
 
 
-def _mha_bwd(cfg, residuals, do):
+def _mha_bwd(cfg: _MhaConfig, residuals: tuple, do: jax.Array):
     """Algorithm 6: broadcast W_j again, recompute Q, K, V, inner backward ring, tree-reduce ΔW_j onto rank j.
 
     The head groups go in reverse order (any order is correct). Weight gradients are fp32 until the end.
@@ -639,7 +774,7 @@ def _mha_bwd(cfg, residuals, do):
     q_norm, k_norm = jax.tree.map(lambda t: vary_like(t, x), norms) if norms else (None, None)
     post = lambda t, scale: _heads(t, scale, tokens.rope, cfg)
 
-    def head_group(carry, own_j, j):
+    def head_group(carry: tuple, own_j: tuple, j: jax.Array) -> tuple:
         dx, dw_own, dnorms = carry
         w_j, biases_j = own_j  # broadcast from rank j (again)
         wq, wk, wv, wo = w_j
@@ -694,7 +829,7 @@ _PARAM_SPECS = {
 }
 
 
-def _check_mesh(mesh):
+def _check_mesh(mesh: Mesh):
     """(data axes with size > 1, tp). METP uses tp (sequence and weights) and dp/fsdp (batch) only."""
     if "tp" not in mesh.axis_names:
         raise ValueError(f"mesh axes {mesh.axis_names} have no 'tp' axis; METP splits over it")
@@ -706,7 +841,7 @@ def _check_mesh(mesh):
     return tuple(a for a in DATA_AXES if mesh_axis_size(mesh, a) > 1), mesh.shape["tp"]
 
 
-def _check_x(x, data_axes, mesh, tp):
+def _check_x(x: jax.Array, data_axes: tuple[str, ...], mesh: Mesh, tp: int):
     if x.ndim != 3:
         raise ValueError(f"x has shape {x.shape}; expected [batch, seq, hidden]")
     batch, seq, _ = x.shape
@@ -717,7 +852,7 @@ def _check_x(x, data_axes, mesh, tp):
         raise ValueError(f"seq {seq} is not divisible by tp = {tp} (METP splits the sequence over tp)")
 
 
-def mlp_block(x, params, *, mesh, activation: str = "gelu"):
+def mlp_block(x: jax.Array, params: dict[str, jax.Array], *, mesh: Mesh, activation: str = "gelu") -> jax.Array:
     """The FFN y = f(x W_in) W_out with METP over the mesh's tp axis (batch over dp/fsdp, sequence over tp).
 
     x: global [batch, seq, hidden]; params {"w_in": [hidden, ffn], "w_out": [ffn, hidden]} plus "w_gate":
@@ -746,24 +881,24 @@ def mlp_block(x, params, *, mesh, activation: str = "gelu"):
     return run_local(_mlp_local, mesh, specs, x_spec, x, *(params[n] for n in names), activation=activation)
 
 
-def _mlp_local(x, w_in, w_out, *gate, activation):
+def _mlp_local(x: jax.Array, w_in: jax.Array, w_out: jax.Array, *gate: jax.Array, activation: str):
     return metp_mlp(x, w_in, w_out, *gate, activation=activation, axis_name="tp")
 
 
 def attention_block(
-    x,
-    params,
-    positions,
+    x: jax.Array,
+    params: dict[str, jax.Array],
+    positions: jax.Array,
     *,
-    mesh,
-    num_heads,
-    num_kv_heads,
-    causal=True,
-    rope_theta=10000.0,
+    mesh: Mesh,
+    num_heads: int,
+    num_kv_heads: int,
+    causal: bool = True,
+    rope_theta: float | None = 10000.0,
     block_ops: str | BlockOps = "auto",
     fuse_sends: bool | None = None,
     window: int | None = None,
-):
+) -> jax.Array:
     """Self-attention with two-level METP over the mesh's tp axis (batch over dp/fsdp, sequence over tp).
 
     params {"wq": [hidden, num_heads*head_dim], "wk": [hidden, num_kv_heads*head_dim], "wv": like wk,
@@ -822,11 +957,13 @@ def attention_block(
     )
 
 
-def _attention_local(x, wq, wk, wv, wo, positions, **kw):
+def _attention_local(
+    x: jax.Array, wq: jax.Array, wk: jax.Array, wv: jax.Array, wo: jax.Array, positions: jax.Array, **kw: Any
+):
     return metp_attention(x, wq, wk, wv, wo, positions, axis_name="tp", **kw)
 
 
-def param_specs(mesh, params_shapes) -> dict:
+def param_specs(mesh: Mesh, params_shapes: dict[str, Any]) -> dict:
     """name -> NamedSharding for METP's weights: w_in, w_gate, wq, wk, wv by columns over tp (head group j
     on rank j), w_out and wo by rows; replicated over the other axes. Nested dicts are mapped recursively.
 
@@ -867,30 +1004,32 @@ class METP(TensorMethod):
         "use megatron for tensor × sequence parallelism"
     )
 
-    def check_model(self, plan, *, num_heads, num_kv_heads, hidden, ffn, vocab):
+    def check_model(
+        self, plan: ParallelPlan, *, num_heads: int, num_kv_heads: int, hidden: int, ffn: int, vocab: int | None
+    ) -> None:
         tp = plan.tp
         check_kv_heads(num_heads, num_kv_heads, tp, "METP, one head group per rank,")
         if ffn % tp:
             raise ValueError(f"ffn {ffn} is not divisible by tp = {tp} (each rank holds ffn/tp columns of W_in)")
 
-    def check_seq(self, plan, seq_len):
+    def check_seq(self, plan: ParallelPlan, seq_len: int) -> None:
         if seq_len % plan.tp:
             raise ValueError(f"seq {seq_len} is not divisible by tp = {plan.tp} (METP splits the sequence over tp)")
 
-    def head_split(self, plan):
+    def head_split(self, plan: ParallelPlan) -> int:
         return plan.tp
 
-    def local_rows(self, plan, seq_len):
+    def local_rows(self, plan: ParallelPlan, seq_len: int) -> int:
         return seq_len // plan.tp
 
-    def activation_spec(self, plan):
+    def activation_spec(self, plan: ParallelPlan) -> P:
         return P(spec_entry(plan.batch_axes), "tp", None)
 
-    def token_spec(self, plan):
+    def token_spec(self, plan: ParallelPlan) -> P:
         return P(spec_entry(plan.batch_axes), "tp")
 
-    def param_spec(self, plan, info: ParamInfo):
-        def axis(name):
+    def param_spec(self, plan: ParallelPlan, info: ParamInfo) -> tuple:
+        def axis(name: str | None) -> str | None:
             if name == "kv_heads":  # fewer K/V heads than tp: replicated, each rank reads its own
                 return "tp" if info.heads is not None and info.heads % plan.tp == 0 else None
             return "tp" if name in ("heads", "mlp") else None
@@ -899,20 +1038,20 @@ class METP(TensorMethod):
 
     def attention(
         self,
-        plan,
-        x,
-        w,
-        positions,
+        plan: ParallelPlan,
+        x: jax.Array,
+        w: dict,
+        positions: jax.Array,
         *,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        causal,
-        rope,
-        window=None,
-        norm_eps=1e-6,
-        segment_ids=None,
-    ):
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        causal: bool,
+        rope: Rope | None,
+        window: int | None = None,
+        norm_eps: float = 1e-6,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
         if num_kv_heads < plan.tp:  # each rank's group reads one replicated K/V head
             w, num_kv_heads = own_kv_head(w, num_kv_heads, plan.tp, head_dim), plan.tp
         b, n = positions.shape  # the tokens are contiguous over tp (no layout at sp = 1): rank r holds r·n ..
@@ -937,7 +1076,7 @@ class METP(TensorMethod):
             token_order=order,
         )
 
-    def mlp(self, plan, x, w, *, activation):
+    def mlp(self, plan: ParallelPlan, x: jax.Array, w: dict, *, activation: str) -> jax.Array:
         biases = {n: w[n] for n in ("b_in", "b_gate", "b_out") if n in w}
         return metp_mlp(x, w["w_in"], w["w_out"], w.get("w_gate"), activation=activation, axis_name="tp", **biases)
 
@@ -1001,7 +1140,9 @@ class METP(TensorMethod):
             saved=q32 + x.b * x.n * x.heads * F32, working=2 * kv32 + q32, tile_heads=max(1, x.heads // m.tp)
         )
 
-    def moe(self, plan, x, moe):
+    def moe(
+        self, plan: ParallelPlan, x: jax.Array, moe: Callable[..., tuple[jax.Array, dict]]
+    ) -> tuple[jax.Array, dict]:
         raise ValueError(
             f"mixture-of-experts layers cannot run with tensor parallelism '{self.name}': its "
             f"layout splits what the experts' all-to-all exchanges; use megatron (or none) with --ep"

@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +71,12 @@ from jaxring.registry import register_tensor_method
 from jaxring.sharded import run_local
 from jaxring.tensor.contract import ACTIVATIONS, ParamInfo, TensorMethod, add_bias, qk_norm_rope
 from jaxring.vma import common_vma
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from jaxring.plan import ParallelPlan
+    from jaxring.rope import Rope
 
 ROW, COL = "tpr", "tpc"  # grid axes: device (i, j) has tpr = i, tpc = j
 GRID = (ROW, COL)
@@ -97,38 +105,38 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _vary(*xs):
+def _vary(*xs: jax.Array):
     """Casts every x to the union of their varying mesh axes (so a custom_vjp sees one type, and the
     gradient of a weight replicated over the data axes is summed over them by its transpose)."""
     return common_vma(*xs)
 
 
-def _zeros(shape, dtype, like):
+def _zeros(shape: tuple[int, ...], dtype: jnp.dtype, like: jax.Array):
     """Zeros varying over the same mesh axes as `like` (a scan carry must keep its type)."""
     (z,) = _vary(jnp.zeros(shape, dtype), like)[:1]
     return z
 
 
-def _steps(q, fetch, compute, carry):
+def _steps(q: int, fetch: Callable[[int | jax.Array], Any], compute: Callable[[Any, Any, Any], Any], carry: Any):
     """for l in 0..q-1: carry = compute(carry, fetch(l), l), with fetch(l + 1) issued before compute(.., l)
     (`collectives.prefetch_steps`: a step's broadcast stays in its iteration, so XLA cannot issue every
     broadcast up front and hold all q blocks)."""
     return prefetch_steps(compute, carry, fetch(0), lambda _, l: fetch(l + 1), q)
 
 
-def _dot(a, b):
+def _dot(a: jax.Array, b: jax.Array):
     return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
-def _ab(a, b, axes):
+def _ab(a: jax.Array, b: jax.Array, axes: tuple[str, str]):
     """Algorithm 1: C_ij = Σ_l A_il B_lj."""
     row, col = axes
     q = lax.axis_size(col)
 
-    def fetch(l):
+    def fetch(l: int | jax.Array) -> tuple[jax.Array, jax.Array]:
         return tree_broadcast(a, col, l), tree_broadcast(b, row, l)  # A_il within row i, B_lj within column j
 
-    def compute(c, blocks, l):
+    def compute(c: jax.Array, blocks: tuple[jax.Array, jax.Array], l: int | jax.Array) -> jax.Array:
         a_il, b_lj = blocks
         return c + _dot(a_il, b_lj)
 
@@ -136,32 +144,32 @@ def _ab(a, b, axes):
     return c.astype(jnp.result_type(a, b))
 
 
-def _abt(a, b, axes):
+def _abt(a: jax.Array, b: jax.Array, axes: tuple[str, str]):
     """Algorithm 2: C_il = Σ_j A_ij B_ljᵀ (the sum over j reduced within row i onto column l)."""
     row, col = axes
     q, j = lax.axis_size(col), lax.axis_index(col)
     dtype = jnp.result_type(a, b)
 
-    def fetch(l):
+    def fetch(l: int | jax.Array) -> jax.Array:
         return tree_broadcast(b, row, l)  # B_lj within column j
 
-    def compute(c, b_lj, l):
+    def compute(c: jax.Array, b_lj: jax.Array, l: int | jax.Array) -> jax.Array:
         partial = _dot(a, b_lj.T).astype(dtype)  # A_ij B_ljᵀ
         return jnp.where(j == l, tree_reduce(partial, col, l), c)  # reduced within row i onto (i, l)
 
     return _steps(q, fetch, compute, _zeros((a.shape[0], b.shape[0]), dtype, a))
 
 
-def _atb(a, b, axes):
+def _atb(a: jax.Array, b: jax.Array, axes: tuple[str, str]):
     """Algorithm 3: C_lj = Σ_i A_ilᵀ B_ij (the sum over i reduced within column j onto row l)."""
     row, col = axes
     q, i = lax.axis_size(row), lax.axis_index(row)
     dtype = jnp.result_type(a, b)
 
-    def fetch(l):
+    def fetch(l: int | jax.Array) -> jax.Array:
         return tree_broadcast(a, col, l)  # A_il within row i
 
-    def compute(c, a_il, l):
+    def compute(c: jax.Array, a_il: jax.Array, l: int | jax.Array) -> jax.Array:
         partial = _dot(a_il.T, b).astype(dtype)  # A_ilᵀ B_ij
         return jnp.where(i == l, tree_reduce(partial, row, l), c)  # reduced within column j onto (l, j)
 
@@ -169,50 +177,50 @@ def _atb(a, b, axes):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _summa_ab(a, b, axes):
+def _summa_ab(a: jax.Array, b: jax.Array, axes: tuple[str, str]):
     return _ab(a, b, axes)
 
 
-def _summa_ab_fwd(a, b, axes):
+def _summa_ab_fwd(a: jax.Array, b: jax.Array, axes: tuple[str, str]):
     return _ab(a, b, axes), (a, b)
 
 
-def _fresh(res):
+def _fresh(res: tuple[jax.Array, jax.Array]):
     """The residual blocks behind an optimization barrier: the backward's broadcasts of them then differ
     from the forward's, so XLA cannot merge the two (which would keep received blocks alive in between).
     Like jax.checkpoint's barrier, XLA:CPU drops it before CSE; GPU and TPU keep it."""
     return lax.optimization_barrier(res)
 
 
-def _summa_ab_bwd(axes, res, g):
+def _summa_ab_bwd(axes: tuple[str, str], res: tuple[jax.Array, jax.Array], g: jax.Array):
     a, b = _fresh(res)
     return _summa_abt(g, b, axes).astype(a.dtype), _summa_atb(a, g, axes).astype(b.dtype)  # dC Bᵀ, Aᵀ dC
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _summa_abt(a, b, axes):
+def _summa_abt(a: jax.Array, b: jax.Array, axes: tuple[str, str]):
     return _abt(a, b, axes)
 
 
-def _summa_abt_fwd(a, b, axes):
+def _summa_abt_fwd(a: jax.Array, b: jax.Array, axes: tuple[str, str]):
     return _abt(a, b, axes), (a, b)
 
 
-def _summa_abt_bwd(axes, res, g):
+def _summa_abt_bwd(axes: tuple[str, str], res: tuple[jax.Array, jax.Array], g: jax.Array):
     a, b = _fresh(res)
     return _summa_ab(g, b, axes).astype(a.dtype), _summa_atb(g, a, axes).astype(b.dtype)  # dC B, dCᵀ A
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _summa_atb(a, b, axes):
+def _summa_atb(a: jax.Array, b: jax.Array, axes: tuple[str, str]):
     return _atb(a, b, axes)
 
 
-def _summa_atb_fwd(a, b, axes):
+def _summa_atb_fwd(a: jax.Array, b: jax.Array, axes: tuple[str, str]):
     return _atb(a, b, axes), (a, b)
 
 
-def _summa_atb_bwd(axes, res, g):
+def _summa_atb_bwd(axes: tuple[str, str], res: tuple[jax.Array, jax.Array], g: jax.Array):
     a, b = _fresh(res)
     return _summa_abt(b, g, axes).astype(a.dtype), _summa_ab(a, g, axes).astype(b.dtype)  # B dCᵀ, A dC
 
@@ -222,14 +230,14 @@ _summa_abt.defvjp(_summa_abt_fwd, _summa_abt_bwd)
 _summa_atb.defvjp(_summa_atb_fwd, _summa_atb_bwd)
 
 
-def _check_blocks(name, a, b, a_dim, b_dim, rule):
+def _check_blocks(name: str, a: jax.Array, b: jax.Array, a_dim: int, b_dim: int, rule: str):
     if a.ndim != 2 or b.ndim != 2:
         raise ValueError(f"{name}: local blocks must be 2D, got A {a.shape} and B {b.shape}")
     if a.shape[a_dim] != b.shape[b_dim]:
         raise ValueError(f"{name}: A block {a.shape} and B block {b.shape} do not fit ({rule})")
 
 
-def summa_ab(a, b, *, row_axis: str = ROW, col_axis: str = COL):
+def summa_ab(a: jax.Array, b: jax.Array, *, row_axis: str = ROW, col_axis: str = COL) -> jax.Array:
     """C = AB by Algorithm 1 (inside shard_map); differentiable by Algorithms 2 and 3.
 
     a: local block A_ij [m, k] of A [M, K]; b: local B_ij [k, n] of B [K, N]. Returns C_ij [m, n].
@@ -238,7 +246,7 @@ def summa_ab(a, b, *, row_axis: str = ROW, col_axis: str = COL):
     return _summa_ab(*_vary(a, b), (row_axis, col_axis))
 
 
-def summa_abt(a, b, *, row_axis: str = ROW, col_axis: str = COL):
+def summa_abt(a: jax.Array, b: jax.Array, *, row_axis: str = ROW, col_axis: str = COL) -> jax.Array:
     """C = ABᵀ by Algorithm 2 (inside shard_map); differentiable by Algorithms 1 and 3.
 
     a: local A_ij [m, k] of A [M, K]; b: local B_ij [n, k] of B [N, K]. Returns C_ij [m, n] of C [M, N].
@@ -247,7 +255,7 @@ def summa_abt(a, b, *, row_axis: str = ROW, col_axis: str = COL):
     return _summa_abt(*_vary(a, b), (row_axis, col_axis))
 
 
-def summa_atb(a, b, *, row_axis: str = ROW, col_axis: str = COL):
+def summa_atb(a: jax.Array, b: jax.Array, *, row_axis: str = ROW, col_axis: str = COL) -> jax.Array:
     """C = AᵀB by Algorithm 3 (inside shard_map); differentiable by Algorithms 1 and 2.
 
     a: local A_ij [k, m] of A [K, M]; b: local B_ij [k, n] of B [K, N]. Returns C_ij [m, n] of C [M, N].
@@ -261,14 +269,16 @@ def summa_atb(a, b, *, row_axis: str = ROW, col_axis: str = COL):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _matmul(x, w, axes):
+def _matmul(x: jax.Array, w: jax.Array, axes: Sequence[str]):
     """[b/q, s, k/q] activations times a [k, n] weight in q×q blocks: [b/q, s, n/q] by Algorithm 1."""
     lead = x.shape[:-1]
     y = summa_ab(x.reshape(-1, x.shape[-1]), w, row_axis=axes[0], col_axis=axes[1])
     return y.reshape(*lead, y.shape[-1])
 
 
-def mlp_2d(x, params, *, activation: str = "gelu", axes=GRID):
+def mlp_2d(
+    x: jax.Array, params: dict[str, jax.Array], *, activation: str = "gelu", axes: Sequence[str] = GRID
+) -> jax.Array:
     """y = gelu(x @ w_in) @ w_out, or (silu(x @ w_gate) * (x @ w_in)) @ w_out: two SUMMA products.
 
     x: local [b/q, s, h/q]; params: local blocks w_in, w_gate [h/q, f/q], w_out [f/q, h/q], optionally the
@@ -289,20 +299,20 @@ def mlp_2d(x, params, *, activation: str = "gelu", axes=GRID):
 
 
 def attention_2d(
-    x,
-    params,
-    positions,
+    x: jax.Array,
+    params: dict[str, jax.Array],
+    positions: jax.Array,
     *,
     num_heads: int,
     num_kv_heads: int,
     causal: bool = True,
-    rope_theta=10000.0,
-    axes=GRID,
+    rope_theta: Rope | float | None = 10000.0,
+    axes: Sequence[str] = GRID,
     window: int | None = None,
     norm_eps: float = 1e-6,
-    segment_ids=None,
-    token_order=None,
-):
+    segment_ids: jax.Array | None = None,
+    token_order: jax.Array | None = None,
+) -> jax.Array:
     """Self-attention with n/q heads of b/q whole sequences per device (Fig. 4).
 
     x: local [b/q, s, h/q]; positions: local int [b/q, s], RoPE's (and the causal mask's unless `token_order`
@@ -332,7 +342,9 @@ def attention_2d(
     return add_bias(_matmul(out.reshape(bq, s, heads * head_dim), params["wo"], axes), params.get("bo"))
 
 
-def layer_norm_2d(x, scale, bias, *, eps: float = 1e-5, col_axis: str = COL):
+def layer_norm_2d(
+    x: jax.Array, scale: jax.Array, bias: jax.Array, *, eps: float = 1e-5, col_axis: str = COL
+) -> jax.Array:
     """LayerNorm over a hidden dimension split across the row: Σx and Σx² all-reduced within the row (one
     psum over `col_axis`); backward (autodiff) all-reduces Σ x̂·g and Σ g the same way.
 
@@ -348,7 +360,7 @@ def layer_norm_2d(x, scale, bias, *, eps: float = 1e-5, col_axis: str = COL):
     return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-def rms_norm_2d(x, scale, *, eps: float = 1e-6, col_axis: str = COL):
+def rms_norm_2d(x: jax.Array, scale: jax.Array, *, eps: float = 1e-6, col_axis: str = COL) -> jax.Array:
     """RMSNorm over a hidden dimension split across the row: Σx² all-reduced within the row (one psum over
     `col_axis`, as LayerNorm's statistics). x: local [..., h/q]; scale: local [h/q]. Returns x.dtype."""
     h = x.shape[-1] * lax.axis_size(col_axis)
@@ -357,20 +369,20 @@ def rms_norm_2d(x, scale, *, eps: float = 1e-6, col_axis: str = COL):
     return (xf * lax.rsqrt(mean_square + eps)[..., None] * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def _lookup(tokens, e_lj, l):
+def _lookup(tokens: jax.Array, e_lj: jax.Array, l: int | jax.Array):
     """Rows of the broadcast table block e_lj for the tokens in vocab block l; zero for the others."""
     local = tokens - l * e_lj.shape[0]
     hit = (local >= 0) & (local < e_lj.shape[0])
     return jnp.where(hit[..., None], jnp.take(e_lj, jnp.clip(local, 0, e_lj.shape[0] - 1), axis=0), 0)
 
 
-def _embed_fwd_impl(tokens, table, axes):
+def _embed_fwd_impl(tokens: jax.Array, table: jax.Array, axes: tuple[str, ...]):
     """Algorithm 1 with A = onehot(tokens) built locally (tokens are replicated within the row): for l,
     broadcast E_lj within column j and add the rows it holds."""
     row = axes[0]
     q = lax.axis_size(row)
 
-    def compute(out, e_lj, l):
+    def compute(out: jax.Array, e_lj: jax.Array, l: int | jax.Array) -> jax.Array:
         return out + _lookup(tokens, e_lj, l).astype(jnp.float32)
 
     out = _steps(
@@ -380,15 +392,15 @@ def _embed_fwd_impl(tokens, table, axes):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _embed(tokens, table, axes):
+def _embed(tokens: jax.Array, table: jax.Array, axes: tuple[str, ...]):
     return _embed_fwd_impl(tokens, table, axes)
 
 
-def _embed_fwd(tokens, table, axes):
+def _embed_fwd(tokens: jax.Array, table: jax.Array, axes: tuple[str, ...]):
     return _embed_fwd_impl(tokens, table, axes), (tokens, table)
 
 
-def _embed_bwd(axes, res, g):
+def _embed_bwd(axes: tuple[str, ...], res: tuple[jax.Array, jax.Array], g: jax.Array):
     """Algorithm 3: dE_lj = Σ_i onehot_ilᵀ dOut_ij, a local scatter-add reduced within column j onto row l."""
     tokens, table = res
     row = axes[0]
@@ -396,7 +408,7 @@ def _embed_bwd(axes, res, g):
     vq = table.shape[0]
     g = g.reshape(-1, g.shape[-1])
 
-    def step(d_table, l):
+    def step(d_table: jax.Array, l: jax.Array) -> tuple[jax.Array, None]:
         local = tokens.reshape(-1) - l * vq
         hit = (local >= 0) & (local < vq)
         partial = (
@@ -414,14 +426,16 @@ def _embed_bwd(axes, res, g):
 _embed.defvjp(_embed_fwd, _embed_bwd)
 
 
-def embed_2d(tokens, table, *, axes=GRID):
+def embed_2d(tokens: jax.Array, table: jax.Array, *, axes: Sequence[str] = GRID) -> jax.Array:
     """Embedding lookup: tokens local int [b/q, s] (replicated within the row), table local E_ij [v/q, h/q].
     Returns local [b/q, s, h/q] in table.dtype; only table blocks travel (one per step, down the column)."""
     tokens, table = _vary(tokens, table)
     return _embed(tokens, table, tuple(axes))
 
 
-def cross_entropy_2d(x, w_head, targets, *, tied: bool = False, axes=GRID):
+def cross_entropy_2d(
+    x: jax.Array, w_head: jax.Array, targets: jax.Array, *, tied: bool = False, axes: Sequence[str] = GRID
+) -> jax.Array:
     """Per-token loss log Σ_v e^{x_v} - x_label with the vocabulary split across the row.
 
     x: local [b/q, s, h/q]; w_head: local [h/q, v/q] block of w_head [h, v] (logits by Algorithm 1) or, when
@@ -448,7 +462,7 @@ def cross_entropy_2d(x, w_head, targets, *, tied: bool = False, axes=GRID):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def grid_mesh(mesh):
+def grid_mesh(mesh: Mesh) -> tuple[Mesh, int, tuple[str, ...]]:
     """(grid mesh with tp split into (tpr, tpc) = (q, q), q, data axes). Raises on meshes Optimus can't use."""
     names = mesh.axis_names
     if ROW in names and COL in names:
@@ -473,17 +487,17 @@ def grid_mesh(mesh):
     return grid, q, data
 
 
-def _specs(data):
+def _specs(data: tuple[str, ...]):
     rows = data + (ROW,)
     return P(rows, None, COL), P(rows, None)  # activations [b, s, h], tokens / positions [b, s]
 
 
-def _check_divisible(what, value, by, rule):
+def _check_divisible(what: str, value: int, by: int, rule: str):
     if value % by:
         raise ValueError(f"{what} {value} is not divisible by {rule} = {by}")
 
 
-def _check_batch(x, grid, q, data, name="x"):
+def _check_batch(x: jax.Array, grid: Mesh, q: int, data: tuple[str, ...], name: str = "x"):
     if x.ndim != 3:
         raise ValueError(f"{name} must be [batch, seq, hidden], got shape {x.shape}")
     d = math.prod(grid.shape[a] for a in data)
@@ -491,35 +505,35 @@ def _check_batch(x, grid, q, data, name="x"):
     _check_divisible("hidden", x.shape[2], q, "q")
 
 
-def _check_weight(name, w, shape, q):
+def _check_weight(name: str, w: jax.Array, shape: tuple[int, ...], q: int):
     if tuple(w.shape) != tuple(shape):
         raise ValueError(f"{name} has shape {tuple(w.shape)}, expected {tuple(shape)}")
     for dim in w.shape:
         _check_divisible(f"{name} dimension", dim, q, "q")
 
 
-def _mlp_local(x, params, *, activation, names):
+def _mlp_local(x: jax.Array, params: dict[str, jax.Array], *, activation: str, names: tuple[str, ...]):
     del names
     return mlp_2d(x, params, activation=activation)
 
 
-def _attention_local(x, params, positions, **kw):
+def _attention_local(x: jax.Array, params: dict[str, jax.Array], positions: jax.Array, **kw: Any):
     return attention_2d(x, params, positions, **kw)
 
 
-def _layer_norm_local(x, scale, bias, *, eps):
+def _layer_norm_local(x: jax.Array, scale: jax.Array, bias: jax.Array, *, eps: float):
     return layer_norm_2d(x, scale, bias, eps=eps)
 
 
-def _embed_local(tokens, table):
+def _embed_local(tokens: jax.Array, table: jax.Array):
     return embed_2d(tokens, table)
 
 
-def _cross_entropy_local(x, w_head, targets, *, tied):
+def _cross_entropy_local(x: jax.Array, w_head: jax.Array, targets: jax.Array, *, tied: bool):
     return cross_entropy_2d(x, w_head, targets, tied=tied)
 
 
-def _run(kind, grid, data, static, args, specs):
+def _run(kind: str, grid: Mesh, data: tuple[str, ...], static: tuple, args: tuple, specs: tuple):
     x_spec, tok_spec = _specs(data)
     local, options = {
         "mlp": (_mlp_local, dict(zip(("activation", "names"), static))),
@@ -535,7 +549,7 @@ def _run(kind, grid, data, static, args, specs):
     return run_local(local, grid, tuple(specs), out_spec, *args, **options)
 
 
-def mlp_block(x, params, *, mesh, activation: str = "gelu"):
+def mlp_block(x: jax.Array, params: dict[str, jax.Array], *, mesh: Mesh, activation: str = "gelu") -> jax.Array:
     """x: global [batch, seq, hidden]; params {"w_in": [hidden, ffn], "w_out": [ffn, hidden]} plus
     "w_gate": [hidden, ffn] when activation == "swiglu" (y = (silu(x@w_gate) * (x@w_in)) @ w_out);
     gelu: y = gelu(x @ w_in) @ w_out (tanh approximation). No biases. Returns y [batch, seq, hidden].
@@ -563,17 +577,17 @@ def mlp_block(x, params, *, mesh, activation: str = "gelu"):
 
 
 def attention_block(
-    x,
-    params,
-    positions,
+    x: jax.Array,
+    params: dict[str, jax.Array],
+    positions: jax.Array,
     *,
-    mesh,
+    mesh: Mesh,
     num_heads: int,
     num_kv_heads: int,
     causal: bool = True,
     rope_theta: float | None = 10000.0,
     window: int | None = None,
-):
+) -> jax.Array:
     """params {"wq": [hidden, num_heads*head_dim], "wk": [hidden, num_kv_heads*head_dim], "wv": as wk,
     "wo": [num_heads*head_dim, hidden]}; head h's columns are h*head_dim:(h+1)*head_dim. positions: global
     int32 [batch, seq] (RoPE on q and k when rope_theta is not None; the causal mask uses the same
@@ -620,7 +634,7 @@ def attention_block(
     )
 
 
-def layer_norm(x, scale, bias, *, mesh, eps: float = 1e-5):
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, *, mesh: Mesh, eps: float = 1e-5) -> jax.Array:
     """LayerNorm of global x [batch, seq, hidden] with scale, bias [hidden], on the 2D layout (the affine
     parameters held once per grid column). Returns [batch, seq, hidden]."""
     grid, q, data = grid_mesh(mesh)
@@ -632,14 +646,14 @@ def layer_norm(x, scale, bias, *, mesh, eps: float = 1e-5):
     return _run("layer_norm", grid, data, (float(eps),), (x, scale, bias), (x_spec, P(COL), P(COL)))
 
 
-def _check_tokens(name, tokens, grid, q, data):
+def _check_tokens(name: str, tokens: jax.Array, grid: Mesh, q: int, data: tuple[str, ...]):
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"{name} must be int [batch, seq], got {tokens.dtype} {tuple(tokens.shape)}")
     d = math.prod(grid.shape[a] for a in data)
     _check_divisible("batch", tokens.shape[0], d * q, f"data degree × q = {d}×{q}")
 
 
-def embed(tokens, table, *, mesh):
+def embed(tokens: jax.Array, table: jax.Array, *, mesh: Mesh) -> jax.Array:
     """Embedding lookup on the 2D layout. tokens: int [batch, seq]; table: [vocab, hidden] in q×q blocks.
     Returns [batch, seq, hidden] in table.dtype (batch over rows, hidden over columns)."""
     grid, q, data = grid_mesh(mesh)
@@ -652,7 +666,7 @@ def embed(tokens, table, *, mesh):
     return _run("embed", grid, data, (), (tokens, table), (tok_spec, P(*GRID)))
 
 
-def cross_entropy(x, w_head, targets, *, mesh, tied: bool = False):
+def cross_entropy(x: jax.Array, w_head: jax.Array, targets: jax.Array, *, mesh: Mesh, tied: bool = False) -> jax.Array:
     """Per-token LM loss fp32 [batch, seq] = log Σ_v exp(logits) - logits[target], logits = x @ w_head.
 
     x: [batch, seq, hidden]; w_head: [hidden, vocab] (Algorithm 1), or with `tied` the embedding table
@@ -672,7 +686,7 @@ def cross_entropy(x, w_head, targets, *, mesh, tied: bool = False):
     return _run("cross_entropy", grid, data, (bool(tied),), (x, w_head, targets), (x_spec, P(*GRID), tok_spec))
 
 
-def param_specs(mesh, params_shapes) -> dict:
+def param_specs(mesh: Mesh, params_shapes: dict[str, Any]) -> dict:
     """name -> NamedSharding on the grid mesh: 2D weights in q×q blocks P("tpr", "tpc"), 1D vectors (layernorm
     affine) P("tpc") replicated over the rows; replicated over the data axes. params_shapes: name -> array,
     ShapeDtypeStruct or shape tuple."""
@@ -708,10 +722,10 @@ class Optimus(TensorMethod):
         "splits batch and hidden instead; use megatron for tensor × sequence parallelism"
     )
 
-    def view(self, mesh):
+    def view(self, mesh: Mesh) -> Mesh:
         return grid_mesh(mesh)[0]
 
-    def check_mesh(self, plan):
+    def check_mesh(self, plan: ParallelPlan) -> None:
         if not self.accepts(plan.tp):
             raise ValueError(f"tp = {plan.tp} is not a perfect square; Optimus needs tp = q² devices for a q×q grid")
 
@@ -719,10 +733,12 @@ class Optimus(TensorMethod):
         """tp = q² > 1: a q×q grid."""
         return tp > 1 and math.isqrt(tp) ** 2 == tp
 
-    def _q(self, plan):
+    def _q(self, plan: ParallelPlan):
         return math.isqrt(plan.tp)
 
-    def check_model(self, plan, *, num_heads, num_kv_heads, hidden, ffn, vocab):
+    def check_model(
+        self, plan: ParallelPlan, *, num_heads: int, num_kv_heads: int, hidden: int, ffn: int, vocab: int | None
+    ) -> None:
         q = self._q(plan)
         for what, value in (
             ("num_heads", num_heads),
@@ -732,25 +748,25 @@ class Optimus(TensorMethod):
         ) + ((("vocab", vocab),) if vocab is not None else ()):
             _check_divisible(what, value, q, "q")
 
-    def batch_split_at(self, tp):
+    def batch_split_at(self, tp: int) -> int:
         return math.isqrt(tp)
 
-    def head_split(self, plan):
+    def head_split(self, plan: ParallelPlan) -> int:
         return self._q(plan)
 
-    def local_rows(self, plan, seq_len):
+    def local_rows(self, plan: ParallelPlan, seq_len: int) -> int:
         return seq_len
 
-    def activation_spec(self, plan):
+    def activation_spec(self, plan: ParallelPlan) -> P:
         return P(spec_entry(plan.batch_axes + (ROW,)), None, COL)
 
-    def token_spec(self, plan):
+    def token_spec(self, plan: ParallelPlan) -> P:
         return P(spec_entry(plan.batch_axes + (ROW,)), None)
 
-    def vector_spec(self, plan):
+    def vector_spec(self, plan: ParallelPlan) -> P:
         return P(spec_entry(plan.batch_axes + (ROW,)), COL)
 
-    def param_spec(self, plan, info: ParamInfo):
+    def param_spec(self, plan: ParallelPlan, info: ParamInfo) -> tuple:
         named = [a is not None for a in info.logical_axes]
         if len(info.shape) == 2 and all(named):
             return GRID  # q×q blocks
@@ -760,34 +776,43 @@ class Optimus(TensorMethod):
             return (COL,)  # layernorm vectors: held once per column
         return (None,) * len(info.shape)
 
-    def embed(self, plan, tokens, table, positions=None, pos_table=None):
+    def embed(
+        self,
+        plan: ParallelPlan,
+        tokens: jax.Array,
+        table: jax.Array,
+        positions: jax.Array | None = None,
+        pos_table: jax.Array | None = None,
+    ) -> jax.Array:
         x = embed_2d(tokens, table)
         if pos_table is not None:
             x = x + jnp.take(pos_table, positions, axis=0)
         return x
 
-    def norm(self, plan, x, scale, bias, *, eps=1e-5):
+    def norm(
+        self, plan: ParallelPlan, x: jax.Array, scale: jax.Array, bias: jax.Array | None, *, eps: float = 1e-5
+    ) -> jax.Array:
         return layer_norm_2d(x, scale, bias, eps=eps)
 
-    def rms_norm(self, plan, x, scale, *, eps=1e-6):
+    def rms_norm(self, plan: ParallelPlan, x: jax.Array, scale: jax.Array, *, eps: float = 1e-6) -> jax.Array:
         return rms_norm_2d(x, scale, eps=eps)
 
     def attention(
         self,
-        plan,
-        x,
-        w,
-        positions,
+        plan: ParallelPlan,
+        x: jax.Array,
+        w: dict,
+        positions: jax.Array,
         *,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        causal,
-        rope,
-        window=None,
-        norm_eps=1e-6,
-        segment_ids=None,
-    ):
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        causal: bool,
+        rope: Rope | None,
+        window: int | None = None,
+        norm_eps: float = 1e-6,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
         del head_dim
         return attention_2d(
             x,
@@ -803,13 +828,17 @@ class Optimus(TensorMethod):
             token_order=jnp.arange(positions.shape[1], dtype=jnp.int32),  # whole rows: the layout's order
         )
 
-    def mlp(self, plan, x, w, *, activation):
+    def mlp(self, plan: ParallelPlan, x: jax.Array, w: dict, *, activation: str) -> jax.Array:
         return mlp_2d(x, w, activation=activation)
 
-    def cross_entropy(self, plan, x, w, targets, *, tied):
+    def cross_entropy(
+        self, plan: ParallelPlan, x: jax.Array, w: jax.Array, targets: jax.Array, *, tied: bool
+    ) -> jax.Array:
         return cross_entropy_2d(x, w, targets, tied=tied)
 
-    def moe(self, plan, x, moe):
+    def moe(
+        self, plan: ParallelPlan, x: jax.Array, moe: Callable[..., tuple[jax.Array, dict]]
+    ) -> tuple[jax.Array, dict]:
         raise ValueError(
             f"mixture-of-experts layers cannot run with tensor parallelism '{self.name}': its "
             f"layout splits what the experts' all-to-all exchanges; use megatron (or none) with --ep"
