@@ -63,7 +63,9 @@ def load_model(
     return _load_jaxring(path, plan, overrides or {}, tokenizer, step)
 
 
-def _load_jaxring(path: str, plan: ParallelPlan, overrides: dict, tokenizer: str | None, step: int | None):
+def checkpoint_metadata(path: str, step: int | None = None) -> tuple[int, dict]:
+    """(step, metadata) of a jaxring checkpoint directory's step `step` (default: the newest); a directory
+    with no saved steps or without that step is a one-line ValueError."""
     from jaxring.train.checkpoint import Checkpointer
 
     ckpt = Checkpointer(path, report=lambda _: None)
@@ -77,9 +79,13 @@ def _load_jaxring(path: str, plan: ParallelPlan, overrides: dict, tokenizer: str
         if step is not None and step not in steps:
             raise ValueError(f"checkpoint {path!r} has no step {step}; saved steps: {steps}")
         step = steps[-1] if step is None else step
-        metadata = ckpt.metadata(step)
+        return step, ckpt.metadata(step)
     finally:
         ckpt.close()
+
+
+def _load_jaxring(path: str, plan: ParallelPlan, overrides: dict, tokenizer: str | None, step: int | None):
+    step, metadata = checkpoint_metadata(path, step)
     saved = dict(metadata.get("model") or {})
     kind = saved.pop("kind", None)
     if kind is None:
