@@ -115,7 +115,7 @@ def restore_params(step_dir: str, abstract_state: Any, shardings: dict) -> dict:
     args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), item)
     try:
         restored = ocp.PyTreeCheckpointer().restore(
-            os.path.join(step_dir, "state"),
+            os.path.abspath(os.path.join(step_dir, "state")),  # orbax takes absolute paths only
             args=ocp.args.PyTreeRestore(item={"params": item}, restore_args={"params": args}, partial_restore=True),
         )
     except Exception as e:  # orbax raises many kinds; the user sees one line
