@@ -63,6 +63,18 @@ def load_model(
     return _load_jaxring(path, plan, overrides or {}, tokenizer, step)
 
 
+def check_tokenizer_fits(loaded: LoadedModel) -> None:
+    """The ids of `loaded`'s tokenizer must lie inside the model's vocabulary (the model's may be larger: padded);
+    for text the evaluation tokenizes itself (perplexity checks its data's ids)."""
+    vocab = getattr(loaded.config, "vocab_size", None)
+    tok = loaded.tokenizer
+    if vocab is not None and tok.vocab_size > vocab:
+        raise ValueError(
+            f"tokenizer {tok.describe()} has a vocabulary of {tok.vocab_size}, more than the vocab_size {vocab} of "
+            f"the model {loaded.name}; give the model's own tokenizer (--tokenizer)"
+        )
+
+
 def checkpoint_metadata(path: str, step: int | None = None) -> tuple[int, dict]:
     """(step, metadata) of a jaxring checkpoint directory's step `step` (default: the newest); a directory
     with no saved steps or without that step is a one-line ValueError."""
