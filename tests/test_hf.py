@@ -125,6 +125,24 @@ def test_sliding_window_logits_on_every_sequence_strategy(strategy, options):
     check_logits("mistral", plan_of(devices=8, sp=8, attention=strategy, **options))
 
 
+@pytest.mark.parametrize(
+    "strategy, options",
+    [
+        ("ulysses", {}),
+        pytest.param("rsa", {}, marks=SLOW),
+        pytest.param("wallfacer", {"team_size": 2}, marks=SLOW),
+        pytest.param("allgather", {}, marks=SLOW),
+        pytest.param("usp", {"ulysses_size": 2}, marks=SLOW),
+    ],
+    ids=["ulysses", "rsa", "wallfacer", "allgather", "usp"],
+)
+def test_sliding_window_gradients_on_every_sequence_strategy(strategy, options):
+    """The loss and every parameter's gradient of Mistral's windowed model (W = 8 over sp = 8 shards of 4 tokens)
+    through the other sequence strategies against transformers' autograd (the ring's in the plans above; the
+    attention alone, dq/dk/dv against jax.nn, per strategy in test_window.py). Ulysses by default, the rest slow."""
+    check_grads("mistral", plan_of(devices=8, sp=8, attention=strategy, **options))
+
+
 def test_load_save_load_is_bit_exact(tmp_path):
     """Qwen3 (norms, head_dim) written as several shards and read back: every parameter bit-identical, and the
     written tensors are the fixture's own; the tokenizer is copied."""
