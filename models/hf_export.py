@@ -53,7 +53,13 @@ def export(checkpoint: str, out: str, step: int | None = None) -> tuple[int, lis
     kind = saved.pop("kind", None)
     if kind != "gpt":
         raise ValueError(f"checkpoint {checkpoint!r} step {step} is of model family {kind!r}, not a GPT")
-    hf.config_to_hf(gpt.GPTConfig(**saved))  # an architecture Hugging Face stores, said before anything is read
+    try:
+        config = gpt.GPTConfig(**saved)
+    except TypeError as e:  # a checkpoint of another jaxring version's GPTConfig
+        raise ValueError(
+            f"checkpoint {checkpoint!r} step {step}: its model config is not this GPTConfig ({e})"
+        ) from None
+    hf.config_to_hf(config)  # an architecture Hugging Face stores, said before anything is read
     devices = jax.devices()
     plan = ParallelPlan(make_mesh(dp=len(devices), devices=devices), zero=3)
     loaded = load_model(checkpoint, plan, step=step, tokenizer="bytes")

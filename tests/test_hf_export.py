@@ -64,6 +64,12 @@ def test_bad_input_is_one_line(checkpoint, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(loading, "checkpoint_metadata", lambda path, step: (1, {"model": {"kind": "dit"}}))
     line = _one_line_error(["export", str(checkpoint), str(tmp_path / "o")], capsys)
     assert "model family 'dit', not a GPT" in line
+    from models import gpt
+
+    tiny = {"kind": "gpt", **dataclasses.asdict(gpt.PRESETS["tiny"])}  # LayerNorm, GELU
+    monkeypatch.setattr(loading, "checkpoint_metadata", lambda path, step: (1, {"model": tiny}))
+    line = _one_line_error(["export", str(checkpoint), str(tmp_path / "o")], capsys)
+    assert "no Hugging Face architecture stores a GPT with activation 'gelu', norm 'layernorm'" in line
     assert not (tmp_path / "o").exists()
 
 
