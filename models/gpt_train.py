@@ -63,6 +63,7 @@ class GPTTask:
         overrides = dict(spec.model.overrides)
         _check_overrides_fit_the_data(overrides, self.source, self.seq_len)
         if spec.model.init_from is not None:
+            _check_data_tokenizer(spec.model.init_from, self.data)
             self.config = _pretrained_config(spec.model.init_from, overrides, self.data.vocab_size)
         else:
             base = gpt.get_config(spec.model.preset, **overrides)
@@ -285,6 +286,23 @@ def _pretrained_config(path: str, overrides: dict, data_vocab: int) -> gpt.GPTCo
             f"{config.vocab_size}; give data of the checkpoint's tokenizer"
         )
     return dataclasses.replace(config, **overrides)
+
+
+def _check_data_tokenizer(path: str, data) -> None:
+    """The data of a run from --init-from must be tokenized with the checkpoint's own tokenizer.json when it has
+    one (compared by sha256; a .bin's windows record no tokenizer and are checked by their ids only)."""
+    from jaxring.data import load_tokenizer
+
+    file = os.path.join(path, "tokenizer.json")
+    if data.is_windows or not os.path.isfile(file):
+        return
+    own, used = load_tokenizer(file), data.tokenizer
+    if own.hash != used.hash:
+        used_text = "bytes" if used.is_bytes else f"{used.name} (sha256 {used.hash[:12]})"
+        raise ValueError(
+            f"the data {data.name} was tokenized with {used_text}, not with --init-from {path}'s tokenizer.json "
+            f"(sha256 {own.hash[:12]}); prepare the data with --tokenizer {path}"
+        )
 
 
 def _changed(base: gpt.GPTConfig, config: gpt.GPTConfig) -> dict:

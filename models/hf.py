@@ -10,6 +10,8 @@ Weights: PyTorch `Linear` stores [out, in], the transpose of our kernels [in, ou
 of every parameter, only that shard's slice of the file (`safe_open(...).get_slice`), so the host never
 holds the whole model; saving gathers one layer's tensor at a time.
 Every refusal is one `CheckpointError` line naming the file and the tensor or setting.
+
+    python -m models.hf export CHECKPOINT_DIR OUT_DIR [--step N]   # a training checkpoint (models/hf_export.py)
 """
 
 from __future__ import annotations
@@ -514,3 +516,9 @@ __all__ = [
     "save_pretrained",
     "to_hf_tensors",
 ]
+
+
+if __name__ == "__main__":  # python -m models.hf export ...: the command lives in models/hf_export.py
+    from models.hf_export import main
+
+    raise SystemExit(main())

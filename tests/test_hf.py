@@ -125,6 +125,24 @@ def test_sliding_window_logits_on_every_sequence_strategy(strategy, options):
     check_logits("mistral", plan_of(devices=8, sp=8, attention=strategy, **options))
 
 
+@pytest.mark.parametrize(
+    "strategy, options",
+    [
+        ("ulysses", {}),
+        pytest.param("rsa", {}, marks=SLOW),
+        pytest.param("wallfacer", {"team_size": 2}, marks=SLOW),
+        pytest.param("allgather", {}, marks=SLOW),
+        pytest.param("usp", {"ulysses_size": 2}, marks=SLOW),
+    ],
+    ids=["ulysses", "rsa", "wallfacer", "allgather", "usp"],
+)
+def test_sliding_window_gradients_on_every_sequence_strategy(strategy, options):
+    """The loss and every parameter's gradient of Mistral's windowed model (W = 8 over sp = 8 shards of 4 tokens)
+    through the other sequence strategies against transformers' autograd (the ring's in the plans above; the
+    attention alone, dq/dk/dv against jax.nn, per strategy in test_window.py). Ulysses by default, the rest slow."""
+    check_grads("mistral", plan_of(devices=8, sp=8, attention=strategy, **options))
+
+
 def test_load_save_load_is_bit_exact(tmp_path):
     """Qwen3 (norms, head_dim) written as several shards and read back: every parameter bit-identical, and the
     written tensors are the fixture's own; the tokenizer is copied."""
@@ -266,3 +284,55 @@ def test_presets_have_the_published_shapes(preset, billions):
     for c in (cfg, gpt.PRESETS.get(twin.get(preset, ""), cfg)):
         back = hf.config_from_hf(hf.config_to_hf(c))
         assert back == gpt.dataclasses.replace(c, head_dim=c.attn_head_dim)
+
+
+def _word_tokenizer(path, size):
+    """A tokenizer.json of `size` ids (word-level, with <|endoftext|>), written to `path`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{f"w{i}": i for i in range(2, size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+
+
+def _tiny_hf_dir(tmp_path, tokenizer_size):
+    from flax import nnx
+
+    cfg = gpt.get_config("tiny-llama3", vocab_size=384, num_layers=1)
+    src = tmp_path / "src"
+    _word_tokenizer(tmp_path / "tokenizer.json", tokenizer_size)
+    hf.save_pretrained(gpt.GPT(cfg, rngs=nnx.Rngs(0)), cfg, str(src), tokenizer=str(tmp_path / "tokenizer.json"))
+    return src
+
+
+def test_init_from_refuses_data_of_another_tokenizer(tmp_path, capsys):
+    """--init-from a directory with its own tokenizer.json, on data tokenized otherwise (the bundled corpus in
+    bytes): one line naming both tokenizers, before anything is built."""
+    import train as cli
+
+    src = _tiny_hf_dir(tmp_path, 300)
+    argv = ["--init-from", str(src), "--steps", "1", "--seq-len", "32", "--no-progress", "--out-dir", str(tmp_path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "was tokenized with bytes, not with --init-from" in err[0] and "tokenizer.json (sha256 " in err[0], err
+    from jaxring.data import open_token_data
+    from jaxring.spec import RunSpec
+    from models.gpt_train import _check_data_tokenizer
+
+    (tmp_path / "docs.jsonl").write_text(
+        "".join(json.dumps({"text": f"w{i} w{i + 1} w7"}) + "\n" for i in range(2, 40))
+    )
+    same = open_token_data(RunSpec.of(data=str(tmp_path / "docs.jsonl"), tokenizer=str(src)).data)
+    _check_data_tokenizer(str(src), same)  # prepared with the checkpoint's own tokenizer: accepted
+
+
+def test_eval_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path, capsys):
+    """A tokenizer.json of 500 ids beside a model of 384: jaxring.eval needle says so in one line."""
+    from jaxring.eval import cli
+
+    src = _tiny_hf_dir(tmp_path, 500)
+    assert cli.main(["needle", str(src), "--lengths", "96", "--no-progress", "--out", str(tmp_path / "e")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has a vocabulary of 500, more than the vocab_size 384" in err[0], err

@@ -63,7 +63,21 @@ def load_model(
     return _load_jaxring(path, plan, overrides or {}, tokenizer, step)
 
 
-def _load_jaxring(path: str, plan: ParallelPlan, overrides: dict, tokenizer: str | None, step: int | None):
+def check_tokenizer_fits(loaded: LoadedModel) -> None:
+    """The ids of `loaded`'s tokenizer must lie inside the model's vocabulary (the model's may be larger: padded);
+    for text the evaluation tokenizes itself (perplexity checks its data's ids)."""
+    vocab = getattr(loaded.config, "vocab_size", None)
+    tok = loaded.tokenizer
+    if vocab is not None and tok.vocab_size > vocab:
+        raise ValueError(
+            f"tokenizer {tok.describe()} has a vocabulary of {tok.vocab_size}, more than the vocab_size {vocab} of "
+            f"the model {loaded.name}; give the model's own tokenizer (--tokenizer)"
+        )
+
+
+def checkpoint_metadata(path: str, step: int | None = None) -> tuple[int, dict]:
+    """(step, metadata) of a jaxring checkpoint directory's step `step` (default: the newest); a directory
+    with no saved steps or without that step is a one-line ValueError."""
     from jaxring.train.checkpoint import Checkpointer
 
     ckpt = Checkpointer(path, report=lambda _: None)
@@ -77,9 +91,13 @@ def _load_jaxring(path: str, plan: ParallelPlan, overrides: dict, tokenizer: str
         if step is not None and step not in steps:
             raise ValueError(f"checkpoint {path!r} has no step {step}; saved steps: {steps}")
         step = steps[-1] if step is None else step
-        metadata = ckpt.metadata(step)
+        return step, ckpt.metadata(step)
     finally:
         ckpt.close()
+
+
+def _load_jaxring(path: str, plan: ParallelPlan, overrides: dict, tokenizer: str | None, step: int | None):
+    step, metadata = checkpoint_metadata(path, step)
     saved = dict(metadata.get("model") or {})
     kind = saved.pop("kind", None)
     if kind is None:
@@ -109,7 +127,7 @@ def restore_params(step_dir: str, abstract_state: Any, shardings: dict) -> dict:
     args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), item)
     try:
         restored = ocp.PyTreeCheckpointer().restore(
-            os.path.join(step_dir, "state"),
+            os.path.abspath(os.path.join(step_dir, "state")),  # orbax takes absolute paths only
             args=ocp.args.PyTreeRestore(item={"params": item}, restore_args={"params": args}, partial_restore=True),
         )
     except Exception as e:  # orbax raises many kinds; the user sees one line

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxring.data import Tokenizer
-from jaxring.eval.loading import LoadedModel
+from jaxring.eval.loading import LoadedModel, check_tokenizer_fits
 from jaxring.eval.scoring import check_context, token_scores
 from jaxring.plan import ParallelPlan
 
@@ -84,6 +84,7 @@ def evaluate(
     against the model and plan before any runs. batch_size: sequences per forward pass (default: all
     len(depths) * samples of a length in one). progress(total) -> a bar with update(n), or None."""
     check_depths(depths)
+    check_tokenizer_fits(loaded)
     if samples < 1:
         raise ValueError(f"--samples {samples} must be a positive integer")
     rows = len(depths) * samples

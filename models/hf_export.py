@@ -1,0 +1,108 @@
+"""`python -m models.hf export CHECKPOINT_DIR OUT_DIR [--step N]`: a training checkpoint of a GPT run
+(`train.py --checkpoint-dir`) written as a Hugging Face directory (config.json, safetensors, tokenizer.json).
+
+Only the parameters are read (`jaxring.eval.loading`: orbax's partial restore, checksums compared), each
+sharded ZeRO-3-style over the local devices; `models.hf.save_pretrained` gathers one tensor at a time. The
+tokenizer.json shipped is the run's: its --init-from directory's, else its --tokenizer's, else its --data
+store's (none for a byte-level run). A mistake (a missing directory, a checkpoint of another model family or
+of a GPT no Hugging Face architecture stores, an OUT_DIR that holds files) is one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+PROG = "python -m models.hf"
+
+
+def run_tokenizer_file(run_config: dict) -> str | None:
+    """The tokenizer.json of a run (its flat settings, as saved in the checkpoint's metadata), or None."""
+    from jaxring.data.tokenizer import tokenizer_file
+
+    for spec in (run_config.get("init_from"), run_config.get("tokenizer"), run_config.get("data")):
+        if spec and spec != "bytes":
+            try:
+                return str(tokenizer_file(spec))
+            except FileNotFoundError:
+                continue
+    return None
+
+
+def export(checkpoint: str, out: str, step: int | None = None) -> tuple[int, list[str]]:
+    """Writes step `step` (default: the newest) of the jaxring checkpoint directory `checkpoint` to `out` as a
+    Hugging Face directory. Returns (the step, the files written). Bad input: a one-line ValueError."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxring.eval.loading import HF_CONFIG, checkpoint_metadata, load_model
+    from jaxring.mesh import make_mesh
+    from jaxring.plan import ParallelPlan
+    from models import gpt, hf
+
+    if not os.path.isdir(checkpoint):
+        raise ValueError(f"checkpoint {checkpoint!r}: no such directory")
+    if os.path.isfile(os.path.join(checkpoint, HF_CONFIG)):
+        raise ValueError(f"checkpoint {checkpoint!r} holds a {HF_CONFIG}: it is a Hugging Face directory already")
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ValueError(f"OUT_DIR {out!r} exists and is not an empty directory; give a new or empty one")
+    step, metadata = checkpoint_metadata(checkpoint, step)
+    saved = dict(metadata.get("model") or {})
+    kind = saved.pop("kind", None)
+    if kind != "gpt":
+        raise ValueError(f"checkpoint {checkpoint!r} step {step} is of model family {kind!r}, not a GPT")
+    try:
+        config = gpt.GPTConfig(**saved)
+    except TypeError as e:  # a checkpoint of another jaxring version's GPTConfig
+        raise ValueError(
+            f"checkpoint {checkpoint!r} step {step}: its model config is not this GPTConfig ({e})"
+        ) from None
+    hf.config_to_hf(config)  # an architecture Hugging Face stores, said before anything is read
+    devices = jax.devices()
+    plan = ParallelPlan(make_mesh(dp=len(devices), devices=devices), zero=3)
+    loaded = load_model(checkpoint, plan, step=step, tokenizer="bytes")
+    model, config = loaded.model, loaded.config
+    graphdef, state = nnx.split(model)
+    if any(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(state)):  # safetensors of float32 weights
+        state = jax.tree.map(lambda a: a.astype(jnp.float32), state)
+        model = nnx.merge(graphdef, state)
+    tokenizer = run_tokenizer_file(metadata.get("config") or {})
+    return step, hf.save_pretrained(model, config, out, tokenizer=tokenizer)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from jaxring.cli import EXIT_USER_ERROR
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> None:
+            self.exit(EXIT_USER_ERROR, f"error: {message} (see {self.prog} --help)\n")
+
+    p = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    s = sub.add_parser("export", help="a training checkpoint as a Hugging Face directory")
+    s.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a jaxring checkpoint directory (--checkpoint-dir)")
+    s.add_argument("out", metavar="OUT_DIR", help="the Hugging Face directory to write (new or empty)")
+    s.add_argument("--step", type=int, help="the checkpoint step (default: the newest)")
+    s.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jaxring.cli import EXIT_USER_ERROR
+
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        step, files = export(args.checkpoint, args.out, args.step)
+    except (ValueError, FileNotFoundError) as e:  # models.hf.CheckpointError is a ValueError
+        if args.debug:
+            raise
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(f"exported {args.checkpoint} step {step} to {args.out} ({', '.join(files)})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,86 @@
+"""`python -m models.hf export`: a training checkpoint (train.py --checkpoint-dir) as a Hugging Face directory
+that `models.hf.load_pretrained` reads with the checkpoint's own logits; bad input as one line, exit code 2."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import jaxring
+from jaxring.eval.loading import load_model
+from jaxring.plan import ParallelPlan
+from models import hf, hf_export
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """Two steps of tiny-llama3 (one layer) on dp2 x sp4 ring, saved by train.py."""
+    import train as cli
+
+    root = tmp_path_factory.mktemp("export")
+    argv = ["--preset", "tiny-llama3", "--override", "num_layers=1", "--steps", "2", "--batch-size", "2"]
+    argv += ["--seq-len", "32", "--dp", "2", "--sp", "4", "--attention", "ring", "--sample-tokens", "0"]
+    argv += ["--no-progress", "--no-eval-at-end", "--checkpoint-dir", str(root / "ckpt")]
+    assert cli.main(argv) == 0
+    return root / "ckpt"
+
+
+def test_export_has_the_checkpoints_logits(checkpoint, tmp_path, capsys):
+    out = tmp_path / "hf"
+    assert hf_export.main(["export", str(checkpoint), str(out), "--step", "2"]) == 0
+    assert f"step 2 to {out}" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    one = ParallelPlan(jaxring.make_mesh(devices=jax.devices()[:1]))
+    original = load_model(str(checkpoint), one, tokenizer="bytes")
+    exported, cfg = hf.load_pretrained(str(out))
+    assert cfg == dataclasses.replace(original.config, head_dim=original.config.attn_head_dim)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 24)).astype(np.int32)
+    want = hf.logits(original.model, tokens)
+    np.testing.assert_allclose(hf.logits(exported, tokens), want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
+def _one_line_error(argv, capsys) -> str:
+    assert hf_export.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_bad_input_is_one_line(checkpoint, tmp_path, capsys, monkeypatch):
+    assert "no such directory" in _one_line_error(["export", str(tmp_path / "nothing"), str(tmp_path / "o")], capsys)
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("x")
+    assert "exists and is not an empty directory" in _one_line_error(["export", str(checkpoint), str(full)], capsys)
+    assert "has no step 7" in _one_line_error(["export", str(checkpoint), str(tmp_path / "o"), "--step", "7"], capsys)
+    hf_dir = tmp_path / "hfdir"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text("{}")
+    assert "Hugging Face directory already" in _one_line_error(["export", str(hf_dir), str(tmp_path / "o")], capsys)
+    import jaxring.eval.loading as loading
+
+    monkeypatch.setattr(loading, "checkpoint_metadata", lambda path, step: (1, {"model": {"kind": "dit"}}))
+    line = _one_line_error(["export", str(checkpoint), str(tmp_path / "o")], capsys)
+    assert "model family 'dit', not a GPT" in line
+    from models import gpt
+
+    tiny = {"kind": "gpt", **dataclasses.asdict(gpt.PRESETS["tiny"])}  # LayerNorm, GELU
+    monkeypatch.setattr(loading, "checkpoint_metadata", lambda path, step: (1, {"model": tiny}))
+    line = _one_line_error(["export", str(checkpoint), str(tmp_path / "o")], capsys)
+    assert "no Hugging Face architecture stores a GPT with activation 'gelu', norm 'layernorm'" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_runs_tokenizer_is_shipped(tmp_path):
+    """--init-from's tokenizer.json first, then --tokenizer's (a file or a directory), then the --data store's."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "tokenizer.json").write_text("{}")
+    pick = hf_export.run_tokenizer_file
+    assert pick({"init_from": str(tmp_path / "a"), "tokenizer": str(tmp_path / "b")}) == str(
+        tmp_path / "a" / "tokenizer.json"
+    )
+    assert pick({"init_from": None, "tokenizer": "bytes", "data": str(tmp_path / "b")}).startswith(str(tmp_path / "b"))
+    assert pick({"tokenizer": "bytes", "data": str(tmp_path / "nowhere")}) is None
