@@ -80,8 +80,9 @@ RUNS = {
 
 # `slow` (not in CI's default run): pp4, which repeats the pp2 schedules' paths at 4 stages, and pp2-gpipe, whose
 # path through the train step is 1F1B's with another order of the same actions (test_pipeline.py checks every
-# schedule's gradients against the sequential stack by default)
-SLOW_RUNS = ("pp4-1f1b", "pp4-zero-bubble", "pp2-gpipe")
+# schedule's gradients against the sequential stack by default), and pp2-ring-sp4 (the pipeline with a ring inside
+# its stages: tests/test_documents_model.py's pp2 x dp2 x sp2 row runs that train step by default)
+SLOW_RUNS = ("pp4-1f1b", "pp4-zero-bubble", "pp2-gpipe", "pp2-ring-sp4")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_RUNS else n for n in RUNS])
