@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -52,7 +53,35 @@ def use_cpu_devices_if_no_accelerator(count: int) -> list:
     use_simulated_devices()
     with contextlib.suppress(RuntimeError):  # a backend already started: keep what it has
         jax.config.update("jax_num_cpu_devices", count)
-    return jax.devices()
+    devices = jax.devices()
+    no_compilation_cache_on_simulated_devices(devices)
+    return devices
+
+
+CACHE_OFF = (
+    "jaxring: the persistent compilation cache ({where}) is off on {count} simulated CPU devices: an XLA:CPU "
+    "program read back from it can run its collectives in a different order on different devices and hang "
+    "(train.py's default run did, 3 times in 3); it stays on for accelerators"
+)
+
+
+def no_compilation_cache_on_simulated_devices(devices: Sequence[jax.Device]) -> bool:
+    """Turns JAX's persistent compilation cache off when `devices` are several simulated CPU devices and a cache
+    directory is set (`JAX_COMPILATION_CACHE_DIR`), with one line on stderr; returns whether it did.
+
+    Why: XLA:CPU runs each simulated device's program on its own thread and every collective waits for all of
+    them. A step read back from the cache (same HLO) ran two independent collectives in different orders on
+    different devices: the first run of `python train.py --steps 3` with the cache set passed, the second
+    waited at a collective-permute on one device and an all-reduce on the seven others until XLA's rendezvous
+    timeout aborted the process (jax 0.10.2, with or without jaxring's own CPU ppermute lowering). A compiled
+    program is cheap to rebuild on small CPU shapes; a hang is not. Must run before the first compile.
+    """
+    where = jax.config.jax_compilation_cache_dir
+    if len(devices) < 2 or devices[0].platform != "cpu" or not where or not jax.config.jax_enable_compilation_cache:
+        return False
+    jax.config.update("jax_enable_compilation_cache", False)
+    print(CACHE_OFF.format(where=where, count=len(devices)), file=sys.stderr)
+    return True
 
 
 def describe_devices(devices: Sequence[jax.Device]) -> str:

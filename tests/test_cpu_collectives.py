@@ -247,3 +247,23 @@ def test_the_cpu_permute_lowering_is_explicit():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["1", "3"]
+
+
+def test_persistent_compilation_cache_is_off_on_simulated_devices(capsys):
+    """A cache directory set by the user is turned off on several simulated CPU devices, in one line; one
+    device, or an accelerator, keeps it. (A step read back from the cache hung train.py's second run.)"""
+    from jaxring.platform import no_compilation_cache_on_simulated_devices
+
+    was, where = jax.config.jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", "/tmp/some-cache")
+    try:
+        assert not no_compilation_cache_on_simulated_devices(jax.devices()[:1])
+        assert jax.config.jax_enable_compilation_cache == was
+        assert no_compilation_cache_on_simulated_devices(jax.devices()) == was
+        assert not jax.config.jax_enable_compilation_cache
+        if was:
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and "/tmp/some-cache" in err[0] and "8 simulated CPU devices" in err[0], err
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+        jax.config.update("jax_compilation_cache_dir", where)
