@@ -136,7 +136,7 @@ def restore_params(step_dir: str, abstract_state: Any, shardings: dict) -> dict:
     params = {"params": restored["params"]}
     saved = Checkpointer(os.path.dirname(step_dir), report=lambda _: None)
     try:
-        sums = saved._read_json(int(os.path.basename(step_dir)), "checksums")
+        sums = saved.checksums(int(os.path.basename(step_dir)))
     finally:
         saved.close()
     got = checksum.state_checksums(params)

@@ -472,6 +472,12 @@ class Checkpointer:
             )
         return metadata
 
+    def checksums(self, step: int | None = None) -> dict:
+        """The checksums saved with `step` (default: the latest): {array path: checksum} and the metadata's;
+        DamagedCheckpointError if the step has none or they cannot be read. For readers that restore only
+        part of a state (`jaxring.eval.loading` restores the parameters) and check that part."""
+        return self._read_json(self._check_step(step), "checksums")
+
     def _read_json(self, step: int, item: str) -> dict:
         if not (self.directory / str(step) / item).is_dir():
             raise DamagedCheckpointError(f"checkpoint step {step} in {str(self.directory)!r} has no {item!r} item")
