@@ -200,16 +200,20 @@ def generate(
     key=None,
     progress: bool = False,
     decoder: Decoder | None = None,
+    stop_tokens: int | list[int] | None = None,
 ) -> list[list[int]]:
     """`max_new_tokens` ids after each of `prompts` (token-id lists of any lengths; right-padded inside), with
     the KV cache sharded over `plan` (None: one device). temperature 0: greedy; else sampled with `key`
     (default PRNGKey(0)) after top_k / top_p. progress: a tqdm bar over the tokens. decoder: a `Decoder` of
-    this model and plan to reuse its compiled steps. Returns one list of new ids per prompt."""
+    this model and plan to reuse its compiled steps. stop_tokens: an id or ids (the tokenizer's end of
+    sequence, as `eos_token_id` in transformers) that end a prompt's generation: its list ends with the first
+    one it produces, and decoding stops once every prompt has ended. Returns one list of new ids per prompt."""
     cfg = model.cfg
     check_prompts(prompts, cfg.vocab_size)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens {max_new_tokens!r} must be an integer >= 0")
     check_sampling(temperature, top_k, top_p)
+    stops = check_stop_tokens(stop_tokens, cfg.vocab_size)
     if max_new_tokens == 0:
         return [[] for _ in prompts]
     decoder = decoder if decoder is not None else Decoder(model, plan)
@@ -237,10 +241,33 @@ def generate(
     rows = decoder.plan.sharding(P(spec_entry(plan.batch_axes)))  # one placement every step: one compile
     token = tokens[np.arange(batch), lengths - 1]
     out = []
+    ended = np.zeros(len(prompts), bool)
     for i in tqdm(range(max_new_tokens), desc="sampling", unit="token", disable=not progress, leave=False):
         key, sub = jax.random.split(key)
         token, positions = jax.device_put((token, lengths - 1 + i), rows)
         token, _, k, v = decoder.step(decoder.params, k, v, cache_positions, token, positions, sub, rule)
         out.append(token)
-    ids = np.stack([np.asarray(t) for t in out], axis=1)
-    return [row.tolist() for row in ids[: len(prompts)]]
+        if stops.size:  # reading the ids back waits for this step; only asked for with stop tokens
+            ended |= np.isin(np.asarray(token)[: len(prompts)], stops)
+            if ended.all():
+                break
+    ids = np.stack([np.asarray(t) for t in out], axis=1)[: len(prompts)]
+    return [_up_to_stop(row.tolist(), stops) for row in ids]
+
+
+def check_stop_tokens(stop_tokens: int | list[int] | None, vocab_size: int) -> np.ndarray:
+    """The stop ids as an int array (empty: none); one-line error for ids outside [0, vocab_size)."""
+    if stop_tokens is None:
+        return np.zeros(0, np.int32)
+    ids = np.atleast_1d(np.asarray(stop_tokens))
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"stop_tokens {stop_tokens!r} must be token ids (integers) in [0, vocab_size = {vocab_size})")
+    return ids.astype(np.int32)
+
+
+def _up_to_stop(row: list[int], stops: np.ndarray) -> list[int]:
+    """`row` up to and including its first stop id."""
+    for j, t in enumerate(row):
+        if t in stops:
+            return row[: j + 1]
+    return row

@@ -509,12 +509,14 @@ def generate(
     top_p: float | None = None,
     key=None,
     progress: bool = False,
+    stop_tokens: int | list[int] | None = None,
 ) -> list[list[int]]:
     """`max_new_tokens` ids generated after each prompt (a list of token-id lists, any lengths), with a KV cache
-    sharded over the plan (plan=None: one device); temperature 0 is greedy. See `models.generate.generate`."""
+    sharded over the plan (plan=None: one device); temperature 0 is greedy; a prompt's list ends at the first of
+    `stop_tokens` it produces (e.g. the tokenizer's end of sequence). See `models.generate.generate`."""
     from models.generate import generate as generate_with_cache
 
     return generate_with_cache(
         model, plan, prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, key=key,
-        progress=progress,
+        progress=progress, stop_tokens=stop_tokens,
     )  # fmt: skip

@@ -192,3 +192,30 @@ def test_plans_the_decoder_cannot_run_are_refused():
     plan = ParallelPlan(jaxring.make_mesh(tp=4, devices=jax.devices()[:4]), tensor_parallel="optimus")
     with pytest.raises(ValueError, match="generate decodes with tensor parallelism none, megatron; got 'optimus'"):
         gpt.generate(model_of("tiny"), plan, [[1, 2]], 2)
+
+
+def test_stop_tokens_end_each_prompt_at_its_first_stop():
+    """A prompt's list ends with the first stop id it produces (the greedy ids are the oracle); decoding ends
+    once every prompt has stopped (counted decode steps); a prompt that never produces one runs to the end."""
+    decoder = decoder_of("tiny", "one")
+    model, prompts = model_of("tiny"), prompts_of(2)
+    full = generate(model, None, prompts, 8, temperature=0, decoder=decoder)
+    stops = [full[0][2], full[1][4]]  # each prompt stops by its 3rd and 5th new id at the latest
+    first = [min(j + 1 for j, t in enumerate(row) if t in stops) for row in full]
+    calls = []
+    step = decoder.step
+
+    class Counting:  # the decoder with its step counted
+        def __getattr__(self, name):
+            return getattr(decoder, name)
+
+        def step(self, *args):
+            calls.append(1)
+            return step(*args)
+
+    got = generate(model, None, prompts, 8, temperature=0, decoder=Counting(), stop_tokens=stops)
+    assert got == [row[:n] for row, n in zip(full, first)], (got, full, stops)
+    assert len(calls) == max(first) < 8, (len(calls), first)
+    assert generate(model, None, prompts, 8, temperature=0, decoder=decoder, stop_tokens=full[0][0])[0] == full[0][:1]
+    with pytest.raises(ValueError, match=r"stop_tokens \[256\] must be token ids .* vocab_size = 256\)"):
+        generate(model, None, prompts, 2, temperature=0, decoder=decoder, stop_tokens=[256])

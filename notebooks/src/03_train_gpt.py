@@ -195,7 +195,8 @@ for label in ("B", "C", "D"):
 # ## 3. Generating text
 #
 # `models.gpt.generate(model, plan, prompts, max_new_tokens, temperature=..., top_k=..., top_p=..., key=...)`
-# samples one byte at a time for a batch of prompts: one forward pass over the prompts fills a KV cache
+# samples one byte at a time for a batch of prompts (`stop_tokens=` ends a prompt at its first end-of-sequence
+# id, as `eos_token_id` does in transformers): one forward pass over the prompts fills a KV cache
 # (sharded over the plan's `sp` like the training sequence), then each new token attends that cache. Here we
 # gather the trained parameters onto a single device and use a one-device plan (`plan=None` does the same).
 # The corpus object encodes text to byte ids and decodes ids back to text.
