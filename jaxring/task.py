@@ -120,9 +120,10 @@ class ModelFamily:
     Optional, for `python -m jaxring.eval` (None: the family is not evaluated there):
     load_pretrained(path, plan, overrides) -> (model, config): a Hugging Face checkpoint directory, placed on
         the plan, with config fields overridden (e.g. RoPE scaling);
-    token_scores(model, tokens, targets, plan) -> (losses fp32 [b, s], hits bool [b, s]) as numpy arrays in
-        token order, from ONE sharded forward pass: each token's cross-entropy of `targets` and whether the
-        target is the argmax of its logits.
+    token_scores(model, tokens, targets, plan, *, segment_ids=None, positions=None) -> (losses fp32 [b, s],
+        hits bool [b, s]) as numpy arrays in token order, from ONE sharded forward pass: each token's
+        cross-entropy of `targets` and whether the target is the argmax of its logits; with packed documents'
+        segment_ids and positions, attention stays inside each document.
     """
 
     name: str

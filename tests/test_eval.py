@@ -202,3 +202,39 @@ def test_bad_input_is_one_line(argv, message, checkpoint, learned_checkpoint, ca
     argv = [{"CKPT": checkpoint, "LEARNED": learned_checkpoint}.get(a, a) for a in argv]
     code, _, err = run(argv, capsys)
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_packed_documents_score_as_each_document_alone():
+    """Rows of packed documents (segment ids, positions restarting in each, padding at the end) on the ring
+    zigzag sp8 plan: every document's losses and hits equal those of the document alone on one device (the
+    per-document oracle); a row of one document without segment ids is left as it was."""
+    from jaxring.eval.perplexity import documents_of
+
+    cfg = gpt.GPTConfig(vocab_size=64, **TINY)
+    loaded = jaxring.eval.LoadedModel(gpt.GPT(cfg, rngs=nnx.Rngs(1)), cfg, jaxring.task.model_family("gpt"), None, "t")
+    one = ParallelPlan(jaxring.make_mesh(devices=jax.devices()[:1]))
+    rng = np.random.default_rng(0)
+    docs = [[40, 24], [13, 45, 6]]  # row 1 ends in 6 tokens of padding (segment 0)
+    seq = rng.integers(0, cfg.vocab_size, (2, 65)).astype(np.int32)
+    seg = np.array([np.repeat(np.arange(1, len(d) + 1), d) for d in docs], np.int32)
+    seg[1, -6:] = 0
+    pos = np.array([np.concatenate([np.arange(n) for n in d]) for d in docs], np.int32)
+    batch = documents_of({"tokens": seq[:, :-1], "targets": seq[:, 1:], "segment_ids": seg, "positions": pos})
+    assert "segment_ids" in batch and (batch["positions"] == pos).all()
+    losses, hits = token_scores(loaded, ring_plan(), batch["tokens"], batch["targets"], segment_ids=seg, positions=pos)
+    for r, lengths in enumerate(docs):
+        start = 0
+        for i, n in enumerate(lengths):
+            if r == 1 and i == 2:
+                break  # padding
+            # the document's own targets: its next tokens, the last one's target is the row's next token
+            alone_loss, alone_hit = token_scores(
+                loaded, one, seq[r : r + 1, start : start + n], seq[r : r + 1, start + 1 : start + n + 1]
+            )
+            np.testing.assert_allclose(losses[r, start : start + n], alone_loss[0], rtol=2e-5, atol=2e-5)
+            np.testing.assert_array_equal(hits[r, start : start + n], alone_hit[0])
+            start += n
+    whole = documents_of(
+        {"tokens": seq[:, :-1], "targets": seq[:, 1:], "segment_ids": np.ones_like(seg), "positions": pos}
+    )
+    assert "segment_ids" not in whole and (whole["positions"] == np.arange(64)).all()

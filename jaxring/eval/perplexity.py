@@ -4,7 +4,9 @@ Held-out rows of `seq_len` tokens (the val split of a document store, a text/.js
 use, or the bundled corpus; `jaxring.data`) run through the model in one sharded forward pass each; every
 token's loss is put in the bucket of its position in the row (the number of tokens the model saw before it):
 [0, first), [first, 2·first), [2·first, 4·first), ... up to seq_len, powers of two. Tokens the batch masks
-out (padding) are left out. A model that uses its context has a lower loss in the later buckets; one pushed
+out (padding) are left out. Rows of packed documents (a document store) are scored as training sees them:
+attention inside each document, positions from each document's start, and a token's bucket is its position in
+its document. A model that uses its context has a lower loss in the later buckets; one pushed
 past the context it was trained for shows the loss rising there.
 """
 
@@ -55,12 +57,24 @@ def held_out_rows(
     )
     for step in range(batches):
         batch = rows.get(step)
-        mask = batch.get("loss_mask")
-        yield {
-            "tokens": np.asarray(batch["tokens"], np.int32),
-            "targets": np.asarray(batch["targets"], np.int32),
-            "loss_mask": np.ones(batch["tokens"].shape, bool) if mask is None else np.asarray(mask, bool),
-        }
+        yield documents_of({k: np.asarray(v) for k, v in batch.items()})
+
+
+def documents_of(batch: dict) -> dict:
+    """{"tokens", "targets", "loss_mask", "positions"} int/bool [b, s] of a data batch, plus "segment_ids" when
+    its rows hold more than one document or padding (packed documents: positions restart in each)."""
+    shape = batch["tokens"].shape
+    out = {
+        "tokens": batch["tokens"].astype(np.int32),
+        "targets": batch["targets"].astype(np.int32),
+        "loss_mask": np.ones(shape, bool) if batch.get("loss_mask") is None else batch["loss_mask"].astype(bool),
+        "positions": np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape),
+    }
+    segments = batch.get("segment_ids")
+    if segments is not None and not (np.asarray(segments) == 1).all():
+        out["segment_ids"] = segments.astype(np.int32)
+        out["positions"] = batch["positions"].astype(np.int32)
+    return out
 
 
 def evaluate(
@@ -83,13 +97,14 @@ def evaluate(
     edges = bucket_edges(seq_len, first_bucket)
     check_context(loaded, plan, batch_size, seq_len)
     sums, counts = np.zeros(len(edges) - 1), np.zeros(len(edges) - 1, np.int64)
-    bucket_of = np.searchsorted(edges, np.arange(seq_len), side="right") - 1
     rows = held_out_rows(data, loaded.tokenizer, seq_len, batch_size, batches, loaded.config.vocab_size)
     for batch in progress(rows) if progress else rows:
-        losses, _ = token_scores(loaded, plan, batch["tokens"], batch["targets"])
+        documents = {k: batch[k] for k in ("segment_ids", "positions")} if "segment_ids" in batch else {}
+        losses, _ = token_scores(loaded, plan, batch["tokens"], batch["targets"], **documents)
         mask = batch["loss_mask"]
-        np.add.at(sums, np.broadcast_to(bucket_of, mask.shape)[mask], losses[mask])
-        np.add.at(counts, np.broadcast_to(bucket_of, mask.shape)[mask], 1)
+        bucket_of = np.searchsorted(edges, batch["positions"], side="right") - 1  # by position in its document
+        np.add.at(sums, bucket_of[mask], losses[mask])
+        np.add.at(counts, bucket_of[mask], 1)
     buckets = []
     for i in range(len(edges) - 1):
         loss = float(sums[i] / counts[i]) if counts[i] else float("nan")

@@ -23,14 +23,24 @@ def check_context(loaded: LoadedModel, plan: ParallelPlan, rows: int, seq_len: i
     loaded.family.check_plan(loaded.config, plan, padded_batch(plan, rows), seq_len)
 
 
-def token_scores(loaded: LoadedModel, plan: ParallelPlan, tokens: np.ndarray, targets: np.ndarray) -> tuple:
-    """(losses fp32 [b, s], hits bool [b, s]) of int tokens/targets [b, s] in natural order."""
+def token_scores(
+    loaded: LoadedModel,
+    plan: ParallelPlan,
+    tokens: np.ndarray,
+    targets: np.ndarray,
+    *,
+    segment_ids: np.ndarray | None = None,
+    positions: np.ndarray | None = None,
+) -> tuple:
+    """(losses fp32 [b, s], hits bool [b, s]) of int tokens/targets [b, s] in natural order; with packed
+    documents, their segment_ids and positions int [b, s] (attention inside each document)."""
     if loaded.family.token_scores is None:
         raise ValueError(f"model family {loaded.family.name!r} declares no token_scores for evaluation")
     b = tokens.shape[0]
     pad = padded_batch(plan, b) - b
-    if pad:
-        tokens = np.concatenate([tokens, np.zeros((pad, tokens.shape[1]), tokens.dtype)])
-        targets = np.concatenate([targets, np.zeros((pad, targets.shape[1]), targets.dtype)])
-    losses, hits = loaded.family.token_scores(loaded.model, tokens, targets, plan)
+    rows = [tokens, targets] + ([] if segment_ids is None else [segment_ids, positions])
+    if pad:  # padding rows: one document of zeros
+        rows = [np.concatenate([a, np.zeros((pad, a.shape[1]), a.dtype) + (i == 2)]) for i, a in enumerate(rows)]
+    documents = {} if segment_ids is None else {"segment_ids": rows[2], "positions": rows[3]}
+    losses, hits = loaded.family.token_scores(loaded.model, rows[0], rows[1], plan, **documents)
     return np.asarray(losses)[:b], np.asarray(hits)[:b]
