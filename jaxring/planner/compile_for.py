@@ -24,6 +24,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import jax
+
     from jaxring.spec import RunSpec
 
 GIB = 2**30
@@ -90,10 +92,11 @@ def budget_bytes(spec: RunSpec, gpu: str) -> float:
     return Cluster.of(gpu, 1).usable_memory
 
 
-def _compile(spec: RunSpec, devices: list) -> tuple[float, float, str]:
-    """(compiled bytes, estimated bytes, the plan) of the resolved run's step on the abstract GPUs."""
+def lowered_step(spec: RunSpec, devices: list) -> tuple[jax.stages.Lowered, float, str]:
+    """(the lowered train step, its estimated bytes per device, the plan) of the resolved run on `devices`
+    (abstract GPUs), with the flash kernels; nothing is allocated."""
     from jaxring.planner import cost
-    from jaxring.planner.compiled import compile_train_step
+    from jaxring.planner.compiled import build_train_step
     from jaxring.planner.fit import candidate_of, workload_of
     from jaxring.planner.params import param_leaves
 
@@ -105,7 +108,7 @@ def _compile(spec: RunSpec, devices: list) -> tuple[float, float, str]:
     t = spec.training
     w.family.check_plan(w.config, plan, t.batch_size // t.grad_accum, w.seq_len)
     estimate = cost.memory(w, c, param_leaves(w.model, w.config, c.check(w)), cpu=False).total
-    compiled = compile_train_step(
+    fn, args = build_train_step(
         w.model,
         w.config,
         plan,
@@ -117,12 +120,18 @@ def _compile(spec: RunSpec, devices: list) -> tuple[float, float, str]:
         grad_accum=t.grad_accum,
         clip=spec.optimizer.clip,
     )
-    m = compiled.memory_analysis()
+    return fn.lower(*args), float(estimate), plan.describe()
+
+
+def _compile(spec: RunSpec, devices: list) -> tuple[float, float, str]:
+    """(compiled bytes, estimated bytes, the plan) of the resolved run's step on the abstract GPUs."""
+    lowered, estimate, plan = lowered_step(spec, devices)
+    m = lowered.compile().memory_analysis()
     peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-    return float(peak), float(estimate), plan.describe()
+    return float(peak), estimate, plan
 
 
-def _ranked_specs(spec: RunSpec, gpu: str, count: int) -> list[RunSpec]:
+def ranked_specs(spec: RunSpec, gpu: str, count: int, tries: int = TRIES) -> list[RunSpec]:
     """--plan auto: the planner's best plans for the target (settings the user gave held), as run specs."""
     from jaxring.planner.auto import held_settings
     from jaxring.planner.cluster import Cluster
@@ -132,7 +141,7 @@ def _ranked_specs(spec: RunSpec, gpu: str, count: int) -> list[RunSpec]:
     result = search(workload_of(spec), Cluster.of(gpu, count), only=held_settings(spec))
     parallel = dataclasses.replace(spec.parallel, options={}, plan="manual")
     base = dataclasses.replace(spec, parallel=parallel)
-    return [base.updated(**ev.candidate.settings(result.workload)) for ev in result.ranked[:TRIES]]
+    return [base.updated(**ev.candidate.settings(result.workload)) for ev in result.ranked[:tries]]
 
 
 def compile_for(spec: RunSpec, target: str, log: Callable[[str], None] = print) -> int:
@@ -144,7 +153,7 @@ def compile_for(spec: RunSpec, target: str, log: Callable[[str], None] = print) 
 
     devices = gpu.gpu_devices(gpu_name, count)
     budget = budget_bytes(spec, gpu_name)
-    specs = _ranked_specs(spec, gpu_name, count) if spec.parallel.plan == "auto" else [spec]
+    specs = ranked_specs(spec, gpu_name, count) if spec.parallel.plan == "auto" else [spec]
     verdict = None
     for i, candidate in enumerate(specs, 1):
         compiled, estimate, plan = _compile(candidate, devices)

@@ -1,0 +1,491 @@
+"""The longest sequence Llama-3-8B trains on, per machine, plan and memory technique, by deviceless compile.
+
+    python benchmarks/longest_sequence.py                         # every row -> benchmarks/results/longest_sequence.json
+    python benchmarks/longest_sequence.py --targets h100x8 --rows "ring zigzag sp8" "metp tp8: all"
+    python benchmarks/longest_sequence.py --report                # the table (markdown) and the plot, no compile
+
+The run: the `llama3-8b` preset (128,256-token vocabulary, GQA 32/8 heads), bf16 compute with fp32 master
+weights and AdamW moments, batch 1, `--remat full`, the flash kernels; the sequence strategies hold the
+weights and AdamW state ZeRO-3-sharded over sp, the tensor methods over tp. A row is (target, plan,
+technique):
+
+  targets     h100x8, h200x8, h100x1 (`jaxring.planner.compile_for.TARGETS`); the budget per device is the
+              planner's usable memory (what `train.py --compile-for` checks against)
+  plans       ring zigzag sp8, ulysses sp8, usp sp8 (ring 4 x ulysses 2), megatron tp8, metp tp8, and `auto`:
+              at each length, the plan `train.py --plan auto` picks (the planner's best that its estimate
+              fits); on one GPU: one gpu, auto
+  techniques  none; loss tile (--loss-tile); mlp tile (--mlp-tile); offload (--offload layer_inputs); all
+
+How a row is found, cheapest first:
+  1. bisection on the planner's memory ESTIMATE (`jaxring.planner.cost.memory`, no compile) to --unit tokens:
+     the longest length whose estimate fits the budget;
+  2. at most three compiles of the exact train step for the target with no GPU (`train.py --compile-for`'s
+     program: `jaxring.planner.compile_for.lowered_step`): the estimate's length, one --unit up (if it fits)
+     or down (if not), and, when both agree, the length the two compiles' affine memory predicts. Every
+     compile records the estimate and the compiled bytes per device (argument + output + temp - alias of
+     `memory_analysis()`), so the estimate's agreement can be read per row. `longest` is the longest compiled
+     length that fits; `bracketed` says the next --unit up was compiled and did not fit.
+  3. at the longest length: the roofline step time and tokens/s per GPU (`jaxring.analysis.roofline`: the
+     compiled program's flops, bytes and collectives plus the flash kernels' flops, against the GPU's peaks;
+     a bound: no real step is faster).
+
+Resumable: the JSON is written after every row and a rerun skips the rows it holds (--redo recomputes them).
+Needs the compile-only CUDA plugin (the `gpu-compile` extra, its own venv) for everything but --report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless GPU compiles need the CPU platform selected
+
+GIB = 2**30
+PRESET = "llama3-8b"
+TILE = 4096  # tokens per tile of the loss and of the MLP
+TARGETS = ("h100x8", "h200x8", "h100x1")
+UNIT = {8: 65536, 1: 16384}  # bisection resolution (tokens) by device count
+MAX_SEQ = 2**28  # the estimate bisection's ceiling
+BASE = dict(model="gpt", batch_size=1, precision="bf16", remat="full")
+# plan -> run-spec settings; None: the planner's choice (train.py --plan auto)
+PLANS_8 = {
+    "ring zigzag sp8": dict(sp=8, attention="ring", layout="zigzag", zero=3),
+    "ulysses sp8": dict(sp=8, attention="ulysses", zero=3),
+    "usp sp8": dict(sp=8, attention="usp", ulysses_size=2, zero=3),
+    "megatron tp8": dict(tp=8, tensor_parallel="megatron"),
+    "metp tp8": dict(tp=8, tensor_parallel="metp"),
+    "auto": None,
+}
+PLANS_1 = {"one gpu": {}, "auto": None}
+TECHNIQUES = {
+    "none": {},
+    "loss tile": dict(loss_tile=TILE),
+    "mlp tile": dict(mlp_tile=TILE),
+    "offload": dict(offload="layer_inputs"),
+    "all": dict(loss_tile=TILE, mlp_tile=TILE, offload="layer_inputs"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One (target, plan, technique) of the table."""
+
+    target: str
+    plan: str
+    technique: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.target} | {self.plan} | {self.technique}"
+
+    @property
+    def devices(self) -> int:
+        return 1 if self.target.endswith("x1") else 8
+
+    @property
+    def gpu(self) -> str:
+        return self.target.split("x")[0]
+
+    def settings(self, seq: int, preset: str = PRESET) -> dict:
+        """The run spec's flat settings of this row at `seq` tokens (plan auto: the plan left to the planner)."""
+        plans = PLANS_1 if self.devices == 1 else PLANS_8
+        plan = plans[self.plan]
+        return {
+            **BASE,
+            "preset": preset,
+            "seq_len": seq,
+            **(dict(plan="auto") if plan is None else plan),
+            **TECHNIQUES[self.technique],
+        }
+
+
+def all_rows(targets=TARGETS) -> list[Row]:
+    """Every row, target by target (the order a run takes)."""
+    return [Row(t, p, tech) for t in targets for p in (PLANS_1 if t.endswith("x1") else PLANS_8) for tech in TECHNIQUES]
+
+
+def selected(rows: list[Row], patterns: list[str] | None) -> list[Row]:
+    """The rows whose "plan: technique" (or key) contains one of `patterns` (all when none)."""
+    if not patterns:
+        return rows
+    return [r for r in rows if any(p in f"{r.plan}: {r.technique}" or p in r.key for p in patterns)]
+
+
+# ------------------------------------------------------------------------------------- the search
+
+
+def longest_fitting(fits: Callable[[int], bool], unit: int, ceiling: int = MAX_SEQ) -> int:
+    """The longest multiple of `unit` (up to `ceiling`) for which `fits` holds, `fits` being monotone (true
+    below some length, false above); 0 when not even `unit` fits. Doubling, then bisection."""
+    if not fits(unit):
+        return 0
+    lo = unit
+    while 2 * lo <= ceiling and fits(2 * lo):
+        lo *= 2
+    hi = 2 * lo  # does not fit (or is past the ceiling)
+    while hi - lo > unit:
+        mid = (lo + hi) // 2 // unit * unit
+        if mid > ceiling or not fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo
+
+
+def confirm(start: int, unit: int, fits: Callable[[int], bool], compiled: Callable[[int], float], budget: float):
+    """(longest compiled length that fits or 0, bracketed) after at most three compiles (see the module
+    docstring): `start`, one `unit` toward the boundary, then the two compiles' affine prediction."""
+    probes = {}
+
+    def probe(seq):
+        probes[seq] = fits(seq)
+        return probes[seq]
+
+    first = probe(start)
+    second_at = start + unit if first else start - unit
+    if second_at >= unit:
+        second = probe(second_at)
+        if second == first:
+            slope = (compiled(second_at) - compiled(start)) / (second_at - start)
+            if slope > 0:
+                guess = int(start + (budget - compiled(start)) / slope) // unit * unit
+            else:
+                guess = second_at + (unit if first else -unit)
+            guess = max(guess, second_at + unit) if first else min(guess, second_at - unit)
+            if guess >= unit:
+                probe(guess)
+    fitting = [s for s, ok in probes.items() if ok]
+    longest = max(fitting, default=0)
+    bracketed = probes.get(longest + unit) is False
+    return longest, bracketed
+
+
+# ------------------------------------------------------------------------------ estimate and compile
+
+
+def estimate_bytes(row: Row, seq: int, preset: str = PRESET) -> tuple[float, dict]:
+    """(the planner's estimate per device, the plan's settings) of `row` at `seq`; the planner's best plan for
+    plan auto (inf when none fits); ValueError when the plan cannot run that length."""
+    from jaxring.planner import cost
+    from jaxring.planner.auto import held_settings
+    from jaxring.planner.cluster import Cluster
+    from jaxring.planner.fit import candidate_of, workload_of
+    from jaxring.planner.params import param_leaves
+    from jaxring.planner.search import search
+    from jaxring.spec import RunSpec
+
+    spec = RunSpec.of(**row.settings(seq, preset))
+    if spec.parallel.plan == "auto":
+        try:
+            result = search(workload_of(spec), Cluster.of(row.gpu, row.devices), only=held_settings(spec))
+        except ValueError:  # "no plan fits in memory ...": the least any plan needs is above the budget
+            return math.inf, {}
+        if not result.ranked:
+            return math.inf, {}
+        best = result.ranked[0]
+        return best.memory.total, best.candidate.settings(result.workload)
+    spec = spec.resolved(row.devices)
+    spec.validate()
+    w, c = workload_of(spec), candidate_of(spec)
+    return cost.memory(w, c, param_leaves(w.model, w.config, c.check(w)), cpu=False).total, {}
+
+
+def compile_probe(row: Row, seq: int, preset: str = PRESET) -> dict:
+    """One compile of `row` at `seq` for its target (the planner's best plan for plan auto): the estimate
+    and the compiled bytes per device, and the roofline of the compiled program."""
+    from jaxring.analysis import gpu
+    from jaxring.analysis.roofline import roofline_of
+    from jaxring.planner.compile_for import lowered_step, ranked_specs
+    from jaxring.planner.fit import workload_of
+    from jaxring.spec import RunSpec
+
+    spec = RunSpec.of(**row.settings(seq, preset))
+    if spec.parallel.plan == "auto":
+        ranked = ranked_specs(spec, row.gpu, row.devices, tries=1)
+        if not ranked:
+            raise ValueError(f"the planner finds no plan for {seq} tokens on {row.target}")
+        spec = ranked[0]
+    devices = gpu.gpu_devices(row.gpu, row.devices)
+    lowered, estimate, plan = lowered_step(spec, devices)
+    report = gpu.compile_for_gpu(lowered, ptxas=False)
+    config = workload_of(spec).config
+    model_flops = config.flops_per_token(seq, causal=True) * seq / row.devices
+    roof = roofline_of(report, causal=True, model_flops=model_flops)
+    return {
+        "seq": seq,
+        "plan": plan,
+        "estimate_gib": estimate / GIB,
+        "compiled_gib": report.peak_bytes / GIB,
+        "estimate_over_compiled": estimate / report.peak_bytes,
+        "host_gib": report.memory.get("host_temp", 0) / GIB,
+        "compile_s": round(report.compile_seconds, 1),
+        "step_s": roof.time_s,
+        "tokens_per_s_per_gpu": seq / roof.time_s / row.devices,
+        "roofline": roof.to_dict(),
+    }
+
+
+def budget_bytes(row: Row) -> float:
+    """The usable memory per device that `train.py --compile-for` checks against."""
+    from jaxring.planner.cluster import Cluster
+
+    return Cluster.of(row.gpu, 1).usable_memory
+
+
+def measure_row(row: Row, *, estimate=estimate_bytes, compile_one=compile_probe, budget=None, unit=None, log=print):
+    """The row's record: the estimate's longest length, the compiles that confirm it, the roofline there."""
+    budget = budget_bytes(row) if budget is None else budget
+    unit = unit or UNIT[row.devices]
+    start = time.time()
+    out = {"key": row.key, "target": row.target, "plan": row.plan, "technique": row.technique}
+    out.update(budget_gib=budget / GIB, unit=unit, settings=row.settings(0))
+    out["settings"].pop("seq_len")
+    out["command"] = (
+        f'python benchmarks/longest_sequence.py --targets {row.target} --rows "{row.plan}: {row.technique}"'
+    )
+    estimated = {}
+
+    def estimate_fits(seq):
+        try:
+            estimated[seq] = estimate(row, seq)[0]
+        except ValueError as e:
+            if seq == unit:
+                raise
+            log(f"  {row.key}: {seq} refused by the plan's rules ({e}); treated as too long")
+            estimated[seq] = math.inf
+        return estimated[seq] <= budget
+
+    try:
+        longest_estimate = longest_fitting(estimate_fits, unit)
+    except ValueError as e:
+        out.update(error=str(e).splitlines()[0], search_s=time.time() - start)
+        return out
+    out["estimate_longest"] = longest_estimate
+    out["estimate_gib_at_longest"] = estimated.get(longest_estimate, math.inf) / GIB if longest_estimate else None
+    log(f"  {row.key}: estimate fits up to {longest_estimate} tokens ({len(estimated)} estimates)")
+    probes = {}
+
+    def compiled_fits(seq):
+        log(f"  {row.key}: compiling {seq} tokens ...")
+        probes[seq] = compile_one(row, seq)
+        p = probes[seq]
+        log(
+            f"  {row.key}: {seq} tokens: compiled {p['compiled_gib']:.2f} GiB, estimate {p['estimate_gib']:.2f} "
+            f"GiB (x{p['estimate_over_compiled']:.3f}), budget {budget / GIB:.1f} GiB, {p['compile_s']:.0f} s"
+        )
+        return p["compiled_gib"] * GIB <= budget
+
+    try:
+        if longest_estimate:
+            longest, bracketed = confirm(
+                longest_estimate, unit, compiled_fits, lambda s: probes[s]["compiled_gib"] * GIB, budget
+            )
+        elif row.plan != "auto":  # not even `unit` fits by the estimate: one compile says whether it does
+            longest = unit if compiled_fits(unit) else 0
+            bracketed = longest == 0
+        else:  # the planner finds no plan: nothing to compile
+            longest, bracketed = 0, False
+    except Exception as e:  # a compile the plan or XLA refuses: the row records it and the run goes on
+        out.update(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500])
+        fitting = [s for s, p in probes.items() if p["compiled_gib"] * GIB <= budget]
+        longest, bracketed = max(fitting, default=0), False
+    out.update(longest=longest, bracketed=bracketed)
+    out["probes"] = [{k: v for k, v in probes[s].items() if k != "roofline"} for s in sorted(probes)]
+    if longest:
+        at = probes[longest]
+        out.update(
+            plan_at_longest=at["plan"],
+            compiled_gib=at["compiled_gib"],
+            estimate_gib=at["estimate_gib"],
+            estimate_over_compiled=at["estimate_over_compiled"],
+            step_s=at["step_s"],
+            tokens_per_s_per_gpu=at["tokens_per_s_per_gpu"],
+            roofline=at["roofline"],
+        )
+    out["search_s"] = round(time.time() - start, 1)
+    return out
+
+
+# ------------------------------------------------------------------------------------ the record
+
+
+def load(path: str) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def run(rows: list[Row], record: dict, path: str, *, redo: bool = False, log=print, **measure) -> dict:
+    """Measures every row not in `record` (all with `redo`), writing the record after each one."""
+    from jaxring.platform import save_record
+
+    done = {r["key"] for r in record["results"]}
+    for row in rows:
+        if row.key in done and not redo:
+            log(f"{row.key}: recorded, skipped")
+            continue
+        log(f"{row.key}: ...")
+        result = measure_row(row, log=log, **measure)
+        record["results"] = [r for r in record["results"] if r["key"] != row.key] + [result]
+        record["results"].sort(key=lambda r: _order(r["key"]))
+        save_record(record, path)
+        log(f"{row.key}: longest {result.get('longest')} tokens ({result.get('search_s', 0):.0f} s)")
+    return record
+
+
+def _order(key: str) -> int:
+    keys = [r.key for r in all_rows()]
+    return keys.index(key) if key in keys else len(keys)
+
+
+def header(command: list[str]) -> dict:
+    """The record's header: the run's settings, the targets, the versions and the command."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import jax
+
+    from jaxring.platform import benchmark_record
+
+    record = benchmark_record("longest_sequence", jax.devices("cpu")[:1], {})
+    try:
+        plugin = version("jax-cuda12-plugin")
+    except PackageNotFoundError:
+        plugin = None
+    record.update(
+        command=" ".join(["python", "benchmarks/longest_sequence.py", *command]),
+        device="deviceless compile for each row's target (XLA GpuTargetConfigProto: 8 x H100 SXM, 8 x H200, "
+        "1 x H100 SXM), on a CPU host: " + record["device"],
+        jaxlib=jax.__version__,
+        jax_cuda12_plugin=plugin,
+        config={
+            "preset": PRESET,
+            **BASE,
+            "tile": TILE,
+            "unit_by_devices": UNIT,
+            "zero_over_sp": 3,
+            "block_ops": "pallas",
+            "optimizer": "adamw (fp32 weights and moments)",
+            "budget": "the planner's usable memory per device (train.py --compile-for's budget)",
+        },
+    )
+    return record
+
+
+# ------------------------------------------------------------------------------------ the report
+
+
+def table(record: dict) -> str:
+    """Markdown: per target, the longest sequence of each plan under each technique (compiled; the
+    estimate's in brackets when it differs), and per row the estimate's agreement and the roofline."""
+    lines = []
+    by_key = {r["key"]: r for r in record["results"]}
+    for target in TARGETS:
+        rows = [r for r in all_rows((target,)) if r.key in by_key]
+        if not rows:
+            continue
+        lines += [
+            f"**{target}** (budget {by_key[rows[0].key]['budget_gib']:.1f} GiB per device)",
+            "",
+            "| plan | technique | longest (compiled) | estimate's longest | compiled GiB | estimate / compiled "
+            "| roofline step s | tokens/s/GPU |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for row in rows:
+            r = by_key[row.key]
+            if r.get("error") and not r.get("longest"):
+                lines.append(f"| {row.plan} | {row.technique} | refused: {r['error'][:80]} | | | | | |")
+                continue
+            longest = f"{r['longest']:,}" + ("" if r.get("bracketed") else " (≥)") if r.get("longest") else "0"
+            if r.get("longest"):
+                ratios = [p["estimate_over_compiled"] for p in r["probes"]]
+                agree = f"{min(ratios):.3f}–{max(ratios):.3f}" if len(ratios) > 1 else f"{ratios[0]:.3f}"
+                plan = f" ({r['plan_at_longest']})" if row.plan == "auto" else ""
+                lines.append(
+                    f"| {row.plan}{plan} | {row.technique} | {longest} | {r['estimate_longest']:,} | "
+                    f"{r['compiled_gib']:.1f} | {agree} | {r['step_s']:.2f} | {r['tokens_per_s_per_gpu']:,.0f} |"
+                )
+            else:
+                lines.append(f"| {row.plan} | {row.technique} | 0 | {r.get('estimate_longest', 0):,} | | | | |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(record: dict, path: str) -> None:
+    """PNG: per target, the longest compiled sequence of each plan (lines) against the technique, log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_key = {r["key"]: r for r in record["results"]}
+    targets = [t for t in TARGETS if any(r.key in by_key for r in all_rows((t,)))]
+    fig, axes = plt.subplots(1, len(targets), figsize=(5.5 * len(targets), 4.2), squeeze=False, sharey=True)
+    for ax, target in zip(axes[0], targets):
+        plans = PLANS_1 if target.endswith("x1") else PLANS_8
+        for plan in plans:
+            xs, ys = [], []
+            for i, tech in enumerate(TECHNIQUES):
+                r = by_key.get(Row(target, plan, tech).key)
+                if r and r.get("longest"):
+                    xs.append(i)
+                    ys.append(r["longest"])
+            if xs:
+                ax.plot(xs, ys, marker="o", label=plan)
+        ax.set_xticks(range(len(TECHNIQUES)), list(TECHNIQUES), rotation=20)
+        ax.set_yscale("log", base=2)
+        ax.set_title(f"Llama-3-8B, {target}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("longest sequence (tokens, compiled)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--targets", nargs="*", default=list(TARGETS), choices=TARGETS)
+    parser.add_argument("--rows", nargs="*", default=None, help='substrings of "plan: technique" (default: all)')
+    parser.add_argument("--redo", action="store_true", help="recompute rows the results already hold")
+    parser.add_argument("--report", action="store_true", help="print the table and write the plot; no compile")
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    parser.add_argument("--out", default=os.path.join(here, "longest_sequence.json"))
+    parser.add_argument("--plot", default=os.path.join(here, "longest_sequence.png"))
+    args = parser.parse_args(argv)
+    record = load(args.out)
+    if args.report:
+        if record is None:
+            sys.exit(f"no results at {args.out}: run the benchmark first")
+        print(table(record))
+        plot(record, args.plot)
+        print(f"wrote {args.plot}")
+        return 0
+    from jaxring.analysis import gpu
+
+    ok, why = gpu.available()
+    if not ok:
+        sys.exit(f"cannot compile for GPU here: {why}")
+    fresh = header(sys.argv[1:] if argv is None else argv)
+    if record is None:
+        record = fresh
+    else:
+        record.update({k: v for k, v in fresh.items() if k != "results"})
+    rows = selected(all_rows(tuple(args.targets)), args.rows)
+    run(rows, record, args.out, redo=args.redo, log=lambda s: print(s, flush=True))
+    print(table(record))
+    plot(record, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""benchmarks/longest_sequence.py without a GPU: the estimate bisection, the at-most-three-compiles
+confirmation, and the row / JSON / resume plumbing on the tiny preset with the compile stubbed."""
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import pytest
+
+PATH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "longest_sequence.py"
+spec = importlib.util.spec_from_file_location("longest_sequence", PATH)
+ls = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = ls  # dataclasses look their module up
+spec.loader.exec_module(ls)
+
+
+@pytest.mark.parametrize("limit", [0, 5, 1024, 1025, 4096, 70000, 2**20 - 1])
+def test_longest_fitting_is_the_longest_multiple_of_the_unit_that_fits(limit):
+    asked = []
+
+    def fits(seq):
+        asked.append(seq)
+        return seq <= limit
+
+    unit = 1024
+    assert ls.longest_fitting(fits, unit) == limit // unit * unit
+    assert len(asked) <= 2 * 12  # doubling then bisection: logarithmic
+
+
+def test_longest_fitting_stops_at_the_ceiling():
+    assert ls.longest_fitting(lambda s: True, 1024, ceiling=8192) == 8192
+
+
+@pytest.mark.parametrize("start", [40, 48, 50, 52, 60, 80, 99])  # the estimate's length, in units
+def test_confirm_finds_the_compiled_boundary_in_at_most_three_compiles(start):
+    unit, budget = 1000, 50_500.0  # compiled bytes = seq + 0.0 (affine): the boundary is 50,000 tokens
+    compiles = []
+
+    def fits(seq):
+        compiles.append(seq)
+        return seq <= budget
+
+    longest, bracketed = ls.confirm(start * unit, unit, fits, lambda s: float(s), budget)
+    assert len(compiles) <= 3
+    assert longest == 50_000
+    assert bracketed == (51_000 in compiles)  # the next unit up compiled and did not fit
+    assert len(compiles) == len(set(compiles))
+
+
+def test_confirm_when_nothing_fits():
+    assert ls.confirm(2000, 1000, lambda s: False, lambda s: 1e12 + s, 10.0) == (0, True)
+
+
+def tiny(row, seq):
+    return ls.estimate_bytes(row, seq, preset="tiny")
+
+
+def stub_compile(row, seq):
+    """A compile whose bytes are the estimate's plus 5%."""
+    est = tiny(row, seq)[0]
+    return {
+        "seq": seq,
+        "plan": row.plan,
+        "estimate_gib": est / ls.GIB,
+        "compiled_gib": 1.05 * est / ls.GIB,
+        "estimate_over_compiled": 1 / 1.05,
+        "compile_s": 0.0,
+        "step_s": 1e-3 * seq,
+        "tokens_per_s_per_gpu": 1000 / row.devices,
+        "roofline": {"time_s": 1e-3 * seq},
+    }
+
+
+def test_rows_are_measured_recorded_and_skipped_on_a_rerun(tmp_path):
+    rows = ls.selected(ls.all_rows(("h100x8",)), ["ring zigzag sp8: none", "megatron tp8: none"])
+    assert [r.key for r in rows] == ["h100x8 | ring zigzag sp8 | none", "h100x8 | megatron tp8 | none"]
+    unit = 1024
+    budget = 1.05 * tiny(rows[0], 6 * unit)[0]  # ring's compiled bytes at 6 units: its longest is 6 units
+    compiled = []
+
+    def counting(row, seq):
+        compiled.append((row.key, seq))
+        return stub_compile(row, seq)
+
+    out = tmp_path / "r.json"
+    record = {"benchmark": "longest_sequence", "results": []}
+    ls.run(rows, record, str(out), estimate=tiny, compile_one=counting, budget=budget, unit=unit, log=lambda s: None)
+    saved = json.loads(out.read_text())
+    ring = {r["key"]: r for r in saved["results"]}["h100x8 | ring zigzag sp8 | none"]
+    assert ring["estimate_longest"] >= 6 * unit  # the estimate (5% under the compile) is optimistic
+    assert ring["longest"] == 6 * unit and ring["bracketed"]
+    assert len(ring["probes"]) <= 3 and all(p["compiled_gib"] > p["estimate_gib"] for p in ring["probes"])
+    assert ring["tokens_per_s_per_gpu"] == 125 and ring["settings"]["sp"] == 8
+    first = len(compiled)
+    assert 2 <= first <= 6
+    ls.run(rows, saved, str(out), estimate=tiny, compile_one=counting, budget=budget, unit=unit, log=lambda s: None)
+    assert len(compiled) == first  # a rerun skips the recorded rows
+    text = ls.table(saved)
+    assert "| ring zigzag sp8 | none | 6,144 |" in text
+    ls.plot(saved, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_a_plan_that_cannot_run_is_recorded_as_refused():
+    row = ls.Row("h100x8", "ulysses sp8", "none")
+
+    def refuse(row, seq):
+        raise ValueError(f"seq {seq} is no good")
+
+    r = ls.measure_row(row, estimate=refuse, compile_one=stub_compile, budget=1e9, unit=1024, log=lambda s: None)
+    assert r["error"].startswith("seq 1024 is no good") and "longest" not in r
