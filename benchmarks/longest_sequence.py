@@ -335,9 +335,29 @@ def run(rows: list[Row], record: dict, path: str, *, redo: bool = False, log=pri
         result = measure_row(row, log=log, **measure)
         record["results"] = [r for r in record["results"] if r["key"] != row.key] + [result]
         record["results"].sort(key=lambda r: _order(r["key"]))
+        record["summary"] = summary(record)
         save_record(record, path)
         log(f"{row.key}: longest {result.get('longest')} tokens ({result.get('search_s', 0):.0f} s)")
     return record
+
+
+def summary(record: dict) -> dict:
+    """Per target: the longest row, and the estimate / compiled range over every compile of its rows."""
+    out = {}
+    for target in TARGETS:
+        rows = [r for r in record["results"] if r["target"] == target]
+        if not rows:
+            continue
+        best = max(rows, key=lambda r: r.get("longest") or 0)
+        ratios = [p["estimate_over_compiled"] for r in rows for p in r.get("probes", [])]
+        out[target] = {
+            "rows": len(rows),
+            "longest": best.get("longest") or 0,
+            "longest_row": best["key"],
+            "plan_at_longest": best.get("plan_at_longest"),
+            "estimate_over_compiled_range": [min(ratios), max(ratios)] if ratios else None,
+        }
+    return out
 
 
 def _order(key: str) -> int:
@@ -417,32 +437,40 @@ def table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def _tokens(n: float, _pos=None) -> str:
+    """256K, 1M, 2.5M."""
+    return f"{n / 2**20:g}M" if n >= 2**20 else f"{n / 2**10:g}K"
+
+
 def plot(record: dict, path: str) -> None:
     """PNG: per target, the longest compiled sequence of each plan (lines) against the technique, log scale."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     by_key = {r["key"]: r for r in record["results"]}
     targets = [t for t in TARGETS if any(r.key in by_key for r in all_rows((t,)))]
     fig, axes = plt.subplots(1, len(targets), figsize=(5.5 * len(targets), 4.2), squeeze=False, sharey=True)
     for ax, target in zip(axes[0], targets):
-        plans = PLANS_1 if target.endswith("x1") else PLANS_8
-        for plan in plans:
+        plans = list(PLANS_1 if target.endswith("x1") else PLANS_8)
+        width = 0.8 / len(plans)
+        for j, plan in enumerate(plans):
             xs, ys = [], []
             for i, tech in enumerate(TECHNIQUES):
                 r = by_key.get(Row(target, plan, tech).key)
                 if r and r.get("longest"):
-                    xs.append(i)
+                    xs.append(i - 0.4 + (j + 0.5) * width)
                     ys.append(r["longest"])
             if xs:
-                ax.plot(xs, ys, marker="o", label=plan)
-        ax.set_xticks(range(len(TECHNIQUES)), list(TECHNIQUES), rotation=20)
+                ax.bar(xs, ys, width, label=plan, color=f"C{j}")
+        ax.set_xticks(range(len(TECHNIQUES)), list(TECHNIQUES))
         ax.set_yscale("log", base=2)
-        ax.set_title(f"Llama-3-8B, {target}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_tokens))
+        ax.set_title(f"Llama-3-8B on {target}")
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+        ax.legend(fontsize=7)
     axes[0][0].set_ylabel("longest sequence (tokens, compiled)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -457,7 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--targets", nargs="*", default=list(TARGETS), choices=TARGETS)
     parser.add_argument("--rows", nargs="*", default=None, help='substrings of "plan: technique" (default: all)')
     parser.add_argument("--redo", action="store_true", help="recompute rows the results already hold")
-    parser.add_argument("--report", action="store_true", help="print the table and write the plot; no compile")
+    parser.add_argument(
+        "--report", action="store_true", help="print the table, write the plot and the summary; no compile"
+    )
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     parser.add_argument("--out", default=os.path.join(here, "longest_sequence.json"))
     parser.add_argument("--plot", default=os.path.join(here, "longest_sequence.png"))
@@ -466,6 +496,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         if record is None:
             sys.exit(f"no results at {args.out}: run the benchmark first")
+        from jaxring.platform import save_record
+
+        record["summary"] = summary(record)
+        save_record(record, args.out)
         print(table(record))
         plot(record, args.plot)
         print(f"wrote {args.plot}")
