@@ -21,7 +21,8 @@ How a row is found, cheapest first:
      the longest length whose estimate fits the budget;
   2. at most three compiles of the exact train step for the target with no GPU (`train.py --compile-for`'s
      program: `jaxring.planner.compile_for.lowered_step`): the estimate's length, one --unit up (if it fits)
-     or down (if not), and, when both agree, the length the two compiles' affine memory predicts. Every
+     or down (if not), and, when both agree, the length the two compiles' affine memory predicts (upward, half
+     way to it: near the device's limit the compiled bytes grow faster than affine). Every
      compile records the estimate and the compiled bytes per device (argument + output + temp - alias of
      `memory_analysis()`), so the estimate's agreement can be read per row. `longest` is the longest compiled
      length that fits; `bracketed` says the next --unit up was compiled and did not fit.
@@ -140,7 +141,9 @@ def longest_fitting(fits: Callable[[int], bool], unit: int, ceiling: int = MAX_S
 
 def confirm(start: int, unit: int, fits: Callable[[int], bool], compiled: Callable[[int], float], budget: float):
     """(longest compiled length that fits or 0, bracketed) after at most three compiles (see the module
-    docstring): `start`, one `unit` toward the boundary, then the two compiles' affine prediction."""
+    docstring): `start`, one `unit` toward the boundary, then the two compiles' affine prediction (half way
+    to it upward: XLA's GPU scheduler fills memory up to the device's limit, so near it the compiled bytes
+    grow faster than the two close compiles' slope says)."""
     probes = {}
 
     def probe(seq):
@@ -154,7 +157,10 @@ def confirm(start: int, unit: int, fits: Callable[[int], bool], compiled: Callab
         if second == first:
             slope = (compiled(second_at) - compiled(start)) / (second_at - start)
             if slope > 0:
-                guess = int(start + (budget - compiled(start)) / slope) // unit * unit
+                guess = start + (budget - compiled(start)) / slope
+                if first:  # half way up: near the limit compiled memory grows faster than affine
+                    guess = second_at + (guess - second_at) / 2
+                guess = int(guess) // unit * unit
             else:
                 guess = second_at + (unit if first else -unit)
             guess = max(guess, second_at + unit) if first else min(guess, second_at - unit)

@@ -32,20 +32,22 @@ def test_longest_fitting_stops_at_the_ceiling():
     assert ls.longest_fitting(lambda s: True, 1024, ceiling=8192) == 8192
 
 
-@pytest.mark.parametrize("start", [40, 48, 50, 52, 60, 80, 99])  # the estimate's length, in units
-def test_confirm_finds_the_compiled_boundary_in_at_most_three_compiles(start):
-    unit, budget = 1000, 50_500.0  # compiled bytes = seq + 0.0 (affine): the boundary is 50,000 tokens
+# the estimate's length, in units; the longest found; whether the next unit up was compiled
+@pytest.mark.parametrize(
+    "start, longest, bracketed",
+    [(40, 45, False), (48, 50, False), (50, 50, True), (52, 50, True), (60, 50, False), (99, 50, False)],
+)
+def test_confirm_finds_the_compiled_boundary_in_at_most_three_compiles(start, longest, bracketed):
+    unit, budget = 1000, 50_500.0  # compiled bytes = seq (affine): the boundary is 50,000 tokens
     compiles = []
 
     def fits(seq):
         compiles.append(seq)
         return seq <= budget
 
-    longest, bracketed = ls.confirm(start * unit, unit, fits, lambda s: float(s), budget)
-    assert len(compiles) <= 3
-    assert longest == 50_000
+    assert ls.confirm(start * unit, unit, fits, lambda s: float(s), budget) == (longest * unit, bracketed)
+    assert len(compiles) <= 3 and len(compiles) == len(set(compiles))
     assert bracketed == (51_000 in compiles)  # the next unit up compiled and did not fit
-    assert len(compiles) == len(set(compiles))
 
 
 def test_confirm_when_nothing_fits():
