@@ -202,6 +202,10 @@ def estimate_bytes(row: Row, seq: int, preset: str = PRESET) -> tuple[float, dic
     return cost.memory(w, c, param_leaves(w.model, w.config, c.check(w)), cpu=False).total, {}
 
 
+class NoPlan(ValueError):
+    """--plan auto at this length: the planner's estimate fits no plan, so there is nothing to compile."""
+
+
 def compile_probe(row: Row, seq: int, preset: str = PRESET) -> dict:
     """One compile of `row` at `seq` for its target (the planner's best plan for plan auto): the estimate
     and the compiled bytes per device, and the roofline of the compiled program."""
@@ -215,7 +219,7 @@ def compile_probe(row: Row, seq: int, preset: str = PRESET) -> dict:
     if spec.parallel.plan == "auto":
         ranked = ranked_specs(spec, row.gpu, row.devices, tries=1)
         if not ranked:
-            raise ValueError(f"the planner finds no plan for {seq} tokens on {row.target}")
+            raise NoPlan(f"the planner finds no plan for {seq} tokens on {row.target}")
         spec = ranked[0]
     devices = gpu.gpu_devices(row.gpu, row.devices)
     lowered, estimate, plan = lowered_step(spec, devices)
@@ -242,6 +246,11 @@ def budget_bytes(row: Row) -> float:
     from jaxring.planner.cluster import Cluster
 
     return Cluster.of(row.gpu, 1).usable_memory
+
+
+def _bytes(probe: dict) -> float:
+    """A probe's compiled bytes per device (inf when plan auto had no plan to compile)."""
+    return math.inf if probe["compiled_gib"] is None else probe["compiled_gib"] * GIB
 
 
 def measure_row(row: Row, *, estimate=estimate_bytes, compile_one=compile_probe, budget=None, unit=None, log=print):
@@ -279,7 +288,12 @@ def measure_row(row: Row, *, estimate=estimate_bytes, compile_one=compile_probe,
 
     def compiled_fits(seq):
         log(f"  {row.key}: compiling {seq} tokens ...")
-        probes[seq] = compile_one(row, seq)
+        try:
+            probes[seq] = compile_one(row, seq)
+        except NoPlan as e:  # plan auto: no plan at this length is what --plan auto would answer
+            probes[seq] = {"seq": seq, "plan": None, "refused": str(e), "compiled_gib": None}
+            log(f"  {row.key}: {e}")
+            return False
         p = probes[seq]
         log(
             f"  {row.key}: {seq} tokens: compiled {p['compiled_gib']:.2f} GiB, estimate {p['estimate_gib']:.2f} "
@@ -289,9 +303,7 @@ def measure_row(row: Row, *, estimate=estimate_bytes, compile_one=compile_probe,
 
     try:
         if longest_estimate:
-            longest, bracketed = confirm(
-                longest_estimate, unit, compiled_fits, lambda s: probes[s]["compiled_gib"] * GIB, budget
-            )
+            longest, bracketed = confirm(longest_estimate, unit, compiled_fits, lambda s: _bytes(probes[s]), budget)
         elif row.plan != "auto":  # not even `unit` fits by the estimate: one compile says whether it does
             longest = unit if compiled_fits(unit) else 0
             bracketed = longest == 0
@@ -299,7 +311,7 @@ def measure_row(row: Row, *, estimate=estimate_bytes, compile_one=compile_probe,
             longest, bracketed = 0, False
     except Exception as e:  # a compile the plan or XLA refuses: the row records it and the run goes on
         out.update(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500])
-        fitting = [s for s, p in probes.items() if p["compiled_gib"] * GIB <= budget]
+        fitting = [s for s, p in probes.items() if _bytes(p) <= budget]
         longest, bracketed = max(fitting, default=0), False
     out.update(longest=longest, bracketed=bracketed)
     out["probes"] = [{k: v for k, v in probes[s].items() if k != "roofline"} for s in sorted(probes)]
@@ -355,7 +367,7 @@ def summary(record: dict) -> dict:
         if not rows:
             continue
         best = max(rows, key=lambda r: r.get("longest") or 0)
-        ratios = [p["estimate_over_compiled"] for r in rows for p in r.get("probes", [])]
+        ratios = [p["estimate_over_compiled"] for r in rows for p in r.get("probes", []) if "refused" not in p]
         out[target] = {
             "rows": len(rows),
             "longest": best.get("longest") or 0,
@@ -430,7 +442,7 @@ def table(record: dict) -> str:
                 continue
             longest = f"{r['longest']:,}" + ("" if r.get("bracketed") else " (≥)") if r.get("longest") else "0"
             if r.get("longest"):
-                ratios = [p["estimate_over_compiled"] for p in r["probes"]]
+                ratios = [p["estimate_over_compiled"] for p in r["probes"] if "refused" not in p]
                 agree = f"{min(ratios):.3f}–{max(ratios):.3f}" if len(ratios) > 1 else f"{ratios[0]:.3f}"
                 plan = f" ({r['plan_at_longest']})" if row.plan == "auto" else ""
                 lines.append(

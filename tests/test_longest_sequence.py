@@ -112,3 +112,21 @@ def test_a_plan_that_cannot_run_is_recorded_as_refused():
 
     r = ls.measure_row(row, estimate=refuse, compile_one=stub_compile, budget=1e9, unit=1024, log=lambda s: None)
     assert r["error"].startswith("seq 1024 is no good") and "longest" not in r
+
+
+def test_no_plan_from_the_planner_is_the_bound_of_plan_auto():
+    """--plan auto at a length the planner finds no plan for does not fit: the row is bracketed there."""
+    row, unit = ls.Row("h100x8", "auto", "none"), 1024
+
+    def estimate(row, seq):
+        return (1.0 if seq <= 5 * unit else 1e12), {}
+
+    def compile_one(row, seq):
+        if seq > 5 * unit:
+            raise ls.NoPlan(f"the planner finds no plan for {seq} tokens")
+        return {**stub_compile(ls.Row("h100x8", "ring zigzag sp8", "none"), seq), "compiled_gib": 0.5}
+
+    r = ls.measure_row(row, estimate=estimate, compile_one=compile_one, budget=ls.GIB, unit=unit, log=lambda s: None)
+    assert (r["longest"], r["bracketed"]) == (5 * unit, True) and "error" not in r
+    assert r["probes"][-1]["refused"].startswith("the planner finds no plan")
+    assert "| auto (ring zigzag sp8) | none | 5,120 |" in ls.table({"results": [r]})
