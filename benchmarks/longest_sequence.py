@@ -183,14 +183,14 @@ def estimate_bytes(row: Row, seq: int, preset: str = PRESET) -> tuple[float, dic
     from jaxring.planner.cluster import Cluster
     from jaxring.planner.fit import candidate_of, workload_of
     from jaxring.planner.params import param_leaves
-    from jaxring.planner.search import search
+    from jaxring.planner.search import NoPlanError, search
     from jaxring.spec import RunSpec
 
     spec = RunSpec.of(**row.settings(seq, preset))
     if spec.parallel.plan == "auto":
         try:
             result = search(workload_of(spec), Cluster.of(row.gpu, row.devices), only=held_settings(spec))
-        except ValueError:  # "no plan fits in memory ...": the least any plan needs is above the budget
+        except NoPlanError:  # "no plan fits in memory ...": the least any plan needs is above the budget
             return math.inf, {}
         if not result.ranked:
             return math.inf, {}
@@ -217,7 +217,12 @@ def compile_probe(row: Row, seq: int, preset: str = PRESET) -> dict:
 
     spec = RunSpec.of(**row.settings(seq, preset))
     if spec.parallel.plan == "auto":
-        ranked = ranked_specs(spec, row.gpu, row.devices, tries=1)
+        from jaxring.planner.search import NoPlanError
+
+        try:
+            ranked = ranked_specs(spec, row.gpu, row.devices, tries=1)
+        except NoPlanError as e:
+            raise NoPlan(str(e).splitlines()[0]) from e
         if not ranked:
             raise NoPlan(f"the planner finds no plan for {seq} tokens on {row.target}")
         spec = ranked[0]
@@ -450,7 +455,13 @@ def table(record: dict) -> str:
                     f"{r['compiled_gib']:.1f} | {agree} | {r['step_s']:.2f} | {r['tokens_per_s_per_gpu']:,.0f} |"
                 )
             else:
-                lines.append(f"| {row.plan} | {row.technique} | 0 | {r.get('estimate_longest', 0):,} | | | | |")
+                shortest = next((p for p in r.get("probes", []) if "refused" not in p), None)
+                at = (
+                    f"{shortest['compiled_gib']:.1f} at {shortest['seq']:,} | {shortest['estimate_over_compiled']:.3f}"
+                    if shortest
+                    else " | "
+                )
+                lines.append(f"| {row.plan} | {row.technique} | 0 | {r.get('estimate_longest', 0):,} | {at} | | |")
         lines.append("")
     return "\n".join(lines)
 

@@ -130,3 +130,8 @@ def test_no_plan_from_the_planner_is_the_bound_of_plan_auto():
     assert (r["longest"], r["bracketed"]) == (5 * unit, True) and "error" not in r
     assert r["probes"][-1]["refused"].startswith("the planner finds no plan")
     assert "| auto (ring zigzag sp8) | none | 5,120 |" in ls.table({"results": [r]})
+
+
+def test_the_planners_no_plan_error_becomes_no_plan():
+    with pytest.raises(ls.NoPlan, match="no plan fits"):
+        ls.compile_probe(ls.Row("h100x8", "auto", "none"), 2**27, preset="tiny")
