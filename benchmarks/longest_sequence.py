@@ -459,7 +459,7 @@ def table(record: dict) -> str:
                 at = (
                     f"{shortest['compiled_gib']:.1f} at {shortest['seq']:,} | {shortest['estimate_over_compiled']:.3f}"
                     if shortest
-                    else " | "
+                    else "no plan (planner) | "
                 )
                 lines.append(f"| {row.plan} | {row.technique} | 0 | {r.get('estimate_longest', 0):,} | {at} | | |")
         lines.append("")
