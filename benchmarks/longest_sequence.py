@@ -472,7 +472,8 @@ def _tokens(n: float, _pos=None) -> str:
 
 
 def plot(record: dict, path: str) -> None:
-    """PNG: per target, the longest compiled sequence of each plan (lines) against the technique, log scale."""
+    """PNG: per target where anything fits, the longest compiled sequence of each plan (bars) under each
+    technique, log scale."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -480,7 +481,7 @@ def plot(record: dict, path: str) -> None:
     import matplotlib.ticker
 
     by_key = {r["key"]: r for r in record["results"]}
-    targets = [t for t in TARGETS if any(r.key in by_key for r in all_rows((t,)))]
+    targets = [t for t in TARGETS if any(by_key.get(r.key, {}).get("longest") for r in all_rows((t,)))]
     fig, axes = plt.subplots(1, len(targets), figsize=(5.5 * len(targets), 4.2), squeeze=False, sharey=True)
     for ax, target in zip(axes[0], targets):
         plans = list(PLANS_1 if target.endswith("x1") else PLANS_8)
@@ -499,7 +500,7 @@ def plot(record: dict, path: str) -> None:
         ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_tokens))
         ax.set_title(f"Llama-3-8B on {target}")
         ax.grid(True, axis="y", which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left")
     axes[0][0].set_ylabel("longest sequence (tokens, compiled)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
