@@ -322,7 +322,16 @@ def stack(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: n
     return layers
 
 
-OFFLOAD = ("none", "layer_inputs")
+# What host offload moves to pinned host memory: the layers' checkpointed inputs (between forward and
+# backward), the optimizer state (between updates), or both.
+OFFLOAD = ("none", "layer_inputs", "optimizer", "layer_inputs+optimizer")
+
+
+def offloaded(offload: str) -> frozenset[str]:
+    """The parts an --offload value moves to host memory: {"layer_inputs"}, {"optimizer"}, both, or none."""
+    if offload not in OFFLOAD:
+        raise ValueError(f"unknown offload {offload!r}; expected one of {', '.join(OFFLOAD)}")
+    return frozenset() if offload == "none" else frozenset(offload.split("+"))
 
 
 def remat_policy(remat: str, zero_stage: int = 0, offload: str = "none") -> Callable[..., bool]:
@@ -332,14 +341,12 @@ def remat_policy(remat: str, zero_stage: int = 0, offload: str = "none") -> Call
     are never saved for the backward (`zero.no_weights_saved`): ZeRO-3 gathers them again, the others slice
     them again from the stack.
 
-    offload "layer_inputs" (with remat full): each layer's input, named `LAYER_INPUT` by `Layers`, is the one
+    offload "layer_inputs" (or "layer_inputs+optimizer"; with remat full): each layer's input, named `LAYER_INPUT` by `Layers`, is the one
     value kept, and it is kept in host memory ("pinned_host") between the forward and the backward [ALST];
     XLA moves it out after the layer's forward and back before its backward."""
     if remat not in REMAT:
         raise ValueError(f"unknown remat {remat!r}; expected one of {', '.join(REMAT)}")
-    if offload not in OFFLOAD:
-        raise ValueError(f"unknown offload {offload!r}; expected one of {', '.join(OFFLOAD)}")
-    if offload != "none":
+    if "layer_inputs" in offloaded(offload):
         if remat != "full":
             raise ValueError(f"offload {offload!r} needs remat 'full' (it keeps the layer inputs only), got {remat!r}")
         host = jax.checkpoint_policies.save_and_offload_only_these_names(
@@ -395,7 +402,7 @@ class Layers:
             )
             return call(nnx.merge(self.graphdef, weights), carry), None
 
-        if self.offload != "none":
+        if "layer_inputs" in offloaded(self.offload):
             layer = body
 
             def body(carry: Any, i: jax.Array) -> tuple[Any, None]:

@@ -141,6 +141,12 @@ def _remat_modes() -> tuple[str, ...]:
     return REMAT
 
 
+def _offloads() -> tuple[str, ...]:
+    from jaxring.nn import OFFLOAD
+
+    return OFFLOAD
+
+
 def _packings() -> tuple[str, ...]:
     from jaxring.data.packing import PACKINGS
 
@@ -208,8 +214,9 @@ class MemorySettings:
     offload: str = setting(
         "none",
         "host offload: none; layer_inputs (each layer's checkpointed input lives in host memory between the "
-        "forward and the backward; with --remat full)",
-        choices=("none", "layer_inputs"),
+        "forward and the backward; with --remat full); optimizer (the AdamW state lives in host memory between "
+        "updates); layer_inputs+optimizer (both)",
+        choices=_offloads,
     )
     device_memory_gib: float | None = setting(
         None,
@@ -644,13 +651,16 @@ class RunSpec:
         t = self.training
         if t.batch_size % t.grad_accum:
             raise ValueError(f"--batch-size {t.batch_size} is not divisible by --grad-accum {t.grad_accum}")
-        if self.memory.offload != "none" and self.memory.remat != "full":
+        from jaxring.nn import offloaded
+
+        layer_inputs = "layer_inputs" in offloaded(self.memory.offload)
+        if layer_inputs and self.memory.remat != "full":
             raise ValueError(
                 f"--offload {self.memory.offload} keeps each layer's input in host memory and recomputes the rest: "
                 f"it needs --remat full (got --remat {self.memory.remat})"
             )
         degrees = self.parallel.degrees()
-        if degrees["pp"] > 1 and self.memory.offload != "none":
+        if degrees["pp"] > 1 and layer_inputs:
             from jaxring.train.step import OFFLOAD_WITH_PP
 
             raise ValueError(OFFLOAD_WITH_PP.format(offload=self.memory.offload, pp=degrees["pp"]))
