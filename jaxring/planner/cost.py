@@ -413,13 +413,21 @@ class Memory:
         return {k: round(getattr(self, k)) for k in keys} | {"total": round(self.total)}
 
 
+# A method that recomputes its forward (METP) holds this many [b, n_act, h] arrays in the activation dtype in
+# one layer's backward (the layer's input and its recomputed stream, A_i, the MLP's tiles in and out): fitted on
+# the deviceless H100 compile of Llama-3-8B at 4,194,304 tokens, METP tp8, bf16, remat full, tiles of 4096,
+# offload layer_inputs+optimizer (compiled 61.6 GiB per device; benchmarks/results/llama3_8b_4m.json)
+RECOMPUTED_STREAM = 12
+
+
 def saved_per_layer(w: Workload, s: Shapes, remat: str, mlp_tile: int | None = None) -> float:
     """Bytes one layer keeps for its backward, one micro-batch (what the compiled step's layer scan stacks).
 
     none       the residual stream and norms in fp32 (8 arrays [b, n_act, h] and 4 of statistics), a K/V
                projection, the fp32 rotary halves of q and k, the attention core's residuals (its entry's),
                6 FFN-wide arrays (the playbook's sbh(34 + 5as/h) without scores: flash attention); a method
-               that recomputes its forward (METP) keeps the stream and its core's residuals only
+               that recomputes its forward (METP) keeps RECOMPUTED_STREAM arrays [b, n_act, h] in the
+               activation dtype and its core's residuals only
     selective  the layer input and the outputs of the weight matmuls the backward needs (`jax.checkpoint`'s
                dots_with_no_batch_dims_saveable keeps only residuals): q, k, v, the o projection (the residual
                sum and its norm are recomputed from it) and the FFN's up (and gate) projection; the FFN's
@@ -438,9 +446,9 @@ def saved_per_layer(w: Workload, s: Shapes, remat: str, mlp_tile: int | None = N
     if remat == "selective":
         ffn = b * n * h * em if tiled else (m.ffn_matrices - 1) * b * n * f * em
         return b * na * h * em + qkvo + ffn + core.kept(remat)
-    stream = 8 * b * na * x.h_act * F32 + 4 * b * na * F32
     if s.method.recomputes_forward:
-        return stream + core.kept(remat)
+        return RECOMPUTED_STREAM * b * na * x.h_act * em + core.kept(remat)
+    stream = 8 * b * na * x.h_act * F32 + 4 * b * na * F32
     rope = b * n * (x.heads + x.kv_heads) * d * (F32 if w.terms.rotary_fp32 else em)
     mlp = b * n * h * em if tiled else _mlp_saved(w, s)
     return stream + b * n * x.kv_heads * d * em + rope + core.kept(remat) + mlp
