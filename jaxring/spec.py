@@ -192,7 +192,12 @@ class TrainingSettings:
     seq_len: int | None = setting(None, "tokens per sequence (gpt; default 256)", rule="int>=1")
     image_size: int | None = setting(None, "image side (dit; default: the preset's)", rule="int>=1")
     grad_accum: int = setting(1, "micro-steps accumulated per update (pp = 1)", rule="int>=1")
-    precision: str = setting("fp32", "compute dtype; weights and optimizer state stay fp32", choices=_precisions)
+    precision: str | None = setting(
+        None,
+        "compute dtype (default: bf16 for the full-size Llama presets, fp32 otherwise); weights and optimizer "
+        "state stay fp32",
+        choices=_precisions,
+    )
 
 
 @dataclasses.dataclass
@@ -681,6 +686,15 @@ class RunSpec:
             return self.parallel.attention
         return "ring" if self.parallel.degrees(device_count)["sp"] > 1 else "dense"
 
+    @property
+    def compute_precision(self) -> str:
+        """--precision, else the model's default: bf16 for the full-size Llama presets (llama3-8b, ...: the
+        long-context figures assume it), fp32 for every other model and the tiny test twins."""
+        if self.training.precision is not None:
+            return self.training.precision
+        llama = self.model.model == "gpt" and (self.model.preset or "").startswith("llama")
+        return "bf16" if llama else "fp32"
+
     def resolved(self, device_count: int) -> RunSpec:
         """The spec with what defaults derive filled in: mesh degrees, the strategy, its options' defaults.
         Degrees that do not multiply to `device_count`, micro-batches that do not suit pp, and a batch that
@@ -705,7 +719,8 @@ class RunSpec:
             tp=p.tp,
             pp=p.pp,
         )
-        return dataclasses.replace(self, parallel=p)
+        training = dataclasses.replace(self.training, precision=self.compute_precision)
+        return dataclasses.replace(self, parallel=p, training=training)
 
     def plan(self, devices: Sequence[jax.Device] | None = None) -> ParallelPlan:
         """The ParallelPlan the run's parallel settings name (see `make_plan`)."""

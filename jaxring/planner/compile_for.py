@@ -111,7 +111,7 @@ def _compile(spec: RunSpec, devices: list) -> tuple[float, float, str]:
         plan,
         batch=t.batch_size,
         seq_len=w.seq_len,
-        precision=t.precision,
+        precision=spec.compute_precision,
         remat=spec.memory.remat,
         offload=spec.memory.offload,
         grad_accum=t.grad_accum,

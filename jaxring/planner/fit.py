@@ -45,7 +45,7 @@ def workload_of(spec: RunSpec) -> Workload:
         seq_len=t.seq_len or (256 if causal else None),
         image_size=t.image_size,
         global_batch=t.batch_size,
-        precision=t.precision,
+        precision=spec.compute_precision,
         **spec.model.overrides,
     )
 

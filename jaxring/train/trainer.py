@@ -55,7 +55,7 @@ class Trainer:
         self.spec = spec
         self.plan = spec.plan(devices)
         self.task = model_family(spec.model.model).task(spec, self.plan)
-        self.dtype = compute_dtype(spec.training.precision)
+        self.dtype = compute_dtype(spec.compute_precision)
         self.tx = optimizer(spec)
         model = self.task.model(spec.training.seed)
         self.graphdef, state = nnx.split(model)
