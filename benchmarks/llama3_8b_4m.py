@@ -2,13 +2,14 @@
 there, compiled and estimated, and what `--plan auto` picks.
 
     python benchmarks/llama3_8b_4m.py                         # -> benchmarks/results/llama3_8b_4m.json
-    python benchmarks/llama3_8b_4m.py --seq-len 2097152 --target h200 --out /tmp/r.json
+    python benchmarks/llama3_8b_4m.py --seq-len 2097152 --target h200 --no-longer --out /tmp/r.json
 
 Each row is the run spec `train.py` would build (batch 1, bf16 compute, fp32 weights and AdamW moments,
 clipping, the Pallas flash kernel), compiled for the target's 8 GPUs with no GPU by
 `jaxring.planner.compiled.compile_train_step` (what `train.py --compile-for` compiles). Figures per device:
 `memory_analysis()`'s argument + output + temp - alias bytes (device), its host bytes (the offloaded layer
 inputs and optimizer state), and the planner's estimate (`jaxring.planner.cost.memory`) of the same plan.
+The auto pick is also compiled at 4.5M, 5M and 6M tokens (the longest that fits).
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from jaxring.platform import benchmark_record, save_record
 
 GIB = 2**30
 BASE = dict(preset="llama3-8b", batch_size=1, tp=8, tensor_parallel="metp", remat="full", loss_tile=4096, mlp_tile=4096)
+AUTO = "metp tp8, tiles 4096, offload layer_inputs+optimizer (--plan auto's pick at 4M)"
 ROWS = {
     "metp tp8, tiles 4096, offload layer_inputs": BASE | dict(offload="layer_inputs"),
-    "metp tp8, tiles 4096, offload layer_inputs+optimizer (--plan auto's pick)": BASE
-    | dict(offload="layer_inputs+optimizer"),
+    AUTO: BASE | dict(offload="layer_inputs+optimizer"),
 }
+LONGER = (4718592, 5242880, 6291456)  # the auto pick at 4.5M, 5M and 6M tokens: the longest that fits
 
 
 def measure(settings: dict, seq_len: int, target: str) -> dict:
@@ -83,6 +85,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=4194304)
     parser.add_argument("--target", default="h100", choices=("h100", "h200"))
     parser.add_argument("--out", default="benchmarks/results/llama3_8b_4m.json")
+    parser.add_argument("--no-longer", dest="longer", action="store_false", help="skip the 4.5M, 5M and 6M rows")
     args = parser.parse_args()
     from jaxring.planner.cluster import Cluster
 
@@ -94,11 +97,16 @@ def main() -> None:
         {"model": "llama3-8b", "batch": 1, "target": f"{args.target} x 8 (deviceless)", "budget_gib": budget},
     )
     record["results"] = []
-    for name, settings in ROWS.items():
-        row = {"plan": name, **measure(settings, args.seq_len, args.target), "commit": commit}
+    runs = [(name, settings, args.seq_len) for name, settings in ROWS.items()]
+    runs += [(AUTO, ROWS[AUTO], n) for n in (LONGER if args.longer else ())]
+    for name, settings, seq_len in runs:
+        row = {"plan": name, **measure(settings, seq_len, args.target), "commit": commit}
         row["fits"] = row["compiled_gib"] <= budget
         record["results"].append(row)
-        print(f"{name}: compiled {row['compiled_gib']:.2f} GiB, estimate {row['estimate_gib']:.2f} GiB", flush=True)
+        print(
+            f"{name} at {seq_len}: compiled {row['compiled_gib']:.2f} GiB, estimate {row['estimate_gib']:.2f} GiB",
+            flush=True,
+        )
         save_record(record, args.out)
 
 

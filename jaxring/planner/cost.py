@@ -415,9 +415,10 @@ class Memory:
 
 # A method that recomputes its forward (METP) holds this many [b, n_act, h] arrays in the activation dtype in
 # one layer's backward (the layer's input and its recomputed stream, A_i, the MLP's tiles in and out): fitted on
-# the deviceless H100 compile of Llama-3-8B at 4,194,304 tokens, METP tp8, bf16, remat full, tiles of 4096,
-# offload layer_inputs+optimizer (compiled 61.6 GiB per device; benchmarks/results/llama3_8b_4m.json)
-RECOMPUTED_STREAM = 12
+# the deviceless H100 compiles of Llama-3-8B at 4M to 6M tokens, METP tp8, bf16, remat full, tiles of 4096,
+# offload layer_inputs+optimizer (compiled 61.6 to 75.7 GiB per device, 10.2 GiB more per million tokens from
+# 5M on; the estimate within 5% below to 7% above: benchmarks/results/llama3_8b_4m.json)
+RECOMPUTED_STREAM = 11
 
 
 def saved_per_layer(w: Workload, s: Shapes, remat: str, mlp_tile: int | None = None) -> float:
