@@ -231,3 +231,18 @@ def test_optimizer_offload_gives_the_same_updates(plan_name):
         assert np.abs(a - b).max() <= 1e-6 * scale, (jax.tree_util.keystr(path), np.abs(a - b).max() / scale)
 
     jax.tree_util.tree_map_with_path(close, got, want)
+
+
+def test_checksums_of_an_offloaded_state_equal_the_device_ones():
+    """A checkpoint's checksums read arrays in pinned host memory (the offloaded optimizer state) as they are on
+    the device (train.py --offload optimizer saved and resumed: the same losses as without it)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxring.train.checksum import state_checksums
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("sp",))
+    x = jax.device_put(jnp.arange(64, dtype=jnp.float32), NamedSharding(mesh, P("sp")))
+    host = jax.device_put(x, NamedSharding(mesh, P("sp"), memory_kind="pinned_host"))
+    assert jax.typeof(host).memory_space == jax.memory.Space.Host
+    assert state_checksums({"mu": host}) == state_checksums({"mu": x})
