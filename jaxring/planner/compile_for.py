@@ -119,7 +119,11 @@ def _compile(spec: RunSpec, devices: list) -> tuple[float, float, str]:
     )
     m = compiled.memory_analysis()
     peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-    return float(peak), float(estimate), plan.describe()
+    ms = spec.memory
+    kept = [f"remat {ms.remat}", spec.compute_precision]
+    kept += [f"{n} {v}" for n, v in (("loss tile", ms.loss_tile), ("mlp tile", ms.mlp_tile), ("offload", ms.offload))]
+    settings = ", ".join(k for k in kept if not k.endswith((" None", " none")))
+    return float(peak), float(estimate), f"{plan.describe()}; {settings}"
 
 
 def _ranked_specs(spec: RunSpec, gpu: str, count: int) -> list[RunSpec]:
