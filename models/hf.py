@@ -7,8 +7,9 @@
 Supported architectures: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM.
 Weights: PyTorch `Linear` stores [out, in], the transpose of our kernels [in, out]; the per-layer tensors
 `model.layers.{i}.*` are stacked into our [layers, ...] parameters. Loading reads, for every device shard
-of every parameter, only that shard's slice of the file (`safe_open(...).get_slice`), so the host never
-holds the whole model; saving gathers one layer's tensor at a time.
+of every parameter, only that shard's slice of the file (`safe_open(...).get_slice`), in runs of at most
+READ_BYTES with the file mapped only during each run, so a process holds its devices' shards plus one run
+(benchmarks/hf_loading.py measures it); saving gathers one layer's tensor at a time.
 Every refusal is one `CheckpointError` line naming the file and the tensor or setting.
 
     python -m models.hf export CHECKPOINT_DIR OUT_DIR [--step N]   # a training checkpoint (models/hf_export.py)
@@ -242,13 +243,20 @@ def _abstract(cfg: GPTConfig):
 # ---------------------------------------------------------------------------------------- load
 
 
+READ_BYTES = 16 * 2**20  # file bytes per read: loading holds the parameters' shards plus one such run
+
+
 class _Files:
-    """The safetensors files of a checkpoint directory: which file holds each tensor, opened lazily."""
+    """The safetensors files of a checkpoint directory: which file holds each tensor, their dtypes and shapes
+    (from the headers), and reads of a block of a tensor. Each read maps its file only while it copies one run
+    of rows (at most READ_BYTES): a device's block strided across a tensor (ZeRO shards the hidden dim, the
+    columns of a Linear's [out, in] weight) never keeps the whole tensor's pages resident, and nothing of a file
+    stays mapped between reads."""
 
     def __init__(self, path: str):
         from safetensors import safe_open
 
-        self._open, self.path, self.handles = safe_open, path, {}
+        self._open, self.path, self.headers = safe_open, path, {}
         index, single = os.path.join(path, INDEX), os.path.join(path, WEIGHTS)
         if os.path.exists(index):
             try:
@@ -257,52 +265,66 @@ class _Files:
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({e})") from None
         elif os.path.exists(single):
-            self.weight_map = {name: WEIGHTS for name in self._handle(WEIGHTS).keys()}  # noqa: SIM118
+            self.weight_map = dict.fromkeys(self._header(WEIGHTS), WEIGHTS)
         else:
             raise CheckpointError(f"{path}: neither {WEIGHTS} nor {INDEX} found")
 
-    def _handle(self, file: str):
-        if file not in self.handles:
+    def _header(self, file: str) -> dict:
+        """{tensor name: (safetensors dtype, shape)} of one file (its header only; no tensor data is read)."""
+        if file not in self.headers:
             full = os.path.join(self.path, file)
             if not os.path.exists(full):
                 raise CheckpointError(f"{full}: missing (named by {INDEX})")
             try:
-                self.handles[file] = self._open(full, framework="numpy")
+                with self._open(full, framework="numpy") as f:
+                    slices = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118
+                    self.headers[file] = {n: (s.get_dtype(), tuple(s.get_shape())) for n, s in slices.items()}
             except Exception as e:  # safetensors raises its own errors for truncated or corrupt headers
                 raise CheckpointError(f"{full}: not a readable safetensors file ({e})") from None
-        return self.handles[file]
+        return self.headers[file]
 
-    def tensor(self, name: str):
-        """The lazy slice object of tensor `name` and the file that holds it."""
+    def info(self, name: str) -> tuple[str, tuple[int, ...], str]:
+        """(safetensors dtype, shape, file path) of tensor `name`."""
         if name not in self.weight_map:
             raise CheckpointError(f"{self.path}: tensor {name} missing")
         file = self.weight_map[name]
-        try:
-            return self._handle(file).get_slice(name), os.path.join(self.path, file)
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise CheckpointError(f"{os.path.join(self.path, file)}: tensor {name} unreadable ({e})") from None
+        header = self._header(file)
+        if name not in header:
+            raise CheckpointError(f"{os.path.join(self.path, file)}: tensor {name} missing (named by {INDEX})")
+        return (*header[name], os.path.join(self.path, file))
+
+    def read(self, name: str, index: tuple, out: np.ndarray) -> None:
+        """out[...] = tensor `name`[index] (explicit slices, one per dim), read in runs of rows of at most
+        READ_BYTES of the file, each through its own memory map."""
+        dtype, shape, file = self.info(name)
+        if not index:
+            index = tuple(slice(0, n) for n in shape)
+        rows, rest = index[0], index[1:]
+        row_bytes = np.dtype(FLOAT_DTYPES[dtype]).itemsize * math.prod(shape[1:])
+        step = max(1, READ_BYTES // max(row_bytes, 1))
+        for r in range(rows.start, rows.stop, step):
+            stop = min(r + step, rows.stop)
+            try:
+                with self._open(file, framework="numpy") as f:
+                    out[r - rows.start : stop - rows.start] = f.get_slice(name)[(slice(r, stop), *rest)]
+            except Exception as e:
+                raise CheckpointError(f"{file}: tensor {name} unreadable ({e})") from None
 
 
 def _read_block(files: _Files, pattern: str, transposed: bool, stacked: bool, index: tuple, dtype) -> np.ndarray:
-    """Our parameter's block `index` (a tuple of slices of our layout) read from the HF tensors."""
+    """Our parameter's block `index` (explicit slices of our layout) read from the HF tensors."""
     inner = index[1:] if stacked else index
     hf_index = tuple(reversed(inner)) if transposed else tuple(inner)
-
-    def one(name):
-        block = np.asarray(files.tensor(name)[0][hf_index] if hf_index else files.tensor(name)[0][:])
-        return (block.T if transposed else block).astype(dtype)
-
-    if not stacked:
-        return one(pattern)
-    layers = range(*index[0].indices(10**9)) if index else ()
-    return np.stack([one(pattern.format(i=i)) for i in layers])
+    layers = range(index[0].start, index[0].stop) if stacked else (None,)
+    out = np.empty(((len(layers),) if stacked else ()) + tuple(s.stop - s.start for s in inner), dtype)
+    for k, i in enumerate(layers):
+        dest = out[k] if stacked else out
+        files.read(pattern.format(i=i), hf_index, dest.T if transposed else dest)
+    return out
 
 
 def _check_tensor(files: _Files, name: str, want: tuple):
-    sl, file = files.tensor(name)
-    dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
+    dtype, shape, file = files.info(name)
     if dtype not in FLOAT_DTYPES:
         raise CheckpointError(f"{file}: tensor {name} has dtype {dtype}; expected one of {', '.join(FLOAT_DTYPES)}")
     if shape != want:
