@@ -348,6 +348,23 @@ def read_config(path: str) -> GPTConfig:
     return config_from_hf(hf, file)
 
 
+def check_tokenizer(file: str, vocab_size: int, config: str = CONFIG) -> int:
+    """The number of ids of the tokenizer.json `file` (read with `tokenizers`, added tokens counted); more
+    than the model's `vocab_size` is a one-line CheckpointError (fewer is fine: checkpoints pad the embedding)."""
+    from tokenizers import Tokenizer
+
+    try:
+        size = Tokenizer.from_file(file).get_vocab_size(with_added_tokens=True)
+    except Exception as e:
+        raise CheckpointError(f"{file}: not a readable tokenizer.json ({' '.join(str(e).split())})") from None
+    if size > vocab_size:
+        raise CheckpointError(
+            f"{file}: the tokenizer has a vocabulary of {size}, more than the vocab_size {vocab_size} of {config}; "
+            f"its ids past {vocab_size - 1} have no embedding"
+        )
+    return size
+
+
 def load_pretrained(
     path: str, plan: ParallelPlan | None = None, *, dtype=None, overrides: dict | None = None
 ) -> tuple[GPT, GPTConfig]:
@@ -355,11 +372,15 @@ def load_pretrained(
     (as `jaxring.nn.param_shardings` lays it out: tensor method, ZeRO-3, pp stages; None: one device).
 
     dtype: the parameters' dtype (default float32). Every tensor's presence, shape and dtype is checked before
-    any is read, so a bad checkpoint fails in one line before anything is placed. overrides: GPTConfig fields
+    any is read (and a tokenizer.json beside it against vocab_size), so a bad checkpoint fails in one line
+    before anything is placed. overrides: GPTConfig fields
     changed from config.json's that keep every parameter's shape (RoPE scaling for context extension)."""
     cfg = read_config(path)
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides)
+    tokenizer = os.path.join(path, TOKENIZER)
+    if os.path.exists(tokenizer):
+        check_tokenizer(tokenizer, cfg.vocab_size, os.path.join(path, CONFIG))
     files = _Files(path)
     dtype = jnp.dtype(dtype or jnp.float32)
     graphdef, state = _abstract(cfg)
@@ -385,7 +406,6 @@ def load_pretrained(
         loaded[path_] = jax.make_array_from_callback(tuple(var.shape), flat_shardings[path_], read)
     nnx.replace_by_pure_dict(state, unflatten_dict(loaded))
     model = nnx.merge(graphdef, state)
-    tokenizer = os.path.join(path, TOKENIZER)
     model.hf_tokenizer = tokenizer if os.path.exists(tokenizer) else None  # copied again by save_pretrained
     return model, cfg
 
@@ -465,6 +485,9 @@ def save_pretrained(model: GPT, cfg: GPTConfig, path: str, *, max_shard_size="5G
     if limit <= 0:
         raise ValueError(f"max_shard_size {max_shard_size!r} must be positive")
     hf = config_to_hf(cfg)
+    tokenizer = tokenizer or getattr(model, "hf_tokenizer", None)
+    if tokenizer is not None:
+        check_tokenizer(tokenizer, cfg.vocab_size, "the model's config")
     os.makedirs(path, exist_ok=True)
     state = nnx.to_pure_dict(nnx.state(model))
     tensors = []  # (HF name, a function producing it as numpy)
@@ -495,7 +518,6 @@ def save_pretrained(model: GPT, cfg: GPTConfig, path: str, *, max_shard_size="5G
     with open(os.path.join(path, CONFIG), "w") as f:
         json.dump(hf, f, indent=2)
     written += [INDEX, CONFIG]
-    tokenizer = tokenizer or getattr(model, "hf_tokenizer", None)
     if tokenizer is not None and os.path.abspath(tokenizer) != os.path.abspath(os.path.join(path, TOKENIZER)):
         shutil.copyfile(tokenizer, os.path.join(path, TOKENIZER))
         written.append(TOKENIZER)
@@ -531,6 +553,7 @@ def _sort_key(name: str):
 __all__ = [
     "ARCHITECTURES",
     "CheckpointError",
+    "check_tokenizer",
     "config_from_hf",
     "config_to_hf",
     "load_pretrained",

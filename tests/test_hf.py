@@ -149,7 +149,7 @@ def test_load_save_load_is_bit_exact(tmp_path):
     src = os.path.join(FIXTURES, "qwen3")
     model, cfg = hf.load_pretrained(src)
     tokenizer = tmp_path / "tokenizer.json"
-    tokenizer.write_text('{"model": {}}')
+    _word_tokenizer(tokenizer, 100)
     written = hf.save_pretrained(model, cfg, str(tmp_path / "out"), max_shard_size="40KB", tokenizer=str(tokenizer))
     assert sum(f.endswith(".safetensors") for f in written) > 2 and "tokenizer.json" in written
     again, cfg2 = hf.load_pretrained(str(tmp_path / "out"))
@@ -333,8 +333,8 @@ def _tiny_hf_dir(tmp_path, tokenizer_size):
 
     cfg = gpt.get_config("tiny-llama3", vocab_size=384, num_layers=1)
     src = tmp_path / "src"
-    _word_tokenizer(tmp_path / "tokenizer.json", tokenizer_size)
-    hf.save_pretrained(gpt.GPT(cfg, rngs=nnx.Rngs(0)), cfg, str(src), tokenizer=str(tmp_path / "tokenizer.json"))
+    hf.save_pretrained(gpt.GPT(cfg, rngs=nnx.Rngs(0)), cfg, str(src))
+    _word_tokenizer(src / "tokenizer.json", tokenizer_size)  # written beside: save_pretrained checks its size
     return src
 
 
@@ -368,3 +368,25 @@ def test_eval_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path, capsys):
     assert cli.main(["needle", str(src), "--lengths", "96", "--no-progress", "--out", str(tmp_path / "e")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has a vocabulary of 500, more than the vocab_size 384" in err[0], err
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_one_line(tmp_path):
+    """A tokenizer.json with more ids than config.json's vocab_size: load_pretrained and save_pretrained refuse
+    it in one line naming the file and both sizes, before reading or writing any tensor; a smaller one (HF
+    checkpoints pad the embedding) loads."""
+    path = _copy(tmp_path)
+    vocab = hf.read_config(str(path)).vocab_size
+    _word_tokenizer(path / "tokenizer.json", vocab - 6)
+    model, cfg = hf.load_pretrained(str(path))
+    assert model.hf_tokenizer == str(path / "tokenizer.json")
+    _word_tokenizer(path / "tokenizer.json", vocab + 1)
+    os.remove(path / "model.safetensors")  # the tokenizer is checked first
+    message = (
+        rf"^{path}/tokenizer\.json: the tokenizer has a vocabulary of {vocab + 1}, more than the vocab_size {vocab}"
+    )
+    with pytest.raises(hf.CheckpointError, match=message + rf" of {path}/config\.json") as info:
+        hf.load_pretrained(str(path))
+    assert "\n" not in str(info.value)
+    with pytest.raises(hf.CheckpointError, match=message):
+        hf.save_pretrained(model, cfg, str(tmp_path / "out"), tokenizer=str(path / "tokenizer.json"))
+    assert not (tmp_path / "out").exists()
