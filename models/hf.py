@@ -373,8 +373,8 @@ def load_pretrained(
 
     dtype: the parameters' dtype (default float32). Every tensor's presence, shape and dtype is checked before
     any is read (and a tokenizer.json beside it against vocab_size), so a bad checkpoint fails in one line
-    before anything is placed. overrides: GPTConfig fields
-    changed from config.json's that keep every parameter's shape (RoPE scaling for context extension)."""
+    before anything is placed. overrides: GPTConfig fields changed from config.json's that keep every
+    parameter's shape (RoPE scaling for context extension)."""
     cfg = read_config(path)
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides)

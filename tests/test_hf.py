@@ -390,3 +390,35 @@ def test_tokenizer_larger_than_the_vocabulary_is_one_line(tmp_path):
     with pytest.raises(hf.CheckpointError, match=message):
         hf.save_pretrained(model, cfg, str(tmp_path / "out"), tokenizer=str(path / "tokenizer.json"))
     assert not (tmp_path / "out").exists()
+
+
+def test_bpe_tokenizer_end_to_end(tmp_path):
+    """A BPE tokenizer trained here with `tokenizers` (nothing downloaded) beside the Llama fixture: loaded with
+    the checkpoint, it encodes text (as `tokenizers` itself does) into ids the model scores; save_pretrained
+    copies it byte for byte and the export scores them the same."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from jaxring.data.tokenizer import load_tokenizer
+
+    path = _copy(tmp_path)
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    corpus = ["the ring passes keys and values around", "long sequences need many devices", "rings of devices"] * 4
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=96, special_tokens=["<|endoftext|>", "[UNK]"]))
+    tok.save(str(path / "tokenizer.json"))
+    model, cfg = hf.load_pretrained(str(path))
+    text = load_tokenizer(model.hf_tokenizer)
+    ids = text.encode("the rings pass long sequences")
+    assert (
+        text.vocab_size <= cfg.vocab_size
+        and ids.size > 4
+        and text.decode(ids).replace(" ", "") == "theringspasslongsequences"
+    )
+    assert np.all(ids == tok.encode("the rings pass long sequences").ids)
+    out = hf.logits(model, ids[None])
+    assert out.shape == (1, ids.size, cfg.vocab_size) and np.isfinite(out).all()
+    written = hf.save_pretrained(model, cfg, str(tmp_path / "out"))
+    assert "tokenizer.json" in written
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (path / "tokenizer.json").read_bytes()
+    again, _ = hf.load_pretrained(str(tmp_path / "out"))
+    np.testing.assert_array_equal(hf.logits(again, ids[None]), out)
