@@ -100,7 +100,7 @@ def write_checkpoint(path: str, cfg, dtype: str, seed: int = 0) -> tuple[dict, i
     with open(os.path.join(path, hf.INDEX), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(path, hf.CONFIG), "w") as f:
-        json.dump({**hf.config_to_hf(cfg), "dtype": dtype}, f, indent=2)
+        json.dump(hf.config_to_hf(cfg, dtype), f, indent=2)
     return shapes, len(shards)
 
 

@@ -38,6 +38,7 @@ ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
 MODEL_TYPES = dict(zip(ARCHITECTURES, ("llama", "mistral", "qwen2", "qwen3")))
 CONFIG, WEIGHTS, INDEX, TOKENIZER = "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json"
 FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16}
+SAVE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": jnp.bfloat16}  # config.json's names
 
 
 class CheckpointError(ValueError):
@@ -158,8 +159,9 @@ def architecture_of(cfg: GPTConfig) -> str:
     return arch
 
 
-def config_to_hf(cfg: GPTConfig) -> dict:
-    """The config.json dict of `cfg` (transformers 5 form, `rope_parameters`; rope_theta also at top level)."""
+def config_to_hf(cfg: GPTConfig, dtype: str = "float32") -> dict:
+    """The config.json dict of `cfg` (transformers 5 form, `rope_parameters`; rope_theta also at top level) whose
+    tensors are stored in `dtype` (`dtype`, and `torch_dtype` as transformers 4 reads it)."""
     arch = architecture_of(cfg)
     rope = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling, "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling != "none":
@@ -188,7 +190,8 @@ def config_to_hf(cfg: GPTConfig) -> dict:
         "tie_word_embeddings": cfg.tie_embeddings,
         "rope_theta": cfg.rope_theta,
         "rope_parameters": rope,
-        "dtype": "float32",
+        "dtype": dtype,
+        "torch_dtype": dtype,
     }
     if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
         hf["attention_bias"] = cfg.qkv_bias
@@ -474,28 +477,47 @@ def _size_bytes(size) -> int:
     raise ValueError(f"max_shard_size {size!r}: expected bytes or a size such as '5GB' or '500MB'")
 
 
-def save_pretrained(model: GPT, cfg: GPTConfig, path: str, *, max_shard_size="5GB", tokenizer: str | None = None):
+def save_pretrained(
+    model: GPT,
+    cfg: GPTConfig,
+    path: str,
+    *,
+    max_shard_size="5GB",
+    tokenizer: str | None = None,
+    dtype: str | None = None,
+) -> list[str]:
     """Writes `config.json`, `model-0000k-of-0000n.safetensors` (each at most max_shard_size, one tensor
     possibly more) and `model.safetensors.index.json`; copies `tokenizer` (a tokenizer.json; default: the one
-    of the directory the model was loaded from, if any).
+    of the directory the model was loaded from, if any). dtype: "float32", "bfloat16" or "float16", the
+    tensors' dtype in the files and config.json's `dtype`/`torch_dtype` (default: the parameters' own).
     Gathered one HF tensor (one layer's slice) at a time. Returns the list of files written."""
     from safetensors.numpy import save_file
 
     limit = _size_bytes(max_shard_size)
     if limit <= 0:
         raise ValueError(f"max_shard_size {max_shard_size!r} must be positive")
-    hf = config_to_hf(cfg)
+    state = nnx.to_pure_dict(nnx.state(model))
+    if dtype is None:
+        own = {jnp.dtype(a.dtype).name for a in jax.tree.leaves(state)}
+        dtype = own.pop() if len(own) == 1 else "float32"
+    dtype = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"save_pretrained dtype {dtype!r}: expected one of {', '.join(SAVE_DTYPES)}")
+    np_dtype = jnp.dtype(SAVE_DTYPES[dtype])
+    hf = config_to_hf(cfg, dtype)
     tokenizer = tokenizer or getattr(model, "hf_tokenizer", None)
     if tokenizer is not None:
         check_tokenizer(tokenizer, cfg.vocab_size, "the model's config")
     os.makedirs(path, exist_ok=True)
-    state = nnx.to_pure_dict(nnx.state(model))
     tensors = []  # (HF name, a function producing it as numpy)
     for path_, arr in flatten_dict(state).items():
         pattern, transposed, stacked = _hf_name(path_)
+        nbytes = np_dtype.itemsize * math.prod(arr.shape[1 if stacked else 0 :])
         for i in range(arr.shape[0] if stacked else 1):
-            get = lambda a=arr, i=i, st=stacked, t=transposed: _gather(a[i] if st else a, t)
-            tensors.append((pattern.format(i=i), get, arr.dtype.itemsize * math.prod(arr.shape[1 if stacked else 0 :])))
+            get = lambda a=arr, i=i, st=stacked, t=transposed: _gather(a[i] if st else a, t).astype(
+                np_dtype, copy=False
+            )
+            tensors.append((pattern.format(i=i), get, nbytes))
     tensors.sort(key=lambda t: _sort_key(t[0]))
     shards, current, size = [], [], 0
     for name, get, nbytes in tensors:
@@ -537,8 +559,6 @@ def to_hf_tensors(tree: dict) -> dict:
 
 def _gather(arr, transposed: bool) -> np.ndarray:
     out = np.asarray(jax.device_get(arr))
-    if out.dtype == jnp.bfloat16:
-        raise CheckpointError("save_pretrained writes float32 or float16 parameters; cast the bfloat16 model first")
     return np.ascontiguousarray(out.T if transposed else out)
 
 

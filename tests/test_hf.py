@@ -200,6 +200,49 @@ def test_sharded_load_reads_runs_of_rows_and_keeps_no_file_mapped(monkeypatch):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def _tensors(directory) -> dict:
+    """{name: (safetensors dtype, numpy array)} of every tensor of a saved directory."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(os.listdir(directory)):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(directory, file), framework="numpy") as f:
+                out.update({name: (f.get_slice(name).get_dtype(), f.get_tensor(name)) for name in f.keys()})  # noqa: SIM118
+    return out
+
+
+def test_save_in_bfloat16_and_load_again_bit_exact(tmp_path):
+    """save_pretrained(..., dtype="bfloat16") writes BF16 tensors (the float32 ones rounded to nearest even, as
+    torch's .to(torch.bfloat16)) with dtype/torch_dtype "bfloat16" in config.json; loaded in bfloat16 and saved
+    again (its own dtype by default), every tensor is bit-identical."""
+    import ml_dtypes
+    from safetensors.numpy import load_file
+
+    src = os.path.join(FIXTURES, "qwen3")
+    model, cfg = hf.load_pretrained(src)
+    first, second = tmp_path / "bf16", tmp_path / "again"
+    hf.save_pretrained(model, cfg, str(first), dtype="bfloat16", max_shard_size="40KB")
+    config = json.loads((first / "config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+    saved = _tensors(first)
+    original = load_file(os.path.join(src, "model.safetensors"))
+    assert set(saved) == set(original) and {d for d, _ in saved.values()} == {"BF16"}
+    for name, value in original.items():
+        want = value.astype(ml_dtypes.bfloat16).view(np.uint16)
+        np.testing.assert_array_equal(saved[name][1].view(np.uint16), want, err_msg=name)
+    again, cfg2 = hf.load_pretrained(str(first), dtype=jnp.bfloat16)
+    assert cfg2 == cfg and {a.dtype for a in jax.tree.leaves(nnx_pure(again))} == {jnp.dtype(jnp.bfloat16)}
+    hf.save_pretrained(again, cfg2, str(second), max_shard_size="40KB")
+    assert json.loads((second / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    resaved = _tensors(second)
+    for name, (dtype, value) in saved.items():
+        assert resaved[name][0] == dtype
+        np.testing.assert_array_equal(resaved[name][1].view(np.uint16), value.view(np.uint16), err_msg=name)
+    with pytest.raises(ValueError, match="save_pretrained dtype 'int8': expected one of float32, float16, bfloat16"):
+        hf.save_pretrained(model, cfg, str(tmp_path / "no"), dtype="int8")
+
+
 def nnx_pure(model):
     from flax import nnx
 

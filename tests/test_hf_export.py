@@ -84,3 +84,34 @@ def test_the_runs_tokenizer_is_shipped(tmp_path):
     )
     assert pick({"init_from": None, "tokenizer": "bytes", "data": str(tmp_path / "b")}).startswith(str(tmp_path / "b"))
     assert pick({"tokenizer": "bytes", "data": str(tmp_path / "nowhere")}) is None
+
+
+def test_export_of_a_bf16_run_writes_bfloat16(checkpoint, tmp_path, monkeypatch):
+    """A run trained in --precision bf16 exports BF16 tensors with torch_dtype bfloat16 (what transformers
+    expects of such a checkpoint): the float32 export's tensors rounded; --dtype float32 keeps them."""
+    import ml_dtypes
+    from safetensors.numpy import load_file
+
+    import jaxring.eval.loading as loading
+
+    real = loading.checkpoint_metadata
+
+    def bf16_run(path, step):
+        step, metadata = real(path, step)
+        return step, {**metadata, "config": {**metadata["config"], "precision": "bf16"}}
+
+    monkeypatch.setattr(loading, "checkpoint_metadata", bf16_run)
+    bf16, fp32 = tmp_path / "bf16", tmp_path / "fp32"
+    hf_export.export(str(checkpoint), str(bf16))
+    hf_export.export(str(checkpoint), str(fp32), dtype="float32")
+    config = json.loads((bf16 / "config.json").read_text())
+    assert config["torch_dtype"] == config["dtype"] == "bfloat16"
+    assert json.loads((fp32 / "config.json").read_text())["torch_dtype"] == "float32"
+    got, want = {}, {}
+    for directory, into in ((bf16, got), (fp32, want)):
+        for f in directory.glob("*.safetensors"):
+            into.update(load_file(str(f)))
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name].dtype == ml_dtypes.bfloat16 and want[name].dtype == np.float32, name
+        np.testing.assert_array_equal(got[name], want[name].astype(ml_dtypes.bfloat16), err_msg=name)
