@@ -1,13 +1,13 @@
-"""`python -m models.hf export CHECKPOINT_DIR OUT_DIR [--step N]`: a training checkpoint of a GPT run
-(`train.py --checkpoint-dir`) written as a Hugging Face directory (config.json, safetensors, tokenizer.json).
+"""`python -m models.hf export CHECKPOINT_DIR OUT_DIR [--step N] [--dtype D]`: a training checkpoint of a GPT
+run (`train.py --checkpoint-dir`) written as a Hugging Face directory (config.json, safetensors, tokenizer.json).
 
 Only the parameters are read (`jaxring.eval.loading`: orbax's partial restore, checksums compared), each
 sharded ZeRO-3-style over the local devices, in layer order whatever pipeline trained them (the trainer saves
 interleaved stages in layer order); `models.hf.save_pretrained` gathers one tensor at a time, in bfloat16 for
-a run trained in --precision bf16 (--dtype to choose). The
-tokenizer.json shipped is the run's: its --init-from directory's, else its --tokenizer's, else its --data
-store's (none for a byte-level run). A mistake (a missing directory, a checkpoint of another model family or
-of a GPT no Hugging Face architecture stores, an OUT_DIR that holds files) is one line and exit code 2.
+a run trained in --precision bf16 (--dtype to choose). The tokenizer.json shipped is the run's: its
+--init-from directory's, else its --tokenizer's, else its --data store's (none for a byte-level run). A
+mistake (a missing directory, a checkpoint of another model family or of a GPT no Hugging Face architecture
+stores, an OUT_DIR that holds files) is one line and exit code 2.
 """
 
 from __future__ import annotations
