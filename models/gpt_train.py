@@ -164,13 +164,14 @@ class GPTTask:
 
     def export(self, model, log) -> None:
         """--export-hf DIR: the trained model written as a Hugging Face checkpoint (with the tokenizer.json of
-        --init-from or --tokenizer, when there is one)."""
+        --init-from or --tokenizer, when there is one), in bfloat16 when trained in --precision bf16."""
         export = self.spec.model.export_hf
         if export is None:
             return
         from models import hf
 
-        files = hf.save_pretrained(model, self.config, export, tokenizer=self._tokenizer_file())
+        dtype = "bfloat16" if self.spec.training.precision == "bf16" else None
+        files = hf.save_pretrained(model, self.config, export, tokenizer=self._tokenizer_file(), dtype=dtype)
         log(f"exported the model to {export} ({len(files)} files)")
 
     def _tokenizer_file(self) -> str | None:
