@@ -377,7 +377,11 @@ def load_pretrained(
     dtype: the parameters' dtype (default float32). Every tensor's presence, shape and dtype is checked before
     any is read (and a tokenizer.json beside it against vocab_size), so a bad checkpoint fails in one line
     before anything is placed. overrides: GPTConfig fields changed from config.json's that keep every
-    parameter's shape (RoPE scaling for context extension)."""
+    parameter's shape (RoPE scaling for context extension).
+
+    The layer stack is in the checkpoint's (natural) layer order. A plan whose pipeline schedule stores its
+    stack in another order (`plan.layer_order(num_layers)` not None: interleaved stages) is reordered by the
+    training loop; code that calls the plan's step itself applies `stack[plan.layer_order(n)]` first."""
     cfg = read_config(path)
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides)
