@@ -24,6 +24,11 @@ from models import dit, gpt
 
 GPT = gpt.GPTConfig(vocab_size=128, num_layers=2, hidden=64, num_heads=8, ffn=256)
 MOE = dataclasses.replace(GPT, activation="swiglu", ffn=128, num_experts=8, experts_per_token=2)
+# every bias and QK-norm (their gradients in the ZeRO collectives; a bias is not gathered again backward)
+BIASED = dataclasses.replace(GPT, qkv_bias=True, proj_bias=True, mlp_bias=True, qk_norm=True)
+# 2 K/V heads (fewer than tp = 4: each replicated on 2 ranks) of their own width (head_dim 16, not hidden / heads)
+FEW_KV = dataclasses.replace(GPT, num_kv_heads=2, head_dim=16)
+MQA = dataclasses.replace(GPT, num_kv_heads=1)
 DIT = dit.DiTConfig(image_size=16, channels=4, patch_size=2, num_layers=2, hidden=64, num_heads=8)
 
 
@@ -88,6 +93,19 @@ BYTES_CASES = {
     "optimus": ("gpt", GPT, 8, Candidate(dp=2, tp=4, tensor_parallel="optimus", micro_batch=4)),
     "pipeline 1f1b": ("gpt", GPT, 16, Candidate(dp=4, pp=2, pipeline_schedule="1f1b", microbatches=4, micro_batch=1)),
     "experts": ("gpt", MOE, 8, Candidate(dp=2, ep=4, micro_batch=1)),
+    "biases and qk-norm, zero3": ("gpt", BIASED, 8, Candidate(dp=2, sp=4, attention="ulysses", zero=3, micro_batch=4)),
+    "kv heads < tp, ring x megatron": (
+        "gpt",
+        FEW_KV,
+        8,
+        Candidate(tp=4, sp=2, attention="ring", tensor_parallel="megatron", micro_batch=8),
+    ),
+    "one kv head < ulysses x megatron": (
+        "gpt",
+        MQA,
+        8,
+        Candidate(tp=2, sp=4, attention="ulysses", tensor_parallel="megatron", micro_batch=8),
+    ),
     "dit ring x megatron": (
         "dit",
         DIT,

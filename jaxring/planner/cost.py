@@ -113,7 +113,7 @@ def shapes(w: Workload, c: Candidate, plan: ParallelPlan | None = None, cpu: boo
         hidden=cfg.hidden,
         heads=heads,
         kv_heads=kv,
-        head_dim=cfg.hidden // heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden // heads,  # a GPT may set its own (Qwen3)
         ffn=cfg.ffn_size,
         ffn_matrices=3 if getattr(cfg, "activation", "gelu") == "swiglu" else 2,
         vocab=getattr(cfg, "vocab_size", None),
