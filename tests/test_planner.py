@@ -32,9 +32,9 @@ MQA = dataclasses.replace(GPT, num_kv_heads=1)
 DIT = dit.DiTConfig(image_size=16, channels=4, patch_size=2, num_layers=2, hidden=64, num_heads=8)
 
 
-def _workload(model, config, batch, seq=64):
+def _workload(model, config, batch, seq=64, documents=False):
     seq = config.num_tokens if model == "dit" else seq
-    return Workload(model, config, seq, batch, "fp32")
+    return Workload(model, config, seq, batch, "fp32", documents=documents)
 
 
 _COMPILED = {}
@@ -54,6 +54,7 @@ def _compile(w: Workload, c: Candidate):
             precision=w.precision,
             remat=c.remat,
             grad_accum=c.steps(w) if c.pp == 1 else 1,
+            documents=w.documents,
         )
     return _COMPILED[key]
 
@@ -121,6 +122,47 @@ def test_predicted_bytes_per_axis_equal_the_compiled_step(name):
     w = _workload(model, config, batch)
     measured = _measured_bytes(_compile(w, c), c, w)
     assert _predicted_bytes(w, c) == measured, name
+
+
+# packed documents: the int32 segment ids travel with K/V (rings, all-gathers, the init map); every layer reads
+# the same ids, so XLA moves most of them once per micro-step (jaxring.costs.segment_once, segment_ring)
+DOCUMENT_CASES = {
+    "usp, accumulation": Candidate.of(dp=2, sp=4, attention="usp", ulysses_size=2, micro_batch=2),
+    "wallfacer": Candidate.of(sp=8, attention="wallfacer", team_size=2, micro_batch=8),
+    "ring x megatron": Candidate(tp=2, sp=4, attention="ring", tensor_parallel="megatron", micro_batch=8),
+    "ring": Candidate(sp=8, attention="ring", micro_batch=8),
+    "ulysses": Candidate(dp=2, sp=4, attention="ulysses", micro_batch=4),
+    "allgather": Candidate(dp=2, sp=4, attention="allgather", micro_batch=4),
+    "rsa": Candidate(sp=8, attention="rsa", micro_batch=8),
+}
+_FAST_DOCUMENT_CASES = ("usp, accumulation", "wallfacer", "ring x megatron")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=[] if n in _FAST_DOCUMENT_CASES else [pytest.mark.slow]) for n in DOCUMENT_CASES],
+)
+def test_predicted_bytes_with_packed_documents_equal_the_compiled_step(name):
+    c = DOCUMENT_CASES[name]
+    w = _workload("gpt", dataclasses.replace(GPT, num_layers=3), 8, documents=True)
+    measured = _measured_bytes(_compile(w, c), c, w)
+    assert _predicted_bytes(w, c) == measured, name
+    without = _predicted_bytes(dataclasses.replace(w, documents=False), c)
+    assert sum(measured.values()) > sum(without.values())  # the ids are priced, not already counted
+
+
+def test_planner_workload_has_packed_documents_where_the_run_does(tmp_path):
+    """The GPT trains on packed documents from a store (the default data too), on windows from a .bin; the
+    planner's workload (`--plan auto`) follows, and a DiT packs none."""
+    from jaxring.planner.fit import workload_of
+    from jaxring.spec import RunSpec
+
+    assert workload_of(RunSpec.of(preset="tiny")).documents
+    tokens = tmp_path / "train.bin"
+    tokens.write_bytes(bytes(4096))
+    assert not workload_of(RunSpec.of(preset="tiny", data=str(tokens))).documents
+    with pytest.raises(ValueError, match="documents=True: the dit family"):
+        _workload("dit", DIT, 8, documents=True)
 
 
 def test_axis_traffic_splits_what_collective_traffic_counts():

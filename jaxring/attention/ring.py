@@ -57,7 +57,7 @@ from jaxring.attention.masking import check_qkv, check_window, positions_may_mee
 from jaxring.attention.merge import empty_partial
 from jaxring.attention.ring_step import add_block_grads, attend_block, pair_work, run_work, split_runs
 from jaxring.collectives import BACKWARD, ring_steps, ring_steps_accumulating, send_to_next
-from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer
+from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer, segment_ring
 from jaxring.registry import SequenceStrategy, register_sequence_strategy
 from jaxring.vma import vary_like
 
@@ -393,7 +393,8 @@ def ring_cost(s: AttentionShape, options: dict) -> AttentionCost:
     """The module docstring's traffic (the playbook; WallFacer Eq. 2: P·2BNH/P): forward 2(P-1) K/V blocks,
     backward 2(P-1) K/V blocks + 2P fp32 dK/dV blocks, both hidden behind the block compute. Kept: out and
     lse (fp32; on CPU a running pair per Q tile and step). Working: the received and sent K/V (2 each) and
-    the fp32 dK/dV accumulators in flight (4), dQ."""
+    the fp32 dK/dV accumulators in flight (4), dQ. Packed documents: their segment ids ride the K/V hops
+    (`jaxring.costs.segment_ring`)."""
     del options
     P, axes = s.sp, tuple(s.axes)
     kv, kv32, q32 = s.kv_bytes(s.e), s.kv_bytes(F32), s.q_bytes(F32)
@@ -401,6 +402,7 @@ def ring_cost(s: AttentionShape, options: dict) -> AttentionCost:
         transfers=(
             Transfer("ring K/V forward", axes, 2 * (P - 1) * kv, P - 1, "attention"),
             Transfer("ring K/V + fp32 dK/dV backward", axes, 2 * (P - 1) * kv + 2 * P * kv32, P, "attention"),
+            *segment_ring("ring segment ids", axes, P - 1, s.segment_bytes(), s.cpu),
         ),
         saved=(P if s.cpu else 1) * q_tiles(s.n, s.cpu) * (q32 + s.rows_bytes()),
         working=4 * s.kv_bytes(s.em) + 4 * kv32 + q32,

@@ -14,7 +14,9 @@ Units: bytes per device (what one device receives, as `jaxring.analysis.compiled
 `steps` micro-steps (gradient accumulation, or the pipeline's micro-batches) and one optimizer update.
 Notation (per device, one micro-step): b rows, n tokens of the sequence shard, h hidden, e bytes per
 activation element (2 bf16, 4 fp32; collectives on XLA:CPU move 4), F = 4 (fp32 weights, gradients and
-accumulators), L' = layers on this device, Ψ parameters per device.
+accumulators), L' = layers on this device, Ψ parameters per device. A workload of packed documents
+(`Workload.documents`: the GPT from a document store) prices their int32 segment ids where the strategy moves
+them; a move every layer repeats identically (phase "micro-step") counts once per micro-step.
 
 Gradients over the replica axes (data and sequence, R devices, the playbook's ZeRO): stage 0 all-reduce
 2(R-1)/R·Ψ·F; stages 1-2 reduce-scatter + all-gather (R-1)/R·Ψ·F each (stage 2 scatters every micro-step);
@@ -147,6 +149,7 @@ def shapes(w: Workload, c: Candidate, plan: ParallelPlan | None = None, cpu: boo
         causal=m.causal,
         cpu=cpu,
         axes={a: sizes[a] for a in plan.seq_axes},
+        segments=w.documents,
     )
     core = method.attention_core_cost(m, x)
     if core is None:
@@ -359,8 +362,9 @@ def traffic(
     s = s if s is not None else shapes(w, c, plan, cpu)
     per_layer = list(s.core.transfers) + s.method.layer_transfers(s.model, s.local) + moe_layer(w, s)
     out = [
-        dataclasses.replace(t, bytes=t.bytes * s.layers * s.steps, messages=t.messages * s.layers * s.steps)
+        dataclasses.replace(t, bytes=t.bytes * n * s.steps, messages=t.messages * n * s.steps)
         for t in per_layer
+        for n in [1 if t.phase == "micro-step" else s.layers]  # "micro-step": layer-invariant (segment ids)
     ]
     out += [
         dataclasses.replace(t, bytes=t.bytes * s.steps, messages=t.messages * s.steps)
