@@ -184,6 +184,8 @@ class AttentionShape:
     cpu: bool  # XLA:CPU: the jnp block ops (their per-tile residuals and score tiles)
     axes: dict  # {axis: size} of the strategy's view of sp
     segments: bool = False
+    window: int | None = None  # a sliding window W (causal): query i sees keys i - W < j <= i
+    layout: str = "contiguous"  # the data-side token layout over the strategy's view
 
     @property
     def sp(self) -> int:
@@ -221,6 +223,8 @@ class AttentionCost:
     block_q/block_k rows and columns of one per-block compute (default n); with `cpu`, the planner adds the
                     jnp block ops' score tiles of that size for `tile_heads` heads (default all)
     extra_attention attention FLOPs it spends beyond the model's, as a multiple of them (RSA's causal half)
+    window_share    the share of its attention FLOPs it still computes under the shape's sliding window (the
+                    ring skips steps wholly outside it; default 1: no credit claimed)
     """
 
     transfers: tuple[Transfer, ...] = ()
@@ -231,6 +235,7 @@ class AttentionCost:
     block_k: int | None = None
     tile_heads: int | None = None
     extra_attention: float = 0.0
+    window_share: float = 1.0
 
     def kept(self, remat: str) -> float:
         """Bytes kept per layer for the backward under `remat` ("none", "selective", "full")."""

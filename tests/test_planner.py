@@ -29,6 +29,7 @@ BIASED = dataclasses.replace(GPT, qkv_bias=True, proj_bias=True, mlp_bias=True, 
 # 2 K/V heads (fewer than tp = 4: each replicated on 2 ranks) of their own width (head_dim 16, not hidden / heads)
 FEW_KV = dataclasses.replace(GPT, num_kv_heads=2, head_dim=16)
 MQA = dataclasses.replace(GPT, num_kv_heads=1)
+WINDOWED = dataclasses.replace(GPT, sliding_window=16)
 DIT = dit.DiTConfig(image_size=16, channels=4, patch_size=2, num_layers=2, hidden=64, num_heads=8)
 
 
@@ -113,10 +114,15 @@ BYTES_CASES = {
         8,
         Candidate(tp=2, sp=4, attention="ring", tensor_parallel="megatron", micro_batch=8),
     ),
+    # a sliding window: the ring skips the steps outside it but every hop stays (the same bytes)
+    "ring, sliding window": ("gpt", WINDOWED, 8, Candidate(sp=8, attention="ring", micro_batch=8)),
 }
+_SLOW_BYTES_CASES = ("ring, sliding window",)  # a 10 s compile of bytes the ring case already prices
 
 
-@pytest.mark.parametrize("name", list(BYTES_CASES))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] if n in _SLOW_BYTES_CASES else []) for n in BYTES_CASES]
+)
 def test_predicted_bytes_per_axis_equal_the_compiled_step(name):
     model, config, batch, c = BYTES_CASES[name]
     w = _workload(model, config, batch)
@@ -163,6 +169,23 @@ def test_planner_workload_has_packed_documents_where_the_run_does(tmp_path):
     assert not workload_of(RunSpec.of(preset="tiny", data=str(tokens))).documents
     with pytest.raises(ValueError, match="documents=True: the dit family"):
         _workload("dit", DIT, 8, documents=True)
+
+
+def test_sliding_window_prices_the_attention_the_core_computes():
+    """The ring computes only the steps that reach inside the window (its `window_share`, checked against the
+    ring's own count in tests/test_window.py): the planner's attention FLOPs shrink by that share; a core that
+    claims no skipping (Ulysses) keeps the causal count."""
+    from jaxring.attention.ring import ring_window_share
+
+    windowed, full = (_workload("gpt", config, 8, seq=128) for config in (WINDOWED, GPT))
+    for c, share in (
+        (Candidate(sp=8, attention="ring", micro_batch=8), ring_window_share("zigzag", 8, 16, 16)),
+        (Candidate(sp=8, attention="ulysses", micro_batch=8), 1.0),
+    ):
+        _, attention, _ = cost.compute_flops(windowed, c, "none", cost.shapes(windowed, c, cpu=True))
+        _, causal, _ = cost.compute_flops(full, c, "none", cost.shapes(full, c, cpu=True))
+        assert attention == pytest.approx(share * causal), c.attention
+    assert ring_window_share("zigzag", 8, 16, 16) == pytest.approx(6 / 17)  # tests/test_window.py's counts
 
 
 def test_axis_traffic_splits_what_collective_traffic_counts():

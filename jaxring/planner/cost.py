@@ -150,6 +150,8 @@ def shapes(w: Workload, c: Candidate, plan: ParallelPlan | None = None, cpu: boo
         cpu=cpu,
         axes={a: sizes[a] for a in plan.seq_axes},
         segments=w.documents,
+        window=getattr(cfg, "sliding_window", None) if w.causal else None,
+        layout=plan.seq_layout(w.causal) if plan.seq_axes else "contiguous",
     )
     core = method.attention_core_cost(m, x)
     if core is None:
@@ -577,7 +579,8 @@ def compute_flops(w: Workload, c: Candidate, remat: str, s: Shapes) -> tuple[flo
     """(FLOPs per device per step, of which the attention core's, of which the FFN's), with what the plan
     recomputes: full remat a layer's forward again (+1/3 of the layers' FLOPs), selective the attention
     core's forward, a method that recomputes its forward (METP: Q, K, V and f(AB), Algorithms 2 and 6) the
-    same as full remat, and the attention core's own extra work (RSA: the masked half of causal scores)."""
+    same as full remat, and the attention core's own extra work (RSA: the masked half of causal scores), less
+    what it skips outside a sliding window (its `window_share`)."""
     cfg, seq = w.config, w.seq_len
     tokens = w.tokens_per_step
     causal = 0.5 if w.causal else 1.0
@@ -587,17 +590,18 @@ def compute_flops(w: Workload, c: Candidate, remat: str, s: Shapes) -> tuple[flo
         mats * cfg.hidden * cfg.ffn_size if moe is None else moe.experts_per_token * mats * cfg.hidden * moe.ffn
     )
     ffn = 6 * cfg.num_layers * ffn_params * tokens
-    total = w.flops_per_step()
+    computed = attention * s.core.window_share
+    total = w.flops_per_step() - (attention - computed)
     layers = total - (6 * s.model.vocab * cfg.hidden * tokens if s.model.vocab is not None else 0)
     extra = 0.0
     if remat == "full" or s.method.recomputes_forward:
         extra += layers / 3
     elif remat == "selective":
-        extra += attention / 3
+        extra += computed / 3
     if s.core.extra_attention:
         extra += s.core.extra_attention * attention
     n = c.devices
-    return (total + extra) / n, attention / n, ffn / n
+    return (total + extra) / n, computed / n, ffn / n
 
 
 def link(axes: tuple[str, ...], locality: dict, cluster: Cluster) -> tuple[float, float]:
