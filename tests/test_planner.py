@@ -372,6 +372,8 @@ def test_command_line_table_json_and_errors(capsys):
     assert planner_main(argv + ["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert len(data["plans"]) == 3 and data["workload"]["global_batch"] == 8
+    assert planner_main(argv + ["--json", "--documents"]) == 0
+    assert json.loads(capsys.readouterr().out)["workload"]["documents"]
     assert set(data["plans"][0]["memory_bytes"]) >= {"params", "activations", "total"}
     assert (
         planner_main(
