@@ -64,8 +64,17 @@ def constant(
     heads: int | None = None,
     dtype: jnp.dtype = jnp.float32,
 ) -> nnx.Param:
-    """An nnx.Param filled with `value` (biases 0, norm scales 1), with its logical axes."""
+    """An nnx.Param filled with `value` (norm scales 1), with its logical axes."""
     return nnx.Param(jnp.full(shape, value, dtype), logical_axes=tuple(logical_axes), heads=heads)
+
+
+BIAS = "is_bias"  # a parameter's metadata: an additive bias (its backward reads no weight; see bias_param())
+
+
+def bias_param(shape: tuple[int, ...], logical_axes: Sequence[str | None], *, heads: int | None = None) -> nnx.Param:
+    """An additive bias: an fp32 nnx.Param of zeros with its logical axes, marked `BIAS` in its metadata (its
+    gradient is the output's, so ZeRO-3's backward gathers no copy of it: `jaxring.planner.params`)."""
+    return nnx.Param(jnp.zeros(shape, jnp.float32), logical_axes=tuple(logical_axes), heads=heads, **{BIAS: True})
 
 
 class Attention(nnx.Module):
@@ -108,11 +117,11 @@ class Attention(nnx.Module):
         self.wv = param(rngs, (hidden, num_kv_heads * head_dim), ("embed", "kv_heads"), std, heads=num_kv_heads)
         self.wo = param(rngs, (num_heads * head_dim, hidden), ("heads", "embed"), out_std or std, heads=num_heads)
         if qkv_bias:
-            self.bq = constant((num_heads * head_dim,), ("heads",), 0.0, heads=num_heads)
-            self.bk = constant((num_kv_heads * head_dim,), ("kv_heads",), 0.0, heads=num_kv_heads)
-            self.bv = constant((num_kv_heads * head_dim,), ("kv_heads",), 0.0, heads=num_kv_heads)
+            self.bq = bias_param((num_heads * head_dim,), ("heads",), heads=num_heads)
+            self.bk = bias_param((num_kv_heads * head_dim,), ("kv_heads",), heads=num_kv_heads)
+            self.bv = bias_param((num_kv_heads * head_dim,), ("kv_heads",), heads=num_kv_heads)
         if proj_bias:
-            self.bo = constant((hidden,), ("embed",), 0.0)
+            self.bo = bias_param((hidden,), ("embed",))
         if qk_norm:
             self.q_norm = constant((head_dim,), (None,), 1.0)
             self.k_norm = constant((head_dim,), (None,), 1.0)
@@ -203,10 +212,10 @@ class MLP(nnx.Module):
             self.w_gate = param(rngs, (hidden, ffn), ("embed", "mlp"), hidden**-0.5)
         self.w_out = param(rngs, (ffn, hidden), ("mlp", "embed"), out_std or ffn**-0.5)
         if bias:
-            self.b_in = constant((ffn,), ("mlp",), 0.0)
+            self.b_in = bias_param((ffn,), ("mlp",))
             if activation == "swiglu":
-                self.b_gate = constant((ffn,), ("mlp",), 0.0)
-            self.b_out = constant((hidden,), ("embed",), 0.0)
+                self.b_gate = bias_param((ffn,), ("mlp",))
+            self.b_out = bias_param((hidden,), ("embed",))
 
     WEIGHTS = ("w_in", "w_gate", "w_out", "b_in", "b_gate", "b_out")
 
@@ -252,7 +261,7 @@ class LayerNorm(nnx.Module):
         del rngs
         self.eps = eps
         self.scale = nnx.Param(jnp.ones((hidden,), jnp.float32), logical_axes=("embed",))
-        self.bias = nnx.Param(jnp.zeros((hidden,), jnp.float32), logical_axes=("embed",))
+        self.bias = bias_param((hidden,), ("embed",))
 
     def __call__(self, x: jax.Array, plan: ParallelPlan) -> jax.Array:
         """Computed in fp32, returned in x's dtype."""

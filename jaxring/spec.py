@@ -480,6 +480,8 @@ def check_setting(section: type, name: str, value: object) -> None:
     choices = _choices(f.metadata)
     if choices is not None:
         if value not in choices:
+            if not choices:  # e.g. the model families of a clone that was not installed
+                raise ValueError(f"{label} {value!r}: none is installed (pip install -e . declares them)")
             shown = ", ".join(map(str, choices))
             raise ValueError(f"{label} {value!r} is not one of {shown}{nearest(str(value), map(str, choices))}")
         return

@@ -116,6 +116,7 @@ def _compile(spec: RunSpec, devices: list) -> tuple[float, float, str]:
         offload=spec.memory.offload,
         grad_accum=t.grad_accum,
         clip=spec.optimizer.clip,
+        documents=w.documents,
     )
     m = compiled.memory_analysis()
     peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes

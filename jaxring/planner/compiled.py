@@ -122,15 +122,18 @@ def build_train_step(
     remat: str = "full",
     offload: str = "none",
     clip: float | None = 1.0,
+    documents: bool = False,
 ) -> tuple[Callable[..., Any], tuple]:
     """(step, abstract args) of the trainer's jitted update for a `config` GPT or DiT on `plan` with a global
-    batch of `batch` sequences (images), without allocating anything."""
+    batch of `batch` sequences (images), without allocating anything; documents: batches of packed documents
+    (the family's objective with their segment ids, as the trainer builds it from a document store)."""
     from jaxring.nn import param_placements
     from jaxring.task import model_family
     from jaxring.train.step import TrainStep
 
     family = model_family(model_kind)
-    objective = family.objective(config, batch, seq_len)
+    packed = {"documents": True} if documents else {}  # a family without documents takes no such argument
+    objective = family.objective(config, batch, seq_len, **packed)
     model = nnx.eval_shape(lambda: family.build(config, nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     tx = optax.adamw(1e-3)
@@ -151,7 +154,7 @@ def build_train_step(
     params = _abstract(nnx.to_pure_dict(state), step.shardings(step.param_specs))
     opt_specs = step.opt_state_specs(params)
     opt = _abstract(jax.eval_shape(tx.init, params), step.opt_state_shardings(opt_specs))
-    data = family.abstract_batch(config, plan, batch, seq_len)
+    data = family.abstract_batch(config, plan, batch, seq_len, **packed)
     args = (params, opt, data, jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((), jnp.float32))
     return step.build(opt_specs), args
 

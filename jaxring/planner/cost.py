@@ -14,7 +14,9 @@ Units: bytes per device (what one device receives, as `jaxring.analysis.compiled
 `steps` micro-steps (gradient accumulation, or the pipeline's micro-batches) and one optimizer update.
 Notation (per device, one micro-step): b rows, n tokens of the sequence shard, h hidden, e bytes per
 activation element (2 bf16, 4 fp32; collectives on XLA:CPU move 4), F = 4 (fp32 weights, gradients and
-accumulators), L' = layers on this device, Ψ parameters per device.
+accumulators), L' = layers on this device, Ψ parameters per device. A workload of packed documents
+(`Workload.documents`: the GPT from a document store) prices their int32 segment ids where the strategy moves
+them; a move every layer repeats identically (phase "micro-step") counts once per micro-step.
 
 Gradients over the replica axes (data and sequence, R devices, the playbook's ZeRO): stage 0 all-reduce
 2(R-1)/R·Ψ·F; stages 1-2 reduce-scatter + all-gather (R-1)/R·Ψ·F each (stage 2 scatters every micro-step);
@@ -114,7 +116,7 @@ def shapes(w: Workload, c: Candidate, plan: ParallelPlan | None = None, cpu: boo
         hidden=cfg.hidden,
         heads=heads,
         kv_heads=kv,
-        head_dim=cfg.hidden // heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden // heads,  # a GPT may set its own (Qwen3)
         ffn=cfg.ffn_size,
         ffn_matrices=3 if getattr(cfg, "activation", "gelu") == "swiglu" else 2,
         vocab=getattr(cfg, "vocab_size", None),
@@ -148,6 +150,9 @@ def shapes(w: Workload, c: Candidate, plan: ParallelPlan | None = None, cpu: boo
         causal=m.causal,
         cpu=cpu,
         axes={a: sizes[a] for a in plan.seq_axes},
+        segments=w.documents,
+        window=getattr(cfg, "sliding_window", None) if w.causal else None,
+        layout=plan.seq_layout(w.causal) if plan.seq_axes else "contiguous",
     )
     core = method.attention_core_cost(m, x)
     if core is None:
@@ -360,8 +365,9 @@ def traffic(
     s = s if s is not None else shapes(w, c, plan, cpu)
     per_layer = list(s.core.transfers) + s.method.layer_transfers(s.model, s.local) + moe_layer(w, s)
     out = [
-        dataclasses.replace(t, bytes=t.bytes * s.layers * s.steps, messages=t.messages * s.layers * s.steps)
+        dataclasses.replace(t, bytes=t.bytes * n * s.steps, messages=t.messages * n * s.steps)
         for t in per_layer
+        for n in [1 if t.phase == "micro-step" else s.layers]  # "micro-step": layer-invariant (segment ids)
     ]
     out += [
         dataclasses.replace(t, bytes=t.bytes * s.steps, messages=t.messages * s.steps)
@@ -591,7 +597,8 @@ def compute_flops(w: Workload, c: Candidate, remat: str, s: Shapes) -> tuple[flo
     """(FLOPs per device per step, of which the attention core's, of which the FFN's), with what the plan
     recomputes: full remat a layer's forward again (+1/3 of the layers' FLOPs), selective the attention
     core's forward, a method that recomputes its forward (METP: Q, K, V and f(AB), Algorithms 2 and 6) the
-    same as full remat, and the attention core's own extra work (RSA: the masked half of causal scores)."""
+    same as full remat, and the attention core's own extra work (RSA: the masked half of causal scores), less
+    what it skips outside a sliding window (its `window_share`)."""
     cfg, seq = w.config, w.seq_len
     tokens = w.tokens_per_step
     causal = 0.5 if w.causal else 1.0
@@ -601,17 +608,18 @@ def compute_flops(w: Workload, c: Candidate, remat: str, s: Shapes) -> tuple[flo
         mats * cfg.hidden * cfg.ffn_size if moe is None else moe.experts_per_token * mats * cfg.hidden * moe.ffn
     )
     ffn = 6 * cfg.num_layers * ffn_params * tokens
-    total = w.flops_per_step()
+    computed = attention * s.core.window_share
+    total = w.flops_per_step() - (attention - computed)
     layers = total - (6 * s.model.vocab * cfg.hidden * tokens if s.model.vocab is not None else 0)
     extra = 0.0
     if remat == "full" or s.method.recomputes_forward:
         extra += layers / 3
     elif remat == "selective":
-        extra += attention / 3
+        extra += computed / 3
     if s.core.extra_attention:
         extra += s.core.extra_attention * attention
     n = c.devices
-    return (total + extra) / n, attention / n, ffn / n
+    return (total + extra) / n, computed / n, ffn / n
 
 
 def link(axes: tuple[str, ...], locality: dict, cluster: Cluster) -> tuple[float, float]:

@@ -38,7 +38,8 @@ def workload_of(spec: RunSpec) -> Workload:
     from jaxring.task import model_family
 
     t = spec.training
-    causal = model_family(spec.model.model).causal  # a causal model's default 256 tokens; a DiT: its images
+    family = model_family(spec.model.model)
+    causal = family.causal  # a causal model's default 256 tokens; a DiT: its images
     return Workload.of(
         spec.model.model,
         spec.model.preset,
@@ -46,6 +47,7 @@ def workload_of(spec: RunSpec) -> Workload:
         image_size=t.image_size,
         global_batch=t.batch_size,
         precision=spec.compute_precision,
+        documents=family.documents is not None and family.documents(spec.data),
         **spec.model.overrides,
     )
 

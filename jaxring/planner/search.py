@@ -143,6 +143,7 @@ class Result:
                 "global_batch": w.global_batch,
                 "tokens_per_step": w.tokens_per_step,
                 "precision": w.precision,
+                "documents": w.documents,
                 "config": dataclasses.asdict(w.config),
             },
             "cluster": {
