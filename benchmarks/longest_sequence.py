@@ -401,7 +401,12 @@ def header(command: list[str]) -> dict:
         plugin = version("jax-cuda12-plugin")
     except PackageNotFoundError:
         plugin = None
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here)
     record.update(
+        commit=commit.stdout.strip(),
         command=" ".join(["python", "benchmarks/longest_sequence.py", *command]),
         device="deviceless compile for each row's target (XLA GpuTargetConfigProto: 8 x H100 SXM, 8 x H200, "
         "1 x H100 SXM), on a CPU host: " + record["device"],

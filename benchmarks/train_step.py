@@ -89,7 +89,7 @@ def measure(cfg, devices, steps, timed):
         row.update(step_time_s=median, tokens_per_s=trainer.task.tokens_per_step / median)
         from jaxring.train.loop import peak_flops
 
-        peak = peak_flops(jax.devices()[0], cfg.precision)
+        peak = peak_flops(jax.devices()[0], cfg.compute_precision)
         row["mfu"] = (
             None
             if peak is None

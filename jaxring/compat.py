@@ -10,6 +10,7 @@ Sections (one per area; add new uses to the matching one, or a new section):
   varying types    shard_map's varying-axes (check_vma) collectives (jaxring/vma.py)
   jaxprs           tracing, dead-code elimination and partial evaluation of jaxprs (jaxring/pipeline/)
   backends         JAX's backends and XLA's HLO cost analysis (jaxring/analysis/gpu.py)
+  memory kinds     host-memory arguments of a deviceless GPU program (jaxring/planner/compiled.py)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "hlo_cost_analysis",
     "is_literal",
     "partial_eval_jaxpr",
+    "place_in_host_memory",
     "register_cpu_ppermute_lowering_with_own_channels",
 ]
 
@@ -154,3 +156,36 @@ def executable_cost_analysis(compiled: jax.stages.Compiled) -> list[dict[str, fl
 
     backend = xla_bridge.get_backend("cpu")
     return [_jax.hlo_module_cost_analysis(backend, m) for m in compiled.runtime_executable().hlo_modules()]
+
+
+# -------------------------------------------------------------------------------------------- memory kinds
+
+
+def place_in_host_memory(lowered: jax.stages.Lowered, arguments: set[int], results: set[int]) -> None:
+    """Marks the flat arguments (by their index among the jitted function's leaves) and results of `lowered`
+    as living in pinned host memory, in place, before it is compiled.
+
+    For deviceless GPU compiles: the abstract devices of a topology list no memories, so a NamedSharding's
+    memory_kind="pinned_host" is dropped there and the arguments would be typed device. The lowered module
+    gets the `mhlo.memory_kind = "pinned_host"` attribute that jit gives such arguments on real devices.
+    Uses the lowering's `kept_var_idx` (arguments jit dropped as unused) and mutates `compiler_ir()`, which
+    `Lowered.compile` compiles. Checked on jax 0.10.2."""
+    from jax._src.lib.mlir import ir
+
+    module = lowered.compiler_ir("stablehlo")
+    kept = sorted(lowered._lowering.compile_args["kept_var_idx"])
+    position = {leaf: i for i, leaf in enumerate(kept)}
+    main = next(op for op in module.body.operations if ir.StringAttr(op.attributes["sym_name"]).value == "main")
+
+    def marked(name: str, indices: set[int]) -> ir.ArrayAttr:
+        attrs = []
+        for i, attr in enumerate(ir.ArrayAttr(main.attributes[name])):
+            entries = {a.name: a.attr for a in ir.DictAttr(attr)}
+            if i in indices:
+                entries["mhlo.memory_kind"] = ir.StringAttr.get("pinned_host")
+            attrs.append(ir.DictAttr.get(entries))
+        return ir.ArrayAttr.get(attrs)
+
+    with module.context:
+        main.attributes["arg_attrs"] = marked("arg_attrs", {position[a] for a in arguments if a in position})
+        main.attributes["res_attrs"] = marked("res_attrs", set(results))

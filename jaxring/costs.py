@@ -31,15 +31,48 @@ F32 = 4
 class Transfer:
     """Bytes one device receives over the run-mesh axes `axes`, in `messages` sequential messages; `overlap`
     names the compute it hides behind ("attention": a ring loop's per-step transfer; "ffn": METP's weight
-    ring), or None. An entry states it for one layer and one micro-step; the planner scales it. Axes of size
-    1 are dropped by the planner, so an entry may name every axis of its view."""
+    ring), or None. An entry states it for one layer and one micro-step (phase "micro-step": once per
+    micro-step, a layer-invariant move); the planner scales it. Axes of size 1 are dropped by the planner, so
+    an entry may name every axis of its view."""
 
     what: str
     axes: tuple[str, ...]
     bytes: float
     messages: int = 1
     overlap: str | None = None
-    phase: str = "layer"  # "layer": inside the micro-steps (pipeline ticks); "step": once per update
+    # "layer": each layer and micro-step; "micro-step": once per micro-step (layer-invariant); "step": per update
+    phase: str = "layer"
+
+
+def segment_once(what: str, axes: tuple[str, ...], nbytes: float) -> tuple[Transfer, ...]:
+    """Segment ids moved by a collective outside the ring loops (an all-gather, a permutation): every layer
+    reads the same ids, so the move is layer-invariant, once per micro-step (XLA hoists it out of the layer
+    scan; measured on the compiled CPU step)."""
+    return (Transfer(what, axes, nbytes, 1, None, "micro-step"),) if nbytes else ()
+
+
+def segment_ring(
+    what: str, axes: tuple[str, ...], hops: int, per_hop: float, cpu: bool, kv_side_backward: bool = True
+) -> tuple[Transfer, ...]:
+    """Segment ids riding a ring of `hops` hops each way with K/V (forward) and with K/V (kv_side_backward) or
+    the Q side (backward), `per_hop` bytes a hop. Every layer reads the same ids: on XLA:CPU the ring's sends
+    are layer-invariant and hoisted out of the layer scan, all of the forward's and the backward's first hop
+    (once per micro-step; on a ring of 2 the backward's first hop of the K/V ids is the forward's hop, sent
+    once), while the backward's other hops stay in each layer (measured on the compiled CPU step); the GPU
+    ring sends each hop's arrays as one buffer (`fuse_sends`): the ids in every hop of every layer."""
+    if hops < 1 or not per_hop:
+        return ()
+    if not cpu:
+        return (Transfer(f"{what} (in each hop's buffer)", axes, 2 * hops * per_hop, 2 * hops, "attention"),)
+    once = hops + (0 if hops == 1 and kv_side_backward else 1)
+    out = [
+        Transfer(
+            f"{what}: the forward's, the backward's first hop", axes, once * per_hop, once, "attention", "micro-step"
+        )
+    ]
+    if hops > 1:
+        out.append(Transfer(f"{what}: the backward's other hops", axes, (hops - 1) * per_hop, hops - 1, "attention"))
+    return tuple(out)
 
 
 def tree_rounds(q: int) -> int:
@@ -136,7 +169,8 @@ class LocalDims:
 class AttentionShape:
     """What one device's attention core sees in one micro-step: q [b, n, heads, d], k/v [b, n, kv_heads, d]
     (after the tensor method's split), and the run-mesh axes of the strategy's view with their sizes (in
-    run-mesh order, every axis of the view, sizes 1 included)."""
+    run-mesh order, every axis of the view, sizes 1 included). segments: the tokens are packed documents, and
+    their int32 segment ids [b, n] travel wherever the strategy moves K/V (or, backward, the Q side)."""
 
     b: int
     n: int
@@ -149,6 +183,9 @@ class AttentionShape:
     causal: bool
     cpu: bool  # XLA:CPU: the jnp block ops (their per-tile residuals and score tiles)
     axes: dict  # {axis: size} of the strategy's view of sp
+    segments: bool = False
+    window: int | None = None  # a sliding window W (causal): query i sees keys i - W < j <= i
+    layout: str = "contiguous"  # the data-side token layout over the strategy's view
 
     @property
     def sp(self) -> int:
@@ -169,6 +206,10 @@ class AttentionShape:
         """One fp32 per row and head (an lse or Δ): [b, n, heads]."""
         return self.b * self.n * self.heads * F32
 
+    def segment_bytes(self) -> int:
+        """The int32 segment ids of the local tokens, [b, n] (0 without packed documents)."""
+        return self.b * self.n * 4 if self.segments else 0
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionCost:
@@ -182,6 +223,8 @@ class AttentionCost:
     block_q/block_k rows and columns of one per-block compute (default n); with `cpu`, the planner adds the
                     jnp block ops' score tiles of that size for `tile_heads` heads (default all)
     extra_attention attention FLOPs it spends beyond the model's, as a multiple of them (RSA's causal half)
+    window_share    the share of its attention FLOPs it still computes under the shape's sliding window (the
+                    ring skips steps wholly outside it; default 1: no credit claimed)
     """
 
     transfers: tuple[Transfer, ...] = ()
@@ -192,6 +235,7 @@ class AttentionCost:
     block_k: int | None = None
     tile_heads: int | None = None
     extra_attention: float = 0.0
+    window_share: float = 1.0
 
     def kept(self, remat: str) -> float:
         """Bytes kept per layer for the backward under `remat` ("none", "selective", "full")."""

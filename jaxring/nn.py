@@ -64,8 +64,17 @@ def constant(
     heads: int | None = None,
     dtype: jnp.dtype = jnp.float32,
 ) -> nnx.Param:
-    """An nnx.Param filled with `value` (biases 0, norm scales 1), with its logical axes."""
+    """An nnx.Param filled with `value` (norm scales 1), with its logical axes."""
     return nnx.Param(jnp.full(shape, value, dtype), logical_axes=tuple(logical_axes), heads=heads)
+
+
+BIAS = "is_bias"  # a parameter's metadata: an additive bias (its backward reads no weight; see bias_param())
+
+
+def bias_param(shape: tuple[int, ...], logical_axes: Sequence[str | None], *, heads: int | None = None) -> nnx.Param:
+    """An additive bias: an fp32 nnx.Param of zeros with its logical axes, marked `BIAS` in its metadata (its
+    gradient is the output's, so ZeRO-3's backward gathers no copy of it: `jaxring.planner.params`)."""
+    return nnx.Param(jnp.zeros(shape, jnp.float32), logical_axes=tuple(logical_axes), heads=heads, **{BIAS: True})
 
 
 class Attention(nnx.Module):
@@ -108,11 +117,11 @@ class Attention(nnx.Module):
         self.wv = param(rngs, (hidden, num_kv_heads * head_dim), ("embed", "kv_heads"), std, heads=num_kv_heads)
         self.wo = param(rngs, (num_heads * head_dim, hidden), ("heads", "embed"), out_std or std, heads=num_heads)
         if qkv_bias:
-            self.bq = constant((num_heads * head_dim,), ("heads",), 0.0, heads=num_heads)
-            self.bk = constant((num_kv_heads * head_dim,), ("kv_heads",), 0.0, heads=num_kv_heads)
-            self.bv = constant((num_kv_heads * head_dim,), ("kv_heads",), 0.0, heads=num_kv_heads)
+            self.bq = bias_param((num_heads * head_dim,), ("heads",), heads=num_heads)
+            self.bk = bias_param((num_kv_heads * head_dim,), ("kv_heads",), heads=num_kv_heads)
+            self.bv = bias_param((num_kv_heads * head_dim,), ("kv_heads",), heads=num_kv_heads)
         if proj_bias:
-            self.bo = constant((hidden,), ("embed",), 0.0)
+            self.bo = bias_param((hidden,), ("embed",))
         if qk_norm:
             self.q_norm = constant((head_dim,), (None,), 1.0)
             self.k_norm = constant((head_dim,), (None,), 1.0)
@@ -203,10 +212,10 @@ class MLP(nnx.Module):
             self.w_gate = param(rngs, (hidden, ffn), ("embed", "mlp"), hidden**-0.5)
         self.w_out = param(rngs, (ffn, hidden), ("mlp", "embed"), out_std or ffn**-0.5)
         if bias:
-            self.b_in = constant((ffn,), ("mlp",), 0.0)
+            self.b_in = bias_param((ffn,), ("mlp",))
             if activation == "swiglu":
-                self.b_gate = constant((ffn,), ("mlp",), 0.0)
-            self.b_out = constant((hidden,), ("embed",), 0.0)
+                self.b_gate = bias_param((ffn,), ("mlp",))
+            self.b_out = bias_param((hidden,), ("embed",))
 
     WEIGHTS = ("w_in", "w_gate", "w_out", "b_in", "b_gate", "b_out")
 
@@ -252,7 +261,7 @@ class LayerNorm(nnx.Module):
         del rngs
         self.eps = eps
         self.scale = nnx.Param(jnp.ones((hidden,), jnp.float32), logical_axes=("embed",))
-        self.bias = nnx.Param(jnp.zeros((hidden,), jnp.float32), logical_axes=("embed",))
+        self.bias = bias_param((hidden,), ("embed",))
 
     def __call__(self, x: jax.Array, plan: ParallelPlan) -> jax.Array:
         """Computed in fp32, returned in x's dtype."""
@@ -322,7 +331,16 @@ def stack(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: n
     return layers
 
 
-OFFLOAD = ("none", "layer_inputs")
+# What host offload moves to pinned host memory: the layers' checkpointed inputs (between forward and
+# backward), the optimizer state (between updates), or both.
+OFFLOAD = ("none", "layer_inputs", "optimizer", "layer_inputs+optimizer")
+
+
+def offloaded(offload: str) -> frozenset[str]:
+    """The parts an --offload value moves to host memory: {"layer_inputs"}, {"optimizer"}, both, or none."""
+    if offload not in OFFLOAD:
+        raise ValueError(f"unknown offload {offload!r}; expected one of {', '.join(OFFLOAD)}")
+    return frozenset() if offload == "none" else frozenset(offload.split("+"))
 
 
 def remat_policy(remat: str, zero_stage: int = 0, offload: str = "none") -> Callable[..., bool]:
@@ -332,14 +350,12 @@ def remat_policy(remat: str, zero_stage: int = 0, offload: str = "none") -> Call
     are never saved for the backward (`zero.no_weights_saved`): ZeRO-3 gathers them again, the others slice
     them again from the stack.
 
-    offload "layer_inputs" (with remat full): each layer's input, named `LAYER_INPUT` by `Layers`, is the one
+    offload "layer_inputs" (or "layer_inputs+optimizer"; with remat full): each layer's input, named `LAYER_INPUT` by `Layers`, is the one
     value kept, and it is kept in host memory ("pinned_host") between the forward and the backward [ALST];
     XLA moves it out after the layer's forward and back before its backward."""
     if remat not in REMAT:
         raise ValueError(f"unknown remat {remat!r}; expected one of {', '.join(REMAT)}")
-    if offload not in OFFLOAD:
-        raise ValueError(f"unknown offload {offload!r}; expected one of {', '.join(OFFLOAD)}")
-    if offload != "none":
+    if "layer_inputs" in offloaded(offload):
         if remat != "full":
             raise ValueError(f"offload {offload!r} needs remat 'full' (it keeps the layer inputs only), got {remat!r}")
         host = jax.checkpoint_policies.save_and_offload_only_these_names(
@@ -395,7 +411,7 @@ class Layers:
             )
             return call(nnx.merge(self.graphdef, weights), carry), None
 
-        if self.offload != "none":
+        if "layer_inputs" in offloaded(self.offload):
             layer = body
 
             def body(carry: Any, i: jax.Array) -> tuple[Any, None]:

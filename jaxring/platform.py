@@ -85,9 +85,15 @@ def no_compilation_cache_on_simulated_devices(devices: Sequence[jax.Device]) -> 
 
 
 def describe_devices(devices: Sequence[jax.Device]) -> str:
+    """'8 x NVIDIA H100 80GB HBM3 (gpu)'; devices of a compile-only topology (not among this process's
+    devices: `jaxring.analysis.gpu`) are marked '(gpu, deviceless compile)'."""
     d = devices[0]
     kind = getattr(d, "device_kind", d.platform)
-    return f"{len(devices)} x {kind} ({d.platform})"
+    try:
+        attached = d in jax.devices(d.platform)
+    except RuntimeError:  # no backend of that platform in this process
+        attached = False
+    return f"{len(devices)} x {kind} ({d.platform}{'' if attached else ', deviceless compile'})"
 
 
 def benchmark_record(name: str, devices: Sequence[jax.Device], config: dict) -> dict:

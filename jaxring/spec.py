@@ -141,6 +141,12 @@ def _remat_modes() -> tuple[str, ...]:
     return REMAT
 
 
+def _offloads() -> tuple[str, ...]:
+    from jaxring.nn import OFFLOAD
+
+    return OFFLOAD
+
+
 def _packings() -> tuple[str, ...]:
     from jaxring.data.packing import PACKINGS
 
@@ -186,7 +192,12 @@ class TrainingSettings:
     seq_len: int | None = setting(None, "tokens per sequence (gpt; default 256)", rule="int>=1")
     image_size: int | None = setting(None, "image side (dit; default: the preset's)", rule="int>=1")
     grad_accum: int = setting(1, "micro-steps accumulated per update (pp = 1)", rule="int>=1")
-    precision: str = setting("fp32", "compute dtype; weights and optimizer state stay fp32", choices=_precisions)
+    precision: str | None = setting(
+        None,
+        "compute dtype (default: bf16 for the full-size Llama presets, fp32 otherwise); weights and optimizer "
+        "state stay fp32",
+        choices=_precisions,
+    )
 
 
 @dataclasses.dataclass
@@ -208,8 +219,9 @@ class MemorySettings:
     offload: str = setting(
         "none",
         "host offload: none; layer_inputs (each layer's checkpointed input lives in host memory between the "
-        "forward and the backward; with --remat full)",
-        choices=("none", "layer_inputs"),
+        "forward and the backward; with --remat full); optimizer (the AdamW state lives in host memory between "
+        "updates); layer_inputs+optimizer (both)",
+        choices=_offloads,
     )
     device_memory_gib: float | None = setting(
         None,
@@ -468,6 +480,8 @@ def check_setting(section: type, name: str, value: object) -> None:
     choices = _choices(f.metadata)
     if choices is not None:
         if value not in choices:
+            if not choices:  # e.g. the model families of a clone that was not installed
+                raise ValueError(f"{label} {value!r}: none is installed (pip install -e . declares them)")
             shown = ", ".join(map(str, choices))
             raise ValueError(f"{label} {value!r} is not one of {shown}{nearest(str(value), map(str, choices))}")
         return
@@ -644,13 +658,16 @@ class RunSpec:
         t = self.training
         if t.batch_size % t.grad_accum:
             raise ValueError(f"--batch-size {t.batch_size} is not divisible by --grad-accum {t.grad_accum}")
-        if self.memory.offload != "none" and self.memory.remat != "full":
+        from jaxring.nn import offloaded
+
+        layer_inputs = "layer_inputs" in offloaded(self.memory.offload)
+        if layer_inputs and self.memory.remat != "full":
             raise ValueError(
                 f"--offload {self.memory.offload} keeps each layer's input in host memory and recomputes the rest: "
                 f"it needs --remat full (got --remat {self.memory.remat})"
             )
         degrees = self.parallel.degrees()
-        if degrees["pp"] > 1 and self.memory.offload != "none":
+        if degrees["pp"] > 1 and layer_inputs:
             from jaxring.train.step import OFFLOAD_WITH_PP
 
             raise ValueError(OFFLOAD_WITH_PP.format(offload=self.memory.offload, pp=degrees["pp"]))
@@ -670,6 +687,15 @@ class RunSpec:
         if self.parallel.attention is not None:
             return self.parallel.attention
         return "ring" if self.parallel.degrees(device_count)["sp"] > 1 else "dense"
+
+    @property
+    def compute_precision(self) -> str:
+        """--precision, else the model's default: bf16 for the full-size Llama presets (llama3-8b, ...: the
+        long-context figures assume it), fp32 for every other model and the tiny test twins."""
+        if self.training.precision is not None:
+            return self.training.precision
+        llama = self.model.model == "gpt" and (self.model.preset or "").startswith("llama")
+        return "bf16" if llama else "fp32"
 
     def resolved(self, device_count: int) -> RunSpec:
         """The spec with what defaults derive filled in: mesh degrees, the strategy, its options' defaults.
@@ -695,7 +721,8 @@ class RunSpec:
             tp=p.tp,
             pp=p.pp,
         )
-        return dataclasses.replace(self, parallel=p)
+        training = dataclasses.replace(self.training, precision=self.compute_precision)
+        return dataclasses.replace(self, parallel=p, training=training)
 
     def plan(self, devices: Sequence[jax.Device] | None = None) -> ParallelPlan:
         """The ParallelPlan the run's parallel settings name (see `make_plan`)."""

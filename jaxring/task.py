@@ -116,7 +116,9 @@ class ModelFamily:
     workload_config(preset, seq_len, image_size, overrides) -> config for a planner workload (default:
         the preset with the overrides);
     planner_terms: a `jaxring.costs.WorkloadTerms`, what the planner's cost model adds for the family beyond
-        its blocks (default: a token model's).
+        its blocks (default: a token model's);
+    documents(data settings) -> True when a run's batches are packed documents (their int32 segment ids travel
+        with K/V; the family's objective and abstract_batch then take documents=True); None: it packs none.
     Optional, for `python -m jaxring.eval` (None: the family is not evaluated there):
     load_pretrained(path, plan, overrides) -> (model, config): a Hugging Face checkpoint directory, placed on
         the plan, with config fields overridden (e.g. RoPE scaling);
@@ -140,6 +142,7 @@ class ModelFamily:
     task: Callable
     workload_config: Callable | None = None
     planner_terms: Any = None  # a jaxring.costs.WorkloadTerms: what the planner adds for this family (None: a GPT's)
+    documents: Callable | None = None  # (data settings) -> the batches are packed documents (None: never)
     load_pretrained: Callable | None = None
     token_scores: Callable | None = None
 

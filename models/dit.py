@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxring.nn import MLP, Attention, Layers, stack, weight_specs
+from jaxring.nn import MLP, Attention, Layers, bias_param, stack, weight_specs
 from jaxring.plan import ParallelPlan
 from jaxring.task import Objective
 
@@ -241,7 +241,7 @@ class Dense(nnx.Module):
         else:
             w = jax.random.normal(rngs.params(), (d_in, d_out), jnp.float32) * float(init)
         self.w = nnx.Param(w, logical_axes=logical_axes)
-        self.b = nnx.Param(jnp.zeros((d_out,), jnp.float32), logical_axes=(logical_axes[1],))
+        self.b = bias_param((d_out,), (logical_axes[1],))
 
     def __call__(self, x):
         return x @ self.w[...].astype(x.dtype) + self.b[...].astype(x.dtype)

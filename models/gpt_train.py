@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jaxring.data import StepBatches, global_array, host_rows, open_token_data, to_one_device
+from jaxring.data.token_data import is_token_file
 from jaxring.mesh import make_mesh
 from jaxring.plan import ParallelPlan
 from jaxring.task import ModelFamily
@@ -164,13 +165,14 @@ class GPTTask:
 
     def export(self, model, log) -> None:
         """--export-hf DIR: the trained model written as a Hugging Face checkpoint (with the tokenizer.json of
-        --init-from or --tokenizer, when there is one)."""
+        --init-from or --tokenizer, when there is one), in bfloat16 when trained in --precision bf16."""
         export = self.spec.model.export_hf
         if export is None:
             return
         from models import hf
 
-        files = hf.save_pretrained(model, self.config, export, tokenizer=self._tokenizer_file())
+        dtype = "bfloat16" if self.spec.compute_precision == "bf16" else None
+        files = hf.save_pretrained(model, self.config, export, tokenizer=self._tokenizer_file(), dtype=dtype)
         log(f"exported the model to {export} ({len(files)} files)")
 
     def _tokenizer_file(self) -> str | None:
@@ -239,9 +241,14 @@ def max_token_id(tokens, chunk: int = 1 << 24) -> int | None:
     return max(int(np.asarray(tokens[i : i + chunk]).max()) for i in range(0, len(tokens), chunk))
 
 
-def _abstract_batch(config, plan: ParallelPlan, batch: int, seq_len: int) -> dict:
+def _abstract_batch(config, plan: ParallelPlan, batch: int, seq_len: int, documents: bool = False) -> dict:
     tok = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=plan.tokens_sharding())
-    return {"tokens": tok, "targets": tok, "positions": tok}
+    return dict.fromkeys(gpt.NextTokenObjective(batch, seq_len, documents).batch_keys, tok)
+
+
+def _packs_documents(data) -> bool:
+    """GPTTask's rule: a document store (or text prepared into one) is packed documents; a .bin's windows not."""
+    return not is_token_file(data.data)
 
 
 FAMILY = ModelFamily(
@@ -251,7 +258,7 @@ FAMILY = ModelFamily(
     config_class=gpt.GPTConfig,
     presets=gpt.PRESETS,
     build=lambda config, rngs: gpt.GPT(config, rngs=rngs),
-    objective=lambda config, batch, seq_len: gpt.NextTokenObjective(batch, seq_len),
+    objective=lambda config, batch, seq_len, documents=False: gpt.NextTokenObjective(batch, seq_len, documents),
     check_plan=gpt.check_plan,
     tokens=lambda config, seq_len: seq_len,
     flops_per_step=lambda config, seq_len, batch: config.flops_per_token(seq_len, causal=True) * seq_len * batch,
@@ -259,6 +266,7 @@ FAMILY = ModelFamily(
     task=GPTTask,
     load_pretrained=gpt_eval.load_pretrained,
     token_scores=gpt_eval.token_scores,
+    documents=_packs_documents,
 )
 
 

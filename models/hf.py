@@ -7,8 +7,9 @@
 Supported architectures: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM.
 Weights: PyTorch `Linear` stores [out, in], the transpose of our kernels [in, out]; the per-layer tensors
 `model.layers.{i}.*` are stacked into our [layers, ...] parameters. Loading reads, for every device shard
-of every parameter, only that shard's slice of the file (`safe_open(...).get_slice`), so the host never
-holds the whole model; saving gathers one layer's tensor at a time.
+of every parameter, only that shard's slice of the file (`safe_open(...).get_slice`), in runs of at most
+READ_BYTES with the file mapped only during each run, so a process holds its devices' shards plus one run
+(benchmarks/hf_loading.py measures it); saving gathers one layer's tensor at a time.
 Every refusal is one `CheckpointError` line naming the file and the tensor or setting.
 
     python -m models.hf export CHECKPOINT_DIR OUT_DIR [--step N]   # a training checkpoint (models/hf_export.py)
@@ -37,6 +38,7 @@ ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
 MODEL_TYPES = dict(zip(ARCHITECTURES, ("llama", "mistral", "qwen2", "qwen3")))
 CONFIG, WEIGHTS, INDEX, TOKENIZER = "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json"
 FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16}
+SAVE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": jnp.bfloat16}  # config.json's names
 
 
 class CheckpointError(ValueError):
@@ -157,8 +159,9 @@ def architecture_of(cfg: GPTConfig) -> str:
     return arch
 
 
-def config_to_hf(cfg: GPTConfig) -> dict:
-    """The config.json dict of `cfg` (transformers 5 form, `rope_parameters`; rope_theta also at top level)."""
+def config_to_hf(cfg: GPTConfig, dtype: str = "float32") -> dict:
+    """The config.json dict of `cfg` (transformers 5 form, `rope_parameters`; rope_theta also at top level) whose
+    tensors are stored in `dtype` (`dtype`, and `torch_dtype` as transformers 4 reads it)."""
     arch = architecture_of(cfg)
     rope = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling, "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling != "none":
@@ -187,7 +190,8 @@ def config_to_hf(cfg: GPTConfig) -> dict:
         "tie_word_embeddings": cfg.tie_embeddings,
         "rope_theta": cfg.rope_theta,
         "rope_parameters": rope,
-        "dtype": "float32",
+        "dtype": dtype,
+        "torch_dtype": dtype,
     }
     if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
         hf["attention_bias"] = cfg.qkv_bias
@@ -242,13 +246,20 @@ def _abstract(cfg: GPTConfig):
 # ---------------------------------------------------------------------------------------- load
 
 
+READ_BYTES = 16 * 2**20  # file bytes per read: loading holds the parameters' shards plus one such run
+
+
 class _Files:
-    """The safetensors files of a checkpoint directory: which file holds each tensor, opened lazily."""
+    """The safetensors files of a checkpoint directory: which file holds each tensor, their dtypes and shapes
+    (from the headers), and reads of a block of a tensor. Each read maps its file only while it copies one run
+    of rows (at most READ_BYTES): a device's block strided across a tensor (ZeRO shards the hidden dim, the
+    columns of a Linear's [out, in] weight) never keeps the whole tensor's pages resident, and nothing of a file
+    stays mapped between reads."""
 
     def __init__(self, path: str):
         from safetensors import safe_open
 
-        self._open, self.path, self.handles = safe_open, path, {}
+        self._open, self.path, self.headers = safe_open, path, {}
         index, single = os.path.join(path, INDEX), os.path.join(path, WEIGHTS)
         if os.path.exists(index):
             try:
@@ -257,52 +268,66 @@ class _Files:
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({e})") from None
         elif os.path.exists(single):
-            self.weight_map = {name: WEIGHTS for name in self._handle(WEIGHTS).keys()}  # noqa: SIM118
+            self.weight_map = dict.fromkeys(self._header(WEIGHTS), WEIGHTS)
         else:
             raise CheckpointError(f"{path}: neither {WEIGHTS} nor {INDEX} found")
 
-    def _handle(self, file: str):
-        if file not in self.handles:
+    def _header(self, file: str) -> dict:
+        """{tensor name: (safetensors dtype, shape)} of one file (its header only; no tensor data is read)."""
+        if file not in self.headers:
             full = os.path.join(self.path, file)
             if not os.path.exists(full):
                 raise CheckpointError(f"{full}: missing (named by {INDEX})")
             try:
-                self.handles[file] = self._open(full, framework="numpy")
+                with self._open(full, framework="numpy") as f:
+                    slices = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118
+                    self.headers[file] = {n: (s.get_dtype(), tuple(s.get_shape())) for n, s in slices.items()}
             except Exception as e:  # safetensors raises its own errors for truncated or corrupt headers
                 raise CheckpointError(f"{full}: not a readable safetensors file ({e})") from None
-        return self.handles[file]
+        return self.headers[file]
 
-    def tensor(self, name: str):
-        """The lazy slice object of tensor `name` and the file that holds it."""
+    def info(self, name: str) -> tuple[str, tuple[int, ...], str]:
+        """(safetensors dtype, shape, file path) of tensor `name`."""
         if name not in self.weight_map:
             raise CheckpointError(f"{self.path}: tensor {name} missing")
         file = self.weight_map[name]
-        try:
-            return self._handle(file).get_slice(name), os.path.join(self.path, file)
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise CheckpointError(f"{os.path.join(self.path, file)}: tensor {name} unreadable ({e})") from None
+        header = self._header(file)
+        if name not in header:
+            raise CheckpointError(f"{os.path.join(self.path, file)}: tensor {name} missing (named by {INDEX})")
+        return (*header[name], os.path.join(self.path, file))
+
+    def read(self, name: str, index: tuple, out: np.ndarray) -> None:
+        """out[...] = tensor `name`[index] (explicit slices, one per dim), read in runs of rows of at most
+        READ_BYTES of the file, each through its own memory map."""
+        dtype, shape, file = self.info(name)
+        if not index:
+            index = tuple(slice(0, n) for n in shape)
+        rows, rest = index[0], index[1:]
+        row_bytes = np.dtype(FLOAT_DTYPES[dtype]).itemsize * math.prod(shape[1:])
+        step = max(1, READ_BYTES // max(row_bytes, 1))
+        for r in range(rows.start, rows.stop, step):
+            stop = min(r + step, rows.stop)
+            try:
+                with self._open(file, framework="numpy") as f:
+                    out[r - rows.start : stop - rows.start] = f.get_slice(name)[(slice(r, stop), *rest)]
+            except Exception as e:
+                raise CheckpointError(f"{file}: tensor {name} unreadable ({e})") from None
 
 
 def _read_block(files: _Files, pattern: str, transposed: bool, stacked: bool, index: tuple, dtype) -> np.ndarray:
-    """Our parameter's block `index` (a tuple of slices of our layout) read from the HF tensors."""
+    """Our parameter's block `index` (explicit slices of our layout) read from the HF tensors."""
     inner = index[1:] if stacked else index
     hf_index = tuple(reversed(inner)) if transposed else tuple(inner)
-
-    def one(name):
-        block = np.asarray(files.tensor(name)[0][hf_index] if hf_index else files.tensor(name)[0][:])
-        return (block.T if transposed else block).astype(dtype)
-
-    if not stacked:
-        return one(pattern)
-    layers = range(*index[0].indices(10**9)) if index else ()
-    return np.stack([one(pattern.format(i=i)) for i in layers])
+    layers = range(index[0].start, index[0].stop) if stacked else (None,)
+    out = np.empty(((len(layers),) if stacked else ()) + tuple(s.stop - s.start for s in inner), dtype)
+    for k, i in enumerate(layers):
+        dest = out[k] if stacked else out
+        files.read(pattern.format(i=i), hf_index, dest.T if transposed else dest)
+    return out
 
 
 def _check_tensor(files: _Files, name: str, want: tuple):
-    sl, file = files.tensor(name)
-    dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
+    dtype, shape, file = files.info(name)
     if dtype not in FLOAT_DTYPES:
         raise CheckpointError(f"{file}: tensor {name} has dtype {dtype}; expected one of {', '.join(FLOAT_DTYPES)}")
     if shape != want:
@@ -326,6 +351,23 @@ def read_config(path: str) -> GPTConfig:
     return config_from_hf(hf, file)
 
 
+def check_tokenizer(file: str, vocab_size: int, config: str = CONFIG) -> int:
+    """The number of ids of the tokenizer.json `file` (read with `tokenizers`, added tokens counted); more
+    than the model's `vocab_size` is a one-line CheckpointError (fewer is fine: checkpoints pad the embedding)."""
+    from tokenizers import Tokenizer
+
+    try:
+        size = Tokenizer.from_file(file).get_vocab_size(with_added_tokens=True)
+    except Exception as e:
+        raise CheckpointError(f"{file}: not a readable tokenizer.json ({' '.join(str(e).split())})") from None
+    if size > vocab_size:
+        raise CheckpointError(
+            f"{file}: the tokenizer has a vocabulary of {size}, more than the vocab_size {vocab_size} of {config}; "
+            f"its ids past {vocab_size - 1} have no embedding"
+        )
+    return size
+
+
 def load_pretrained(
     path: str, plan: ParallelPlan | None = None, *, dtype=None, overrides: dict | None = None
 ) -> tuple[GPT, GPTConfig]:
@@ -333,11 +375,19 @@ def load_pretrained(
     (as `jaxring.nn.param_shardings` lays it out: tensor method, ZeRO-3, pp stages; None: one device).
 
     dtype: the parameters' dtype (default float32). Every tensor's presence, shape and dtype is checked before
-    any is read, so a bad checkpoint fails in one line before anything is placed. overrides: GPTConfig fields
-    changed from config.json's that keep every parameter's shape (RoPE scaling for context extension)."""
+    any is read (and a tokenizer.json beside it against vocab_size), so a bad checkpoint fails in one line
+    before anything is placed. overrides: GPTConfig fields changed from config.json's that keep every
+    parameter's shape (RoPE scaling for context extension).
+
+    The layer stack is in the checkpoint's (natural) layer order. A plan whose pipeline schedule stores its
+    stack in another order (`plan.layer_order(num_layers)` not None: interleaved stages) is reordered by the
+    training loop; code that calls the plan's step itself applies `stack[plan.layer_order(n)]` first."""
     cfg = read_config(path)
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides)
+    tokenizer = os.path.join(path, TOKENIZER)
+    if os.path.exists(tokenizer):
+        check_tokenizer(tokenizer, cfg.vocab_size, os.path.join(path, CONFIG))
     files = _Files(path)
     dtype = jnp.dtype(dtype or jnp.float32)
     graphdef, state = _abstract(cfg)
@@ -363,7 +413,6 @@ def load_pretrained(
         loaded[path_] = jax.make_array_from_callback(tuple(var.shape), flat_shardings[path_], read)
     nnx.replace_by_pure_dict(state, unflatten_dict(loaded))
     model = nnx.merge(graphdef, state)
-    tokenizer = os.path.join(path, TOKENIZER)
     model.hf_tokenizer = tokenizer if os.path.exists(tokenizer) else None  # copied again by save_pretrained
     return model, cfg
 
@@ -432,25 +481,47 @@ def _size_bytes(size) -> int:
     raise ValueError(f"max_shard_size {size!r}: expected bytes or a size such as '5GB' or '500MB'")
 
 
-def save_pretrained(model: GPT, cfg: GPTConfig, path: str, *, max_shard_size="5GB", tokenizer: str | None = None):
+def save_pretrained(
+    model: GPT,
+    cfg: GPTConfig,
+    path: str,
+    *,
+    max_shard_size="5GB",
+    tokenizer: str | None = None,
+    dtype: str | None = None,
+) -> list[str]:
     """Writes `config.json`, `model-0000k-of-0000n.safetensors` (each at most max_shard_size, one tensor
     possibly more) and `model.safetensors.index.json`; copies `tokenizer` (a tokenizer.json; default: the one
-    of the directory the model was loaded from, if any).
+    of the directory the model was loaded from, if any). dtype: "float32", "bfloat16" or "float16", the
+    tensors' dtype in the files and config.json's `dtype`/`torch_dtype` (default: the parameters' own).
     Gathered one HF tensor (one layer's slice) at a time. Returns the list of files written."""
     from safetensors.numpy import save_file
 
     limit = _size_bytes(max_shard_size)
     if limit <= 0:
         raise ValueError(f"max_shard_size {max_shard_size!r} must be positive")
-    hf = config_to_hf(cfg)
-    os.makedirs(path, exist_ok=True)
     state = nnx.to_pure_dict(nnx.state(model))
+    if dtype is None:
+        own = {jnp.dtype(a.dtype).name for a in jax.tree.leaves(state)}
+        dtype = own.pop() if len(own) == 1 else "float32"
+    dtype = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"save_pretrained dtype {dtype!r}: expected one of {', '.join(SAVE_DTYPES)}")
+    np_dtype = jnp.dtype(SAVE_DTYPES[dtype])
+    hf = config_to_hf(cfg, dtype)
+    tokenizer = tokenizer or getattr(model, "hf_tokenizer", None)
+    if tokenizer is not None:
+        check_tokenizer(tokenizer, cfg.vocab_size, "the model's config")
+    os.makedirs(path, exist_ok=True)
     tensors = []  # (HF name, a function producing it as numpy)
     for path_, arr in flatten_dict(state).items():
         pattern, transposed, stacked = _hf_name(path_)
+        nbytes = np_dtype.itemsize * math.prod(arr.shape[1 if stacked else 0 :])
         for i in range(arr.shape[0] if stacked else 1):
-            get = lambda a=arr, i=i, st=stacked, t=transposed: _gather(a[i] if st else a, t)
-            tensors.append((pattern.format(i=i), get, arr.dtype.itemsize * math.prod(arr.shape[1 if stacked else 0 :])))
+            get = lambda a=arr, i=i, st=stacked, t=transposed: _gather(a[i] if st else a, t).astype(
+                np_dtype, copy=False
+            )
+            tensors.append((pattern.format(i=i), get, nbytes))
     tensors.sort(key=lambda t: _sort_key(t[0]))
     shards, current, size = [], [], 0
     for name, get, nbytes in tensors:
@@ -473,7 +544,6 @@ def save_pretrained(model: GPT, cfg: GPTConfig, path: str, *, max_shard_size="5G
     with open(os.path.join(path, CONFIG), "w") as f:
         json.dump(hf, f, indent=2)
     written += [INDEX, CONFIG]
-    tokenizer = tokenizer or getattr(model, "hf_tokenizer", None)
     if tokenizer is not None and os.path.abspath(tokenizer) != os.path.abspath(os.path.join(path, TOKENIZER)):
         shutil.copyfile(tokenizer, os.path.join(path, TOKENIZER))
         written.append(TOKENIZER)
@@ -493,8 +563,6 @@ def to_hf_tensors(tree: dict) -> dict:
 
 def _gather(arr, transposed: bool) -> np.ndarray:
     out = np.asarray(jax.device_get(arr))
-    if out.dtype == jnp.bfloat16:
-        raise CheckpointError("save_pretrained writes float32 or float16 parameters; cast the bfloat16 model first")
     return np.ascontiguousarray(out.T if transposed else out)
 
 
@@ -509,6 +577,7 @@ def _sort_key(name: str):
 __all__ = [
     "ARCHITECTURES",
     "CheckpointError",
+    "check_tokenizer",
     "config_from_hf",
     "config_to_hf",
     "load_pretrained",

@@ -1,11 +1,13 @@
-"""`python -m models.hf export CHECKPOINT_DIR OUT_DIR [--step N]`: a training checkpoint of a GPT run
-(`train.py --checkpoint-dir`) written as a Hugging Face directory (config.json, safetensors, tokenizer.json).
+"""`python -m models.hf export CHECKPOINT_DIR OUT_DIR [--step N] [--dtype D]`: a training checkpoint of a GPT
+run (`train.py --checkpoint-dir`) written as a Hugging Face directory (config.json, safetensors, tokenizer.json).
 
 Only the parameters are read (`jaxring.eval.loading`: orbax's partial restore, checksums compared), each
-sharded ZeRO-3-style over the local devices; `models.hf.save_pretrained` gathers one tensor at a time. The
-tokenizer.json shipped is the run's: its --init-from directory's, else its --tokenizer's, else its --data
-store's (none for a byte-level run). A mistake (a missing directory, a checkpoint of another model family or
-of a GPT no Hugging Face architecture stores, an OUT_DIR that holds files) is one line and exit code 2.
+sharded ZeRO-3-style over the local devices, in layer order whatever pipeline trained them (the trainer saves
+interleaved stages in layer order); `models.hf.save_pretrained` gathers one tensor at a time, in bfloat16 for
+a run trained in --precision bf16 (--dtype to choose). The tokenizer.json shipped is the run's: its
+--init-from directory's, else its --tokenizer's, else its --data store's (none for a byte-level run). A
+mistake (a missing directory, a checkpoint of another model family or of a GPT no Hugging Face architecture
+stores, an OUT_DIR that holds files) is one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -30,12 +32,12 @@ def run_tokenizer_file(run_config: dict) -> str | None:
     return None
 
 
-def export(checkpoint: str, out: str, step: int | None = None) -> tuple[int, list[str]]:
+def export(checkpoint: str, out: str, step: int | None = None, dtype: str | None = None) -> tuple[int, list[str]]:
     """Writes step `step` (default: the newest) of the jaxring checkpoint directory `checkpoint` to `out` as a
-    Hugging Face directory. Returns (the step, the files written). Bad input: a one-line ValueError."""
+    Hugging Face directory, its tensors in `dtype` (default: bfloat16 for a run trained in --precision bf16, as
+    released checkpoints are, else the parameters' own). Returns (the step, the files written). Bad input: a
+    one-line ValueError."""
     import jax
-    import jax.numpy as jnp
-    from flax import nnx
 
     from jaxring.eval.loading import HF_CONFIG, checkpoint_metadata, load_model
     from jaxring.mesh import make_mesh
@@ -60,16 +62,16 @@ def export(checkpoint: str, out: str, step: int | None = None) -> tuple[int, lis
             f"checkpoint {checkpoint!r} step {step}: its model config is not this GPTConfig ({e})"
         ) from None
     hf.config_to_hf(config)  # an architecture Hugging Face stores, said before anything is read
+    run_config = metadata.get("config") or {}
+    if dtype is None and run_config.get("precision") == "bf16":
+        dtype = "bfloat16"
+    if dtype is not None and dtype not in hf.SAVE_DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: expected one of {', '.join(hf.SAVE_DTYPES)}")
     devices = jax.devices()
     plan = ParallelPlan(make_mesh(dp=len(devices), devices=devices), zero=3)
     loaded = load_model(checkpoint, plan, step=step, tokenizer="bytes")
-    model, config = loaded.model, loaded.config
-    graphdef, state = nnx.split(model)
-    if any(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(state)):  # safetensors of float32 weights
-        state = jax.tree.map(lambda a: a.astype(jnp.float32), state)
-        model = nnx.merge(graphdef, state)
-    tokenizer = run_tokenizer_file(metadata.get("config") or {})
-    return step, hf.save_pretrained(model, config, out, tokenizer=tokenizer)
+    tokenizer = run_tokenizer_file(run_config)
+    return step, hf.save_pretrained(loaded.model, loaded.config, out, tokenizer=tokenizer, dtype=dtype)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a jaxring checkpoint directory (--checkpoint-dir)")
     s.add_argument("out", metavar="OUT_DIR", help="the Hugging Face directory to write (new or empty)")
     s.add_argument("--step", type=int, help="the checkpoint step (default: the newest)")
+    s.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="the tensors' dtype (default: bfloat16 for a run in --precision bf16, else the parameters' own)",
+    )
     s.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return p
 
@@ -94,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        step, files = export(args.checkpoint, args.out, args.step)
+        step, files = export(args.checkpoint, args.out, args.step, args.dtype)
     except (ValueError, FileNotFoundError) as e:  # models.hf.CheckpointError is a ValueError
         if args.debug:
             raise

@@ -33,3 +33,25 @@ def test_counts_each_kind_and_loop_iterations():
         "all-reduce": 64,
     }
     assert stats.temp_bytes >= 0 and stats.argument_bytes == 64
+
+
+def test_counts_the_results_of_combined_async_collectives():
+    """A GPU program's async starts: (operands, results) with a tuple of each when XLA combined several arrays
+    into one op (the fused ring hop of K, V and segment ids; WallFacer's Q, K, V team gather): every result
+    counts, not the second operand (lines from the deviceless H100 compile of WallFacer with documents)."""
+    from jaxring.analysis.compiled import collective_traffic
+
+    hlo = """HloModule step
+
+ENTRY %main (p: f32[4]) -> f32[4] {
+  %cp = ((u8[533504]{0}, f32[1,256,4,64]{3,2,1,0}), (u8[533504]{0}, f32[1,256,4,64]{3,2,1,0})) collective-permute-start(%a, %b), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  %cp.1 = (s32[1,256]{1,0}, s32[1,256]{1,0}) collective-permute-start(%c), channel_id=2, source_target_pairs={{0,1},{1,0}}
+  %ag = ((f32[128,4]{1,0}, f32[128,4,64]{2,1,0}), (f32[256,4]{1,0}, f32[256,4,64]{2,1,0})) all-gather-start(%d, %e), channel_id=3, replica_groups={{0,1}}, dimensions={0}
+  %ar = (f32[16]{0}, f32[8]{0}) all-reduce-start(%f, %g), channel_id=4, replica_groups={{0,1}}, to_apply=%add
+}
+"""
+    moved, count = collective_traffic(hlo, 2)
+    assert moved["collective-permute"] == 533504 + 1 * 256 * 4 * 64 * 4 + 256 * 4
+    assert moved["all-gather"] == (256 * 4 + 256 * 4 * 64) * 4 // 2  # received: (g - 1) / g of the results
+    assert moved["all-reduce"] == (16 + 8) * 4  # 2 (g - 1) / g of its results (its shape holds only them)
+    assert count["collective-permute"] == 2

@@ -149,7 +149,7 @@ def test_load_save_load_is_bit_exact(tmp_path):
     src = os.path.join(FIXTURES, "qwen3")
     model, cfg = hf.load_pretrained(src)
     tokenizer = tmp_path / "tokenizer.json"
-    tokenizer.write_text('{"model": {}}')
+    _word_tokenizer(tokenizer, 100)
     written = hf.save_pretrained(model, cfg, str(tmp_path / "out"), max_shard_size="40KB", tokenizer=str(tokenizer))
     assert sum(f.endswith(".safetensors") for f in written) > 2 and "tokenizer.json" in written
     again, cfg2 = hf.load_pretrained(str(tmp_path / "out"))
@@ -166,6 +166,81 @@ def test_load_save_load_is_bit_exact(tmp_path):
     assert set(exported) == set(original)
     for name, value in original.items():
         np.testing.assert_array_equal(exported[name], value, err_msg=name)
+
+
+def test_sharded_load_reads_runs_of_rows_and_keeps_no_file_mapped(monkeypatch):
+    """Under ZeRO-3 over 8 devices (each device's block strided across a tensor's columns) with reads cut into
+    runs of 1 KB, every parameter equals the one-device load bit for bit, and every memory map of a file was
+    closed (benchmarks/hf_loading.py measures the host memory this bounds on the 1B shape)."""
+    from safetensors import safe_open
+
+    src = os.path.join(FIXTURES, "qwen3")
+    whole, _ = hf.load_pretrained(src)
+    opened, closed = [], []
+
+    class Counted:
+        def __init__(self, *args, **kwargs):
+            self.handle = safe_open(*args, **kwargs)
+            opened.append(1)
+
+        def __enter__(self):
+            return self.handle.__enter__()
+
+        def __exit__(self, *exc):
+            closed.append(1)
+            return self.handle.__exit__(*exc)
+
+    monkeypatch.setattr(hf, "READ_BYTES", 1024)
+    monkeypatch.setattr("safetensors.safe_open", Counted)
+    sharded, _ = hf.load_pretrained(src, plan_of(devices=8, dp=8, zero=3))
+    tensors = len(hf._Files(src).weight_map)
+    assert len(opened) == len(closed) > 4 * 8 * tensors, (len(opened), len(closed))  # many runs, each map closed
+    for a, b in zip(jax.tree.leaves(nnx_pure(whole)), jax.tree.leaves(nnx_pure(sharded))):
+        assert len(b.sharding.device_set) == 8
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _tensors(directory) -> dict:
+    """{name: (safetensors dtype, numpy array)} of every tensor of a saved directory."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(os.listdir(directory)):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(directory, file), framework="numpy") as f:
+                out.update({name: (f.get_slice(name).get_dtype(), f.get_tensor(name)) for name in f.keys()})  # noqa: SIM118
+    return out
+
+
+def test_save_in_bfloat16_and_load_again_bit_exact(tmp_path):
+    """save_pretrained(..., dtype="bfloat16") writes BF16 tensors (the float32 ones rounded to nearest even, as
+    torch's .to(torch.bfloat16)) with dtype/torch_dtype "bfloat16" in config.json; loaded in bfloat16 and saved
+    again (its own dtype by default), every tensor is bit-identical."""
+    import ml_dtypes
+    from safetensors.numpy import load_file
+
+    src = os.path.join(FIXTURES, "qwen3")
+    model, cfg = hf.load_pretrained(src)
+    first, second = tmp_path / "bf16", tmp_path / "again"
+    hf.save_pretrained(model, cfg, str(first), dtype="bfloat16", max_shard_size="40KB")
+    config = json.loads((first / "config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+    saved = _tensors(first)
+    original = load_file(os.path.join(src, "model.safetensors"))
+    assert set(saved) == set(original) and {d for d, _ in saved.values()} == {"BF16"}
+    for name, value in original.items():
+        want = value.astype(ml_dtypes.bfloat16).view(np.uint16)
+        np.testing.assert_array_equal(saved[name][1].view(np.uint16), want, err_msg=name)
+    again, cfg2 = hf.load_pretrained(str(first), dtype=jnp.bfloat16)
+    assert cfg2 == cfg and {a.dtype for a in jax.tree.leaves(nnx_pure(again))} == {jnp.dtype(jnp.bfloat16)}
+    hf.save_pretrained(again, cfg2, str(second), max_shard_size="40KB")
+    assert json.loads((second / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    resaved = _tensors(second)
+    for name, (dtype, value) in saved.items():
+        assert resaved[name][0] == dtype
+        np.testing.assert_array_equal(resaved[name][1].view(np.uint16), value.view(np.uint16), err_msg=name)
+    with pytest.raises(ValueError, match="save_pretrained dtype 'int8': expected one of float32, float16, bfloat16"):
+        hf.save_pretrained(model, cfg, str(tmp_path / "no"), dtype="int8")
 
 
 def nnx_pure(model):
@@ -301,8 +376,8 @@ def _tiny_hf_dir(tmp_path, tokenizer_size):
 
     cfg = gpt.get_config("tiny-llama3", vocab_size=384, num_layers=1)
     src = tmp_path / "src"
-    _word_tokenizer(tmp_path / "tokenizer.json", tokenizer_size)
-    hf.save_pretrained(gpt.GPT(cfg, rngs=nnx.Rngs(0)), cfg, str(src), tokenizer=str(tmp_path / "tokenizer.json"))
+    hf.save_pretrained(gpt.GPT(cfg, rngs=nnx.Rngs(0)), cfg, str(src))
+    _word_tokenizer(src / "tokenizer.json", tokenizer_size)  # written beside: save_pretrained checks its size
     return src
 
 
@@ -336,3 +411,57 @@ def test_eval_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path, capsys):
     assert cli.main(["needle", str(src), "--lengths", "96", "--no-progress", "--out", str(tmp_path / "e")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has a vocabulary of 500, more than the vocab_size 384" in err[0], err
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_one_line(tmp_path):
+    """A tokenizer.json with more ids than config.json's vocab_size: load_pretrained and save_pretrained refuse
+    it in one line naming the file and both sizes, before reading or writing any tensor; a smaller one (HF
+    checkpoints pad the embedding) loads."""
+    path = _copy(tmp_path)
+    vocab = hf.read_config(str(path)).vocab_size
+    _word_tokenizer(path / "tokenizer.json", vocab - 6)
+    model, cfg = hf.load_pretrained(str(path))
+    assert model.hf_tokenizer == str(path / "tokenizer.json")
+    _word_tokenizer(path / "tokenizer.json", vocab + 1)
+    os.remove(path / "model.safetensors")  # the tokenizer is checked first
+    message = (
+        rf"^{path}/tokenizer\.json: the tokenizer has a vocabulary of {vocab + 1}, more than the vocab_size {vocab}"
+    )
+    with pytest.raises(hf.CheckpointError, match=message + rf" of {path}/config\.json") as info:
+        hf.load_pretrained(str(path))
+    assert "\n" not in str(info.value)
+    with pytest.raises(hf.CheckpointError, match=message):
+        hf.save_pretrained(model, cfg, str(tmp_path / "out"), tokenizer=str(path / "tokenizer.json"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_bpe_tokenizer_end_to_end(tmp_path):
+    """A BPE tokenizer trained here with `tokenizers` (nothing downloaded) beside the Llama fixture: loaded with
+    the checkpoint, it encodes text (as `tokenizers` itself does) into ids the model scores; save_pretrained
+    copies it byte for byte and the export scores them the same."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from jaxring.data.tokenizer import load_tokenizer
+
+    path = _copy(tmp_path)
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    corpus = ["the ring passes keys and values around", "long sequences need many devices", "rings of devices"] * 4
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=96, special_tokens=["<|endoftext|>", "[UNK]"]))
+    tok.save(str(path / "tokenizer.json"))
+    model, cfg = hf.load_pretrained(str(path))
+    text = load_tokenizer(model.hf_tokenizer)
+    ids = text.encode("the rings pass long sequences")
+    assert (
+        text.vocab_size <= cfg.vocab_size
+        and ids.size > 4
+        and text.decode(ids).replace(" ", "") == "theringspasslongsequences"
+    )
+    assert np.all(ids == tok.encode("the rings pass long sequences").ids)
+    out = hf.logits(model, ids[None])
+    assert out.shape == (1, ids.size, cfg.vocab_size) and np.isfinite(out).all()
+    written = hf.save_pretrained(model, cfg, str(tmp_path / "out"))
+    assert "tokenizer.json" in written
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (path / "tokenizer.json").read_bytes()
+    again, _ = hf.load_pretrained(str(tmp_path / "out"))
+    np.testing.assert_array_equal(hf.logits(again, ids[None]), out)

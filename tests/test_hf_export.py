@@ -7,6 +7,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxring
 from jaxring.eval.loading import load_model
@@ -84,3 +85,73 @@ def test_the_runs_tokenizer_is_shipped(tmp_path):
     )
     assert pick({"init_from": None, "tokenizer": "bytes", "data": str(tmp_path / "b")}).startswith(str(tmp_path / "b"))
     assert pick({"tokenizer": "bytes", "data": str(tmp_path / "nowhere")}) is None
+
+
+def test_export_of_a_bf16_run_writes_bfloat16(checkpoint, tmp_path, monkeypatch):
+    """A run trained in --precision bf16 exports BF16 tensors with torch_dtype bfloat16 (what transformers
+    expects of such a checkpoint): the float32 export's tensors rounded; --dtype float32 keeps them."""
+    import ml_dtypes
+    from safetensors.numpy import load_file
+
+    import jaxring.eval.loading as loading
+
+    real = loading.checkpoint_metadata
+
+    def bf16_run(path, step):
+        step, metadata = real(path, step)
+        return step, {**metadata, "config": {**metadata["config"], "precision": "bf16"}}
+
+    monkeypatch.setattr(loading, "checkpoint_metadata", bf16_run)
+    bf16, fp32 = tmp_path / "bf16", tmp_path / "fp32"
+    hf_export.export(str(checkpoint), str(bf16))
+    hf_export.export(str(checkpoint), str(fp32), dtype="float32")
+    config = json.loads((bf16 / "config.json").read_text())
+    assert config["torch_dtype"] == config["dtype"] == "bfloat16"
+    assert json.loads((fp32 / "config.json").read_text())["torch_dtype"] == "float32"
+    got, want = {}, {}
+    for directory, into in ((bf16, got), (fp32, want)):
+        for f in directory.glob("*.safetensors"):
+            into.update(load_file(str(f)))
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name].dtype == ml_dtypes.bfloat16 and want[name].dtype == np.float32, name
+        np.testing.assert_array_equal(got[name], want[name].astype(ml_dtypes.bfloat16), err_msg=name)
+
+
+def test_export_of_an_interleaved_pipeline_run_is_in_layer_order(tmp_path):
+    """A trainer on pp2 with the interleaved schedule (2 chunks per stage: the pipeline keeps its stack in the
+    order (stage, chunk), not in layer order), checkpointed as the training loop does and exported: the export's
+    logits give the held-out loss that the pipelined program computes with the trainer's parameters (and the
+    stack taken in the pipeline's stored order would not). No update step: its compile would add 20 s, and the
+    seed's parameters already tell the layers apart."""
+    from jaxring.spec import RunSpec
+    from jaxring.train.checkpoint import Checkpointer
+    from jaxring.train.loop import prepare
+    from jaxring.train.trainer import Trainer
+
+    devices = jax.devices()[:2]
+    spec = RunSpec.of(
+        model="gpt", preset="tiny-llama3", overrides={"num_layers": 4}, batch_size=2, seq_len=32, lr=3e-3, pp=2,
+        pipeline_schedule="interleaved", virtual_stages=2, microbatches=2, sample_tokens=0,
+    )  # fmt: skip
+    trainer = Trainer(prepare(spec, len(devices)), devices)
+    assert trainer.layer_order is not None and list(trainer.layer_order) != sorted(trainer.layer_order)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False, report=lambda _: None)
+    ckpt.save(trainer.step_count, trainer.state(), metadata=trainer.metadata())
+    assert hf_export.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    pipelined = trainer.val_loss()
+    batch = trainer.task.batch(0, val=True)
+    tokens, targets = np.asarray(batch["tokens"]), np.asarray(batch["targets"])
+    exported, _ = hf.load_pretrained(str(tmp_path / "hf"))
+
+    def loss(model):
+        logits = hf.logits(model, tokens)
+        top = logits.max(-1)
+        picked = np.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        return float((np.log(np.exp(logits - top[..., None]).sum(-1)) + top - picked).mean())
+
+    np.testing.assert_allclose(loss(exported), pipelined, rtol=1e-5)
+    graphdef, state = nnx.split(exported)
+    pure = nnx.to_pure_dict(state)
+    nnx.replace_by_pure_dict(state, {**pure, "blocks": jax.tree.map(lambda a: a[trainer.layer_order], pure["blocks"])})
+    assert abs(loss(nnx.merge(graphdef, state)) - pipelined) > 1e-3  # the stored order is another model

@@ -134,4 +134,4 @@ def test_no_plan_from_the_planner_is_the_bound_of_plan_auto():
 
 def test_the_planners_no_plan_error_becomes_no_plan():
     with pytest.raises(ls.NoPlan, match="no plan fits"):
-        ls.compile_probe(ls.Row("h100x8", "auto", "none"), 2**27, preset="tiny")
+        ls.compile_probe(ls.Row("h100x8", "auto", "none"), 2**28)

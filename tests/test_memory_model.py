@@ -100,3 +100,35 @@ def test_compile_for_without_the_cuda_plugin_is_one_line(capsys):
     fits = Verdict("sp=8", 71.2 * GIB, 69.8 * GIB, 76.0 * GIB)
     assert fits.line() == "fits: compiled 71.2 GiB per device, estimate 69.8 GiB, budget 76.0 GiB"
     assert Verdict("sp=8", 80 * GIB, 79 * GIB, 76 * GIB).line().startswith("does not fit: compiled 80.0 GiB")
+
+
+LLAMA_4M = ["--preset", "llama3-8b", "--seq-len", "4194304", "--batch-size", "1", "--plan", "auto"]
+
+
+def test_the_search_turns_to_the_memory_techniques_when_nothing_fits_without_them():
+    """Llama-3-8B (bf16 by default) at 4,194,304 tokens on 8 H100s: no plan fits as it is; the search tries the
+    tiles, then the layer inputs in host memory, then the optimizer state too, and its best plan uses them all.
+    Held memory settings are kept: with --offload none nothing fits, in one line."""
+    from jaxring.planner.cluster import Cluster
+    from jaxring.planner.fit import workload_of
+    from jaxring.planner.search import NoPlanError, search
+    from jaxring.spec import RunSpec
+
+    spec = RunSpec.of(preset="llama3-8b", seq_len=4194304, batch_size=1)
+    assert spec.compute_precision == "bf16" and RunSpec.of(preset="tiny-llama3").compute_precision == "fp32"
+    assert RunSpec.of(preset="llama3-8b", precision="fp32").compute_precision == "fp32"
+    w = workload_of(spec)
+    best = search(w, Cluster.of("h100", 8)).best.candidate
+    assert (best.loss_tile, best.mlp_tile, best.offload, best.remat) == (4096, 4096, "layer_inputs+optimizer", "full")
+    with pytest.raises(NoPlanError, match="no plan fits in memory"):
+        search(w, Cluster.of("h100", 8), only={"offload": "none"})
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("jaxring.analysis.gpu").analysis.gpu.available()[0], reason="no jax[cuda12]")
+def test_llama3_8b_at_4m_tokens_fits_8_h100s(capsys):
+    """The issue's command: the planner's plan, compiled for 8 H100s without a GPU, fits (about 50 s)."""
+    import train as cli
+
+    assert cli.main([*LLAMA_4M, "--compile-for", "h100x8"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("fits: compiled")

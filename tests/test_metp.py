@@ -412,3 +412,18 @@ def test_param_specs():
         metp.param_specs(mesh, {"bias": (H,)})
     with pytest.raises(ValueError, match="divisible by tp = 4"):
         metp.param_specs(mesh, {"w_in": (H, 66)})
+
+
+def test_attention_projections_in_row_chunks_match_reference(monkeypatch):
+    """O_i and ΔX_i summed over the head groups chunk by chunk of rows (`PROJECTION_ROWS`; here 4 rows, so
+    several chunks a device) equal the reference, forward and gradients (p = 4, causal)."""
+    monkeypatch.setattr(metp, "PROJECTION_ROWS", 4)
+    x, dy, pos = normal(11, (B, S, H)), normal(12, (B, S, H)), positions_of(B, S)
+    cfg = mha_config(4, True)
+    params = attn_params(13, H, HEADS, cfg["num_kv_heads"], HEAD_DIM)
+    mesh = mesh_of(4)
+    got = jax.jit(out_and_grads(lambda x, w, pos: metp.attention_block(x, w, pos, mesh=mesh, **cfg), dy))(
+        x, params, pos
+    )
+    ref = jax.jit(out_and_grads(lambda x, w, pos: attention_block_reference(x, w, pos, **cfg), dy))(x, params, pos)
+    check_tree(got, ref, "attention p=4 causal, projections in chunks of 4 rows")

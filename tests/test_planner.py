@@ -24,12 +24,18 @@ from models import dit, gpt
 
 GPT = gpt.GPTConfig(vocab_size=128, num_layers=2, hidden=64, num_heads=8, ffn=256)
 MOE = dataclasses.replace(GPT, activation="swiglu", ffn=128, num_experts=8, experts_per_token=2)
+# every bias and QK-norm (their gradients in the ZeRO collectives; a bias is not gathered again backward)
+BIASED = dataclasses.replace(GPT, qkv_bias=True, proj_bias=True, mlp_bias=True, qk_norm=True)
+# 2 K/V heads (fewer than tp = 4: each replicated on 2 ranks) of their own width (head_dim 16, not hidden / heads)
+FEW_KV = dataclasses.replace(GPT, num_kv_heads=2, head_dim=16)
+MQA = dataclasses.replace(GPT, num_kv_heads=1)
+WINDOWED = dataclasses.replace(GPT, sliding_window=16)
 DIT = dit.DiTConfig(image_size=16, channels=4, patch_size=2, num_layers=2, hidden=64, num_heads=8)
 
 
-def _workload(model, config, batch, seq=64):
+def _workload(model, config, batch, seq=64, documents=False):
     seq = config.num_tokens if model == "dit" else seq
-    return Workload(model, config, seq, batch, "fp32")
+    return Workload(model, config, seq, batch, "fp32", documents=documents)
 
 
 _COMPILED = {}
@@ -49,6 +55,7 @@ def _compile(w: Workload, c: Candidate):
             precision=w.precision,
             remat=c.remat,
             grad_accum=c.steps(w) if c.pp == 1 else 1,
+            documents=w.documents,
         )
     return _COMPILED[key]
 
@@ -88,21 +95,97 @@ BYTES_CASES = {
     "optimus": ("gpt", GPT, 8, Candidate(dp=2, tp=4, tensor_parallel="optimus", micro_batch=4)),
     "pipeline 1f1b": ("gpt", GPT, 16, Candidate(dp=4, pp=2, pipeline_schedule="1f1b", microbatches=4, micro_batch=1)),
     "experts": ("gpt", MOE, 8, Candidate(dp=2, ep=4, micro_batch=1)),
+    "biases and qk-norm, zero3": ("gpt", BIASED, 8, Candidate(dp=2, sp=4, attention="ulysses", zero=3, micro_batch=4)),
+    "kv heads < tp, ring x megatron": (
+        "gpt",
+        FEW_KV,
+        8,
+        Candidate(tp=4, sp=2, attention="ring", tensor_parallel="megatron", micro_batch=8),
+    ),
+    "one kv head < ulysses x megatron": (
+        "gpt",
+        MQA,
+        8,
+        Candidate(tp=2, sp=4, attention="ulysses", tensor_parallel="megatron", micro_batch=8),
+    ),
     "dit ring x megatron": (
         "dit",
         DIT,
         8,
         Candidate(tp=2, sp=4, attention="ring", tensor_parallel="megatron", micro_batch=8),
     ),
+    # a sliding window: the ring skips the steps outside it but every hop stays (the same bytes)
+    "ring, sliding window": ("gpt", WINDOWED, 8, Candidate(sp=8, attention="ring", micro_batch=8)),
 }
+_SLOW_BYTES_CASES = ("ring, sliding window",)  # a 10 s compile of bytes the ring case already prices
 
 
-@pytest.mark.parametrize("name", list(BYTES_CASES))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] if n in _SLOW_BYTES_CASES else []) for n in BYTES_CASES]
+)
 def test_predicted_bytes_per_axis_equal_the_compiled_step(name):
     model, config, batch, c = BYTES_CASES[name]
     w = _workload(model, config, batch)
     measured = _measured_bytes(_compile(w, c), c, w)
     assert _predicted_bytes(w, c) == measured, name
+
+
+# packed documents: the int32 segment ids travel with K/V (rings, all-gathers, the init map); every layer reads
+# the same ids, so XLA moves most of them once per micro-step (jaxring.costs.segment_once, segment_ring)
+DOCUMENT_CASES = {
+    "usp, accumulation": Candidate.of(dp=2, sp=4, attention="usp", ulysses_size=2, micro_batch=2),
+    "wallfacer": Candidate.of(sp=8, attention="wallfacer", team_size=2, micro_batch=8),
+    "ring x megatron": Candidate(tp=2, sp=4, attention="ring", tensor_parallel="megatron", micro_batch=8),
+    "ring": Candidate(sp=8, attention="ring", micro_batch=8),
+    "ulysses": Candidate(dp=2, sp=4, attention="ulysses", micro_batch=4),
+    "allgather": Candidate(dp=2, sp=4, attention="allgather", micro_batch=4),
+    "rsa": Candidate(sp=8, attention="rsa", micro_batch=8),
+}
+_FAST_DOCUMENT_CASES = ("usp, accumulation", "wallfacer", "ring x megatron")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=[] if n in _FAST_DOCUMENT_CASES else [pytest.mark.slow]) for n in DOCUMENT_CASES],
+)
+def test_predicted_bytes_with_packed_documents_equal_the_compiled_step(name):
+    c = DOCUMENT_CASES[name]
+    w = _workload("gpt", dataclasses.replace(GPT, num_layers=3), 8, documents=True)
+    measured = _measured_bytes(_compile(w, c), c, w)
+    assert _predicted_bytes(w, c) == measured, name
+    without = _predicted_bytes(dataclasses.replace(w, documents=False), c)
+    assert sum(measured.values()) > sum(without.values())  # the ids are priced, not already counted
+
+
+def test_planner_workload_has_packed_documents_where_the_run_does(tmp_path):
+    """The GPT trains on packed documents from a store (the default data too), on windows from a .bin; the
+    planner's workload (`--plan auto`) follows, and a DiT packs none."""
+    from jaxring.planner.fit import workload_of
+    from jaxring.spec import RunSpec
+
+    assert workload_of(RunSpec.of(preset="tiny")).documents
+    tokens = tmp_path / "train.bin"
+    tokens.write_bytes(bytes(4096))
+    assert not workload_of(RunSpec.of(preset="tiny", data=str(tokens))).documents
+    with pytest.raises(ValueError, match="documents=True: the dit family"):
+        _workload("dit", DIT, 8, documents=True)
+
+
+def test_sliding_window_prices_the_attention_the_core_computes():
+    """The ring computes only the steps that reach inside the window (its `window_share`, checked against the
+    ring's own count in tests/test_window.py): the planner's attention FLOPs shrink by that share; a core that
+    claims no skipping (Ulysses) keeps the causal count."""
+    from jaxring.attention.ring import ring_window_share
+
+    windowed, full = (_workload("gpt", config, 8, seq=128) for config in (WINDOWED, GPT))
+    for c, share in (
+        (Candidate(sp=8, attention="ring", micro_batch=8), ring_window_share("zigzag", 8, 16, 16)),
+        (Candidate(sp=8, attention="ulysses", micro_batch=8), 1.0),
+    ):
+        _, attention, _ = cost.compute_flops(windowed, c, "none", cost.shapes(windowed, c, cpu=True))
+        _, causal, _ = cost.compute_flops(full, c, "none", cost.shapes(full, c, cpu=True))
+        assert attention == pytest.approx(share * causal), c.attention
+    assert ring_window_share("zigzag", 8, 16, 16) == pytest.approx(6 / 17)  # tests/test_window.py's counts
 
 
 def test_axis_traffic_splits_what_collective_traffic_counts():
@@ -253,7 +336,8 @@ def test_search_ranks_by_predicted_time_and_explains_rejections():
 
 
 def test_nothing_fits_gives_one_line_naming_memory():
-    w = Workload.of("gpt", "7b", seq_len=1 << 21, global_batch=1)
+    # 2M tokens fit with the memory techniques the search turns to (tiles, host offload); 16M do not
+    w = Workload.of("gpt", "7b", seq_len=1 << 24, global_batch=1)
     with pytest.raises(NoPlanError) as e:
         search(w, Cluster.of("h100", 8))
     assert "\n" not in str(e.value)
@@ -289,6 +373,8 @@ def test_command_line_table_json_and_errors(capsys):
     assert planner_main(argv + ["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert len(data["plans"]) == 3 and data["workload"]["global_batch"] == 8
+    assert planner_main(argv + ["--json", "--documents"]) == 0
+    assert json.loads(capsys.readouterr().out)["workload"]["documents"]
     assert set(data["plans"][0]["memory_bytes"]) >= {"params", "activations", "total"}
     assert (
         planner_main(
@@ -298,7 +384,7 @@ def test_command_line_table_json_and_errors(capsys):
                 "--preset",
                 "7b",
                 "--seq-len",
-                "2M",
+                "16M",  # 2M fits with the memory techniques the search turns to
                 "--global-batch",
                 "1",
                 "--devices",
@@ -346,3 +432,35 @@ def test_predicted_memory_of_the_top_plan_on_the_gpu_target(name):
     best = search(w, Cluster.of(target, 8)).best
     peak = compiled_peak(w, best.candidate, target=target)
     assert abs(best.memory.total / peak - 1) <= 0.15, (name, best.candidate.describe(), best.memory.total, peak)
+
+
+GPU_BYTES_CASES = {
+    "ring": Candidate(sp=8, attention="ring", micro_batch=1),
+    "wallfacer": Candidate.of(sp=8, attention="wallfacer", team_size=2, micro_batch=1),
+}
+
+
+@pytest.mark.slow  # about a minute of deviceless compile each
+@pytest.mark.parametrize("name", list(GPU_BYTES_CASES))
+def test_predicted_bytes_with_packed_documents_on_the_gpu_target(name):
+    """The GPU program sends each ring hop's arrays as one buffer, segment ids included, in every layer (not
+    hoisted as on CPU): its bytes per axis (its combined async collectives counted whole) equal the cost
+    model's for the GPU (cpu=False), within the 7 bytes of flags the counter keeps. Needs the compile-only
+    CUDA plugin; skips elsewhere."""
+    from jaxring.analysis import gpu
+    from jaxring.planner.check import gpu_target_available
+
+    ok, why = gpu_target_available()
+    if not ok:
+        pytest.skip(f"deviceless GPU compile unavailable: {why}")
+    config = gpt.GPTConfig(vocab_size=128, num_layers=3, hidden=256, num_heads=4, ffn=512)
+    w, c = Workload("gpt", config, 1024, 1, "fp32", documents=True), GPU_BYTES_CASES[name]
+    plan = c.check(w, devices=gpu.gpu_devices("h100", c.devices), block_ops="pallas")
+    compiled = compile_train_step(
+        "gpt", config, plan, batch=1, seq_len=1024, precision="fp32", remat=c.remat, documents=True
+    )
+    measured = axis_traffic(compiled.as_text(), plan.run_mesh)
+    leaves = param_leaves("gpt", config, c.check(w))
+    predicted = cost.bytes_by_axes(cost.traffic(w, c, leaves, cpu=False))
+    assert set(predicted) == set(measured), name
+    assert all(0 <= measured[k] - round(v) <= 7 for k, v in predicted.items()), (name, predicted, measured)

@@ -21,7 +21,7 @@ import jaxring
 from jaxring import attention_reference
 from jaxring.attention.blockwise import block_backward, block_forward, get_block_ops
 from jaxring.attention.layout import RankTokens
-from jaxring.attention.ring import ring_forward
+from jaxring.attention.ring import ring_forward, ring_window_share
 from jaxring.attention.wallfacer import WF_AXES, wallfacer_forward, wallfacer_mesh
 from jaxring.nn import Attention, param_placements
 from jaxring.plan import ParallelPlan
@@ -210,6 +210,17 @@ def test_ring_skips_steps_outside_the_window():
     np.testing.assert_array_equal(zigzag, np.array([4, 5, 6, 6, 6, 6, 6, 6]) * h * h)
     # without a window: the causal counts (ring.py's balance), so the window is what skipped the rest
     np.testing.assert_array_equal(ring_work("zigzag", None), 17 * h * h)
+
+
+def test_ring_cost_prices_the_steps_the_ring_computes():
+    """The planner's share of the causal work a windowed ring still computes (`ring_window_share`, from the
+    layout's run bounds) is the busiest rank's count of the ring itself, with the window over without."""
+    for layout in ("contiguous", "zigzag"):
+        full = ring_work(layout, None).max()
+        for window in (9, 16, 17, 40):  # 9, 17: one past a half-chunk and a block
+            share = ring_window_share(layout, 8, 16, window)
+            assert share == pytest.approx(ring_work(layout, window).max() / full), (layout, window)
+            assert share < 1
 
 
 def test_ring_skips_steps_with_no_common_segment():

@@ -65,6 +65,33 @@ def _shape_bytes(shape_text: str) -> int:
     return total
 
 
+def _tuple_elements(shape_text: str) -> list[str]:
+    """The top-level elements of an HLO tuple shape "(a, (b, c), ...)" (commas inside [dims], {layouts} and
+    nested tuples kept)."""
+    out, depth, start = [], 0, 1
+    for i, ch in enumerate(shape_text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                out.append(shape_text[start:i].strip())
+        elif ch == "," and depth == 1:
+            out.append(shape_text[start:i].strip())
+            start = i + 1
+    return [e for e in out if e]
+
+
+def _async_result_bytes(kind: str, shape_text: str) -> int:
+    """Bytes of an async start op's result. An all-reduce-start's shape is its results (a tuple when combined);
+    the others' is (operands, results, context...), the operands and results each one array, or a tuple of
+    them when the op moves several (a combined collective-permute)."""
+    if kind == "all-reduce":
+        return _shape_bytes(shape_text)
+    elements = _tuple_elements(shape_text)
+    return _shape_bytes(elements[1] if len(elements) > 1 else elements[0])
+
+
 def _group_size(line: str, num_devices: int) -> int:
     if m := _GROUPS_LIST.search(line):
         return len([x for x in m.group(1).strip("{}").split(",") if x])
@@ -160,8 +187,7 @@ def collective_ops(hlo_text: str) -> dict[str, int]:
             shape_text, kind, start = m.groups()
             size = _shape_bytes(shape_text)
             if start and shape_text.startswith("("):
-                arrays = [f"{t}[{d}]" for t, d in _ARRAY.findall(shape_text)]
-                size = _shape_bytes(arrays[1]) if len(arrays) > 1 else _shape_bytes(arrays[0])
+                size = _async_result_bytes(kind, shape_text)
             yield line, kind, size, times
 
 

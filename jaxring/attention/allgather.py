@@ -27,7 +27,7 @@ from jaxring.attention.flash import flash_attention
 from jaxring.attention.layout import gathered_positions, layout_positions, natural_order
 from jaxring.attention.masking import check_qkv
 from jaxring.attention.ulysses import local_implementation
-from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer
+from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer, segment_once
 from jaxring.registry import SequenceStrategy, register_sequence_strategy
 
 if TYPE_CHECKING:
@@ -82,7 +82,8 @@ def allgather_attention(
 def allgather_cost(s: AttentionShape, options: dict) -> AttentionCost:
     """The module docstring's traffic: all-gathers of (P-1) K and V blocks forward, reduce-scatters of the
     same backward, nothing overlapped. Kept: the gathered K/V (the whole sequence, fp32 here), out and lse.
-    Working: the gathered K/V and their fp32 gradients; the block's columns are the whole sequence."""
+    Working: the gathered K/V and their fp32 gradients; the block's columns are the whole sequence. Packed
+    documents: the K/V segment ids all-gathered (`jaxring.costs.segment_once`)."""
     del options
     P, axes = s.sp, tuple(s.axes)
     kv = s.kv_bytes(s.e)
@@ -90,6 +91,7 @@ def allgather_cost(s: AttentionShape, options: dict) -> AttentionCost:
         transfers=(
             Transfer("all-gather K/V forward", axes, 2 * (P - 1) * kv, 2),
             Transfer("reduce-scatter dK/dV backward", axes, 2 * (P - 1) * kv, 2),
+            *segment_once("K/V segment ids all-gather", axes, (P - 1) * s.segment_bytes()),
         ),
         saved=2 * P * s.kv_bytes(F32) + s.q_bytes(F32) + s.rows_bytes(),
         working=2 * P * (s.kv_bytes(s.em) + s.kv_bytes(F32)) + s.q_bytes(F32),

@@ -49,6 +49,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxring.attention.blockwise import BlockOps, get_block_ops, with_window
@@ -57,7 +58,7 @@ from jaxring.attention.masking import check_qkv, check_window, positions_may_mee
 from jaxring.attention.merge import empty_partial
 from jaxring.attention.ring_step import add_block_grads, attend_block, pair_work, run_work, split_runs
 from jaxring.collectives import BACKWARD, ring_steps, ring_steps_accumulating, send_to_next
-from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer
+from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer, segment_ring
 from jaxring.registry import SequenceStrategy, register_sequence_strategy
 from jaxring.vma import vary_like
 
@@ -389,11 +390,44 @@ def q_tiles(n: int, cpu: bool) -> int:
     return n // _tile_size(n, FORWARD_TILE)
 
 
+def run_bounds(layout: str, p: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first, last) true position of each rank's position runs, int [p, runs] (`RankTokens.runs`: zigzag 2,
+    else 1; a striped rank's one "run" spans its tokens' bounds, as the step tests see them)."""
+    r = np.arange(p)[:, None]
+    if layout == "zigzag":
+        h = n // 2
+        first = np.concatenate([r * h, (2 * p - 1 - r) * h], axis=1)
+        return first, first + h - 1
+    if layout == "striped":
+        return r, (n - 1) * p + r
+    return r * n, r * n + n - 1
+
+
+def ring_window_share(layout: str, p: int, n: int, window: int) -> float:
+    """The share of its causal work a ring of p ranks (n tokens each) still computes under a sliding window:
+    the busiest rank's query-key pairs of the (Q run, K/V run) pairs that `step_work` counts (run pairs
+    wholly outside the window are skipped, `step_visible`), with the window over without."""
+    first, last = run_bounds(layout, p, n)
+    size = (last - first + 1) if layout != "striped" else np.full_like(first, n)
+    q_first, q_last, q_size = first[:, None, :, None], last[:, None, :, None], size[:, None, :, None]
+    src = (np.arange(p)[:, None] - np.arange(p)[None, :]) % p  # [rank, step]: whose K/V the rank holds
+    k_first, k_last, k_size = first[src][:, :, None, :], last[src][:, :, None, :], size[src][:, :, None, :]
+    causal = q_last >= k_first
+    pairs = q_size * k_size
+
+    def busiest(visible: np.ndarray) -> float:
+        return (pairs * visible).sum(axis=(1, 2, 3)).max()
+
+    return float(busiest(causal & (q_first < k_last + window)) / busiest(causal))
+
+
 def ring_cost(s: AttentionShape, options: dict) -> AttentionCost:
     """The module docstring's traffic (the playbook; WallFacer Eq. 2: P·2BNH/P): forward 2(P-1) K/V blocks,
     backward 2(P-1) K/V blocks + 2P fp32 dK/dV blocks, both hidden behind the block compute. Kept: out and
     lse (fp32; on CPU a running pair per Q tile and step). Working: the received and sent K/V (2 each) and
-    the fp32 dK/dV accumulators in flight (4), dQ."""
+    the fp32 dK/dV accumulators in flight (4), dQ. Packed documents: their segment ids ride the K/V hops
+    (`jaxring.costs.segment_ring`). A sliding window: the hops stay, the steps outside it compute nothing
+    (`ring_window_share`)."""
     del options
     P, axes = s.sp, tuple(s.axes)
     kv, kv32, q32 = s.kv_bytes(s.e), s.kv_bytes(F32), s.q_bytes(F32)
@@ -401,9 +435,11 @@ def ring_cost(s: AttentionShape, options: dict) -> AttentionCost:
         transfers=(
             Transfer("ring K/V forward", axes, 2 * (P - 1) * kv, P - 1, "attention"),
             Transfer("ring K/V + fp32 dK/dV backward", axes, 2 * (P - 1) * kv + 2 * P * kv32, P, "attention"),
+            *segment_ring("ring segment ids", axes, P - 1, s.segment_bytes(), s.cpu),
         ),
         saved=(P if s.cpu else 1) * q_tiles(s.n, s.cpu) * (q32 + s.rows_bytes()),
         working=4 * s.kv_bytes(s.em) + 4 * kv32 + q32,
+        window_share=ring_window_share(s.layout, P, s.n, s.window) if s.window and P > 1 else 1.0,
     )
 
 

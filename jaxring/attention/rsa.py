@@ -64,7 +64,7 @@ from jax import lax
 from jaxring.attention.layout import check_seq_len, layout_permutation, layout_positions
 from jaxring.attention.masking import attention_mask, check_qkv, check_window
 from jaxring.collectives import BACKWARD, ring_steps, send_to_next
-from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer
+from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer, segment_once
 from jaxring.registry import SequenceStrategy, register_sequence_strategy
 
 if TYPE_CHECKING:
@@ -254,7 +254,8 @@ def rsa_cost(s: AttentionShape, options: dict) -> AttentionCost:
     """The module docstring's traffic (RSA: 8(N-1)·BZ(L/N)A): the K then V rings forward, V then K backward
     (hidden behind the score blocks), the fp32 dK/dV reduce-scatters. Kept: P^r fp32 [b, heads, n, L] and the
     local q, k, v. Working: the score rows again (dP, dS). It computes every causal block: the masked half of
-    the causal scores is extra work."""
+    the causal scores is extra work. Packed documents: the K chunks' segment ids ride pass 1 of the forward,
+    (P-1) hops of layer-invariant sends (`jaxring.costs.segment_once`)."""
     del options
     P, axes = s.sp, tuple(s.axes)
     kv = s.kv_bytes(s.e)
@@ -264,6 +265,7 @@ def rsa_cost(s: AttentionShape, options: dict) -> AttentionCost:
             Transfer("RSA K then V rings forward", axes, 2 * (P - 1) * kv, 2 * (P - 1), "attention"),
             Transfer("RSA V then K rings backward", axes, 2 * (P - 1) * kv, 2 * (P - 1), "attention"),
             Transfer("RSA dK, dV reduce-scatter", axes, 2 * (P - 1) * s.kv_bytes(F32), 2),
+            *segment_once("RSA segment ids with the K chunks (forward)", axes, (P - 1) * s.segment_bytes()),
         ),
         saved=scores + s.b * s.n * (s.heads + 2 * s.kv_heads) * s.d * s.em,
         working=2 * scores,

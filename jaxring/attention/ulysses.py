@@ -28,7 +28,7 @@ from jaxring.attention.blockwise import BlockOps
 from jaxring.attention.flash import flash_attention
 from jaxring.attention.layout import gathered_positions, natural_order
 from jaxring.attention.masking import check_qkv
-from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer
+from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer, segment_once
 from jaxring.registry import SequenceStrategy, register_sequence_strategy
 
 
@@ -120,7 +120,7 @@ def ulysses_cost(s: AttentionShape, options: dict) -> AttentionCost:
     """The module docstring's traffic (DeepSpeed-Ulysses: 4 all-to-alls a layer each way), each moving
     (P-1)/P of q, k, v (K/V heads repeated to lcm(kv_heads, P)) or out. Kept: the head-sharded q, k, v, out
     and lse of the local flash attention (fp32). Working: its fp32 gradients; the block is the whole sequence
-    for heads / P heads."""
+    for heads / P heads. Packed documents: the segment ids all-gathered (`jaxring.costs.segment_once`)."""
     del options
     P, axes = s.sp, tuple(s.axes)
     kv_sent = math.lcm(s.kv_heads, P)
@@ -130,6 +130,7 @@ def ulysses_cost(s: AttentionShape, options: dict) -> AttentionCost:
         transfers=(
             Transfer("Ulysses all-to-alls forward (q, k, v, out)", axes, one, 4),
             Transfer("Ulysses all-to-alls backward", axes, one, 4),
+            *segment_once("Ulysses segment ids all-gather", axes, (P - 1) * s.segment_bytes()),
         ),
         saved=3 * q32 + 2 * s.b * s.n * s.d * kv_sent * F32 + s.rows_bytes(),
         working=4 * q32 + 4 * s.kv_bytes(F32),

@@ -26,7 +26,7 @@ from jaxring.attention.layout import RankTokens
 from jaxring.attention.masking import check_qkv
 from jaxring.attention.ring import q_tiles, ring_attention
 from jaxring.attention.ulysses import check_heads_split, heads_to_seq, repeat_kv_for_split, seq_to_heads
-from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer
+from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer, segment_once, segment_ring
 from jaxring.mesh import factored_mesh
 from jaxring.registry import Option, SequenceStrategy, register_sequence_strategy
 
@@ -86,7 +86,8 @@ def usp_attention(
 def usp_cost(s: AttentionShape, options: dict) -> AttentionCost:
     """Ulysses' 4 all-to-alls each way over U (K/V heads repeated to lcm(kv_heads, U)), and ring attention
     over R = P/U on blocks U× longer with 1/U of the heads (hidden behind the block compute). Kept: the ring's
-    out and lse per step and Q tile on CPU, the head-sharded q, k, v. Working: the ring's."""
+    out and lse per step and Q tile on CPU, the head-sharded q, k, v. Working: the ring's. Packed documents:
+    the segment ids all-gathered over U, then riding the ring's hops (U× longer blocks)."""
     U = options["ulysses_size"]
     r = s.sp // U
     ring_axis, ulysses_axis = s.axes
@@ -98,11 +99,13 @@ def usp_cost(s: AttentionShape, options: dict) -> AttentionCost:
         transfers += [
             Transfer("USP Ulysses all-to-alls forward", (ulysses_axis,), a2a, 4),
             Transfer("USP Ulysses all-to-alls backward", (ulysses_axis,), a2a, 4),
+            *segment_once("USP segment ids all-gather", (ulysses_axis,), (U - 1) * s.segment_bytes()),
         ]
     if r > 1:
         transfers += [
             Transfer("USP ring K/V forward", (ring_axis,), 2 * (r - 1) * blk * s.e, r - 1, "attention"),
             Transfer("USP ring backward", (ring_axis,), 2 * (r - 1) * blk * s.e + 2 * r * blk * F32, r, "attention"),
+            *segment_ring("USP ring segment ids", (ring_axis,), r - 1, U * s.segment_bytes(), s.cpu),
         ]
     q32, kv32 = s.q_bytes(F32), s.kv_bytes(F32)
     return AttentionCost(

@@ -115,7 +115,7 @@ from jaxring.attention.merge import empty_partial
 from jaxring.attention.ring import attend_step, fuse_by_default, grads_step
 from jaxring.attention.ring_step import pair_work, split_runs
 from jaxring.collectives import ppermute, ring_steps, ring_steps_accumulating, send_to_next
-from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer
+from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer, segment_once, segment_ring
 from jaxring.registry import Option, SequenceStrategy, register_sequence_strategy
 from jaxring.vma import vary_like
 
@@ -564,7 +564,9 @@ def wallfacer_cost(s: AttentionShape, options: dict) -> AttentionCost:
     all-gathers of Q, K, V, the lse exchange and the fp32 reduce-scatter of O; the init map 2C K/V blocks; the
     sub-ring (tgs-1)·2C K/V blocks forward; backward dO and Δ gathered, Q, dO, lse, Δ round the sub-ring with
     dQ one hop behind (tgs hops), dQ, dK, dV reduce-scattered and dK/dV back along the inverse map. Kept: the
-    team's Q, K/V chunk and lse. Working: the team's blocks (C·n rows and columns) and their fp32 gradients."""
+    team's Q, K/V chunk and lse. Working: the team's blocks (C·n rows and columns) and their fp32 gradients.
+    Packed documents: the segment ids all-gathered over the team and sent with the init map (once per
+    micro-step), and riding the sub-ring's hops (C·n ids a hop; `jaxring.costs.segment_ring`)."""
     C = options["team_size"]
     tgs = s.sp // (C * C)
     q, q32, rows = s.q_bytes(s.e), s.q_bytes(F32), s.rows_bytes()
@@ -586,6 +588,8 @@ def wallfacer_cost(s: AttentionShape, options: dict) -> AttentionCost:
             ),
             Transfer("WallFacer init map K/V (forward)", WF_AXES, 2 * C * kv, 1),
             Transfer("WallFacer inverse init map dK/dV (backward)", WF_AXES, 2 * C * kv32, 1),
+            *segment_once("WallFacer segment ids team all-gather", (TEAM,), (C - 1) * s.segment_bytes()),
+            *segment_once("WallFacer segment ids init map", WF_AXES, C * s.segment_bytes()),
         ]
     if tgs > 1:
         transfers += [
@@ -597,6 +601,7 @@ def wallfacer_cost(s: AttentionShape, options: dict) -> AttentionCost:
                 tgs,
                 "attention",
             ),
+            *segment_ring("WallFacer sub-ring segment ids", (RING,), tgs - 1, C * s.segment_bytes(), s.cpu, False),
         ]
     return AttentionCost(
         transfers=tuple(transfers),

@@ -73,6 +73,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     b.add_argument("--global-batch", type=int, help="sequences (images) per step")
     g.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     g.add_argument(
+        "--documents",
+        action="store_true",
+        help="the batches are packed documents, as train.py's GPT from a document store: their segment ids are "
+        "priced where the strategy moves them",
+    )
+    g.add_argument(
         "--override",
         action="append",
         default=[],
@@ -150,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         global_batch_tokens=args.global_batch_tokens,
         global_batch=args.global_batch,
         precision=args.precision,
+        documents=args.documents,
         **overrides,
     )
     gb = 1e9

@@ -58,6 +58,7 @@ def compiled_peak(
         remat=c.remat,
         offload=c.offload,
         grad_accum=c.steps(w) if c.pp == 1 else 1,
+        documents=w.documents,
     )
     m = compiled.memory_analysis()
     return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)

@@ -114,11 +114,12 @@ def lowered_step(spec: RunSpec, devices: list) -> tuple[jax.stages.Lowered, floa
         plan,
         batch=t.batch_size,
         seq_len=w.seq_len,
-        precision=t.precision,
+        precision=spec.compute_precision,
         remat=spec.memory.remat,
         offload=spec.memory.offload,
         grad_accum=t.grad_accum,
         clip=spec.optimizer.clip,
+        documents=w.documents,
     )
     return fn.lower(*args), float(estimate), plan.describe()
 
@@ -128,7 +129,11 @@ def _compile(spec: RunSpec, devices: list) -> tuple[float, float, str]:
     lowered, estimate, plan = lowered_step(spec, devices)
     m = lowered.compile().memory_analysis()
     peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-    return float(peak), estimate, plan
+    ms = spec.memory
+    kept = [f"remat {ms.remat}", spec.compute_precision]
+    kept += [f"{n} {v}" for n, v in (("loss tile", ms.loss_tile), ("mlp tile", ms.mlp_tile), ("offload", ms.offload))]
+    settings = ", ".join(k for k in kept if not k.endswith((" None", " none")))
+    return float(peak), estimate, f"{plan}; {settings}"
 
 
 def ranked_specs(spec: RunSpec, gpu: str, count: int, tries: int = TRIES) -> list[RunSpec]:

@@ -122,15 +122,18 @@ def build_train_step(
     remat: str = "full",
     offload: str = "none",
     clip: float | None = 1.0,
+    documents: bool = False,
 ) -> tuple[Callable[..., Any], tuple]:
     """(step, abstract args) of the trainer's jitted update for a `config` GPT or DiT on `plan` with a global
-    batch of `batch` sequences (images), without allocating anything."""
+    batch of `batch` sequences (images), without allocating anything; documents: batches of packed documents
+    (the family's objective with their segment ids, as the trainer builds it from a document store)."""
     from jaxring.nn import param_placements
     from jaxring.task import model_family
     from jaxring.train.step import TrainStep
 
     family = model_family(model_kind)
-    objective = family.objective(config, batch, seq_len)
+    packed = {"documents": True} if documents else {}  # a family without documents takes no such argument
+    objective = family.objective(config, batch, seq_len, **packed)
     model = nnx.eval_shape(lambda: family.build(config, nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     tx = optax.adamw(1e-3)
@@ -150,13 +153,32 @@ def build_train_step(
     )
     params = _abstract(nnx.to_pure_dict(state), step.shardings(step.param_specs))
     opt_specs = step.opt_state_specs(params)
-    opt = _abstract(jax.eval_shape(tx.init, params), step.shardings(opt_specs))
-    data = family.abstract_batch(config, plan, batch, seq_len)
+    opt = _abstract(jax.eval_shape(tx.init, params), step.opt_state_shardings(opt_specs))
+    data = family.abstract_batch(config, plan, batch, seq_len, **packed)
     args = (params, opt, data, jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((), jnp.float32))
     return step.build(opt_specs), args
 
 
+def _lists_host_memory(device: jax.Device) -> bool:
+    try:
+        return any(m.kind == "pinned_host" for m in device.addressable_memories())
+    except Exception:  # an abstract device of a topology (deviceless compile) lists none
+        return False
+
+
 def compile_train_step(model_kind: str, config: Any, plan: ParallelPlan, **kwargs) -> jax.stages.Compiled:
-    """The compiled train step (see `build_train_step`): `.memory_analysis()`, `.as_text()`."""
+    """The compiled train step (see `build_train_step`): `.memory_analysis()`, `.as_text()`. With the optimizer
+    state offloaded on abstract GPUs (which list no host memory), its arguments and results are marked as
+    pinned host memory in the lowered program, as jit marks them on real devices."""
+    from jaxring.nn import offloaded
+
     fn, args = build_train_step(model_kind, config, plan, **kwargs)
-    return fn.lower(*args).compile()
+    lowered = fn.lower(*args)
+    abstract = not _lists_host_memory(plan.run_mesh.devices.flat[0])
+    if "optimizer" in offloaded(kwargs.get("offload", "none")) and abstract:
+        from jaxring.compat import place_in_host_memory
+
+        first = len(jax.tree.leaves(args[0]))  # (params, opt_state, ...) in, (params, opt_state, metrics) out
+        state = set(range(first, first + len(jax.tree.leaves(args[1]))))
+        place_in_host_memory(lowered, state, state)
+    return lowered.compile()

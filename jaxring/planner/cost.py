@@ -14,7 +14,9 @@ Units: bytes per device (what one device receives, as `jaxring.analysis.compiled
 `steps` micro-steps (gradient accumulation, or the pipeline's micro-batches) and one optimizer update.
 Notation (per device, one micro-step): b rows, n tokens of the sequence shard, h hidden, e bytes per
 activation element (2 bf16, 4 fp32; collectives on XLA:CPU move 4), F = 4 (fp32 weights, gradients and
-accumulators), L' = layers on this device, Ψ parameters per device.
+accumulators), L' = layers on this device, Ψ parameters per device. A workload of packed documents
+(`Workload.documents`: the GPT from a document store) prices their int32 segment ids where the strategy moves
+them; a move every layer repeats identically (phase "micro-step") counts once per micro-step.
 
 Gradients over the replica axes (data and sequence, R devices, the playbook's ZeRO): stage 0 all-reduce
 2(R-1)/R·Ψ·F; stages 1-2 reduce-scatter + all-gather (R-1)/R·Ψ·F each (stage 2 scatters every micro-step);
@@ -45,6 +47,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from jaxring.costs import F32, AttentionCost, AttentionShape, LocalDims, ModelShape, Transfer
+from jaxring.nn import offloaded
 from jaxring.planner.space import Candidate, Workload
 from jaxring.precision import BYTES_PER_ELEMENT as DTYPE_BYTES
 
@@ -113,7 +116,7 @@ def shapes(w: Workload, c: Candidate, plan: ParallelPlan | None = None, cpu: boo
         hidden=cfg.hidden,
         heads=heads,
         kv_heads=kv,
-        head_dim=cfg.hidden // heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden // heads,  # a GPT may set its own (Qwen3)
         ffn=cfg.ffn_size,
         ffn_matrices=3 if getattr(cfg, "activation", "gelu") == "swiglu" else 2,
         vocab=getattr(cfg, "vocab_size", None),
@@ -147,6 +150,9 @@ def shapes(w: Workload, c: Candidate, plan: ParallelPlan | None = None, cpu: boo
         causal=m.causal,
         cpu=cpu,
         axes={a: sizes[a] for a in plan.seq_axes},
+        segments=w.documents,
+        window=getattr(cfg, "sliding_window", None) if w.causal else None,
+        layout=plan.seq_layout(w.causal) if plan.seq_axes else "contiguous",
     )
     core = method.attention_core_cost(m, x)
     if core is None:
@@ -359,8 +365,9 @@ def traffic(
     s = s if s is not None else shapes(w, c, plan, cpu)
     per_layer = list(s.core.transfers) + s.method.layer_transfers(s.model, s.local) + moe_layer(w, s)
     out = [
-        dataclasses.replace(t, bytes=t.bytes * s.layers * s.steps, messages=t.messages * s.layers * s.steps)
+        dataclasses.replace(t, bytes=t.bytes * n * s.steps, messages=t.messages * n * s.steps)
         for t in per_layer
+        for n in [1 if t.phase == "micro-step" else s.layers]  # "micro-step": layer-invariant (segment ids)
     ]
     out += [
         dataclasses.replace(t, bytes=t.bytes * s.steps, messages=t.messages * s.steps)
@@ -412,13 +419,22 @@ class Memory:
         return {k: round(getattr(self, k)) for k in keys} | {"total": round(self.total)}
 
 
+# A method that recomputes its forward (METP) holds this many [b, n_act, h] arrays in the activation dtype in
+# one layer's backward (the layer's input and its recomputed stream, A_i, the MLP's tiles in and out): fitted on
+# the deviceless H100 compiles of Llama-3-8B at 4M to 6M tokens, METP tp8, bf16, remat full, tiles of 4096,
+# offload layer_inputs+optimizer (compiled 61.6 to 75.7 GiB per device, 10.2 GiB more per million tokens from
+# 5M on; the estimate within 5% below to 7% above: benchmarks/results/llama3_8b_4m.json)
+RECOMPUTED_STREAM = 11
+
+
 def saved_per_layer(w: Workload, s: Shapes, remat: str, mlp_tile: int | None = None) -> float:
     """Bytes one layer keeps for its backward, one micro-batch (what the compiled step's layer scan stacks).
 
     none       the residual stream and norms in fp32 (8 arrays [b, n_act, h] and 4 of statistics), a K/V
                projection, the fp32 rotary halves of q and k, the attention core's residuals (its entry's),
                6 FFN-wide arrays (the playbook's sbh(34 + 5as/h) without scores: flash attention); a method
-               that recomputes its forward (METP) keeps the stream and its core's residuals only
+               that recomputes its forward (METP) keeps RECOMPUTED_STREAM arrays [b, n_act, h] in the
+               activation dtype and its core's residuals only
     selective  the layer input and the outputs of the weight matmuls the backward needs (`jax.checkpoint`'s
                dots_with_no_batch_dims_saveable keeps only residuals): q, k, v, the o projection (the residual
                sum and its norm are recomputed from it) and the FFN's up (and gate) projection; the FFN's
@@ -437,9 +453,9 @@ def saved_per_layer(w: Workload, s: Shapes, remat: str, mlp_tile: int | None = N
     if remat == "selective":
         ffn = b * n * h * em if tiled else (m.ffn_matrices - 1) * b * n * f * em
         return b * na * h * em + qkvo + ffn + core.kept(remat)
-    stream = 8 * b * na * x.h_act * F32 + 4 * b * na * F32
     if s.method.recomputes_forward:
-        return stream + core.kept(remat)
+        return RECOMPUTED_STREAM * b * na * x.h_act * em + core.kept(remat)
+    stream = 8 * b * na * x.h_act * F32 + 4 * b * na * F32
     rope = b * n * (x.heads + x.kv_heads) * d * (F32 if w.terms.rotary_fp32 else em)
     mlp = b * n * h * em if tiled else _mlp_saved(w, s)
     return stream + b * n * x.kv_heads * d * em + rope + core.kept(remat) + mlp
@@ -517,11 +533,19 @@ def memory(
         grads += 2 * layer_grad / F32 * em  # one layer's weights gathered (forward and backward)
     per_layer = saved_per_layer(w, s, remat, c.mlp_tile)
     host = 0.0
-    if c.offload == "layer_inputs" and not cpu:
+    parts = offloaded(c.offload)
+    if "optimizer" in parts and not cpu:
+        # the AdamW moments live in pinned host memory between updates; the update moves them in (their
+        # bytes join its peak) and the new ones out (the deviceless H100 compile of Llama-3-8B at 4M tokens,
+        # METP tp8: device arguments 21.5 -> 7.2 GiB, host arguments 14.3 GiB)
+        host += optimizer
+        update += optimizer
+        optimizer = 0.0
+    if "layer_inputs" in parts and not cpu:
         # each layer's checkpointed input lives in pinned host memory between the forward and the backward
         # (on CPU host and device memory are one: nothing moves)
         inputs = x.b * x.n_act * s.model.hidden * em
-        host = s.layers * inputs
+        host += s.layers * inputs
         per_layer -= inputs
     if c.pp > 1:
         info = pipeline_info(c.pipeline_schedule, c.pp, s.steps, s.schedule)
@@ -573,7 +597,8 @@ def compute_flops(w: Workload, c: Candidate, remat: str, s: Shapes) -> tuple[flo
     """(FLOPs per device per step, of which the attention core's, of which the FFN's), with what the plan
     recomputes: full remat a layer's forward again (+1/3 of the layers' FLOPs), selective the attention
     core's forward, a method that recomputes its forward (METP: Q, K, V and f(AB), Algorithms 2 and 6) the
-    same as full remat, and the attention core's own extra work (RSA: the masked half of causal scores)."""
+    same as full remat, and the attention core's own extra work (RSA: the masked half of causal scores), less
+    what it skips outside a sliding window (its `window_share`)."""
     cfg, seq = w.config, w.seq_len
     tokens = w.tokens_per_step
     causal = 0.5 if w.causal else 1.0
@@ -583,17 +608,18 @@ def compute_flops(w: Workload, c: Candidate, remat: str, s: Shapes) -> tuple[flo
         mats * cfg.hidden * cfg.ffn_size if moe is None else moe.experts_per_token * mats * cfg.hidden * moe.ffn
     )
     ffn = 6 * cfg.num_layers * ffn_params * tokens
-    total = w.flops_per_step()
+    computed = attention * s.core.window_share
+    total = w.flops_per_step() - (attention - computed)
     layers = total - (6 * s.model.vocab * cfg.hidden * tokens if s.model.vocab is not None else 0)
     extra = 0.0
     if remat == "full" or s.method.recomputes_forward:
         extra += layers / 3
     elif remat == "selective":
-        extra += attention / 3
+        extra += computed / 3
     if s.core.extra_attention:
         extra += s.core.extra_attention * attention
     n = c.devices
-    return (total + extra) / n, attention / n, ffn / n
+    return (total + extra) / n, computed / n, ffn / n
 
 
 def link(axes: tuple[str, ...], locality: dict, cluster: Cluster) -> tuple[float, float]:

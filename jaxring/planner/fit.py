@@ -38,14 +38,16 @@ def workload_of(spec: RunSpec) -> Workload:
     from jaxring.task import model_family
 
     t = spec.training
-    causal = model_family(spec.model.model).causal  # a causal model's default 256 tokens; a DiT: its images
+    family = model_family(spec.model.model)
+    causal = family.causal  # a causal model's default 256 tokens; a DiT: its images
     return Workload.of(
         spec.model.model,
         spec.model.preset,
         seq_len=t.seq_len or (256 if causal else None),
         image_size=t.image_size,
         global_batch=t.batch_size,
-        precision=t.precision,
+        precision=spec.compute_precision,
+        documents=family.documents is not None and family.documents(spec.data),
         **spec.model.overrides,
     )
 
@@ -116,7 +118,8 @@ def device_memory_bytes(spec: RunSpec, devices: Sequence[jax.Device]) -> float |
 
 
 def _remedies(spec: RunSpec, c: Candidate, w: Workload) -> list[tuple[str, Candidate]]:
-    """Setting changes to try, cumulative, in the order a user would: remat, tiles, offload, then more sp."""
+    """Setting changes to try, cumulative, in the order a user would: remat, tiles, offload (the layer inputs,
+    then the optimizer state), then more sp."""
     out = []
     if c.remat != "full":
         c = dataclasses.replace(c, remat="full")
@@ -132,6 +135,9 @@ def _remedies(spec: RunSpec, c: Candidate, w: Workload) -> list[tuple[str, Candi
     if c.offload == "none" and c.pp == 1:
         c = dataclasses.replace(c, offload="layer_inputs")
         out.append(("--offload layer_inputs", c))
+    if c.offload in ("none", "layer_inputs"):
+        c = dataclasses.replace(c, offload="optimizer" if c.offload == "none" else "layer_inputs+optimizer")
+        out.append((f"--offload {c.offload}", c))
     return out
 
 
@@ -143,7 +149,7 @@ def advice(spec: RunSpec, devices: Sequence[jax.Device], budget: float) -> str:
     for flag, changed in _remedies(spec, c, w):
         if cpu and flag.startswith("--offload"):
             continue  # host and device memory are one on CPU
-        flags.append(flag)
+        flags = [f for f in flags if f.split()[0] != flag.split()[0]] + [flag]  # a later --offload replaces
         try:
             if _memory(w, changed, cpu).total <= budget:
                 return "use " + " ".join(flags)

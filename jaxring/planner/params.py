@@ -39,11 +39,14 @@ def abstract_state(model: str, config: Any) -> tuple[nnx.GraphDef, nnx.State]:
 
 
 def param_leaves(model: str, config: Any, plan: ParallelPlan) -> list[ParamLeaf]:
-    from jaxring.nn import param_placements
+    from jaxring.nn import BIAS, param_placements
     from jaxring.zero import Placement
 
     _, state = abstract_state(model, config)
     placements = param_placements(state, plan)
+    biases = {
+        "".join(f"[{k!r}]" for k in path) for path, var in nnx.to_flat_state(state) if var.get_metadata().get(BIAS)
+    }
     shapes = nnx.to_pure_dict(state)
     sizes = dict(plan.run_mesh.shape)
     tensor_axes = tuple(a for a in plan.tensor_axes if sizes.get(a, 1) > 1)
@@ -66,7 +69,7 @@ def param_leaves(model: str, config: Any, plan: ParallelPlan) -> list[ParamLeaf]
                 key,
                 math.prod(shape) // split,
                 key.startswith("['blocks']"),
-                key.endswith("['bias']"),
+                key in biases,
                 pl.zero_dim is not None,
                 replica,
                 tuple(a for a in tensor_axes if a not in used),

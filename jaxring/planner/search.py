@@ -143,6 +143,7 @@ class Result:
                 "global_batch": w.global_batch,
                 "tokens_per_step": w.tokens_per_step,
                 "precision": w.precision,
+                "documents": w.documents,
                 "config": dataclasses.asdict(w.config),
             },
             "cluster": {
@@ -384,9 +385,31 @@ def _rule_key(message: str) -> str:
     return re.sub(r"\d+", "#", message)
 
 
+# When no plan fits as it is, the search tries again with the memory techniques, cumulative, cheapest first:
+# the loss and MLP tiles, then the layer inputs in host memory (remat full, pp = 1), then the optimizer state too.
+MEMORY_LEVELS = ("tiles", "tiles+layer_inputs", "tiles+layer_inputs+optimizer")
+TILE_ROWS = (4096, 2048, 1024, 512, 256, 128, 64)
+
+
+def with_memory_techniques(c: Candidate, w: Workload, level: str) -> Candidate:
+    """`c` with the memory techniques of `level` (one of MEMORY_LEVELS): tiles of the largest of TILE_ROWS
+    that divides the rows on a device (untiled when none does), the layer inputs offloaded where remat is
+    full and pp = 1, the optimizer state offloaded wherever asked."""
+    rows = w.seq_len // max(1, c.sp * c.tp) if w.seq_len else 0
+    tile = next((t for t in TILE_ROWS if t < rows and rows % t == 0), None)
+    parts = set(level.split("+")) - {"tiles"}
+    if c.remat != "full" or c.pp > 1:
+        parts.discard("layer_inputs")
+    offload = "+".join(p for p in ("layer_inputs", "optimizer") if p in parts) or "none"
+    vocab = getattr(w.config, "vocab_size", None)
+    return dataclasses.replace(c, loss_tile=tile if vocab else None, mlp_tile=tile, offload=offload)
+
+
 def search(w: Workload, cluster: Cluster, *, only: dict | None = None, keep: int | None = None) -> Result:
-    """Every candidate validated and costed; the ones that fit, ranked by step time. Raises NoPlanError (one line
-    naming the tightest constraint) when nothing fits.
+    """Every candidate validated and costed; the ones that fit, ranked by step time. When none fits and no
+    memory setting is held, the search runs again with the memory techniques of each of MEMORY_LEVELS in turn
+    (`with_memory_techniques`) and returns the first that fits. Raises NoPlanError (one line naming the tightest
+    constraint, with every technique) when nothing fits.
 
     only: settings held fixed, by the run specification's names (Candidate fields and registry options), a value
     or a tuple of allowed values (e.g. {"sp": 64, "attention": ("ring", "wallfacer")} for WallFacer's own
@@ -404,6 +427,22 @@ def search(w: Workload, cluster: Cluster, *, only: dict | None = None, keep: int
 
     # the memory section's tiles and offload are not searched: held ones apply to every candidate
     memory = {k: only.pop(k) for k in MEMORY_SETTINGS if k in only}
+    try:
+        return _search(w, cluster, only, memory, None, keep)
+    except NoPlanError:
+        if memory or not w.seq_len:
+            raise
+        for i, level in enumerate(MEMORY_LEVELS):
+            try:
+                return _search(w, cluster, only, memory, level, keep)
+            except NoPlanError:
+                if i == len(MEMORY_LEVELS) - 1:
+                    raise
+
+
+def _search(w: Workload, cluster: Cluster, only: dict, memory: dict, level: str | None, keep: int | None) -> Result:
+    """`search` with the memory settings `memory` held, or the techniques of `level` on every candidate."""
+    fields = {f.name for f in dataclasses.fields(Candidate)} - {"options"}
 
     def value(c: Candidate, name: str):
         return getattr(c, name) if name in fields else c.option(name)
@@ -426,6 +465,8 @@ def search(w: Workload, cluster: Cluster, *, only: dict | None = None, keep: int
     for c in candidates(w, cluster):
         if memory:
             c = dataclasses.replace(c, **memory)
+        elif level is not None:
+            c = with_memory_techniques(c, w, level)
         if only and not all(
             value(c, k) in v if isinstance(v, (tuple, list, set, frozenset)) else value(c, k) == v
             for k, v in only.items()

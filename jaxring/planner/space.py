@@ -38,7 +38,9 @@ MESH_DEGREES = ("dp", "pp", "fsdp", "ep", "sp", "tp")
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """A model (GPT or DiT config), tokens per sequence, sequences per step and the compute precision."""
+    """A model (GPT or DiT config), tokens per sequence, sequences per step and the compute precision;
+    documents: the batches are packed documents (int32 segment ids travel with K/V; the family must pack them:
+    its `ModelFamily.documents`)."""
 
     model: str
     config: object
@@ -46,6 +48,11 @@ class Workload:
     global_batch: int
     precision: str = "bf16"
     preset: str | None = None
+    documents: bool = False
+
+    def __post_init__(self):
+        if self.documents and self.family.documents is None:
+            raise ValueError(f"documents=True: the {self.model} family trains on no packed documents")
 
     @classmethod
     def of(
@@ -58,6 +65,7 @@ class Workload:
         global_batch: int | None = None,
         precision: str = "bf16",
         image_size: int | None = None,
+        documents: bool = False,
         **overrides,
     ) -> Workload:
         """A workload from a preset. GPT: seq_len tokens per sequence. DiT: image_size (or the square patch grid
@@ -83,7 +91,7 @@ class Workload:
                 global_batch = max(1, global_batch_tokens // tokens)
         if not isinstance(global_batch, int) or global_batch < 1:
             raise ValueError(f"global batch {global_batch!r} must be a positive number of sequences")
-        return cls(model, config, tokens, global_batch, precision, preset)
+        return cls(model, config, tokens, global_batch, precision, preset, documents)
 
     @property
     def family(self) -> ModelFamily:
@@ -122,6 +130,7 @@ class Workload:
     def describe(self) -> str:
         name = self.preset or self.model
         what = f"{self.image_size}² images = {self.seq_len:,} tokens" if self.image_size else f"{self.seq_len:,} tokens"
+        what += " of packed documents" if self.documents else ""
         return f"{self.model} {name}, {what} × {self.global_batch} per step, {self.precision}"
 
 

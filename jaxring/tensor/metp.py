@@ -138,6 +138,34 @@ def _row_sum(dy: jax.Array):
     return jnp.sum(dy.reshape(-1, dy.shape[-1]).astype(jnp.float32), axis=0)
 
 
+# Rows of the local sequence per chunk of the projections summed over the head groups (`_grouped_projection`)
+PROJECTION_ROWS = 4096
+
+
+def _grouped_projection(ts: Sequence[jax.Array], ws: Sequence[jax.Array], dtype: jnp.dtype, rows: int) -> jax.Array:
+    """Σ_i Σ_j T_i[j] W_i[j] over the p head groups j, chunk by chunk of rows: [b, n, h] in `dtype`.
+
+    ts: per-group activations stacked [p, b, n, k_i] (x.dtype); ws: the groups' weight blocks stacked
+    [p, k_i, h]. Each chunk of `rows` tokens is summed in fp32 and cast once, so no fp32 [b, n, h] (nor one
+    per group) is ever whole: at 512K tokens a device, one is 8 GiB. The same sums as accumulating
+    T_i[j] W_i[j] group by group in fp32 (Algorithm 5's O_i += A_ij W_proj_j, Algorithm 6's ΔX_i)."""
+    b, n = ts[0].shape[1:3]
+    size = next(d for d in range(min(rows, n), 0, -1) if n % d == 0)
+
+    def chunk(start: jax.Array | int) -> jax.Array:
+        rows_of = lambda t: lax.dynamic_slice_in_dim(t, start, size, axis=2)
+        out = sum(
+            jnp.einsum("pbnk,pkh->bnh", rows_of(t), w, preferred_element_type=jnp.float32) for t, w in zip(ts, ws)
+        )
+        return out.astype(dtype)
+
+    if size == n:
+        return chunk(0)
+    out = jnp.zeros_like(ts[0], dtype, shape=(b, n, ws[0].shape[-1]))
+    write = lambda i, out: lax.dynamic_update_slice_in_dim(out, chunk(i * size), i * size, axis=1)
+    return lax.fori_loop(0, n // size, write, out)
+
+
 def _outer(x: jax.Array, dy: jax.Array):
     """Σ over rows of xᵀ dy: x [..., k], dy [..., n] -> [k, n] fp32 (a weight gradient)."""
     return jnp.einsum("...k,...n->kn", x, dy, preferred_element_type=jnp.float32)
@@ -333,6 +361,7 @@ class _MhaConfig:
     fuse: bool = False  # the inner ring's hops as one buffer each, dK/dV one hop behind (GPU form)
     norm_eps: float = 1e-6  # QK-norm's RMSNorm eps
     window: int | None = None  # sliding window (causal): query i sees keys i - window < j <= i
+    projection_rows: int = PROJECTION_ROWS  # rows per chunk of the summed projections (O_i, ΔX_i)
 
 
 def metp_attention(
@@ -440,6 +469,7 @@ def metp_attention(
         fuse_by_default(ops, fuse_sends),
         float(norm_eps),
         window,
+        PROJECTION_ROWS,
     )
     # O_i = Σ_j A_ij W_proj_j is a weight matmul's output: named, so selective remat keeps it (the layer's
     # MLP input depends on it) instead of running the two-level rings again in the backward
@@ -706,30 +736,31 @@ def _mha_forward(
     norms: tuple[jax.Array, ...],
     tokens: _Tokens,
     cfg: _MhaConfig,
-    keep: bool,
 ):
-    """Algorithm 5. Returns O_i fp32 and, when `keep`, A_i [p, b, s/p, heads, d] (x.dtype) and lse fp32."""
+    """Algorithm 5. Returns O_i (x.dtype), A_i [p, b, s/p, heads, d] (x.dtype) and lse fp32 [p, b, s/p, heads].
+
+    O_i = Σ_j A_ij W_proj_j is formed after the loop, from every group's A_ij and its W_proj_j (kept as they
+    arrive: |W_proj| in all), chunk by chunk of rows (`_grouped_projection`): the same broadcasts as the
+    paper's loop, without an fp32 [b, s/p, h] accumulator."""
     p = lax.axis_size(cfg.axis_name)
     b, n, _ = x.shape
 
     def head_group(carry: tuple, own_j: tuple, j: jax.Array) -> tuple:
-        o, kept = carry
+        a_all, lse_all, wo_all = carry
         w_j, biases_j = own_j  # broadcast from rank j
-        wo = w_j[3]
         q, k, v = _project(x, w_j, biases_j, norms, tokens.rope, cfg)  # (Q_ij, K_ij, V_ij) = X_i W_qkv_j
         a, lse = _inner_forward(q, k, v, tokens, cfg)  # A_ij = METP_Attention(Q, K, V)
-        a = a.astype(x.dtype)
-        o = o + _mm(a.reshape(b, n, -1), wo)  # O_i += A_ij W_proj_j
-        if keep:
-            kept = (kept[0].at[j].set(a), kept[1].at[j].set(lse))
-        return o, kept
+        return a_all.at[j].set(a.astype(x.dtype)), lse_all.at[j].set(lse), wo_all.at[j].set(w_j[3])
 
-    o = jnp.zeros_like(x, jnp.float32)
-    kept = None
-    if keep:
-        a0 = jnp.zeros_like(x, shape=(p, b, n, cfg.heads, cfg.head_dim))
-        kept = (a0, jnp.zeros_like(x, jnp.float32, shape=(p, b, n, cfg.heads)))
-    return _outer_steps(head_group, (o, kept), (weights, biases), cfg.axis_name)
+    wo = weights[3]
+    init = (
+        jnp.zeros_like(x, shape=(p, b, n, cfg.heads, cfg.head_dim)),
+        jnp.zeros_like(x, jnp.float32, shape=(p, b, n, cfg.heads)),
+        jnp.zeros_like(wo, shape=(p,) + wo.shape),
+    )
+    a_all, lse_all, wo_all = _outer_steps(head_group, init, (weights, biases), cfg.axis_name)
+    o = _grouped_projection([a_all.reshape(p, b, n, -1)], [wo_all], x.dtype, cfg.projection_rows)
+    return o, a_all, lse_all
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -741,8 +772,7 @@ def _mha(
     tokens: _Tokens,
     cfg: _MhaConfig,
 ):
-    o, _ = _mha_forward(x, weights, biases, norms, tokens, cfg, keep=False)
-    return o.astype(x.dtype)
+    return _mha_forward(x, weights, biases, norms, tokens, cfg)[0]
 
 
 def _mha_fwd(
@@ -753,11 +783,11 @@ def _mha_fwd(
     tokens: _Tokens,
     cfg: _MhaConfig,
 ):
-    o, (a, lse) = _mha_forward(x, weights, biases, norms, tokens, cfg, keep=True)
+    o, a, lse = _mha_forward(x, weights, biases, norms, tokens, cfg)
     # stored: X_i, the attention output A_i and its lse (+ the rank's own weight blocks and token arrays); named,
     # so that selective remat around the layer keeps them rather than running this forward again
     a, lse = checkpoint_name(a, KEPT_RESIDUAL), checkpoint_name(lse, KEPT_RESIDUAL)
-    return o.astype(x.dtype), (x, weights, biases, norms, tokens, a, lse)
+    return o, (x, weights, biases, norms, tokens, a, lse)
 
 
 def _mha_bwd(cfg: _MhaConfig, residuals: tuple, do: jax.Array):
@@ -775,7 +805,7 @@ def _mha_bwd(cfg: _MhaConfig, residuals: tuple, do: jax.Array):
     post = lambda t, scale: _heads(t, scale, tokens.rope, cfg)
 
     def head_group(carry: tuple, own_j: tuple, j: jax.Array) -> tuple:
-        dx, dw_own, dnorms = carry
+        dqkv_all, wqkv_all, dw_own, dnorms = carry
         w_j, biases_j = own_j  # broadcast from rank j (again)
         wq, wk, wv, wo = w_j
         a, lse = a_all[j], lse_all[j]
@@ -787,12 +817,14 @@ def _mha_bwd(cfg: _MhaConfig, residuals: tuple, do: jax.Array):
         dq, (dk, dv) = _inner_backward(q, k, v, da, lse, delta, tokens, cfg)
         dq, dq_norm = q_vjp(dq.astype(x.dtype))  # through RoPE (a rotation: its transpose) and the QK-norm
         dq = flat(dq)
-        dwq, dxq = _outer(x, dq), _mm(dq, wq.T)  # ΔQ's GEMMs first: in the GPU form
+        dwq = _outer(x, dq)  # ΔQ's GEMM first: in the GPU form
         if cfg.fuse:  # ΔK/ΔV are still on their last hop home
-            (dk, dv), (dwq, dxq) = lax.optimization_barrier(((dk, dv), (dwq, dxq)))
+            (dk, dv), dwq = lax.optimization_barrier(((dk, dv), dwq))
         dk, dk_norm = k_vjp(dk.astype(x.dtype))
         dk, dv = flat(dk), flat(dv)
-        dx = dx + dxq + _mm(dk, wk.T) + _mm(dv, wv.T)  # ΔX_i += [ΔQ ΔK ΔV] W_qkv_jᵀ
+        # ΔX_i += [ΔQ ΔK ΔV] W_qkv_jᵀ: after the loop, from every group's (kept here with its W_qkv_jᵀ)
+        dqkv_all = tuple(t.at[j].set(g) for t, g in zip(dqkv_all, (dq, dk, dv)))
+        wqkv_all = tuple(t.at[j].set(w.T) for t, w in zip(wqkv_all, (wq, wk, wv)))
         dw = (dwq, _outer(x, dk), _outer(x, dv), dwo)  # ΔW_qkv_j = X_iᵀ [ΔQ ΔK ΔV], ΔW_proj_j
         db = tuple(_row_sum(g) for g in (dq, dk, dv)) if biases else ()  # Δb_qkv_j
         dw = waits_for(dw, (dk, dv))  # XLA:CPU: ΔW_proj's reduce after the inner ring, not beside it
@@ -800,13 +832,17 @@ def _mha_bwd(cfg: _MhaConfig, residuals: tuple, do: jax.Array):
         dw_own = jax.tree.map(lambda new, old: jnp.where(rank == j, new, old), reduced, dw_own)
         if norms:  # the QK-norm scales are shared by every head: summed here, over tp at the end
             dnorms = (dnorms[0] + dq_norm.astype(jnp.float32), dnorms[1] + dk_norm.astype(jnp.float32))
-        return dx, dw_own, dnorms
+        return dqkv_all, wqkv_all, dw_own, dnorms
 
+    p = lax.axis_size(cfg.axis_name)
     zeros = lambda w: vary_like(jnp.zeros_like(w, jnp.float32), x)
-    init = (jnp.zeros_like(x, jnp.float32), jax.tree.map(zeros, (weights, biases)), jax.tree.map(zeros, norms))
-    dx, (dw, db), dn = _outer_steps(head_group, init, (weights, biases), cfg.axis_name, reverse=True)
+    stacks = tuple(jnp.zeros_like(x, shape=(p, b, n, w.shape[1])) for w in weights[:3])
+    blocks = tuple(jnp.zeros_like(w, shape=(p, w.shape[1], w.shape[0])) for w in weights[:3])
+    init = (stacks, blocks, jax.tree.map(zeros, (weights, biases)), jax.tree.map(zeros, norms))
+    dqkv, wqkv, (dw, db), dn = _outer_steps(head_group, init, (weights, biases), cfg.axis_name, reverse=True)
+    dx = _grouped_projection(dqkv, wqkv, x.dtype, cfg.projection_rows)
     grads = lambda gs, ws: tuple(_sum_to(g, w).astype(w.dtype) for g, w in zip(gs, ws))
-    return dx.astype(x.dtype), grads(dw, weights), grads(db, biases), grads(dn, norms), None
+    return dx, grads(dw, weights), grads(db, biases), grads(dn, norms), None
 
 
 _mha.defvjp(_mha_fwd, _mha_bwd)
@@ -1132,12 +1168,15 @@ class METP(TensorMethod):
         return modulation_gradients(m.final_modulation, m, x, "DiT final layer's modulation gradients (shift, scale)")
 
     def attention_core_cost(self, m: ModelShape, x: LocalDims) -> AttentionCost:
-        """METP's own attention (no sequence strategy): it keeps A_i and its lse (Table 2: 2bsh/p) and works on
-        one head group at a time (its K/V ring is in `layer_transfers`)."""
-        q32 = x.b * x.n * x.heads * m.head_dim * F32
-        kv32 = x.b * x.n * x.kv_heads * m.head_dim * F32
+        """METP's own attention (no sequence strategy): it keeps A_i (activation dtype) and its lse (fp32) of
+        every head group (Table 2: 2bsh/p) and works on one head group at a time (its K/V ring is in
+        `layer_transfers`); its backward keeps every group's ΔQ, ΔK, ΔV (activation dtype) for ΔX_i after the
+        loop (`_grouped_projection`) beside one group's Q, K, V and fp32 ΔQ, ΔK, ΔV."""
+        qkv = x.b * x.n * (x.heads + 2 * x.kv_heads) * m.head_dim
         return AttentionCost(
-            saved=q32 + x.b * x.n * x.heads * F32, working=2 * kv32 + q32, tile_heads=max(1, x.heads // m.tp)
+            saved=x.b * x.n * x.heads * (m.head_dim * m.em + F32),
+            working=qkv * m.em + qkv // m.tp * (m.em + F32),
+            tile_heads=max(1, x.heads // m.tp),
         )
 
     def moe(

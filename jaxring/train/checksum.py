@@ -66,6 +66,8 @@ def _flat_index(shape: tuple[int, ...]) -> jax.Array:
 
 
 def _one(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    if jax.typeof(x).memory_space != jax.memory.Space.Device:  # e.g. an offloaded optimizer state
+        x = jax.device_put(x, jax.memory.Space.Device)
     b = _bits(x)
     i = _flat_index(b.shape)
     h1 = jnp.sum(b * (2 * i + 1), dtype=jnp.uint32)

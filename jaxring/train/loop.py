@@ -240,7 +240,7 @@ def _describe(spec: RunSpec, trainer: Trainer, say: Callable[..., object], estim
     )
     say(
         f"{spec.model.model} {spec.model.init_from or spec.model.preset}: {n_params / 1e6:.2f}M params | plan: {trainer.plan.describe()}"
-        f"{layout} | precision {t.precision}, {kept} | {mesh.devices.size} x "
+        f"{layout} | precision {spec.compute_precision}, {kept} | {mesh.devices.size} x "
         f"{mesh.devices.flat[0].device_kind} | batch {t.batch_size} × {task.tokens_per_step // t.batch_size} "
         f"tokens | data {task.source_name}{memory}"
     )
@@ -256,7 +256,7 @@ def _run(
     is_main: bool,
 ) -> list[dict]:
     task = trainer.task
-    peak = peak_flops(jax.devices()[0], spec.training.precision)
+    peak = peak_flops(jax.devices()[0], spec.compute_precision)
     lr = lr_schedule(spec)
     history = []
     metrics = MetricsLog(spec, is_main)

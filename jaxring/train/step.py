@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring import zero
-from jaxring.nn import Layers
+from jaxring.nn import Layers, offloaded
 from jaxring.vma import vary, vary_like, varying_axes
 
 if TYPE_CHECKING:
@@ -104,7 +104,9 @@ class TrainStep:
         self.plan, self.graphdef, self.placements, self.tx, self.task = plan, graphdef, placements, tx, task
         self.dtype, self.remat, self.grad_accum, self.clip, self.stack = dtype, remat, grad_accum, clip, stack
         self.layer_graphdef, self.offload = layer_graphdef, offload
-        if offload != "none" and plan.pp > 1:
+        # the optimizer state in pinned host memory between updates: moved in for the update, out after it
+        self.offload_optimizer = "optimizer" in offloaded(offload)
+        if "layer_inputs" in offloaded(offload) and plan.pp > 1:
             raise ValueError(OFFLOAD_WITH_PP.format(offload=offload, pp=plan.pp))
         self.stage = plan.zero_stage
         is_pl = lambda x: isinstance(x, zero.Placement)
@@ -115,6 +117,15 @@ class TrainStep:
     # ------------------------------------------------------------------ layouts
     def shardings(self, specs: Any) -> Any:
         return jax.tree.map(lambda s: NamedSharding(self.plan.run_mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+    def opt_state_shardings(self, opt_specs: Any) -> Any:
+        """The optimizer state's shardings: its specs on the run mesh, in pinned host memory when offloaded."""
+        kind = "pinned_host" if self.offload_optimizer else None
+        return jax.tree.map(
+            lambda s: NamedSharding(self.plan.run_mesh, s, memory_kind=kind),
+            opt_specs,
+            is_leaf=lambda x: isinstance(x, P),
+        )
 
     def opt_state_specs(self, abstract_params: Any) -> Any:
         """Specs of the optimizer state: moments like their weights' ZeRO layout, counts replicated."""
@@ -259,9 +270,13 @@ class TrainStep:
         ok = jnp.isfinite(loss) & (loss <= max_loss)
 
         def update(params: dict, opt_state: optax.OptState):
+            if self.offload_optimizer:  # in from host memory for the update alone
+                opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
             mine = _map(lambda p, pl: zero.update_slice(stage, p, pl), params, self.placements)
             updates, opt_state = self.tx.update(grads, opt_state, mine)
             new = optax.apply_updates(mine, updates)
+            if self.offload_optimizer:
+                opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
             return _map(lambda p, pl: zero.updated(stage, p, pl), new, self.placements), opt_state
 
         params, opt_state = lax.cond(ok, update, lambda p, o: (p, o), params, opt_state)
@@ -277,13 +292,17 @@ class TrainStep:
         )
 
         def step(params: dict, opt_state: optax.OptState, batch: dict, key: jax.Array, max_loss: jax.Array):
+            if self.offload_optimizer:
+                # already there on real devices; typed so on abstract ones (which list no host memory, see
+                # jaxring.compat.place_in_host_memory), so that the update moves it in and out the same way
+                opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
             return body(params, opt_state, self.task.prepare(batch, key), max_loss)
 
         replicated = NamedSharding(self.plan.run_mesh, P())
         return jax.jit(
             step,
             donate_argnums=(0, 1),
-            out_shardings=(self.shardings(self.param_specs), self.shardings(opt_specs), replicated),
+            out_shardings=(self.shardings(self.param_specs), self.opt_state_shardings(opt_specs), replicated),
         )
 
     def build_eval(self) -> Callable[[dict, dict, jax.Array], jax.Array]:

@@ -55,7 +55,7 @@ class Trainer:
         self.spec = spec
         self.plan = spec.plan(devices)
         self.task = model_family(spec.model.model).task(spec, self.plan)
-        self.dtype = compute_dtype(spec.training.precision)
+        self.dtype = compute_dtype(spec.compute_precision)
         self.tx = optimizer(spec)
         model = self.task.model(spec.training.seed)
         self.graphdef, state = nnx.split(model)
@@ -88,7 +88,7 @@ class Trainer:
         # the same seed gives the same values on any mesh: built on the host, then placed
         self.params = jax.tree.map(lambda x, s: jax.device_put(x, s), host_params, self.shardings)
         self.opt_specs = self.train_step.opt_state_specs(self.params)
-        self.opt_shardings = self.train_step.shardings(self.opt_specs)
+        self.opt_shardings = self.train_step.opt_state_shardings(self.opt_specs)
         self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
         self._step = self.train_step.build(self.opt_specs)
         self._eval = self.train_step.build_eval()

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# jaxring's checks on one real NVIDIA GPU, as one short script (a lent GPU machine is held by the minute).
+#
+#   bash benchmarks/gpu_session.sh [SECTION ...]      # sections: env kernels train train-no-offload flash mfu
+#
+# Runs from the repository root with the machine's own JAX (its CUDA plugin) and jaxring installed there
+# (`pip install --no-deps -e .`: train.py finds the model families through the package's entry points). Each
+# section has its own time limit and goes on after a failure; logs and JSON land in $OUT (default
+# benchmarks/results/gpu_session/), copied into benchmarks/results/ by hand after review.
+#   env      nvidia-smi, Python and package versions
+#   kernels  tests/test_gpu_kernels.py: the compiled Pallas flash kernel against the dense reference
+#   train    python train.py on the GPU: Llama-3-8B's layer shape (4 of its 32 layers, its 128K vocabulary),
+#            64K tokens, bf16, remat full, tiled loss and MLP, layer inputs offloaded to host memory; the
+#            metrics (peak device memory, step time) beside the estimate train.py prints
+#   flash    benchmarks/flash_attention.py at head dim 128, 8K and 32K tokens: jaxring's kernel and cuDNN
+#   mfu      benchmarks/train_step.py --gpu-mfu: gpt2-124m and 1b at 8K tokens, tokens/s and MFU
+set -u
+OUT=${OUT:-benchmarks/results/gpu_session}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=.95 JAX_PLATFORMS=  # every backend (the tests would default to the CPU)
+PY=${PY:-python3}
+LOG="$OUT/session.log"
+
+run() {  # run NAME SECONDS COMMAND...: one section, its output appended to the log
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    echo "=== $name: $*" | tee -a "$LOG"
+    timeout "$limit" "$@" >>"$LOG" 2>&1
+    echo "=== $name: exit $? after $((SECONDS - start)) s" | tee -a "$LOG"
+}
+
+sections=${*:-env kernels train train-no-offload flash mfu}
+for s in $sections; do
+    case $s in
+    env)
+        run env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $PY -c '
+import jax, jaxlib, flax, optax, orbax.checkpoint as ocp, sys
+print(sys.version.split()[0], \"jax\", jax.__version__, \"jaxlib\", jaxlib.__version__, \"flax\", flax.__version__,
+      \"optax\", optax.__version__, \"orbax\", ocp.__version__, jax.devices())
+import jaxring, models.gpt; print(\"jaxring imports\")'"
+        ;;
+    kernels)
+        run kernels 170 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py
+        ;;
+    train)
+        run train 170 "$PY" train.py --preset llama3-8b --override num_layers=4 --seq-len 65536 --batch-size 1 \
+            --precision bf16 --remat full --loss-tile 4096 --mlp-tile 4096 --offload layer_inputs --steps 4 \
+            --log-every 1 --sample-tokens 0 --no-eval-at-end --out-dir "$OUT/train"
+        ;;
+    train-no-offload)  # the same run with its layer inputs kept on the device
+        run train-no-offload 120 "$PY" train.py --preset llama3-8b --override num_layers=4 --seq-len 65536 \
+            --batch-size 1 --precision bf16 --remat full --loss-tile 4096 --mlp-tile 4096 --offload none --steps 4 \
+            --log-every 1 --sample-tokens 0 --no-eval-at-end --out-dir "$OUT/train-no-offload"
+        ;;
+    flash)
+        run flash 120 "$PY" benchmarks/flash_attention.py --seqs 8192 32768 --head-dims 128 --impls jaxring cudnn \
+            --runs 5 --out "$OUT/flash_attention.json"
+        ;;
+    mfu)
+        run mfu 180 "$PY" benchmarks/train_step.py --gpu-mfu --steps 5 --out "$OUT/train_step_gpu.json"
+        ;;
+    *) echo "unknown section $s (env kernels train train-no-offload flash mfu)" | tee -a "$LOG" ;;
+    esac
+done
