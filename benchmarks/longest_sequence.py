@@ -355,7 +355,7 @@ def run(rows: list[Row], record: dict, path: str, *, redo: bool = False, log=pri
             log(f"{row.key}: recorded, skipped")
             continue
         log(f"{row.key}: ...")
-        result = measure_row(row, log=log, **measure)
+        result = {**measure_row(row, log=log, **measure), "commit": record.get("commit")}  # rows of reruns differ
         record["results"] = [r for r in record["results"] if r["key"] != row.key] + [result]
         record["results"].sort(key=lambda r: _order(r["key"]))
         record["summary"] = summary(record)
