@@ -14,7 +14,8 @@ technique):
   plans       ring zigzag sp8, ulysses sp8, usp sp8 (ring 4 x ulysses 2), megatron tp8, metp tp8, and `auto`:
               at each length, the plan `train.py --plan auto` picks (the planner's best that its estimate
               fits); on one GPU: one gpu, auto
-  techniques  none; loss tile (--loss-tile); mlp tile (--mlp-tile); offload (--offload layer_inputs); all
+  techniques  none; loss tile (--loss-tile); mlp tile (--mlp-tile); offload (--offload layer_inputs); all;
+              all + optimizer (--offload layer_inputs+optimizer: the AdamW state in host memory too)
 
 How a row is found, cheapest first:
   1. bisection on the planner's memory ESTIMATE (`jaxring.planner.cost.memory`, no compile) to --unit tokens:
@@ -70,6 +71,8 @@ TECHNIQUES = {
     "mlp tile": dict(mlp_tile=TILE),
     "offload": dict(offload="layer_inputs"),
     "all": dict(loss_tile=TILE, mlp_tile=TILE, offload="layer_inputs"),
+    # and the AdamW state in host memory between updates (--offload layer_inputs+optimizer)
+    "all + optimizer": dict(loss_tile=TILE, mlp_tile=TILE, offload="layer_inputs+optimizer"),
 }
 
 
