@@ -96,7 +96,7 @@ def lowered_step(spec: RunSpec, devices: list) -> tuple[jax.stages.Lowered, floa
     """(the lowered train step, its estimated bytes per device, the plan) of the resolved run on `devices`
     (abstract GPUs), with the flash kernels; nothing is allocated."""
     from jaxring.planner import cost
-    from jaxring.planner.compiled import build_train_step
+    from jaxring.planner.compiled import lower_train_step
     from jaxring.planner.fit import candidate_of, workload_of
     from jaxring.planner.params import param_leaves
 
@@ -108,7 +108,7 @@ def lowered_step(spec: RunSpec, devices: list) -> tuple[jax.stages.Lowered, floa
     t = spec.training
     w.family.check_plan(w.config, plan, t.batch_size // t.grad_accum, w.seq_len)
     estimate = cost.memory(w, c, param_leaves(w.model, w.config, c.check(w)), cpu=False).total
-    fn, args = build_train_step(
+    lowered = lower_train_step(
         w.model,
         w.config,
         plan,
@@ -121,7 +121,7 @@ def lowered_step(spec: RunSpec, devices: list) -> tuple[jax.stages.Lowered, floa
         clip=spec.optimizer.clip,
         documents=w.documents,
     )
-    return fn.lower(*args), float(estimate), plan.describe()
+    return lowered, float(estimate), plan.describe()
 
 
 def _compile(spec: RunSpec, devices: list) -> tuple[float, float, str]:

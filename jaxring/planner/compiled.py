@@ -167,9 +167,14 @@ def _lists_host_memory(device: jax.Device) -> bool:
 
 
 def compile_train_step(model_kind: str, config: Any, plan: ParallelPlan, **kwargs) -> jax.stages.Compiled:
-    """The compiled train step (see `build_train_step`): `.memory_analysis()`, `.as_text()`. With the optimizer
-    state offloaded on abstract GPUs (which list no host memory), its arguments and results are marked as
-    pinned host memory in the lowered program, as jit marks them on real devices."""
+    """The compiled train step (see `lower_train_step`): `.memory_analysis()`, `.as_text()`."""
+    return lower_train_step(model_kind, config, plan, **kwargs).compile()
+
+
+def lower_train_step(model_kind: str, config: Any, plan: ParallelPlan, **kwargs) -> jax.stages.Lowered:
+    """The lowered train step (see `build_train_step`). With the optimizer state offloaded on abstract GPUs
+    (which list no host memory), its arguments and results are marked as pinned host memory in the lowered
+    program, as jit marks them on real devices."""
     from jaxring.nn import offloaded
 
     fn, args = build_train_step(model_kind, config, plan, **kwargs)
@@ -181,4 +186,4 @@ def compile_train_step(model_kind: str, config: Any, plan: ParallelPlan, **kwarg
         first = len(jax.tree.leaves(args[0]))  # (params, opt_state, ...) in, (params, opt_state, metrics) out
         state = set(range(first, first + len(jax.tree.leaves(args[1]))))
         place_in_host_memory(lowered, state, state)
-    return lowered.compile()
+    return lowered
