@@ -7,14 +7,10 @@ sizes (JAXRING_NOTEBOOK_FAST=1) and 8 CPU devices. XLA's backend optimisation le
 on CPU by about 40% (most of a notebook's time is compiling); the bytes moved and buffer sizes that the
 notebooks print came out the same with and without it.
 
-Running all seven takes about 19 minutes on a shared 2-core machine (02_strategies 489 s, 05_pipeline 232 s,
-06_moe 141 s, 03_train_gpt 131 s, 07_planner 88 s, 04_dit 37 s, 01_quickstart 34 s, at a load average of
-about 8; 08_context_extension took 618 s at a load average of about 19), too much for CI's budget. By default a
-representative subset runs (about 1.5 minutes there): 01_quickstart (ring attention against dense) and 04_dit
-(the DiT through the `Trainer`). The others are marked slow (SLOW_NOTEBOOKS; `python -m pytest -m slow
-tests/test_notebooks.py` runs them), 03_train_gpt among them (105 s in CI: the run specification, `train()`,
-run.yaml, `Trainer` and checkpoints, which test_spec.py, test_train.py and test_checkpoint.py cover by default);
-every notebook is still checked against its source by default.
+All eight run in the default (CI) run: on an idle 2-core machine the six that were left to -m slow took 261 s
+together (02_strategies 95 s, 08_context_extension 54 s, 05_pipeline 40 s, 03_train_gpt 35 s, 06_moe 23 s,
+07_planner 14 s), and every notebook is checked against its source. (On a shared machine at a load average of
+8-19 the same notebooks took 19 minutes: SLOW_NOTEBOOKS can leave some to -m slow again.)
 """
 
 import importlib.util
@@ -41,15 +37,8 @@ KERNEL_ENV = {
     "JAX_PLATFORMS": "cpu",
     "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
 }
-# run only with -m slow: each costs 1.5-8 minutes on 2 cores and repeats APIs the default ones cover
-SLOW_NOTEBOOKS = {
-    "02_strategies.ipynb",
-    "03_train_gpt.ipynb",
-    "05_pipeline.ipynb",
-    "06_moe.ipynb",
-    "07_planner.ipynb",
-    "08_context_extension.ipynb",
-}
+# notebooks that run only with -m slow (none: see the module docstring)
+SLOW_NOTEBOOKS: set[str] = set()
 
 
 def test_notebooks_exist():
