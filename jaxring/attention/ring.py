@@ -421,6 +421,15 @@ def ring_window_share(layout: str, p: int, n: int, window: int) -> float:
     return float(busiest(causal & (q_first < k_last + window)) / busiest(causal))
 
 
+# On GPU the ring's layer backward (the flash kernels' per-step dQ, dK, dV beside the fp32 accumulators, the
+# recomputed out and its cotangent) holds this many more q-sized arrays in the activation dtype than the
+# accumulators above. Fitted on the deviceless H100/H200 compiles of Llama-3-8B, ring zigzag sp8, remat full
+# (benchmarks/results/longest_sequence.json): 6 matches the tiled runs' working set (164-169 KB per local
+# token) but puts the untiled MLP's rows 12% over (the model's MLP term is too large there); 4 keeps every
+# ring row within 10% (0.91-1.10)
+GPU_BACKWARD_EXTRA = 4
+
+
 def ring_cost(s: AttentionShape, options: dict) -> AttentionCost:
     """The module docstring's traffic (the playbook; WallFacer Eq. 2: P·2BNH/P): forward 2(P-1) K/V blocks,
     backward 2(P-1) K/V blocks + 2P fp32 dK/dV blocks, both hidden behind the block compute. Kept: out and
@@ -438,7 +447,7 @@ def ring_cost(s: AttentionShape, options: dict) -> AttentionCost:
             *segment_ring("ring segment ids", axes, P - 1, s.segment_bytes(), s.cpu),
         ),
         saved=(P if s.cpu else 1) * q_tiles(s.n, s.cpu) * (q32 + s.rows_bytes()),
-        working=4 * s.kv_bytes(s.em) + 4 * kv32 + q32,
+        working=4 * s.kv_bytes(s.em) + 4 * kv32 + q32 + (0 if s.cpu else GPU_BACKWARD_EXTRA * s.q_bytes(s.em)),
         window_share=ring_window_share(s.layout, P, s.n, s.window) if s.window and P > 1 else 1.0,
     )
 

@@ -119,21 +119,22 @@ def ulysses_attention(
 def ulysses_cost(s: AttentionShape, options: dict) -> AttentionCost:
     """The module docstring's traffic (DeepSpeed-Ulysses: 4 all-to-alls a layer each way), each moving
     (P-1)/P of q, k, v (K/V heads repeated to lcm(kv_heads, P)) or out. Kept: the head-sharded q, k, v, out
-    and lse of the local flash attention (fp32). Working: its fp32 gradients; the block is the whole sequence
-    for heads / P heads. Packed documents: the segment ids all-gathered (`jaxring.costs.segment_once`)."""
+    and lse of the local flash attention (the GPU kernels' in the activation dtype, the CPU block ops' in
+    fp32). Working: their gradients; the block is the whole sequence for heads / P heads. Packed documents: the segment ids all-gathered (`jaxring.costs.segment_once`)."""
     del options
     P, axes = s.sp, tuple(s.axes)
     kv_sent = math.lcm(s.kv_heads, P)
     one = (P - 1) / P * s.b * s.n * s.d * s.e * (2 * s.heads + 2 * kv_sent)
-    q32 = s.q_bytes(F32)
+    act = F32 if s.cpu else s.em  # the GPU flash kernels keep q, k, v, out in the activation dtype
+    q_act, kv_act = s.q_bytes(act), s.b * s.n * s.d * kv_sent * act
     return AttentionCost(
         transfers=(
             Transfer("Ulysses all-to-alls forward (q, k, v, out)", axes, one, 4),
             Transfer("Ulysses all-to-alls backward", axes, one, 4),
             *segment_once("Ulysses segment ids all-gather", axes, (P - 1) * s.segment_bytes()),
         ),
-        saved=3 * q32 + 2 * s.b * s.n * s.d * kv_sent * F32 + s.rows_bytes(),
-        working=4 * q32 + 4 * s.kv_bytes(F32),
+        saved=3 * q_act + 2 * kv_act + s.rows_bytes(),
+        working=4 * q_act + 4 * s.kv_bytes(act),
         block_q=s.seq_len,
         block_k=s.seq_len,
         tile_heads=max(1, s.heads // P),

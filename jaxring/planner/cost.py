@@ -28,7 +28,7 @@ playbook's EP).
 
 Memory: weights, Adam moments and the batch, plus the larger of the backward's peak (gradients, every layer's
 saved activations, one layer's backward working set) and the update's. A layer saves (no remat) the residual
-stream and norms in fp32 (8 arrays [b, n_act, h] and 4 of statistics), a K/V projection, the fp32 rotary
+stream and norms (8 arrays [b, n_act, h] in the activation dtype and 4 fp32 of statistics), a K/V projection, the fp32 rotary
 halves of q and k, the attention core's residuals (its entry's `saved`) and 6 FFN-wide arrays; with selective
 remat its input and the weight matmuls' outputs; with full remat its input only.
 
@@ -425,16 +425,21 @@ class Memory:
 # offload layer_inputs+optimizer (compiled 61.6 to 75.7 GiB per device, 10.2 GiB more per million tokens from
 # 5M on; the estimate within 5% below to 7% above: benchmarks/results/llama3_8b_4m.json)
 RECOMPUTED_STREAM = 11
+# ... and, with the MLP untiled, this many [b, n, ffn] arrays of its hidden layer: fitted on the deviceless H100
+# compile of the same run with the loss tiled only at 720,896 tokens (compiled 64.0 GiB, estimate 58.3 GiB
+# without them); the ring's untiled MLP adds about as much (2.3-2.6 [n, ffn] arrays, longest_sequence.json)
+RECOMPUTED_UNTILED_MLP = 3
 
 
 def saved_per_layer(w: Workload, s: Shapes, remat: str, mlp_tile: int | None = None) -> float:
     """Bytes one layer keeps for its backward, one micro-batch (what the compiled step's layer scan stacks).
 
-    none       the residual stream and norms in fp32 (8 arrays [b, n_act, h] and 4 of statistics), a K/V
-               projection, the fp32 rotary halves of q and k, the attention core's residuals (its entry's),
-               6 FFN-wide arrays (the playbook's sbh(34 + 5as/h) without scores: flash attention); a method
-               that recomputes its forward (METP) keeps RECOMPUTED_STREAM arrays [b, n_act, h] in the
-               activation dtype and its core's residuals only
+    none       the residual stream and norms (8 arrays [b, n_act, h] in the activation dtype, bf16 on the
+               compiled GPU step, and 4 fp32 of statistics), a K/V projection, the fp32 rotary halves of q
+               and k, the attention core's residuals (its entry's), 6 FFN-wide arrays (the playbook's
+               sbh(34 + 5as/h) without scores: flash attention); a method that recomputes its forward
+               (METP) keeps RECOMPUTED_STREAM arrays [b, n_act, h] in the activation dtype, its untiled
+               MLP's hidden arrays and its core's residuals only
     selective  the layer input and the outputs of the weight matmuls the backward needs (`jax.checkpoint`'s
                dots_with_no_batch_dims_saveable keeps only residuals): q, k, v, the o projection (the residual
                sum and its norm are recomputed from it) and the FFN's up (and gate) projection; the FFN's
@@ -454,8 +459,10 @@ def saved_per_layer(w: Workload, s: Shapes, remat: str, mlp_tile: int | None = N
         ffn = b * n * h * em if tiled else (m.ffn_matrices - 1) * b * n * f * em
         return b * na * h * em + qkvo + ffn + core.kept(remat)
     if s.method.recomputes_forward:
-        return RECOMPUTED_STREAM * b * na * x.h_act * em + core.kept(remat)
-    stream = 8 * b * na * x.h_act * F32 + 4 * b * na * F32
+        # untiled, the device's tokens through the whole FFN (weight chunk by chunk) leave hidden arrays
+        untiled_mlp = 0 if tiled else RECOMPUTED_UNTILED_MLP * b * n * m.ffn * em
+        return RECOMPUTED_STREAM * b * na * x.h_act * em + untiled_mlp + core.kept(remat)
+    stream = 8 * b * na * x.h_act * em + 4 * b * na * F32
     rope = b * n * (x.heads + x.kv_heads) * d * (F32 if w.terms.rotary_fp32 else em)
     mlp = b * n * h * em if tiled else _mlp_saved(w, s)
     return stream + b * n * x.kv_heads * d * em + rope + core.kept(remat) + mlp
@@ -496,6 +503,11 @@ def _attention_working(s: Shapes) -> float:
 # without remat, Megatron tp8, both under by 11-16%) and the DiT's top plan of tests/test_planner.py 14% over.
 LAYER_WORKING_SHARE = {"none": 0.75, "selective": 0.75, "full": 0.75}
 
+# The share of the AdamW moments on the device at once while the update streams them from and to host memory
+# (--offload optimizer): fitted on the deviceless H100 compile of Llama-3-8B on one GPU at 16K tokens
+# (benchmarks/results/longest_sequence.json, "h100x1 | one gpu | all + optimizer")
+OFFLOADED_MOMENTS_IN_FLIGHT = 0.32
+
 
 def memory(
     w: Workload,
@@ -535,11 +547,13 @@ def memory(
     host = 0.0
     parts = offloaded(c.offload)
     if "optimizer" in parts and not cpu:
-        # the AdamW moments live in pinned host memory between updates; the update moves them in (their
-        # bytes join its peak) and the new ones out (the deviceless H100 compile of Llama-3-8B at 4M tokens,
-        # METP tp8: device arguments 21.5 -> 7.2 GiB, host arguments 14.3 GiB)
+        # the AdamW moments live in pinned host memory between updates (the deviceless H100 compile of
+        # Llama-3-8B at 4M tokens, METP tp8: device arguments 21.5 -> 7.2 GiB, host arguments 14.3 GiB); the
+        # update streams them in and the new ones out, leaf by leaf: the new moments (its 2Ψ) leave its peak
+        # and OFFLOADED_MOMENTS_IN_FLIGHT of them are on the device at once (one H100, 16K tokens: the
+        # update's peak 2.64Ψ instead of 4Ψ)
         host += optimizer
-        update += optimizer
+        update += (OFFLOADED_MOMENTS_IN_FLIGHT - 1) * optimizer
         optimizer = 0.0
     if "layer_inputs" in parts and not cpu:
         # each layer's checkpointed input lives in pinned host memory between the forward and the backward

@@ -867,8 +867,8 @@ class Megatron(TensorMethod):
         ]
 
     def layer_working(self, m: ModelShape, x: LocalDims) -> float:
-        """The tp-gathered input of a block and its gradient (fp32)."""
-        return 2 * x.b * x.n * m.hidden * F32
+        """The tp-gathered input of a block and its gradient (the activation dtype)."""
+        return 2 * x.b * x.n * m.hidden * m.em
 
 
 METHOD = register_tensor_method(Megatron())
