@@ -166,13 +166,18 @@ ax.legend(fontsize=8)
 plt.tight_layout()
 plt.show()
 
-# Rounding differences grow slowly over many steps (about 5e-4 after 300 steps on CPU); GPUs may use TF32
-# matmuls for fp32.
-TOL = (1e-4 if FAST else 5e-3) if devices[0].platform == "cpu" else 2e-2
+# The meshes differ only in rounding (the order of sums): about 1e-7 of the loss at first. Training amplifies
+# such differences: on CPU they stay near 1e-7 for some 40 steps, then grow (mesh B: 1e-6 at step 60, 2e-4 at
+# 100, 2e-3 at 150), as any two runs of the same model do. GPUs may use TF32 matmuls for fp32.
+EARLY = min(STEPS, 40)
+TOL_EARLY, TOL = (1e-5, 2e-2) if devices[0].platform == "cpu" else (2e-2, 5e-2)
 for label in ("B", "C", "D"):
     relative = np.abs(losses[label] - losses["A"]) / np.abs(losses["A"])
-    print(f"max |loss_{label} - loss_A| / loss_A over {STEPS} steps: {relative.max():.1e}")
-    assert relative.max() < TOL, label
+    print(
+        f"|loss_{label} - loss_A| / loss_A: at most {relative[:EARLY].max():.1e} over the first {EARLY} steps, "
+        f"{relative.max():.1e} over all {STEPS}"
+    )
+    assert relative[:EARLY].max() < TOL_EARLY and relative.max() < TOL, label
 
 # %% [markdown]
 # The four curves lie on top of each other. All runs start from the same parameters (the model is built
