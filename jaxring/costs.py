@@ -95,7 +95,8 @@ class WorkloadTerms:
     boundary_rows                 per-sequence [hidden] rows that cross a pipeline stage with the residual stream
     rotary_fp32                   a layer keeps fp32 rotary halves of q and k (else in the activation dtype)
     batch_bytes                   (config, rows, tokens per device) -> bytes of one device's stored batch
-                                  (default: tokens, targets and positions, int32)
+                                  (default: tokens, targets and positions, int32; packed documents add their
+                                  segment ids and loss mask)
     """
 
     modulation: int = 0
@@ -105,11 +106,12 @@ class WorkloadTerms:
     rotary_fp32: bool = True
     batch_bytes: Callable | None = None
 
-    def stored_batch(self, config: object, rows: int, tokens: int) -> float:
-        """Bytes of one device's stored batch: `rows` sequences of `tokens` tokens on this device."""
+    def stored_batch(self, config: object, rows: int, tokens: int, documents: bool = False) -> float:
+        """Bytes of one device's stored batch: `rows` sequences of `tokens` tokens on this device (`documents`:
+        packed documents, with their segment ids and loss mask)."""
         if self.batch_bytes is not None:
             return self.batch_bytes(config, rows, tokens)
-        return 3 * rows * tokens * 4
+        return (5 if documents else 3) * rows * tokens * 4
 
 
 # ---------------------------------------------------------------------------------------- tensor methods

@@ -51,6 +51,23 @@ def test_estimate_within_10_percent_of_the_compiled_step(name):
     assert abs(estimate / peak - 1) <= 0.10, (name, estimate, peak)
 
 
+def test_packed_documents_store_their_segment_ids_and_loss_mask():
+    """Packed documents add two int32 arrays to the stored batch (segment ids, loss mask): the estimate's
+    stored batch grows by what the compiled step's arguments grow by."""
+    c = Candidate.of(sp=8, attention="ring")
+    grown = {}
+    for documents in (False, True):
+        w = Workload("gpt", CONFIG, 2048, 1, "fp32", documents=documents)
+        stored = cost.memory(w, c, param_leaves(w.model, w.config, c.check(w)), cpu=True).other
+        compiled = compile_train_step(
+            w.model, w.config, c.check(w, devices=jax.devices()[: c.devices]), batch=1, seq_len=w.seq_len,
+            precision="fp32", remat=c.remat, documents=documents,
+        )  # fmt: skip
+        grown[documents] = (compiled.memory_analysis().argument_size_in_bytes, stored)
+    compiled_growth, estimated_growth = (grown[True][i] - grown[False][i] for i in (0, 1))
+    assert compiled_growth == estimated_growth == 2 * 2048 // 8 * 4, grown
+
+
 def test_a_run_that_cannot_fit_stops_in_one_line_before_compiling(capsys, tmp_path):
     import train as cli
 

@@ -572,9 +572,10 @@ def memory(
     if c.mlp_tile is not None and c.mlp_tile < x.n:
         layer += 6 * x.b * c.mlp_tile * x.ffn * em  # one MLP tile's FFN-wide arrays, live in its backward
     working = LAYER_WORKING_SHARE[remat] * layer + _attention_working(s)
-    # the step's batch as stored (the family's: tokens, targets, positions int32; a DiT's images and labels)
+    # the step's batch as stored (the family's: tokens, targets, positions int32, packed documents' segment ids
+    # and loss mask; a DiT's images and labels)
     rows = w.global_batch // c.data_degree // x.batch_split
-    other = w.terms.stored_batch(w.config, rows, w.seq_len // (c.sp * x.token_split))
+    other = w.terms.stored_batch(w.config, rows, w.seq_len // (c.sp * x.token_split), w.documents)
     if x.vocab is not None:
         # the head's backward, before the layers': the logits (or one tile of them) in the activation dtype
         # and the softmax in fp32 (their gradient takes the logits' place: 6 bytes an element in bf16, as
