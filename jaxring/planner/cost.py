@@ -425,7 +425,8 @@ class Memory:
 # offload layer_inputs+optimizer (compiled 61.6 to 75.7 GiB per device, 10.2 GiB more per million tokens from
 # 5M on; the estimate within 5% below to 7% above: benchmarks/results/llama3_8b_4m.json)
 RECOMPUTED_STREAM = 11
-# ... and, with the MLP untiled, this many [b, n, ffn] arrays of its hidden layer: fitted on the deviceless H100
+# ... and, with the MLP untiled, one layer's backward recomputes this many [b, n, ffn] arrays of its hidden layer
+# (the device's tokens through the whole FFN, weight chunk by chunk): fitted on the deviceless H100
 # compile of the same run with the loss tiled only at 720,896 tokens (compiled 64.0 GiB, estimate 58.3 GiB
 # without them); the ring's untiled MLP adds about as much (2.3-2.6 [n, ffn] arrays, longest_sequence.json)
 RECOMPUTED_UNTILED_MLP = 3
@@ -438,8 +439,8 @@ def saved_per_layer(w: Workload, s: Shapes, remat: str, mlp_tile: int | None = N
                compiled GPU step, and 4 fp32 of statistics), a K/V projection, the fp32 rotary halves of q
                and k, the attention core's residuals (its entry's), 6 FFN-wide arrays (the playbook's
                sbh(34 + 5as/h) without scores: flash attention); a method that recomputes its forward
-               (METP) keeps RECOMPUTED_STREAM arrays [b, n_act, h] in the activation dtype, its untiled
-               MLP's hidden arrays and its core's residuals only
+               (METP) keeps RECOMPUTED_STREAM arrays [b, n_act, h] in the activation dtype and its core's
+               residuals only
     selective  the layer input and the outputs of the weight matmuls the backward needs (`jax.checkpoint`'s
                dots_with_no_batch_dims_saveable keeps only residuals): q, k, v, the o projection (the residual
                sum and its norm are recomputed from it) and the FFN's up (and gate) projection; the FFN's
@@ -459,9 +460,7 @@ def saved_per_layer(w: Workload, s: Shapes, remat: str, mlp_tile: int | None = N
         ffn = b * n * h * em if tiled else (m.ffn_matrices - 1) * b * n * f * em
         return b * na * h * em + qkvo + ffn + core.kept(remat)
     if s.method.recomputes_forward:
-        # untiled, the device's tokens through the whole FFN (weight chunk by chunk) leave hidden arrays
-        untiled_mlp = 0 if tiled else RECOMPUTED_UNTILED_MLP * b * n * m.ffn * em
-        return RECOMPUTED_STREAM * b * na * x.h_act * em + untiled_mlp + core.kept(remat)
+        return RECOMPUTED_STREAM * b * na * x.h_act * em + core.kept(remat)
     stream = 8 * b * na * x.h_act * em + 4 * b * na * F32
     rope = b * n * (x.heads + x.kv_heads) * d * (F32 if w.terms.rotary_fp32 else em)
     mlp = b * n * h * em if tiled else _mlp_saved(w, s)
@@ -571,6 +570,8 @@ def memory(
     layer = saved_per_layer(w, s, "none", c.mlp_tile)
     if c.mlp_tile is not None and c.mlp_tile < x.n:
         layer += 6 * x.b * c.mlp_tile * x.ffn * em  # one MLP tile's FFN-wide arrays, live in its backward
+    elif s.method.recomputes_forward:  # the device's tokens through the whole FFN, recomputed in the backward
+        layer += RECOMPUTED_UNTILED_MLP * x.b * x.n * s.model.ffn * em
     working = LAYER_WORKING_SHARE[remat] * layer + _attention_working(s)
     # the step's batch as stored (the family's: tokens, targets, positions int32, packed documents' segment ids
     # and loss mask; a DiT's images and labels)
