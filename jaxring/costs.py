@@ -139,6 +139,7 @@ class ModelShape:
     e: int  # bytes per activation element as collectives move it
     em: int  # bytes per activation element in memory
     cpu: bool  # priced for XLA:CPU (the tests' simulated devices): jnp block ops, fp32 collectives
+    segments: bool = False  # packed documents: int32 segment ids [b, n] travel where a method moves K/V
 
     @property
     def n(self) -> int:

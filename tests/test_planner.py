@@ -89,8 +89,7 @@ BYTES_CASES = {
     "usp, zero3": ("gpt", GPT, 8, Candidate.of(sp=8, attention="usp", ulysses_size=2, zero=3, micro_batch=8)),
     "wallfacer, zero1": ("gpt", GPT, 8, Candidate.of(sp=8, attention="wallfacer", team_size=2, zero=1, micro_batch=8)),
     "rsa": ("gpt", GPT, 8, Candidate(sp=8, attention="rsa", micro_batch=8)),
-    # the DiT: non-causal (GPT's causal METP sends int32 positions with K/V, and XLA merges some of those
-    # sends depending on the shapes: cost.py counts p² - 1 hops, the compiled step may send fewer)
+    # the DiT: non-causal (the GPT's causal METP, its token order riding with K/V: the documents case below)
     "metp (dit)": ("dit", DIT, 8, Candidate(dp=2, tp=4, tensor_parallel="metp", micro_batch=4)),
     "optimus": ("gpt", GPT, 8, Candidate(dp=2, tp=4, tensor_parallel="optimus", micro_batch=4)),
     "pipeline 1f1b": ("gpt", GPT, 16, Candidate(dp=4, pp=2, pipeline_schedule="1f1b", microbatches=4, micro_batch=1)),
@@ -140,10 +139,12 @@ DOCUMENT_CASES = {
     "ulysses": Candidate(dp=2, sp=4, attention="ulysses", micro_batch=4),
     "allgather": Candidate(dp=2, sp=4, attention="allgather", micro_batch=4),
     "rsa": Candidate(sp=8, attention="rsa", micro_batch=8),
+    # no sequence strategy: the ids (and the causal token order) ride METP's inner K/V ring over tp
+    "metp": Candidate(dp=2, tp=4, tensor_parallel="metp", micro_batch=4),
 }
-# CI's default run keeps the USP case (a ring and an all-to-all, with accumulation): each case compiles a train
-# step (~30 s in CI); `-m slow` runs the other six
-_FAST_DOCUMENT_CASES = ("usp, accumulation",)
+# CI's default run keeps the USP case (a ring and an all-to-all, with accumulation) and METP's (a tensor
+# method's ring): each case compiles a train step (~30 s in CI); `-m slow` runs the other six
+_FAST_DOCUMENT_CASES = ("usp, accumulation", "metp")
 
 
 @pytest.mark.parametrize(
@@ -436,9 +437,12 @@ def test_predicted_memory_of_the_top_plan_on_the_gpu_target(name):
     assert abs(best.memory.total / peak - 1) <= 0.15, (name, best.candidate.describe(), best.memory.total, peak)
 
 
+# (candidate, bytes the counter sees beyond the model: the 7 bytes of flags; METP's weights' psum over tp
+# also carries 4 fp32 scalars of the step that XLA's all-reduce combiner merges in, 16 B × 2(p-1)/p = 24)
 GPU_BYTES_CASES = {
-    "ring": Candidate(sp=8, attention="ring", micro_batch=1),
-    "wallfacer": Candidate.of(sp=8, attention="wallfacer", team_size=2, micro_batch=1),
+    "ring": (Candidate(sp=8, attention="ring", micro_batch=1), 7),
+    "wallfacer": (Candidate.of(sp=8, attention="wallfacer", team_size=2, micro_batch=1), 7),
+    "metp": (Candidate(tp=4, tensor_parallel="metp", micro_batch=1), 24),
 }
 
 
@@ -447,8 +451,8 @@ GPU_BYTES_CASES = {
 def test_predicted_bytes_with_packed_documents_on_the_gpu_target(name):
     """The GPU program sends each ring hop's arrays as one buffer, segment ids included, in every layer (not
     hoisted as on CPU): its bytes per axis (its combined async collectives counted whole) equal the cost
-    model's for the GPU (cpu=False), within the 7 bytes of flags the counter keeps. Needs the compile-only
-    CUDA plugin; skips elsewhere."""
+    model's for the GPU (cpu=False), within the case's slack. Needs the compile-only CUDA plugin; skips
+    elsewhere."""
     from jaxring.analysis import gpu
     from jaxring.planner.check import gpu_target_available
 
@@ -456,7 +460,7 @@ def test_predicted_bytes_with_packed_documents_on_the_gpu_target(name):
     if not ok:
         pytest.skip(f"deviceless GPU compile unavailable: {why}")
     config = gpt.GPTConfig(vocab_size=128, num_layers=3, hidden=256, num_heads=4, ffn=512)
-    w, c = Workload("gpt", config, 1024, 1, "fp32", documents=True), GPU_BYTES_CASES[name]
+    (c, slack), w = GPU_BYTES_CASES[name], Workload("gpt", config, 1024, 1, "fp32", documents=True)
     plan = c.check(w, devices=gpu.gpu_devices("h100", c.devices), block_ops="pallas")
     compiled = compile_train_step(
         "gpt", config, plan, batch=1, seq_len=1024, precision="fp32", remat=c.remat, documents=True
@@ -465,4 +469,4 @@ def test_predicted_bytes_with_packed_documents_on_the_gpu_target(name):
     leaves = param_leaves("gpt", config, c.check(w))
     predicted = cost.bytes_by_axes(cost.traffic(w, c, leaves, cpu=False))
     assert set(predicted) == set(measured), name
-    assert all(0 <= measured[k] - round(v) <= 7 for k, v in predicted.items()), (name, predicted, measured)
+    assert all(0 <= measured[k] - round(v) <= slack for k, v in predicted.items()), (name, predicted, measured)

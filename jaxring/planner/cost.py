@@ -128,6 +128,7 @@ def shapes(w: Workload, c: Candidate, plan: ParallelPlan | None = None, cpu: boo
         e=CPU_COLLECTIVE_BYTES if cpu else em,
         em=em,
         cpu=cpu,
+        segments=w.documents,
     )
     method = plan.tensor
     if not method.has_cost():
