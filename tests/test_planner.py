@@ -191,6 +191,23 @@ def test_sliding_window_prices_the_attention_the_core_computes():
     assert ring_window_share("zigzag", 8, 16, 16) == pytest.approx(6 / 17)  # tests/test_window.py's counts
 
 
+def test_attention_flops_are_as_wide_as_the_heads():
+    """QKᵀ and PV are heads × head_dim wide, not hidden (tiny-qwen3: 4 heads of 32 = 128, hidden 64): by hand,
+    each query meets seq/2 keys on average (causal: the model counts half), 2 FLOPs per multiply-add for
+    each of QKᵀ and PV, the backward twice the forward; the planner's attention FLOPs and the model's
+    flops_per_token beyond 6N and the head's."""
+    config, seq, batch = gpt.PRESETS["tiny-qwen3"], 64, 8
+    heads, d = config.num_heads, config.attn_head_dim
+    assert heads * d != config.hidden
+    per_query = 3 * 2 * (2 * heads * d) * (seq / 2)  # (fwd + bwd) × (QKᵀ, PV) × 2·H·d per key × keys seen
+    by_hand = config.num_layers * per_query * seq * batch
+    w, c = _workload("gpt", config, batch, seq=seq), Candidate(sp=8, attention="ring", micro_batch=8)
+    _, attention, _ = cost.compute_flops(w, c, "none", cost.shapes(w, c, cpu=True))
+    assert attention == pytest.approx(by_hand / c.devices)
+    beyond_weights = 6 * config.num_params(embeddings=False, active=True) + 6 * config.vocab_size * config.hidden
+    assert config.flops_per_token(seq) - beyond_weights == pytest.approx(by_hand / (seq * batch))
+
+
 def test_axis_traffic_splits_what_collective_traffic_counts():
     """The per-axis counter is compiled.collective_traffic split by replica groups: the totals agree (less the
     scalars it leaves out)."""
