@@ -175,19 +175,28 @@ def test_planner_workload_has_packed_documents_where_the_run_does(tmp_path):
 
 
 def test_sliding_window_prices_the_attention_the_core_computes():
-    """The ring computes only the steps that reach inside the window (its `window_share`, checked against the
-    ring's own count in tests/test_window.py): the planner's attention FLOPs shrink by that share; a core that
-    claims no skipping (Ulysses) keeps the causal count."""
+    """The ring computes only the steps that reach inside the window, Ulysses' and the all-gather's kernels
+    only the tiles (their `window_share`, checked against the ring's and the kernels' own counts in
+    tests/test_window.py): the planner's attention FLOPs shrink by that share; a core that claims no
+    skipping (RSA) keeps the causal count."""
     from jaxring.attention.ring import ring_window_share
+    from jaxring.attention.window_work import layout_window_share
 
-    windowed, full = (_workload("gpt", config, 8, seq=128) for config in (WINDOWED, GPT))
+    seq, d = 1024, GPT.hidden // GPT.num_heads
+    windowed, full = (_workload("gpt", config, 8, seq=seq) for config in (WINDOWED, GPT))
     for c, share in (
-        (Candidate(sp=8, attention="ring", micro_batch=8), ring_window_share("zigzag", 8, 16, 16)),
-        (Candidate(sp=8, attention="ulysses", micro_batch=8), 1.0),
+        (Candidate(sp=8, attention="ring", micro_batch=8), ring_window_share("zigzag", 8, seq // 8, 16)),
+        (Candidate(sp=8, attention="ulysses", micro_batch=8), layout_window_share("contiguous", 1, seq, 16, True, d)),
+        (
+            Candidate(sp=8, attention="allgather", layout="contiguous", micro_batch=8),
+            layout_window_share("contiguous", 8, seq // 8, 16, True, d),
+        ),
+        (Candidate(sp=8, attention="rsa", micro_batch=8), 1.0),
     ):
         _, attention, _ = cost.compute_flops(windowed, c, "none", cost.shapes(windowed, c, cpu=True))
         _, causal, _ = cost.compute_flops(full, c, "none", cost.shapes(full, c, cpu=True))
         assert attention == pytest.approx(share * causal), c.attention
+        assert share < 1 or c.attention == "rsa"
     assert ring_window_share("zigzag", 8, 16, 16) == pytest.approx(6 / 17)  # tests/test_window.py's counts
 
 
