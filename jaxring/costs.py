@@ -225,7 +225,7 @@ class AttentionCost:
                     jnp block ops' score tiles of that size for `tile_heads` heads (default all)
     extra_attention attention FLOPs it spends beyond the model's, as a multiple of them (RSA's causal half)
     window_share    the share of its attention FLOPs it still computes under the shape's sliding window (the
-                    ring skips steps wholly outside it; default 1: no credit claimed)
+                    rings skip steps wholly outside it, the local kernels tiles; default 1: no credit claimed)
     """
 
     transfers: tuple[Transfer, ...] = ()

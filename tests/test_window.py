@@ -310,6 +310,45 @@ def test_wallfacer_counts_exactly_the_window_pairs():
     assert work[window][:, 0].sum() < 0.5 * work[None][:, 0].sum()
 
 
+def test_usp_and_wallfacer_price_the_steps_they_compute():
+    """USP's ring (R = 4 ranks, each U = 2 gathered shards: `RankTokens(layout, 2)`) and WallFacer's sub-ring
+    (C = 2, sp = 8) under a window, seq 128: their cost's `window_share` is the busiest device's run-pair work
+    of `ring_forward`'s and `wallfacer_forward`'s own counts, with the window over without."""
+    from jax.sharding import Mesh
+
+    from jaxring.costs import AttentionShape
+    from jaxring.registry import sequence_strategy
+
+    seq, windows, ops = 128, (9, 17, 40, None), get_block_ops("jnp")
+    q, k, v, _ = qkv(6, 1, seq, 2, 2, 8)
+
+    def usp_ring(q, k, v, layout):  # the ring USP runs over its 4 groups of gathered shards
+        work = [ring_forward(q, k, v, None, "sp", RankTokens(layout, 2), True, 0.3, ops, window=w)[2] for w in windows]
+        return jnp.stack(work)[None]
+
+    def wallfacer(q, k, v, layout):  # work[0]: query-key pairs of the run pairs computed
+        work = [wallfacer_forward(q, k, v, None, 2, layout, True, 0.3, ops, window=w)[2][0] for w in windows]
+        return jnp.stack(work)[None]
+
+    cases = (
+        ("usp", usp_ring, Mesh(np.array(jax.devices()[:4]), ("sp",)), "sp", {"usp_ring": 4, "usp_ulysses": 2}),
+        ("wallfacer", wallfacer, wallfacer_mesh(jaxring.make_mesh(sp=8), 2), WF_AXES, dict.fromkeys(WF_AXES, 2)),
+    )
+    for name, local, mesh, spec, axes in cases:
+        options = {"ulysses_size": 2} if name == "usp" else {"team_size": 2}
+        for layout in ("contiguous", "zigzag"):
+            blocks = P(None, spec, None, None)
+            run = jax.shard_map(
+                functools.partial(local, layout=layout), mesh=mesh, in_specs=(blocks,) * 3, out_specs=P(spec)
+            )
+            work = np.asarray(jax.jit(run)(q, k, v))  # [devices, windows]
+            for i, w in enumerate(windows[:-1]):
+                shape = AttentionShape(1, seq // 8, 2, 2, 8, 4, 4, seq, True, True, axes, window=w, layout=layout)
+                share = sequence_strategy(name).cost(shape, options).window_share
+                assert share == pytest.approx(work[:, i].max() / work[:, -1].max()), (name, layout, w)
+                assert share < 1 or w > 17, (name, layout, w)  # 40: the last team still computes all
+
+
 # ----------------------------------------------------------------------------------- tensor methods
 
 B, S, H, HEADS, KV = 2, 64, 32, 8, 4
