@@ -141,6 +141,7 @@ class ModelShape:
     e: int  # bytes per activation element as collectives move it
     em: int  # bytes per activation element in memory
     cpu: bool  # priced for XLA:CPU (the tests' simulated devices): jnp block ops, fp32 collectives
+    segments: bool = False  # packed documents: int32 segment ids [b, n] travel where a method moves K/V
 
     @property
     def n(self) -> int:
@@ -226,7 +227,7 @@ class AttentionCost:
                     jnp block ops' score tiles of that size for `tile_heads` heads (default all)
     extra_attention attention FLOPs it spends beyond the model's, as a multiple of them (RSA's causal half)
     window_share    the share of its attention FLOPs it still computes under the shape's sliding window (the
-                    ring skips steps wholly outside it; default 1: no credit claimed)
+                    rings skip steps wholly outside it, the local kernels tiles; default 1: no credit claimed)
     """
 
     transfers: tuple[Transfer, ...] = ()

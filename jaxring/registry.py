@@ -175,9 +175,14 @@ class PipelineSchedule(HasOptions):
 
 def _dense_cost(s: AttentionShape, options: dict) -> AttentionCost:
     """Flash attention on the device's whole sequences: nothing moves; kept out and lse (fp32); working the
-    fp32 dQ, dK, dV."""
+    fp32 dQ, dK, dV. A sliding window: the kernel visits the band of tiles it reaches."""
     del options
-    return AttentionCost(saved=s.q_bytes(F32) + s.rows_bytes(), working=2 * s.kv_bytes(F32) + s.q_bytes(F32))
+    from jaxring.attention.window_work import layout_window_share
+
+    share = layout_window_share("contiguous", 1, s.n, s.window, s.cpu, s.d) if s.window else 1.0
+    return AttentionCost(
+        saved=s.q_bytes(F32) + s.rows_bytes(), working=2 * s.kv_bytes(F32) + s.q_bytes(F32), window_share=share
+    )
 
 
 DENSE = SequenceStrategy(

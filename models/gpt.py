@@ -174,8 +174,10 @@ class GPTConfig:
 
     def flops_per_token(self, seq_len: int, causal: bool = True) -> float:
         """Training FLOPs per token (the playbook's 6N + attention, causal attention counted as half; N counts
-        the active parameters of a mixture of experts)."""
-        attention = 12 * self.num_layers * self.hidden * seq_len * (0.5 if causal else 1.0)
+        the active parameters of a mixture of experts). The attention core (QKᵀ and PV, 2 FLOPs per
+        multiply-add, backward twice the forward) is as wide as heads × head_dim, not hidden (Qwen3)."""
+        width = self.num_heads * self.attn_head_dim
+        attention = 12 * self.num_layers * width * seq_len * (0.5 if causal else 1.0)
         return 6 * self.num_params(embeddings=False, active=True) + 6 * self.vocab_size * self.hidden + attention
 
 

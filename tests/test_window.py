@@ -223,6 +223,60 @@ def test_ring_cost_prices_the_steps_the_ring_computes():
             assert share < 1
 
 
+def _kernel_visits(q_positions, kv_len, window, cpu, head_dim):
+    """The local kernels' own loop bounds, summed: for each kernel of a forward and backward, the tiles
+    between each outer tile's (lo, hi) (the jnp pair: `blockwise.tile_ranges`; Pallas: `visibility` and
+    `loop_ranges` as pallas_forward and pallas_backward form them, dK/dV over the transposed tiles), times
+    its matmuls and tile size (`kernel_passes`)."""
+    from jaxring.attention.blockwise import tile_ranges
+    from jaxring.attention.flash_tiles import loop_ranges, visibility
+    from jaxring.attention.window_work import kernel_passes
+
+    qp, kp = jnp.asarray(q_positions, jnp.int32), jnp.arange(kv_len, dtype=jnp.int32)
+    total = 0
+    for over, bq, bk, matmuls in kernel_passes(cpu, len(q_positions), kv_len, head_dim):
+        if cpu:
+            ranges = tile_ranges(qp, kp, None, None, causal=True, q_tile=bq, kv_tile=bk, window=window)
+        else:
+            vis, full = visibility(True, qp[None], kp[None], None, None, 1, len(qp), kv_len, kv_len, bq, bk, window)
+            if over == "k":
+                vis, full = jnp.swapaxes(vis, 1, 2), jnp.swapaxes(full, 1, 2)
+            ranges = loop_ranges(vis, full)[0]
+        ranges = np.asarray(ranges)
+        total += matmuls * bq * bk * int((ranges[:, 3] - ranges[:, 0]).sum())
+    return total
+
+
+@pytest.mark.parametrize("cpu", [True, False], ids=["jnp", "pallas"])
+def test_local_kernels_price_the_tiles_they_visit(cpu):
+    """Ulysses and dense attention (the whole sequence in order) and the all-gather (each rank's layout shard
+    against the keys in order) price what their kernels visit under a window (`window_share`): the busiest
+    rank's count of the kernels' own loop bounds, with the window over without (seq 1024, head_dim 16;
+    windows inside a tile, one past it, and beyond the sequence)."""
+    from jaxring.attention.layout import layout_positions
+    from jaxring.costs import AttentionShape
+    from jaxring.registry import sequence_strategy
+
+    seq, d = 1024, 16
+    for name, layout, p in (
+        ("dense", "contiguous", 1),
+        ("ulysses", "contiguous", 4),
+        ("allgather", "zigzag", 4),
+        ("allgather", "contiguous", 4),
+        ("allgather", "striped", 4),
+    ):
+        q_ranks = 1 if name != "allgather" else p  # Ulysses' kernel sees the whole sequence
+        queries = [np.asarray(layout_positions(layout, r, q_ranks, seq // q_ranks)) for r in range(q_ranks)]
+        for window in (16, 33, 300, 2000):
+            axes = {} if name == "dense" else {"sp": p}
+            n = seq // (p if name != "dense" else 1)
+            shape = AttentionShape(2, n, 8, 8, d, 4, 4, seq, True, cpu, axes, window=window, layout=layout)
+            share = sequence_strategy(name).cost(shape, {}).window_share
+            visits = {w: max(_kernel_visits(q, seq, w, cpu, d) for q in queries) for w in (window, None)}
+            assert share == pytest.approx(visits[window] / visits[None]), (name, layout, window)
+            assert share < 1 or window >= seq, (name, layout, window)
+
+
 def test_ring_skips_steps_with_no_common_segment():
     """Documents of 16 tokens on 8-token blocks (contiguous): a step whose Q and K/V blocks share no segment is
     skipped, causal or not; with causal, rank r computes its own block and, when odd, block r-1."""
@@ -254,6 +308,45 @@ def test_wallfacer_counts_exactly_the_window_pairs():
     assert work[window][:, 1].sum() == sum(min(i + 1, window) for i in range(seq))
     assert work[None][:, 1].sum() == seq * (seq + 1) // 2
     assert work[window][:, 0].sum() < 0.5 * work[None][:, 0].sum()
+
+
+def test_usp_and_wallfacer_price_the_steps_they_compute():
+    """USP's ring (R = 4 ranks, each U = 2 gathered shards: `RankTokens(layout, 2)`) and WallFacer's sub-ring
+    (C = 2, sp = 8) under a window, seq 128: their cost's `window_share` is the busiest device's run-pair work
+    of `ring_forward`'s and `wallfacer_forward`'s own counts, with the window over without."""
+    from jax.sharding import Mesh
+
+    from jaxring.costs import AttentionShape
+    from jaxring.registry import sequence_strategy
+
+    seq, windows, ops = 128, (9, 17, 40, None), get_block_ops("jnp")
+    q, k, v, _ = qkv(6, 1, seq, 2, 2, 8)
+
+    def usp_ring(q, k, v, layout):  # the ring USP runs over its 4 groups of gathered shards
+        work = [ring_forward(q, k, v, None, "sp", RankTokens(layout, 2), True, 0.3, ops, window=w)[2] for w in windows]
+        return jnp.stack(work)[None]
+
+    def wallfacer(q, k, v, layout):  # work[0]: query-key pairs of the run pairs computed
+        work = [wallfacer_forward(q, k, v, None, 2, layout, True, 0.3, ops, window=w)[2][0] for w in windows]
+        return jnp.stack(work)[None]
+
+    cases = (
+        ("usp", usp_ring, Mesh(np.array(jax.devices()[:4]), ("sp",)), "sp", {"usp_ring": 4, "usp_ulysses": 2}),
+        ("wallfacer", wallfacer, wallfacer_mesh(jaxring.make_mesh(sp=8), 2), WF_AXES, dict.fromkeys(WF_AXES, 2)),
+    )
+    for name, local, mesh, spec, axes in cases:
+        options = {"ulysses_size": 2} if name == "usp" else {"team_size": 2}
+        for layout in ("contiguous", "zigzag"):
+            blocks = P(None, spec, None, None)
+            run = jax.shard_map(
+                functools.partial(local, layout=layout), mesh=mesh, in_specs=(blocks,) * 3, out_specs=P(spec)
+            )
+            work = np.asarray(jax.jit(run)(q, k, v))  # [devices, windows]
+            for i, w in enumerate(windows[:-1]):
+                shape = AttentionShape(1, seq // 8, 2, 2, 8, 4, 4, seq, True, True, axes, window=w, layout=layout)
+                share = sequence_strategy(name).cost(shape, options).window_share
+                assert share == pytest.approx(work[:, i].max() / work[:, -1].max()), (name, layout, w)
+                assert share < 1 or w > 17, (name, layout, w)  # 40: the last team still computes all
 
 
 # ----------------------------------------------------------------------------------- tensor methods

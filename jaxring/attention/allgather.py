@@ -27,6 +27,7 @@ from jaxring.attention.flash import flash_attention
 from jaxring.attention.layout import gathered_positions, layout_positions, natural_order
 from jaxring.attention.masking import check_qkv
 from jaxring.attention.ulysses import local_implementation
+from jaxring.attention.window_work import layout_window_share
 from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer, segment_once
 from jaxring.registry import SequenceStrategy, register_sequence_strategy
 
@@ -83,7 +84,9 @@ def allgather_cost(s: AttentionShape, options: dict) -> AttentionCost:
     """The module docstring's traffic: all-gathers of (P-1) K and V blocks forward, reduce-scatters of the
     same backward, nothing overlapped. Kept: the gathered K/V (the whole sequence, fp32 here), out and lse.
     Working: the gathered K/V and their fp32 gradients; the block's columns are the whole sequence. Packed
-    documents: the K/V segment ids all-gathered (`jaxring.costs.segment_once`)."""
+    documents: the K/V segment ids all-gathered (`jaxring.costs.segment_once`). A sliding window: the local
+    kernel visits the band of key tiles (put in natural order) its layout shard reaches; the busiest rank's
+    share (`layout_window_share`)."""
     del options
     P, axes = s.sp, tuple(s.axes)
     kv = s.kv_bytes(s.e)
@@ -96,6 +99,7 @@ def allgather_cost(s: AttentionShape, options: dict) -> AttentionCost:
         saved=2 * P * s.kv_bytes(F32) + s.q_bytes(F32) + s.rows_bytes(),
         working=2 * P * (s.kv_bytes(s.em) + s.kv_bytes(F32)) + s.q_bytes(F32),
         block_k=s.seq_len,
+        window_share=layout_window_share(s.layout, P, s.n, s.window, s.cpu, s.d) if s.window else 1.0,
     )
 
 

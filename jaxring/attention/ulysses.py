@@ -28,6 +28,7 @@ from jaxring.attention.blockwise import BlockOps
 from jaxring.attention.flash import flash_attention
 from jaxring.attention.layout import gathered_positions, natural_order
 from jaxring.attention.masking import check_qkv
+from jaxring.attention.window_work import layout_window_share
 from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer, segment_once
 from jaxring.registry import SequenceStrategy, register_sequence_strategy
 
@@ -120,7 +121,9 @@ def ulysses_cost(s: AttentionShape, options: dict) -> AttentionCost:
     """The module docstring's traffic (DeepSpeed-Ulysses: 4 all-to-alls a layer each way), each moving
     (P-1)/P of q, k, v (K/V heads repeated to lcm(kv_heads, P)) or out. Kept: the head-sharded q, k, v, out
     and lse of the local flash attention (the GPU kernels' in the activation dtype, the CPU block ops' in
-    fp32). Working: their gradients; the block is the whole sequence for heads / P heads. Packed documents: the segment ids all-gathered (`jaxring.costs.segment_once`)."""
+    fp32). Working: their gradients; the block is the whole sequence for heads / P heads. Packed documents: the
+    segment ids all-gathered (`jaxring.costs.segment_once`). A sliding window: the local kernel visits the band
+    of tiles it reaches in the whole sequence, put in natural order (`layout_window_share`)."""
     del options
     P, axes = s.sp, tuple(s.axes)
     kv_sent = math.lcm(s.kv_heads, P)
@@ -138,6 +141,7 @@ def ulysses_cost(s: AttentionShape, options: dict) -> AttentionCost:
         block_q=s.seq_len,
         block_k=s.seq_len,
         tile_heads=max(1, s.heads // P),
+        window_share=layout_window_share("contiguous", 1, s.seq_len, s.window, s.cpu, s.d) if s.window else 1.0,
     )
 
 

@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from jaxring.attention.layout import RankTokens
 from jaxring.attention.masking import check_qkv
-from jaxring.attention.ring import q_tiles, ring_attention
+from jaxring.attention.ring import q_tiles, ring_attention, ring_window_share
 from jaxring.attention.ulysses import check_heads_split, heads_to_seq, repeat_kv_for_split, seq_to_heads
 from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer, segment_once, segment_ring
 from jaxring.mesh import factored_mesh
@@ -87,7 +87,9 @@ def usp_cost(s: AttentionShape, options: dict) -> AttentionCost:
     """Ulysses' 4 all-to-alls each way over U (K/V heads repeated to lcm(kv_heads, U)), and ring attention
     over R = P/U on blocks U× longer with 1/U of the heads (hidden behind the block compute). Kept: the ring's
     out and lse per step and Q tile on CPU, the head-sharded q, k, v. Working: the ring's. Packed documents:
-    the segment ids all-gathered over U, then riding the ring's hops (U× longer blocks)."""
+    the segment ids all-gathered over U, then riding the ring's hops (U× longer blocks). A sliding window: the
+    ring's steps outside it compute nothing (`ring_window_share` of the R ring ranks' U·n tokens: a rank's
+    gathered zig-zag shards are the zig-zag runs of a ring of R)."""
     U = options["ulysses_size"]
     r = s.sp // U
     ring_axis, ulysses_axis = s.axes
@@ -112,6 +114,7 @@ def usp_cost(s: AttentionShape, options: dict) -> AttentionCost:
         transfers=tuple(transfers),
         saved=(r if s.cpu else 1) * q_tiles(s.n * U, s.cpu) * (q32 + s.rows_bytes()) + q32 + 2 * kv32,
         working=4 * s.kv_bytes(s.em) + 4 * kv32 + q32,
+        window_share=ring_window_share(s.layout, r, s.n * U, s.window) if s.window and r > 1 else 1.0,
     )
 
 

@@ -112,7 +112,7 @@ from jaxring.attention.blockwise import BlockOps, get_block_ops
 from jaxring.attention.layout import check_seq_len
 from jaxring.attention.masking import check_qkv, check_window, positions_may_meet
 from jaxring.attention.merge import empty_partial
-from jaxring.attention.ring import attend_step, fuse_by_default, grads_step
+from jaxring.attention.ring import attend_step, fuse_by_default, grads_step, run_bounds
 from jaxring.attention.ring_step import pair_work, split_runs
 from jaxring.collectives import ppermute, ring_steps, ring_steps_accumulating, send_to_next
 from jaxring.costs import F32, AttentionCost, AttentionShape, Transfer, segment_once, segment_ring
@@ -559,6 +559,34 @@ def wallfacer_attention(
 # ---------------------------------------------------------------------------------------- cost
 
 
+def wallfacer_window_share(layout: str, p: int, team_size: int, n: int, window: int) -> float:
+    """The share of its causal work WallFacer still computes under a sliding window: the busiest device's
+    query-key pairs of the (Q run, K/V run) pairs its sub-ring forward computes (`_forward`'s work: device
+    (g, j, a) holds Q team g·tgs + j and, at step s, K/V team chunk ((j - s) mod tgs)·C + a; a team's runs are a
+    ring's of p/C ranks of C·n tokens), with the window over without."""
+    c = team_size
+    tgs = p // (c * c)
+    first, last = run_bounds(layout, p // c, c * n)  # [teams, runs]
+    size = last - first + 1
+    devices = [
+        (g * tgs + j, [((j - s) % tgs) * c + a for s in range(tgs)])
+        for g in range(c)
+        for j in range(tgs)
+        for a in range(c)
+    ]
+
+    def busiest(w: int | None) -> float:
+        def work(q: int, k: int) -> int:
+            visible = last[q][:, None] >= first[k][None, :]
+            if w is not None:
+                visible &= first[q][:, None] < last[k][None, :] + w
+            return int((size[q][:, None] * size[k][None, :] * visible).sum())
+
+        return max(sum(work(q, k) for k in held) for q, held in devices)
+
+    return busiest(window) / busiest(None)
+
+
 def wallfacer_cost(s: AttentionShape, options: dict) -> AttentionCost:
     """WallFacer Eqs. 2-4 for C = team_size, tgs = P/C² (collectives 4BNH(C-1)/(PW), P2P 2BNH/(CW)): the team
     all-gathers of Q, K, V, the lse exchange and the fp32 reduce-scatter of O; the init map 2C K/V blocks; the
@@ -566,7 +594,8 @@ def wallfacer_cost(s: AttentionShape, options: dict) -> AttentionCost:
     dQ one hop behind (tgs hops), dQ, dK, dV reduce-scattered and dK/dV back along the inverse map. Kept: the
     team's Q, K/V chunk and lse. Working: the team's blocks (C·n rows and columns) and their fp32 gradients.
     Packed documents: the segment ids all-gathered over the team and sent with the init map (once per
-    micro-step), and riding the sub-ring's hops (C·n ids a hop; `jaxring.costs.segment_ring`)."""
+    micro-step), and riding the sub-ring's hops (C·n ids a hop; `jaxring.costs.segment_ring`). A sliding
+    window: the sub-ring's run pairs outside it compute nothing (`wallfacer_window_share`)."""
     C = options["team_size"]
     tgs = s.sp // (C * C)
     q, q32, rows = s.q_bytes(s.e), s.q_bytes(F32), s.rows_bytes()
@@ -609,6 +638,7 @@ def wallfacer_cost(s: AttentionShape, options: dict) -> AttentionCost:
         working=2 * C * (s.kv_bytes(s.em) + kv32) + 2 * C * q32,
         block_q=C * s.n,
         block_k=C * s.n,
+        window_share=wallfacer_window_share(s.layout, s.sp, C, s.n, s.window) if s.window else 1.0,
     )
 
 

@@ -128,6 +128,7 @@ def shapes(w: Workload, c: Candidate, plan: ParallelPlan | None = None, cpu: boo
         e=CPU_COLLECTIVE_BYTES if cpu else em,
         em=em,
         cpu=cpu,
+        segments=w.documents,
     )
     method = plan.tensor
     if not method.has_cost():
@@ -618,7 +619,8 @@ def compute_flops(w: Workload, c: Candidate, remat: str, s: Shapes) -> tuple[flo
     cfg, seq = w.config, w.seq_len
     tokens = w.tokens_per_step
     causal = 0.5 if w.causal else 1.0
-    attention = 12 * cfg.num_layers * cfg.hidden * seq * causal * tokens
+    width = s.model.heads * s.model.head_dim  # QKᵀ and PV are as wide as the heads, not hidden (Qwen3)
+    attention = 12 * cfg.num_layers * width * seq * causal * tokens
     mats, moe = s.model.ffn_matrices, w.moe
     ffn_params = (
         mats * cfg.hidden * cfg.ffn_size if moe is None else moe.experts_per_token * mats * cfg.hidden * moe.ffn

@@ -1026,6 +1026,31 @@ def param_specs(mesh: Mesh, params_shapes: dict[str, Any]) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _token_id_transfers(m: ModelShape, x: LocalDims) -> list[Transfer]:
+    """The int32 [b, s/p] token arrays that ride the inner K/V ring with their block (`_inner_forward`,
+    `_inner_backward`): the tokens' order in the row when causal, their segment ids with packed documents;
+    p-1 hops per head group forward and again backward. Every group and layer sends the same arrays forward:
+    XLA:CPU hoists those p-1 hops out of both loops (once per micro-step) and keeps the backward's p(p-1) in
+    each layer, and at p = 2 the backward's hop is the forward's (one ring of two: the same permutation),
+    sent once (measured on the compiled CPU step: tests/test_planner.py). The GPU ring (`fuse_sends`)
+    carries them in every hop's buffer: 2p(p-1) per layer."""
+    p = m.tp
+    ids = x.b * (m.seq_len // p) * 4 * (int(m.causal) + int(m.segments))
+    if not ids or p < 2:
+        return []
+    what = "METP MHA token order / segment ids with K/V"
+    if not m.cpu:
+        return [
+            Transfer(f"{what} (in each hop's buffer)", ("tp",), 2 * p * (p - 1) * ids, 2 * p * (p - 1), "attention")
+        ]
+    out = [Transfer(f"{what}: the forward's p-1 hops", ("tp",), (p - 1) * ids, p - 1, "attention", "micro-step")]
+    if p > 2:
+        out.append(
+            Transfer(f"{what}: the backward's p(p-1) hops", ("tp",), p * (p - 1) * ids, p * (p - 1), "attention")
+        )
+    return out
+
+
 class METP(TensorMethod):
     """METP over `tp`: the sequence split over tp (activations [b, s/p, h] never move), weights circulate.
     The embedding and LM head stay replicated (the paper distributes only the blocks)."""
@@ -1132,7 +1157,6 @@ class METP(TensorMethod):
         ffn_blocks = (m.ffn_matrices * h * m.ffn) // p  # (k1·k2 + k2·n)/p, W_gate too for SwiGLU
         weights = (h * (m.heads + 2 * m.kv_heads) * d + m.heads * d * h) // p
         kvb = x.b * (m.seq_len // p) * (m.kv_heads // p) * d
-        pos = x.b * (m.seq_len // p) if m.causal else 0
         return [
             *modulation_gradients(m.modulation, m, x, "DiT modulation gradients (shift, scale, gate × 2)"),
             Transfer("METP FFN ring: (B, C) blocks p-1 hops forward", ("tp",), (p - 1) * ffn_blocks * e, p - 1, "ffn"),
@@ -1150,17 +1174,13 @@ class METP(TensorMethod):
                 3 * p * rounds,
             ),
             Transfer(
-                "METP MHA K/V ring: p(p-1) hops forward, p(p-1) + p² (fp32 dK/dV) backward; positions",
+                "METP MHA K/V ring: p(p-1) hops forward, p(p-1) + p² (fp32 dK/dV) backward",
                 ("tp",),
-                p * (p - 1) * 2 * kvb * e
-                + p * (p - 1) * 2 * kvb * e
-                + p * p * 2 * kvb * F32
-                # causal positions ride with K/V: p(p-1) hops forward; backward they are the same for
-                # every head group and XLA sends them once per hop (p-1); p = 2 unrolls and sends less
-                + (p * p - 1) * pos * 4,
+                p * (p - 1) * 2 * kvb * e + p * (p - 1) * 2 * kvb * e + p * p * 2 * kvb * F32,
                 2 * p * p,
                 "attention",
             ),
+            *_token_id_transfers(m, x),
         ]
 
     def head_transfers(self, m: ModelShape, x: LocalDims) -> list[Transfer]:
