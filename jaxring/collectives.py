@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 
 from jaxring import compat
-from jaxring.vma import common_vma, vary, varying_axes
+from jaxring.vma import vary, varying_axes
 
 # The pipeline stage being traced, set only inside `stage_local` (a context manager the pipeline interpreter
 # enters around each stage's branch, jaxring/pipeline/interpreter.py) and reset when it exits: an explicit,
@@ -206,11 +206,27 @@ def fused_ppermute(tree: Any, axis_name: str | tuple[str, ...], perm: Sequence[t
     in flight at a time, and its combiner merges separate permutes only up to ~30 MiB, so at real sizes (a
     GPT-7B K block alone is 32 MiB at 4k tokens per device) a ring step's K, V (and dK, dV) would go as
     several permutes of which only one can overlap the block compute. Costs a pack and an unpack copy.
+
+    Arrays that vary over different mesh axes (a ring's K/V split over tp beside its segment ids, the same
+    on every tp rank) go as one buffer per set of axes: each arrives with its own varying axes, as the loop
+    that carries it requires.
     """
     leaves, treedef = jax.tree.flatten(tree)
-    if len(leaves) <= 1:
-        return jax.tree.map(lambda x: ppermute(x, axis_name, perm), tree)
-    leaves = common_vma(*leaves)
+    groups: dict[frozenset, list[int]] = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault(varying_axes(x), []).append(i)
+    out = list(leaves)
+    for members in groups.values():
+        received = _permute_packed([leaves[i] for i in members], axis_name, perm)
+        for i, x in zip(members, received, strict=True):
+            out[i] = x
+    return jax.tree.unflatten(treedef, out)
+
+
+def _permute_packed(leaves: list[jax.Array], axis_name: str | tuple[str, ...], perm: Sequence[tuple[int, int]]):
+    """One ppermute of `leaves` (arrays varying over the same mesh axes) packed into one byte buffer."""
+    if len(leaves) == 1:
+        return [ppermute(leaves[0], axis_name, perm)]
     as_bytes = lambda x: (
         x.astype(jnp.uint8) if x.dtype == jnp.bool_ else lax.bitcast_convert_type(x, jnp.uint8)
     ).reshape(-1)
@@ -226,7 +242,7 @@ def fused_ppermute(tree: Any, axis_name: str | tuple[str, ...], perm: Sequence[t
             out.append(lax.bitcast_convert_type(chunk.reshape(x.shape), x.dtype))
         else:
             out.append(lax.bitcast_convert_type(chunk.reshape(x.shape + (x.dtype.itemsize,)), x.dtype))
-    return jax.tree.unflatten(treedef, out)
+    return out
 
 
 def ring_steps(
