@@ -96,6 +96,12 @@ class Row:
     def gpu(self) -> str:
         return self.target.split("x")[0]
 
+    @property
+    def held(self) -> dict:
+        """What plan auto must hold beyond the row's settings: with no technique, no offload (else the planner
+        turns to the techniques itself when nothing fits without them)."""
+        return {"offload": "none"} if self.technique == "none" else {}
+
     def settings(self, seq: int, preset: str = PRESET) -> dict:
         """The run spec's flat settings of this row at `seq` tokens (plan auto: the plan left to the planner)."""
         plans = PLANS_1 if self.devices == 1 else PLANS_8
@@ -192,7 +198,7 @@ def estimate_bytes(row: Row, seq: int, preset: str = PRESET) -> tuple[float, dic
     spec = RunSpec.of(**row.settings(seq, preset))
     if spec.parallel.plan == "auto":
         try:
-            result = search(workload_of(spec), Cluster.of(row.gpu, row.devices), only=held_settings(spec))
+            result = search(workload_of(spec), Cluster.of(row.gpu, row.devices), only=held_settings(spec) | row.held)
         except NoPlanError:  # "no plan fits in memory ...": the least any plan needs is above the budget
             return math.inf, {}
         if not result.ranked:
@@ -223,7 +229,7 @@ def compile_probe(row: Row, seq: int, preset: str = PRESET) -> dict:
         from jaxring.planner.search import NoPlanError
 
         try:
-            ranked = ranked_specs(spec, row.gpu, row.devices, tries=1)
+            ranked = ranked_specs(spec, row.gpu, row.devices, tries=1, hold=row.held)
         except NoPlanError as e:
             raise NoPlan(str(e).splitlines()[0]) from e
         if not ranked:

@@ -136,14 +136,15 @@ def _compile(spec: RunSpec, devices: list) -> tuple[float, float, str]:
     return float(peak), estimate, f"{plan}; {settings}"
 
 
-def ranked_specs(spec: RunSpec, gpu: str, count: int, tries: int = TRIES) -> list[RunSpec]:
-    """--plan auto: the planner's best plans for the target (settings the user gave held), as run specs."""
+def ranked_specs(spec: RunSpec, gpu: str, count: int, tries: int = TRIES, hold: dict | None = None) -> list[RunSpec]:
+    """--plan auto: the planner's best plans for the target (settings the user gave held, and `hold`), as run
+    specs."""
     from jaxring.planner.auto import held_settings
     from jaxring.planner.cluster import Cluster
     from jaxring.planner.fit import workload_of
     from jaxring.planner.search import search
 
-    result = search(workload_of(spec), Cluster.of(gpu, count), only=held_settings(spec))
+    result = search(workload_of(spec), Cluster.of(gpu, count), only=held_settings(spec) | (hold or {}))
     parallel = dataclasses.replace(spec.parallel, options={}, plan="manual")
     base = dataclasses.replace(spec, parallel=parallel)
     return [base.updated(**ev.candidate.settings(result.workload)) for ev in result.ranked[:tries]]
