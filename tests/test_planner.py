@@ -124,7 +124,7 @@ BYTES_CASES = {
     # a sliding window: the ring skips the steps outside it but every hop stays (the same bytes)
     "ring, sliding window": ("gpt", WINDOWED, 8, Candidate(sp=8, attention="ring", micro_batch=8)),
 }
-# a 10 s compile of bytes the ring case already prices; a 35 s compile of the pipeline's stage branches, whose
+# a 10 s compile of bytes the ring case already prices; a 23-36 s compile of the pipeline's stage branches, whose
 # counting tests/test_analysis.py checks on a small pipeline in CI
 _SLOW_BYTES_CASES = ("ring, sliding window", "pipeline 1f1b x ring")
 

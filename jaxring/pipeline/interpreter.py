@@ -14,6 +14,10 @@ buffers between a micro-batch's forward and its backward:
   B   dx, stash = backward_input(...); the W-only residuals and the stash wait for W.      (zero-bubble)
   W   dchunk = backward_weight(...); accumulate.                                           (zero-bubble)
 
+Each branch declares how often its stages run it at its tick position (`jaxring.analysis.compiled.branch_runs`, counted
+from the table), so the compiled program's collective counter counts the ring hops inside the stages' branches as
+the devices run them, not every branch every tick.
+
 Loop structure (see lowering.py): ticks whose send pattern repeats periodically run as one `fori_loop` over the
 period; the others are unrolled. So the compiled program sends exactly what the schedule sends: 2·m activations
 per stage boundary per step (v·m forward over each link for interleaved, (v-1)·m over the wrap-around link).
