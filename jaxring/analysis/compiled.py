@@ -17,16 +17,26 @@ traffic reads as 4 bytes an element; GPU programs send bf16 as is.
 
 An op inside a `while` loop (a `lax.scan` ring) counts once per iteration, from the loop's known trip
 count; a loop without one raises if it holds collectives, rather than give a wrong figure (data-dependent
-loops without collectives, like the jnp tile loops, move nothing). Ops in both branches of a conditional
-count once each (jaxring puts no collectives in conditionals).
+loops without collectives, like the jnp tile loops, move nothing).
+
+A `conditional` (`lax.switch`, `lax.cond`) runs one of its branches on each device each time: its branch index
+is data, unknown to the program's text, so it counts as
+  - its branches weighted by how often they run, where the branches declare it (`branch_runs(k, n)`: this
+    branch runs k of n times, over the conditional's executions and the devices): the mean over the devices,
+    exact. jaxring's pipeline declares each tick's switch from its schedule table (every stage runs one
+    branch of its own per tick), so a pp x sp step's ring hops inside the stages' branches count as the
+    stages run them;
+  - else its branch that receives the most bytes: an upper bound (exact when the branches move the same).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from fractions import Fraction
 from typing import Any
 
 import jax
@@ -137,8 +147,52 @@ def _has_collectives(name: str, comps: dict[str, list[str]], seen: set | None = 
     return False
 
 
-def _executions(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
-    """How many times each computation runs per program execution (loop bodies times their trip count)."""
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_RUNS = re.compile(r"jaxring_runs_(\d+)_of_(\d+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def branch_runs(k: int, n: int) -> contextlib.AbstractContextManager:
+    """Wrap the body of a `lax.switch` branch: it runs k of n times (over the conditional's executions and the
+    devices; the counts of all branches add up to n). A name scope, carried to the compiled HLO as the
+    metadata of the ops traced inside it, so the collective counter weights the branch's collectives by k/n
+    instead of taking the conditional's largest branch."""
+    if not 0 <= k <= n or n < 1:
+        raise ValueError(f"branch runs {k} of {n}: need 0 <= k <= n and n >= 1")
+    return jax.named_scope(f"jaxring_runs_{k}_of_{n}")
+
+
+def _declared_share(line: str) -> Fraction | None:
+    """The share of executions declared by `branch_runs` scopes in an op's metadata (their product), or None."""
+    name = _OP_NAME.search(line)
+    runs = _RUNS.findall(name.group(1)) if name else []
+    return math.prod((Fraction(int(k), int(n)) for k, n in runs), start=Fraction(1)) if runs else None
+
+
+def _declares_runs(name: str, comps: dict[str, list[str]], seen: set | None = None) -> bool:
+    """Whether a computation, or any computation it calls, holds a collective under a `branch_runs` scope."""
+    seen = set() if seen is None else seen
+    if name in seen:
+        return False
+    seen.add(name)
+    for line in comps.get(name, []):
+        if _OP.search(line) and _declared_share(line) is not None:
+            return True
+        callees = _CALLEES.findall(line) + re.findall(r"body=%([\w.\-]+)", line)
+        for group in _BRANCHES.findall(line):
+            callees += re.findall(r"%([\w.\-]+)", group)
+        if any(_declares_runs(c, comps, seen) for c in callees):
+            return True
+    return False
+
+
+def _executions(
+    comps: dict[str, list[str]], entry: str, *, one_branch: bool = False, devices: int = 1
+) -> dict[str, int]:
+    """How many times each computation runs per program execution (loop bodies times their trip count).
+    Every branch of a conditional counts as running each time, unless `one_branch`: then branches that
+    declare their runs (`branch_runs`) are all visited (their ops weighted by the caller) and otherwise only
+    the branch whose collectives receive the most bytes (an op without replica groups spans `devices`)."""
     runs: dict[str, int] = {}
 
     def visit(name: str, times: int) -> None:
@@ -154,8 +208,11 @@ def _executions(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
             for callee in _CALLEES.findall(line):
                 if callee in comps and not callee.startswith(("fused", "wrapped")):
                     visit(callee, times)
-            for callee in re.findall(r"branch_computations=\{([^}]*)\}", line):
-                for c in re.findall(r"%([\w.\-]+)", callee):
+            for group in _BRANCHES.findall(line):
+                branches = re.findall(r"%([\w.\-]+)", group)
+                if one_branch and not any(_declares_runs(c, comps) for c in branches):
+                    branches = [max(branches, key=lambda c: _received(comps, c, devices))]  # the first of equals
+                for c in branches:
                     visit(c, times)
 
     visit(entry, 1)
@@ -175,11 +232,8 @@ def received_factor(kind: str, group: int) -> float:
     }[kind]
 
 
-def collective_ops(hlo_text: str) -> dict[str, int]:
-    """Yields (line, kind, result bytes, executions) for every collective in compiled HLO; loop bodies count
-    once per iteration. Async start ops return (operand, result, ...): the result is counted."""
-    comps, entry = _computations(hlo_text)
-    for name, times in _executions(comps, entry).items():
+def _ops(comps: dict[str, list[str]], root: str, devices: int) -> Iterator[tuple[str, str, int, int | Fraction]]:
+    for name, times in _executions(comps, root, one_branch=True, devices=devices).items():
         for line in comps[name]:
             m = _OP.search(line)
             if not m:
@@ -188,7 +242,24 @@ def collective_ops(hlo_text: str) -> dict[str, int]:
             size = _shape_bytes(shape_text)
             if start and shape_text.startswith("("):
                 size = _async_result_bytes(kind, shape_text)
-            yield line, kind, size, times
+            share = _declared_share(line)
+            yield line, kind, size, times if share is None else times * share
+
+
+def _received(comps: dict[str, list[str]], root: str, devices: int) -> float:
+    """Bytes a device receives in one run of computation `root`."""
+    ops = _ops(comps, root, devices)
+    return sum(size * received_factor(kind, _group_size(line, devices)) * times for line, kind, size, times in ops)
+
+
+def collective_ops(hlo_text: str) -> Iterator[tuple[str, str, int, int | Fraction]]:
+    """Yields (line, kind, result bytes, executions) for every collective in compiled HLO; loop bodies count
+    once per iteration, a conditional's branches as the module docstring says (executions are then a Fraction
+    where declared shares do not divide them). Async start ops return (operand, result, ...): the result is
+    counted."""
+    comps, entry = _computations(hlo_text)
+    partitions = re.search(r"num_partitions=(\d+)", hlo_text)
+    yield from _ops(comps, entry, int(partitions.group(1)) if partitions else 1)
 
 
 def collective_traffic(hlo_text: str, num_devices: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -198,7 +269,7 @@ def collective_traffic(hlo_text: str, num_devices: int) -> tuple[dict[str, int],
     for line, kind, size, times in collective_ops(hlo_text):
         moved[kind] += round(size * received_factor(kind, _group_size(line, num_devices))) * times
         count[kind] += times
-    return moved, count
+    return {k: round(v) for k, v in moved.items()}, {k: round(v) for k, v in count.items()}
 
 
 @dataclasses.dataclass

@@ -14,6 +14,10 @@ buffers between a micro-batch's forward and its backward:
   B   dx, stash = backward_input(...); the W-only residuals and the stash wait for W.      (zero-bubble)
   W   dchunk = backward_weight(...); accumulate.                                           (zero-bubble)
 
+Each branch declares how often its stages run it at its tick position (`jaxring.analysis.compiled.branch_runs`, counted
+from the table), so the compiled program's collective counter counts the ring hops inside the stages' branches as
+the devices run them, not every branch every tick.
+
 Loop structure (see lowering.py): ticks whose send pattern repeats periodically run as one `fori_loop` over the
 period; the others are unrolled. So the compiled program sends exactly what the schedule sends: 2·m activations
 per stage boundary per step (v·m forward over each link for interleaved, (v-1)·m over the wrap-around link).
@@ -28,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxring.analysis.compiled import branch_runs
 from jaxring.collectives import stage_local
 from jaxring.pipeline.lowering import Branch, Lowered, Segment, lower
 from jaxring.pipeline.schedules import BW, IDLE, B, F, Schedule, W
@@ -348,7 +353,10 @@ class _Interpreter:
         branches: list[Branch],
         fwd_pairs: tuple[tuple[int, int], ...],
         bwd_pairs: tuple[tuple[int, int], ...],
+        runs: list[int],
     ):
+        """One tick: `branches` are what the stages run at this tick position, branch i on runs[i] of the
+        (tick, stage) pairs the position stands for (the counts declared to the collective counter)."""
         row = self.table[t, self.stage]
         f = {
             name: row[self.lowered.field(name)]
@@ -423,18 +431,20 @@ class _Interpreter:
 
             return run
 
-        def on_stage(action: Callable[[dict, dict], dict], stage: int):
-            """Traced as stage `stage`'s own branch (its collectives address that stage's devices)."""
+        def on_stage(action: Callable[[dict, dict], dict], stage: int, k: int):
+            """Traced as stage `stage`'s own branch (its collectives address that stage's devices), declaring
+            how often it runs (`branch_runs`: the counter weights its collectives by it)."""
 
             def run(read: dict[str, list[jax.Array]], f: dict[str, jax.Array]):
-                if stage < 0:
-                    return action(read, f)
-                with stage_local(self.axis_name, stage, self.stage_permute):
-                    return action(read, f)
+                with branch_runs(k, sum(runs)):
+                    if stage < 0:
+                        return action(read, f)
+                    with stage_local(self.axis_name, stage, self.stage_permute):
+                        return action(read, f)
 
             return run
 
-        actions = [on_stage(complete(self._action(b)), b.stage) for b in branches]
+        actions = [on_stage(complete(self._action(b)), b.stage, k) for b, k in zip(branches, runs)]
         out = actions[0](read, f) if len(actions) == 1 else lax.switch(f["branch"], actions, read, f)
 
         state = dict(state)
@@ -485,7 +495,10 @@ class _Interpreter:
                 for j in range(seg.period):
                     t0 = seg.start + j
                     t = t0 if isinstance(r, int) else t0 + r * seg.period
-                    state = self._tick(state, t, seg.branches[j], lowered.fwd_pairs[t0], lowered.bwd_pairs[t0])
+                    ticks = lowered.fields[t0 : seg.start + seg.period * seg.repeats : seg.period]
+                    index = ticks[:, :, lowered.field("branch")]
+                    runs = [int((index == i).sum()) for i in range(len(seg.branches[j]))]
+                    state = self._tick(state, t, seg.branches[j], lowered.fwd_pairs[t0], lowered.bwd_pairs[t0], runs)
                 return state
 
             if seg.repeats == 1:

@@ -7,9 +7,9 @@
 devices: simulated CPU devices, or a GPU topology from `jaxring.analysis.gpu.gpu_devices` (deviceless).
 
 `axis_traffic` splits what `jaxring.analysis.compiled.collective_traffic` counts (bytes received per device,
-loop bodies times their trip count, the same per-kind factors) by the run-mesh axes each op's devices differ
-in: an all-reduce over replica groups spanning dp and sp counts under ("dp", "sp"); a collective-permute
-under the axes its source-target pairs differ in. Device index i in the HLO is `run_mesh.devices.flat[i]`.
+loop bodies times their trip count, a conditional's branches as they run, the same per-kind factors) by the
+run-mesh axes each op's devices differ in: an all-reduce over replica groups spanning dp and sp counts under
+("dp", "sp"); a collective-permute under the axes its source-target pairs differ in. Device index i in the HLO is `run_mesh.devices.flat[i]`.
 Rank-0 (scalar) arrays are left out: the loss and the norm's pieces move a few bytes.
 """
 
@@ -84,7 +84,7 @@ def axis_traffic(hlo_text: str, mesh: Mesh, *, skip_scalars: bool = True) -> dic
         if not key:
             continue  # a device talking to itself moves nothing
         out[key] = out.get(key, 0) + round(size * received_factor(kind, g)) * times
-    return out
+    return {key: round(v) for key, v in out.items()}  # a conditional's declared branch shares: Fractions
 
 
 def user_axes(run_axes: tuple[str, ...]) -> tuple[str, ...]:
