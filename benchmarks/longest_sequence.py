@@ -148,11 +148,14 @@ def longest_fitting(fits: Callable[[int], bool], unit: int, ceiling: int = MAX_S
     return lo
 
 
+EXTRA_COMPILES = 4  # when none of the three fits
+
+
 def confirm(start: int, unit: int, fits: Callable[[int], bool], compiled: Callable[[int], float], budget: float):
     """(longest compiled length that fits or 0, bracketed) after at most three compiles (see the module
     docstring): `start`, one `unit` toward the boundary, then the two compiles' affine prediction (half way
     to it upward: XLA's GPU scheduler fills memory up to the device's limit, so near it the compiled bytes
-    grow faster than the two close compiles' slope says)."""
+    grow faster than the two close compiles' slope says); when none fits, up to EXTRA_COMPILES more below."""
     probes = {}
 
     def probe(seq):
@@ -175,6 +178,15 @@ def confirm(start: int, unit: int, fits: Callable[[int], bool], compiled: Callab
             guess = max(guess, second_at + unit) if first else min(guess, second_at - unit)
             if guess >= unit:
                 probe(guess)
+    # XLA's compiled bytes are not monotone in the length near the device's limit (8 x H200, Ulysses, all three
+    # techniques: 119.6 GiB at 6,356,992 tokens, 127.3 GiB at 6,225,920): when no compile fit, step down
+    # 2, 4, 8, ... units below the lowest (at most EXTRA_COMPILES more) for a length that does
+    lowest, step = min(probes), 2 * unit
+    for _ in range(EXTRA_COMPILES if not any(probes.values()) else 0):
+        seq = lowest - step
+        if seq < unit or probe(seq):
+            break
+        step *= 2
     fitting = [s for s, ok in probes.items() if ok]
     longest = max(fitting, default=0)
     bracketed = probes.get(longest + unit) is False

@@ -51,7 +51,23 @@ def test_confirm_finds_the_compiled_boundary_in_at_most_three_compiles(start, lo
 
 
 def test_confirm_when_nothing_fits():
-    assert ls.confirm(2000, 1000, lambda s: False, lambda s: 1e12 + s, 10.0) == (0, True)
+    compiles = []
+    never = lambda s: compiles.append(s) or False
+    assert ls.confirm(2000, 1000, never, lambda s: 1e12 + s, 10.0) == (0, True)
+    compiles.clear()
+    assert ls.confirm(9000, 1000, never, lambda s: 1e12 + s, 10.0) == (0, False)
+    assert compiles == [9000, 8000, 6000, 4000]  # then 2 and 4 units below the lowest (8 below is < 1 unit)
+
+
+def test_confirm_steps_down_when_compiled_bytes_are_not_monotone():
+    """Near the device's limit a shorter length can compile larger (XLA): when none of the three compiles fits,
+    confirm steps down 2, 4, 8 ... units below the lowest until one does."""
+    compiled = {64: 120.9, 63: 119.6, 61: 127.3, 59: 121.0, 57: 117.0}  # GiB by thousands of tokens
+    compiles = []
+    gib = lambda s: compiled.get(s // 1000, 200.0)
+    fits = lambda s: compiles.append(s // 1000) or gib(s) <= 118.2
+    assert ls.confirm(64_000, 1000, fits, gib, 118.2) == (57_000, False)
+    assert compiles == [64, 63, 61, 59, 57]  # the three (the affine guess: 61), then 2 and 4 units below
 
 
 def tiny(row, seq):
