@@ -162,6 +162,7 @@ def prefetch_steps(
     first: Any,
     advance: Callable[[Any, Any], Any],
     num_steps: int,
+    compute_communicates: bool = True,
 ) -> Any:
     """for s in 0..n-1: carry = step_fn(carry, data_s, s), with data_0 = first and data_{s+1} = advance(data_s,
     s) issued before step s's compute (a ring hop, a broadcast of the next block), so the two can overlap.
@@ -169,12 +170,17 @@ def prefetch_steps(
     A `lax.scan` over the first n-1 steps and the last step on its own: a step's transfer cannot be hoisted
     out of its iteration, so a device holds the current and the next block only (not all n), and exactly n-1
     transfers are made. Returns the final carry. The step loop of every ring and broadcast loop in jaxring.
+
+    compute_communicates: `step_fn` holds collectives, so on XLA:CPU it waits for the transfer issued before
+    it (`waits_for`, the module docstring). False for a step that only computes (Optimus' C += A_il B_lj):
+    nothing to order, and the guard's copy of the step's data (one block of A and of B) is not made.
     """
 
     def body(state: tuple, s: jax.Array) -> tuple:
         carry, data = state
         upcoming = advance(data, s)  # issued before this step's compute
-        carry, data = waits_for((carry, data), upcoming)  # XLA:CPU: see the module docstring
+        if compute_communicates:
+            carry, data = waits_for((carry, data), upcoming)  # XLA:CPU: see the module docstring
         return (step_fn(carry, data, s), upcoming), None
 
     data = first

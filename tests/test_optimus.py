@@ -343,9 +343,9 @@ MEMORY_SCRIPT = textwrap.dedent("""
 def test_stepwise_memory_is_constant_in_q_panels_grow():
     """At q = 8 (64 simulated devices, compiled only, in a subprocess): stepwise SUMMA holds a constant
     number of blocks (the shared round-0 block, the current and the prefetched one, and one round in flight:
-    under 4 per matrix; on CPU 4.5, as each step's compute also waits for the transfer issued before it, the
-    guard against XLA:CPU's rendezvous deadlock in jaxring.collectives: under 5), the collapsed form q-block
-    panels (at least 2q = 16)."""
+    under 4 per matrix; 3.5 measured: its steps only compute, so they carry no guard against XLA:CPU's
+    rendezvous deadlock, whose copy of the data made it 4.5), the collapsed form q-block panels (at least
+    2q = 16)."""
     env = dict(
         os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=64", JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="64"
     )
@@ -357,7 +357,7 @@ def test_stepwise_memory_is_constant_in_q_panels_grow():
     r = json.loads(result.stdout.strip().splitlines()[-1])
     q, blocks = r["q"], r["blocks"]  # blocks: |A block| + |B block| in bytes
     assert q == 8
-    assert r["stepwise"]["temp"] < 5 * blocks, r
+    assert r["stepwise"]["temp"] < 4 * blocks, r
     assert r["collapsed"]["temp"] >= q * blocks, r
     assert r["stepwise"]["moved"] == bcast(q, blocks), r  # (1 + 8·2) blocks of A and of B
 

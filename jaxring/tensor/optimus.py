@@ -117,11 +117,17 @@ def _zeros(shape: tuple[int, ...], dtype: jnp.dtype, like: jax.Array):
     return z
 
 
-def _steps(q: int, fetch: Callable[[int | jax.Array], Any], compute: Callable[[Any, Any, Any], Any], carry: Any):
+def _steps(
+    q: int,
+    fetch: Callable[[int | jax.Array], Any],
+    compute: Callable[[Any, Any, Any], Any],
+    carry: Any,
+    compute_communicates: bool = True,
+):
     """for l in 0..q-1: carry = compute(carry, fetch(l), l), with fetch(l + 1) issued before compute(.., l)
     (`collectives.prefetch_steps`: a step's broadcast stays in its iteration, so XLA cannot issue every
     broadcast up front and hold all q blocks)."""
-    return prefetch_steps(compute, carry, fetch(0), lambda _, l: fetch(l + 1), q)
+    return prefetch_steps(compute, carry, fetch(0), lambda _, l: fetch(l + 1), q, compute_communicates)
 
 
 def _dot(a: jax.Array, b: jax.Array):
@@ -140,7 +146,7 @@ def _ab(a: jax.Array, b: jax.Array, axes: tuple[str, str]):
         a_il, b_lj = blocks
         return c + _dot(a_il, b_lj)
 
-    c = _steps(q, fetch, compute, _zeros((a.shape[0], b.shape[1]), jnp.float32, a))
+    c = _steps(q, fetch, compute, _zeros((a.shape[0], b.shape[1]), jnp.float32, a), compute_communicates=False)
     return c.astype(jnp.result_type(a, b))
 
 
