@@ -208,7 +208,7 @@ from matplotlib.ticker import MaxNLocator
 from jaxring.spec import RunSpec
 from jaxring.train.loop import train
 
-STEPS = 3 if FAST else 40
+STEPS = 3 if FAST else 30
 BATCH = 8 if FAST else 16
 MICROBATCHES = 2 if FAST else 4  # each micro-batch: BATCH / m sequences, split over dp = 4
 BASE = RunSpec.of(
@@ -330,7 +330,7 @@ def compiled_train_step(name, m):
     return step.build(opt_specs).lower(params, opt_state, batch, key, max_loss).compile()
 
 
-MEMORY_M = (4, 8) if FAST else (2, 4, 8, 16)
+MEMORY_M = (4, 8) if FAST else (2, 4, 8)
 MEMORY_SCHEDULES = ("gpipe", "1f1b") if FAST else tuple(SCHEDULES)  # FAST: two compiles fewer per m
 MiB = 2**20
 memory, links = {}, {}
