@@ -130,21 +130,27 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
     return comps, entry
 
 
-def _has_collectives(name: str, comps: dict[str, list[str]], seen: set | None = None) -> bool:
-    """Whether a computation, or any computation it calls, holds a collective op."""
+def _calls_any(name: str, comps: dict[str, list[str]], matches: Callable[[str], bool], seen: set | None = None) -> bool:
+    """Whether a computation, or any computation it calls (loop bodies and conditions, branches, fusions),
+    has an op line for which `matches` holds."""
     seen = set() if seen is None else seen
     if name in seen:
         return False
     seen.add(name)
     for line in comps.get(name, []):
-        if _OP.search(line):
+        if matches(line):
             return True
         callees = _CALLEES.findall(line) + re.findall(r"body=%([\w.\-]+)", line)
         for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
             callees += re.findall(r"%([\w.\-]+)", group)
-        if any(_has_collectives(c, comps, seen) for c in callees):
+        if any(_calls_any(c, comps, matches, seen) for c in callees):
             return True
     return False
+
+
+def _has_collectives(name: str, comps: dict[str, list[str]]) -> bool:
+    """Whether a computation, or any computation it calls, holds a collective op."""
+    return _calls_any(name, comps, lambda line: bool(_OP.search(line)))
 
 
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
@@ -169,21 +175,9 @@ def _declared_share(line: str) -> Fraction | None:
     return math.prod((Fraction(int(k), int(n)) for k, n in runs), start=Fraction(1)) if runs else None
 
 
-def _declares_runs(name: str, comps: dict[str, list[str]], seen: set | None = None) -> bool:
+def _declares_runs(name: str, comps: dict[str, list[str]]) -> bool:
     """Whether a computation, or any computation it calls, holds a collective under a `branch_runs` scope."""
-    seen = set() if seen is None else seen
-    if name in seen:
-        return False
-    seen.add(name)
-    for line in comps.get(name, []):
-        if _OP.search(line) and _declared_share(line) is not None:
-            return True
-        callees = _CALLEES.findall(line) + re.findall(r"body=%([\w.\-]+)", line)
-        for group in _BRANCHES.findall(line):
-            callees += re.findall(r"%([\w.\-]+)", group)
-        if any(_declares_runs(c, comps, seen) for c in callees):
-            return True
-    return False
+    return _calls_any(name, comps, lambda line: bool(_OP.search(line)) and _declared_share(line) is not None)
 
 
 def _executions(
