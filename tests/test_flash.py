@@ -202,6 +202,36 @@ def test_window_tile_ranges_are_a_band():
     np.testing.assert_array_equal(ranges, expected)
 
 
+@pytest.mark.parametrize("slab", [7, 64, 100])
+def test_tile_loop_ranges_slab_by_slab_equal_the_whole_tables(monkeypatch, slab):
+    """The kernels' loop ranges, built a few tile rows at a time, are the whole visibility table's: both loop
+    directions (Q tiles over K tiles; the dK/dV kernel's K tiles over Q tiles), causal or not, packed
+    documents, a window, padded keys, unsorted tiles and a batch of 2."""
+    rng = np.random.default_rng(3)
+    b, nq, nk, bq, bk, kv_len = 2, 256, 192, 16, 32, 180
+    qpos, kpos = (jnp.asarray(rng.permutation(300)[:n][None].repeat(b, 0), jnp.int32) for n in (nq, nk))
+    qseg, kseg = (jnp.asarray(np.sort(rng.integers(0, 4, (b, n)), axis=1), jnp.int32) for n in (nq, nk))
+    for causal, seg, window in [(True, True, None), (True, False, 40), (False, True, None), (False, False, None)]:
+        args = (causal, qpos, kpos, *((qseg, kseg) if seg else (None, None)), b, nq, nk, kv_len, bq, bk, window)
+        vis, full = flash_tiles.visibility(*args)
+        monkeypatch.setattr(flash_tiles, "VISIBILITY_SLAB", slab)
+        by_q = flash_tiles.tile_loop_ranges(*args)
+        by_k = flash_tiles.tile_loop_ranges(*args, over_queries=True)
+        monkeypatch.undo()
+        np.testing.assert_array_equal(by_q, flash_tiles.loop_ranges(vis, full))
+        np.testing.assert_array_equal(by_k, flash_tiles.loop_ranges(vis.swapaxes(1, 2), full.swapaxes(1, 2)))
+
+
+def test_tile_loop_ranges_memory_is_not_quadratic_in_the_tokens():
+    """At 4M tokens in tiles of 64 x 32 the whole visibility table would be 8 GiB of booleans (at 5.7M tokens a
+    device, Ulysses sp8 on 8 x H200, three such tables held 44 GiB); the compiled ranges need under 256 MiB."""
+    n = 1 << 22
+    pos = jax.ShapeDtypeStruct((1, n), jnp.int32)
+    ranges = jax.jit(lambda qp, kp: flash_tiles.tile_loop_ranges(True, qp, kp, None, None, 1, n, n, n, 64, 32))
+    temp = ranges.lower(pos, pos).compile().memory_analysis().temp_size_in_bytes
+    assert temp < 256 * 2**20, f"{temp / 2**30:.2f} GiB of temporaries for the loop ranges"
+
+
 # --------------------------------------------------------------------------------------------------------
 # Block interface (BlockOps) with global lse / delta, alone and inside shard_map
 # --------------------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxring.attention.flash_tiles import Config, Tiles, loop_ranges, visibility
+from jaxring.attention.flash_tiles import Config, Tiles, tile_loop_ranges
 from jaxring.vma import vary, varying_axes
 
 LOG2E = math.log2(math.e)
@@ -238,10 +238,9 @@ def pallas_forward(
     t = tiles["fwd"]
     b, hq, hkv, nq, nk, d_pad = (layout[n] for n in ("batch", "q_heads", "kv_heads", "nq", "nk", "d_pad"))
     groups = hq // hkv
-    vis, full = visibility(
+    ranges = tile_loop_ranges(
         cfg.causal, qpos, kpos, qseg, kseg, b, nq, nk, layout["kv_len"], t.block_q, t.block_k, cfg.window
-    )
-    ranges = loop_ranges(vis, full)  # [b, nq/bq, 4]
+    )  # [b, nq/bq, 4]
     q, k, v, qpos, kpos, qseg, kseg, ranges = common_vma(
         q, k, v, qpos, kpos, qseg, kseg, ranges, interpret=cfg.implementation == "pallas_interpret"
     )
@@ -453,10 +452,21 @@ def pallas_backward(
 
     # dK/dV: grid over (k block, batch, kv head); loops over q blocks of the group's query heads.
     t = tiles["dkv"]
-    vis, full = visibility(
-        cfg.causal, qpos, kpos, qseg, kseg, b, nq, nk, layout["kv_len"], t.block_q, t.block_k, cfg.window
-    )
-    ranges = loop_ranges(jnp.swapaxes(vis, 1, 2), jnp.swapaxes(full, 1, 2))  # [b, nk/bk, 4]
+    ranges = tile_loop_ranges(
+        cfg.causal,
+        qpos,
+        kpos,
+        qseg,
+        kseg,
+        b,
+        nq,
+        nk,
+        layout["kv_len"],
+        t.block_q,
+        t.block_k,
+        cfg.window,
+        over_queries=True,
+    )  # [b, nk/bk, 4]
     (ranges,) = common_vma(ranges, q)[:1]
     nkb = nk // t.block_k
     k_tile = pl.BlockSpec((None, t.block_k, None, d_pad), lambda j, bi, h: (bi, j, h, 0))
@@ -497,10 +507,10 @@ def pallas_backward(
 
     # dQ: grid over (q block, batch, q head); loops over k blocks.
     t = tiles["dq"]
-    vis, full = visibility(
+    ranges = tile_loop_ranges(
         cfg.causal, qpos, kpos, qseg, kseg, b, nq, nk, layout["kv_len"], t.block_q, t.block_k, cfg.window
     )
-    (ranges,) = common_vma(loop_ranges(vis, full), q)[:1]
+    (ranges,) = common_vma(ranges, q)[:1]
     nqb = nq // t.block_q
     q_tile = pl.BlockSpec((None, t.block_q, None, d_pad), lambda i, bi, h: (bi, i, h, 0))
     kv_all = pl.BlockSpec((None, nk, None, d_pad), lambda i, bi, h: (bi, 0, lax.div(h, groups), 0))

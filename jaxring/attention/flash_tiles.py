@@ -9,13 +9,14 @@ sizes (Triton tiles are powers of two); zero head columns change no score and ar
 masked (the largest int32 position under causal, segment 0 with segment ids, an index mask otherwise);
 padded query rows are sliced off.
 
-Block skipping (`visibility`, `loop_ranges`): a few small jnp reductions compare block bounds (min/max
+Block skipping (`tile_loop_ranges`: `visibility`, `loop_ranges`): a few small jnp reductions compare block bounds (min/max
 position per block for causal and the sliding window, min/max non-zero segment id per block; the tests are
 `masking.may_see` / `sees_all`) and give every row of tiles a range [lo, hi) of tiles that may hold a visible
 pair, and inside it a sub-range [full_lo, full_hi) of tiles where every pair is visible; the kernels run
 masked [lo, full_lo), unmasked [full_lo, full_hi), masked [full_hi, hi). With a window W the visible tiles of
 a row form a band of about (W + block_q) / block_k tiles along the diagonal: the work is O(seq · W), not
-O(seq²), and the tiles wholly inside the band take the unmasked path.
+O(seq²), and the tiles wholly inside the band take the unmasked path. The visibility table is built a slab
+of tile rows at a time, so that its memory does not grow with the square of the tokens.
 """
 
 from __future__ import annotations
@@ -192,6 +193,53 @@ def block_stats(pos: jax.Array | None, seg: jax.Array | None, block: int) -> dic
     return stats
 
 
+def _tile_stats(
+    causal: bool,
+    qpos: jax.Array | None,
+    kpos: jax.Array | None,
+    qseg: jax.Array | None,
+    kseg: jax.Array | None,
+    batch: int,
+    nq: int,
+    nk: int,
+    kv_len: int,
+    bq: int,
+    bk: int,
+) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    """Per-tile bounds of the Q tiles [b, nq/bq] and the K tiles [b, nk/bk] (`block_stats`), each with its
+    "index"; the K tiles' "pad": it holds padded keys."""
+    qs = block_stats(qpos if causal else None, qseg, bq) if causal or qseg is not None else {}
+    ks = block_stats(kpos if causal else None, kseg, bk) if causal or qseg is not None else {}
+    qs["index"] = jnp.broadcast_to(jnp.arange(nq // bq), (batch, nq // bq))
+    ks["index"] = jnp.broadcast_to(jnp.arange(nk // bk), (batch, nk // bk))
+    if nk > kv_len:
+        ks["pad"] = (ks["index"] + 1) * bk > kv_len
+    return qs, ks
+
+
+def _visible_tiles(
+    qs: dict[str, jax.Array], ks: dict[str, jax.Array], causal: bool, window: int | None
+) -> tuple[jax.Array, jax.Array]:
+    """(vis, full) [b, Q tiles, K tiles] of the tiles `qs` [b, r] against `ks` [b, c] (see `visibility`)."""
+    vis = jnp.ones(qs["index"].shape + ks["index"].shape[-1:], bool)
+    full = vis
+    if causal:
+        bounds = (qs["pmin"][:, :, None], qs["pmax"][:, :, None], ks["pmin"][:, None, :], ks["pmax"][:, None, :])
+        vis = vis & may_see(*bounds, causal=True, window=window)
+        full = full & sees_all(*bounds, causal=True, window=window)
+    if "smin" in qs:
+        vis = (
+            vis
+            & (qs["smin"][:, :, None] <= ks["smax"][:, None, :])
+            & (ks["smin"][:, None, :] <= qs["smax"][:, :, None])
+        )
+        full = full & qs["uniform"][:, :, None] & ks["uniform"][:, None, :]
+        full = full & (qs["smin"][:, :, None] == ks["smin"][:, None, :])
+    if "pad" in ks:  # tiles holding padded keys always take the masked path
+        full = full & ~ks["pad"][:, None, :]
+    return vis, full & vis
+
+
 def visibility(
     causal: bool,
     qpos: jax.Array | None,
@@ -207,32 +255,53 @@ def visibility(
     window: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """vis[b, i, j]: tile (q block i, k block j) may hold a visible pair; full[b, i, j]: all its pairs are."""
-    nqb, nkb = nq // bq, nk // bk
-    vis = jnp.ones((batch, nqb, nkb), bool)
-    full = vis
-    if causal or qseg is not None:
-        qs = block_stats(qpos if causal else None, qseg, bq)
-        ks = block_stats(kpos if causal else None, kseg, bk)
-        if causal:
-            bounds = (qs["pmin"][:, :, None], qs["pmax"][:, :, None], ks["pmin"][:, None, :], ks["pmax"][:, None, :])
-            vis = vis & may_see(*bounds, causal=True, window=window)
-            full = full & sees_all(*bounds, causal=True, window=window)
-        if qseg is not None:
-            vis = (
-                vis
-                & (qs["smin"][:, :, None] <= ks["smax"][:, None, :])
-                & (ks["smin"][:, None, :] <= qs["smax"][:, :, None])
-            )
-            full = (
-                full
-                & qs["uniform"][:, :, None]
-                & ks["uniform"][:, None, :]
-                & (qs["smin"][:, :, None] == ks["smin"][:, None, :])
-            )
-    if nk > kv_len:  # tiles holding padded keys always take the masked path
-        has_pad = (jnp.arange(nkb) + 1) * bk > kv_len
-        full = full & ~has_pad[None, None, :]
-    return vis, full & vis
+    qs, ks = _tile_stats(causal, qpos, kpos, qseg, kseg, batch, nq, nk, kv_len, bq, bk)
+    return _visible_tiles(qs, ks, causal, window)
+
+
+# A kernel's loop ranges are built this many tiles of the visibility table at a time: the whole table is
+# [b, nq/bq, nk/bk] booleans, quadratic in the tokens (5.7M tokens a device in tiles of 64 x 32 made three
+# of 14.8 GiB each in the deviceless H200 compile of Llama-3-8B under Ulysses sp8)
+VISIBILITY_SLAB = 1 << 24
+
+
+def tile_loop_ranges(
+    causal: bool,
+    qpos: jax.Array | None,
+    kpos: jax.Array | None,
+    qseg: jax.Array | None,
+    kseg: jax.Array | None,
+    batch: int,
+    nq: int,
+    nk: int,
+    kv_len: int,
+    bq: int,
+    bk: int,
+    window: int | None = None,
+    *,
+    over_queries: bool = False,
+) -> jax.Array:
+    """`loop_ranges` of `visibility`: int32 [b, nq/bq, 4] (each Q tile's loop over K tiles) or, over_queries
+    (the dK/dV kernel), [b, nk/bk, 4] (each K tile's loop over Q tiles). Rows of tiles are done a slab at a
+    time (`lax.map`) so that no more than VISIBILITY_SLAB tiles of the table exist at once."""
+    qs, ks = _tile_stats(causal, qpos, kpos, qseg, kseg, batch, nq, nk, kv_len, bq, bk)
+    rows, cols = (ks, qs) if over_queries else (qs, ks)
+
+    def ranges(row_stats: dict[str, jax.Array]) -> jax.Array:
+        if over_queries:
+            vis, full = _visible_tiles(cols, row_stats, causal, window)
+            return loop_ranges(jnp.swapaxes(vis, 1, 2), jnp.swapaxes(full, 1, 2))
+        return loop_ranges(*_visible_tiles(row_stats, cols, causal, window))
+
+    n_rows, n_cols = rows["index"].shape[1], cols["index"].shape[1]
+    per_slab = max(1, VISIBILITY_SLAB // (batch * n_cols))
+    if per_slab >= n_rows:
+        return ranges(rows)
+    slabs = -(-n_rows // per_slab)
+    padded = {k: jnp.pad(v, ((0, 0), (0, slabs * per_slab - n_rows)), mode="edge") for k, v in rows.items()}
+    stacked = {k: v.reshape(batch, slabs, per_slab).swapaxes(0, 1) for k, v in padded.items()}
+    out = jax.lax.map(ranges, stacked)  # [slabs, b, per_slab, 4]
+    return out.swapaxes(0, 1).reshape(batch, slabs * per_slab, 4)[:, :n_rows]
 
 
 def loop_ranges(vis: jax.Array, full: jax.Array) -> jax.Array:

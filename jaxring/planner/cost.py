@@ -393,10 +393,11 @@ def bytes_by_axes(transfers: Sequence[Transfer]) -> dict[tuple[str, ...], float]
 @dataclasses.dataclass(frozen=True)
 class Memory:
     """Per-device bytes. The step's stored state (weights, Adam moments, the batch) plus the larger of its two
-    peaks: the backward (gradient buffers, every saved activation, and the larger of one layer's backward
-    working set and the head's logits) and the update (gradients, their reduction, the new moments: 16 bytes a
-    parameter at ZeRO-0, measured on the compiled GPU program). `host`: what host offload keeps in host memory
-    (not in the total)."""
+    peaks: the backward (every saved activation and the larger of its two phases: the layers', with the
+    gradient buffers and one layer's working set, and the head's before it, with its logits and the gradients
+    formed by then) and the update (gradients, their reduction, the new moments: 16 bytes a parameter at
+    ZeRO-0, measured on the compiled GPU program). `host`: what host offload keeps in host memory (not in the
+    total)."""
 
     params: float
     optimizer: float
@@ -406,17 +407,18 @@ class Memory:
     update: float
     other: float = 0.0
     host: float = 0.0
+    head: float = 0.0
 
     @property
     def backward(self) -> float:
-        return self.gradients + self.activations + self.working
+        return self.activations + max(self.gradients + self.working, self.head)
 
     @property
     def total(self) -> float:
         return self.params + self.optimizer + self.other + max(self.backward, self.update)
 
     def as_dict(self) -> dict:
-        keys = ("params", "optimizer", "gradients", "activations", "working", "update", "other", "host")
+        keys = ("params", "optimizer", "gradients", "activations", "working", "head", "update", "other", "host")
         return {k: round(getattr(self, k)) for k in keys} | {"total": round(self.total)}
 
 
@@ -522,7 +524,7 @@ def memory(
     s = s if s is not None else shapes(w, c, plan, cpu)
     remat, x, em = c.remat, s.local, s.model.em
     params = optimizer = grads = update = 0.0
-    layer_grad = 0.0
+    layer_grad = head_grads = 0.0  # one layer's gradient; the gradients formed by the head's backward
     for leaf in leaves:
         R = math.prod(s.replica[a] for a in leaf.replica) if leaf.replica else 1
         stage = c.zero if leaf.zero_sharded and R > 1 else 0
@@ -537,8 +539,13 @@ def memory(
         update += {0: (2 if cpu else 4) * psi, 1: psi + 4 * psi / R, 2: psi + 4 * psi / R, 3: 4 * psi / R}[stage]
         if leaf.stacked:
             layer_grad += psi / max(s.layers, 1)
+        else:  # its gradient, and under ZeRO-3 its gathered weights
+            head_grads += psi / (R if stage >= 2 else 1) + (psi / F32 * em if stage == 3 else 0)
     if s.steps > 1 and c.pp == 1:
+        head_grads += grads  # the accumulator
         grads *= 2  # the accumulator and one micro-batch's gradients
+    if c.pp > 1:
+        head_grads = grads  # the last stage's head runs beside other micro-batches' backward
     if c.zero >= 2:
         grads += layer_grad  # one layer's gradient before its reduce-scatter
     if c.zero == 3:
@@ -578,13 +585,14 @@ def memory(
     # and loss mask; a DiT's images and labels)
     rows = w.global_batch // c.data_degree // x.batch_split
     other = w.terms.stored_batch(w.config, rows, w.seq_len // (c.sp * x.token_split), w.documents)
+    head = 0.0
     if x.vocab is not None:
         # the head's backward, before the layers': the logits (or one tile of them) in the activation dtype
         # and the softmax in fp32 (their gradient takes the logits' place: 6 bytes an element in bf16, as
         # the deviceless H100 compile of GPT-7B at 262,144 tokens shows, benchmarks/results/memory_techniques.json)
         rows_at_once = x.n if c.loss_tile is None else min(c.loss_tile, x.n)
-        working = max(working, x.b * rows_at_once * x.vocab * (em + F32))
-    return Memory(params, optimizer, grads, activations, working, update, other, host)
+        head = x.b * rows_at_once * x.vocab * (em + F32) + head_grads
+    return Memory(params, optimizer, grads, activations, working, update, other, host, head)
 
 
 # ---------------------------------------------------------------------------------------------- time
