@@ -433,6 +433,12 @@ RECOMPUTED_STREAM = 11
 # compile of the same run with the loss tiled only at 720,896 tokens (compiled 64.0 GiB, estimate 58.3 GiB
 # without them); the ring's untiled MLP adds about as much (2.3-2.6 [n, ffn] arrays, longest_sequence.json)
 RECOMPUTED_UNTILED_MLP = 3
+# ... and every other method's untiled MLP, this many of the 6 FFN-wide arrays it saves without remat, in the
+# compiled GPU step's layer backward (XLA:CPU's: all 6): fitted on the deviceless compiles of Llama-3-8B with
+# the loss tiled (so that the layers' backward is the peak), ring, Ulysses, USP and Megatron on 8 x H100 and
+# 8 x H200 (benchmarks/results/longest_sequence.json, "loss tile": with 6 the estimate was 0.99-1.11x the
+# compiled bytes, with 5 0.95-1.08x)
+UNTILED_MLP_GPU = 5
 
 
 def saved_per_layer(w: Workload, s: Shapes, remat: str, mlp_tile: int | None = None) -> float:
@@ -583,6 +589,8 @@ def memory(
         layer += 6 * x.b * c.mlp_tile * x.ffn * em  # one MLP tile's FFN-wide arrays, live in its backward
     elif s.method.recomputes_forward:  # the device's tokens through the whole FFN, recomputed in the backward
         layer += RECOMPUTED_UNTILED_MLP * x.b * x.n * s.model.ffn * em
+    elif not cpu and w.moe is None:
+        layer += (UNTILED_MLP_GPU - 6) * x.b * x.n * x.ffn * em  # of the 6 arrays _mlp_saved counts
     working = LAYER_WORKING_SHARE[remat] * layer + _attention_working(s)
     # the step's batch as stored (the family's: tokens, targets, positions int32, packed documents' segment ids
     # and loss mask; a DiT's images and labels)
