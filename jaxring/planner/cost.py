@@ -441,11 +441,15 @@ RECOMPUTED_UNTILED_MLP = 3
 UNTILED_MLP_GPU = 5
 
 
+STREAM_ARRAYS = 8  # the residual stream's and the norms' arrays [b, n_act, h] a layer saves without remat
+
+
 def saved_per_layer(w: Workload, s: Shapes, remat: str, mlp_tile: int | None = None) -> float:
     """Bytes one layer keeps for its backward, one micro-batch (what the compiled step's layer scan stacks).
 
-    none       the residual stream and norms (8 arrays [b, n_act, h] in the activation dtype, bf16 on the
-               compiled GPU step, and 4 fp32 of statistics), a K/V projection, the fp32 rotary halves of q
+    none       the residual stream and norms (8 arrays [b, n_act, h] in fp32: the compiled GPU step's layer
+               scan stacks 6 fp32 and 2 bf16 of them for Llama-3, 8 fp32 and 1 bf16 for GPT-1B; and 4 fp32
+               of statistics), a K/V projection, the fp32 rotary halves of q
                and k, the attention core's residuals (its entry's), 6 FFN-wide arrays (the playbook's
                sbh(34 + 5as/h) without scores: flash attention); a method that recomputes its forward
                (METP) keeps RECOMPUTED_STREAM arrays [b, n_act, h] in the activation dtype and its core's
@@ -470,7 +474,7 @@ def saved_per_layer(w: Workload, s: Shapes, remat: str, mlp_tile: int | None = N
         return b * na * h * em + qkvo + ffn + core.kept(remat)
     if s.method.recomputes_forward:
         return RECOMPUTED_STREAM * b * na * x.h_act * em + core.kept(remat)
-    stream = 8 * b * na * x.h_act * em + 4 * b * na * F32
+    stream = STREAM_ARRAYS * b * na * x.h_act * F32 + 4 * b * na * F32
     rope = b * n * (x.heads + x.kv_heads) * d * (F32 if w.terms.rotary_fp32 else em)
     mlp = b * n * h * em if tiled else _mlp_saved(w, s)
     return stream + b * n * x.kv_heads * d * em + rope + core.kept(remat) + mlp
@@ -584,7 +588,11 @@ def memory(
         activations += 2 * chunks * activation_bytes(w, s, em)  # pipeline buffers (inbox, gradients)
     else:
         activations = s.layers * per_layer
+    # one layer's backward: its residuals formed again as the backward walks it, the stream in the activation
+    # dtype (what the deviceless compiles of Llama-3-8B under remat full show; the saved stack keeps fp32)
     layer = saved_per_layer(w, s, "none", c.mlp_tile)
+    if not s.method.recomputes_forward:
+        layer -= STREAM_ARRAYS * x.b * x.n_act * x.h_act * (F32 - em)
     if c.mlp_tile is not None and c.mlp_tile < x.n:
         layer += 6 * x.b * c.mlp_tile * x.ffn * em  # one MLP tile's FFN-wide arrays, live in its backward
     elif s.method.recomputes_forward:  # the device's tokens through the whole FFN, recomputed in the backward
