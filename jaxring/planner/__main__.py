@@ -213,8 +213,8 @@ def run(args: argparse.Namespace) -> int:
     mem = best.memory
     print(
         f"      memory per device: weights {mem.params / 2**30:.1f} + Adam {mem.optimizer / 2**30:.1f} + "
-        f"max(backward: gradients {mem.gradients / 2**30:.1f} + activations {mem.activations / 2**30:.1f} + "
-        f"working {mem.working / 2**30:.1f}, update {mem.update / 2**30:.1f}) GiB"
+        f"max(backward: activations {mem.activations / 2**30:.1f} + max(gradients {mem.gradients / 2**30:.1f} + "
+        f"working {mem.working / 2**30:.1f}, head {mem.head / 2**30:.1f}), update {mem.update / 2**30:.1f}) GiB"
     )
     print()
     print(result.rejections())

@@ -526,7 +526,7 @@ def _tightest(
     if over:
         least = min(over, key=lambda ev: ev.memory.total)
         parts = least.memory.as_dict()
-        biggest = max(("params", "optimizer", "gradients", "activations", "working"), key=lambda k: parts[k])
+        biggest = max(("params", "optimizer", "gradients", "activations", "working", "head"), key=lambda k: parts[k])
         return (
             f"no plan fits in memory for {where}: the least any valid plan needs is "
             f"{least.memory.total / 2**30:.1f} GiB per device ({least.candidate.describe()}; its largest part: "

@@ -91,8 +91,8 @@ m = best.memory
 GiB = 2**30
 print(
     f"memory per device {m.total / GiB:.1f} GiB = weights {m.params / GiB:.1f} + Adam {m.optimizer / GiB:.1f} "
-    f"+ batch {m.other / GiB:.2f} + max(backward: gradients {m.gradients / GiB:.1f} + saved activations "
-    f"{m.activations / GiB:.1f} + working {m.working / GiB:.1f}, update {m.update / GiB:.1f})"
+    f"+ batch {m.other / GiB:.2f} + max(backward: saved activations {m.activations / GiB:.1f} + max(gradients "
+    f"{m.gradients / GiB:.1f} + working {m.working / GiB:.1f}, head {m.head / GiB:.1f}), update {m.update / GiB:.1f})"
 )
 
 # %% [markdown]
