@@ -307,13 +307,15 @@ def activation_bytes(w: Workload, s: Shapes, e: int) -> float:
 class PipelineInfo:
     """What the cost model reads from a schedule's table: ticks that send (forward, backward), the most
     micro-batch-chunks a stage holds, the lockstep makespan and busy time with a micro-batch's stage work
-    costing 1 (F 1/3, B and W 1/3 each, BW 2/3: the playbook's t_b = 2 t_f), and the chunks per stage."""
+    costing 1 (F 1/3, B and W 1/3 each, BW 2/3: the playbook's t_b = 2 t_f), the chunks per stage and the
+    interpreter's inbox slots (arriving activations and gradients, each one micro-batch's boundary stream)."""
 
     send_ticks: int
     peak_in_flight: int
     makespan: float
     busy: float
     virtual_stages: int = 1
+    inbox_slots: int = 2
 
 
 @functools.lru_cache(maxsize=1024)
@@ -332,6 +334,7 @@ def pipeline_info(schedule: str, pp: int, microbatches: int, options: tuple = ()
         sim.makespan / microbatches,
         sim.busy / microbatches,
         sched.virtual_stages,
+        low.slots["x"] + low.slots["dy"],
     )
 
 
@@ -515,6 +518,18 @@ def _attention_working(s: Shapes) -> float:
 # without remat, Megatron tp8, both under by 11-16%) and the DiT's top plan of tests/test_planner.py 14% over.
 LAYER_WORKING_SHARE = {"none": 0.75, "selective": 0.75, "full": 0.75}
 
+# A pipeline tick holds, beside the residual slots (`peak_in_flight` micro-batch-chunks, the interpreter's
+# buffer), two more chunks' residuals: the slot it reads, sliced out of the buffer before the stage's switch
+# (`dynamic_index_in_dim`: a conditional's operand is its own array), and one inside the switch's branch (a
+# forward's new residuals before they are written to their slot, or the backward's copy of the ones it read
+# in the layout its layer scan takes). Read from the peak's live ranges of the compiled CPU step
+# (--xla_dump_to, *-live-range.txt; GPT of benchmarks/memory_model.py, fp32): 1F1B pp2 x dp4, 2 layers a
+# stage, 4 micro-batches: 2 slots of 9.05 MiB, the read 9.05 MiB and the branch's copy 9.02 MiB at the peak
+# (a backward tick; beside them the switch's chunk gradients, 1.5 MiB, and the accumulator). pp4 x dp2, one
+# layer a stage: 4 slots of 4.54 MiB, the read 4.54 MiB and the branch's new residuals (the last stage's
+# forward and the head's backward). Not counted: the buffer assignment's fragmentation (1.5-1.8 MiB there)
+PIPELINE_TICK_CHUNKS = 2
+
 # The share of the AdamW moments on the device at once while the update streams them from and to host memory
 # (--offload optimizer): fitted on the deviceless H100 compile of Llama-3-8B on one GPU at 16K tokens
 # (benchmarks/results/longest_sequence.json, "h100x1 | one gpu | all + optimizer")
@@ -583,9 +598,11 @@ def memory(
         per_layer -= inputs
     if c.pp > 1:
         info = pipeline_info(c.pipeline_schedule, c.pp, s.steps, s.schedule)
-        chunks = info.peak_in_flight
-        activations = chunks * (s.layers // info.virtual_stages) * per_layer
-        activations += 2 * chunks * activation_bytes(w, s, em)  # pipeline buffers (inbox, gradients)
+        chunk = (s.layers // info.virtual_stages) * per_layer  # one micro-batch-chunk's residuals
+        activations = (info.peak_in_flight + PIPELINE_TICK_CHUNKS) * chunk
+        activations += info.inbox_slots * activation_bytes(w, s, em)
+        # the switch's weight gradients of the chunk it ran (fp32), beside the accumulator they are added to
+        grads += (s.layers // info.virtual_stages) * layer_grad
     else:
         activations = s.layers * per_layer
     # one layer's backward: its residuals formed again as the backward walks it, the stream in the activation
