@@ -223,6 +223,8 @@ class AttentionCost:
     saved_by_remat  {remat mode: bytes} where a remat mode keeps something (default: nothing, as the layer's
                     checkpoint runs the core's forward again)
     working         the transient buffers of one layer's backward (received blocks, fp32 accumulators)
+    forward         the transient buffers of one layer's forward, beside every layer's residuals as the last
+                    layer's forward stores its own (default 0: less than the backward's)
     block_q/block_k rows and columns of one per-block compute (default n); with `cpu`, the planner adds the
                     jnp block ops' score tiles of that size for `tile_heads` heads (default all)
     extra_attention attention FLOPs it spends beyond the model's, as a multiple of them (RSA's causal half)
@@ -234,6 +236,7 @@ class AttentionCost:
     saved: float = 0.0
     saved_by_remat: dict = dataclasses.field(default_factory=dict)
     working: float = 0.0
+    forward: float = 0.0
     block_q: int | None = None
     block_k: int | None = None
     tile_heads: int | None = None

@@ -250,10 +250,21 @@ _rsa.defvjp(_rsa_fwd, _rsa_bwd)
 # ---------------------------------------------------------------------------------------- cost
 
 
+def _cpu_hoisted_score_rows(s: AttentionShape) -> float:
+    """Score-row-sized arrays XLA:CPU materialises once, outside the layer scan, and keeps through the forward
+    (measured on the compiled step, `*-live-range.txt` at its peak): the zeros the rows start from, and with a
+    mask the -inf it writes and the mask itself (1 byte an element)."""
+    if not s.cpu:
+        return 0.0
+    masked = s.causal or s.segments or s.window is not None
+    return 1.0 + (1.0 + 1 / F32 if masked else 0.0)
+
+
 def rsa_cost(s: AttentionShape, options: dict) -> AttentionCost:
     """The module docstring's traffic (RSA: 8(N-1)·BZ(L/N)A): the K then V rings forward, V then K backward
     (hidden behind the score blocks), the fp32 dK/dV reduce-scatters. Kept: P^r fp32 [b, heads, n, L] and the
-    local q, k, v. Working: the score rows again (dP, dS). It computes every causal block: the masked half of
+    local q, k, v. Working: the score rows again (dP, dS); in the forward S and P (and on CPU the hoisted
+    arrays of `_cpu_hoisted_score_rows`). It computes every causal block: the masked half of
     the causal scores is extra work. Packed documents: the K chunks' segment ids ride pass 1 of the forward,
     (P-1) hops of layer-invariant sends (`jaxring.costs.segment_once`)."""
     del options
@@ -269,6 +280,7 @@ def rsa_cost(s: AttentionShape, options: dict) -> AttentionCost:
         ),
         saved=scores + s.b * s.n * (s.heads + 2 * s.kv_heads) * s.d * s.em,
         working=2 * scores,
+        forward=(2 + _cpu_hoisted_score_rows(s)) * scores,
         extra_attention=1.0 if s.causal else 0.0,
     )
 

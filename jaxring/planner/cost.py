@@ -413,17 +413,29 @@ class Memory:
     other: float = 0.0
     host: float = 0.0
     head: float = 0.0
+    forward: float = 0.0  # the last layer's forward transients beside every layer's residuals (the core's)
 
     @property
     def backward(self) -> float:
-        return self.activations + max(self.gradients + self.working, self.head)
+        return self.activations + max(self.gradients + self.working, self.head, self.forward)
 
     @property
     def total(self) -> float:
         return self.params + self.optimizer + self.other + max(self.backward, self.update)
 
     def as_dict(self) -> dict:
-        keys = ("params", "optimizer", "gradients", "activations", "working", "head", "update", "other", "host")
+        keys = (
+            "params",
+            "optimizer",
+            "gradients",
+            "activations",
+            "working",
+            "head",
+            "forward",
+            "update",
+            "other",
+            "host",
+        )
         return {k: round(getattr(self, k)) for k in keys} | {"total": round(self.total)}
 
 
@@ -630,7 +642,7 @@ def memory(
         # the deviceless H100 compile of GPT-7B at 262,144 tokens shows, benchmarks/results/memory_techniques.json)
         rows_at_once = x.n if c.loss_tile is None else min(c.loss_tile, x.n)
         head = x.b * rows_at_once * x.vocab * (em + F32) + head_grads
-    return Memory(params, optimizer, grads, activations, working, update, other, host, head)
+    return Memory(params, optimizer, grads, activations, working, update, other, host, head, s.core.forward)
 
 
 # ---------------------------------------------------------------------------------------------- time
