@@ -398,11 +398,11 @@ def bytes_by_axes(transfers: Sequence[Transfer]) -> dict[tuple[str, ...], float]
 @dataclasses.dataclass(frozen=True)
 class Memory:
     """Per-device bytes. The step's stored state (weights, Adam moments, the batch) plus the larger of its two
-    peaks: the backward (every saved activation and the larger of its two phases: the layers', with the
-    gradient buffers and one layer's working set, and the head's before it, with its logits and the gradients
-    formed by then) and the update (gradients, their reduction, the new moments: 16 bytes a parameter at
-    ZeRO-0, measured on the compiled GPU program). `host`: what host offload keeps in host memory (not in the
-    total)."""
+    peaks: the backward (every saved activation and the largest of its phases: the layers', with the gradient
+    buffers and one layer's working set, the head's before it, with its logits and the gradients formed by
+    then, and the last layer's forward before that, with the attention core's `forward`) and the update
+    (gradients, their reduction, the new moments: 16 bytes a parameter at ZeRO-0, measured on the compiled GPU
+    program). `host`: what host offload keeps in host memory (not in the total)."""
 
     params: float
     optimizer: float
