@@ -87,7 +87,7 @@ def cases() -> dict:
         # ZeRO, accumulation, pipeline
         "dp2 x ring sp4 zero1": (*wide, dict(dp=2, sp=4, attention="ring", zero=1, micro_batch=4)),
         "dp2 x ring sp4 zero3": (*wide, dict(dp=2, sp=4, attention="ring", zero=3, micro_batch=4)),
-        "dp8 zero2 accumulation": (*wide, dict(dp=8, zero=2, micro_batch=1)),
+        "dp8 zero2 accumulation": (256, 16, dict(dp=8, zero=2, micro_batch=1)),  # 2 micro-steps
         "pp2 x dp4 1f1b": (256, 16, dict(dp=4, pp=2, pipeline_schedule="1f1b", microbatches=4, micro_batch=1)),
     }
     return rows
