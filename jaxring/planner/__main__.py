@@ -211,10 +211,11 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"      moves per device per step: {bytes_axes or 'nothing'}")
     mem = best.memory
+    forward = f", forward {mem.forward / 2**30:.1f}" if mem.forward else ""
     print(
         f"      memory per device: weights {mem.params / 2**30:.1f} + Adam {mem.optimizer / 2**30:.1f} + "
         f"max(backward: activations {mem.activations / 2**30:.1f} + max(gradients {mem.gradients / 2**30:.1f} + "
-        f"working {mem.working / 2**30:.1f}, head {mem.head / 2**30:.1f}), update {mem.update / 2**30:.1f}) GiB"
+        f"working {mem.working / 2**30:.1f}, head {mem.head / 2**30:.1f}{forward}), update {mem.update / 2**30:.1f}) GiB"
     )
     print()
     print(result.rejections())

@@ -172,6 +172,6 @@ def check_fits(spec: RunSpec, devices: Sequence[jax.Device]) -> Memory | None:
     raise DoesNotFit(
         f"the run does not fit: estimated {memory.total / GIB:.2f} GiB per device (weights and Adam "
         f"{(memory.params + memory.optimizer) / GIB:.2f}, activations {memory.activations / GIB:.2f}, working "
-        f"{max(memory.working, memory.head) / GIB:.2f}), above the {budget / GIB:.2f} GiB device memory ({source}); "
+        f"{max(memory.working, memory.head, memory.forward) / GIB:.2f}), above the {budget / GIB:.2f} GiB device memory ({source}); "
         f"{advice(spec, devices, budget)}"
     )
