@@ -129,7 +129,8 @@ def measure(
     w = Workload("gpt", config(), seq_len, batch, precision)
     c = Candidate.of(**settings)
     estimate = cost.memory(w, c, param_leaves(w.model, w.config, c.check(w)), cpu=True)
-    if earlier is not None and earlier.get("plan") == c.describe():
+    case = (c.describe(), seq_len, batch)
+    if earlier is not None and (earlier.get("plan"), earlier.get("seq_len"), earlier.get("global_batch")) == case:
         return _row(name, c, seq_len, batch, precision, estimate, earlier["compiled_parts"], earlier["compile_s"])
     plan = c.check(w, devices=devices[: c.devices])
     t0 = time.perf_counter()
