@@ -28,7 +28,7 @@ playbook's EP).
 
 Memory: weights, Adam moments and the batch, plus the larger of the backward's peak (gradients, every layer's
 saved activations, one layer's backward working set) and the update's. A layer saves (no remat) the residual
-stream and norms (8 arrays [b, n_act, h] in the activation dtype and 4 fp32 of statistics), a K/V projection, the fp32 rotary
+stream and norms (8 arrays [b, n_act, h] in fp32 and 4 of statistics), a K/V projection, the fp32 rotary
 halves of q and k, the attention core's residuals (its entry's `saved`) and 6 FFN-wide arrays; with selective
 remat its input and the weight matmuls' outputs; with full remat its input only. A pipeline stage keeps the
 residuals of the micro-batch-chunks its schedule holds at once, two more in the tick that runs (the slot it
