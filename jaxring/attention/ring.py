@@ -421,6 +421,18 @@ def ring_window_share(layout: str, p: int, n: int, window: int) -> float:
     return float(busiest(causal & (q_first < k_last + window)) / busiest(causal))
 
 
+def cpu_kept_pairs(p: int, tiles: int, causal: bool) -> int:
+    """q-sized (out, lse) fp32 pairs a layer of the CPU ring (jnp block ops, differentiated through its loop)
+    keeps for the backward. Causal: per step after the first, each Q tile's running pair and the step's merged
+    one (the step's visibility `cond` keeps its operands and results); otherwise one pair per Q tile. Read from
+    the compiled CPU steps' layer-scan stacks: ring sp8 (GPT of benchmarks/memory_model.py, 2,048 tokens, one
+    Q tile) f32[4,7,1,1,256,8,16] and f32[4,7,1,256,8,16], 14 pairs a layer (P = 8 counted before: the
+    mlp-tile row's estimate 0.93 of its live peak); tp2 x ring sp4 (512 rows: 2 Q tiles) f32[4,3,2,1,512,4,16]
+    and f32[4,3,1,512,4,16], 9; dp2 x ring sp4 (64 rows) 6; the non-causal DiT of tests/test_planner.py,
+    ring sp4, f32[2,1,4,64,8,8], 1 (P = 4 counted before: its estimate 1.14x the compiled step)."""
+    return (p - 1) * (tiles + 1) if causal else tiles
+
+
 # On GPU the ring's layer backward (the flash kernels' per-step dQ, dK, dV beside the fp32 accumulators, the
 # recomputed out and its cotangent) holds this many more q-sized arrays in the activation dtype than the
 # accumulators above. Fitted on the deviceless H100/H200 compiles of Llama-3-8B, ring zigzag sp8, remat full
@@ -433,7 +445,7 @@ GPU_BACKWARD_EXTRA = 4
 def ring_cost(s: AttentionShape, options: dict) -> AttentionCost:
     """The module docstring's traffic (the playbook; WallFacer Eq. 2: P·2BNH/P): forward 2(P-1) K/V blocks,
     backward 2(P-1) K/V blocks + 2P fp32 dK/dV blocks, both hidden behind the block compute. Kept: out and
-    lse (fp32; on CPU a running pair per Q tile and step). Working: the received and sent K/V (2 each) and
+    lse (fp32; on CPU `cpu_kept_pairs` of them). Working: the received and sent K/V (2 each) and
     the fp32 dK/dV accumulators in flight (4), dQ. Packed documents: their segment ids ride the K/V hops
     (`jaxring.costs.segment_ring`). A sliding window: the hops stay, the steps outside it compute nothing
     (`ring_window_share`)."""
@@ -446,7 +458,7 @@ def ring_cost(s: AttentionShape, options: dict) -> AttentionCost:
             Transfer("ring K/V + fp32 dK/dV backward", axes, 2 * (P - 1) * kv + 2 * P * kv32, P, "attention"),
             *segment_ring("ring segment ids", axes, P - 1, s.segment_bytes(), s.cpu),
         ),
-        saved=(P if s.cpu else 1) * q_tiles(s.n, s.cpu) * (q32 + s.rows_bytes()),
+        saved=(cpu_kept_pairs(P, q_tiles(s.n, True), s.causal) if s.cpu else 1) * (q32 + s.rows_bytes()),
         working=4 * s.kv_bytes(s.em) + 4 * kv32 + q32 + (0 if s.cpu else GPU_BACKWARD_EXTRA * s.q_bytes(s.em)),
         window_share=ring_window_share(s.layout, P, s.n, s.window) if s.window and P > 1 else 1.0,
     )
