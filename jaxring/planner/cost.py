@@ -445,6 +445,10 @@ class Memory:
 # offload layer_inputs+optimizer (compiled 61.6 to 75.7 GiB per device, 10.2 GiB more per million tokens from
 # 5M on; the estimate within 5% below to 7% above: benchmarks/results/llama3_8b_4m.json)
 RECOMPUTED_STREAM = 11
+# ... and on XLA:CPU (fp32) its layer scan stacks this many: the compiled CPU step of dp2 x METP tp4 (GPT of
+# benchmarks/memory_model.py, no remat) holds 8 stacks f32[4 layers, b, n/p, h] beside A_i's at its peak, the
+# last layer's forward (with 11 the estimate was 1.23x the bytes live there, with 8 1.14x)
+RECOMPUTED_STREAM_CPU = 8
 # ... and, with the MLP untiled, one layer's backward recomputes this many [b, n, ffn] arrays of its hidden layer
 # (the device's tokens through the whole FFN, weight chunk by chunk): fitted on the deviceless H100
 # compile of the same run with the loss tiled only at 720,896 tokens (compiled 64.0 GiB, estimate 58.3 GiB
@@ -490,7 +494,8 @@ def saved_per_layer(w: Workload, s: Shapes, remat: str, mlp_tile: int | None = N
         ffn = b * n * h * em if tiled else (m.ffn_matrices - 1) * b * n * f * em
         return b * na * h * em + qkvo + ffn + core.kept(remat)
     if s.method.recomputes_forward:
-        return RECOMPUTED_STREAM * b * na * x.h_act * em + core.kept(remat)
+        arrays = RECOMPUTED_STREAM_CPU if m.cpu else RECOMPUTED_STREAM
+        return arrays * b * na * x.h_act * em + core.kept(remat)
     stream = STREAM_ARRAYS * b * na * x.h_act * F32 + 4 * b * na * F32
     rope = b * n * (x.heads + x.kv_heads) * d * (F32 if w.terms.rotary_fp32 else em)
     mlp = b * n * h * em if tiled else _mlp_saved(w, s)

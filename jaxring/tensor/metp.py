@@ -1051,6 +1051,11 @@ def _token_id_transfers(m: ModelShape, x: LocalDims) -> list[Transfer]:
     return out
 
 
+# [b, n/p, h/p] fp32 blocks of the head-group loop live at the compiled CPU step's layer-backward peak (27 in
+# the live ranges of dp2 x METP tp4, remat full, 2 and 4 layers; `METP.layer_working`)
+CPU_GROUP_LOOP_BLOCKS = 27
+
+
 class METP(TensorMethod):
     """METP over `tp`: the sequence split over tp (activations [b, s/p, h] never move), weights circulate.
     The embedding and LM head stay replicated (the paper distributes only the blocks)."""
@@ -1198,6 +1203,23 @@ class METP(TensorMethod):
             working=qkv * m.em + qkv // m.tp * (m.em + F32),
             tile_heads=max(1, x.heads // m.tp),
         )
+
+    def layer_working(self, m: ModelShape, x: LocalDims) -> float:
+        """On XLA:CPU, what the compiled step holds at its layer backward's peak (inside the head-group loop)
+        beyond the attention core's `working` and the layer's share of residuals, read from the live ranges at
+        the peak of dp2 x METP tp4, remat full, GPT of benchmarks/memory_model.py (2 and 4 layers; estimate
+        0.85 and 0.87 of the compiled step without these, the live peak 0.99 of it): every head group's ΔW_Q,
+        ΔW_K, ΔW_V whole before their reduce (fp32 [p, h/p, h] each, 0.19 MiB there); the head-group loop's
+        blocks beyond the one group's Q, K, V, ΔQ, ΔK, ΔV the core prices (its K/V ring's received, sent and
+        carried blocks and their copies: CPU_GROUP_LOOP_BLOCKS in all, 0.84 MiB there); and a tied
+        embedding's second gradient, the take's zero-filled scatter buffer, allocated before the forward and
+        live beside the head's ΔW through the layers' backward (fp32 [vocab, h], 0.5 MiB there). None on GPU."""
+        if not m.cpu:
+            return 0.0
+        delta_w = (m.heads + 2 * m.kv_heads) * m.head_dim * m.hidden * F32
+        block = x.b * x.n * max(1, x.heads // m.tp) * m.head_dim * F32
+        embedding = m.vocab * m.hidden * F32 if m.tied and m.vocab else 0
+        return delta_w + (CPU_GROUP_LOOP_BLOCKS - 6) * block + embedding
 
     def moe(
         self, plan: ParallelPlan, x: jax.Array, moe: Callable[..., tuple[jax.Array, dict]]
