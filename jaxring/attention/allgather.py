@@ -90,6 +90,11 @@ def allgather_cost(s: AttentionShape, options: dict) -> AttentionCost:
     del options
     P, axes = s.sp, tuple(s.axes)
     kv = s.kv_bytes(s.e)
+    # On CPU the gathered K/V of the layer's backward are its saved ones read back (dynamic slices of the
+    # residual stack, which the layer's working share already counts): GPT sp8 of benchmarks/memory_model.py,
+    # fp32, at the peak two f32[1,2048,8,16] slices (2 MiB) beside the fp32 dK/dV (2 MiB); counted twice the
+    # estimate was 1.14x the compiled step
+    gathered = 0 if s.cpu else 2 * P * s.kv_bytes(s.em)
     return AttentionCost(
         transfers=(
             Transfer("all-gather K/V forward", axes, 2 * (P - 1) * kv, 2),
@@ -97,7 +102,7 @@ def allgather_cost(s: AttentionShape, options: dict) -> AttentionCost:
             *segment_once("K/V segment ids all-gather", axes, (P - 1) * s.segment_bytes()),
         ),
         saved=2 * P * s.kv_bytes(F32) + s.q_bytes(F32) + s.rows_bytes(),
-        working=2 * P * (s.kv_bytes(s.em) + s.kv_bytes(F32)) + s.q_bytes(F32),
+        working=gathered + 2 * P * s.kv_bytes(F32) + s.q_bytes(F32),
         block_k=s.seq_len,
         window_share=layout_window_share(s.layout, P, s.n, s.window, s.cpu, s.d) if s.window else 1.0,
     )

@@ -632,10 +632,15 @@ def wallfacer_cost(s: AttentionShape, options: dict) -> AttentionCost:
             ),
             *segment_ring("WallFacer sub-ring segment ids", (RING,), tgs - 1, C * s.segment_bytes(), s.cpu, False),
         ]
+    # On CPU the layer scan stacks the team's Q once (f32[1, C·n, heads, d]: GPT sp8 c2 of
+    # benchmarks/memory_model.py, fp32, 256 KiB a layer, not 2C·q32's 512), and the team's K/V of the layer's
+    # backward are its saved ones read back (two f32[1,512,8,16] dynamic slices of the stack at the peak, which
+    # the layer's working share already counts); with both the estimate was 1.13x the compiled step
+    team_q, team_kv = (C * q32, 0) if s.cpu else (2 * C * q32, 2 * C * s.kv_bytes(s.em))
     return AttentionCost(
         transfers=tuple(transfers),
-        saved=2 * C * q32 + 2 * C * kv32 + 2 * C * rows + q32,
-        working=2 * C * (s.kv_bytes(s.em) + kv32) + 2 * C * q32,
+        saved=team_q + 2 * C * kv32 + 2 * C * rows + q32,
+        working=team_kv + 2 * C * kv32 + 2 * C * q32,
         block_q=C * s.n,
         block_k=C * s.n,
         window_share=wallfacer_window_share(s.layout, s.sp, C, s.n, s.window) if s.window else 1.0,
