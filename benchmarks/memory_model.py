@@ -1,6 +1,6 @@
 """The planner's per-device memory estimate against the compiled train step's, on 8 simulated CPU devices.
 
-    python benchmarks/memory_model.py [--out FILE] [--only SUBSTRING] [--note TEXT] [--live-peak]
+    python benchmarks/memory_model.py [--out FILE] [--only SUBSTRING] [--note TEXT]
 
 The compared quantity, per device: compiled = argument + output + temp - alias bytes of `memory_analysis()`
 (what `jaxring.planner.check.compiled_peak` reads: weights, Adam moments and the batch as arguments, the new
@@ -15,21 +15,13 @@ mode, the memory section's loss and MLP tiles and host offload, ZeRO stages, gra
 pipeline. Then, priced for the GPU, the deviceless 8 x H100 compiles of GPT-7B recorded in
 benchmarks/results/memory_techniques.json (each technique at 65,536 and 262,144 tokens; not compiled again
 here). Writes benchmarks/results/memory_model.json.
-
---live-peak also reads the bytes live at the compiled step's peak (XLA's live-range dump, `--xla_dump_to`):
-compiled minus live is what the buffer assignment's packing of the temporaries adds (no array holds it), so a
-row's estimate / live ratio is the model's own error.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import os
-import re
-import shutil
-import tempfile
 import time
 
 from jaxring.platform import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
@@ -93,34 +85,11 @@ def cases() -> dict:
     return rows
 
 
-def live_peak(dump_dir: str) -> int:
-    """Bytes live at the peak of the train step compiled last, from XLA's live-range dump in `dump_dir` (its
-    'Stack trace breakdown for peak usage' line); the dump is removed."""
-    files = glob.glob(os.path.join(dump_dir, "*jit_step*live-range.txt"))
-    if len(files) != 1:
-        raise RuntimeError(f"expected one live-range dump of the train step in {dump_dir}, found {len(files)}")
-    with open(files[0]) as f:
-        found = re.search(r"Stack trace breakdown for peak usage: ([\d ]+) bytes", f.read())
-    shutil.rmtree(dump_dir)
-    os.makedirs(dump_dir)
-    if found is None:
-        raise RuntimeError(f"{files[0]} names no peak usage")
-    return int(found[1].replace(" ", ""))
-
-
 def measure(
-    name: str,
-    seq_len: int,
-    batch: int,
-    settings: dict,
-    devices,
-    precision: str = "fp32",
-    earlier: dict | None = None,
-    dump_dir: str | None = None,
+    name: str, seq_len: int, batch: int, settings: dict, devices, precision: str = "fp32", earlier: dict | None = None
 ) -> dict:
     """One row: the estimate's parts, the compiled bytes and their ratio. earlier: a row of an earlier run of
-    the same case, whose compiled figures are reused (the compiled program does not depend on the cost model).
-    dump_dir: where XLA dumps (--live-peak): the bytes live at the peak are read from it."""
+    the same case, whose compiled figures are reused (the compiled program does not depend on the cost model)."""
     from jaxring.planner import cost
     from jaxring.planner.compiled import compile_train_step
     from jaxring.planner.params import param_leaves
@@ -154,20 +123,12 @@ def measure(
         "alias": m.alias_size_in_bytes,
         "host_temp": getattr(m, "host_temp_size_in_bytes", 0),
     }
-    if dump_dir is not None:
-        parts["live_peak"] = live_peak(dump_dir)
     return _row(name, c, seq_len, batch, precision, estimate, parts, round(seconds, 1))
 
 
 def _row(name, c, seq_len, batch, precision, estimate, parts, seconds) -> dict:
     peak = parts["argument"] + parts["output"] + parts["temp"] - parts["alias"]
     ratio = estimate.total / peak
-    live = {}
-    if parts.get("live_peak"):
-        live = {
-            "live_peak_bytes": parts["live_peak"],
-            "estimate_over_live": round(estimate.total / parts["live_peak"], 4),
-        }
     return {
         "case": name,
         "plan": c.describe(),
@@ -178,7 +139,6 @@ def _row(name, c, seq_len, batch, precision, estimate, parts, seconds) -> dict:
         "compiled_bytes": int(peak),
         "ratio": round(ratio, 4),
         "within_10_percent": abs(ratio - 1) <= TOLERANCE,
-        **live,
         "estimate_parts": estimate.as_dict(),
         "compiled_parts": parts,
         "compile_s": seconds,
@@ -240,18 +200,7 @@ def main():
         help="an earlier results file: reuse its compiled figures for the same plans (the compiled program does "
         "not depend on the cost model), re-estimating only",
     )
-    parser.add_argument(
-        "--live-peak",
-        action="store_true",
-        help="also read the bytes live at each compiled step's peak (XLA's live-range dump; slower)",
-    )
     args = parser.parse_args()
-    dump_dir = None
-    if args.live_peak:  # before the backend starts: XLA reads its flags once
-        dump_dir = tempfile.mkdtemp(prefix="memory_model_dump_")
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir} --xla_dump_hlo_module_re=jit_step"
-        ).strip()
     devices = use_cpu_devices_if_no_accelerator(8)
     cfg = config()
     record = benchmark_record(
@@ -278,14 +227,13 @@ def main():
     for name, (seq, batch, settings) in cases().items():
         if args.only and args.only not in name:
             continue
-        row = measure(name, seq, batch, settings, devices, earlier=earlier.get(name), dump_dir=dump_dir)
+        row = measure(name, seq, batch, settings, devices, earlier=earlier.get(name))
         record["results"].append(row)
         save_record(record, args.out)
         flag = "ok " if row["within_10_percent"] else "OFF"
-        live = f"  live {row['live_peak_bytes'] / 2**20:8.2f} MiB" if "live_peak_bytes" in row else ""
         print(
             f"{flag} {row['ratio']:.3f}  {name:40s} est {row['estimate_bytes'] / 2**20:8.2f} MiB  compiled "
-            f"{row['compiled_bytes'] / 2**20:8.2f} MiB{live}  ({row['compile_s']} s)",
+            f"{row['compiled_bytes'] / 2**20:8.2f} MiB  ({row['compile_s']} s)",
             flush=True,
         )
     techniques = os.path.join(os.path.dirname(__file__), "results", "memory_techniques.json")
@@ -301,8 +249,6 @@ def main():
     }
     save_record(record, args.out)
     print(record["summary"])
-    if dump_dir is not None:
-        shutil.rmtree(dump_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
