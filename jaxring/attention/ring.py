@@ -427,7 +427,7 @@ def cpu_kept_pairs(p: int, tiles: int, causal: bool) -> int:
     one (the step's visibility `cond` keeps its operands and results); otherwise one pair per Q tile. Read from
     the compiled CPU steps' layer-scan stacks: ring sp8 (GPT of benchmarks/memory_model.py, 2,048 tokens, one
     Q tile) f32[4,7,1,1,256,8,16] and f32[4,7,1,256,8,16], 14 pairs a layer (P = 8 counted before: the
-    mlp-tile row's estimate 0.93 of its live peak); tp2 x ring sp4 (512 rows: 2 Q tiles) f32[4,3,2,1,512,4,16]
+    mlp-tile row's estimate 0.83 of the compiled step); tp2 x ring sp4 (512 rows: 2 Q tiles) f32[4,3,2,1,512,4,16]
     and f32[4,3,1,512,4,16], 9; dp2 x ring sp4 (64 rows) 6; the non-causal DiT of tests/test_planner.py,
     ring sp4, f32[2,1,4,64,8,8], 1 (P = 4 counted before: its estimate 1.14x the compiled step)."""
     return (p - 1) * (tiles + 1) if causal else tiles
