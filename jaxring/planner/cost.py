@@ -534,7 +534,7 @@ def _attention_working(s: Shapes) -> float:
 # selective or full remat the recomputed forward's, without remat the residuals read and the cotangents of
 # the same sizes formed as the backward walks the layer. One share for every mode, fitted on the compiled CPU
 # step (benchmarks/results/memory_model.json): 0.75 puts the GPT rows within 10% but three (ring and RSA
-# without remat, Megatron tp8, both under by 11-16%) and the DiT's top plan of tests/test_planner.py 14% over.
+# without remat, Megatron tp8, both under by 11-16%) and the DiT's top plan of tests/test_planner.py 8% over.
 LAYER_WORKING_SHARE = {"none": 0.75, "selective": 0.75, "full": 0.75}
 
 # A pipeline tick holds, beside the residual slots (`peak_in_flight` micro-batch-chunks, the interpreter's
