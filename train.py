@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import sys
 
-from jaxring.cli import EXIT_USER_ERROR, parse_command_line
+from jaxring.run.cli import EXIT_USER_ERROR, parse_command_line
 
 EXIT_DIVERGED = 3
 
@@ -84,7 +84,7 @@ def run(spec, *, print_config: bool = False) -> int:
 
     spec.validate()  # every setting's rule, before any process or device starts
     start_processes(spec.cluster, shared_settings(spec))  # checks that every process has the same settings
-    from jaxring.platform import use_cpu_devices_if_no_accelerator
+    from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 
     devices = use_cpu_devices_if_no_accelerator(spec.cluster.cpu_devices)
     if spec.parallel.plan == "auto":

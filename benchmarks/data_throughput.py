@@ -24,9 +24,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np
 
+from jaxring.core.device_setup import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
 from jaxring.data import PackedBatches, StepBatches, prepare, split_documents
 from jaxring.data.store import bundled_store
-from jaxring.platform import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
 
 
 def train_bpe(texts, path: str, vocab: int = 4096) -> str:
@@ -68,7 +68,7 @@ def load_rate(store, seq_len: int, batch: int, packing: str, prefetch: bool, sec
 
 
 def train_rate(steps: int) -> dict:
-    from jaxring.spec import RunSpec
+    from jaxring.run.spec import RunSpec
     from jaxring.train.loop import train
 
     spec = RunSpec.of(steps=steps, progress=False, sample_tokens=0, eval_at_end=False, log_every=1000)

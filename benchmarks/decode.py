@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxring.platform import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
+from jaxring.core.device_setup import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
 
 GIB = 2**30
 
@@ -47,9 +47,9 @@ def cpu_plan(name: str, devices):
 def time_decoding(model, plan, length: int, steps: int) -> dict:
     """Per-token time of `Decoder.step` at position length - 1 of a random cache of `length` slots."""
     from jax.sharding import PartitionSpec as P
+    from jaxring.models.generate import Decoder, sampling_rule
 
-    from jaxring.mesh import spec_entry
-    from models.generate import Decoder, sampling_rule
+    from jaxring.core.mesh import spec_entry
 
     decoder = Decoder(model, plan)
     abstract = decoder.abstract_cache(1, length)
@@ -86,11 +86,11 @@ def time_decoding(model, plan, length: int, steps: int) -> dict:
 def compile_for_h200(cfg, length: int, sp: int) -> dict:
     """Deviceless compile of the decode step of `cfg` at `length` cached tokens on `sp` abstract H200s."""
     from flax import nnx
+    from jaxring.models import gpt
+    from jaxring.models.generate import Decoder
 
     import jaxring
     from jaxring.analysis import gpu
-    from models import gpt
-    from models.generate import Decoder
 
     devices = gpu.gpu_devices("h200", sp)
     settings = dict(sp=sp, attention="ring", layout="zigzag") if sp > 1 else {}
@@ -125,8 +125,7 @@ def main():
     args = parser.parse_args()
     devices = use_cpu_devices_if_no_accelerator(8)
     from flax import nnx
-
-    from models import gpt
+    from jaxring.models import gpt
 
     record = benchmark_record(
         "decode",

@@ -16,7 +16,7 @@ Document lengths (tokens; the distributions are stated, not fitted here):
   * long-lognormal: log-normal, median 16k tokens, sigma 1.0: books, code repositories, papers.
   * fixed S/8, fixed S/2: every document the same length.
 
-Layouts: contiguous, zigzag, striped (`jaxring.attention.layout`), and `document-zigzag` (defined here): each
+Layouts: contiguous, zigzag, striped (`jaxring.kernels.layout`), and `document-zigzag` (defined here): each
 document of a row is cut into 2·sp chunks and rank r gets chunks r and 2·sp-1-r of it, the chunk sizes
 chosen so that every rank ends with exactly S/sp tokens (a leftover token of a document goes to the rank
 holding fewest so far). It is a per-row permutation computed from segment ids on the host.
@@ -50,9 +50,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import numpy as np
 
-from jaxring.attention.layout import layout_permutation
+from jaxring.core.device_setup import benchmark_record, save_record
 from jaxring.data.packing import plan_split
-from jaxring.platform import benchmark_record, save_record
+from jaxring.kernels.layout import layout_permutation
 
 SP = 8
 SEQ_LENS = (8192, 32768, 131072)

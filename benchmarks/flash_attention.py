@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxring.attention.flash import default_block_config, flash_attention
-from jaxring.timing import median_seconds
+from jaxring.core.timing import median_seconds
+from jaxring.kernels.flash import default_block_config, flash_attention
 
 TOKENS = 16384
 HIDDEN = 2048

@@ -32,11 +32,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring.analysis import gpu
 from jaxring.analysis.roofline import attention_flops, roofline_of
-from jaxring.attention.flash import default_block_config, flash_attention
-from jaxring.attention.ring import ring_attention
-from jaxring.attention.usp import usp_attention
-from jaxring.attention.wallfacer import WF_AXES, wallfacer_attention, wallfacer_mesh
-from jaxring.platform import save_record
+from jaxring.core.device_setup import save_record
+from jaxring.kernels.flash import default_block_config, flash_attention
+from jaxring.parallel.sequence.ring import ring_attention
+from jaxring.parallel.sequence.usp import usp_attention
+from jaxring.parallel.sequence.wallfacer import WF_AXES, wallfacer_attention, wallfacer_mesh
 
 
 def fwd_bwd(local):
@@ -146,7 +146,7 @@ def ring_rows(target, seq, heads, head_dim, devices):
 def metp_row(target, seq, heads, head_dim, devices):
     """METP attention fwd+bwd (tensor/metp.py): its inner ring's schedule (each hop one fused transfer spanning
     the block kernels, forward and backward; guarded by tests/test_gpu_compile.py)."""
-    from jaxring.tensor.metp import metp_attention
+    from jaxring.parallel.tensor.metp import metp_attention
 
     mesh = Mesh(np.array(gpu.gpu_devices(target, devices)), ("tp",))
     hidden = heads * head_dim

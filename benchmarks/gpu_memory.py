@@ -46,7 +46,7 @@ import jax.numpy as jnp
 
 from jaxring.analysis import gpu
 from jaxring.analysis.roofline import roofline_of
-from jaxring.platform import benchmark_record, save_record
+from jaxring.core.device_setup import benchmark_record, save_record
 
 # name -> make_mesh degrees and ParallelPlan options (8 GPUs each)
 CONFIGS = {
@@ -70,14 +70,14 @@ STAMP = {}  # commit and note, recorded with every row
 def step_program(preset, config, seq, *, zero=3, remat="selective", target="h200", batch=1, layers=None):
     """(lowered train step, model config, plan) of `preset` under `config` at `seq` tokens, on abstract GPUs."""
     from flax import nnx
+    from jaxring.models import gpt
 
     import jaxring
     from jaxring.nn import param_placements
-    from jaxring.plan import ParallelPlan
-    from jaxring.spec import RunSpec
+    from jaxring.parallel.plan import ParallelPlan
+    from jaxring.run.spec import RunSpec
     from jaxring.train.step import TrainStep
     from jaxring.train.trainer import optimizer
-    from models import gpt
 
     degrees, options = CONFIGS[config] if config != "1 gpu" else ({}, {})
     devices = gpu.gpu_devices(target, math.prod(degrees.values()) if degrees else 1)

@@ -37,7 +37,7 @@ for s in $sections; do
 import jax, jaxlib, flax, optax, orbax.checkpoint as ocp, sys
 print(sys.version.split()[0], \"jax\", jax.__version__, \"jaxlib\", jaxlib.__version__, \"flax\", flax.__version__,
       \"optax\", optax.__version__, \"orbax\", ocp.__version__, jax.devices())
-import jaxring, models.gpt; print(\"jaxring imports\")'"
+import jaxring, jaxring.models.gpt; print(\"jaxring imports\")'"
         ;;
     kernels)
         run kernels 170 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py

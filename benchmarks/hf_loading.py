@@ -1,4 +1,4 @@
-"""Peak host memory of `models.hf.load_pretrained` on a sharded Hugging Face checkpoint of the 1B Llama shape
+"""Peak host memory of `jaxring.models.hf.load_pretrained` on a sharded Hugging Face checkpoint of the 1B Llama shape
 under fsdp8, against issue 22's bound: the largest tensor plus one device's share of the model.
 
     python benchmarks/hf_loading.py [--processes 8] [--dtype bfloat16] [--dir DIR] [--out FILE]
@@ -40,17 +40,16 @@ MiB = 2**20
 
 
 def config():
-    from models import gpt
+    from jaxring.models import gpt
 
     return gpt.get_config("llama3-8b", **SHAPE)
 
 
 def hf_tensor_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    """{HF tensor name: its shape in the file} of a GPT of `cfg`, in models.hf's file order."""
+    """{HF tensor name: its shape in the file} of a GPT of `cfg`, in jaxring.models.hf's file order."""
     from flax import nnx
     from flax.traverse_util import flatten_dict
-
-    from models import hf
+    from jaxring.models import hf
 
     _, state = hf._abstract(cfg)
     shapes = {}
@@ -66,9 +65,8 @@ def write_checkpoint(path: str, cfg, dtype: str, seed: int = 0) -> tuple[dict, i
     """A sharded safetensors checkpoint of `cfg` with N(0, 0.02) weights (norm scales 1), written one shard at a
     time. Returns ({tensor name: shape}, the number of files)."""
     import ml_dtypes
+    from jaxring.models import hf
     from safetensors.numpy import save_file
-
-    from models import hf
 
     np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
     shapes = hf_tensor_shapes(cfg)
@@ -122,10 +120,10 @@ def worker(path: str, process_id: int, processes: int, port: int, dtype: str) ->
     import jax.numpy as jnp
     from flax import nnx
     from flax.traverse_util import flatten_dict
+    from jaxring.models import hf
     from safetensors import safe_open
 
     import jaxring
-    from models import hf
 
     plan = jaxring.make_plan(fsdp=processes)
     hf.read_config(path)  # imports and first calls done before the baseline

@@ -18,7 +18,7 @@ technique):
               all + optimizer (--offload layer_inputs+optimizer: the AdamW state in host memory too)
 
 How a row is found, cheapest first:
-  1. bisection on the planner's memory ESTIMATE (`jaxring.planner.cost.memory`, no compile) to --unit tokens:
+  1. bisection on the planner's memory ESTIMATE (`jaxring.planner.cost_model.memory`, no compile) to --unit tokens:
      the longest length whose estimate fits the budget;
   2. at most three compiles of the exact train step for the target with no GPU (`train.py --compile-for`'s
      program: `jaxring.planner.compile_for.lowered_step`): the estimate's length, one --unit up (if it fits)
@@ -199,13 +199,13 @@ def confirm(start: int, unit: int, fits: Callable[[int], bool], compiled: Callab
 def estimate_bytes(row: Row, seq: int, preset: str = PRESET) -> tuple[float, dict]:
     """(the planner's estimate per device, the plan's settings) of `row` at `seq`; the planner's best plan for
     plan auto (inf when none fits); ValueError when the plan cannot run that length."""
-    from jaxring.planner import cost
+    from jaxring.planner import cost_model as cost
     from jaxring.planner.auto import held_settings
     from jaxring.planner.cluster import Cluster
     from jaxring.planner.fit import candidate_of, workload_of
     from jaxring.planner.params import param_leaves
     from jaxring.planner.search import NoPlanError, search
-    from jaxring.spec import RunSpec
+    from jaxring.run.spec import RunSpec
 
     spec = RunSpec.of(**row.settings(seq, preset))
     if spec.parallel.plan == "auto":
@@ -234,7 +234,7 @@ def compile_probe(row: Row, seq: int, preset: str = PRESET) -> dict:
     from jaxring.analysis.roofline import roofline_of
     from jaxring.planner.compile_for import lowered_step, ranked_specs
     from jaxring.planner.fit import workload_of
-    from jaxring.spec import RunSpec
+    from jaxring.run.spec import RunSpec
 
     spec = RunSpec.of(**row.settings(seq, preset))
     if spec.parallel.plan == "auto":
@@ -368,7 +368,7 @@ def load(path: str) -> dict | None:
 
 def run(rows: list[Row], record: dict, path: str, *, redo: bool = False, log=print, **measure) -> dict:
     """Measures every row not in `record` (all with `redo`), writing the record after each one."""
-    from jaxring.platform import save_record
+    from jaxring.core.device_setup import save_record
 
     done = {r["key"] for r in record["results"]}
     for row in rows:
@@ -415,7 +415,7 @@ def header(command: list[str]) -> dict:
 
     import jax
 
-    from jaxring.platform import benchmark_record
+    from jaxring.core.device_setup import benchmark_record
 
     record = benchmark_record("longest_sequence", jax.devices("cpu")[:1], {})
     try:
@@ -552,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         if record is None:
             sys.exit(f"no results at {args.out}: run the benchmark first")
-        from jaxring.platform import save_record
+        from jaxring.core.device_setup import save_record
 
         record["summary"] = summary(record)
         save_record(record, args.out)

@@ -7,7 +7,7 @@ compiled for 8 x H100 with no GPU (deviceless AOT; see jaxring/analysis/gpu.py).
 The step is `TrainStep` as `Trainer` builds it (AdamW, fp32 master weights and moments, bf16 compute,
 clipping), batch 1, the flash kernel, ring attention (zigzag) over sp = 8 with ZeRO-3 over sp. The model is
 GPT-7B's shape with Llama 3's vocabulary (128,256 tokens: the logits a long sequence makes are the largest
-activation). Techniques (jaxring.spec.MemorySettings):
+activation). Techniques (jaxring.run.spec.MemorySettings):
 
   none        remat full (each layer keeps its input only)
   loss tile   + --loss-tile: the LM head's [tokens, vocab] logits one tile of rows at a time
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from jaxring.analysis import gpu
 from jaxring.analysis.compiled import host_memory_traffic
-from jaxring.platform import benchmark_record, save_record
+from jaxring.core.device_setup import benchmark_record, save_record
 
 GIB = 2**30
 TECHNIQUES = {
@@ -49,13 +49,13 @@ TECHNIQUES = {
 def step_program(cfg, seq, *, sp, target, loss_tile=None, mlp_tile=None, offload="none"):
     """The lowered train step of GPT `cfg` at `seq` tokens (batch 1) on `sp` abstract GPUs of `target`."""
     from flax import nnx
+    from jaxring.models import gpt
 
     import jaxring
     from jaxring.nn import param_placements
-    from jaxring.spec import RunSpec
+    from jaxring.run.spec import RunSpec
     from jaxring.train.step import TrainStep
     from jaxring.train.trainer import optimizer
-    from models import gpt
 
     devices = gpu.gpu_devices(target, sp)
     plan = jaxring.make_plan(
@@ -113,7 +113,7 @@ def main():
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "memory_techniques.json"))
     parser.add_argument("--note", default="")
     args = parser.parse_args()
-    from models import gpt
+    from jaxring.models import gpt
 
     overrides = {"vocab_size": args.vocab} | ({"num_layers": args.layers} if args.layers else {})
     cfg = gpt.get_config(args.preset, **overrides)

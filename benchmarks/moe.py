@@ -1,4 +1,4 @@
-"""One MoE FFN layer (jaxring.moe), and whole MoE GPTs, under expert parallelism: tokens/s, compiled peak memory
+"""One MoE FFN layer (jaxring.nn.moe), and whole MoE GPTs, under expert parallelism: tokens/s, compiled peak memory
 and all-to-all bytes per device, for ep in {1, 2, 4, 8} (the other devices data parallel: dp = 8/ep), dropless
 against capacity factor 1.25.
 
@@ -30,7 +30,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxring.platform import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
+from jaxring.core.device_setup import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
 
 SIZES = {  # name -> (hidden, experts, top-k, ffn, batch, seq)
     "tiny": (64, 8, 2, 128, 8, 128),
@@ -43,8 +43,8 @@ def setup(size, ep, capacity_factor, grouped_matmul, devices):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxring.mesh import DATA_AXES, make_mesh
-    from jaxring.moe import MoE, MoEConfig, param_specs, sharded_moe_ffn
+    from jaxring.core.mesh import DATA_AXES, make_mesh
+    from jaxring.nn.moe import MoE, MoEConfig, param_specs, sharded_moe_ffn
 
     hidden, experts, k, ffn, batch, seq = SIZES[size]
     config = MoEConfig(
@@ -75,7 +75,7 @@ def setup(size, ep, capacity_factor, grouped_matmul, devices):
 
 def measure(size, ep, capacity_factor, grouped_matmul, devices, runs):
     from jaxring.analysis import compile_stats
-    from jaxring.timing import median_seconds
+    from jaxring.core.timing import median_seconds
 
     step, args, _config, tokens = setup(size, ep, capacity_factor, grouped_matmul, devices)
     s = compile_stats(step, *args, num_devices=len(devices))
@@ -122,7 +122,7 @@ def all_to_all_formula(moe, num_layers, tokens_per_device, ep, hidden):
 
 def measure_model(name, ep, capacity_factor, devices, steps):
     from jaxring.analysis.compiled import collective_traffic
-    from jaxring.spec import RunSpec
+    from jaxring.run.spec import RunSpec
     from jaxring.train.loop import Trainer
 
     preset, overrides, batch, seq = MODELS[name]

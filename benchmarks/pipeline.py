@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxring.platform import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
+from jaxring.core.device_setup import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
 
 MESHES = {"pp4xdp2": dict(pp=4, dp=2), "pp2xdp4": dict(pp=2, dp=4)}
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
@@ -79,7 +79,7 @@ def loss_fn(shared, x, mb):
 
 
 def step_fn(mesh, schedule):
-    from jaxring.pipeline import pipeline_loss_and_grads
+    from jaxring.parallel.pipeline import pipeline_loss_and_grads
 
     def body(staged, shared, microbatches):
         loss, _, d_stage, d_shared = pipeline_loss_and_grads(
@@ -99,10 +99,10 @@ def step_fn(mesh, schedule):
 
 def run_row(devices, name, degrees, m, v, args):
     from jaxring.analysis.compiled import collective_traffic
-    from jaxring.mesh import make_mesh
-    from jaxring.pipeline import make_schedule, simulate
-    from jaxring.pipeline.traffic import stage_link_bytes
-    from jaxring.timing import median_seconds
+    from jaxring.core.mesh import make_mesh
+    from jaxring.core.timing import median_seconds
+    from jaxring.parallel.pipeline import make_schedule, simulate
+    from jaxring.parallel.pipeline.traffic import stage_link_bytes
 
     pp, dp = degrees["pp"], degrees["dp"]
     schedule = make_schedule(name, pp, m, v)
@@ -158,9 +158,9 @@ def run_gpt_row(devices, name, degrees, m, v, args):
     """One GPT train-step row (see the module docstring); pp = 1 is the no-pipeline reference."""
     import jax.numpy as jnp
 
-    from jaxring.pipeline import make_schedule, simulate
-    from jaxring.pipeline.traffic import stage_link_bytes
-    from jaxring.spec import RunSpec
+    from jaxring.parallel.pipeline import make_schedule, simulate
+    from jaxring.parallel.pipeline.traffic import stage_link_bytes
+    from jaxring.run.spec import RunSpec
     from jaxring.train.loop import Trainer
 
     pp, dp = degrees["pp"], degrees["dp"]

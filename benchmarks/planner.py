@@ -1,5 +1,5 @@
 """The planner's choices for the WallFacer and METP papers' settings, beside the configurations the papers found
-best (predictions of the registry entries' cost models, jaxring/planner/cost.py; no GPU runs here). With --compile-check, the top plans' train steps
+best (predictions of the registry entries' cost models, jaxring/planner/cost_model.py; no GPU runs here). With --compile-check, the top plans' train steps
 are compiled for the GPU target without a GPU (the gpu-compile extra, JAX_PLATFORMS=cpu) and their compiled
 memory is recorded beside the prediction.
 
@@ -31,10 +31,10 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the planner runs nothing; GPU-target compiles need the CPU platform
 
+from jaxring.core.device_setup import benchmark_record, save_record
 from jaxring.planner import Candidate, Cluster, NoPlanError, Workload, evaluate, search
-from jaxring.planner.check import GPU_TARGETS, compiled_peak, gpu_target_available
+from jaxring.planner.memory_check import GPU_TARGETS, compiled_peak, gpu_target_available
 from jaxring.planner.search import plan_json
-from jaxring.platform import benchmark_record, save_record
 
 K = 1024
 
@@ -243,7 +243,7 @@ def main(argv=None):
             "memory_fraction": 0.9,
             "precision": "bf16",
             "global_batch": 1,
-            "note": "predictions of jaxring/planner/cost.py; compiled memory (when present) from the deviceless "
+            "note": "predictions of jaxring/planner/cost_model.py; compiled memory (when present) from the deviceless "
             "GPU compile of the same train step",
         },
     )

@@ -15,7 +15,7 @@ import argparse
 import os
 import subprocess
 
-from jaxring.platform import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
+from jaxring.core.device_setup import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
 
 MESHES = {
     "sp8 ring": (dict(sp=8), dict(attention="ring")),
@@ -34,13 +34,13 @@ def main():
     import jax
     import jax.numpy as jnp
     from flax import nnx
+    from jaxring.models import gpt
 
     import jaxring
     from jaxring.analysis.compiled import collective_traffic
     from jaxring.nn import param_placements
-    from jaxring.plan import ParallelPlan
+    from jaxring.parallel.plan import ParallelPlan
     from jaxring.train.step import TrainStep
-    from models import gpt
 
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(jaxring.__file__)

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import jaxring
-from jaxring.attention.ring import ring_attention
-from jaxring.platform import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
+from jaxring.core.device_setup import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
+from jaxring.parallel.sequence.ring import ring_attention
 
 SPEC = P(None, "sp", None, None)
 

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 
 import jaxring
 from jaxring.analysis import compile_stats
-from jaxring.platform import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
-from jaxring.timing import median_seconds
+from jaxring.core.device_setup import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
+from jaxring.core.timing import median_seconds
 
 # name -> sharded_attention keywords
 CONFIGS = {
@@ -80,7 +80,7 @@ def main(argv=None):
         for name in args.configs:
             options = CONFIGS[name]
             row = {"seq": seq, "config": name, **options}
-            if options["strategy"] not in jaxring.registry.sequence_strategies():
+            if options["strategy"] not in jaxring.parallel.registry.sequence_strategies():
                 row["error"] = f"strategy {options['strategy']!r} is not implemented in this version"
             else:
                 fn = fwd_bwd(mesh, options)

@@ -36,10 +36,10 @@ from jax.sharding import PartitionSpec as P
 
 import jaxring
 from jaxring.analysis import compile_stats
-from jaxring.attention.blockwise import get_block_ops
-from jaxring.attention.layout import RankTokens
-from jaxring.attention.ring import ring_attention, ring_forward
-from jaxring.platform import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
+from jaxring.core.device_setup import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
+from jaxring.kernels.blockwise import get_block_ops
+from jaxring.kernels.layout import RankTokens
+from jaxring.parallel.sequence.ring import ring_attention, ring_forward
 
 SPEC = P(None, "sp", None, None)
 

@@ -17,7 +17,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jaxring.platform import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
+from jaxring.core.device_setup import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
 
 METHODS = {  # name -> (module, mesh degrees, devices, batch)
     "megatron": ("megatron", dict(tp=8), 8, 1),
@@ -67,10 +67,10 @@ def stats(method, seq, hidden, heads, devices):
     import importlib
 
     from jaxring.analysis import compile_stats
-    from jaxring.mesh import make_mesh
+    from jaxring.core.mesh import make_mesh
 
     name, degrees, count, batch = METHODS[method]
-    module = importlib.import_module(f"jaxring.tensor.{name}")
+    module = importlib.import_module(f"jaxring.parallel.tensor.{name}")
     mesh = make_mesh(devices=devices[:count], **degrees)
     args = abstract_args(module, mesh, batch, seq, hidden, 4 * hidden)
     s = compile_stats(layer_fn(module, mesh, heads), *args, num_devices=count)
@@ -102,7 +102,7 @@ def max_seq(method, budget, hidden, heads, devices, step, limit):
 
 
 def time_fwd_bwd(method, seq, hidden, heads, devices):
-    from jaxring.timing import median_seconds
+    from jaxring.core.timing import median_seconds
 
     _, module, mesh = stats(method, seq, hidden, heads, devices)
     batch = METHODS[method][3]

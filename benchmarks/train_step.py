@@ -17,7 +17,7 @@ import argparse
 import os
 import time
 
-from jaxring.platform import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
+from jaxring.core.device_setup import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
 
 MESHES = {
     "1 device": dict(devices=1),
@@ -108,7 +108,7 @@ def main():
     p.add_argument("--out", default=None)
     args = p.parse_args()
     devices = use_cpu_devices_if_no_accelerator(8)
-    from jaxring.spec import RunSpec
+    from jaxring.run.spec import RunSpec
 
     if args.gpu_mfu:
         return gpu_mfu(args, devices)
@@ -159,7 +159,7 @@ COMPILE_MESHES = {
 
 def compile_time(args, devices):
     """Seconds to lower and compile one train step of the tiny GPT (seq 256, batch 8) at each layer count."""
-    from jaxring.spec import RunSpec
+    from jaxring.run.spec import RunSpec
     from jaxring.train.loop import Trainer
 
     out = args.out or os.path.join(os.path.dirname(__file__), "results", "train_step_compile.json")
@@ -204,7 +204,7 @@ def compile_time(args, devices):
 
 
 def gpu_mfu(args, devices):
-    from jaxring.spec import RunSpec
+    from jaxring.run.spec import RunSpec
 
     out = args.out or os.path.join(os.path.dirname(__file__), "results", "train_step_gpu.json")
     record = benchmark_record("train_step_gpu_mfu", devices[:1], {"seq_len": 8192, "precision": "bf16"})

@@ -1,7 +1,8 @@
 """jaxring: sequence- and tensor-parallel Transformer training in JAX, built from shard_map rings."""
 
-from jaxring import analysis, registry
-from jaxring.attention import (
+from jaxring import analysis
+from jaxring.core.mesh import MESH_AXES, factored_mesh, make_mesh
+from jaxring.kernels import (
     LAYOUTS,
     BlockOps,
     attention_reference,
@@ -12,13 +13,13 @@ from jaxring.attention import (
     layout_permutation,
     layout_positions,
     merge_partials,
-    ring_attention,
-    sharded_attention,
     to_layout,
 )
-from jaxring.mesh import MESH_AXES, factored_mesh, make_mesh
-from jaxring.plan import ParallelPlan
-from jaxring.spec import RunSpec, make_plan
+from jaxring.parallel import catalog, registry  # noqa: F401 (catalog: registers the built-in entries)
+from jaxring.parallel.plan import ParallelPlan
+from jaxring.parallel.sequence.api import sharded_attention
+from jaxring.parallel.sequence.ring import ring_attention
+from jaxring.run.spec import RunSpec, make_plan
 
 __version__ = "0.1.0"
 

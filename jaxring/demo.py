@@ -19,8 +19,8 @@ import numpy as np
 
 import jaxring
 from jaxring.analysis import compile_stats
-from jaxring.platform import describe_devices, use_cpu_devices_if_no_accelerator
-from jaxring.timing import median_seconds
+from jaxring.core.device_setup import describe_devices, use_cpu_devices_if_no_accelerator
+from jaxring.core.timing import median_seconds
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,8 +37,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxring.nn import MLP, Attention, Layers, bias_param, stack, weight_specs
-from jaxring.plan import ParallelPlan
-from jaxring.task import Objective
+from jaxring.parallel.plan import ParallelPlan
+from jaxring.run.task import Objective
 
 TIME_SAMPLING = ("uniform", "logit_normal")
 

@@ -1,7 +1,7 @@
 """The DiT as jaxring trains and plans it: its `ModelFamily` and its training task (labelled images,
 rectified flow, a grid of samples beside the run's outputs at the end).
 
-Declared to jaxring by the `jaxring.models` entry point `dit = "models.dit_train:FAMILY"` (pyproject.toml).
+Declared to jaxring by the `jaxring.models` entry point `dit = "jaxring.models.dit_train:FAMILY"` (pyproject.toml).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jaxring.models import dit
 
-from jaxring.costs import WorkloadTerms
+from jaxring.core.mesh import make_mesh
 from jaxring.data import ImageBatches, global_array, host_rows, load_images, to_one_device
-from jaxring.mesh import make_mesh
-from jaxring.plan import ParallelPlan
-from jaxring.task import ModelFamily
-from models import dit
+from jaxring.parallel.cost_terms import WorkloadTerms
+from jaxring.parallel.plan import ParallelPlan
+from jaxring.run.task import ModelFamily
 
 SAMPLES_FILE = "samples.png"
 

@@ -10,14 +10,14 @@
    position) and over tp by heads. Right padding keeps every prompt at its true positions 0..len-1 (one
    position vector for the batch, as the strategies take); a padded slot holds stale K/V, masked by position
    until the step that writes it.
-2. Decode (`Block.decode`, `jaxring.inference.decode_attention`). Step t feeds each sequence its last token
+2. Decode (`Block.decode`, `jaxring.nn.inference.decode_attention`). Step t feeds each sequence its last token
    at its own position (the first step re-feeds the last prompt token, whose logits give the first new
    token): every device attends its cache shard (the positions before the token's, within the sliding
    window), the partial outputs are merged once by log-sum-exp over sp, then with the token's own key. The
    MLP and the head run on the one new token per sequence (Megatron: summed over tp; logits gathered over
    tp). After the last layer, every layer's new K/V is written into the slot that owns its position, in place
    (the cache is donated to the step).
-3. Sampling (`jaxring.inference.sample`): greedy at temperature 0, else temperature, top-k, top-p.
+3. Sampling (`jaxring.nn.inference.sample`): greedy at temperature 0, else temperature, top-k, top-p.
 """
 
 from __future__ import annotations
@@ -31,9 +31,12 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jaxring.models.gpt import GPT, check_plan
 from tqdm.auto import tqdm
 
-from jaxring.inference import (
+from jaxring.core.mesh import make_mesh, spec_entry
+from jaxring.nn import Layers, weight_specs
+from jaxring.nn.inference import (
     cache_length,
     cache_spec,
     check_decodable,
@@ -44,10 +47,7 @@ from jaxring.inference import (
     sample,
     write_cache,
 )
-from jaxring.mesh import make_mesh, spec_entry
-from jaxring.nn import Layers, weight_specs
-from jaxring.plan import ParallelPlan
-from models.gpt import GPT, check_plan
+from jaxring.parallel.plan import ParallelPlan
 
 
 class Decoder:

@@ -4,7 +4,7 @@ Pre-norm (LayerNorm or RMSNorm); RoPE (with linear, llama3 or yarn scaling) or l
 SwiGLU MLP; GQA/MQA; head_dim independent of hidden / heads; optional biases on q/k/v (Qwen2), the output
 projection and the MLP; QK-norm (Qwen3); a sliding window (Mistral); tied or untied embeddings. Presets with
 the published shapes of Llama 3 / 3.1, Mistral 7B, Qwen2.5 and Qwen3, each with a tiny twin for tests
-(`tiny-llama3`, ...); `models.hf` reads and writes their Hugging Face checkpoints. The parallel strategy is
+(`tiny-llama3`, ...); `jaxring.models.hf` reads and writes their Hugging Face checkpoints. The parallel strategy is
 not part of the model: every call takes a `ParallelPlan`, so the same parameters run on any mesh.
 
     model = GPT(PRESETS["tiny"], rngs=nnx.Rngs(0))
@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxring.moe import MoEConfig, moe_ffn
+from jaxring.kernels.rope import ROPE_SCALINGS, Rope
 from jaxring.nn import MLP, NORMS, Attention, Embed, Layers, MoE, stack, token_cross_entropy
-from jaxring.plan import ParallelPlan
-from jaxring.rope import ROPE_SCALINGS, Rope
-from jaxring.task import Objective
-from jaxring.tensor.contract import ACTIVATIONS
+from jaxring.nn.moe import MoEConfig, moe_ffn
+from jaxring.parallel.plan import ParallelPlan
+from jaxring.parallel.tensor.contract import ACTIVATIONS
+from jaxring.run.task import Objective
 
 
 def _check_positive_int(name, value):
@@ -46,7 +46,7 @@ class GPTConfig:
     activation: str = "gelu"  # "gelu" or "swiglu"
     tie_embeddings: bool = True
     rope_theta: float = Rope.theta
-    # RoPE scaling (context extension; defaults are jaxring.rope.Rope's): none, linear (factor), llama3 (factor, low/high_freq_factor,
+    # RoPE scaling (context extension; defaults are jaxring.kernels.rope.Rope's): none, linear (factor), llama3 (factor, low/high_freq_factor,
     # original_max_positions), yarn (factor, beta_fast/slow, original_max_positions, attention_factor)
     rope_scaling: str = "none"
     rope_factor: float = Rope.factor
@@ -64,7 +64,7 @@ class GPTConfig:
     mlp_bias: bool = False  # biases on the MLP's linears
     qk_norm: bool = False  # RMSNorm per head on q and k before RoPE (Qwen3)
     sliding_window: int | None = None  # query i attends keys i - W < j <= i (Mistral)
-    # mixture of experts in every block's FFN (None: a dense MLP); see jaxring.moe.MoEConfig
+    # mixture of experts in every block's FFN (None: a dense MLP); see jaxring.nn.moe.MoEConfig
     num_experts: int | None = None
     experts_per_token: int = 2
     expert_ffn: int | None = None  # each expert's hidden size (default: ffn)
@@ -342,7 +342,7 @@ class Block(nnx.Module):
         return x + y, {k: stats[k] for k in ("loss",) + MOE_METRICS}
 
     def decode(self, x, positions, cache: tuple, cache_positions, plan: ParallelPlan):
-        """One decoding step of the block (see `models.generate`): x [b, 1, hidden] new tokens at positions
+        """One decoding step of the block (see `jaxring.models.generate`): x [b, 1, hidden] new tokens at positions
         int [b]; cache (k, v) local [b, n, kv heads, head_dim] at cache_positions int [n]. Returns (x, the new
         tokens' (k, v) [b, kv heads, head_dim])."""
         y, kv = self.attn.decode(self.ln1(x, plan), positions, cache, cache_positions, plan)
@@ -515,8 +515,8 @@ def generate(
 ) -> list[list[int]]:
     """`max_new_tokens` ids generated after each prompt (a list of token-id lists, any lengths), with a KV cache
     sharded over the plan (plan=None: one device); temperature 0 is greedy; a prompt's list ends at the first of
-    `stop_tokens` it produces (e.g. the tokenizer's end of sequence). See `models.generate.generate`."""
-    from models.generate import generate as generate_with_cache
+    `stop_tokens` it produces (e.g. the tokenizer's end of sequence). See `jaxring.models.generate.generate`."""
+    from jaxring.models.generate import generate as generate_with_cache
 
     return generate_with_cache(
         model, plan, prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, key=key,

@@ -1,5 +1,5 @@
 """The GPT's entry points for `python -m jaxring.eval`: loading a Hugging Face directory, and every token's loss
-and argmax hit from one sharded forward pass (declared on `models.gpt_train.FAMILY`)."""
+and argmax hit from one sharded forward pass (declared on `jaxring.models.gpt_train.FAMILY`)."""
 
 from __future__ import annotations
 
@@ -9,18 +9,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jaxring.models.gpt import GPT, GPTConfig
 
 from jaxring.nn import Layers, weight_specs
-from jaxring.plan import ParallelPlan
-from models.gpt import GPT, GPTConfig
+from jaxring.parallel.plan import ParallelPlan
 
 HEAD_ROWS = 2048  # the LM head runs on this many positions at a time (the logits never exist whole)
 
 
 def load_pretrained(path: str, plan: ParallelPlan, overrides: dict | None = None) -> tuple[GPT, GPTConfig]:
-    """The model of a Hugging Face directory on `plan` (`models.hf.load_pretrained`, whose errors are
+    """The model of a Hugging Face directory on `plan` (`jaxring.models.hf.load_pretrained`, whose errors are
     ValueErrors of one line)."""
-    from models import hf
+    from jaxring.models import hf
 
     return hf.load_pretrained(path, plan, overrides=overrides or None)
 

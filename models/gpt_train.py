@@ -1,7 +1,7 @@
 """The GPT as jaxring trains and plans it: its `ModelFamily` (config, presets, objective, checks) and its
 training task (packed documents of a store, or a .bin's windows; the data-side layout; a sample at the end).
 
-Declared to jaxring by the `jaxring.models` entry point `gpt = "models.gpt_train:FAMILY"` (pyproject.toml).
+Declared to jaxring by the `jaxring.models` entry point `gpt = "jaxring.models.gpt_train:FAMILY"` (pyproject.toml).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jaxring.models import gpt, gpt_eval
 
+from jaxring.core.mesh import make_mesh
 from jaxring.data import StepBatches, global_array, host_rows, open_token_data, to_one_device
 from jaxring.data.token_data import is_token_file
-from jaxring.mesh import make_mesh
-from jaxring.plan import ParallelPlan
-from jaxring.task import ModelFamily
-from models import gpt, gpt_eval
+from jaxring.parallel.plan import ParallelPlan
+from jaxring.run.task import ModelFamily
 
 DEFAULT_SEQ_LEN = 256
 
@@ -120,7 +120,7 @@ class GPTTask:
         init_from = self.spec.model.init_from
         if init_from is None:
             return gpt.GPT(self.config, rngs=nnx.Rngs(seed))
-        from models import hf
+        from jaxring.models import hf
 
         model, _ = hf.load_pretrained(init_from, self.plan, overrides=_changed(hf.read_config(init_from), self.config))
         _log_main(f"initialized from {init_from} ({self.config.num_params() / 1e6:.1f}M parameters)")
@@ -169,7 +169,7 @@ class GPTTask:
         export = self.spec.model.export_hf
         if export is None:
             return
-        from models import hf
+        from jaxring.models import hf
 
         dtype = "bfloat16" if self.spec.compute_precision == "bf16" else None
         files = hf.save_pretrained(model, self.config, export, tokenizer=self._tokenizer_file(), dtype=dtype)
@@ -275,7 +275,7 @@ CONTEXT_EXTENSION = ("max_seq_len",)  # with every rope_* field: what --override
 
 def _pretrained_config(path: str, overrides: dict, data_vocab: int) -> gpt.GPTConfig:
     """The GPTConfig of a Hugging Face checkpoint, with the overrides a context extension may make."""
-    from models import hf
+    from jaxring.models import hf
 
     config = hf.read_config(path)
     fixed = sorted(

@@ -1,4 +1,4 @@
-"""Hugging Face causal-LM checkpoints in and out of `models.gpt` (the Llama family by configuration).
+"""Hugging Face causal-LM checkpoints in and out of `jaxring.models.gpt` (the Llama family by configuration).
 
     model, cfg = load_pretrained("path/to/Llama-3.1-8B", plan)   # config.json + safetensors, onto the plan
     out = logits(model, tokens, plan)                               # float32 [batch, seq, vocab], token order
@@ -12,7 +12,7 @@ READ_BYTES with the file mapped only during each run, so a process holds its dev
 (benchmarks/hf_loading.py measures it); saving gathers one layer's tensor at a time.
 Every refusal is one `CheckpointError` line naming the file and the tensor or setting.
 
-    python -m models.hf export CHECKPOINT_DIR OUT_DIR [--step N]   # a training checkpoint (models/hf_export.py)
+    python -m jaxring.models.hf export CHECKPOINT_DIR OUT_DIR [--step N]   # a training checkpoint (models/hf_export.py)
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ import numpy as np
 from flax import nnx
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import SingleDeviceSharding
+from jaxring.models.gpt import GPT, GPTConfig
 
 from jaxring.nn import Layers, param_shardings, weight_specs
-from jaxring.plan import ParallelPlan
-from models.gpt import GPT, GPTConfig
+from jaxring.parallel.plan import ParallelPlan
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MODEL_TYPES = dict(zip(ARCHITECTURES, ("llama", "mistral", "qwen2", "qwen3")))
@@ -587,7 +587,7 @@ __all__ = [
 ]
 
 
-if __name__ == "__main__":  # python -m models.hf export ...: the command lives in models/hf_export.py
-    from models.hf_export import main
+if __name__ == "__main__":  # python -m jaxring.models.hf export ...: the command lives in models/hf_export.py
+    from jaxring.models.hf_export import main
 
     raise SystemExit(main())

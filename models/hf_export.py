@@ -1,9 +1,9 @@
-"""`python -m models.hf export CHECKPOINT_DIR OUT_DIR [--step N] [--dtype D]`: a training checkpoint of a GPT
+"""`python -m jaxring.models.hf export CHECKPOINT_DIR OUT_DIR [--step N] [--dtype D]`: a training checkpoint of a GPT
 run (`train.py --checkpoint-dir`) written as a Hugging Face directory (config.json, safetensors, tokenizer.json).
 
 Only the parameters are read (`jaxring.eval.loading`: orbax's partial restore, checksums compared), each
 sharded ZeRO-3-style over the local devices, in layer order whatever pipeline trained them (the trainer saves
-interleaved stages in layer order); `models.hf.save_pretrained` gathers one tensor at a time, in bfloat16 for
+interleaved stages in layer order); `jaxring.models.hf.save_pretrained` gathers one tensor at a time, in bfloat16 for
 a run trained in --precision bf16 (--dtype to choose). The tokenizer.json shipped is the run's: its
 --init-from directory's, else its --tokenizer's, else its --data store's (none for a byte-level run). A
 mistake (a missing directory, a checkpoint of another model family or of a GPT no Hugging Face architecture
@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-PROG = "python -m models.hf"
+PROG = "python -m jaxring.models.hf"
 
 
 def run_tokenizer_file(run_config: dict) -> str | None:
@@ -38,11 +38,11 @@ def export(checkpoint: str, out: str, step: int | None = None, dtype: str | None
     released checkpoints are, else the parameters' own). Returns (the step, the files written). Bad input: a
     one-line ValueError."""
     import jax
+    from jaxring.models import gpt, hf
 
+    from jaxring.core.mesh import make_mesh
     from jaxring.eval.loading import HF_CONFIG, checkpoint_metadata, load_model
-    from jaxring.mesh import make_mesh
-    from jaxring.plan import ParallelPlan
-    from models import gpt, hf
+    from jaxring.parallel.plan import ParallelPlan
 
     if not os.path.isdir(checkpoint):
         raise ValueError(f"checkpoint {checkpoint!r}: no such directory")
@@ -75,7 +75,7 @@ def export(checkpoint: str, out: str, step: int | None = None, dtype: str | None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jaxring.cli import EXIT_USER_ERROR
+    from jaxring.run.cli import EXIT_USER_ERROR
 
     class Parser(argparse.ArgumentParser):
         def error(self, message: str) -> None:
@@ -97,12 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxring.cli import EXIT_USER_ERROR
+    from jaxring.run.cli import EXIT_USER_ERROR
 
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         step, files = export(args.checkpoint, args.out, args.step, args.dtype)
-    except (ValueError, FileNotFoundError) as e:  # models.hf.CheckpointError is a ValueError
+    except (ValueError, FileNotFoundError) as e:  # jaxring.models.hf.CheckpointError is a ValueError
         if args.debug:
             raise
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

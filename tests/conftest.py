@@ -21,9 +21,9 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from jaxring.platform import use_simulated_devices
+from jaxring.core.device_setup import use_simulated_devices
 
-use_simulated_devices()  # (jaxring.platform: explicit, not an import side effect)
+use_simulated_devices()  # (jaxring.core.device_setup: explicit, not an import side effect)
 
 
 import pytest

@@ -79,7 +79,7 @@ def attention_block_reference(x, params, positions, num_heads, num_kv_heads, cau
     """The tensor modules' attention contract on one device: projections, RoPE, dense attention (with a sliding
     window when given), output."""
     from jaxring import attention_reference
-    from jaxring.rope import apply_rope
+    from jaxring.kernels.rope import apply_rope
 
     b, s, _ = x.shape
     d = params["wq"].shape[1] // num_heads

@@ -6,7 +6,7 @@ import pytest
 from helpers import assert_close, qkv
 
 from jaxring import attention_reference
-from jaxring.attention.blockwise import block_backward, block_forward
+from jaxring.kernels.blockwise import block_backward, block_forward
 
 
 @pytest.mark.parametrize("q_offset,kv_offset", [(20, 5), (0, 30), (8, 8)])  # after, before, overlapping
@@ -39,7 +39,7 @@ def test_block_pair_matches_reference(q_offset, kv_offset, with_segments):
 def test_accumulating_forms_merge_and_add():
     """`into=` continues the online softmax from a running (out, lse) and adds gradients in place: the same
     as merging two blocks' partials and adding their gradients."""
-    from jaxring.attention.merge import merge_partials
+    from jaxring.kernels.merge import merge_partials
 
     q, k, v, dout = qkv(1, 1, 32, 4, 2, 16)
     pos = jnp.arange(32)

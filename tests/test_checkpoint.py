@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxring.mesh import make_mesh
+from jaxring.core.mesh import make_mesh
 from jaxring.train.checkpoint import Checkpointer
 
 MODEL = {"num_layers": 2, "hidden": 16, "attention": {"strategy": "ring", "layout": "zigzag"}}

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxring.analysis import compile_stats
-from jaxring.collectives import tree_broadcast, tree_reduce, tree_rounds
+from jaxring.core.collectives import tree_broadcast, tree_reduce, tree_rounds
 
 
 def _mesh(n):

@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 import jaxring
 from jaxring.analysis import compile_stats
 from jaxring.nn import MLP, Attention, param_placements
-from jaxring.plan import ParallelPlan
-from jaxring.registry import sequence_strategy
+from jaxring.parallel.plan import ParallelPlan
+from jaxring.parallel.registry import sequence_strategy
 
 B, S, H, HEADS, KV = 2, 64, 32, 8, 4
 

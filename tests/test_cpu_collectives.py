@@ -1,4 +1,4 @@
-"""Programs on simulated CPU devices never deadlock in XLA:CPU's collectives (see jaxring/collectives.py).
+"""Programs on simulated CPU devices never deadlock in XLA:CPU's collectives (see jaxring/core/collectives.py).
 
 XLA:CPU runs every simulated device on a thread of its own and a collective blocks until every device's
 thread has joined it. Notebook 02's METP attention block at tp=8 (seq 1024, hidden 256) aborted on its first
@@ -121,7 +121,7 @@ def _forward_backward(f):
 
 def _tensor_program(method: str, seq: int, hidden: int):
     """(jitted forward + backward of a method's attention block, its abstract arguments)."""
-    from jaxring.tensor import metp, optimus
+    from jaxring.parallel.tensor import metp, optimus
 
     module, mesh = {
         "metp": (metp, jaxring.make_mesh(tp=8)),
@@ -146,7 +146,7 @@ def test_no_loop_body_holds_independent_collectives(method):
 
 def test_the_check_finds_an_independent_pair():
     """The static check is not vacuous: a ring loop beside an unrelated permute inside a scan is found."""
-    from jaxring.collectives import ppermute, ring_pairs, ring_steps, send_to_next
+    from jaxring.core.collectives import ppermute, ring_pairs, ring_steps, send_to_next
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
 
@@ -168,7 +168,7 @@ STRESS = textwrap.dedent(
     """
     import sys, time
     import jax, jax.numpy as jnp, numpy as np
-    from jaxring.platform import use_cpu_devices_if_no_accelerator
+    from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
     devices = use_cpu_devices_if_no_accelerator(8)
     sys.path.insert(0, {tests!r})
     import jaxring
@@ -227,13 +227,13 @@ def test_the_cpu_permute_lowering_is_explicit():
         """
         import re, jax, jax.numpy as jnp, numpy as np
         from jax.sharding import PartitionSpec as P
-        import jaxring, jaxring.collectives, jaxring.platform, jaxring.tensor.metp, jaxring.train.loop
-        from jaxring.collectives import tree_broadcast
+        import jaxring, jaxring.core.collectives, jaxring.core.device_setup, jaxring.parallel.tensor.metp, jaxring.train.loop
+        from jaxring.core.collectives import tree_broadcast
         mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
         f = jax.jit(jax.shard_map(lambda a: tree_broadcast(a, "x", 0), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
         channels = lambda: sorted(set(re.findall(r"collective-permute.*channel_id=(\\d+)", f.lower(jnp.ones(8)).as_text("hlo"))))
         before = channels()
-        jaxring.platform.use_simulated_devices()
+        jaxring.core.device_setup.use_simulated_devices()
         f = jax.jit(jax.shard_map(lambda a: tree_broadcast(a, "x", 1), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
         print(len(before), len(channels()))
         """
@@ -252,7 +252,7 @@ def test_the_cpu_permute_lowering_is_explicit():
 def test_persistent_compilation_cache_is_off_on_simulated_devices(capsys):
     """A cache directory set by the user is turned off on several simulated CPU devices, in one line; one
     device, or an accelerator, keeps it. (A step read back from the cache hung train.py's second run.)"""
-    from jaxring.platform import no_compilation_cache_on_simulated_devices
+    from jaxring.core.device_setup import no_compilation_cache_on_simulated_devices
 
     was, where = jax.config.jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir
     jax.config.update("jax_compilation_cache_dir", "/tmp/some-cache")

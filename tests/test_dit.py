@@ -9,13 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import assert_close
-from PIL import Image
-
-import jaxring
-from jaxring.nn import Layers, remat_policy
-from jaxring.plan import ParallelPlan
-from jaxring.train.step import value_and_grad
-from models.dit import (
+from jaxring.models.dit import (
     DiT,
     DiTConfig,
     FlowMatchingObjective,
@@ -32,6 +26,12 @@ from models.dit import (
     unpatchify,
     weight_specs,
 )
+from PIL import Image
+
+import jaxring
+from jaxring.nn import Layers, remat_policy
+from jaxring.parallel.plan import ParallelPlan
+from jaxring.train.step import value_and_grad
 
 CFG = get_config("tiny", class_dropout=0.5, num_layers=1)  # 16×16×1, patch 2 → 64 tokens, hidden 64
 BATCH = 4

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import assert_close
+from jaxring.models.gpt import GPT, GPTConfig, NextTokenObjective
 
 from jaxring import make_plan
 from jaxring.data.packing import check_batch
 from jaxring.nn import Layers, param_placements
 from jaxring.train.step import TrainStep
-from models.gpt import GPT, GPTConfig, NextTokenObjective
 
 BATCH, SEQ, VOCAB, EOS = 4, 64, 64, 63
 CFG = GPTConfig(vocab_size=VOCAB, num_layers=2, hidden=32, num_heads=8, ffn=64, norm="rmsnorm", activation="swiglu")

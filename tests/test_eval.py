@@ -13,16 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jaxring.models import gpt
 
 import jaxring
 from jaxring.eval import cli, load_model, needle
 from jaxring.eval.scoring import token_scores
 from jaxring.nn import Layers
-from jaxring.plan import ParallelPlan
-from jaxring.spec import RunSpec
+from jaxring.parallel.plan import ParallelPlan
+from jaxring.run.spec import RunSpec
 from jaxring.train.checkpoint import Checkpointer
 from jaxring.train.trainer import Trainer
-from models import gpt
 
 pytest.importorskip("matplotlib")
 
@@ -129,7 +129,7 @@ def test_sharded_scores_equal_transformers_logits(settings):
 def test_teacher_forced_argmax_is_greedy_decoding():
     """needle's scoring rule: greedy decoding reproduces an answer iff every teacher-forced argmax over prompt +
     answer is the answer's token. Oracle: greedy decoding by recomputing the full sequence on one device (the
-    argmax of the logits, token by token), which `models.gpt.generate(temperature=0)` reproduces."""
+    argmax of the logits, token by token), which `jaxring.models.gpt.generate(temperature=0)` reproduces."""
     cfg = gpt.GPTConfig(vocab_size=64, **TINY)
     model = gpt.GPT(cfg, rngs=nnx.Rngs(0))
     one = ParallelPlan(jaxring.make_mesh(devices=jax.devices()[:1]))
@@ -151,7 +151,7 @@ def test_teacher_forced_argmax_is_greedy_decoding():
     greedy = ids[prompt_len:]
     assert gpt.generate(model, None, [prompt], new, temperature=0) == [greedy]  # the KV-cache decoder agrees
 
-    loaded = jaxring.eval.LoadedModel(model, cfg, jaxring.task.model_family("gpt"), None, "tiny")
+    loaded = jaxring.eval.LoadedModel(model, cfg, jaxring.run.task.model_family("gpt"), None, "tiny")
     answers = [greedy]
     for k in (0, 3, new - 1):  # one wrong token at k: the hits hold before k and fail at k
         wrong = list(greedy)
@@ -211,7 +211,9 @@ def test_packed_documents_score_as_each_document_alone():
     from jaxring.eval.perplexity import documents_of
 
     cfg = gpt.GPTConfig(vocab_size=64, **TINY)
-    loaded = jaxring.eval.LoadedModel(gpt.GPT(cfg, rngs=nnx.Rngs(1)), cfg, jaxring.task.model_family("gpt"), None, "t")
+    loaded = jaxring.eval.LoadedModel(
+        gpt.GPT(cfg, rngs=nnx.Rngs(1)), cfg, jaxring.run.task.model_family("gpt"), None, "t"
+    )
     one = ParallelPlan(jaxring.make_mesh(devices=jax.devices()[:1]))
     rng = np.random.default_rng(0)
     docs = [[40, 24], [13, 45, 6]]  # row 1 ends in 6 tokens of padding (segment 0)

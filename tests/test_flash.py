@@ -12,9 +12,9 @@ from helpers import assert_close
 from jax.sharding import PartitionSpec as P
 
 from jaxring import attention_reference, merge_partials
-from jaxring.attention import flash_kernels, flash_tiles
-from jaxring.attention.blockwise import BlockOps
-from jaxring.attention.flash import flash_attention, flash_block_backward, flash_block_forward, flash_block_ops
+from jaxring.kernels import flash_kernels, flash_tiles
+from jaxring.kernels.blockwise import BlockOps
+from jaxring.kernels.flash import flash_attention, flash_block_backward, flash_block_forward, flash_block_ops
 
 INTERPRET = dict(implementation="pallas_interpret", block_q=16, block_k=16)
 

@@ -12,13 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jaxring.models import gpt
+from jaxring.models.generate import Decoder, generate
 
 import jaxring
-from jaxring.inference import sample
 from jaxring.nn import Layers
-from jaxring.plan import ParallelPlan
-from models import gpt
-from models.generate import Decoder, generate
+from jaxring.nn.inference import sample
+from jaxring.parallel.plan import ParallelPlan
 
 SLOW = pytest.mark.slow
 NEW = 6  # tokens generated per prompt

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring.analysis import gpu
 from jaxring.analysis.roofline import attention_flops, roofline
-from jaxring.devices import DEVICES
+from jaxring.core.accelerators import DEVICES
 
 AVAILABLE, WHY = gpu.available()
 needs_plugin = pytest.mark.skipif(not AVAILABLE, reason=f"deviceless GPU compile unavailable: {WHY}")
@@ -130,7 +130,7 @@ def _fwd_bwd(local):
 @needs_plugin
 @pytest.mark.parametrize("head_dim,kv_heads", [(64, 8), (128, 8), (128, 2)], ids=["d64", "d128", "d128-gqa"])
 def test_flash_kernels_compile_without_spills_or_serialized_wgmma(head_dim, kv_heads):
-    from jaxring.attention.flash import flash_attention
+    from jaxring.kernels.flash import flash_attention
 
     mesh = Mesh(np.array(gpu.gpu_devices("h200", 1)), ("x",))
     q = gpu.abstract((1, 4096, 8, head_dim), jnp.bfloat16, mesh)
@@ -146,9 +146,9 @@ def test_flash_kernels_compile_without_spills_or_serialized_wgmma(head_dim, kv_h
 
 
 def _strategy(name, devices):
-    from jaxring.attention.ring import ring_attention
-    from jaxring.attention.usp import usp_attention
-    from jaxring.attention.wallfacer import WF_AXES, wallfacer_attention, wallfacer_mesh
+    from jaxring.parallel.sequence.ring import ring_attention
+    from jaxring.parallel.sequence.usp import usp_attention
+    from jaxring.parallel.sequence.wallfacer import WF_AXES, wallfacer_attention, wallfacer_mesh
 
     flat = Mesh(np.array(gpu.gpu_devices("h200", devices)), ("sp",))
     if name == "ring":
@@ -192,7 +192,7 @@ def test_metp_inner_ring_transfers_span_the_block_compute_forward_and_backward()
     """METP attention (Algorithms 3-6) on 8 H200s with the flash kernel: in each head group's inner ring,
     forward and backward, every hop (K, V, positions; in the backward with the previous block's fp32 ΔK/ΔV,
     one hop behind) is one transfer started before the block kernels and waited for after them."""
-    from jaxring.tensor.metp import metp_attention
+    from jaxring.parallel.tensor.metp import metp_attention
 
     p, hidden, heads, head_dim, local_seq = 8, 1024, 8, 128, 2048  # one head per group
     mesh = Mesh(np.array(gpu.gpu_devices("h200", p)), ("tp",))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxring import attention_reference
-from jaxring.attention.flash import flash_attention
+from jaxring.kernels.flash import flash_attention
 
 
 def _gpu():

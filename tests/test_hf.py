@@ -1,4 +1,4 @@
-"""models.hf against Hugging Face transformers, through committed fixtures (tools/make_hf_fixtures.py; no torch
+"""jaxring.models.hf against Hugging Face transformers, through committed fixtures (tools/make_hf_fixtures.py; no torch
 here): per family (Llama, Llama 3.1 scaling with the older config.json form, Mistral's sliding window, Qwen2's
 biases and tied embeddings, Qwen3's QK-norm, head_dim and YaRN), float32 logits and the gradients of the mean
 loss on one device and on several plans; load -> save -> load bit-exact; bad checkpoints as one line."""
@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxring.models import gpt, hf
 
 import jaxring
-from jaxring.plan import ParallelPlan
+from jaxring.parallel.plan import ParallelPlan
 from jaxring.train.step import value_and_grad
-from models import gpt, hf
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
@@ -323,7 +323,7 @@ def test_train_py_init_from_and_export_hf(tmp_path, capsys):
     assert cli.main([*common, "--override", "hidden=32"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--override hidden=32 contradicts --init-from" in err[0], err
-    from models.gpt_train import _pretrained_config
+    from jaxring.models.gpt_train import _pretrained_config
 
     assert (
         _pretrained_config(str(src), {"hidden": cfg.hidden}, 0).hidden == cfg.hidden
@@ -392,9 +392,10 @@ def test_init_from_refuses_data_of_another_tokenizer(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert "was tokenized with bytes, not with --init-from" in err[0] and "tokenizer.json (sha256 " in err[0], err
+    from jaxring.models.gpt_train import _check_data_tokenizer
+
     from jaxring.data import open_token_data
-    from jaxring.spec import RunSpec
-    from models.gpt_train import _check_data_tokenizer
+    from jaxring.run.spec import RunSpec
 
     (tmp_path / "docs.jsonl").write_text(
         "".join(json.dumps({"text": f"w{i} w{i + 1} w7"}) + "\n" for i in range(2, 40))

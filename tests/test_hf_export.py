@@ -1,5 +1,5 @@
-"""`python -m models.hf export`: a training checkpoint (train.py --checkpoint-dir) as a Hugging Face directory
-that `models.hf.load_pretrained` reads with the checkpoint's own logits; bad input as one line, exit code 2."""
+"""`python -m jaxring.models.hf export`: a training checkpoint (train.py --checkpoint-dir) as a Hugging Face directory
+that `jaxring.models.hf.load_pretrained` reads with the checkpoint's own logits; bad input as one line, exit code 2."""
 
 import dataclasses
 import json
@@ -8,11 +8,11 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jaxring.models import hf, hf_export
 
 import jaxring
 from jaxring.eval.loading import load_model
-from jaxring.plan import ParallelPlan
-from models import hf, hf_export
+from jaxring.parallel.plan import ParallelPlan
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_bad_input_is_one_line(checkpoint, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(loading, "checkpoint_metadata", lambda path, step: (1, {"model": {"kind": "dit"}}))
     line = _one_line_error(["export", str(checkpoint), str(tmp_path / "o")], capsys)
     assert "model family 'dit', not a GPT" in line
-    from models import gpt
+    from jaxring.models import gpt
 
     tiny = {"kind": "gpt", **dataclasses.asdict(gpt.PRESETS["tiny"])}  # LayerNorm, GELU
     monkeypatch.setattr(loading, "checkpoint_metadata", lambda path, step: (1, {"model": tiny}))
@@ -124,7 +124,7 @@ def test_export_of_an_interleaved_pipeline_run_is_in_layer_order(tmp_path):
     logits give the held-out loss that the pipelined program computes with the trainer's parameters (and the
     stack taken in the pipeline's stored order would not). No update step: its compile would add 20 s, and the
     seed's parameters already tell the layers apart."""
-    from jaxring.spec import RunSpec
+    from jaxring.run.spec import RunSpec
     from jaxring.train.checkpoint import Checkpointer
     from jaxring.train.loop import prepare
     from jaxring.train.trainer import Trainer

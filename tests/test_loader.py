@@ -190,7 +190,7 @@ def test_held_out_share():
 
 
 def _task(spec, **parallel):
-    from jaxring.task import model_family
+    from jaxring.run.task import model_family
 
     spec = spec.updated(**parallel).resolved(8)
     return model_family("gpt").task(spec, spec.plan(jax.devices()))

@@ -1,4 +1,4 @@
-"""Megatron TP+SP (jaxring.tensor.megatron) against unsharded jnp references: forward and every gradient;
+"""Megatron TP+SP (jaxring.parallel.tensor.megatron) against unsharded jnp references: forward and every gradient;
 communication counted on the compiled program; saved residuals of the gather-recompute column-linear."""
 
 import functools
@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxring
 from jaxring.analysis import compile_stats
-from jaxring.tensor import megatron as mt
+from jaxring.parallel.tensor import megatron as mt
 
 B, S, H, FFN, VOCAB, HEADS, HEAD_DIM = 4, 16, 32, 64, 64, 8, 4
 RTOL = 1e-4

@@ -12,12 +12,12 @@ import json
 
 import jax
 import pytest
+from jaxring.models import gpt
 
-from jaxring.planner import cost
-from jaxring.planner.compiled import compile_train_step
+from jaxring.planner import cost_model as cost
 from jaxring.planner.params import param_leaves
 from jaxring.planner.space import Candidate, Workload
-from models import gpt
+from jaxring.planner.step_program import compile_train_step
 
 CONFIG = gpt.GPTConfig(vocab_size=1024, num_layers=2, hidden=128, num_heads=8, ffn=512)
 
@@ -130,7 +130,7 @@ def test_a_run_that_cannot_fit_stops_in_one_line_before_compiling(capsys, tmp_pa
 
 
 def test_the_header_shows_the_estimate_and_a_run_that_fits_trains(tmp_path):
-    from jaxring.spec import RunSpec
+    from jaxring.run.spec import RunSpec
     from jaxring.train.loop import train
 
     lines = []
@@ -178,7 +178,7 @@ def test_the_search_turns_to_the_memory_techniques_when_nothing_fits_without_the
     from jaxring.planner.cluster import Cluster
     from jaxring.planner.fit import workload_of
     from jaxring.planner.search import NoPlanError, search
-    from jaxring.spec import RunSpec
+    from jaxring.run.spec import RunSpec
 
     spec = RunSpec.of(preset="llama3-8b", seq_len=4194304, batch_size=1)
     assert spec.compute_precision == "bf16" and RunSpec.of(preset="tiny-llama3").compute_precision == "fp32"
@@ -206,7 +206,7 @@ def test_the_heads_backward_holds_no_layer_gradients_on_the_gpu_target():
     buffers exist: a 32-layer GPT whose 16,384 × 32,768 logits outweigh the layers' working set, one H100,
     bf16. The estimate is within 3% of the compiled step; with every gradient live in the head's phase it
     would be 6% over."""
-    from jaxring.planner.check import compiled_peak, gpu_target_available
+    from jaxring.planner.memory_check import compiled_peak, gpu_target_available
 
     ok, why = gpu_target_available()
     if not ok:

@@ -7,13 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jaxring.models import gpt
 
 import jaxring
 from jaxring.analysis import gpu
 from jaxring.analysis.compiled import host_memory_traffic
 from jaxring.nn import param_placements
 from jaxring.train.step import TrainStep, value_and_grad
-from models import gpt
 
 CFG = gpt.GPTConfig(vocab_size=64, num_layers=2, hidden=32, num_heads=4, num_kv_heads=4, ffn=64, activation="swiglu")
 BATCH, SEQ = 4, 64
@@ -91,7 +91,7 @@ def test_all_techniques_give_the_untiled_loss_and_gradients(plan_name):
 
 
 def test_offload_with_a_pipeline_is_one_line():
-    from jaxring.spec import RunSpec
+    from jaxring.run.spec import RunSpec
 
     message = r"--offload layer_inputs is not supported with pipeline parallelism \(pp = 2\)"
     with pytest.raises(ValueError, match=message):
@@ -187,7 +187,7 @@ def test_tiles_must_divide_the_rows(settings, message):
 
 
 def test_offload_needs_full_remat():
-    from jaxring.spec import RunSpec
+    from jaxring.run.spec import RunSpec
 
     with pytest.raises(ValueError, match=r"--offload layer_inputs .* needs --remat full"):
         RunSpec.of(offload="layer_inputs", remat="selective").validate()

@@ -18,8 +18,8 @@ from jax.sharding import PartitionSpec as P
 import jaxring
 from jaxring.analysis import compile_stats
 from jaxring.analysis.compiled import collective_traffic
-from jaxring.collectives import tree_rounds
-from jaxring.tensor import megatron, metp
+from jaxring.core.collectives import tree_rounds
+from jaxring.parallel.tensor import megatron, metp
 
 RTOL = 2e-4
 MESHES = {2: dict(dp=2, fsdp=2, tp=2), 4: dict(dp=2, tp=4), 8: dict(tp=8)}  # p = tp; batch over dp/fsdp

@@ -1,4 +1,4 @@
-"""Mixture of experts (jaxring.moe): the block against a dense per-token reference (forward, every gradient,
+"""Mixture of experts (jaxring.nn.moe): the block against a dense per-token reference (forward, every gradient,
 losses and load, dropless and capacity), expert parallelism on four meshes against one device, the
 all-to-all bytes on the compiled program, load balancing in a short run, and every validation error."""
 
@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxring
 from jaxring.analysis import compile_stats
-from jaxring.moe import MoE, MoEConfig, RouterBias, moe_ffn, param_specs, sharded_moe_ffn, update_router_bias
+from jaxring.nn.moe import MoE, MoEConfig, RouterBias, moe_ffn, param_specs, sharded_moe_ffn, update_router_bias
 
 H, E, K, FFN, SHARED = 16, 8, 2, 32, 16
 RTOL = 1e-4

@@ -7,9 +7,9 @@ import json
 import jax
 import numpy as np
 import pytest
+from jaxring.models import gpt
 
 import train as cli
-from models import gpt
 
 COMMON = [
     "--preset",
@@ -39,7 +39,7 @@ def _losses(tmp_path, flags, name):
 @pytest.fixture(scope="module")
 def one_device():
     """The 1-device run, in process (the command line uses every device)."""
-    from jaxring.spec import RunSpec
+    from jaxring.run.spec import RunSpec
     from jaxring.train.loop import train
 
     cfg = RunSpec.of(

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring import make_mesh
 from jaxring.analysis import compile_stats
-from jaxring.tensor import optimus
+from jaxring.parallel.tensor import optimus
 
 RTOL = 1e-4
 BLOCK = P("tpr", "tpc")
@@ -333,7 +333,7 @@ MEMORY_SCRIPT = textwrap.dedent("""
     import jax
     import test_optimus as t
     from jaxring import make_mesh
-    from jaxring.tensor import optimus
+    from jaxring.parallel.tensor import optimus
     grid, q, _ = optimus.grid_mesh(make_mesh(tp=jax.device_count()))
     r, blocks = t._memory_stats(grid, q)
     print(json.dumps({"q": q, "blocks": blocks, **r}))

@@ -15,11 +15,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxring
-from jaxring.pipeline import lower, make_schedule, peak_in_flight, pipeline_loss_and_grads, simulate
-from jaxring.pipeline.schedules import BW, B, F, W
-from jaxring.pipeline.traffic import permute_bytes_by_pair, stage_link_bytes
-from jaxring.registry import pipeline_schedules
-from jaxring.vma import varying_axes
+from jaxring.core.vma import varying_axes
+from jaxring.parallel.pipeline import lower, make_schedule, peak_in_flight, pipeline_loss_and_grads, simulate
+from jaxring.parallel.pipeline.schedules import BW, B, F, W
+from jaxring.parallel.pipeline.traffic import permute_bytes_by_pair, stage_link_bytes
+from jaxring.parallel.registry import pipeline_schedules
 from tests.helpers import assert_close
 
 VOCAB, HIDDEN, SEQ, BATCH = 32, 16, 8, 2  # BATCH: micro-batch size per data-parallel rank
@@ -95,7 +95,7 @@ def test_schedule_picture():
     import matplotlib
 
     matplotlib.use("Agg")
-    from jaxring.pipeline import plot_schedule
+    from jaxring.parallel.pipeline import plot_schedule
 
     schedule = make_schedule("zero-bubble", 4, 8)
     ax = plot_schedule(schedule, costs="paper", lockstep=False)

@@ -30,7 +30,7 @@ COMMON = SMALL + [
 
 @pytest.fixture(scope="module")
 def one_device():
-    from jaxring.spec import RunSpec
+    from jaxring.run.spec import RunSpec
     from jaxring.train.loop import train
 
     cfg = RunSpec.of(

@@ -14,13 +14,14 @@ import math
 
 import jax
 import pytest
+from jaxring.models import dit, gpt
 
-from jaxring.planner import Cluster, NoPlanError, Workload, cost, search
+from jaxring.planner import Cluster, NoPlanError, Workload, search
+from jaxring.planner import cost_model as cost
 from jaxring.planner.__main__ import main as planner_main
-from jaxring.planner.compiled import axis_traffic, compile_train_step
 from jaxring.planner.params import param_leaves
 from jaxring.planner.space import Candidate
-from models import dit, gpt
+from jaxring.planner.step_program import axis_traffic, compile_train_step
 
 GPT = gpt.GPTConfig(vocab_size=128, num_layers=2, hidden=64, num_heads=8, ffn=256)
 MOE = dataclasses.replace(GPT, activation="swiglu", ffn=128, num_experts=8, experts_per_token=2)
@@ -140,7 +141,7 @@ def test_predicted_bytes_per_axis_equal_the_compiled_step(name):
 
 
 # packed documents: the int32 segment ids travel with K/V (rings, all-gathers, the init map); every layer reads
-# the same ids, so XLA moves most of them once per micro-step (jaxring.costs.segment_once, segment_ring)
+# the same ids, so XLA moves most of them once per micro-step (jaxring.parallel.cost_terms.segment_once, segment_ring)
 DOCUMENT_CASES = {
     "usp, accumulation": Candidate.of(dp=2, sp=4, attention="usp", ulysses_size=2, micro_batch=2),
     "wallfacer": Candidate.of(sp=8, attention="wallfacer", team_size=2, micro_batch=8),
@@ -186,7 +187,7 @@ def test_planner_workload_has_packed_documents_where_the_run_does(tmp_path):
     """The GPT trains on packed documents from a store (the default data too), on windows from a .bin; the
     planner's workload (`--plan auto`) follows, and a DiT packs none."""
     from jaxring.planner.fit import workload_of
-    from jaxring.spec import RunSpec
+    from jaxring.run.spec import RunSpec
 
     assert workload_of(RunSpec.of(preset="tiny")).documents
     tokens = tmp_path / "train.bin"
@@ -201,8 +202,8 @@ def test_sliding_window_prices_the_attention_the_core_computes():
     only the tiles (their `window_share`, checked against the ring's and the kernels' own counts in
     tests/test_window.py): the planner's attention FLOPs shrink by that share; a core that claims no
     skipping (RSA) keeps the causal count."""
-    from jaxring.attention.ring import ring_window_share
-    from jaxring.attention.window_work import layout_window_share
+    from jaxring.kernels.window_work import layout_window_share
+    from jaxring.parallel.sequence.ring import ring_window_share
 
     seq, d = 1024, GPT.hidden // GPT.num_heads
     windowed, full = (_workload("gpt", config, 8, seq=seq) for config in (WINDOWED, GPT))
@@ -355,7 +356,7 @@ def test_megatron_metp_optimus_layer_bytes_are_their_papers():
 def test_pipeline_bubble_is_the_simulators_lockstep_clock():
     """One SPMD program runs the table in lockstep (a tick lasts its slowest action), so 1F1B's bubble is more
     than the papers' (p-1)/m, which assumes each stage runs on as soon as its inputs are there."""
-    from jaxring.pipeline import make_schedule, simulate
+    from jaxring.parallel.pipeline import make_schedule, simulate
 
     info = cost.pipeline_info("1f1b", 4, 8)
     lockstep = simulate(make_schedule("1f1b", 4, 8), "paper", lockstep=True).bubble
@@ -452,7 +453,7 @@ def test_command_line_table_json_and_errors(capsys):
 
 def test_auto_plan_gives_train_settings():
     from jaxring.planner.auto import apply_auto_plan
-    from jaxring.spec import RunSpec
+    from jaxring.run.spec import RunSpec
 
     spec = apply_auto_plan(RunSpec.of(plan="auto", seq_len=256, batch_size=8, sp=8), jax.devices(), log=print)
     p = spec.parallel
@@ -474,7 +475,7 @@ GPU_CASES = {
 def test_predicted_memory_of_the_top_plan_on_the_gpu_target(name):
     """The same check on the program compiled for the GPU (Pallas attention kernels, bf16): needs the
     compile-only CUDA plugin (pip install -e ".[dev,gpu-compile]", its own venv); skips elsewhere."""
-    from jaxring.planner.check import compiled_peak, gpu_target_available
+    from jaxring.planner.memory_check import compiled_peak, gpu_target_available
 
     ok, why = gpu_target_available()
     if not ok:
@@ -502,7 +503,7 @@ def test_predicted_bytes_with_packed_documents_on_the_gpu_target(name):
     model's for the GPU (cpu=False), within the case's slack. Needs the compile-only CUDA plugin; skips
     elsewhere."""
     from jaxring.analysis import gpu
-    from jaxring.planner.check import gpu_target_available
+    from jaxring.planner.memory_check import gpu_target_available
 
     ok, why = gpu_target_available()
     if not ok:

@@ -8,7 +8,7 @@ two (four after a resume), a smaller model, no sample or held-out loss, and its 
 directory; `python -m jaxring.demo` at a short sequence; `python -m jaxring.data prepare` with one worker, on
 a `corpus.jsonl` and a `path/to/tokenizer.json` this file writes first (the reader's own files in the README);
 `python -m jaxring.planner` as shown (it runs nothing); `python -m jaxring.eval` on one 64-token batch or one
-96-token needle length; `python -m models.hf export` on the newest step (the shortened run saved only its last).
+96-token needle length; `python -m jaxring.models.hf export` on the newest step (the shortened run saved only its last).
 A README command this file does not know how to run is a failure, so a new kind of command gets a runner here.
 
 Every command runs in the default (CI) run: the ten training commands that repeat a code path the others cover
@@ -118,7 +118,7 @@ def eval_shortened(argv: list[str]) -> list[str]:
 
 
 def hf_export_shortened(argv: list[str]) -> list[str]:
-    """python -m models.hf export's arguments without `--step N`: the shortened run before it saved only its
+    """python -m jaxring.models.hf export's arguments without `--step N`: the shortened run before it saved only its
     last step (the newest, exported by default)."""
     if "--step" in argv:
         at = argv.index("--step")
@@ -196,8 +196,8 @@ def test_readme_command_runs(index, command, workdir, monkeypatch, capsys):
         from jaxring.eval.cli import main as eval_main
 
         code = _exit_code(eval_main, eval_shortened(words[3:]))
-    elif words[:4] == ["python", "-m", "models.hf", "export"]:
-        from models.hf_export import main as hf_main
+    elif words[:4] == ["python", "-m", "jaxring.models.hf", "export"]:
+        from jaxring.models.hf_export import main as hf_main
 
         code = _exit_code(hf_main, hf_export_shortened(words[3:]))
     elif words[:3] == ["python", "-m", "jaxring.planner"]:

@@ -7,7 +7,7 @@ import pytest
 from helpers import assert_close, qkv, value_and_grads
 
 from jaxring import attention_reference, merge_partials
-from jaxring.attention.merge import empty_partial
+from jaxring.kernels.merge import empty_partial
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 import jaxring
-from jaxring.attention.allgather import allgather_attention, allgather_cost
-from jaxring.attention.reference import attention_reference
-from jaxring.attention.ring import ring_attention
-from jaxring.registry import Option, SequenceStrategy, registered
-from jaxring.spec import RunSpec
+from jaxring.kernels.reference import attention_reference
+from jaxring.parallel.registry import Option, SequenceStrategy, registered
+from jaxring.parallel.sequence.allgather import allgather_attention, allgather_cost
+from jaxring.parallel.sequence.ring import ring_attention
+from jaxring.run.spec import RunSpec
 
 # ------------------------------------------------------------------------------------------ the new strategy
 
@@ -68,7 +68,7 @@ FLAGS += [x for k, v in SMALL.items() for x in ("--override", f"{k}={v}")]
 def mine():
     with registered(MINE) as entry:
         yield entry
-    assert "mine" not in jaxring.registry.sequence_strategies()
+    assert "mine" not in jaxring.parallel.registry.sequence_strategies()
 
 
 def test_the_new_strategy_attends_as_the_reference(mine):
@@ -91,7 +91,7 @@ def test_the_new_strategy_attends_as_the_reference(mine):
 
 def test_the_new_strategy_is_a_flag_a_yaml_key_a_plan_and_trains(mine, tmp_path):
     import train
-    from jaxring.cli import build_parser
+    from jaxring.run.cli import build_parser
 
     help_text = " ".join(build_parser().format_help().split())
     assert "--chunks CHUNKS mine: head groups gathered one after another (default: 2)" in help_text
@@ -118,8 +118,10 @@ def test_the_new_strategy_is_a_flag_a_yaml_key_a_plan_and_trains(mine, tmp_path)
 
 
 def test_the_planner_prices_and_ranks_the_new_strategy(mine):
-    from jaxring.planner import Candidate, Cluster, Workload, cost, evaluate, search
-    from models import gpt
+    from jaxring.models import gpt
+
+    from jaxring.planner import Candidate, Cluster, Workload, evaluate, search
+    from jaxring.planner import cost_model as cost
 
     w = Workload("gpt", gpt.GPTConfig(vocab_size=128, num_layers=2, hidden=64, num_heads=8, ffn=256), 512, 8, "fp32")
     cluster = Cluster.of("cpu", 8)

@@ -23,7 +23,7 @@ import pytest
 from PIL import Image
 from test_train import BASE
 
-from jaxring.task import model_family
+from jaxring.run.task import model_family
 from jaxring.train import loop
 from jaxring.train.guard import Diverged, DivergenceGuard
 from jaxring.train.metrics import drop_rows_after, progress_postfix, step_metrics

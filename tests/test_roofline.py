@@ -68,9 +68,9 @@ def test_serial_time_adds_compute_memory_and_links():
 
 
 def test_mfu_peak_is_the_device_tables():
-    """The training loop's MFU divides by jaxring.devices' peak: by device_kind, A100 before A10, fp32 runs at
+    """The training loop's MFU divides by jaxring.core.accelerators' peak: by device_kind, A100 before A10, fp32 runs at
     TF32 on NVIDIA and bf16 on TPUs, none on CPU; roofline reads the same table."""
-    from jaxring.devices import DEVICES
+    from jaxring.core.accelerators import DEVICES
     from jaxring.train.metrics import peak_flops
 
     kind = lambda name: type("Device", (), {"device_kind": name})

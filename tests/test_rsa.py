@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 import jaxring
 from jaxring import attention_reference, layout_permutation
 from jaxring.analysis import compile_stats
-from jaxring.attention.rsa import rsa_attention
+from jaxring.parallel.sequence.rsa import rsa_attention
 
 SPEC = P(("dp", "fsdp"), "sp", None, None)
 SEG_SPEC = P(("dp", "fsdp"), "sp")

@@ -11,9 +11,9 @@ from jax.sharding import PartitionSpec as P
 import jaxring
 from jaxring import attention_reference
 from jaxring.analysis import compile_stats
-from jaxring.attention.allgather import allgather_attention
-from jaxring.attention.ulysses import ulysses_attention
-from jaxring.attention.usp import usp_attention
+from jaxring.parallel.sequence.allgather import allgather_attention
+from jaxring.parallel.sequence.ulysses import ulysses_attention
+from jaxring.parallel.sequence.usp import usp_attention
 
 CASES = [  # strategy, options, mesh, layout, causal, q heads, kv heads, head dim
     ("ulysses", {}, dict(sp=8), "zigzag", True, 8, 2, 32),  # GQA, kv heads < P: repeated as needed

@@ -8,8 +8,8 @@ import pytest
 
 import jaxring
 import train as cli
-from jaxring.cli import build_parser, parse_command_line
-from jaxring.spec import SECTIONS, RunSpec, _fields
+from jaxring.run.cli import build_parser, parse_command_line
+from jaxring.run.spec import SECTIONS, RunSpec, _fields
 
 TINY = ["--override", "num_layers=1", "--override", "hidden=32", "--override", "num_heads=4", "--override", "ffn=64"]
 SHORT = ["--steps", "2", "--seq-len", "64", "--batch-size", "8", "--sample-tokens", "0", "--no-progress"]

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxring.spec import RunSpec
+from jaxring.run.spec import RunSpec
 from jaxring.train.loop import Trainer, train
 
 SMALL = {"num_layers": 1, "hidden": 64, "num_heads": 8, "ffn": 128}
@@ -253,12 +253,12 @@ def _remat_step_programs(mesh_degrees, **plan_options):
     """{remat: the compiled gradient path of a 4-layer tiny GPT's train step} for none/selective/full."""
     import jax.numpy as jnp
     from flax import nnx
+    from jaxring.models import gpt
 
     import jaxring
     from jaxring.nn import param_placements
-    from jaxring.plan import ParallelPlan
+    from jaxring.parallel.plan import ParallelPlan
     from jaxring.train.step import TrainStep
-    from models import gpt
 
     model = gpt.GPT(gpt.GPTConfig(vocab_size=128, num_layers=4, hidden=32, num_heads=4, ffn=128), rngs=nnx.Rngs(0))
     plan = ParallelPlan(jaxring.make_mesh(**mesh_degrees), **{"attention": "ring", **plan_options})

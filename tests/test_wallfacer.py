@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec as P
 import jaxring
 from jaxring import attention_reference, layout_permutation
 from jaxring.analysis import compile_stats
-from jaxring.attention.blockwise import get_block_ops
-from jaxring.attention.wallfacer import (
+from jaxring.kernels.blockwise import get_block_ops
+from jaxring.parallel.sequence.wallfacer import (
     WF_AXES,
     get_init_send,
     get_p2p_config,

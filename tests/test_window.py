@@ -19,13 +19,13 @@ from jax.sharding import PartitionSpec as P
 
 import jaxring
 from jaxring import attention_reference
-from jaxring.attention.blockwise import block_backward, block_forward, get_block_ops
-from jaxring.attention.layout import RankTokens
-from jaxring.attention.ring import ring_forward, ring_window_share
-from jaxring.attention.wallfacer import WF_AXES, wallfacer_forward, wallfacer_mesh
+from jaxring.kernels.blockwise import block_backward, block_forward, get_block_ops
+from jaxring.kernels.layout import RankTokens
 from jaxring.nn import Attention, param_placements
-from jaxring.plan import ParallelPlan
-from jaxring.tensor import metp, optimus
+from jaxring.parallel.plan import ParallelPlan
+from jaxring.parallel.sequence.ring import ring_forward, ring_window_share
+from jaxring.parallel.sequence.wallfacer import WF_AXES, wallfacer_forward, wallfacer_mesh
+from jaxring.parallel.tensor import metp, optimus
 
 WINDOWS = (3, 21, 100)
 
@@ -228,9 +228,9 @@ def _kernel_visits(q_positions, kv_len, window, cpu, head_dim):
     between each outer tile's (lo, hi) (the jnp pair: `blockwise.tile_ranges`; Pallas: `visibility` and
     `loop_ranges` as pallas_forward and pallas_backward form them, dK/dV over the transposed tiles), times
     its matmuls and tile size (`kernel_passes`)."""
-    from jaxring.attention.blockwise import tile_ranges
-    from jaxring.attention.flash_tiles import loop_ranges, visibility
-    from jaxring.attention.window_work import kernel_passes
+    from jaxring.kernels.blockwise import tile_ranges
+    from jaxring.kernels.flash_tiles import loop_ranges, visibility
+    from jaxring.kernels.window_work import kernel_passes
 
     qp, kp = jnp.asarray(q_positions, jnp.int32), jnp.arange(kv_len, dtype=jnp.int32)
     total = 0
@@ -253,9 +253,9 @@ def test_local_kernels_price_the_tiles_they_visit(cpu):
     against the keys in order) price what their kernels visit under a window (`window_share`): the busiest
     rank's count of the kernels' own loop bounds, with the window over without (seq 1024, head_dim 16;
     windows inside a tile, one past it, and beyond the sequence)."""
-    from jaxring.attention.layout import layout_positions
-    from jaxring.costs import AttentionShape
-    from jaxring.registry import sequence_strategy
+    from jaxring.kernels.layout import layout_positions
+    from jaxring.parallel.cost_terms import AttentionShape
+    from jaxring.parallel.registry import sequence_strategy
 
     seq, d = 1024, 16
     for name, layout, p in (
@@ -316,8 +316,8 @@ def test_usp_and_wallfacer_price_the_steps_they_compute():
     of `ring_forward`'s and `wallfacer_forward`'s own counts, with the window over without."""
     from jax.sharding import Mesh
 
-    from jaxring.costs import AttentionShape
-    from jaxring.registry import sequence_strategy
+    from jaxring.parallel.cost_terms import AttentionShape
+    from jaxring.parallel.registry import sequence_strategy
 
     seq, windows, ops = 128, (9, 17, 40, None), get_block_ops("jnp")
     q, k, v, _ = qkv(6, 1, seq, 2, 2, 8)

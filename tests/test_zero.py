@@ -13,13 +13,13 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
+from jaxring.models import gpt
 
 import jaxring
 from jaxring.analysis.compiled import collective_traffic
 from jaxring.nn import param_placements
-from jaxring.plan import ParallelPlan
+from jaxring.parallel.plan import ParallelPlan
 from jaxring.train.step import TrainStep
-from models import gpt
 
 N, B, S, LAYERS = 8, 8, 16, 4
 CFG = gpt.GPTConfig(vocab_size=64, num_layers=LAYERS, hidden=64, num_heads=4, ffn=256)

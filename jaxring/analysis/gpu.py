@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from jaxring import compat
+from jaxring.core import compat
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh, PartitionSpec

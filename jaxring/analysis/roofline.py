@@ -32,7 +32,7 @@ between devices (a causal ring with the contiguous layout; blocks a ring skips a
 run), NVLink latency, and the host (data loading, Python dispatch). So `mfu` bounds what a real step can
 reach; a measured MFU on the GPU will be lower.
 
-Peak figures, HBM and link bandwidth: `jaxring.devices` (the link bandwidth is per direction).
+Peak figures, HBM and link bandwidth: `jaxring.core.accelerators` (the link bandwidth is per direction).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 import dataclasses
 
-from jaxring.devices import DeviceSpec, device_spec
+from jaxring.core.accelerators import DeviceSpec, device_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +91,7 @@ def roofline(
             raise ValueError(f"{name}={value} must be >= 0")
     for name in ("hbm_bytes_per_s", "link_bytes_per_s"):
         if getattr(dev, name) is None:
-            raise ValueError(f"{dev.name} has no {name} in jaxring.devices; pass a DeviceSpec that states it")
+            raise ValueError(f"{dev.name} has no {name} in jaxring.core.accelerators; pass a DeviceSpec that states it")
     top = dev.flops_per_s[dtype]
     compute_s, memory_s = flops / top, bytes_accessed / dev.hbm_bytes_per_s
     comm_s = comm_bytes / dev.link_bytes_per_s

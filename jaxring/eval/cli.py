@@ -2,7 +2,7 @@
 
 CHECKPOINT: a jaxring checkpoint directory (`train.py --checkpoint-dir`) or a Hugging Face one. The plan
 flags are train.py's (`--sp 8 --attention ring --layout zigzag`, `--tp 2 --tensor-parallel megatron`, ...:
-`jaxring.cli`); the model runs as one SPMD program on it. Writes OUT/perplexity.json + perplexity.png or
+`jaxring.run.cli`); the model runs as one SPMD program on it. Writes OUT/perplexity.json + perplexity.png or
 OUT/needle.json + needle.png and prints a table. A mistake (a missing checkpoint, a context the model or plan
 cannot take, a depth outside [0, 1]) ends in one line and exit code 2.
 
@@ -17,8 +17,8 @@ import json
 import os
 import sys
 
-from jaxring.cli import EXIT_USER_ERROR, parse_command_line
-from jaxring.spec import RunSpec
+from jaxring.run.cli import EXIT_USER_ERROR, parse_command_line
+from jaxring.run.spec import RunSpec
 
 PROG = "python -m jaxring.eval"
 
@@ -96,7 +96,7 @@ def _run(args: argparse.Namespace, spec: RunSpec) -> int:
     from tqdm.auto import tqdm
 
     from jaxring.eval import loading, needle, perplexity, plots
-    from jaxring.task import model_family
+    from jaxring.run.task import model_family
 
     if args.command == "needle":  # said before anything loads
         needle.check_depths(args.depths)

@@ -17,8 +17,8 @@ from flax import nnx
 
 from jaxring.data import load_tokenizer
 from jaxring.nn import param_shardings
-from jaxring.plan import ParallelPlan
-from jaxring.task import ModelFamily, model_family
+from jaxring.parallel.plan import ParallelPlan
+from jaxring.run.task import ModelFamily, model_family
 
 HF_CONFIG = "config.json"
 HF_TOKENIZER = "tokenizer.json"

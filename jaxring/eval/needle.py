@@ -12,7 +12,7 @@ correct answer (teacher forcing): the causal model sees the same tokens before p
 by induction over k, greedy decoding reproduces the answer exactly iff at every answer position the
 teacher-forced argmax is the correct token. That is what is scored here, with one sharded forward pass per
 context length on any plan (tests/test_eval.py checks it against token-by-token greedy decoding and
-`models.gpt.generate(temperature=0)`). Ties in the logits go to the first maximum, as jnp.argmax and greedy
+`jaxring.models.gpt.generate(temperature=0)`). Ties in the logits go to the first maximum, as jnp.argmax and greedy
 decoding take them.
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 from jaxring.data import Tokenizer
 from jaxring.eval.loading import LoadedModel, check_tokenizer_fits
 from jaxring.eval.scoring import check_context, token_scores
-from jaxring.plan import ParallelPlan
+from jaxring.parallel.plan import ParallelPlan
 
 FILLER = (
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "

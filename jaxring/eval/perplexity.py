@@ -20,7 +20,7 @@ import numpy as np
 from jaxring.data import Tokenizer
 from jaxring.eval.loading import LoadedModel
 from jaxring.eval.scoring import check_context, token_scores
-from jaxring.plan import ParallelPlan
+from jaxring.parallel.plan import ParallelPlan
 
 
 def bucket_edges(seq_len: int, first: int | None = None) -> list[int]:
@@ -41,9 +41,9 @@ def held_out_rows(
     data: str | None, tokenizer: Tokenizer | None, seq_len: int, batch_size: int, batches: int, vocab_size: int
 ) -> Iterator[dict]:
     """Yields `batches` dicts {"tokens", "targets", "loss_mask"} of int [batch_size, seq_len] rows of the val
-    split of `data` (see `jaxring.spec.DataSettings.data`; None: the bundled corpus), tokenized by `tokenizer`."""
+    split of `data` (see `jaxring.run.spec.DataSettings.data`; None: the bundled corpus), tokenized by `tokenizer`."""
     from jaxring.data import StepBatches, open_token_data
-    from jaxring.spec import RunSpec
+    from jaxring.run.spec import RunSpec
 
     settings = RunSpec.of(data=data, tokenizer=None if tokenizer is None else tokenizer.name).data
     token_data = open_token_data(settings)

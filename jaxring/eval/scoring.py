@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxring.eval.loading import LoadedModel
-from jaxring.plan import ParallelPlan
+from jaxring.parallel.plan import ParallelPlan
 
 
 def padded_batch(plan: ParallelPlan, rows: int) -> int:

@@ -7,8 +7,8 @@
     result.best.candidate.train_flags()          # ["--sp", "8", "--tp", "8", "--attention", ...]
 
 `python -m jaxring.planner --help` is the command line. The cost model (bytes per mesh axis, memory per
-device, step time) is `jaxring/planner/cost.py`; its byte terms equal the compiled train step's
-(`jaxring.planner.compiled.axis_traffic`), tests/test_planner.py checks them and the memory predictions.
+device, step time) is `jaxring/planner/cost_model.py`; its byte terms equal the compiled train step's
+(`jaxring.planner.step_program.axis_traffic`), tests/test_planner.py checks them and the memory predictions.
 """
 
 from jaxring.planner.cluster import DEVICES, Cluster

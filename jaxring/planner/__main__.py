@@ -138,11 +138,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxring.planner.check import GPU_TARGETS, compiled_peak, gpu_target_available
     from jaxring.planner.cluster import Cluster
+    from jaxring.planner.memory_check import GPU_TARGETS, compiled_peak, gpu_target_available
     from jaxring.planner.search import search
     from jaxring.planner.space import Workload
-    from jaxring.task import model_family
+    from jaxring.run.task import model_family
 
     if args.top < 1:
         raise ValueError(f"--top {args.top} must be a positive integer")

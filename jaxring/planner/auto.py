@@ -21,7 +21,7 @@ from jaxring.planner.space import Candidate, Workload
 if TYPE_CHECKING:
     import jax
 
-    from jaxring.spec import RunSpec
+    from jaxring.run.spec import RunSpec
 
 # the spec's parallel settings a search can hold fixed (Candidate's fields have the same names)
 _HELD = ("dp", "pp", "tp", "sp", "ep", "attention", "layout", "tensor_parallel", "zero", "microbatches")

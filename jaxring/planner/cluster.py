@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxring.devices import DEVICES as PEAKS
+from jaxring.core.accelerators import DEVICES as PEAKS
 
 
 def _is_number(v: object) -> bool:

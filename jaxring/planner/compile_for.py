@@ -4,11 +4,11 @@
     ...
     fits: compiled 41.2 GiB per device, estimate 39.8 GiB, budget 67.1 GiB
 
-The run's exact train step (`jaxring.planner.compiled.build_train_step`: the trainer's `TrainStep` with the
+The run's exact train step (`jaxring.planner.step_program.build_train_step`: the trainer's `TrainStep` with the
 run's plan, remat, offload, tiles, accumulation, precision and clipping; the attention's Pallas kernels) is
 compiled for the target's GPU topology without a GPU (deviceless AOT: `jaxring.analysis.gpu`), on abstract
 inputs: nothing is allocated. The last line compares the compiled program's memory per device (argument +
-output + temp - alias bytes of `memory_analysis()`) and the planner's estimate (`jaxring.planner.cost.memory`)
+output + temp - alias bytes of `memory_analysis()`) and the planner's estimate (`jaxring.planner.cost_model.memory`)
 with the budget: --device-memory-gib, else the device's memory times the planner's usable fraction (0.9).
 Exit 0 when it fits, 3 when not. With --plan auto, the planner's ranked plans for the target are compiled in
 order until one fits (at most `TRIES`).
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import jax
 
-    from jaxring.spec import RunSpec
+    from jaxring.run.spec import RunSpec
 
 GIB = 2**30
 EXIT_DOES_NOT_FIT = 3
@@ -95,10 +95,10 @@ def budget_bytes(spec: RunSpec, gpu: str) -> float:
 def lowered_step(spec: RunSpec, devices: list) -> tuple[jax.stages.Lowered, float, str]:
     """(the lowered train step, its estimated bytes per device, the plan) of the resolved run on `devices`
     (abstract GPUs), with the flash kernels; nothing is allocated."""
-    from jaxring.planner import cost
-    from jaxring.planner.compiled import lower_train_step
+    from jaxring.planner import cost_model as cost
     from jaxring.planner.fit import candidate_of, workload_of
     from jaxring.planner.params import param_leaves
+    from jaxring.planner.step_program import lower_train_step
 
     spec = spec.resolved(len(devices))
     spec.validate()

@@ -1,9 +1,9 @@
 """Will a run fit? The planner's memory estimate of a run specification, checked before anything compiles.
 
-    memory = estimate(spec, devices)                 # jaxring.planner.cost.Memory per device, or None
+    memory = estimate(spec, devices)                 # jaxring.planner.cost_model.Memory per device, or None
     check_fits(spec, devices)                        # DoesNotFit (one line) when the estimate exceeds the budget
 
-The estimate is `jaxring.planner.cost.memory` of the run's own plan (the spec's mesh, strategies, remat, tiles,
+The estimate is `jaxring.planner.cost_model.memory` of the run's own plan (the spec's mesh, strategies, remat, tiles,
 offload, micro-batching) for the run's model: per device, the stored state plus the larger of the backward's
 and the update's peak (see `cost.Memory`). It is compared with the device memory: --device-memory-gib when
 given, else the accelerator's own (`memory_stats()["bytes_limit"]`); simulated CPU devices have none, so a CPU
@@ -18,13 +18,13 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from jaxring.planner.cost import Memory
+from jaxring.planner.cost_model import Memory
 from jaxring.planner.space import Candidate, Workload
 
 if TYPE_CHECKING:
     import jax
 
-    from jaxring.spec import RunSpec
+    from jaxring.run.spec import RunSpec
 
 GIB = 2**30
 
@@ -35,7 +35,7 @@ class DoesNotFit(ValueError):
 
 def workload_of(spec: RunSpec) -> Workload:
     """The planner's workload of a (resolved) run specification: its model, sequence, batch and precision."""
-    from jaxring.task import model_family
+    from jaxring.run.task import model_family
 
     t = spec.training
     family = model_family(spec.model.model)
@@ -79,7 +79,7 @@ def candidate_of(spec: RunSpec) -> Candidate:
 
 
 def _memory(w: Workload, c: Candidate, cpu: bool) -> Memory:
-    from jaxring.planner import cost
+    from jaxring.planner import cost_model as cost
     from jaxring.planner.params import param_leaves
 
     plan = c.check(w)

@@ -15,7 +15,7 @@ import jax
 from flax import nnx
 
 if TYPE_CHECKING:
-    from jaxring.plan import ParallelPlan
+    from jaxring.parallel.plan import ParallelPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +32,7 @@ class ParamLeaf:
 @functools.lru_cache(maxsize=16)
 def abstract_state(model: str, config: Any) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, abstract nnx.State) of the model, nothing allocated."""
-    from jaxring.task import model_family
+    from jaxring.run.task import model_family
 
     build = model_family(model).build
     return nnx.split(nnx.eval_shape(lambda: build(config, nnx.Rngs(0))))
@@ -40,7 +40,7 @@ def abstract_state(model: str, config: Any) -> tuple[nnx.GraphDef, nnx.State]:
 
 def param_leaves(model: str, config: Any, plan: ParallelPlan) -> list[ParamLeaf]:
     from jaxring.nn import BIAS, param_placements
-    from jaxring.zero import Placement
+    from jaxring.parallel.zero import Placement
 
     _, state = abstract_state(model, config)
     placements = param_placements(state, plan)

@@ -6,14 +6,14 @@
 
 The recipe is the playbook's ("fit a step in memory, reach the global batch, then maximise throughput") as a
 grid search, WallFacer's Eq. 8 autoscheduler widened from (C, placement) to every axis: mesh degrees
-(dp, pp, tp, sp, ep: their product is the device count), and the registry's entries (`jaxring.registry`):
+(dp, pp, tp, sp, ep: their product is the device count), and the registry's entries (`jaxring.parallel.registry`):
 every sequence strategy (for sp > 1; "dense" for sp = 1) with each combination of the values its options'
 `Option.search` lists (USP's every U, WallFacer's every C and both placements), every tensor method that
 accepts the tp degree and, with sp > 1, runs beside a sequence strategy (`TensorMethod.accepts`,
 `sequence_parallel`), every pipeline schedule with its options' values (interleaved's virtual stages) and the
 micro-batches; the ZeRO stage, remat, and the micro-batch. A plan is kept when the library accepts it
 (`ParallelPlan`, `models/*.check_plan`: the same one-line errors train.py gives) and its predicted memory
-fits; kept plans are ranked by the step time their entries' cost models predict (`jaxring/planner/cost.py`).
+fits; kept plans are ranked by the step time their entries' cost models predict (`jaxring/planner/cost_model.py`).
 fsdp is not searched: dp with a ZeRO stage is the same program.
 """
 
@@ -26,11 +26,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from jaxring.nn import REMAT
-from jaxring.planner import cost
-from jaxring.planner.cluster import Cluster
-from jaxring.planner.params import param_leaves
-from jaxring.planner.space import Candidate, Workload
-from jaxring.registry import (
+from jaxring.parallel.registry import (
     all_options,
     pipeline_schedule,
     pipeline_schedules,
@@ -38,9 +34,13 @@ from jaxring.registry import (
     tensor_method,
     tensor_methods,
 )
+from jaxring.planner import cost_model as cost
+from jaxring.planner.cluster import Cluster
+from jaxring.planner.params import param_leaves
+from jaxring.planner.space import Candidate, Workload
 
 if TYPE_CHECKING:
-    from jaxring.plan import ParallelPlan
+    from jaxring.parallel.plan import ParallelPlan
 
 MEMORY_SETTINGS = ("loss_tile", "mlp_tile", "offload")
 
@@ -240,7 +240,7 @@ def schedule_choices(pp: int, layers: int) -> list[tuple[str, dict]]:
 @functools.lru_cache(maxsize=256)
 def _stage_chunks(schedule: str, pp: int, options: tuple) -> int | None:
     """Layer chunks per stage of the schedule's table (its virtual stages), None when the options are refused."""
-    from jaxring.pipeline import make_schedule
+    from jaxring.parallel.pipeline import make_schedule
 
     try:
         return make_schedule(schedule, pp, pp, **dict(options)).virtual_stages

@@ -42,7 +42,7 @@ from typing import Any
 
 import jax
 
-from jaxring.spec import RunSpec
+from jaxring.run.spec import RunSpec
 from jaxring.train.checkpoint import Checkpointer, NonFiniteStateError
 from jaxring.train.guard import Diverged, DivergenceGuard
 from jaxring.train.metrics import (

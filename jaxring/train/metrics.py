@@ -6,15 +6,15 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from jaxring.spec import RunSpec
+    from jaxring.run.spec import RunSpec
 
 import jax
 
-from jaxring.devices import device_spec_of
+from jaxring.core.accelerators import device_spec_of
 
 
 def peak_flops(device: jax.Device, precision: str) -> float | None:
-    """Per-device peak FLOP/s for MFU (`jaxring.devices`), or None (CPU, unknown device)."""
+    """Per-device peak FLOP/s for MFU (`jaxring.core.accelerators`), or None (CPU, unknown device)."""
     spec = device_spec_of(device)
     return None if spec is None else spec.peak_flops(precision)
 

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from jaxring.spec import ClusterSettings, RunSpec
+    from jaxring.run.spec import ClusterSettings, RunSpec
 
 import hashlib
 import json
@@ -326,7 +326,7 @@ def initialize(
 
 
 def _check_cpu_devices(count: int | None) -> None:
-    from jaxring.platform import check_cpu_devices
+    from jaxring.core.device_setup import check_cpu_devices
 
     try:
         check_cpu_devices(count)
@@ -355,7 +355,7 @@ def detected_cluster(environ: Mapping[str, str] | None = None) -> str | None:
 def start_processes(
     cluster: ClusterSettings, settings: dict | None = None, *, log: Callable[[str], None] = print
 ) -> str | None:
-    """Starts the run's processes from its cluster settings (`jaxring.spec.ClusterSettings`): with
+    """Starts the run's processes from its cluster settings (`jaxring.run.spec.ClusterSettings`): with
     --coordinator / --num-processes / --process-id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
     JAX_PROCESS_ID) through `initialize`; else, inside a SLURM job or an Open MPI launch of several tasks,
     through `jax.distributed.initialize()`'s own cluster detection (then the settings' hashes are compared

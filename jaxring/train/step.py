@@ -30,13 +30,13 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxring import zero
+from jaxring.core.vma import vary, vary_like, varying_axes
 from jaxring.nn import Layers, offloaded
-from jaxring.vma import vary, vary_like, varying_axes
+from jaxring.parallel import zero
 
 if TYPE_CHECKING:
-    from jaxring.plan import ParallelPlan
-    from jaxring.task import Objective
+    from jaxring.parallel.plan import ParallelPlan
+    from jaxring.run.task import Objective
 
 
 def psum_varying(x: jax.Array, exclude: Iterable[str] = ()) -> jax.Array:
@@ -79,9 +79,9 @@ class TrainStep:
     """The jitted update and held-out loss of a model on a plan (see the module docstring).
 
     task: the objective, with `prepare(batch, key) -> inputs` (global arrays, outside the shard_map),
-    `input_specs(plan)`, `embed`/`layer`/`head` on local shards (`jaxring.task.Objective`; aux: dict of fp32
+    `input_specs(plan)`, `embed`/`layer`/`head` on local shards (`jaxring.run.task.Objective`; aux: dict of fp32
     sums, e.g. MoE statistics) and `loss_count` (the global count the loss is a mean over);
-    e.g. `models.gpt.NextTokenObjective`, `models.dit.FlowMatchingObjective`. tx may be None for
+    e.g. `jaxring.models.gpt.NextTokenObjective`, `jaxring.models.dit.FlowMatchingObjective`. tx may be None for
     `build_grads`/`build_eval`.
     """
 
@@ -172,9 +172,9 @@ class TrainStep:
 
     def _pipeline_value_and_grad(self, params: dict, inputs: Any):
         """Loss, aux and gradients with the layer stack split over pp, run by the plan's schedule
-        (`jaxring.pipeline`): embed on the first virtual stage, chunks of `Layers` on every stage, the head and
+        (`jaxring.parallel.pipeline`): embed on the first virtual stage, chunks of `Layers` on every stage, the head and
         loss on the last. The pipeline's micro-batches are the step's gradient accumulation."""
-        from jaxring.pipeline import pipeline_loss_and_grads
+        from jaxring.parallel.pipeline import pipeline_loss_and_grads
 
         stage, plan, task = self.stage, self.plan, self.task
         schedule = plan.schedule
@@ -294,7 +294,7 @@ class TrainStep:
         def step(params: dict, opt_state: optax.OptState, batch: dict, key: jax.Array, max_loss: jax.Array):
             if self.offload_optimizer:
                 # already there on real devices; typed so on abstract ones (which list no host memory, see
-                # jaxring.compat.place_in_host_memory), so that the update moves it in and out the same way
+                # jaxring.core.compat.place_in_host_memory), so that the update moves it in and out the same way
                 opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
             return body(params, opt_state, self.task.prepare(batch, key), max_loss)
 

@@ -15,10 +15,10 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxring.core.precision import compute_dtype
 from jaxring.nn import param_placements
-from jaxring.precision import compute_dtype
-from jaxring.spec import RunSpec
-from jaxring.task import model_family
+from jaxring.run.spec import RunSpec
+from jaxring.run.task import model_family
 from jaxring.train.checkpoint import Checkpointer
 from jaxring.train.step import TrainStep
 

@@ -23,7 +23,7 @@ if "google.colab" in sys.modules:
 FAST = os.environ.get("JAXRING_NOTEBOOK_FAST", "0") == "1"
 
 import jaxring
-from jaxring.platform import describe_devices, use_cpu_devices_if_no_accelerator
+from jaxring.core.device_setup import describe_devices, use_cpu_devices_if_no_accelerator
 
 # The accelerators if there are any, else 8 simulated CPU devices. This must run before anything asks JAX
 # for its devices (afterwards the CPU device count is fixed).
@@ -119,7 +119,7 @@ for name, g, g_ref in zip(("dq", "dk", "dv"), ring_grad(q, k, v, dout), referenc
 # %% [markdown]
 # ### Time and memory
 #
-# Each function is compiled once (`jax.jit`), then `jaxring.timing.median_seconds` runs it once to warm up
+# Each function is compiled once (`jax.jit`), then `jaxring.core.timing.median_seconds` runs it once to warm up
 # and reports the median of a few timed runs (it waits for the result with `jax.block_until_ready`).
 # `jaxring.analysis.compile_stats(fn, *args)` jits `fn` too (the compiled program comes from jit's cache) and
 # reads the **per-device** memory of the compiled program (`memory_analysis()`: arguments, outputs and
@@ -127,7 +127,7 @@ for name, g, g_ref in zip(("dq", "dk", "dv"), ring_grad(q, k, v, dout), referenc
 
 # %%
 from jaxring.analysis import compile_stats
-from jaxring.timing import median_seconds
+from jaxring.core.timing import median_seconds
 
 RUNS = 2 if FAST else 3
 print(f"{'':34s} {'median time':>12s} {'temp memory / device':>21s} {'bytes sent / device':>20s}")

@@ -19,11 +19,11 @@
 # Options: `layout=` (`"contiguous"`, `"zigzag"`, `"striped"`; WallFacer takes the first two) for all;
 # `team_size=C` (C² divides `sp`) and `placement=` (`"team_inner"` / `"ring_inner"`: which devices are
 # neighbours) for WallFacer; `ulysses_size=U` (U divides `sp`) for USP. The strategies, their options and
-# their rules come from one registry, `jaxring.registry.sequence_strategies()`, which `sharded_attention`,
+# their rules come from one registry, `jaxring.parallel.registry.sequence_strategies()`, which `sharded_attention`,
 # `ParallelPlan`, `train.py`'s flags and the error messages all read.
 #
 # Section 4 does the same for tensor parallelism: Megatron TP+SP, Optimus (2D SUMMA) and METP, the three
-# methods of `jaxring.tensor`, on one layer's MLP and attention. Section 5 combines the two families,
+# methods of `jaxring.parallel.tensor`, on one layer's MLP and attention. Section 5 combines the two families,
 # Megatron over `tp` with each sequence strategy over `sp` in one program, and section 6 measures the ZeRO
 # stages of a whole train step: the bytes each moves and the memory each saves.
 
@@ -41,7 +41,7 @@ if "google.colab" in sys.modules:
 FAST = os.environ.get("JAXRING_NOTEBOOK_FAST", "0") == "1"
 
 import jaxring
-from jaxring.platform import describe_devices, use_cpu_devices_if_no_accelerator
+from jaxring.core.device_setup import describe_devices, use_cpu_devices_if_no_accelerator
 
 # The accelerators if there are any, else 8 simulated CPU devices. This must run before anything asks JAX
 # for its devices (afterwards the CPU device count is fixed).
@@ -102,9 +102,9 @@ def forward_backward(options):
 FORWARD_BACKWARD = {name: forward_backward(options) for name, options in CONFIGS.items()}
 
 
-from jaxring.registry import sequence_strategies
+from jaxring.parallel.registry import sequence_strategies
 
-print("the registry (jaxring.registry.sequence_strategies()):")
+print("the registry (jaxring.parallel.registry.sequence_strategies()):")
 for name, strategy in sequence_strategies().items():
     options = ", ".join(strategy.option_names()) or "-"
     print(f"  {name:10s} options: {options:23s} {strategy.summary}")
@@ -243,7 +243,7 @@ import itertools
 
 from jax.sharding import PartitionSpec as PS
 
-from jaxring.attention.wallfacer import WF_AXES, wallfacer_attention, wallfacer_mesh
+from jaxring.parallel.sequence.wallfacer import WF_AXES, wallfacer_attention, wallfacer_mesh
 
 
 def forward_kernel_bytes(local, kernel_mesh, seq_axes, x):
@@ -331,7 +331,7 @@ for name in ("rsa", "ring zigzag"):
 # ## 4. Tensor parallelism: Megatron TP+SP, Optimus and METP
 #
 # The strategies above split attention over the sequence and leave the weights whole on every device.
-# `jaxring.tensor` splits the **layer** instead, three ways:
+# `jaxring.parallel.tensor` splits the **layer** instead, three ways:
 #
 # | module | paper | mesh here | each device holds | what moves between devices |
 # |---|---|---|---|---|
@@ -339,7 +339,7 @@ for name in ("rsa", "ring zigzag"):
 # | `optimus` | Optimus (Xu et al.): 2D SUMMA | `dp = 2 × tp = 4`, the tp axis a 2×2 grid | `[b/q, s, h/q]` and one `q×q` block of every weight | for each of `q` SUMMA steps one block of an operand, broadcast along a grid row or column by a binomial tree |
 # | `metp` | METP (memory-efficient TP) | `tp = 8` | the token shard `[b, s/p, h]` and `1/p` of every weight | weights: the FFN's weight blocks go round a ring; attention broadcasts each head group's weights and rings K/V |
 #
-# Inside a model, each method is a `TensorMethod` (`jaxring/tensor/contract.py`): local layer functions that
+# Inside a model, each method is a `TensorMethod` (`jaxring/parallel/tensor/contract.py`): local layer functions that
 # run inside the train step's one `shard_map`, and the layout of the arrays between layers (section 5 uses
 # it). For a single layer on global arrays, all three also give the same convenience functions, thin
 # wrappers that run the same local functions in their own `jax.shard_map`: `mlp_block(x, params, mesh=)`,
@@ -351,8 +351,8 @@ for name in ("rsa", "ring zigzag"):
 # %%
 from functools import partial
 
-from jaxring.rope import apply_rope
-from jaxring.tensor import megatron, metp, optimus
+from jaxring.kernels.rope import apply_rope
+from jaxring.parallel.tensor import megatron, metp, optimus
 
 Q = max(q for q in range(1, P + 1) if P % (q * q) == 0)  # Optimus: the largest q×q grid that divides P
 TP_METHODS = {  # name -> (module, mesh)
@@ -727,7 +727,7 @@ if Q > 1:
 # %%
 from jax.sharding import NamedSharding
 
-from jaxring.tensor.optimus import GRID, grid_mesh
+from jaxring.parallel.tensor.optimus import GRID, grid_mesh
 
 grid, q_grid, _ = grid_mesh(TP_METHODS["optimus"][1])
 block = PS(*GRID)
@@ -789,7 +789,7 @@ for label, fn in (("stepwise SUMMA (optimus.summa_ab)", optimus.summa_ab), ("gat
 from flax import nnx
 
 from jaxring.nn import Attention, param_placements
-from jaxring.plan import ParallelPlan
+from jaxring.parallel.plan import ParallelPlan
 
 TPSP_TP, TPSP_SP = (2, P // 2) if P >= 4 else (1, P)
 TPSP_OPTIONS = {"wallfacer": dict(team_size=2), "usp": dict(ulysses_size=2)}  # the strategies' required options
@@ -991,7 +991,7 @@ if P >= 4:
 # gradients 4 bytes each, and `k = 8` bytes of Adam moments (fp32 weights are their own master copy).
 #
 # `ParallelPlan(mesh, zero=stage)` (`RunSpec.of(zero=...)`, `train.py --zero`) picks the stage, and
-# `jaxring/zero.py` writes each as exactly those collectives inside the train step's `shard_map`, over the
+# `jaxring/parallel/zero.py` writes each as exactly those collectives inside the train step's `shard_map`, over the
 # plan's replica axes (the data axes and `sp`: every axis a weight is replicated on). We compile the train
 # step (`jaxring.train.step.TrainStep`, what `Trainer` runs: forward, backward, gradient reduction,
 # clipping and AdamW) of a 4-layer GPT on `dp = 8` for each stage, with abstract inputs (nothing runs), and
@@ -1002,10 +1002,10 @@ if P >= 4:
 import re
 
 import optax
+from jaxring.models import gpt
 
 from jaxring.analysis.compiled import collective_traffic
 from jaxring.train.step import TrainStep
-from models import gpt
 
 ZERO_N = P
 ZERO_CFG = gpt.GPTConfig(vocab_size=256, num_layers=4, hidden=128, num_heads=4, ffn=512)

@@ -37,7 +37,7 @@ if "google.colab" in sys.modules:
 FAST = os.environ.get("JAXRING_NOTEBOOK_FAST", "0") == "1"
 
 import jaxring
-from jaxring.platform import describe_devices, use_cpu_devices_if_no_accelerator
+from jaxring.core.device_setup import describe_devices, use_cpu_devices_if_no_accelerator
 
 # The accelerators if there are any, else 8 simulated CPU devices. This must run before anything asks JAX
 # for its devices (afterwards the CPU device count is fixed).
@@ -47,7 +47,7 @@ print("devices:", describe_devices(devices), "| FAST mode" if FAST else "")
 # %% [markdown]
 # ## 1. Settings
 #
-# `jaxring.spec.RunSpec` is the run specification: everything `python train.py` takes as flags, in typed
+# `jaxring.run.spec.RunSpec` is the run specification: everything `python train.py` takes as flags, in typed
 # sections (`model`, `training`, `optimizer`, `parallel`, `output`, ...). `RunSpec.of(...)` takes the flags'
 # names with underscores (`--batch-size` is `batch_size=`) and `spec.updated(...)` changes some of them in a
 # copy. Among them: the model preset, the mesh degrees (`dp`, `fsdp`, `tp`, `sp`; they must multiply to the
@@ -71,7 +71,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.ticker import MaxNLocator
 
-from jaxring.spec import RunSpec
+from jaxring.run.spec import RunSpec
 from jaxring.train.loop import Trainer, train
 
 N = min(8, 2 ** (len(devices).bit_length() - 1))  # a power of two of the devices, at most 8
@@ -199,7 +199,7 @@ for label in ("B", "C", "D"):
 # %% [markdown]
 # ## 3. Generating text
 #
-# `models.gpt.generate(model, plan, prompts, max_new_tokens, temperature=..., top_k=..., top_p=..., key=...)`
+# `jaxring.models.gpt.generate(model, plan, prompts, max_new_tokens, temperature=..., top_k=..., top_p=..., key=...)`
 # samples one byte at a time for a batch of prompts (`stop_tokens=` ends a prompt at its first end-of-sequence
 # id, as `eos_token_id` does in transformers): one forward pass over the prompts fills a KV cache
 # (sharded over the plan's `sp` like the training sequence), then each new token attends that cache. Here we
@@ -208,9 +208,9 @@ for label in ("B", "C", "D"):
 
 # %%
 from flax import nnx
+from jaxring.models import gpt
 
-from jaxring.plan import ParallelPlan
-from models import gpt
+from jaxring.parallel.plan import ParallelPlan
 
 one_device = ParallelPlan(jaxring.make_mesh(devices=use[:1]))
 graphdef, state = nnx.split(trainer_b.model())

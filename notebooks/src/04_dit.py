@@ -29,7 +29,7 @@ if "google.colab" in sys.modules:
 # FAST=1 (set by the tests) keeps every size small; leave it unset to see realistic sizes.
 FAST = os.environ.get("JAXRING_NOTEBOOK_FAST", "0") == "1"
 
-from jaxring.platform import describe_devices, use_cpu_devices_if_no_accelerator
+from jaxring.core.device_setup import describe_devices, use_cpu_devices_if_no_accelerator
 
 # The accelerators if there are any, else 8 simulated CPU devices. This must run before anything asks JAX
 # for its devices (afterwards the CPU device count is fixed).
@@ -49,10 +49,10 @@ print("devices:", describe_devices(devices), "| FAST mode" if FAST else "")
 import jax
 import matplotlib.pyplot as plt
 import numpy as np
+from jaxring.models import dit
 
-from jaxring.spec import RunSpec
+from jaxring.run.spec import RunSpec
 from jaxring.train.loop import Trainer
-from models import dit
 
 N = min(8, 2 ** (len(devices).bit_length() - 1))  # a power of two of the devices, at most 8
 use = devices[:N]
@@ -144,7 +144,7 @@ plt.show()
 # %% [markdown]
 # ## 3. Sampling
 #
-# `models.dit.sample(model, plan, labels, key, num_steps=..., cfg_scale=...)` starts from Gaussian noise
+# `jaxring.models.dit.sample(model, plan, labels, key, num_steps=..., cfg_scale=...)` starts from Gaussian noise
 # and takes `num_steps` Euler steps of `dx/dt = v`. With `cfg_scale > 1` it uses classifier-free guidance:
 # each step also runs the model with the "null" class (the model learnt it from the 10% of training labels
 # that were dropped) and moves further in the direction the class label adds. Sampling runs on the

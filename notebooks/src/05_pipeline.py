@@ -47,7 +47,7 @@ FAST = os.environ.get("JAXRING_NOTEBOOK_FAST", "0") == "1"
 import jax
 
 import jaxring
-from jaxring.platform import describe_devices, use_cpu_devices_if_no_accelerator
+from jaxring.core.device_setup import describe_devices, use_cpu_devices_if_no_accelerator
 
 # The meshes below need 8 devices: 8 accelerators if there are that many, else 8 simulated CPU devices.
 # This must run before anything asks JAX for its devices (afterwards the CPU device count is fixed).
@@ -58,15 +58,15 @@ print("devices:", describe_devices(devices), "| FAST mode" if FAST else "")
 # %% [markdown]
 # ## 1. A schedule is a table
 #
-# `jaxring.pipeline.make_schedule(name, num_stages, num_microbatches, virtual_stages=1)` builds the table:
+# `jaxring.parallel.pipeline.make_schedule(name, num_stages, num_microbatches, virtual_stages=1)` builds the table:
 # for every tick, each stage's action (`F` forward, `BW` whole backward, or for zero-bubble `B` and `W`),
 # the micro-batch it works on, and for interleaved the chunk. Each schedule is written as every stage's
-# *order* of actions (the paper's algorithm box, in `jaxring/pipeline/schedules.py`), and each action is put
+# *order* of actions (the paper's algorithm box, in `jaxring/parallel/pipeline/schedules.py`), and each action is put
 # on the earliest tick its inputs allow. Here is 1F1B with `p = 4` stages and `m = 8` micro-batches
 # (`F3` is the forward of micro-batch 3, `.` an idle tick):
 
 # %%
-from jaxring.pipeline import make_schedule, plot_schedule, simulate
+from jaxring.parallel.pipeline import make_schedule, plot_schedule, simulate
 
 P, M = 4, 8
 print(make_schedule("1f1b", num_stages=P, num_microbatches=M))
@@ -205,7 +205,7 @@ import tempfile
 
 from matplotlib.ticker import MaxNLocator
 
-from jaxring.spec import RunSpec
+from jaxring.run.spec import RunSpec
 from jaxring.train.loop import train
 
 STEPS = 3 if FAST else 30
@@ -288,12 +288,12 @@ for label in RUNS:
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jaxring.models import gpt
 
 from jaxring.nn import param_placements
-from jaxring.pipeline.traffic import stage_link_bytes
-from jaxring.plan import ParallelPlan
+from jaxring.parallel.pipeline.traffic import stage_link_bytes
+from jaxring.parallel.plan import ParallelPlan
 from jaxring.train.step import TrainStep
-from models import gpt
 
 MICRO = 4  # sequences per micro-batch: one per dp replica
 SEQ = BASE.training.seq_len

@@ -45,7 +45,7 @@ FAST = os.environ.get("JAXRING_NOTEBOOK_FAST", "0") == "1"
 import jax
 
 import jaxring
-from jaxring.platform import describe_devices, use_cpu_devices_if_no_accelerator
+from jaxring.core.device_setup import describe_devices, use_cpu_devices_if_no_accelerator
 
 # The meshes below need 8 devices: 8 accelerators if there are that many, else 8 simulated CPU devices.
 # This must run before anything asks JAX for its devices (afterwards the CPU device count is fixed).
@@ -69,11 +69,11 @@ import tempfile
 
 import matplotlib.pyplot as plt
 import numpy as np
+from jaxring.models import gpt
 from matplotlib.ticker import MaxNLocator
 
-from jaxring.spec import RunSpec
+from jaxring.run.spec import RunSpec
 from jaxring.train.loop import train
-from models import gpt
 
 STEPS = 3 if FAST else 300
 BASE = RunSpec.of(
@@ -258,7 +258,7 @@ from flax import nnx
 
 from jaxring.analysis.compiled import collective_traffic
 from jaxring.nn import param_placements
-from jaxring.plan import ParallelPlan
+from jaxring.parallel.plan import ParallelPlan
 from jaxring.train.step import TrainStep
 
 EP_MESH = dict(ep=4, dp=2)

@@ -4,7 +4,7 @@
 # Which mesh, sequence strategy, tensor method, ZeRO stage, pipeline schedule, remat and micro-batch should a
 # run use? `jaxring.planner` answers by searching every plan the library can run for a workload on a cluster
 # and ranking the ones that fit in memory by a predicted step time. Its cost model
-# (`jaxring/planner/cost.py`, one file) writes down the papers' formulas: the bytes each strategy moves over
+# (`jaxring/planner/cost_model.py`, one file) writes down the papers' formulas: the bytes each strategy moves over
 # each mesh axis (ring attention, Ulysses, USP, WallFacer, RSA, Megatron, METP, Optimus, ZeRO, pipelines,
 # experts), what each device keeps for the backward, and FLOPs.
 #
@@ -32,7 +32,7 @@ if "google.colab" in sys.modules:
 # FAST=1 (set by the tests) keeps every size small; leave it unset to see realistic sizes.
 FAST = os.environ.get("JAXRING_NOTEBOOK_FAST", "0") == "1"
 
-from jaxring.platform import use_cpu_devices_if_no_accelerator
+from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 
 # 8 simulated CPU devices for the compile checks of section 2 (the planner itself runs nothing on a device).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -125,10 +125,11 @@ except NoPlanError as e:
 # %%
 import dataclasses
 
-from jaxring.planner import cost
-from jaxring.planner.compiled import axis_traffic, compile_train_step
+from jaxring.models import gpt
+
+from jaxring.planner import cost_model as cost
 from jaxring.planner.params import param_leaves
-from models import gpt
+from jaxring.planner.step_program import axis_traffic, compile_train_step
 
 small = Workload(
     "gpt",

@@ -33,7 +33,7 @@ if "google.colab" in sys.modules:
 # FAST=1 (set by the tests) keeps every size small; leave it unset to see realistic sizes.
 FAST = os.environ.get("JAXRING_NOTEBOOK_FAST", "0") == "1"
 
-from jaxring.platform import describe_devices, use_cpu_devices_if_no_accelerator
+from jaxring.core.device_setup import describe_devices, use_cpu_devices_if_no_accelerator
 
 devices = use_cpu_devices_if_no_accelerator(8)
 print("devices:", describe_devices(devices), "| FAST mode" if FAST else "")
@@ -53,7 +53,7 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
 import jaxring
-from jaxring.spec import RunSpec
+from jaxring.run.spec import RunSpec
 from jaxring.train.loop import train
 
 N = min(8, 2 ** (len(devices).bit_length() - 1))  # a power of two of the devices, at most 8

@@ -1,0 +1,2 @@
+"""The bottom layer: meshes and devices, the private JAX APIs (`compat`), collectives, precision, tiling.
+It imports nothing else of jaxring."""

@@ -1,0 +1,191 @@
+"""Every use of JAX's private APIs (`jax._src`, `jaxlib` internals, private attributes, `jax.extend.core`'s
+jaxpr types) in jaxring, each behind a small named function, so a JAX upgrade is checked in this one file.
+
+Each function says what it does and the JAX versions it was checked on. A function that may be missing on
+another JAX raises ImportError or AttributeError from JAX itself; where jaxring has a fallback, a `has_...`
+function says whether the private API is there.
+
+Sections (one per area; add new uses to the matching one, or a new section):
+  collectives      lowering of collective primitives (jaxring/core/collectives.py)
+  varying types    shard_map's varying-axes (check_vma) collectives (jaxring/core/vma.py)
+  jaxprs           tracing, dead-code elimination and partial evaluation of jaxprs (jaxring/parallel/pipeline/)
+  backends         JAX's backends and XLA's HLO cost analysis (jaxring/analysis/gpu.py)
+  memory kinds     host-memory arguments of a deviceless GPU program (jaxring/planner/step_program.py)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
+
+__all__ = [
+    "ClosedJaxpr",
+    "all_gather_invariant",
+    "backends_started",
+    "close_jaxpr",
+    "dce_jaxpr",
+    "eval_closed_jaxpr",
+    "executable_cost_analysis",
+    "has_all_gather_invariant",
+    "hlo_cost_analysis",
+    "is_literal",
+    "partial_eval_jaxpr",
+    "place_in_host_memory",
+    "register_cpu_ppermute_lowering_with_own_channels",
+]
+
+
+# --------------------------------------------------------------------------------------------- collectives
+
+
+def register_cpu_ppermute_lowering_with_own_channels() -> bool:
+    """Registers, for the CPU platform, a lowering of `lax.ppermute` that gives every collective-permute a
+    channel id of its own (JAX gives all of them channel 1 inside shard_map). Returns False, changing nothing,
+    when JAX's internals moved (jax._src.interpreters.mlir, jax._src.lax.parallel's
+    `_pcollectives_lowering_common`). Checked on jax 0.10.2. Used by `jaxring.core.collectives`."""
+    try:
+        from jax._src.interpreters import mlir
+        from jax._src.lax import parallel
+        from jax._src.lib.mlir.dialects import hlo
+
+        common = parallel._pcollectives_lowering_common
+    except (ImportError, AttributeError):
+        return False
+
+    def lowering(ctx: Any, x: Any, *, axis_name: Any, perm: Any) -> Any:
+        full_perm, options = common(ctx, axis_name=axis_name, perm=perm, op_name="ppermute")
+        if "channel_handle" in options:
+            options = dict(
+                channel_handle=hlo.ChannelHandle.get(ctx.module_context.new_channel(), mlir.DEVICE_TO_DEVICE_TYPE)
+            )
+        return hlo.CollectivePermuteOp(x, mlir.dense_int_elements(full_perm), **options).results
+
+    mlir.register_lowering(parallel.ppermute_p, lowering, platform="cpu")
+    return True
+
+
+# ------------------------------------------------------------------------------------------- varying types
+
+
+def has_all_gather_invariant() -> bool:
+    """Whether this JAX has `all_gather_invariant` (checked on jax 0.10.2, where it is private)."""
+    try:
+        from jax._src.lax.parallel import all_gather_invariant  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def all_gather_invariant(x: jax.Array, axes: str | tuple[str, ...], axis: int) -> jax.Array:
+    """Tiled all-gather of x's pieces along `axis` over the mesh `axes`, typed invariant (replicated) over them
+    under check_vma, so its transpose is a slice rather than a psum_scatter. `jax._src.lax.parallel.
+    all_gather_invariant(..., tiled=True)`; checked on jax 0.10.2."""
+    from jax._src.lax.parallel import all_gather_invariant as gather
+
+    return gather(x, axes, axis=axis, tiled=True)
+
+
+# ------------------------------------------------------------------------------------------------- jaxprs
+
+
+def close_jaxpr(jaxpr: Any, consts: list) -> ClosedJaxpr:
+    """A `ClosedJaxpr` of an open jaxpr and its constants (`jax.extend.core.ClosedJaxpr`; checked on jax
+    0.10.2)."""
+    return ClosedJaxpr(jaxpr, consts)
+
+
+def eval_closed_jaxpr(closed: ClosedJaxpr, args: list) -> list:
+    """The outputs of a closed jaxpr at `args`, traced into the current trace (`jax.extend.core.jaxpr_as_fun`;
+    checked on jax 0.10.2)."""
+    return jaxpr_as_fun(closed)(*args)
+
+
+def is_literal(var: Any) -> bool:
+    """Whether a jaxpr variable is a literal constant (`jax.extend.core.Literal`; checked on jax 0.10.2)."""
+    return isinstance(var, Literal)
+
+
+def dce_jaxpr(jaxpr: Any, used_outputs: list[bool], instantiate: bool = False) -> tuple[Any, list[bool]]:
+    """Dead-code elimination of an open jaxpr: (the jaxpr computing only `used_outputs`, which of its inputs
+    that reads). `jax._src.interpreters.partial_eval.dce_jaxpr`; checked on jax 0.10.2."""
+    from jax._src.interpreters import partial_eval as pe
+
+    return pe.dce_jaxpr(jaxpr, list(used_outputs), instantiate=instantiate)
+
+
+def partial_eval_jaxpr(closed: ClosedJaxpr, unknowns: list[bool], instantiate: bool = False) -> tuple:
+    """Splits a closed jaxpr by which inputs are unknown (the machinery of `jax.linearize`): (known jaxpr:
+    known inputs -> known outputs + residuals, unknown jaxpr: residuals + unknown inputs -> unknown outputs,
+    which outputs are unknown, the residuals' avals). `jax._src.interpreters.partial_eval.partial_eval_jaxpr_nounits`;
+    checked on jax 0.10.2."""
+    from jax._src.interpreters import partial_eval as pe
+
+    return pe.partial_eval_jaxpr_nounits(closed, unknowns, instantiate=instantiate)
+
+
+# ----------------------------------------------------------------------------------------------- backends
+
+
+def backends_started() -> bool:
+    """Whether JAX has already initialised its backends (after which `jax_platforms` no longer takes effect).
+    Reads the private `jax._src.xla_bridge._backends`; checked on jax 0.10.2."""
+    from jax._src import xla_bridge
+
+    return bool(getattr(xla_bridge, "_backends", None))
+
+
+def hlo_cost_analysis(hlo_text: str) -> dict[str, float]:
+    """XLA's HloCostAnalysis (flops, transcendentals, bytes accessed, ...) of an HLO module given as text, run
+    by the host's CPU client. `jaxlib._hlo.hlo_module_from_text` and `jax._src.lib._jax.hlo_module_cost_analysis`;
+    checked on jax 0.10.2."""
+    import jaxlib._hlo as hlo_lib
+    from jax._src import xla_bridge
+    from jax._src.lib import _jax
+
+    return _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), hlo_lib.hlo_module_from_text(hlo_text))
+
+
+def executable_cost_analysis(compiled: jax.stages.Compiled) -> list[dict[str, float]]:
+    """XLA's HloCostAnalysis of each HLO module of a compiled program (`jax.stages.Compiled`), run by the host's
+    CPU client. `Compiled.runtime_executable()` and `jax._src.lib._jax.hlo_module_cost_analysis`; checked on jax
+    0.10.2."""
+    from jax._src import xla_bridge
+    from jax._src.lib import _jax
+
+    backend = xla_bridge.get_backend("cpu")
+    return [_jax.hlo_module_cost_analysis(backend, m) for m in compiled.runtime_executable().hlo_modules()]
+
+
+# -------------------------------------------------------------------------------------------- memory kinds
+
+
+def place_in_host_memory(lowered: jax.stages.Lowered, arguments: set[int], results: set[int]) -> None:
+    """Marks the flat arguments (by their index among the jitted function's leaves) and results of `lowered`
+    as living in pinned host memory, in place, before it is compiled.
+
+    For deviceless GPU compiles: the abstract devices of a topology list no memories, so a NamedSharding's
+    memory_kind="pinned_host" is dropped there and the arguments would be typed device. The lowered module
+    gets the `mhlo.memory_kind = "pinned_host"` attribute that jit gives such arguments on real devices.
+    Uses the lowering's `kept_var_idx` (arguments jit dropped as unused) and mutates `compiler_ir()`, which
+    `Lowered.compile` compiles. Checked on jax 0.10.2."""
+    from jax._src.lib.mlir import ir
+
+    module = lowered.compiler_ir("stablehlo")
+    kept = sorted(lowered._lowering.compile_args["kept_var_idx"])
+    position = {leaf: i for i, leaf in enumerate(kept)}
+    main = next(op for op in module.body.operations if ir.StringAttr(op.attributes["sym_name"]).value == "main")
+
+    def marked(name: str, indices: set[int]) -> ir.ArrayAttr:
+        attrs = []
+        for i, attr in enumerate(ir.ArrayAttr(main.attributes[name])):
+            entries = {a.name: a.attr for a in ir.DictAttr(attr)}
+            if i in indices:
+                entries["mhlo.memory_kind"] = ir.StringAttr.get("pinned_host")
+            attrs.append(ir.DictAttr.get(entries))
+        return ir.ArrayAttr.get(attrs)
+
+    with module.context:
+        main.attributes["arg_attrs"] = marked("arg_attrs", {position[a] for a in arguments if a in position})
+        main.attributes["res_attrs"] = marked("res_attrs", set(results))

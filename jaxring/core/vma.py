@@ -1,0 +1,52 @@
+"""Varying mesh axes (shard_map's check_vma types): which axes a value varies over, and casts to more.
+
+Casting a replicated value to "varying" is the identity forward; its transpose is a psum over the added
+axes, which is how a weight replicated over the data axes gets its summed gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxring.core import compat
+
+
+def varying_axes(x: jax.typing.ArrayLike) -> frozenset:
+    """The mesh axes x varies over (empty outside shard_map, or with check_vma=False)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", frozenset()))
+
+
+def vary(x: jax.Array, axes: Iterable[str]) -> jax.Array:
+    """x made varying over `axes` as well."""
+    missing = tuple(sorted(frozenset(axes) - varying_axes(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """x made varying over every axis `like` varies over (e.g. a loop carry that will mix with `like`)."""
+    return vary(x, varying_axes(like))
+
+
+def common_vma(*xs: jax.Array) -> tuple[jax.Array, ...]:
+    """Every array of the pytree(s) cast to the union of their varying axes (None leaves stay None)."""
+    axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(xs)))
+    return jax.tree.map(lambda x: vary(x, axes), xs)
+
+
+def gather_invariant(x: jax.Array, axes: str | tuple[str, ...], axis: int) -> jax.Array:
+    """All-gather of x's pieces along `axis` over the mesh `axes`, typed replicated over them (its transpose is
+    a slice: the caller's cotangent is already the same everywhere). Falls back to a zero-padded psum (twice
+    the bytes, same value) on a jax without `all_gather_invariant`."""
+    if compat.has_all_gather_invariant():
+        return compat.all_gather_invariant(x, axes, axis)
+    n = math.prod(lax.axis_size(a) for a in (axes if isinstance(axes, tuple) else (axes,)))
+    full = jnp.zeros(x.shape[:axis] + (x.shape[axis] * n,) + x.shape[axis + 1 :], x.dtype)
+    start = lax.axis_index(axes) * x.shape[axis]
+    return lax.psum(lax.dynamic_update_slice_in_dim(full, x, start, axis), axes)

@@ -1,0 +1,199 @@
+"""DeepSpeed-Ulysses: all-to-all sequence parallelism.
+
+Ulysses, for P devices on the `sp` axis, each holding n = S/P tokens of every head:
+
+  q, k, v = all_to_all(q, k, v)      # [b, n, H, d] -> [b, S, H/P, d]: the whole sequence, H/P heads
+  out = attention(q, k, v)           # local flash attention over all S tokens (true positions)
+  out = all_to_all(out)              # [b, S, H/P, d] -> [b, n, H, d]
+
+Four all-to-alls forward; their transposes (four more) in the backward, each moving (P-1)/P of a local
+block. The local attention is `flash_attention` (FA2 backward, recomputes from out and lse), so nothing of
+size S² is stored. With a sliding window the gathered sequence is put in natural order around the local
+attention (static gathers), so the kernel visits only the band of tiles the window reaches. Query heads must divide by P. GQA: K/V heads are repeated only as far as needed, to
+lcm(kv_heads, P), before the all-to-all (none when P divides kv_heads).
+
+Its hybrid with ring attention, USP, is `usp.py`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxring.kernels.blockwise import BlockOps
+from jaxring.kernels.flash import flash_attention
+from jaxring.kernels.layout import gathered_positions, natural_order
+from jaxring.kernels.masking import check_qkv
+from jaxring.kernels.window_work import layout_window_share
+from jaxring.parallel.cost_terms import F32, AttentionCost, AttentionShape, Transfer, segment_once
+from jaxring.parallel.registry import SequenceStrategy, register_sequence_strategy
+
+
+def local_implementation(block_ops: str | BlockOps) -> str | None:
+    """The `flash_attention` implementation matching a block-ops choice."""
+    name = block_ops.name if isinstance(block_ops, BlockOps) else block_ops
+    if name in ("auto", "jnp", "pallas", "pallas_interpret"):
+        return None if name == "auto" else name
+    raise ValueError(
+        f"block_ops {name!r}: this strategy computes locally with flash_attention, which takes "
+        f"'auto', 'jnp', 'pallas' or 'pallas_interpret'"
+    )
+
+
+def check_heads_split(q_heads: int, degree: int, what: str = "sp") -> None:
+    if q_heads % degree:
+        raise ValueError(
+            f"query heads {q_heads} are not divisible by the Ulysses degree {what} = {degree}: "
+            f"each device takes query heads / {what} of them"
+        )
+
+
+def repeat_kv_for_split(k: jax.Array, degree: int) -> jax.Array:
+    """Repeats each K/V head so the head count becomes lcm(kv_heads, degree) (unchanged when divisible)."""
+    kv_heads = k.shape[2]
+    factor = math.lcm(kv_heads, degree) // kv_heads
+    return k if factor == 1 else jnp.repeat(k, factor, axis=2)
+
+
+def seq_to_heads(x: jax.Array, axis_name: str | tuple[str, ...]) -> jax.Array:
+    """[b, n, h, d] sequence shard -> [b, n*P, h/P, d] head shard (one all-to-all)."""
+    return lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
+
+
+def heads_to_seq(x: jax.Array, axis_name: str | tuple[str, ...]) -> jax.Array:
+    """Inverse of `seq_to_heads`."""
+    return lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
+
+
+def ulysses_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
+    *,
+    axis_name: str | tuple[str, ...] = "sp",
+    layout: str = "contiguous",
+    causal: bool = True,
+    sm_scale: float | None = None,
+    block_ops: str | BlockOps = "auto",
+    window: int | None = None,
+) -> jax.Array:
+    """Ulysses attention inside `shard_map`, sequence already in `layout`; shapes as `ring_attention`
+    (window: the sliding window, see `ring_attention`)."""
+    check_qkv(q, k, v)
+    p = lax.axis_size(axis_name)
+    check_heads_split(q.shape[2], p)
+    n = q.shape[1]
+    k, v = repeat_kv_for_split(k, p), repeat_kv_for_split(v, p)
+    positions = gathered_positions(layout, 0, p, p, n)  # every rank's tokens, in rank order
+    seg = None if segment_ids is None else lax.all_gather(segment_ids, axis_name, axis=1, tiled=True)
+    q, k, v = (seq_to_heads(x, axis_name) for x in (q, k, v))
+    order = None if window is None else natural_order(layout, n * p, p)
+    if order is not None:  # the window's keys: one band of tiles
+        q, k, v = (x[:, order] for x in (q, k, v))
+        seg = None if seg is None else seg[:, order]
+        positions = jnp.arange(n * p, dtype=jnp.int32)
+    out = flash_attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        sm_scale=sm_scale,
+        q_positions=positions,
+        kv_positions=positions,
+        segment_ids=seg,
+        window=window,
+        implementation=local_implementation(block_ops),
+    )
+    if order is not None:
+        out = out[:, np.argsort(order)]
+    return heads_to_seq(out, axis_name)
+
+
+# ---------------------------------------------------------------------------------------- cost
+
+
+# The GPU step's Ulysses backward holds its gradients dq, do, dk, dv this many times over (XLA:CPU's, with
+# its fp32 all-to-alls, 4): fitted on the deviceless H200 compiles of Llama-3-8B, sp8, both tiles and the
+# layer inputs offloaded, at 5.18M, 5.70M and 6.36M tokens (compiled 85.0, 91.8, 100.2 GiB a device; with 4
+# the estimate was 16% over, with 2 within 1.5%)
+GPU_GRADIENT_COPIES = 2
+
+
+def ulysses_cost(s: AttentionShape, options: dict) -> AttentionCost:
+    """The module docstring's traffic (DeepSpeed-Ulysses: 4 all-to-alls a layer each way), each moving
+    (P-1)/P of q, k, v (K/V heads repeated to lcm(kv_heads, P)) or out. Kept: the head-sharded q, k, v, out
+    and lse of the local flash attention (the GPU kernels' in the activation dtype, the CPU block ops' in
+    fp32). Working: their gradients (`GPU_GRADIENT_COPIES`); the block is the whole sequence for heads / P heads. Packed documents: the
+    segment ids all-gathered (`jaxring.parallel.cost_terms.segment_once`). A sliding window: the local kernel visits the band
+    of tiles it reaches in the whole sequence, put in natural order (`layout_window_share`)."""
+    del options
+    P, axes = s.sp, tuple(s.axes)
+    kv_sent = math.lcm(s.kv_heads, P)
+    one = (P - 1) / P * s.b * s.n * s.d * s.e * (2 * s.heads + 2 * kv_sent)
+    act = F32 if s.cpu else s.em  # the GPU flash kernels keep q, k, v, out in the activation dtype
+    q_act, kv_act = s.q_bytes(act), s.b * s.n * s.d * kv_sent * act
+    return AttentionCost(
+        transfers=(
+            Transfer("Ulysses all-to-alls forward (q, k, v, out)", axes, one, 4),
+            Transfer("Ulysses all-to-alls backward", axes, one, 4),
+            *segment_once("Ulysses segment ids all-gather", axes, (P - 1) * s.segment_bytes()),
+        ),
+        saved=3 * q_act + 2 * kv_act + s.rows_bytes(),
+        working=(4 if s.cpu else GPU_GRADIENT_COPIES) * (q_act + s.kv_bytes(act)),
+        block_q=s.seq_len,
+        block_k=s.seq_len,
+        tile_heads=max(1, s.heads // P),
+        window_share=layout_window_share("contiguous", 1, s.seq_len, s.window, s.cpu, s.d) if s.window else 1.0,
+    )
+
+
+# ---------------------------------------------------------------------------------------- registry entry
+
+
+def _attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    *,
+    seq_axes: tuple[str, ...],
+    layout: str,
+    causal: bool,
+    sm_scale: float,
+    block_ops: str | BlockOps,
+    window: int | None = None,
+):
+    return ulysses_attention(
+        q,
+        k,
+        v,
+        segment_ids,
+        axis_name=seq_axes,
+        layout=layout,
+        causal=causal,
+        sm_scale=sm_scale,
+        block_ops=block_ops,
+        window=window,
+    )
+
+
+def _check_heads(q_heads: int, kv_heads: int, sp: int, options: dict) -> None:
+    del kv_heads, options
+    check_heads_split(q_heads, sp)
+
+
+register_sequence_strategy(
+    SequenceStrategy(
+        "ulysses",
+        "DeepSpeed-Ulysses: all-to-all sequence <-> heads around local attention",
+        attend=_attend,
+        default_layout="contiguous",
+        check_heads=_check_heads,
+        cost=ulysses_cost,
+    )
+)

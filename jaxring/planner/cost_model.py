@@ -1,0 +1,780 @@
+"""The planner's cost model: what one training step of a plan moves over each mesh axis, what it keeps in
+memory per device, and how long it takes on a cluster.
+
+The registry's entries price themselves, each next to its own forward and backward (`jaxring.parallel.cost_terms` is the
+vocabulary): the sequence strategy's `cost(AttentionShape, options) -> AttentionCost` (ring.py, rsa.py,
+ulysses.py, usp.py, wallfacer.py, allgather.py; "dense" in registry.py), the tensor method's cost methods
+(`TensorMethod.local_dims`, `layer_transfers`, `head_transfers`, `attention_core_cost`, `layer_working`) and
+the pipeline schedule's table (`jaxring.parallel.pipeline`: its sends, micro-batches in flight and lockstep bubble).
+This file builds the shapes they receive from a workload and a plan, scales their per-layer prices to a step,
+and adds what no entry owns; it names no strategy or method. An entry without a cost model is an error naming
+it, never 0 bytes.
+
+Units: bytes per device (what one device receives, as `jaxring.analysis.compiled` counts them), one step =
+`steps` micro-steps (gradient accumulation, or the pipeline's micro-batches) and one optimizer update.
+Notation (per device, one micro-step): b rows, n tokens of the sequence shard, h hidden, e bytes per
+activation element (2 bf16, 4 fp32; collectives on XLA:CPU move 4), F = 4 (fp32 weights, gradients and
+accumulators), L' = layers on this device, Ψ parameters per device. A workload of packed documents
+(`Workload.documents`: the GPT from a document store) prices their int32 segment ids where the strategy moves
+them; a move every layer repeats identically (phase "micro-step") counts once per micro-step.
+
+Gradients over the replica axes (data and sequence, R devices, the playbook's ZeRO): stage 0 all-reduce
+2(R-1)/R·Ψ·F; stages 1-2 reduce-scatter + all-gather (R-1)/R·Ψ·F each (stage 2 scatters every micro-step);
+stage 3 all-gathers forward and again backward (weights the backward reads) and reduce-scatters each micro-step.
+Weights a tensor method leaves whole are psummed over its axes each micro-step. Pipeline: each tick with a send
+moves one activation b·n_act·h·e; the bubble comes from the schedule simulator (`jaxring.parallel.pipeline.simulate`,
+lockstep clock: one SPMD program). Experts: 4 all-to-alls of the dispatch buffer per layer (MoE, the
+playbook's EP).
+
+Memory: weights, Adam moments and the batch, plus the larger of the backward's peak (gradients, every layer's
+saved activations, one layer's backward working set) and the update's. A layer saves (no remat) the residual
+stream and norms (8 arrays [b, n_act, h] in fp32 and 4 of statistics), a K/V projection, the fp32 rotary
+halves of q and k, the attention core's residuals (its entry's `saved`) and 6 FFN-wide arrays; with selective
+remat its input and the weight matmuls' outputs; with full remat its input only. A pipeline stage keeps the
+residuals of the micro-batch-chunks its schedule holds at once, two more in the tick that runs (the slot it
+reads and its switch's own; `PIPELINE_TICK_CHUNKS`), its inboxes, and the switch's chunk gradients.
+
+Step time = compute (model FLOPs + recomputation, at a stated efficiency of peak) + exposed communication
+(bytes / link bandwidth + latency per message; the ring-family P2P of the attention loops overlaps the
+attention compute, as the GPU compile shows (`benchmarks/results/gpu_compile.json`); every other collective is
+exposed) + the pipeline bubble + the optimizer update (HBM-bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from jaxring.core.precision import BYTES_PER_ELEMENT as DTYPE_BYTES
+from jaxring.nn import offloaded
+from jaxring.parallel.cost_terms import F32, AttentionCost, AttentionShape, LocalDims, ModelShape, Transfer
+from jaxring.planner.space import Candidate, Workload
+
+if TYPE_CHECKING:
+    from jaxring.parallel.plan import ParallelPlan
+    from jaxring.planner.cluster import Cluster
+    from jaxring.planner.params import ParamLeaf
+
+__all__ = [
+    "DTYPE_BYTES",
+    "Memory",
+    "PipelineInfo",
+    "Shapes",
+    "StepTime",
+    "Transfer",
+    "bytes_by_axes",
+    "locality",
+    "memory",
+    "pipeline_info",
+    "shapes",
+    "step_time",
+    "traffic",
+]
+
+# XLA:CPU sends bf16 collectives as f32 (convert, send, convert back): bytes measured on simulated CPU
+# devices are 4 per element whatever the precision.
+CPU_COLLECTIVE_BYTES = 4
+
+
+# ---------------------------------------------------------------------------------------------- shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """A candidate as its registry entries see it: the model's sizes, the tensor method's split of them, the
+    attention core's shape and price, and the run mesh's axes."""
+
+    steps: int  # micro-steps per step
+    layers: int  # layers on this device (L / pp)
+    model: ModelShape
+    local: LocalDims
+    attention: AttentionShape
+    core: AttentionCost  # the attention core's price (the strategy's, or the tensor method's own core)
+    method: object  # the TensorMethod
+    sizes: dict  # run-mesh axis: size, in run-mesh order
+    replica: dict  # the batch and sequence axes (size > 1): weights replicated there, gradients reduced
+    tensor: dict  # the tensor method's axes (size > 1)
+    schedule: tuple  # the pipeline schedule's options, (name, value) pairs
+
+
+def shapes(w: Workload, c: Candidate, plan: ParallelPlan | None = None, cpu: bool = False) -> Shapes:
+    """The shapes and the attention core's price of `c` for `w`. plan: its ParallelPlan (default: on stand-in
+    devices), or one of the same mesh and strategies. cpu: priced for XLA:CPU (fp32 collectives, jnp block
+    ops). Raises ValueError naming an entry that has no cost model."""
+    plan = plan if plan is not None else c.plan()
+    cfg = w.config
+    heads = cfg.num_heads
+    kv = getattr(cfg, "num_kv_heads", None) or heads
+    terms = w.terms  # what the family adds beyond its blocks (a DiT's adaLN vectors, ...)
+    em = DTYPE_BYTES[w.precision]
+    m = ModelShape(
+        b=c.micro_batch,
+        seq_len=w.seq_len,
+        sp=c.sp,
+        tp=c.tp,
+        hidden=cfg.hidden,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden // heads,  # a GPT may set its own (Qwen3)
+        ffn=cfg.ffn_size,
+        ffn_matrices=3 if getattr(cfg, "activation", "gelu") == "swiglu" else 2,
+        vocab=getattr(cfg, "vocab_size", None),
+        tied=bool(getattr(cfg, "tie_embeddings", False)),
+        moe=w.moe is not None,
+        causal=w.causal,
+        modulation=terms.modulation,
+        final_modulation=terms.final_modulation,
+        e=CPU_COLLECTIVE_BYTES if cpu else em,
+        em=em,
+        cpu=cpu,
+        segments=w.documents,
+    )
+    method = plan.tensor
+    if not method.has_cost():
+        raise ValueError(
+            f"tensor method {method.name!r} has no cost model: the planner cannot price it (its TensorMethod "
+            f"must define layer_transfers and the other cost methods, see jaxring/parallel/tensor/contract.py)"
+        )
+    x = method.local_dims(m)
+    mesh = plan.run_mesh
+    sizes = {a: mesh.shape[a] for a in mesh.axis_names}
+    shape = AttentionShape(
+        b=x.b,
+        n=x.n,
+        heads=x.heads,
+        kv_heads=x.kv_heads,
+        d=m.head_dim,
+        e=m.e,
+        em=em,
+        seq_len=w.seq_len,
+        causal=m.causal,
+        cpu=cpu,
+        axes={a: sizes[a] for a in plan.seq_axes},
+        segments=w.documents,
+        window=getattr(cfg, "sliding_window", None) if w.causal else None,
+        layout=plan.seq_layout(w.causal) if plan.seq_axes else "contiguous",
+    )
+    core = method.attention_core_cost(m, x)
+    if core is None:
+        strategy = plan.strategy
+        if strategy.cost is None:
+            raise ValueError(
+                f"sequence strategy {strategy.name!r} has no cost model: the planner cannot price it (register it "
+                f"with cost=(jaxring.parallel.cost_terms.AttentionShape, options) -> jaxring.parallel.cost_terms.AttentionCost)"
+            )
+        core = strategy.cost(shape, plan.strategy_options)
+    return Shapes(
+        steps=c.steps(w),
+        layers=cfg.num_layers // c.pp,
+        model=m,
+        local=x,
+        attention=shape,
+        core=core,
+        method=method,
+        sizes=sizes,
+        replica={a: sizes[a] for a in plan.replica_axes if sizes[a] > 1},
+        tensor={a: sizes[a] for a in plan.tensor_axes if sizes.get(a, 1) > 1},
+        schedule=tuple(sorted(plan.schedule_options.items())),
+    )
+
+
+def _on_mesh(transfers: list[Transfer], s: Shapes) -> list[Transfer]:
+    """The transfers with their axes in run-mesh order, axes of size 1 dropped (an entry may name its whole
+    view); an axis the run mesh lacks is an error naming the transfer."""
+    placed: dict = {}
+    out = []
+    for t in transfers:
+        axes = placed.get(t.axes)
+        if axes is None:
+            unknown = [a for a in t.axes if a not in s.sizes]
+            if unknown:
+                raise ValueError(
+                    f"transfer {t.what!r} names {', '.join(unknown)}, not axes of the run mesh ({', '.join(s.sizes)})"
+                )
+            axes = placed[t.axes] = tuple(a for a in s.sizes if a in t.axes and s.sizes[a] > 1)
+        out.append(t if axes == t.axes else dataclasses.replace(t, axes=axes))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- experts
+
+
+def moe_layer(w: Workload, s: Shapes) -> list[Transfer]:
+    """One MoE layer's expert exchange over ep (dispatch and combine, forward and backward) and its routing
+    statistics, one micro-step."""
+    moe = w.moe
+    if moe is None:
+        return []
+    out = []
+    x, e = s.local, s.model.e
+    tokens = x.b * x.n
+    R = math.prod(s.replica.values())
+    if R > 1:
+        out.append(Transfer("MoE load statistics", tuple(s.replica), 2 * (R - 1) / R * 2 * moe.num_experts * 4, 2))
+    ep = s.sizes.get("ep", 1)
+    if ep == 1:
+        return out
+    E, k = moe.num_experts, moe.experts_per_token
+    if moe.capacity_factor is None:
+        buffer = ep * tokens * min(k, E // ep) * s.model.hidden * e
+        counts = (ep - 1) * E * 4 / ep
+    else:
+        cap = min(tokens, math.ceil(moe.capacity_factor * tokens * k / E))
+        buffer, counts = E * cap * s.model.hidden * e, 0
+    out.append(
+        Transfer(
+            "MoE dispatch + combine all-to-alls (forward and backward)", ("ep",), 4 * (ep - 1) / ep * buffer + counts, 5
+        )
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- gradients
+
+
+def gradient_sync(w: Workload, c: Candidate, s: Shapes, leaves: Sequence[ParamLeaf]) -> list[Transfer]:
+    """Weight gradients: psums over the tensor axes a weight is replicated on (each micro-step), the pipeline's
+    shared weights over pp, and the ZeRO stage's reduction over the replica axes (see the module docstring)."""
+    out = []
+    by_axes: dict[tuple, dict[str, float]] = {}
+    A = s.steps
+    for leaf in leaves:
+        psi = leaf.size * F32
+        # a conditioning path (the DiT's timestep, label, adaLN) runs on per-sequence vectors the tensor axes do
+        # not split: its gradients come out whole (the modulation vectors' gradients are summed instead)
+        conditioning = any(k in leaf.path for k in w.terms.conditioning)
+        if leaf.unsplit_tensor and not conditioning:
+            g = math.prod(s.tensor[a] for a in leaf.unsplit_tensor)
+            # a tied table left whole over the tensor axes is read by the lookup and the head: two psums
+            reads = 2 if (s.model.tied and leaf.path == "['embed']['table']") else 1
+            key = ("tensor", tuple(leaf.unsplit_tensor))
+            by_axes.setdefault(key, {}).setdefault("psum", 0.0)
+            by_axes[key]["psum"] += A * reads * 2 * (g - 1) / g * psi
+        if c.pp > 1 and not leaf.stacked:
+            by_axes.setdefault(("pp", ("pp",)), {}).setdefault("psum", 0.0)
+            by_axes[("pp", ("pp",))]["psum"] += 2 * (c.pp - 1) / c.pp * psi
+        if not leaf.replica:
+            continue
+        R = math.prod(s.replica[a] for a in leaf.replica)
+        share = (R - 1) / R * psi
+        stage = c.zero if leaf.zero_sharded else 0
+        kinds = by_axes.setdefault(("zero", leaf.replica), {})
+        if stage == 0:
+            kinds["all-reduce"] = kinds.get("all-reduce", 0.0) + 2 * share
+        elif stage == 1:
+            kinds["reduce-scatter"] = kinds.get("reduce-scatter", 0.0) + share
+            kinds["all-gather"] = kinds.get("all-gather", 0.0) + share
+        elif stage == 2:
+            kinds["reduce-scatter"] = kinds.get("reduce-scatter", 0.0) + A * share
+            kinds["all-gather"] = kinds.get("all-gather", 0.0) + share
+        else:
+            reread = 1 if (leaf.stacked and not leaf.bias) else 0
+            kinds["reduce-scatter"] = kinds.get("reduce-scatter", 0.0) + A * share
+            kinds["all-gather"] = kinds.get("all-gather", 0.0) + A * (1 + reread) * share
+    names = {
+        "all-reduce": "gradient all-reduce (ZeRO-0: 2Ψ)",
+        "reduce-scatter": "gradient reduce-scatter",
+        "all-gather": "weight all-gather",
+        "psum": "gradient psum",
+    }
+    for (kind, axes), kinds in by_axes.items():
+        for k, v in kinds.items():
+            what = {
+                "tensor": "replicated weights' " + names[k] + " over the tensor axes",
+                "pp": "shared weights' gradient psum over pp (embedding, head, final norm)",
+                "zero": f"ZeRO-{c.zero} " + names[k],
+            }[kind]
+            per_micro_step = kind == "tensor" or (
+                kind == "zero" and (c.zero == 3 or (c.zero == 2 and k == "reduce-scatter"))
+            )
+            messages = A * s.layers if per_micro_step else 1
+            out.append(Transfer(what, axes, v, messages, None, "layer" if per_micro_step else "step"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- pipeline
+
+
+def activation_bytes(w: Workload, s: Shapes, e: int) -> float:
+    """One micro-batch's residual stream as it crosses a stage boundary (plus the family's per-sequence rows:
+    the DiT's conditioning row)."""
+    x = s.local
+    return x.b * x.n_act * s.model.hidden * e + w.terms.boundary_rows * x.b * s.model.hidden * e
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineInfo:
+    """What the cost model reads from a schedule's table: ticks that send (forward, backward), the most
+    micro-batch-chunks a stage holds, the lockstep makespan and busy time with a micro-batch's stage work
+    costing 1 (F 1/3, B and W 1/3 each, BW 2/3: the playbook's t_b = 2 t_f), the chunks per stage and the
+    interpreter's inbox slots (arriving activations and gradients, each one micro-batch's boundary stream)."""
+
+    send_ticks: int
+    peak_in_flight: int
+    makespan: float
+    busy: float
+    virtual_stages: int = 1
+    inbox_slots: int = 2
+
+
+@functools.lru_cache(maxsize=1024)
+def pipeline_info(schedule: str, pp: int, microbatches: int, options: tuple = ()) -> PipelineInfo:
+    """The table of `schedule` for pp stages and `microbatches`, its options as (name, value) pairs."""
+    from jaxring.parallel.pipeline import lower, make_schedule, peak_in_flight, simulate
+    from jaxring.parallel.pipeline.schedules import BW, B, F, W
+
+    sched = make_schedule(schedule, pp, microbatches, **dict(options))
+    low = lower(sched)
+    ticks = sum(1 for pairs in low.fwd_pairs if pairs) + sum(1 for pairs in low.bwd_pairs if pairs)
+    sim = simulate(sched, {F: 1 / 3, B: 1 / 3, W: 1 / 3, BW: 2 / 3}, lockstep=True)
+    return PipelineInfo(
+        ticks,
+        max(peak_in_flight(sched)),
+        sim.makespan / microbatches,
+        sim.busy / microbatches,
+        sched.virtual_stages,
+        low.slots["x"] + low.slots["dy"],
+    )
+
+
+def pipeline_sends(w: Workload, c: Candidate, s: Shapes) -> list[Transfer]:
+    if c.pp == 1:
+        return []
+    ticks = pipeline_info(c.pipeline_schedule, c.pp, s.steps, s.schedule).send_ticks
+    return [
+        Transfer(
+            "pipeline activations and their gradients (one per sending tick)",
+            ("pp",),
+            ticks * activation_bytes(w, s, s.model.e),
+            ticks,
+            None,
+            "pipeline",
+        )
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- the step
+
+
+def traffic(
+    w: Workload,
+    c: Candidate,
+    leaves: Sequence[ParamLeaf],
+    cpu: bool = False,
+    plan: ParallelPlan | None = None,
+    s: Shapes | None = None,
+) -> list[Transfer]:
+    """Every transfer of one step, per device (bytes of a layer times the layers and micro-steps)."""
+    s = s if s is not None else shapes(w, c, plan, cpu)
+    per_layer = list(s.core.transfers) + s.method.layer_transfers(s.model, s.local) + moe_layer(w, s)
+    out = [
+        dataclasses.replace(t, bytes=t.bytes * n * s.steps, messages=t.messages * n * s.steps)
+        for t in per_layer
+        for n in [1 if t.phase == "micro-step" else s.layers]  # "micro-step": layer-invariant (segment ids)
+    ]
+    out += [
+        dataclasses.replace(t, bytes=t.bytes * s.steps, messages=t.messages * s.steps)
+        for t in s.method.head_transfers(s.model, s.local)
+    ]
+    out += gradient_sync(w, c, s, leaves)
+    out += pipeline_sends(w, c, s)
+    return [t for t in _on_mesh(out, s) if t.bytes > 0 and t.axes]
+
+
+def bytes_by_axes(transfers: Sequence[Transfer]) -> dict[tuple[str, ...], float]:
+    """{run-mesh axes: bytes per device per step}, as `jaxring.planner.step_program.axis_traffic` reads them."""
+    out: dict[tuple[str, ...], float] = {}
+    for t in transfers:
+        out[t.axes] = out.get(t.axes, 0.0) + t.bytes
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Per-device bytes. The step's stored state (weights, Adam moments, the batch) plus the larger of its two
+    peaks: the backward (every saved activation and the largest of its phases: the layers', with the gradient
+    buffers and one layer's working set, the head's before it, with its logits and the gradients formed by
+    then, and the last layer's forward before that, with the attention core's `forward`) and the update
+    (gradients, their reduction, the new moments: 16 bytes a parameter at ZeRO-0, measured on the compiled GPU
+    program). `host`: what host offload keeps in host memory (not in the total)."""
+
+    params: float
+    optimizer: float
+    gradients: float
+    activations: float
+    working: float
+    update: float
+    other: float = 0.0
+    host: float = 0.0
+    head: float = 0.0
+    forward: float = 0.0  # the last layer's forward transients beside every layer's residuals (the core's)
+
+    @property
+    def backward(self) -> float:
+        return self.activations + max(self.gradients + self.working, self.head, self.forward)
+
+    @property
+    def total(self) -> float:
+        return self.params + self.optimizer + self.other + max(self.backward, self.update)
+
+    def as_dict(self) -> dict:
+        keys = (
+            "params",
+            "optimizer",
+            "gradients",
+            "activations",
+            "working",
+            "head",
+            "forward",
+            "update",
+            "other",
+            "host",
+        )
+        return {k: round(getattr(self, k)) for k in keys} | {"total": round(self.total)}
+
+
+# A method that recomputes its forward (METP) holds this many [b, n_act, h] arrays in the activation dtype in
+# one layer's backward (the layer's input and its recomputed stream, A_i, the MLP's tiles in and out): fitted on
+# the deviceless H100 compiles of Llama-3-8B at 4M to 6M tokens, METP tp8, bf16, remat full, tiles of 4096,
+# offload layer_inputs+optimizer (compiled 61.6 to 75.7 GiB per device, 10.2 GiB more per million tokens from
+# 5M on; the estimate within 5% below to 7% above: benchmarks/results/llama3_8b_4m.json)
+RECOMPUTED_STREAM = 11
+# ... and on XLA:CPU (fp32) its layer scan stacks this many: the compiled CPU step of dp2 x METP tp4 (GPT of
+# benchmarks/memory_model.py, no remat) holds 8 stacks f32[4 layers, b, n/p, h] beside A_i's at its peak, the
+# last layer's forward (with 11 the estimate was 1.23x the bytes live there, with 8 1.14x)
+RECOMPUTED_STREAM_CPU = 8
+# ... and, with the MLP untiled, one layer's backward recomputes this many [b, n, ffn] arrays of its hidden layer
+# (the device's tokens through the whole FFN, weight chunk by chunk): fitted on the deviceless H100
+# compile of the same run with the loss tiled only at 720,896 tokens (compiled 64.0 GiB, estimate 58.3 GiB
+# without them); the ring's untiled MLP adds about as much (2.3-2.6 [n, ffn] arrays, longest_sequence.json)
+RECOMPUTED_UNTILED_MLP = 3
+# ... and every other method's untiled MLP, this many of the 6 FFN-wide arrays it saves without remat, in the
+# compiled GPU step's layer backward (XLA:CPU's: all 6): fitted on the deviceless compiles of Llama-3-8B with
+# the loss tiled (so that the layers' backward is the peak), ring, Ulysses, USP and Megatron on 8 x H100 and
+# 8 x H200 (benchmarks/results/longest_sequence.json, "loss tile": with 6 the estimate was 0.99-1.11x the
+# compiled bytes, with 5 0.95-1.08x)
+UNTILED_MLP_GPU = 5
+
+
+STREAM_ARRAYS = 8  # the residual stream's and the norms' arrays [b, n_act, h] a layer saves without remat
+
+
+def saved_per_layer(w: Workload, s: Shapes, remat: str, mlp_tile: int | None = None) -> float:
+    """Bytes one layer keeps for its backward, one micro-batch (what the compiled step's layer scan stacks).
+
+    none       the residual stream and norms (8 arrays [b, n_act, h] in fp32: the compiled GPU step's layer
+               scan stacks 6 fp32 and 2 bf16 of them for Llama-3, 8 fp32 and 1 bf16 for GPT-1B; and 4 fp32
+               of statistics), a K/V projection, the fp32 rotary halves of q
+               and k, the attention core's residuals (its entry's), 6 FFN-wide arrays (the playbook's
+               sbh(34 + 5as/h) without scores: flash attention); a method that recomputes its forward
+               (METP) keeps RECOMPUTED_STREAM arrays [b, n_act, h] in the activation dtype and its core's
+               residuals only
+    selective  the layer input and the outputs of the weight matmuls the backward needs (`jax.checkpoint`'s
+               dots_with_no_batch_dims_saveable keeps only residuals): q, k, v, the o projection (the residual
+               sum and its norm are recomputed from it) and the FFN's up (and gate) projection; the FFN's
+               down projection output is not a residual (measured per layer on the compiled CPU step)
+    full       the layer input (WallFacer's and the playbook's per-layer checkpoint)
+
+    mlp_tile: a tiled MLP (`--mlp-tile`) keeps its input only; its FFN-wide arrays are recomputed per tile.
+    """
+    m, x, core = s.model, s.local, s.core
+    em, d = m.em, m.head_dim
+    b, n, na, h, f = x.b, x.n, x.n_act, m.hidden, x.ffn
+    if remat == "full":
+        return b * na * h * em + core.kept(remat)
+    qkvo = b * n * (2 * x.heads + 2 * x.kv_heads) * d * em
+    tiled = mlp_tile is not None and mlp_tile < n
+    if remat == "selective":
+        ffn = b * n * h * em if tiled else (m.ffn_matrices - 1) * b * n * f * em
+        return b * na * h * em + qkvo + ffn + core.kept(remat)
+    if s.method.recomputes_forward:
+        arrays = RECOMPUTED_STREAM_CPU if m.cpu else RECOMPUTED_STREAM
+        return arrays * b * na * x.h_act * em + core.kept(remat)
+    stream = STREAM_ARRAYS * b * na * x.h_act * F32 + 4 * b * na * F32
+    rope = b * n * (x.heads + x.kv_heads) * d * (F32 if w.terms.rotary_fp32 else em)
+    mlp = b * n * h * em if tiled else _mlp_saved(w, s)
+    return stream + b * n * x.kv_heads * d * em + rope + core.kept(remat) + mlp
+
+
+def _mlp_saved(w: Workload, s: Shapes) -> float:
+    """The FFN's part of what a layer keeps without remat: 6 FFN-wide arrays (MoE: per routed expert, and the
+    router's fp32 probabilities)."""
+    em, x = s.model.em, s.local
+    if w.moe is not None:
+        moe, tokens = w.moe, x.b * x.n
+        return 6 * tokens * moe.experts_per_token * moe.ffn * em + 2 * tokens * moe.num_experts * F32
+    return 6 * x.b * x.n * x.ffn * em
+
+
+def _attention_working(s: Shapes) -> float:
+    """The attention core's transient buffers during one layer's backward (its entry's, the tensor method's
+    and, on CPU, the jnp block ops' score tiles: S and P of one forward tile, or S/P, dP, dS of a backward
+    tile)."""
+    core, x = s.core, s.local
+    out = core.working + s.method.layer_working(s.model, x)
+    if s.model.cpu:
+        from jaxring.kernels.blockwise import BACKWARD_TILE, FORWARD_TILE, _tile_size
+
+        block_q, block_k = core.block_q or x.n, core.block_k or x.n
+        heads = core.tile_heads or x.heads
+        fwd = 2 * _tile_size(block_q, FORWARD_TILE) * _tile_size(block_k, FORWARD_TILE)
+        bwd = 3 * _tile_size(block_q, BACKWARD_TILE) * _tile_size(block_k, BACKWARD_TILE)
+        out += x.b * heads * max(fwd, bwd) * F32
+    return out
+
+
+# One layer's backward keeps this share of the layer's un-rematerialised residuals (`saved_per_layer(...,
+# "none")`, with a tiled MLP one tile's FFN-wide arrays) live beside the attention core's buffers: with
+# selective or full remat the recomputed forward's, without remat the residuals read and the cotangents of
+# the same sizes formed as the backward walks the layer. One share for every mode, fitted on the compiled CPU
+# step (benchmarks/results/memory_model.json): with 0.75, 31 of its 35 rows are within 10% (outside: Megatron
+# tp8 0.84; Megatron tp2 x ring with selective or full remat 1.16 and 1.23, where the recomputed MLP's arrays are
+# freed before the attention's backward; dp8 ZeRO-2 with accumulation 1.12); the DiT's top plan of
+# tests/test_planner.py is 8% over.
+LAYER_WORKING_SHARE = {"none": 0.75, "selective": 0.75, "full": 0.75}
+
+# A pipeline tick holds, beside the residual slots (`peak_in_flight` micro-batch-chunks, the interpreter's
+# buffer), two more chunks' residuals: the slot it reads, sliced out of the buffer before the stage's switch
+# (`dynamic_index_in_dim`: a conditional's operand is its own array), and one inside the switch's branch (a
+# forward's new residuals before they are written to their slot, or the backward's copy of the ones it read
+# in the layout its layer scan takes). Read from the peak's live ranges of the compiled CPU step
+# (--xla_dump_to, *-live-range.txt; GPT of benchmarks/memory_model.py, fp32): 1F1B pp2 x dp4, 2 layers a
+# stage, 4 micro-batches: 2 slots of 9.05 MiB, the read 9.05 MiB and the branch's copy 9.02 MiB at the peak
+# (a backward tick; beside them the switch's chunk gradients, 1.5 MiB, and the accumulator). pp4 x dp2, one
+# layer a stage: 4 slots of 4.54 MiB, the read 4.54 MiB and the branch's new residuals (the last stage's
+# forward and the head's backward). Not counted: the buffer assignment's fragmentation (1.5-1.8 MiB there)
+PIPELINE_TICK_CHUNKS = 2
+
+# The share of the AdamW moments on the device at once while the update streams them from and to host memory
+# (--offload optimizer): fitted on the deviceless H100 compile of Llama-3-8B on one GPU at 16K tokens
+# (benchmarks/results/longest_sequence.json, "h100x1 | one gpu | all + optimizer")
+OFFLOADED_MOMENTS_IN_FLIGHT = 0.32
+
+
+def memory(
+    w: Workload,
+    c: Candidate,
+    leaves: Sequence[ParamLeaf],
+    *,
+    cpu: bool = False,
+    plan: ParallelPlan | None = None,
+    s: Shapes | None = None,
+) -> Memory:
+    """Per-device bytes of the step's peak (see `Memory`), with the candidate's remat, tiles and offload."""
+    s = s if s is not None else shapes(w, c, plan, cpu)
+    remat, x, em = c.remat, s.local, s.model.em
+    params = optimizer = grads = update = 0.0
+    layer_grad = head_grads = 0.0  # one layer's gradient; the gradients formed by the head's backward
+    for leaf in leaves:
+        R = math.prod(s.replica[a] for a in leaf.replica) if leaf.replica else 1
+        stage = c.zero if leaf.zero_sharded and R > 1 else 0
+        psi = leaf.size * F32
+        params += psi / (R if stage == 3 else 1)
+        optimizer += 2 * psi / (R if stage >= 1 else 1)
+        grads += psi / (R if stage >= 2 else 1)
+        # the update: gradients and their reduction, new weights, new moments (the playbook's 16Ψ at stage 0).
+        # Measured on the compiled GPU step (gpt-1b, dp = 8): 4Ψ, 1.40Ψ, 1.40Ψ, 0.50Ψ at stages 0-3 (stage 1
+        # reduce-scatters and updates the shard as stage 2 does); XLA:CPU writes the new weights and moments
+        # in place at stage 0 (2Ψ)
+        update += {0: (2 if cpu else 4) * psi, 1: psi + 4 * psi / R, 2: psi + 4 * psi / R, 3: 4 * psi / R}[stage]
+        if leaf.stacked:
+            layer_grad += psi / max(s.layers, 1)
+        else:  # its gradient, and under ZeRO-3 its gathered weights
+            head_grads += psi / (R if stage >= 2 else 1) + (psi / F32 * em if stage == 3 else 0)
+    if s.steps > 1 and c.pp == 1:
+        head_grads += grads  # the accumulator
+        grads *= 2  # the accumulator and one micro-batch's gradients
+    if c.pp > 1 or cpu:
+        # the last stage's head runs beside other micro-batches' backward; XLA:CPU allocates every gradient
+        # buffer before the head's backward (a 32-layer GPT, vocab 8,192, one device: compiled 468 MiB, the
+        # layers' gradients in the head's phase 1.00x, without them 0.91x)
+        head_grads = grads
+    if c.zero >= 2:
+        grads += layer_grad  # one layer's gradient before its reduce-scatter
+    if c.zero == 3:
+        grads += 2 * layer_grad / F32 * em  # one layer's weights gathered (forward and backward)
+    per_layer = saved_per_layer(w, s, remat, c.mlp_tile)
+    host = 0.0
+    parts = offloaded(c.offload)
+    if "optimizer" in parts and not cpu:
+        # the AdamW moments live in pinned host memory between updates (the deviceless H100 compile of
+        # Llama-3-8B at 4M tokens, METP tp8: device arguments 21.5 -> 7.2 GiB, host arguments 14.3 GiB); the
+        # update streams them in and the new ones out, leaf by leaf: the new moments (its 2Ψ) leave its peak
+        # and OFFLOADED_MOMENTS_IN_FLIGHT of them are on the device at once (one H100, 16K tokens: the
+        # update's peak 2.64Ψ instead of 4Ψ)
+        host += optimizer
+        update += (OFFLOADED_MOMENTS_IN_FLIGHT - 1) * optimizer
+        optimizer = 0.0
+    if "layer_inputs" in parts and not cpu:
+        # each layer's checkpointed input lives in pinned host memory between the forward and the backward
+        # (on CPU host and device memory are one: nothing moves)
+        inputs = x.b * x.n_act * s.model.hidden * em
+        host += s.layers * inputs
+        per_layer -= inputs
+    if c.pp > 1:
+        info = pipeline_info(c.pipeline_schedule, c.pp, s.steps, s.schedule)
+        chunk = (s.layers // info.virtual_stages) * per_layer  # one micro-batch-chunk's residuals
+        activations = (info.peak_in_flight + PIPELINE_TICK_CHUNKS) * chunk
+        activations += info.inbox_slots * activation_bytes(w, s, em)
+        # the switch's weight gradients of the chunk it ran (fp32), beside the accumulator they are added to
+        grads += (s.layers // info.virtual_stages) * layer_grad
+    else:
+        activations = s.layers * per_layer
+    # one layer's backward: its residuals formed again as the backward walks it, the stream in the activation
+    # dtype (what the deviceless compiles of Llama-3-8B under remat full show; the saved stack keeps fp32)
+    layer = saved_per_layer(w, s, "none", c.mlp_tile)
+    if not s.method.recomputes_forward:
+        layer -= STREAM_ARRAYS * x.b * x.n_act * x.h_act * (F32 - em)
+    if c.mlp_tile is not None and c.mlp_tile < x.n:
+        layer += 6 * x.b * c.mlp_tile * x.ffn * em  # one MLP tile's FFN-wide arrays, live in its backward
+    elif s.method.recomputes_forward:  # the device's tokens through the whole FFN, recomputed in the backward
+        layer += RECOMPUTED_UNTILED_MLP * x.b * x.n * s.model.ffn * em
+    elif not cpu and w.moe is None:
+        layer += (UNTILED_MLP_GPU - 6) * x.b * x.n * x.ffn * em  # of the 6 arrays _mlp_saved counts
+    working = LAYER_WORKING_SHARE[remat] * layer + _attention_working(s)
+    # the step's batch as stored (the family's: tokens, targets, positions int32, packed documents' segment ids
+    # and loss mask; a DiT's images and labels)
+    rows = w.global_batch // c.data_degree // x.batch_split
+    other = w.terms.stored_batch(w.config, rows, w.seq_len // (c.sp * x.token_split), w.documents)
+    head = 0.0
+    if x.vocab is not None:
+        # the head's backward, before the layers': the logits (or one tile of them) in the activation dtype
+        # and the softmax in fp32 (their gradient takes the logits' place: 6 bytes an element in bf16, as
+        # the deviceless H100 compile of GPT-7B at 262,144 tokens shows, benchmarks/results/memory_techniques.json)
+        rows_at_once = x.n if c.loss_tile is None else min(c.loss_tile, x.n)
+        head = x.b * rows_at_once * x.vocab * (em + F32) + head_grads
+    return Memory(params, optimizer, grads, activations, working, update, other, host, head, s.core.forward)
+
+
+# ---------------------------------------------------------------------------------------------- time
+
+# Launch and loop overhead: ~40 kernels per layer per micro-step (forward and backward) at ~5 µs each, so
+# more, smaller micro-steps cost something even when their FLOPs and bytes are the same.
+KERNELS_PER_LAYER = 40
+KERNEL_OVERHEAD_S = 5e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Seconds of one step: compute, exposed communication by run-mesh axes, the pipeline bubble, the update."""
+
+    compute: float
+    communication: dict
+    hidden: float  # communication hidden behind compute (ring loops), not in the total
+    bubble: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + sum(self.communication.values()) + self.bubble + self.optimizer
+
+
+def compute_flops(w: Workload, c: Candidate, remat: str, s: Shapes) -> tuple[float, float, float]:
+    """(FLOPs per device per step, of which the attention core's, of which the FFN's), with what the plan
+    recomputes: full remat a layer's forward again (+1/3 of the layers' FLOPs), selective the attention
+    core's forward, a method that recomputes its forward (METP: Q, K, V and f(AB), Algorithms 2 and 6) the
+    same as full remat, and the attention core's own extra work (RSA: the masked half of causal scores), less
+    what it skips outside a sliding window (its `window_share`)."""
+    cfg, seq = w.config, w.seq_len
+    tokens = w.tokens_per_step
+    causal = 0.5 if w.causal else 1.0
+    width = s.model.heads * s.model.head_dim  # QKᵀ and PV are as wide as the heads, not hidden (Qwen3)
+    attention = 12 * cfg.num_layers * width * seq * causal * tokens
+    mats, moe = s.model.ffn_matrices, w.moe
+    ffn_params = (
+        mats * cfg.hidden * cfg.ffn_size if moe is None else moe.experts_per_token * mats * cfg.hidden * moe.ffn
+    )
+    ffn = 6 * cfg.num_layers * ffn_params * tokens
+    computed = attention * s.core.window_share
+    total = w.flops_per_step() - (attention - computed)
+    layers = total - (6 * s.model.vocab * cfg.hidden * tokens if s.model.vocab is not None else 0)
+    extra = 0.0
+    if remat == "full" or s.method.recomputes_forward:
+        extra += layers / 3
+    elif remat == "selective":
+        extra += computed / 3
+    if s.core.extra_attention:
+        extra += s.core.extra_attention * attention
+    n = c.devices
+    return (total + extra) / n, computed / n, ffn / n
+
+
+def link(axes: tuple[str, ...], locality: dict, cluster: Cluster) -> tuple[float, float]:
+    """(bandwidth, latency) of a transfer over `axes`: NVLink when every group of it lies in one node."""
+    if locality.get(axes, False):
+        return cluster.intra_bw, cluster.intra_latency
+    return cluster.inter_bw, cluster.inter_latency
+
+
+def step_time(
+    w: Workload,
+    c: Candidate,
+    transfers: Sequence[Transfer],
+    cluster: Cluster,
+    locality: dict,
+    leaves: Sequence[ParamLeaf] = (),
+    plan: ParallelPlan | None = None,
+    s: Shapes | None = None,
+) -> StepTime:
+    """The step's seconds on `cluster` (see the module docstring). locality: {axes: True when intra-node}."""
+    s = s if s is not None else shapes(w, c, plan, cluster.cpu)
+    remat = c.remat
+    rate = cluster.device.flops * cluster.efficiency
+    flops, attn_flops, ffn_flops = compute_flops(w, c, remat, s)
+    compute = flops / rate + c.steps(w) * (w.config.num_layers // c.pp) * KERNELS_PER_LAYER * KERNEL_OVERHEAD_S
+    layer_comm: dict = {}
+    step_comm: dict = {}
+    overlappable = {"attention": 0.0, "ffn": 0.0}
+    for t in transfers:
+        bw, lat = link(t.axes, locality, cluster)
+        seconds = t.bytes / bw + t.messages * lat
+        if t.overlap in overlappable:
+            overlappable[t.overlap] += seconds
+            continue
+        target = step_comm if t.phase == "step" else layer_comm
+        target[t.axes] = target.get(t.axes, 0.0) + seconds
+    exposed_attention = max(0.0, overlappable["attention"] - attn_flops / rate)
+    exposed_ffn = max(0.0, overlappable["ffn"] - ffn_flops / (3 * rate))  # the forward FFN matmuls
+    hidden = overlappable["attention"] + overlappable["ffn"] - exposed_attention - exposed_ffn
+    if exposed_attention or exposed_ffn:
+        key = tuple(sorted({a for t in transfers if t.overlap for a in t.axes}))
+        layer_comm[key] = layer_comm.get(key, 0.0) + exposed_attention + exposed_ffn
+    bubble = 0.0
+    if c.pp > 1:
+        info = pipeline_info(c.pipeline_schedule, c.pp, c.steps(w), s.schedule)
+        inside = compute + sum(v for k, v in layer_comm.items() if k != ("pp",))
+        bubble = max(0.0, (info.makespan - info.busy) * inside)
+    # the update: read weights, gradients and both moments, write weights and moments (fp32), HBM-bound
+    updated = sum(
+        l.size / (math.prod(s.replica[a] for a in l.replica) if l.zero_sharded and c.zero >= 1 else 1) for l in leaves
+    )
+    optimizer = 28 * updated / cluster.device.hbm_bytes_per_s
+    comm = dict(layer_comm)
+    for k, v in step_comm.items():
+        comm[k] = comm.get(k, 0.0) + v
+    return StepTime(compute, comm, hidden, bubble, optimizer)
+
+
+def locality(plan: ParallelPlan, axes_list: Sequence[tuple[str, ...]], devices_per_node: int) -> dict:
+    """{axes: True when every group of devices that differ only along `axes` lies within one node} for the
+    run mesh of `plan` (stand-in or real devices; device i is on node i // devices_per_node)."""
+    import numpy as np
+
+    mesh = plan.run_mesh
+    ids = np.vectorize(lambda d: d.id)(np.asarray(mesh.devices, dtype=object))
+    names = list(mesh.axis_names)
+    out = {}
+    for axes in set(axes_list):
+        if not axes or any(a not in names for a in axes):
+            out[axes] = True
+            continue
+        moved = np.moveaxis(ids, [names.index(a) for a in axes], list(range(-len(axes), 0)))
+        groups = moved.reshape(-1, math.prod(mesh.shape[a] for a in axes)) // devices_per_node
+        out[axes] = bool((groups == groups[:, :1]).all())
+    return out

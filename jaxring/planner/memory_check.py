@@ -1,0 +1,64 @@
+"""Checking the planner's memory prediction against the compiled train step.
+
+    peak = compiled_peak(workload, candidate, target="h200")     # deviceless GPU compile (gpu-compile extra)
+    peak = compiled_peak(workload, candidate)                    # this process's devices (e.g. simulated CPUs)
+
+The step is the trainer's (`jaxring.planner.step_program.build_train_step`) on abstract inputs: nothing is
+allocated. For a GPU target the attention runs its Pallas kernels (block_ops="pallas": "auto" would pick the
+CPU path, as a deviceless compile runs on the CPU platform). Peak = arguments + outputs + temporaries - aliased
+(donated weights and optimizer state come back in place).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from jaxring.planner.space import Candidate, Workload
+
+if TYPE_CHECKING:
+    import jax
+
+GPU_TARGETS = {"h100": "h100", "h200": "h200", "a100-40gb": "h100", "a100-80gb": "h100"}
+
+
+def gpu_target_available() -> tuple[bool, str]:
+    from jaxring.analysis import gpu
+
+    return gpu.available()
+
+
+def compiled_peak(
+    w: Workload, c: Candidate, *, target: str | None = None, devices: Sequence[jax.Device] | None = None
+) -> float:
+    """Per-device peak bytes of the compiled step of `c` for `w`: on the GPU topology `target` ("h100",
+    "h200"), or on `devices` (default: the first c.devices of jax.devices())."""
+    import jax
+
+    from jaxring.planner.step_program import compile_train_step
+
+    block_ops = "auto"
+    if target is not None:
+        from jaxring.analysis import gpu
+
+        devices = gpu.gpu_devices(target, c.devices)
+        block_ops = "pallas"
+    elif devices is None:
+        devices = jax.devices()[: c.devices]
+        if len(devices) < c.devices:
+            raise ValueError(f"the plan needs {c.devices} devices; this process has {len(jax.devices())}")
+    plan = c.check(w, devices=devices, block_ops=block_ops)
+    compiled = compile_train_step(
+        w.model,
+        w.config,
+        plan,
+        batch=w.global_batch,
+        seq_len=w.seq_len,
+        precision=w.precision,
+        remat=c.remat,
+        offload=c.offload,
+        grad_accum=c.steps(w) if c.pp == 1 else 1,
+        documents=w.documents,
+    )
+    m = compiled.memory_analysis()
+    return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
