@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxring.parallel.registry import Option, PipelineSchedule, pipeline_schedule, register_pipeline_schedule
+from jaxring.parallel.registry import Option, PipelineSchedule, pipeline_schedule
 
 IDLE, F, B, W, BW = 0, 1, 2, 3, 4
 KIND_NAMES = {IDLE: ".", F: "F", B: "B", W: "W", BW: "BW"}
@@ -214,7 +214,7 @@ def _check_interleaved(p: int, m: int, virtual_stages: int) -> None:
         )
 
 
-for _entry in (
+SCHEDULES = (
     PipelineSchedule("gpipe", "all forwards, then all backwards (GPipe; the playbook's AFAB)", build=_gpipe),
     PipelineSchedule(
         "1f1b", "one forward, one backward after p - 1 - s warm-up forwards (PipeDream-flush)", build=_one_f_one_b
@@ -237,5 +237,4 @@ for _entry in (
     PipelineSchedule(
         "zero-bubble", "ZB-H1: input and weight gradients split, W fills the bubble (Qi et al.)", build=_zero_bubble_h1
     ),
-):
-    register_pipeline_schedule(_entry)
+)

@@ -28,7 +28,7 @@ from jaxring.kernels.layout import gathered_positions, layout_positions, natural
 from jaxring.kernels.masking import check_qkv
 from jaxring.kernels.window_work import layout_window_share
 from jaxring.parallel.cost_terms import F32, AttentionCost, AttentionShape, Transfer, segment_once
-from jaxring.parallel.registry import SequenceStrategy, register_sequence_strategy
+from jaxring.parallel.registry import SequenceStrategy
 from jaxring.parallel.sequence.ulysses import local_implementation
 
 if TYPE_CHECKING:
@@ -138,11 +138,9 @@ def _attend(
     )
 
 
-register_sequence_strategy(
-    SequenceStrategy(
-        "allgather",
-        "all-gather context parallelism: gather K/V, reduce-scatter dK/dV (Llama 3)",
-        attend=_attend,
-        cost=allgather_cost,
-    )
+STRATEGY = SequenceStrategy(
+    "allgather",
+    "all-gather context parallelism: gather K/V, reduce-scatter dK/dV (Llama 3)",
+    attend=_attend,
+    cost=allgather_cost,
 )

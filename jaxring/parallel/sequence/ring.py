@@ -59,7 +59,7 @@ from jaxring.kernels.layout import RankTokens
 from jaxring.kernels.masking import check_qkv, check_window, positions_may_meet, segments_may_meet
 from jaxring.kernels.merge import empty_partial
 from jaxring.parallel.cost_terms import F32, AttentionCost, AttentionShape, Transfer, segment_ring
-from jaxring.parallel.registry import SequenceStrategy, register_sequence_strategy
+from jaxring.parallel.registry import SequenceStrategy
 from jaxring.parallel.sequence.ring_step import add_block_grads, attend_block, pair_work, run_work, split_runs
 
 
@@ -494,11 +494,9 @@ def _attend(
     )
 
 
-register_sequence_strategy(
-    SequenceStrategy(
-        "ring",
-        "ring attention: K/V blocks circulate with ppermute, online softmax (Playbook)",
-        attend=_attend,
-        cost=ring_cost,
-    )
+STRATEGY = SequenceStrategy(
+    "ring",
+    "ring attention: K/V blocks circulate with ppermute, online softmax (Playbook)",
+    attend=_attend,
+    cost=ring_cost,
 )

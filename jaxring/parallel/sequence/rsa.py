@@ -65,7 +65,7 @@ from jaxring.core.collectives import BACKWARD, ring_steps, send_to_next
 from jaxring.kernels.layout import check_seq_len, layout_permutation, layout_positions
 from jaxring.kernels.masking import attention_mask, check_qkv, check_window
 from jaxring.parallel.cost_terms import F32, AttentionCost, AttentionShape, Transfer, segment_once
-from jaxring.parallel.registry import SequenceStrategy, register_sequence_strategy
+from jaxring.parallel.registry import SequenceStrategy
 
 if TYPE_CHECKING:
     from jaxring.kernels.blockwise import BlockOps
@@ -307,13 +307,11 @@ def _attend(
     )
 
 
-register_sequence_strategy(
-    SequenceStrategy(
-        "rsa",
-        "Ring Self-Attention: K then V rings over materialised score rows (Li et al.)",
-        attend=_attend,
-        default_layout="contiguous",
-        uses_block_ops=False,
-        cost=rsa_cost,
-    )
+STRATEGY = SequenceStrategy(
+    "rsa",
+    "Ring Self-Attention: K then V rings over materialised score rows (Li et al.)",
+    attend=_attend,
+    default_layout="contiguous",
+    uses_block_ops=False,
+    cost=rsa_cost,
 )

@@ -30,7 +30,7 @@ from jaxring.kernels.layout import gathered_positions, natural_order
 from jaxring.kernels.masking import check_qkv
 from jaxring.kernels.window_work import layout_window_share
 from jaxring.parallel.cost_terms import F32, AttentionCost, AttentionShape, Transfer, segment_once
-from jaxring.parallel.registry import SequenceStrategy, register_sequence_strategy
+from jaxring.parallel.registry import SequenceStrategy
 
 
 def local_implementation(block_ops: str | BlockOps) -> str | None:
@@ -187,13 +187,11 @@ def _check_heads(q_heads: int, kv_heads: int, sp: int, options: dict) -> None:
     check_heads_split(q_heads, sp)
 
 
-register_sequence_strategy(
-    SequenceStrategy(
-        "ulysses",
-        "DeepSpeed-Ulysses: all-to-all sequence <-> heads around local attention",
-        attend=_attend,
-        default_layout="contiguous",
-        check_heads=_check_heads,
-        cost=ulysses_cost,
-    )
+STRATEGY = SequenceStrategy(
+    "ulysses",
+    "DeepSpeed-Ulysses: all-to-all sequence <-> heads around local attention",
+    attend=_attend,
+    default_layout="contiguous",
+    check_heads=_check_heads,
+    cost=ulysses_cost,
 )

@@ -26,7 +26,7 @@ from jaxring.core.mesh import factored_mesh
 from jaxring.kernels.layout import RankTokens
 from jaxring.kernels.masking import check_qkv
 from jaxring.parallel.cost_terms import F32, AttentionCost, AttentionShape, Transfer, segment_once, segment_ring
-from jaxring.parallel.registry import Option, SequenceStrategy, register_sequence_strategy
+from jaxring.parallel.registry import Option, SequenceStrategy
 from jaxring.parallel.sequence.ring import q_tiles, ring_attention, ring_window_share
 from jaxring.parallel.sequence.ulysses import check_heads_split, heads_to_seq, repeat_kv_for_split, seq_to_heads
 
@@ -167,22 +167,20 @@ def _check_heads(q_heads: int, kv_heads: int, sp: int, options: dict) -> None:
     check_heads_split(q_heads, options["ulysses_size"], "ulysses_size")
 
 
-register_sequence_strategy(
-    SequenceStrategy(
-        "usp",
-        "USP: Ulysses over U devices × ring over sp / U",
-        attend=_attend,
-        view=_view,
-        check_heads=_check_heads,
-        cost=usp_cost,
-        options=(
-            Option(
-                "ulysses_size",
-                "U, the Ulysses degree: U dividing sp",
-                _check_ulysses_size,
-                required=True,
-                search=lambda sp: [u for u in range(2, sp) if sp % u == 0],
-            ),
+STRATEGY = SequenceStrategy(
+    "usp",
+    "USP: Ulysses over U devices × ring over sp / U",
+    attend=_attend,
+    view=_view,
+    check_heads=_check_heads,
+    cost=usp_cost,
+    options=(
+        Option(
+            "ulysses_size",
+            "U, the Ulysses degree: U dividing sp",
+            _check_ulysses_size,
+            required=True,
+            search=lambda sp: [u for u in range(2, sp) if sp % u == 0],
         ),
-    )
+    ),
 )

@@ -115,7 +115,7 @@ from jaxring.kernels.layout import check_seq_len
 from jaxring.kernels.masking import check_qkv, check_window, positions_may_meet
 from jaxring.kernels.merge import empty_partial
 from jaxring.parallel.cost_terms import F32, AttentionCost, AttentionShape, Transfer, segment_once, segment_ring
-from jaxring.parallel.registry import Option, SequenceStrategy, register_sequence_strategy
+from jaxring.parallel.registry import Option, SequenceStrategy
 from jaxring.parallel.sequence.ring import attend_step, fuse_by_default, grads_step, run_bounds
 from jaxring.parallel.sequence.ring_step import pair_work, split_runs
 
@@ -689,31 +689,29 @@ def _team_sizes(sp: int) -> list[int]:
     return [c for c in range(2, math.isqrt(sp) + 1) if sp % (c * c) == 0]
 
 
-register_sequence_strategy(
-    SequenceStrategy(
-        "wallfacer",
-        "WallFacer: teams of C devices, C² sub-rings, 1/C of the ring's P2P volume",
-        attend=_attend,
-        layouts=WF_LAYOUTS,
-        view=_view,
-        cost=wallfacer_cost,
-        options=(
-            Option(
-                "team_size",
-                "C, the team size: C² dividing sp",
-                lambda c, sp: check_team_size(c, sp),
-                required=True,
-                search=_team_sizes,
-            ),
-            Option(
-                "placement",
-                "which devices are neighbours: team members or sub-ring members",
-                lambda placement, sp: check_placement(placement),
-                default="team_inner",
-                type=str,
-                choices=PLACEMENTS,
-                search=lambda sp: PLACEMENTS,
-            ),
+STRATEGY = SequenceStrategy(
+    "wallfacer",
+    "WallFacer: teams of C devices, C² sub-rings, 1/C of the ring's P2P volume",
+    attend=_attend,
+    layouts=WF_LAYOUTS,
+    view=_view,
+    cost=wallfacer_cost,
+    options=(
+        Option(
+            "team_size",
+            "C, the team size: C² dividing sp",
+            lambda c, sp: check_team_size(c, sp),
+            required=True,
+            search=_team_sizes,
         ),
-    )
+        Option(
+            "placement",
+            "which devices are neighbours: team members or sub-ring members",
+            lambda placement, sp: check_placement(placement),
+            default="team_inner",
+            type=str,
+            choices=PLACEMENTS,
+            search=lambda sp: PLACEMENTS,
+        ),
+    ),
 )

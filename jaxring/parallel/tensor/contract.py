@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jaxring.core.mesh import spec_entry
 from jaxring.kernels.rope import Rope, as_rope
 from jaxring.parallel.cost_terms import F32, AttentionCost, LocalDims, ModelShape, Transfer
-from jaxring.parallel.registry import HasOptions, register_tensor_method
+from jaxring.parallel.registry import HasOptions
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -374,4 +374,4 @@ def modulation_gradients(
     return [Transfer(what, axes, vectors * 2 * (p - 1) / p * x.b * m.hidden * F32, 1)]
 
 
-NONE = register_tensor_method(TensorMethod())
+NONE = TensorMethod()  # no tensor parallelism

@@ -53,7 +53,6 @@ from jaxring.core.vma import common_vma, gather_invariant, vary, varying_axes
 from jaxring.kernels.flash import flash_attention
 from jaxring.kernels.masking import check_window
 from jaxring.parallel.cost_terms import F32, LocalDims, ModelShape, Transfer
-from jaxring.parallel.registry import register_tensor_method
 from jaxring.parallel.tensor.contract import (
     ACTIVATIONS,
     MATMUL_OUTPUT,
@@ -873,4 +872,4 @@ class Megatron(TensorMethod):
         return 3 * x.b * x.n * m.hidden * m.em
 
 
-METHOD = register_tensor_method(Megatron())
+METHOD = Megatron()

@@ -93,7 +93,6 @@ from jaxring.kernels.masking import check_window, positions_may_meet, segments_m
 from jaxring.kernels.merge import empty_partial, merge_partials
 from jaxring.kernels.rope import Rope, as_rope
 from jaxring.parallel.cost_terms import F32, AttentionCost, LocalDims, ModelShape, Transfer, tree_rounds
-from jaxring.parallel.registry import register_tensor_method
 from jaxring.parallel.sequence.ring import fuse_by_default
 from jaxring.parallel.sequence.ring_step import when_visible
 from jaxring.parallel.tensor.contract import (
@@ -1230,4 +1229,4 @@ class METP(TensorMethod):
         )
 
 
-METHOD = register_tensor_method(METP())
+METHOD = METP()

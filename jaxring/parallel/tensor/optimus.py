@@ -69,7 +69,6 @@ from jaxring.core.vma import common_vma
 from jaxring.kernels.flash import flash_attention
 from jaxring.kernels.masking import check_window
 from jaxring.parallel.cost_terms import F32, LocalDims, ModelShape, Transfer, tree_rounds
-from jaxring.parallel.registry import register_tensor_method
 from jaxring.parallel.tensor.contract import ACTIVATIONS, ParamInfo, TensorMethod, add_bias, qk_norm_rope
 
 if TYPE_CHECKING:
@@ -928,4 +927,4 @@ def _summa_bytes(q: int, a: float, b: float, e: int) -> tuple[float, float]:
     return row, col
 
 
-METHOD = register_tensor_method(Optimus())
+METHOD = Optimus()
