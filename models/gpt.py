@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxring.kernels.layer_math import ACTIVATIONS
 from jaxring.kernels.rope import ROPE_SCALINGS, Rope
 from jaxring.nn import MLP, NORMS, Attention, Embed, Layers, MoE, stack, token_cross_entropy
 from jaxring.nn.moe import MoEConfig, moe_ffn
 from jaxring.parallel.plan import ParallelPlan
-from jaxring.parallel.tensor.contract import ACTIVATIONS
 from jaxring.run.task import Objective
 
 

@@ -121,11 +121,11 @@ def _forward_backward(f):
 
 def _tensor_program(method: str, seq: int, hidden: int):
     """(jitted forward + backward of a method's attention block, its abstract arguments)."""
-    from jaxring.parallel.tensor import metp, optimus
+    from jaxring.parallel.tensor import metp_api, optimus_api
 
     module, mesh = {
-        "metp": (metp, jaxring.make_mesh(tp=8)),
-        "optimus": (optimus, jaxring.make_mesh(dp=2, tp=4)),
+        "metp": (metp_api, jaxring.make_mesh(tp=8)),
+        "optimus": (optimus_api, jaxring.make_mesh(dp=2, tp=4)),
     }[method]
     batch = 4
     block = lambda x, w, p: module.attention_block(x, w, p, mesh=mesh, num_heads=8, num_kv_heads=8, causal=True)

@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxring
 from jaxring.analysis import compile_stats
-from jaxring.parallel.tensor import megatron as mt
+from jaxring.parallel.tensor import megatron_api as mt
+from jaxring.parallel.tensor import megatron_layers
 
 B, S, H, FFN, VOCAB, HEADS, HEAD_DIM = 4, 16, 32, 64, 64, 8, 4
 RTOL = 1e-4
@@ -125,7 +126,11 @@ def test_norms_in_sequence_parallel_region(mesh_name):
     cts = (normal(18, (B, S, H)), normal(19, (B, S, H)), normal(20, (B, S, H)))
 
     def norms(x, p):
-        return (mt.layer_norm(x, p["gamma"], p["beta"]), mt.rms_norm(x, p["scale"]), mt.layer_norm(x, p["gamma"]))
+        return (
+            megatron_layers.layer_norm(x, p["gamma"], p["beta"]),
+            megatron_layers.rms_norm(x, p["scale"]),
+            megatron_layers.layer_norm(x, p["gamma"]),
+        )
 
     def sharded(x, p):
         sp_out = jax.shard_map(norms, mesh=mesh, in_specs=(P(data, "tp", None), P()), out_specs=P(data, "tp", None))(
@@ -174,7 +179,9 @@ def test_plain_tensor_parallel_mlp_f_and_f_star():
     """sequence_parallel=False: f (identity / all-reduce) and f* (all-reduce / identity) on replicated x."""
     mesh = mesh_of("dp2-tp4")
     x, dy, p = normal(28, (B, S, H)), normal(29, (B, S, H)), mlp_params("swiglu")
-    local = lambda x, w_in, w_gate, w_out: mt.mlp(x, w_in, w_out, w_gate, activation="swiglu", sequence_parallel=False)
+    local = lambda x, w_in, w_gate, w_out: megatron_layers.mlp(
+        x, w_in, w_out, w_gate, activation="swiglu", sequence_parallel=False
+    )
     fn = jax.shard_map(
         local, mesh=mesh, in_specs=(P("dp"), P(None, "tp"), P(None, "tp"), P("tp", None)), out_specs=P("dp")
     )
@@ -227,7 +234,7 @@ def test_ffn_moves_two_transitions_forward_five_with_backward():
 
     # plain TP for comparison: f* forward and f backward, one all-reduce each, 2 (p-1)/p·bsh apiece
     mesh = mesh_of("tp4")
-    local = lambda x, w_in, w_out: mt.mlp(x, w_in, w_out, sequence_parallel=False)
+    local = lambda x, w_in, w_out: megatron_layers.mlp(x, w_in, w_out, sequence_parallel=False)
     tp = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(None, "tp"), P("tp", None)), out_specs=P())
     plain = _tp4_stats(lambda x, p, mesh: tp(x, p["w_in"], p["w_out"]), x, p, backward=True)
     assert plain.bytes_moved["all-reduce"] == 4 * unit == plain.total_bytes_moved
@@ -266,7 +273,7 @@ def test_ffn_saves_the_local_shard_not_the_gathered_input():
     x, p = jax.tree.map(put, (normal(32, (b, s, h)), mlp_params("gelu", h, ffn)), specs)
 
     def residual_bytes(recompute_gather):
-        local = lambda x, w_in, w_out: mt.mlp(x, w_in, w_out, recompute_gather=recompute_gather)
+        local = lambda x, w_in, w_out: megatron_layers.mlp(x, w_in, w_out, recompute_gather=recompute_gather)
         fn = jax.shard_map(
             local, mesh=mesh, in_specs=(specs[0], specs[1]["w_in"], specs[1]["w_out"]), out_specs=specs[0]
         )

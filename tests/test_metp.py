@@ -19,7 +19,7 @@ import jaxring
 from jaxring.analysis import compile_stats
 from jaxring.analysis.compiled import collective_traffic
 from jaxring.core.collectives import tree_rounds
-from jaxring.parallel.tensor import megatron, metp
+from jaxring.parallel.tensor import megatron_api, metp_api, metp_layers
 
 RTOL = 2e-4
 MESHES = {2: dict(dp=2, fsdp=2, tp=2), 4: dict(dp=2, tp=4), 8: dict(tp=8)}  # p = tp; batch over dp/fsdp
@@ -84,7 +84,7 @@ def ffn_case(p, activation):
     params = mlp_params(3, H, FFN, activation)
     mesh = mesh_of(p)
     got, moved = compiled_run(
-        out_and_grads(lambda x, w: metp.mlp_block(x, w, mesh=mesh, activation=activation), dy), x, params
+        out_and_grads(lambda x, w: metp_api.mlp_block(x, w, mesh=mesh, activation=activation), dy), x, params
     )
     ref = jax.jit(out_and_grads(lambda x, w: mlp_block_reference(x, w, activation), dy))(x, params)
     return got, ref, moved
@@ -110,7 +110,7 @@ def test_mlp_bytes(p, activation):
     blocks = ffn_block_elements(p, activation) * F32
     x = jax.ShapeDtypeStruct((B, S, H), jnp.float32)
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), mlp_params(0, H, FFN, activation))
-    fwd = compile_stats(lambda x, w: metp.mlp_block(x, w, mesh=mesh, activation=activation), x, params)
+    fwd = compile_stats(lambda x, w: metp_api.mlp_block(x, w, mesh=mesh, activation=activation), x, params)
     assert fwd.bytes_moved == {**dict.fromkeys(fwd.bytes_moved, 0), "collective-permute": (p - 1) * blocks}
 
     _, _, moved = ffn_case(p, activation)
@@ -129,7 +129,7 @@ def test_mlp_saves_only_x_and_weights():
     """The custom_vjp keeps A = X and the rank's own weight blocks (model states): no X W_in, no GeLU(X W_in)."""
     mesh = mesh_of(4)
     x, params = normal(1, (B, S, H)), mlp_params(3, H, FFN, "swiglu")
-    saved = saved_residuals(lambda x, w: metp.mlp_block(x, w, mesh=mesh, activation="swiglu"), x, params)
+    saved = saved_residuals(lambda x, w: metp_api.mlp_block(x, w, mesh=mesh, activation="swiglu"), x, params)
     assert sorted(r.shape for r in saved) == sorted([x.shape] + [w.shape for w in params.values()])
 
 
@@ -141,13 +141,13 @@ def test_mlp_forward_memory_does_not_grow_with_width():
     mesh = mesh_of(p)
     specs = (P(None, "tp", None), P(None, "tp"), P("tp", None))
     plain_ring = jax.shard_map(
-        lambda x, w_in, w_out: metp._metp_forward(x, (w_in,), (), w_out, metp.gelu, "tp"),
+        lambda x, w_in, w_out: metp_layers.metp_forward(x, (w_in,), (), w_out, metp_layers.gelu, "tp"),
         mesh=mesh,
         in_specs=specs,
         out_specs=specs[0],
     )
     layers = {
-        "metp": lambda x, w: metp.mlp_block(x, w, mesh=mesh),
+        "metp": lambda x, w: metp_api.mlp_block(x, w, mesh=mesh),
         "plain": lambda x, w: plain_ring(x, w["w_in"], w["w_out"]),
     }
 
@@ -173,7 +173,7 @@ def test_mlp_bf16():
     x, dy = normal(1, (B, S, H)), normal(2, (B, S, H))
     params = mlp_params(3, H, FFN, "gelu")
     bf16 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.bfloat16), tree)
-    got = jax.jit(out_and_grads(lambda x, w: metp.mlp_block(x, w, mesh=mesh), bf16(dy)))(bf16(x), bf16(params))
+    got = jax.jit(out_and_grads(lambda x, w: metp_api.mlp_block(x, w, mesh=mesh), bf16(dy)))(bf16(x), bf16(params))
     ref = jax.jit(out_and_grads(lambda x, w: mlp_block_reference(x, w, "gelu"), dy))(x, params)
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         assert g.dtype == jnp.bfloat16
@@ -228,7 +228,7 @@ def mha_case(p, causal, **options):
     params = attn_params(13, H, HEADS, cfg["num_kv_heads"], HEAD_DIM)
     mesh = mesh_of(p)
     got, moved = compiled_run(
-        out_and_grads(lambda x, w, pos: metp.attention_block(x, w, pos, mesh=mesh, **cfg), dy), x, params, pos
+        out_and_grads(lambda x, w, pos: metp_api.attention_block(x, w, pos, mesh=mesh, **cfg), dy), x, params, pos
     )
     cfg.pop("fuse_sends", None)
     ref = jax.jit(out_and_grads(lambda x, w, pos: attention_block_reference(x, w, pos, **cfg), dy))(x, params, pos)
@@ -256,7 +256,7 @@ def test_attention_forward_backward_repeatable(fuse_sends):
     x, dy = normal(21, (b, s, hidden)), normal(22, (b, s, hidden))
     pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     params = attn_params(23, hidden, heads, heads, hidden // heads)
-    run = jax.jit(out_and_grads(lambda x, w, pos: metp.attention_block(x, w, pos, mesh=mesh, **cfg), dy))
+    run = jax.jit(out_and_grads(lambda x, w, pos: metp_api.attention_block(x, w, pos, mesh=mesh, **cfg), dy))
     cfg.pop("fuse_sends")
     ref = jax.jit(out_and_grads(lambda x, w, pos: attention_block_reference(x, w, pos, **cfg), dy))(x, params, pos)
     for attempt in range(3):
@@ -315,7 +315,7 @@ def test_attention_forward_bytes_and_residuals(p, causal):
     params = attn_params(13, H, HEADS, cfg["num_kv_heads"], HEAD_DIM)
 
     def forward_with_residuals(x, w, pos):
-        out, vjp = jax.vjp(lambda x, w: metp.attention_block(x, w, pos, mesh=mesh, **cfg), x, w)
+        out, vjp = jax.vjp(lambda x, w: metp_api.attention_block(x, w, pos, mesh=mesh, **cfg), x, w)
         return out, jax.tree.leaves(vjp)
 
     (_, saved), moved = compiled_run(forward_with_residuals, x, params, pos)
@@ -363,7 +363,7 @@ def test_layer_peak_below_megatron():
 
         return compile_stats(step, x, params, pos, x)
 
-    ours, theirs = train_step(metp), train_step(megatron)
+    ours, theirs = train_step(metp_api), train_step(megatron_api)
     assert ours.peak_bytes < theirs.peak_bytes, (ours.peak_bytes, theirs.peak_bytes)
 
 
@@ -377,52 +377,52 @@ def test_errors():
     x, pos = jnp.zeros((2, S, H)), jnp.zeros((2, S), jnp.int32)
     w = mlp_params(0, H, FFN, "gelu")
     with pytest.raises(ValueError, match="ffn 66 is not divisible by tp = 4"):
-        metp.mlp_block(x, mlp_params(0, H, 66, "gelu"), mesh=mesh)
+        metp_api.mlp_block(x, mlp_params(0, H, 66, "gelu"), mesh=mesh)
     with pytest.raises(ValueError, match="seq 30 is not divisible by tp = 4"):
-        metp.mlp_block(jnp.zeros((2, 30, H)), w, mesh=mesh)
+        metp_api.mlp_block(jnp.zeros((2, 30, H)), w, mesh=mesh)
     with pytest.raises(ValueError, match="batch 3 is not divisible"):
-        metp.mlp_block(jnp.zeros((3, S, H)), w, mesh=mesh)
+        metp_api.mlp_block(jnp.zeros((3, S, H)), w, mesh=mesh)
     with pytest.raises(ValueError, match="w_gate"):
-        metp.mlp_block(x, w, mesh=mesh, activation="swiglu")
+        metp_api.mlp_block(x, w, mesh=mesh, activation="swiglu")
     with pytest.raises(ValueError, match="activation 'relu'"):
-        metp.mlp_block(x, w, mesh=mesh, activation="relu")
+        metp_api.mlp_block(x, w, mesh=mesh, activation="relu")
     with pytest.raises(ValueError, match="sp=2 must be 1"):
-        metp.mlp_block(x, w, mesh=jaxring.make_mesh(sp=2, tp=4))
+        metp_api.mlp_block(x, w, mesh=jaxring.make_mesh(sp=2, tp=4))
     a = attn_params(0, H, 6, 6, HEAD_DIM)
     with pytest.raises(ValueError, match="num_heads 6 and num_kv_heads 6 must be divisible by tp = 4"):
-        metp.attention_block(x, a, pos, mesh=mesh, num_heads=6, num_kv_heads=6)
+        metp_api.attention_block(x, a, pos, mesh=mesh, num_heads=6, num_kv_heads=6)
     a = attn_params(0, H, 8, 2, HEAD_DIM)
     with pytest.raises(ValueError, match="num_kv_heads 2 must be divisible by tp = 4"):
-        metp.attention_block(x, a, pos, mesh=mesh, num_heads=8, num_kv_heads=2)
+        metp_api.attention_block(x, a, pos, mesh=mesh, num_heads=8, num_kv_heads=2)
     a = attn_params(0, H, 8, 8, HEAD_DIM)
     with pytest.raises(ValueError, match="seq 30 is not divisible by tp = 4"):
-        metp.attention_block(jnp.zeros((2, 30, H)), a, pos[:, :30], mesh=mesh, num_heads=8, num_kv_heads=8)
+        metp_api.attention_block(jnp.zeros((2, 30, H)), a, pos[:, :30], mesh=mesh, num_heads=8, num_kv_heads=8)
     with pytest.raises(ValueError, match="positions has shape"):
-        metp.attention_block(x, a, pos[:, :16], mesh=mesh, num_heads=8, num_kv_heads=8)
+        metp_api.attention_block(x, a, pos[:, :16], mesh=mesh, num_heads=8, num_kv_heads=8)
     with pytest.raises(ValueError, match=r"params\['wk'\] has shape"):
-        metp.attention_block(x, {**a, "wk": jnp.zeros((H, 12))}, pos, mesh=mesh, num_heads=8, num_kv_heads=8)
+        metp_api.attention_block(x, {**a, "wk": jnp.zeros((H, 12))}, pos, mesh=mesh, num_heads=8, num_kv_heads=8)
 
 
 def test_param_specs():
     mesh = mesh_of(4)
-    specs = metp.param_specs(mesh, {"w_in": (H, FFN), "w_out": (FFN, H), "attn": {"wq": (H, 32), "wo": (32, H)}})
+    specs = metp_api.param_specs(mesh, {"w_in": (H, FFN), "w_out": (FFN, H), "attn": {"wq": (H, 32), "wo": (32, H)}})
     assert specs["w_in"].spec == P(None, "tp") and specs["w_out"].spec == P("tp", None)
     assert specs["attn"]["wq"].spec == P(None, "tp") and specs["attn"]["wo"].spec == P("tp", None)
     with pytest.raises(ValueError, match="unknown parameter 'bias'"):
-        metp.param_specs(mesh, {"bias": (H,)})
+        metp_api.param_specs(mesh, {"bias": (H,)})
     with pytest.raises(ValueError, match="divisible by tp = 4"):
-        metp.param_specs(mesh, {"w_in": (H, 66)})
+        metp_api.param_specs(mesh, {"w_in": (H, 66)})
 
 
 def test_attention_projections_in_row_chunks_match_reference(monkeypatch):
     """O_i and ΔX_i summed over the head groups chunk by chunk of rows (`PROJECTION_ROWS`; here 4 rows, so
     several chunks a device) equal the reference, forward and gradients (p = 4, causal)."""
-    monkeypatch.setattr(metp, "PROJECTION_ROWS", 4)
+    monkeypatch.setattr(metp_layers, "PROJECTION_ROWS", 4)
     x, dy, pos = normal(11, (B, S, H)), normal(12, (B, S, H)), positions_of(B, S)
     cfg = mha_config(4, True)
     params = attn_params(13, H, HEADS, cfg["num_kv_heads"], HEAD_DIM)
     mesh = mesh_of(4)
-    got = jax.jit(out_and_grads(lambda x, w, pos: metp.attention_block(x, w, pos, mesh=mesh, **cfg), dy))(
+    got = jax.jit(out_and_grads(lambda x, w, pos: metp_api.attention_block(x, w, pos, mesh=mesh, **cfg), dy))(
         x, params, pos
     )
     ref = jax.jit(out_and_grads(lambda x, w, pos: attention_block_reference(x, w, pos, **cfg), dy))(x, params, pos)

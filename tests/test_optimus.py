@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring import make_mesh
 from jaxring.analysis import compile_stats
-from jaxring.parallel.tensor import optimus
+from jaxring.parallel.tensor import optimus, optimus_api, optimus_layers
 
 RTOL = 1e-4
 BLOCK = P("tpr", "tpc")
@@ -77,7 +77,7 @@ def cross_entropy_ref(x, w_head, targets):
 
 
 def _summa(form, grid):
-    fn = {"ab": optimus.summa_ab, "abt": optimus.summa_abt, "atb": optimus.summa_atb}[form]
+    fn = {"ab": optimus_layers.summa_ab, "abt": optimus_layers.summa_abt, "atb": optimus_layers.summa_atb}[form]
     return jax.shard_map(fn, mesh=grid, in_specs=(BLOCK, BLOCK), out_specs=BLOCK)
 
 
@@ -103,11 +103,11 @@ def test_summa_forms_and_gradients(meshes):
 
 def test_summa_block_shape_errors():
     with pytest.raises(ValueError, match="A block columns must equal B block rows"):
-        optimus.summa_ab(jnp.ones((4, 3)), jnp.ones((4, 3)))
+        optimus_layers.summa_ab(jnp.ones((4, 3)), jnp.ones((4, 3)))
     with pytest.raises(ValueError, match="same number of columns"):
-        optimus.summa_abt(jnp.ones((4, 3)), jnp.ones((4, 4)))
+        optimus_layers.summa_abt(jnp.ones((4, 3)), jnp.ones((4, 4)))
     with pytest.raises(ValueError, match="same number of rows"):
-        optimus.summa_atb(jnp.ones((3, 4)), jnp.ones((4, 4)))
+        optimus_layers.summa_atb(jnp.ones((3, 4)), jnp.ones((4, 4)))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -123,7 +123,7 @@ def test_mlp_block(meshes, mesh_name, activation):
     params = {"w_in": w_in, "w_out": w_out} | ({"w_gate": w_gate} if activation == "swiglu" else {})
 
     _compare(
-        lambda x, p: optimus.mlp_block(x, p, mesh=mesh, activation=activation),
+        lambda x, p: optimus_api.mlp_block(x, p, mesh=mesh, activation=activation),
         lambda x, p: mlp_block_reference(x, p, activation),
         (x, params),
         dy,
@@ -142,7 +142,7 @@ def test_attention_block(meshes, mesh_name, causal, kv_heads):
     positions = jnp.arange(s, dtype=jnp.int32)[None, :] + 3 * jnp.arange(b, dtype=jnp.int32)[:, None]
 
     _compare(
-        lambda x, p: optimus.attention_block(
+        lambda x, p: optimus_api.attention_block(
             x, p, positions, mesh=mesh, num_heads=n, num_kv_heads=kv_heads, causal=causal
         ),
         lambda x, p: attention_block_reference(x, p, positions, n, kv_heads, causal, 10000.0),
@@ -158,7 +158,7 @@ def test_layer_norm(meshes):
     x = 3.0 * x + 1.0
 
     _compare(
-        lambda *a: optimus.layer_norm(*a, mesh=mesh),
+        lambda *a: optimus_api.layer_norm(*a, mesh=mesh),
         layer_norm_ref,
         (x, scale, bias),
         dy,
@@ -182,8 +182,8 @@ def test_embed_and_cross_entropy(meshes):
         return fn
 
     ours = model(
-        lambda t, e: optimus.embed(t, e, mesh=mesh),
-        lambda x, w, y, tied: optimus.cross_entropy(x, w, y, mesh=mesh, tied=tied),
+        lambda t, e: optimus_api.embed(t, e, mesh=mesh),
+        lambda x, w, y, tied: optimus_api.cross_entropy(x, w, y, mesh=mesh, tied=tied),
     )
     ref = model(lambda t, e: e[t], lambda x, w, y, tied: cross_entropy_ref(x, w.T if tied else w, y))
 
@@ -270,9 +270,12 @@ def test_layer_forward_bytes_against_table1(meshes):
     attn = {name: _sds(grid, (h, h), BLOCK) for name in ("wq", "wk", "wv", "wo")}
     positions = _sds(grid, (b, s), tok_spec, jnp.int32)
 
-    mlp_fwd = _permute_elements(lambda x, w: optimus.mlp_block(x, w, mesh=mesh), x, mlp)
+    mlp_fwd = _permute_elements(lambda x, w: optimus_api.mlp_block(x, w, mesh=mesh), x, mlp)
     attn_fwd = _permute_elements(
-        lambda x, w, pos: optimus.attention_block(x, w, pos, mesh=mesh, num_heads=n, num_kv_heads=n), x, attn, positions
+        lambda x, w, pos: optimus_api.attention_block(x, w, pos, mesh=mesh, num_heads=n, num_kv_heads=n),
+        x,
+        attn,
+        positions,
     )
     assert mlp_fwd == factor * (5 * b * s * h + 8 * h * h)
     assert attn_fwd == factor * (2 * b * s * h + 4 * h * h)
@@ -287,10 +290,10 @@ def test_embedding_bytes(meshes):
     tok = _sds(grid, (b, s), P(("dp", "fsdp", "tpr"), None), jnp.int32)
     table = _sds(grid, (v, h), BLOCK)
     block = (v // q) * (h // q)
-    assert _permute_elements(lambda t, e: optimus.embed(t, e, mesh=mesh), tok, table) == bcast(q, block)
+    assert _permute_elements(lambda t, e: optimus_api.embed(t, e, mesh=mesh), tok, table) == bcast(q, block)
 
     def fwd_bwd(t, e, g):
-        return _value_and_vjp(lambda e: optimus.embed(t, e, mesh=mesh), (e,), g)
+        return _value_and_vjp(lambda e: optimus_api.embed(t, e, mesh=mesh), (e,), g)
 
     g = _sds(grid, (b, s, h), P(("dp", "fsdp", "tpr"), None, "tpc"))
     assert _permute_elements(fwd_bwd, tok, table, g) == bcast(q, block) + reduce(q, block)
@@ -312,7 +315,7 @@ def _memory_stats(grid, q, block_rows=16, block_cols=1024):
     m, k = block_rows * q, block_cols * q
     args = (_sds(grid, (m, k), BLOCK), _sds(grid, (k, m), BLOCK))
     out = {}
-    for name, fn in (("stepwise", optimus.summa_ab), ("collapsed", collapsed_ab)):
+    for name, fn in (("stepwise", optimus_layers.summa_ab), ("collapsed", collapsed_ab)):
         stats = compile_stats(
             jax.shard_map(fn, mesh=grid, in_specs=(BLOCK, BLOCK), out_specs=BLOCK), *args, num_devices=q * q
         )
@@ -333,7 +336,7 @@ MEMORY_SCRIPT = textwrap.dedent("""
     import jax
     import test_optimus as t
     from jaxring import make_mesh
-    from jaxring.parallel.tensor import optimus
+    from jaxring.parallel.tensor import optimus, optimus_api, optimus_layers
     grid, q, _ = optimus.grid_mesh(make_mesh(tp=jax.device_count()))
     r, blocks = t._memory_stats(grid, q)
     print(json.dumps({"q": q, "blocks": blocks, **r}))
@@ -371,27 +374,27 @@ def test_errors(meshes):
     x = jnp.zeros((4, 4, 8))
     mlp = {"w_in": jnp.zeros((8, 16)), "w_out": jnp.zeros((16, 8))}
     with pytest.raises(ValueError, match="tp = 8 is not a perfect square"):
-        optimus.mlp_block(x, mlp, mesh=make_mesh(tp=8))
+        optimus_api.mlp_block(x, mlp, mesh=make_mesh(tp=8))
     with pytest.raises(ValueError, match="sp=2 > 1 cannot be used"):
-        optimus.mlp_block(x, mlp, mesh=make_mesh(sp=2, tp=4))
+        optimus_api.mlp_block(x, mlp, mesh=make_mesh(sp=2, tp=4))
     with pytest.raises(ValueError, match="batch 2 is not divisible by data degree × q = 2×2"):
-        optimus.mlp_block(jnp.zeros((2, 4, 8)), mlp, mesh=meshes["dp2_q2"])
+        optimus_api.mlp_block(jnp.zeros((2, 4, 8)), mlp, mesh=meshes["dp2_q2"])
     with pytest.raises(ValueError, match="w_in dimension 5 is not divisible by q"):
-        optimus.mlp_block(x, {"w_in": jnp.zeros((8, 5)), "w_out": jnp.zeros((5, 8))}, mesh=meshes["q2"])
+        optimus_api.mlp_block(x, {"w_in": jnp.zeros((8, 5)), "w_out": jnp.zeros((5, 8))}, mesh=meshes["q2"])
     with pytest.raises(ValueError, match="needs params\\['w_gate'\\]"):
-        optimus.mlp_block(x, mlp, mesh=meshes["q2"], activation="swiglu")
+        optimus_api.mlp_block(x, mlp, mesh=meshes["q2"], activation="swiglu")
     attn = {"wq": jnp.zeros((8, 12)), "wk": jnp.zeros((8, 4)), "wv": jnp.zeros((8, 4)), "wo": jnp.zeros((12, 8))}
     pos = jnp.zeros((4, 4), jnp.int32)
     with pytest.raises(ValueError, match="num_heads 3 is not divisible by q"):
-        optimus.attention_block(x, attn, pos, mesh=meshes["q2"], num_heads=3, num_kv_heads=1)
+        optimus_api.attention_block(x, attn, pos, mesh=meshes["q2"], num_heads=3, num_kv_heads=1)
     attn["wq"], attn["wo"] = jnp.zeros((8, 16)), jnp.zeros((16, 8))
     with pytest.raises(ValueError, match="num_kv_heads 1 is not divisible by q"):
-        optimus.attention_block(x, attn, pos, mesh=meshes["q2"], num_heads=4, num_kv_heads=1)
+        optimus_api.attention_block(x, attn, pos, mesh=meshes["q2"], num_heads=4, num_kv_heads=1)
     with pytest.raises(ValueError, match="vocab 5 is not divisible by q"):
-        optimus.embed(jnp.zeros((4, 4), jnp.int32), jnp.zeros((5, 8)), mesh=meshes["q2"])
+        optimus_api.embed(jnp.zeros((4, 4), jnp.int32), jnp.zeros((5, 8)), mesh=meshes["q2"])
     with pytest.raises(ValueError, match="vocab 7 is not divisible by q"):
-        optimus.cross_entropy(x, jnp.zeros((8, 7)), jnp.zeros((4, 4), jnp.int32), mesh=meshes["q2"])
+        optimus_api.cross_entropy(x, jnp.zeros((8, 7)), jnp.zeros((4, 4), jnp.int32), mesh=meshes["q2"])
     with pytest.raises(ValueError, match="hidden 5 is not divisible by q"):
-        optimus.layer_norm(jnp.zeros((4, 4, 5)), jnp.ones(5), jnp.zeros(5), mesh=meshes["q2"])
-    specs = optimus.param_specs(meshes["q2"], {"w_in": (8, 16), "scale": (8,)})
+        optimus_api.layer_norm(jnp.zeros((4, 4, 5)), jnp.ones(5), jnp.zeros(5), mesh=meshes["q2"])
+    specs = optimus_api.param_specs(meshes["q2"], {"w_in": (8, 16), "scale": (8,)})
     assert specs["w_in"].spec == BLOCK and specs["scale"].spec == P("tpc")

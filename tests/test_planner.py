@@ -346,7 +346,7 @@ def test_megatron_metp_optimus_layer_bytes_are_their_papers():
     q = 2
     opt = _layer_bytes(w, Candidate(tp=q * q, tensor_parallel="optimus", micro_batch=b))
     # Table 1 forward log(p)/(2√p)·(7bsh + 12h²) counts qR blocks per broadcast; the binomial tree's shared
-    # round 0 makes it 1 + q(R-1) (tensor/optimus.py): half at q = 2. Forward + backward is 2 broadcasts and
+    # round 0 makes it 1 + q(R-1) (tensor/optimus_layers.py): half at q = 2. Forward + backward is 2 broadcasts and
     # 1 reduce (qR blocks) per operand: 4× the forward's blocks, plus the 2D layer norms
     forward = math.log2(q * q) / (2 * q) * (7 * b * s * h + 12 * h * h) * (1 + q * 0) / (q * 1)
     norms = 2 * 2 * (2 * 2 * (q - 1) / q * (b // q) * s * 4)

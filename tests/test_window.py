@@ -25,7 +25,7 @@ from jaxring.nn import Attention, param_placements
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.parallel.sequence.ring import ring_forward, ring_window_share
 from jaxring.parallel.sequence.wallfacer import WF_AXES, wallfacer_forward, wallfacer_mesh
-from jaxring.parallel.tensor import metp, optimus
+from jaxring.parallel.tensor import metp_api, optimus_api
 
 WINDOWS = (3, 21, 100)
 
@@ -414,7 +414,7 @@ def test_metp_tp4_attention_block_with_a_window():
     positions = jnp.broadcast_to(jnp.arange(32, dtype=jnp.int32), (B, 32))
     kw = dict(num_heads=HEADS, num_kv_heads=KV, causal=True, rope_theta=10000.0)
     _block_check(
-        lambda x, p: metp.attention_block(x, p, positions, mesh=mesh, window=5, **kw),
+        lambda x, p: metp_api.attention_block(x, p, positions, mesh=mesh, window=5, **kw),
         lambda x, p: attention_block_reference(x, p, positions, HEADS, KV, True, 10000.0, 5),
         x,
         params,
@@ -430,7 +430,7 @@ def test_optimus_tp4_attention_block_with_a_window():
     positions = jnp.arange(16, dtype=jnp.int32)[None, :] + 3 * jnp.arange(4, dtype=jnp.int32)[:, None]
     kw = dict(num_heads=HEADS, num_kv_heads=KV, causal=True, rope_theta=10000.0)
     _block_check(
-        lambda x, p: optimus.attention_block(x, p, positions, mesh=mesh, window=6, **kw),
+        lambda x, p: optimus_api.attention_block(x, p, positions, mesh=mesh, window=6, **kw),
         lambda x, p: attention_block_reference(x, p, positions, HEADS, KV, True, 10000.0, 6),
         x,
         params,
@@ -457,6 +457,6 @@ def test_refusals_name_the_value_and_the_rule():
     params = _weights(0, H, HEADS, KV, H // HEADS)
     pos = jnp.zeros((4, 32), jnp.int32)
     kw = dict(mesh=jaxring.make_mesh(dp=2, tp=4), num_heads=HEADS, num_kv_heads=KV)
-    for block in (metp.attention_block, optimus.attention_block):
+    for block in (metp_api.attention_block, optimus_api.attention_block):
         with pytest.raises(ValueError, match="window 8 needs causal=True"):
             block(x, params, pos, causal=False, window=8, **kw)

@@ -31,14 +31,17 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 
 from jaxring.core.tiling import over_tiles
+from jaxring.kernels.layer_math import check_activation
 from jaxring.kernels.rope import Rope, as_rope
 from jaxring.nn import inference
 from jaxring.nn import moe as moe_lib
 from jaxring.parallel import zero
 from jaxring.parallel.plan import ParallelPlan
-from jaxring.parallel.tensor.contract import KEPT_RESIDUAL, LAYER_INPUT, MATMUL_OUTPUT, ParamInfo, check_activation
+from jaxring.parallel.tensor.contract import KEPT_RESIDUAL, MATMUL_OUTPUT, ParamInfo
 
 REMAT = ("none", "selective", "full")
+# The name of a layer's input in the layer stack (`Layers`): host offload keeps it in host memory.
+LAYER_INPUT = "jaxring_layer_input"
 STACKED = "stacked"  # metadata flag of parameters with a leading layer dim
 
 

@@ -352,13 +352,13 @@ for name in ("rsa", "ring zigzag"):
 from functools import partial
 
 from jaxring.kernels.rope import apply_rope
-from jaxring.parallel.tensor import megatron, metp, optimus
+from jaxring.parallel.tensor import megatron_api, metp_api, optimus_api
 
 Q = max(q for q in range(1, P + 1) if P % (q * q) == 0)  # Optimus: the largest q×q grid that divides P
 TP_METHODS = {  # name -> (module, mesh)
-    "megatron": (megatron, jaxring.make_mesh(tp=P)),
-    "optimus": (optimus, jaxring.make_mesh(dp=P // (Q * Q), tp=Q * Q)),
-    "metp": (metp, jaxring.make_mesh(tp=P)),
+    "megatron": (megatron_api, jaxring.make_mesh(tp=P)),
+    "optimus": (optimus_api, jaxring.make_mesh(dp=P // (Q * Q), tp=Q * Q)),
+    "metp": (metp_api, jaxring.make_mesh(tp=P)),
 }
 TP_BATCH = P // (Q * Q) * Q  # divisible by Optimus's dp · q; used by all three
 ATTN_NAMES, MLP_NAMES = ("wq", "wk", "wv", "wo"), ("w_in", "w_out")
@@ -617,7 +617,7 @@ plt.show()
 # the output gradient and (recomputing, as Megatron-LM does) the input again and reduce-scatters the input
 # gradient: five transitions of `(p − 1)/p · bsh` elements per device (METP's Table 1). The attention block
 # moves the same five plus its token positions (int32, `(p − 1)/p · bs`). We read the MLP block's bytes from
-# the program checked in 4.1, and the layer's from 4.2; the METP row uses the count in `metp.py`'s docstring
+# the program checked in 4.1, and the layer's from 4.2; the METP row uses the count in `metp_layers.py`'s docstring
 # (the paper's `24(p−1)/p · h²` for the FFN and `12 log₂p · h² + 6(p−1)/p · bsh` for attention, plus the
 # gradients' extra hop home and the token positions that travel with K/V).
 
@@ -722,12 +722,13 @@ if Q > 1:
 #
 # What the SUMMA loop buys is memory: it is a `lax.scan` over the `q` steps, so a device holds the current
 # and the next block of each operand, never a whole row or column *panel* of `q` blocks as an all-gather
-# would. Compare `optimus.summa_ab` with the collapsed product `all_gather(A) @ all_gather(B)` on the grid:
+# would. Compare `optimus_layers.summa_ab` with the collapsed product `all_gather(A) @ all_gather(B)` on the grid:
 
 # %%
 from jax.sharding import NamedSharding
 
-from jaxring.parallel.tensor.optimus import GRID, grid_mesh
+from jaxring.parallel.tensor.optimus import grid_mesh
+from jaxring.parallel.tensor.optimus_layers import GRID, summa_ab
 
 grid, q_grid, _ = grid_mesh(TP_METHODS["optimus"][1])
 block = PS(*GRID)
@@ -741,7 +742,7 @@ def collapsed_ab(a, b):
     return jax.lax.all_gather(a, "tpc", axis=1, tiled=True) @ jax.lax.all_gather(b, "tpr", axis=0, tiled=True)
 
 
-for label, fn in (("stepwise SUMMA (optimus.summa_ab)", optimus.summa_ab), ("gathered panels", collapsed_ab)):
+for label, fn in (("stepwise SUMMA (optimus.summa_ab)", summa_ab), ("gathered panels", collapsed_ab)):
     s = compile_stats(jax.shard_map(fn, mesh=grid, in_specs=(block, block), out_specs=block), a, b)
     print(
         f"q = {q_grid}: {label:34s} temporaries {s.temp_bytes / pair:4.1f} block pairs, "

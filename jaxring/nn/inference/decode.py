@@ -28,23 +28,23 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring.core.mesh import spec_entry
 from jaxring.core.vma import gather_invariant, vary_like
+from jaxring.kernels.layer_math import activate, add_bias, head_norm, qk_norm_rope, split_heads
 from jaxring.kernels.merge import merge_partials
 from jaxring.kernels.rope import Rope, as_rope
 from jaxring.parallel.plan import ParallelPlan
-from jaxring.parallel.tensor.contract import activate, add_bias, head_norm, own_kv_head, qk_norm_rope, split_heads
-
-DECODING_METHODS = ("none", "megatron")
+from jaxring.parallel.registry import tensor_methods
+from jaxring.parallel.tensor.splits import own_kv_head
 
 
 def check_decodable(plan: ParallelPlan) -> None:
-    """Raises (one line) on a plan the KV-cache decoder cannot run: a pipeline, or a tensor method other than
-    none/megatron."""
+    """Raises (one line) on a plan the KV-cache decoder cannot run: a pipeline, or a tensor method that does not
+    declare `decodes` (the heads split over tp as Megatron's, or nothing split)."""
     if plan.pp > 1:
         raise ValueError(f"generate runs without a pipeline (pp = {plan.pp}); use a plan with pp = 1")
-    if plan.tensor.name not in DECODING_METHODS:
+    if not plan.tensor.decodes:
+        decoding = ", ".join(name for name, method in tensor_methods().items() if method.decodes)
         raise ValueError(
-            f"generate decodes with tensor parallelism {', '.join(DECODING_METHODS)}; got "
-            f"{plan.tensor.name!r} (use megatron, or tp = 1)"
+            f"generate decodes with tensor parallelism {decoding}; got {plan.tensor.name!r} (use megatron, or tp = 1)"
         )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxring.parallel.tensor.contract import ACTIVATIONS
+from jaxring.kernels.layer_math import ACTIVATIONS
 
 GROUPED_MATMULS = ("auto", "ragged_dot", "blocked")
 

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxring.core.vma import common_vma, vary_like
+from jaxring.kernels.layer_math import activate
 from jaxring.nn.moe.config import GROUPED_MATMULS
-from jaxring.parallel.tensor.contract import activate
 
 
 def _ffn(x: jax.Array, w: dict, activation: str) -> jax.Array:

@@ -18,7 +18,8 @@ and what it costs (the planner's cost model, in the vocabulary of `jaxring.paral
 
 This base class is the method "none" (tensors replicated over tp = 1): plain local layers, the sequence split
 over the plan's sequence axes and attention by the plan's strategy. Megatron, Optimus and METP override what
-they change. The shared math (QKV projection and head split, RoPE, GQA, activations) lives here once.
+they change. The per-device math they share (head split, QK-norm and RoPE, activations, norms) is
+`jaxring.kernels.layer_math`; the size checks and the K/V heads over tp are `splits.py`.
 """
 
 from __future__ import annotations
@@ -33,16 +34,15 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxring.core.mesh import spec_entry
-from jaxring.kernels.rope import Rope, as_rope
+from jaxring.kernels.layer_math import activate, add_bias, layer_norm, merge_heads, qk_norm_rope, rms_norm, split_heads
 from jaxring.parallel.cost_terms import F32, AttentionCost, LocalDims, ModelShape, Transfer
 from jaxring.parallel.registry import HasOptions
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
+    from jaxring.kernels.rope import Rope
     from jaxring.parallel.plan import ParallelPlan
-
-ACTIVATIONS = ("gelu", "swiglu")
 
 # The name a weight matmul's output carries when it is computed inside a custom_vjp (Megatron's column linear
 # with its all-gather), where the selective remat policy cannot see the dot: `nn.remat_policy` saves it.
@@ -50,109 +50,6 @@ MATMUL_OUTPUT = "jaxring_weight_matmul"
 # The name of a residual a custom_vjp keeps that is not a matmul output (METP attention's A_i and lse): selective
 # remat keeps it, rather than running the forward again in the backward.
 KEPT_RESIDUAL = "jaxring_kept_residual"
-# The name of a layer's input in the layer stack (`jaxring.nn.Layers`): host offload keeps it in host memory.
-LAYER_INPUT = "jaxring_layer_input"
-
-
-# ----------------------------------------------------------------------------------------- shared math
-
-
-def check_activation(activation: str) -> None:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}")
-
-
-def activate(h_in: jax.Array, h_gate: jax.Array | None, activation: str) -> jax.Array:
-    """gelu(h_in) (tanh approximation), or silu(h_gate) * h_in (SwiGLU)."""
-    if activation == "swiglu":
-        return jax.nn.silu(h_gate) * h_in
-    return jax.nn.gelu(h_in, approximate=True)
-
-
-def split_heads(q: jax.Array, k: jax.Array, v: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """[b, s, heads·d] projections -> [b, s, heads, d] (head j owns columns j·d .. (j+1)·d)."""
-    b, s = q.shape[:2]
-    return tuple(t.reshape(b, s, t.shape[-1] // head_dim, head_dim) for t in (q, k, v))
-
-
-def rope_qk(q: jax.Array, k: jax.Array, positions: jax.Array, rope: Rope | float | None) -> tuple[jax.Array, jax.Array]:
-    """RoPE on q and k [b, s, heads, d] at positions int [b, s] (identity when rope is None; a number is
-    plain RoPE's theta)."""
-    rope = as_rope(rope)
-    if rope is None:
-        return q, k
-    return rope.apply(q, positions), rope.apply(k, positions)
-
-
-def add_bias(y: jax.Array, bias: jax.Array | None) -> jax.Array:
-    """y [..., n] + bias [n] (y unchanged when bias is None), in y's dtype."""
-    return y if bias is None else y + bias.astype(y.dtype)
-
-
-def head_norm(t: jax.Array, scale: jax.Array | None, *, eps: float) -> jax.Array:
-    """QK-norm: RMSNorm of each head [..., head_dim] with scale [head_dim] (fp32 math, t's dtype); identity
-    when scale is None."""
-    return t if scale is None else rms_norm(t, scale, eps=eps)
-
-
-def qk_norm_rope(
-    q: jax.Array, k: jax.Array, w: dict, positions: jax.Array, rope: Rope | None, *, eps: float
-) -> tuple[jax.Array, jax.Array]:
-    """The heads as attention sees them: QK-norm (when w has "q_norm"/"k_norm" [head_dim], Qwen3), then RoPE."""
-    q, k = head_norm(q, w.get("q_norm"), eps=eps), head_norm(k, w.get("k_norm"), eps=eps)
-    return rope_qk(q, k, positions, rope)
-
-
-def own_kv_head(w: dict, num_kv_heads: int, tp: int, head_dim: int, axis_name: str = "tp") -> dict:
-    """K/V heads replicated over a tensor group (num_kv_heads < tp, dividing it; Megatron-LM's way): w's wk,
-    wv [h, hkv·d] (and bk, bv) are whole on every rank, and rank r keeps its K/V head r // (tp / hkv). The
-    slice's transpose, with the weights typed replicated over the axis, sums the replicas' gradients.
-    Returns w unchanged when num_kv_heads >= tp."""
-    if num_kv_heads >= tp:
-        return w
-    head = jax.lax.axis_index(axis_name) // (tp // num_kv_heads)
-    w = dict(w)
-    for name in ("wk", "wv", "bk", "bv"):
-        if name in w:
-            w[name] = jax.lax.dynamic_slice_in_dim(w[name], head * head_dim, head_dim, axis=w[name].ndim - 1)
-    return w
-
-
-def check_kv_heads(num_heads: int, num_kv_heads: int, tp: int, method: str) -> None:
-    """Heads split over tp; K/V heads split too, or (fewer than tp) each replicated on tp / kv_heads ranks."""
-    if num_heads % tp:
-        raise ValueError(f"num_heads {num_heads} is not divisible by tp = {tp} ({method} splits the heads over tp)")
-    if num_kv_heads >= tp and num_kv_heads % tp:
-        raise ValueError(
-            f"num_kv_heads {num_kv_heads} is not divisible by tp = {tp} (kv heads >= tp are split over tp; "
-            f"fewer than tp must divide tp)"
-        )
-    if num_kv_heads < tp and tp % num_kv_heads:
-        raise ValueError(
-            f"num_kv_heads {num_kv_heads} < tp = {tp} must divide tp (each kv head is replicated on "
-            f"tp / num_kv_heads ranks)"
-        )
-
-
-def merge_heads(out: jax.Array) -> jax.Array:
-    """[b, s, heads, d] -> [b, s, heads·d]."""
-    return out.reshape(out.shape[0], out.shape[1], -1)
-
-
-def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, *, eps: float = 1e-5) -> jax.Array:
-    """LayerNorm over the last dim in fp32, result in x.dtype; scale, bias [hidden] (bias may be None)."""
-    xf = x.astype(jnp.float32)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    y = (xf - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32)
-    return (y if bias is None else y + bias.astype(jnp.float32)).astype(x.dtype)
-
-
-def rms_norm(x: jax.Array, scale: jax.Array, *, eps: float = 1e-6) -> jax.Array:
-    """RMSNorm over the last dim in fp32, result in x.dtype: x · rsqrt(mean(x²) + eps) · scale."""
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps) * scale.astype(jnp.float32)
-    return y.astype(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +75,7 @@ class TensorMethod(HasOptions):
     sequence_parallel_rule = ""  # why not, when it may not
     runs_moe = True  # runs mixture-of-experts FFNs (its experts' FFN split as its MLP)
     whole_hidden = True  # each token's hidden vector is whole on a device (no hidden-dim split of activations)
+    decodes = True  # `jaxring.nn.inference` decodes with it (heads over tp as Megatron's, or nothing split)
     axes: tuple[str, ...] = ()  # the mesh axes the method splits tensors over (tp, or a view of it)
 
     # --- mesh view and checks
