@@ -210,9 +210,12 @@ def test_an_option_named_like_a_run_setting_is_refused_in_one_line():
     shadow = SequenceStrategy(
         "shadow", "a strategy with an option named steps", attend=attend, options=(Option("steps", "?", _check_chunks),)
     )
+    from jaxring.run.cli import build_parser
+
+    builds = (build_parser, lambda: RunSpec.of(team_size=2), lambda: jaxring.make_plan(sp=8))
     with registered(shadow):
-        for build in (lambda: RunSpec.of(sp=8), lambda: jaxring.make_plan(sp=8)):
+        for build in builds:
             with pytest.raises(ValueError) as e:
                 build()
             assert str(e.value) == "sequence strategy 'shadow': option 'steps' would shadow a run setting"
-    RunSpec.of(sp=8)  # gone with its entry
+    build_parser()  # gone with its entry
