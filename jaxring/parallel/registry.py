@@ -39,8 +39,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
-    from jaxring.parallel.tensor.contract import TensorMethod
-
 __all__ = [
     "HasOptions",
     "Option",
@@ -246,8 +244,8 @@ def sequence_strategy(name: str) -> SequenceStrategy:
     return _lookup(_SEQUENCE, name, "attention strategy")
 
 
-def tensor_method(name: str | None) -> TensorMethod:
-    """The TensorMethod registered as `name` (None: no tensor parallelism)."""
+def tensor_method(name: str | None) -> Any:
+    """The `jaxring.parallel.tensor.contract.TensorMethod` registered as `name` (None: no tensor parallelism)."""
     return _lookup(_TENSOR, "none" if name is None else name, "tensor parallelism", hidden=("none",))
 
 
