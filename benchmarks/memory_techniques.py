@@ -7,7 +7,7 @@ compiled for 8 x H100 with no GPU (deviceless AOT; see jaxring/analysis/gpu.py).
 The step is `TrainStep` as `Trainer` builds it (AdamW, fp32 master weights and moments, bf16 compute,
 clipping), batch 1, the flash kernel, ring attention (zigzag) over sp = 8 with ZeRO-3 over sp. The model is
 GPT-7B's shape with Llama 3's vocabulary (128,256 tokens: the logits a long sequence makes are the largest
-activation). Techniques (jaxring.run.spec.MemorySettings):
+activation). Techniques (jaxring.run.schema.MemorySettings):
 
   none        remat full (each layer keeps its input only)
   loss tile   + --loss-tile: the LM head's [tokens, vocab] logits one tile of rows at a time

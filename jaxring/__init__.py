@@ -19,7 +19,8 @@ from jaxring.parallel import catalog, registry  # noqa: F401 (catalog: registers
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.parallel.sequence.api import sharded_attention
 from jaxring.parallel.sequence.ring import ring_attention
-from jaxring.run.spec import RunSpec, make_plan
+from jaxring.run.make_plan import make_plan
+from jaxring.run.spec import RunSpec
 
 __version__ = "0.1.0"
 

@@ -496,7 +496,7 @@ def test_two_train_py_processes_with_different_meshes_both_exit(tmp_path):
 
 
 def test_slurm_and_open_mpi_start_without_flags(monkeypatch):
-    from jaxring.run.spec import ClusterSettings
+    from jaxring.run.schema import ClusterSettings
 
     calls = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))

@@ -10,6 +10,7 @@ gathers its own K/V and attends (`allgather_attention`), and the outputs are con
 
 import dataclasses
 import json
+from importlib.metadata import EntryPoint
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,8 @@ import pytest
 
 import jaxring
 from jaxring.kernels.reference import attention_reference
+from jaxring.parallel import registry
+from jaxring.parallel.catalog import ENTRY_POINT_GROUP, load_entry_points, sequence_strategies, sequence_strategy
 from jaxring.parallel.registry import Option, SequenceStrategy, registered
 from jaxring.parallel.sequence.allgather import allgather_attention, allgather_cost
 from jaxring.parallel.sequence.ring import ring_attention
@@ -26,9 +29,9 @@ from jaxring.run.spec import RunSpec
 # ------------------------------------------------------------------------------------------ the new strategy
 
 
-def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, chunks):
+def _attend(q, k, v, segment_ids=None, *, axis_name, layout, causal, sm_scale, block_ops, chunks):
     groups = zip(*(jnp.split(x, chunks, axis=2) for x in (q, k, v)))
-    kw = dict(axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops)
+    kw = dict(axis_name=axis_name, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops)
     return jnp.concatenate([allgather_attention(qg, kg, vg, segment_ids, **kw) for qg, kg, vg in groups], axis=2)
 
 
@@ -68,7 +71,7 @@ FLAGS += [x for k, v in SMALL.items() for x in ("--override", f"{k}={v}")]
 def mine():
     with registered(MINE) as entry:
         yield entry
-    assert "mine" not in jaxring.parallel.registry.sequence_strategies()
+    assert "mine" not in sequence_strategies()
 
 
 def test_the_new_strategy_attends_as_the_reference(mine):
@@ -147,9 +150,9 @@ def test_a_strategy_without_a_cost_is_refused_by_the_planner_in_one_line(capsys)
     from jaxring.planner import Cluster, Workload, search
     from jaxring.planner.__main__ import main as planner_main
 
-    def attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops):
+    def attend(q, k, v, segment_ids=None, *, axis_name, layout, causal, sm_scale, block_ops):
         return ring_attention(
-            q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, block_ops=block_ops
+            q, k, v, segment_ids, axis_name=axis_name, layout=layout, causal=causal, block_ops=block_ops
         )
 
     with registered(SequenceStrategy("costless", "a ring without a cost model", attend=attend)):
@@ -161,3 +164,58 @@ def test_a_strategy_without_a_cost_is_refused_by_the_planner_in_one_line(capsys)
         assert planner_main([*argv, "--only", "attention=costless"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: sequence strategy 'costless' has no cost model") and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------------------------------ entry points
+
+PLUGIN = """
+from jaxring.parallel.registry import SequenceStrategy
+from jaxring.parallel.sequence.ring import STRATEGY as RING
+
+STRATEGY = SequenceStrategy("plugged", "a ring from another package", attend=RING.attend, cost=RING.cost)
+NOT_AN_ENTRY = 42
+ANOTHER_RING = SequenceStrategy("ring", "a second entry of a taken name", attend=RING.attend)
+"""
+
+
+def test_an_entry_point_is_registered_and_a_broken_one_is_one_line(tmp_path, monkeypatch):
+    """The catalog registers what the `jaxring.parallel` entry points of installed packages name; one that
+    does not load, or names no entry, ends in one line naming it."""
+    (tmp_path / "jaxring_test_plugin.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_SEQUENCE", sequence_strategies())  # the registry as it was, afterwards
+    load_entry_points([EntryPoint("plugged", "jaxring_test_plugin:STRATEGY", ENTRY_POINT_GROUP)])
+    assert sequence_strategy("plugged").summary == "a ring from another package"
+    assert jaxring.make_plan(sp=8, attention="plugged").strategy.name == "plugged"
+
+    for value, reason in [
+        ("jaxring_no_such_plugin:STRATEGY", "ModuleNotFoundError: No module named 'jaxring_no_such_plugin'"),
+        ("jaxring_test_plugin:NOT_AN_ENTRY", "TypeError: 42 is not a SequenceStrategy, TensorMethod or"),
+        ("jaxring_test_plugin:ANOTHER_RING", "ValueError: sequence strategy 'ring' is already registered"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            load_entry_points([EntryPoint("broken", value, ENTRY_POINT_GROUP)])
+        message = str(e.value)
+        assert message.startswith(f"entry point broken = {value} (group jaxring.parallel) is broken: "), message
+        assert reason in message and "\n" not in message
+
+
+def test_an_option_named_like_a_run_setting_is_refused_in_one_line():
+    """A registered entry's option would be a flag and a YAML key of the parallel section: one named like a
+    run setting (steps) is refused when the specification builds its settings."""
+
+    def attend(q, k, v, segment_ids=None, **kw):
+        raise AssertionError("not called")
+
+    shadow = SequenceStrategy(
+        "shadow", "a strategy with an option named steps", attend=attend, options=(Option("steps", "?", _check_chunks),)
+    )
+    from jaxring.run.cli import build_parser
+
+    builds = (build_parser, lambda: RunSpec.of(team_size=2), lambda: jaxring.make_plan(sp=8))
+    with registered(shadow):
+        for build in builds:
+            with pytest.raises(ValueError) as e:
+                build()
+            assert str(e.value) == "sequence strategy 'shadow': option 'steps' would shadow a run setting"
+    build_parser()  # gone with its entry

@@ -9,7 +9,8 @@ import pytest
 import jaxring
 import train as cli
 from jaxring.run.cli import build_parser, parse_command_line
-from jaxring.run.spec import SECTIONS, RunSpec, _fields
+from jaxring.run.schema import SECTIONS, setting_fields
+from jaxring.run.spec import RunSpec
 
 TINY = ["--override", "num_layers=1", "--override", "hidden=32", "--override", "num_heads=4", "--override", "ffn=64"]
 SHORT = ["--steps", "2", "--seq-len", "64", "--batch-size", "8", "--sample-tokens", "0", "--no-progress"]
@@ -23,7 +24,7 @@ def _print_config(argv, capsys) -> str:
 def test_every_setting_is_a_flag_with_its_default_in_help():
     text = build_parser().format_help()
     for section, cls in SECTIONS.items():
-        for name, f in _fields(cls).items():
+        for name, f in setting_fields(cls).items():
             if name == "options":
                 continue
             flag = "--" + (f.metadata.get("flag") or name).replace("_", "-")

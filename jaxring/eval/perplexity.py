@@ -41,7 +41,7 @@ def held_out_rows(
     data: str | None, tokenizer: Tokenizer | None, seq_len: int, batch_size: int, batches: int, vocab_size: int
 ) -> Iterator[dict]:
     """Yields `batches` dicts {"tokens", "targets", "loss_mask"} of int [batch_size, seq_len] rows of the val
-    split of `data` (see `jaxring.run.spec.DataSettings.data`; None: the bundled corpus), tokenized by `tokenizer`."""
+    split of `data` (see `jaxring.run.schema.DataSettings.data`; None: the bundled corpus), tokenized by `tokenizer`."""
     from jaxring.data import StepBatches, open_token_data
     from jaxring.run.spec import RunSpec
 

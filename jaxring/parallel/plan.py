@@ -1,7 +1,7 @@
 """A parallel plan: which strategy runs each mesh axis, how arrays are laid out, and the ZeRO stage.
 
 The train step is ONE `shard_map` over the plan's mesh; every layer is a local function inside it. The plan
-names, from the registry (`jaxring/parallel/registry.py`):
+names, from the registry (looked up through `jaxring/parallel/catalog.py`):
 
 - `attention`: the sequence strategy over `sp` ("dense" when sp = 1), with its options and `layout`;
 - `tensor_parallel`: the tensor method over `tp` (none when tp = 1);
@@ -37,18 +37,20 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring.core.mesh import DATA_AXES, mesh_axis_size, spec_entry
 from jaxring.core.tiling import tile_count
+from jaxring.kernels.flash import flash_attention
 from jaxring.kernels.layout import check_seq_len, layout_permutation
 from jaxring.kernels.masking import check_window
-from jaxring.parallel.registry import (
+from jaxring.parallel.catalog import (
     pipeline_schedule,
     resolve_options,
     sequence_strategies,
     sequence_strategy,
     tensor_method,
 )
+from jaxring.parallel.pipeline.schedules import Schedule, make_schedule
+from jaxring.parallel.sequence.ulysses import local_implementation
 
 if TYPE_CHECKING:
-    from jaxring.parallel.pipeline.schedules import Schedule
     from jaxring.parallel.registry import HasOptions, SequenceStrategy
     from jaxring.parallel.tensor.contract import TensorMethod
 
@@ -187,8 +189,6 @@ class ParallelPlan:
         """The pipeline's table (`jaxring.parallel.pipeline.make_schedule`), None when pp = 1."""
         if self.pp == 1:
             return None
-        from jaxring.parallel.pipeline import make_schedule
-
         m = 2 * self.pp if self.microbatches is None else self.microbatches
         return make_schedule(self.pipeline_schedule, self.pp, m, **self.schedule_options)
 
@@ -282,9 +282,6 @@ class ParallelPlan:
         query sees only keys of its own document; 0 is padding (sees nothing, output 0). None: one document.
         """
         if self.sp == 1:
-            from jaxring.kernels.flash import flash_attention
-            from jaxring.parallel.sequence.ulysses import local_implementation
-
             order = jnp.arange(q.shape[1], dtype=jnp.int32) if token_order is None else token_order
             return flash_attention(
                 q,
@@ -304,7 +301,7 @@ class ParallelPlan:
             k,
             v,
             segment_ids,
-            seq_axes=self.seq_axes,
+            axis_name=self.seq_axes,
             layout=self.seq_layout(causal),
             causal=causal,
             sm_scale=None,

@@ -1,20 +1,23 @@
 """The one registry of parallel strategies: sequence strategies over `sp`, tensor methods over `tp`, pipeline
-schedules over `pp`. Each strategy's own file registers its entry; nothing here names one (but "dense", the
-absence of a sequence strategy).
+schedules over `pp`. A leaf: the entry types, the tables, `register` and the lookups, importing no module of
+the project. Each strategy's own file defines its entry (`STRATEGY`, `METHOD`, `SCHEDULES`); the catalog
+(`jaxring/parallel/catalog.py`) registers jaxring's own and those of the `jaxring.parallel` entry-point group,
+and code above the parallel layer looks entries up through the catalog.
 
-Adding a sequence strategy is one file that ends in
+Adding a sequence strategy is one file that defines
 
-    register_sequence_strategy(SequenceStrategy("mine", "what it is", attend=_attend, cost=_cost,
-                                                options=(Option("chunks", "...", _check_chunks, default=2),)))
+    STRATEGY = SequenceStrategy("mine", "what it is", attend=mine_attention, cost=mine_cost,
+                                options=(Option("chunks", "...", check_chunks, default=2),))
 
-plus its import in `jaxring/parallel/catalog.py`. Its options are then settings of the run specification
-(`jaxring.run.spec`): flags of `train.py`, keys of its YAML, keywords of `jaxring.make_plan` and of
-`sharded_attention`; the planner (`jaxring.planner`) searches the values `Option.search` lists and prices the
-entry with its own `cost`.
+plus its line in the catalog (or, from another package, an entry point in the group `jaxring.parallel`).
+Its options are then settings of the run specification (`jaxring.run.schema`): flags of `train.py`, keys of
+its YAML, keywords of `jaxring.make_plan` and of `sharded_attention`; the planner (`jaxring.planner`)
+searches the values `Option.search` lists and prices the entry with its own `cost`.
 
 A sequence strategy entry:
-  attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, **options) -> out
-      the local attention ([batch, n, heads, head_dim] shards, n = seq / sp, in `layout`), inside a shard_map;
+  attend(q, k, v, segment_ids=None, *, axis_name, layout, causal, sm_scale, block_ops, window=None, **options)
+      -> out: the local attention ([batch, n, heads, head_dim] shards, n = seq / sp, in `layout`) inside a
+      shard_map, over the mesh axes `axis_name` (the plan's `seq_axes`); `window` is passed only when set;
   layouts and the default layout for causal attention (non-causal attention needs no balance: contiguous);
   options, each with its check, default and the values the planner tries;
   view(mesh, options, axis) -> (mesh, seq_axes): the devices of `sp` seen as the factored axes the strategy
@@ -33,12 +36,8 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from jax.sharding import Mesh
-
-from jaxring.parallel.cost_terms import F32, AttentionCost, AttentionShape
-
 if TYPE_CHECKING:
-    from jaxring.parallel.tensor.contract import TensorMethod
+    from jax.sharding import Mesh
 
 __all__ = [
     "HasOptions",
@@ -46,12 +45,11 @@ __all__ = [
     "PipelineSchedule",
     "SequenceStrategy",
     "all_options",
+    "known_layouts",
     "option_owners",
     "pipeline_schedule",
     "pipeline_schedules",
-    "register_pipeline_schedule",
-    "register_sequence_strategy",
-    "register_tensor_method",
+    "register",
     "registered",
     "resolve_options",
     "sequence_strategies",
@@ -126,6 +124,8 @@ class HasOptions:
 
 @dataclasses.dataclass(frozen=True)
 class SequenceStrategy(HasOptions):
+    """A sequence strategy over `sp` (its fields: see the module docstring)."""
+
     name: str
     summary: str
     attend: Callable | None = None  # None: "dense" (no sequence parallelism)
@@ -144,13 +144,14 @@ class SequenceStrategy(HasOptions):
     kind = "strategy"
 
     def layout_for(self, layout: str | None, causal: bool) -> str:
-        from jaxring.kernels.layout import LAYOUTS
-
+        """The token layout to run: `layout` as given (it must be one the strategy takes), else its default
+        for causal attention, contiguous for non-causal attention."""
         if layout is None:
             return self.default_layout if causal else "contiguous"
-        if layout not in LAYOUTS:
-            raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
         if layout not in self.layouts:
+            known = known_layouts()
+            if layout not in known:
+                raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(known)}")
             raise ValueError(
                 f"layout {layout!r} is not supported by {self.name}; expected one of {', '.join(self.layouts)}"
             )
@@ -175,110 +176,64 @@ class PipelineSchedule(HasOptions):
     kind = "pipeline schedule"
 
 
-def _dense_cost(s: AttentionShape, options: dict) -> AttentionCost:
-    """Flash attention on the device's whole sequences: nothing moves; kept out and lse (fp32); working the
-    fp32 dQ, dK, dV. A sliding window: the kernel visits the band of tiles it reaches."""
-    del options
-    from jaxring.kernels.window_work import layout_window_share
-
-    share = layout_window_share("contiguous", 1, s.n, s.window, s.cpu, s.d) if s.window else 1.0
-    return AttentionCost(
-        saved=s.q_bytes(F32) + s.rows_bytes(), working=2 * s.kv_bytes(F32) + s.q_bytes(F32), window_share=share
-    )
-
-
-DENSE = SequenceStrategy(
-    "dense",
-    "no sequence parallelism: every device attends its own whole sequences",
-    default_layout="contiguous",
-    layouts=("contiguous",),
-    cost=_dense_cost,
-)
-
-_SEQUENCE: dict[str, SequenceStrategy] = {"dense": DENSE}
+_SEQUENCE: dict[str, SequenceStrategy] = {}
 _TENSOR: dict[str, Any] = {}
 _SCHEDULES: dict[str, PipelineSchedule] = {}
-_loaded = False
 
 
-def _builtins() -> None:
-    """Imports the packages whose modules register jaxring's own entries (once)."""
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        import jaxring.parallel.catalog  # noqa: F401 (imported for its registrations)
+def _table(entry: HasOptions) -> tuple[dict, str]:
+    """The table an entry goes in, and what its kind is called in errors."""
+    if isinstance(entry, SequenceStrategy):
+        return _SEQUENCE, "sequence strategy"
+    if isinstance(entry, PipelineSchedule):
+        return _SCHEDULES, "pipeline schedule"
+    if isinstance(entry, HasOptions):
+        return _TENSOR, "tensor method"
+    raise TypeError(f"{entry!r} is not a registry entry (a SequenceStrategy, a TensorMethod or a PipelineSchedule)")
 
 
-def _register(table: dict, entry: HasOptions, kind: str):
+def register(entry: HasOptions) -> HasOptions:
+    """Adds `entry` (a SequenceStrategy, a `jaxring.parallel.tensor.contract.TensorMethod` or a
+    PipelineSchedule) to its table; registering the same entry again is a no-op, another one of the same name
+    an error."""
+    table, kind = _table(entry)
     if not entry.name or not isinstance(entry.name, str):
         raise ValueError(f"a {kind} needs a name, got {entry.name!r}")
     old = table.get(entry.name)
     if old is not None and old is not entry:
         raise ValueError(f"{kind} {entry.name!r} is already registered")
-    for option in getattr(entry, "options", ()):
-        if option.name in _reserved():
-            raise ValueError(f"{kind} {entry.name!r}: option {option.name!r} would shadow a run setting")
     table[entry.name] = entry
     return entry
-
-
-def _reserved() -> set[str]:
-    from jaxring.run.spec import SECTIONS, _fields
-
-    return {n for cls in SECTIONS.values() for n in _fields(cls)}
-
-
-def register_sequence_strategy(entry: SequenceStrategy) -> SequenceStrategy:
-    return _register(_SEQUENCE, entry, "sequence strategy")
-
-
-def register_tensor_method(method: TensorMethod) -> TensorMethod:
-    """A `jaxring.parallel.tensor.contract.TensorMethod` instance."""
-    return _register(_TENSOR, method, "tensor method")
-
-
-def register_pipeline_schedule(entry: PipelineSchedule) -> PipelineSchedule:
-    return _register(_SCHEDULES, entry, "pipeline schedule")
 
 
 @contextlib.contextmanager
 def registered(entry: HasOptions) -> Iterator[Any]:
     """Registers `entry` (a SequenceStrategy, TensorMethod or PipelineSchedule) for the `with` block only, then
     removes it: an experiment or a test that must leave the registry as it found it."""
-    _builtins()
-    table, kind = (
-        (_SEQUENCE, "sequence strategy")
-        if isinstance(entry, SequenceStrategy)
-        else (_SCHEDULES, "pipeline schedule")
-        if isinstance(entry, PipelineSchedule)
-        else (_TENSOR, "tensor method")
-    )
-    _register(table, entry, kind)
+    table, _ = _table(entry)
+    was_registered = table.get(entry.name) is entry
+    register(entry)
     try:
         yield entry
     finally:
-        if table.get(entry.name) is entry:
+        if not was_registered and table.get(entry.name) is entry:
             del table[entry.name]
 
 
 def sequence_strategies() -> dict[str, SequenceStrategy]:
-    _builtins()
     return dict(_SEQUENCE)
 
 
 def tensor_methods() -> dict[str, Any]:
     """Every tensor method by name, "none" (no tensor parallelism) included."""
-    _builtins()
     return dict(_TENSOR)
 
 
 def pipeline_schedules() -> dict[str, PipelineSchedule]:
-    _builtins()
     return dict(_SCHEDULES)
 
 
 def _lookup(table: dict, name: str, what: str, hidden: tuple[str, ...] = ()):
-    _builtins()
     if name not in table:
         names = ", ".join(n for n in table if n not in hidden)
         raise ValueError(f"unknown {what} {name!r}; expected one of {names}")
@@ -289,13 +244,19 @@ def sequence_strategy(name: str) -> SequenceStrategy:
     return _lookup(_SEQUENCE, name, "attention strategy")
 
 
-def tensor_method(name: str | None) -> TensorMethod:
-    """The TensorMethod registered as `name` (None: no tensor parallelism)."""
+def tensor_method(name: str | None) -> Any:
+    """The `jaxring.parallel.tensor.contract.TensorMethod` registered as `name` (None: no tensor parallelism)."""
     return _lookup(_TENSOR, "none" if name is None else name, "tensor parallelism", hidden=("none",))
 
 
 def pipeline_schedule(name: str) -> PipelineSchedule:
     return _lookup(_SCHEDULES, name, "pipeline schedule")
+
+
+def known_layouts() -> tuple[str, ...]:
+    """The token layouts some registered sequence strategy takes (ring takes every one of
+    `jaxring.kernels.layout.LAYOUTS`), in the order the strategies list them."""
+    return tuple(dict.fromkeys(layout for entry in _SEQUENCE.values() for layout in entry.layouts))
 
 
 def all_options() -> dict[str, tuple[Option, tuple[str, ...]]]:

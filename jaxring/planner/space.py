@@ -33,8 +33,6 @@ if TYPE_CHECKING:
     from jaxring.parallel.registry import HasOptions
     from jaxring.run.task import ModelFamily
 
-MESH_DEGREES = ("dp", "pp", "fsdp", "ep", "sp", "tp")
-
 
 @dataclasses.dataclass(frozen=True)
 class Workload:

@@ -1,4 +1,4 @@
-"""The command line of a run, generated from the run specification (`jaxring.run.spec`) and the registry.
+"""The command line of a run, generated from the run settings (`jaxring.run.schema`) and the registry.
 
     spec, meta = parse_command_line(sys.argv[1:])     # meta: config, print_config, debug
 
@@ -16,7 +16,16 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 
-from jaxring.run.spec import SECTIONS, RunSpec, _accepts, _choices, _fields, _flag
+from jaxring.run.schema import (
+    SECTIONS,
+    accepted_types,
+    flag_name,
+    registered_options,
+    setting_choices,
+    setting_fields,
+)
+from jaxring.run.spec import RunSpec
+from jaxring.run.task import model_families, model_family
 
 __all__ = ["EXIT_USER_ERROR", "META_FLAGS", "build_parser", "parse_command_line"]
 
@@ -41,8 +50,6 @@ def _default_text(value: object) -> str:
 
 
 def _preset_help() -> str:
-    from jaxring.run.task import model_families
-
     return "; ".join(f"{name}: {', '.join(f.presets)}" for name, f in model_families().items())
 
 
@@ -62,11 +69,11 @@ def build_parser(prog: str = "train.py", description: str | None = None) -> argp
     defaults = RunSpec()
     for section, cls in SECTIONS.items():
         g = p.add_argument_group(section, " ".join((cls.__doc__ or "").split()))
-        for name, f in _fields(cls).items():
+        for name, f in setting_fields(cls).items():
             if name == "options":
                 continue
             meta = f.metadata
-            flag = _flag(meta.get("flag") or name)
+            flag = flag_name(meta.get("flag") or name)
             default = getattr(getattr(defaults, section), name)
             text = meta["help"] + (f" ({_preset_help()})" if name == "preset" else "")
             if meta.get("entries") is not None:
@@ -74,7 +81,7 @@ def build_parser(prog: str = "train.py", description: str | None = None) -> argp
             if "default" not in meta["help"]:
                 text += f" (default: {_default_text(default)})"
             text = text.replace("%", "%%")
-            accepted, _ = _accepts(cls, name)
+            accepted, _ = accepted_types(cls, name)
             kw = {"dest": name, "default": argparse.SUPPRESS, "help": text}
             if bool in accepted:
                 g.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
@@ -83,7 +90,7 @@ def build_parser(prog: str = "train.py", description: str | None = None) -> argp
                 g.add_argument(flag, action="append", metavar=meta.get("metavar") or "NAME=VALUE", **kw)
                 continue
             kind = next(t for t in (int, float, str) if t in accepted)
-            choices = _choices(meta)
+            choices = setting_choices(meta)
             if choices is not None:
                 kw["choices"] = choices
             g.add_argument(flag, type=kind, metavar=meta.get("metavar"), **kw)
@@ -92,16 +99,14 @@ def build_parser(prog: str = "train.py", description: str | None = None) -> argp
 
 
 def _add_options(p: argparse.ArgumentParser) -> None:
-    from jaxring.parallel.registry import all_options
-
     g = p.add_argument_group("strategy options", "options of the registry's entries (jaxring.parallel.registry)")
-    for name, (option, owners) in all_options().items():
+    for name, (option, owners) in registered_options().items():
         if option.default is not None:
             default = f" (default: {_default_text(option.default)})"
         else:
             default = f" (no default: {'/'.join(owners)} needs it)" if option.required else ""
         g.add_argument(
-            _flag(name),
+            flag_name(name),
             dest=name,
             type=option.type,
             choices=option.choices,
@@ -127,8 +132,6 @@ def parse_command_line(
         items = given.pop("overrides", None)
         spec = base.updated(**given)
         if items:
-            from jaxring.run.task import model_family
-
             family = model_family(spec.model.model)
             parsed = dict(family.parse_override(item) for item in items)
             spec = dataclasses.replace(

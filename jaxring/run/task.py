@@ -24,19 +24,22 @@ first virtual stage, chunks of the stack on every stage and head on the last.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import jax
-
-    from jaxring.parallel.plan import ParallelPlan
-
 import dataclasses
 import math
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any, Protocol
+
+import yaml
+
+from jaxring.core.suggest import nearest
+
+if TYPE_CHECKING:
+    import jax
+
+    from jaxring.parallel.plan import ParallelPlan
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -181,8 +184,6 @@ class ModelFamily:
         name = self.config_class.__name__
         fields = self.fields()
         if field not in fields:
-            from jaxring.run.spec import nearest
-
             raise ValueError(f"--override {field}: {name} has no field {field!r}{nearest(field, fields)}")
         accepted, optional = fields[field]
         label = f"--override {field}="
@@ -248,8 +249,6 @@ def _parse_value(text: str, accepted: tuple[type, ...], optional: bool):
             except ValueError:
                 pass
     if dict in accepted:
-        import yaml
-
         return yaml.safe_load(text)
     return text  # a string, or the wrong type (check_override names the field and what it takes)
 
@@ -274,8 +273,6 @@ def _discover() -> None:
     if _discovered:
         return
     _discovered = True
-    from importlib.metadata import entry_points
-
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name not in _FAMILIES:
             family = ep.load()

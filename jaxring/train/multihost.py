@@ -32,7 +32,8 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from jaxring.run.spec import ClusterSettings, RunSpec
+    from jaxring.run.schema import ClusterSettings
+    from jaxring.run.spec import RunSpec
 
 import hashlib
 import json
@@ -355,7 +356,7 @@ def detected_cluster(environ: Mapping[str, str] | None = None) -> str | None:
 def start_processes(
     cluster: ClusterSettings, settings: dict | None = None, *, log: Callable[[str], None] = print
 ) -> str | None:
-    """Starts the run's processes from its cluster settings (`jaxring.run.spec.ClusterSettings`): with
+    """Starts the run's processes from its cluster settings (`jaxring.run.schema.ClusterSettings`): with
     --coordinator / --num-processes / --process-id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
     JAX_PROCESS_ID) through `initialize`; else, inside a SLURM job or an Open MPI launch of several tasks,
     through `jax.distributed.initialize()`'s own cluster detection (then the settings' hashes are compared

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jaxring.core.vma import vary, vary_like, varying_axes
 from jaxring.nn import Layers, offloaded
 from jaxring.parallel import zero
+from jaxring.run.checks import OFFLOAD_WITH_PP
 
 if TYPE_CHECKING:
     from jaxring.parallel.plan import ParallelPlan
@@ -66,13 +67,6 @@ def _map(fn: Callable[..., Any], tree: Any, placements: Any, *rest):
     leaves, treedef = jax.tree.flatten(tree)
     others = [treedef.flatten_up_to(r) for r in (placements,) + rest]
     return treedef.unflatten([fn(x, *o) for x, *o in zip(leaves, *others)])
-
-
-# The pipeline interpreter keeps each micro-batch's residuals in device buffers shared by its schedule's branches
-OFFLOAD_WITH_PP = (
-    "--offload {offload} is not supported with pipeline parallelism (pp = {pp}): the pipeline keeps its "
-    "micro-batches' layer inputs in device buffers; use --offload none or pp = 1"
-)
 
 
 class TrainStep:

@@ -1,0 +1,477 @@
+"""The run settings, declared once: every setting of a training run with its default, help and rule, in
+typed sections (model, training, memory, optimizer, parallel, data, checkpoint, output, guard, cluster).
+
+    setting(150, "optimizer steps", rule="int>=1")       # one field of a section's dataclass
+    check_setting(TrainingSettings, "steps", 0)          # ValueError: --steps 0 must be a positive integer
+
+The command line (`jaxring.run.cli`), the YAML form and `RunSpec` (`jaxring.run.spec`) and `make_plan`
+(`jaxring.run.make_plan`) are generated from these dataclasses. A sequence strategy's, tensor method's or
+pipeline schedule's own options come from its registry entry (`jaxring.parallel.catalog`): they are settings of
+the parallel section (`registered_options`), flags and YAML keys with no edit here.
+
+A setting's rule is checked in one place (`check_setting`): one line naming the flag, the value and the rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from jaxring.core.mesh import MESH_AXES
+from jaxring.core.precision import PRECISIONS
+from jaxring.core.suggest import nearest
+from jaxring.data.packing import PACKINGS
+from jaxring.kernels.blockwise import BLOCK_OPS
+from jaxring.kernels.layout import LAYOUTS
+from jaxring.nn import OFFLOAD, REMAT
+from jaxring.parallel.catalog import all_options, pipeline_schedules, sequence_strategies, tensor_methods
+from jaxring.parallel.registry import Option
+from jaxring.run.task import model_families
+
+__all__ = [
+    "DEGREES",
+    "RULE_TEXT",
+    "RUN_SETTINGS",
+    "SECTIONS",
+    "CheckpointSettings",
+    "ClusterSettings",
+    "DataSettings",
+    "GuardSettings",
+    "MemorySettings",
+    "ModelSettings",
+    "OptimizerSettings",
+    "OutputSettings",
+    "ParallelSettings",
+    "TrainingSettings",
+    "accepted_types",
+    "check_rule",
+    "check_setting",
+    "flag_name",
+    "flat_index",
+    "option_names",
+    "registered_options",
+    "setting",
+    "setting_choices",
+    "setting_fields",
+]
+
+RULE_TEXT = {
+    "int>=1": "a positive integer",
+    "int>=0": "a non-negative integer",
+    "float>0": "a finite number > 0",
+    "float>=0": "a finite number >= 0",
+    "float[0,1]": "a number in [0, 1]",
+    "seconds": "a finite number of seconds in (0, 1e6]",
+    "seed": "an integer in [0, 2**32)",
+}
+
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    rule: str | None = None,
+    choices: Callable[[], tuple] | tuple | None = None,
+    flag: str | None = None,
+    metavar: str | None = None,
+    entries: Callable[[], dict] | None = None,
+) -> Any:
+    """A dataclass field that is a run setting: its default, its help, its rule (see RULE_TEXT) or choices
+    (a tuple, or a function returning one: registries fill in late), its flag if not --NAME-WITH-DASHES, and
+    `entries`: a function returning {name: registry entry} whose summaries the help lists."""
+    meta = {"help": help, "rule": rule, "choices": choices, "flag": flag, "metavar": metavar, "entries": entries}
+    if isinstance(default, (dict, list)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+# ------------------------------------------------------------------------------------------ choices
+# registries can gain entries after import (an installed model family, `registered(...)`): their choices are
+# functions, read when a setting is checked or the parser is built
+
+
+def _models() -> tuple[str, ...]:
+    return tuple(model_families())
+
+
+def _attentions() -> tuple[str, ...]:
+    return tuple(sequence_strategies())
+
+
+def _tensor_methods() -> tuple[str, ...]:
+    return tuple(n for n in tensor_methods() if n != "none")
+
+
+def _schedules() -> tuple[str, ...]:
+    return tuple(pipeline_schedules())
+
+
+# ------------------------------------------------------------------------------------------ sections
+
+
+@dataclasses.dataclass
+class ModelSettings:
+    """What is trained."""
+
+    model: str = setting("gpt", "model family", choices=_models, entries=model_families)
+    preset: str = setting("tiny", "a preset of the family")
+    overrides: dict = setting(
+        {}, "change a preset field, e.g. --override num_layers=2 (repeatable)", flag="override", metavar="FIELD=VALUE"
+    )
+    init_from: str | None = setting(
+        None,
+        "start from a Hugging Face checkpoint directory (config.json + safetensors; gpt): its config replaces "
+        "--preset; --override may change only rope_* and max_seq_len (context extension)",
+        metavar="DIR",
+    )
+    export_hf: str | None = setting(
+        None, "write the trained model as a Hugging Face checkpoint directory at the end (gpt)", metavar="DIR"
+    )
+
+
+@dataclasses.dataclass
+class TrainingSettings:
+    """How long, on what batches, in which numerics."""
+
+    steps: int = setting(150, "optimizer steps", rule="int>=1")
+    seed: int = setting(0, "initial parameters and data order", rule="seed")
+    batch_size: int = setting(8, "global batch (sequences or images)", rule="int>=1")
+    seq_len: int | None = setting(None, "tokens per sequence (gpt; default 256)", rule="int>=1")
+    image_size: int | None = setting(None, "image side (dit; default: the preset's)", rule="int>=1")
+    grad_accum: int = setting(1, "micro-steps accumulated per update (pp = 1)", rule="int>=1")
+    precision: str | None = setting(
+        None,
+        "compute dtype (default: bf16 for the full-size Llama presets, fp32 otherwise); weights and optimizer "
+        "state stay fp32",
+        choices=tuple(PRECISIONS),
+    )
+
+
+@dataclasses.dataclass
+class MemorySettings:
+    """What a step keeps, recomputes, tiles and offloads to fit long sequences."""
+
+    remat: str = setting(
+        "none",
+        "recompute in the backward: none; selective (keeps the weight matmuls' outputs, recomputes attention "
+        "cores, activations, norms); full (keeps each layer's input only)",
+        choices=REMAT,
+    )
+    loss_tile: int | None = setting(
+        None, "tokens per tile of the LM head's loss (logits never whole; default: untiled)", rule="int>=1"
+    )
+    mlp_tile: int | None = setting(
+        None, "tokens per tile of the MLP ([tokens, ffn] never whole; default: untiled)", rule="int>=1"
+    )
+    offload: str = setting(
+        "none",
+        "host offload: none; layer_inputs (each layer's checkpointed input lives in host memory between the "
+        "forward and the backward; with --remat full); optimizer (the AdamW state lives in host memory between "
+        "updates); layer_inputs+optimizer (both)",
+        choices=OFFLOAD,
+    )
+    device_memory_gib: float | None = setting(
+        None,
+        "memory per device (GiB) the run's estimated memory is checked against before compiling (default: the "
+        "accelerator's own; simulated CPU devices: no check)",
+        rule="float>0",
+    )
+
+
+@dataclasses.dataclass
+class OptimizerSettings:
+    """AdamW with linear warmup and cosine decay; clipping by the global norm."""
+
+    lr: float = setting(3e-3, "peak learning rate", rule="float>0")
+    warmup: int = setting(20, "linear warmup steps", rule="int>=0")
+    min_lr_ratio: float = setting(0.1, "final learning rate / peak", rule="float[0,1]")
+    weight_decay: float = setting(0.1, "AdamW weight decay", rule="float>=0")
+    clip: float = setting(1.0, "clip gradients to this global norm", rule="float>0")
+
+
+@dataclasses.dataclass
+class ParallelSettings:
+    """The mesh (degrees multiply to the device count) and the strategy for each axis; the chosen strategy's,
+    tensor method's and schedule's own options are in the "strategy options" group."""
+
+    dp: int | None = setting(None, "data-parallel degree (default 1)", rule="int>=1")
+    fsdp: int | None = setting(
+        None, "data-parallel degree with parameters sharded (ZeRO-3 by default; default 1)", rule="int>=1"
+    )
+    pp: int | None = setting(None, "pipeline-parallel degree (default 1)", rule="int>=1")
+    tp: int | None = setting(None, "tensor-parallel degree (default 1)", rule="int>=1")
+    sp: int | None = setting(
+        None, "sequence/context-parallel degree (default with no degree given: every device)", rule="int>=1"
+    )
+    ep: int | None = setting(
+        None, "expert-parallel degree, data parallel outside MoE layers (default 1)", rule="int>=1"
+    )
+    plan: str = setting(
+        "manual",
+        "auto: the planner's best plan for the devices at hand; degrees and strategies given with it are held",
+        choices=("manual", "auto"),
+    )
+    attention: str | None = setting(
+        None, "sequence strategy over sp (default: ring when sp > 1)", choices=_attentions, entries=sequence_strategies
+    )
+    layout: str | None = setting(None, "token layout over sp (default: the strategy's)", choices=LAYOUTS)
+    tensor_parallel: str | None = setting(
+        None,
+        "tensor method over tp (default: megatron when tp > 1)",
+        choices=_tensor_methods,
+        entries=tensor_methods,
+    )
+    zero: int | None = setting(
+        None,
+        "ZeRO stage over the data and sequence axes: 0 replicated, 1 optimizer state sharded, 2 gradients too, "
+        "3 parameters too (default: 3 with fsdp > 1, else 0)",
+        choices=(0, 1, 2, 3),
+    )
+    pipeline_schedule: str = setting(
+        "1f1b", "pipeline schedule (pp > 1)", choices=_schedules, entries=pipeline_schedules
+    )
+    microbatches: int | None = setting(None, "pipeline micro-batches per step (pp > 1; default 2·pp)", rule="int>=1")
+    block_ops: str = setting("auto", "attention's per-block compute", choices=BLOCK_OPS)
+    options: dict = setting({}, "options of the chosen strategy, tensor method and schedule (registry)")
+
+    def degrees(self, device_count: int | None = None) -> dict[str, int]:
+        """Mesh degrees with the defaults filled in: 1, or with none given, sp = device_count."""
+        given = {a: getattr(self, a) for a in DEGREES}
+        if all(v is None for v in given.values()) and device_count is not None:
+            given["sp"] = device_count
+        return {a: 1 if v is None else v for a, v in given.items()}
+
+
+# the mesh degree settings (one per axis of jaxring.core.mesh.MESH_AXES), in the order of their flags
+DEGREES = tuple(f.name for f in dataclasses.fields(ParallelSettings) if f.name in MESH_AXES)
+
+
+@dataclasses.dataclass
+class DataSettings:
+    """Where the batches come from."""
+
+    data: str | None = setting(
+        None,
+        "a document store (python -m jaxring.data prepare), a text/.jsonl/.parquet file or a directory of them "
+        "(prepared on first use into PATH.jaxring-cache/), a nanoGPT .bin (random windows), or (dit) an image "
+        "folder; default: bundled (the Python standard library's files, one document each)",
+    )
+    tokenizer: str | None = setting(
+        None, "bytes, or a tokenizer.json / a directory holding one (default: the store's own; bytes to prepare)"
+    )
+    text_field: str = setting("text", "the text field of .jsonl/.parquet inputs")
+    packing: str = setting(
+        "split",
+        "documents into rows (each + EOS): split (a long document continues in the next row) or drop (whole "
+        "documents only; longer ones skipped, rows padded)",
+        choices=PACKINGS,
+    )
+    val_data: str | None = setting(None, "held-out documents from this store or file (default: a share of --data's)")
+    val_fraction: float = setting(
+        0.1, "share of --data's documents held out for validation (ignored with --val-data)", rule="float[0,1]"
+    )
+
+
+@dataclasses.dataclass
+class CheckpointSettings:
+    """Orbax checkpoints: atomic, checksummed, restored onto any mesh."""
+
+    checkpoint_dir: str | None = setting(None, "directory of the run's checkpoints")
+    checkpoint_every: int = setting(0, "steps between saves (0: only at the end and on a stop signal)", rule="int>=0")
+    keep_checkpoints: int = setting(3, "newest checkpoints kept", rule="int>=1")
+    resume: bool = setting(False, "continue from the newest intact checkpoint")
+
+
+@dataclasses.dataclass
+class OutputSettings:
+    """What the run writes and shows."""
+
+    out_dir: str | None = setting(
+        None, "directory for run.yaml, metrics and samples (default: the checkpoint directory, else runs/TIME)"
+    )
+    metrics_file: str | None = setting(None, "append one JSON line per logged step (default: OUT_DIR/metrics.jsonl)")
+    log_every: int = setting(10, "steps between log lines without a progress bar", rule="int>=1")
+    progress: bool = setting(True, "a progress bar (--no-progress: log lines)")
+    profile: str | None = setting(None, "write a JAX profiler trace of a few steps to this directory")
+    eval_at_end: bool = setting(True, "report the held-out loss after training")
+    eval_every: int = setting(
+        0, "steps between held-out losses in the metrics (0: none during training)", rule="int>=0"
+    )
+    sample_tokens: int = setting(200, "gpt: tokens to generate at the end; dit: 0 skips the samples", rule="int>=0")
+    tensorboard: str | None = setting(None, "also write TensorBoard event files to this directory (extra: tensorboard)")
+    wandb: str | None = setting(None, "also log to this Weights & Biases project (extra: wandb; WANDB_MODE=offline)")
+
+    METRICS_FILE: typing.ClassVar[str] = "metrics.jsonl"
+
+    def metrics_path(self) -> str | None:
+        """Where the metrics go: --metrics-file, else OUT_DIR/metrics.jsonl (None before out_dir is known)."""
+        if self.metrics_file:
+            return self.metrics_file
+        return os.path.join(self.out_dir, self.METRICS_FILE) if self.out_dir else None
+
+
+@dataclasses.dataclass
+class GuardSettings:
+    """What a diverging loss does."""
+
+    on_divergence: str = setting(
+        "stop", "when the loss is NaN/Inf or spikes: stop (exit 3), or skip the step", choices=("stop", "skip")
+    )
+    spike_factor: float = setting(
+        3.0, "a loss above this multiple of its lowest running mean is a spike (0: NaN/Inf only)", rule="float>=0"
+    )
+    spike_window: int = setting(20, "losses in the running mean", rule="int>=1")
+
+
+@dataclasses.dataclass
+class ClusterSettings:
+    """Devices and processes."""
+
+    cpu_devices: int = setting(8, "simulated CPU devices when there is no accelerator", rule="int>=1")
+    coordinator: str | None = setting(None, "HOST:PORT of process 0 (default: $JAX_COORDINATOR_ADDRESS)")
+    num_processes: int | None = setting(None, "processes in the run (default: $JAX_NUM_PROCESSES)", rule="int>=1")
+    process_id: int | None = setting(
+        None, "this process, 0 .. num-processes - 1 (default: $JAX_PROCESS_ID)", rule="int>=0"
+    )
+    init_timeout: float = setting(300.0, "seconds to wait for every process to reach the coordinator", rule="seconds")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelSettings,
+    "training": TrainingSettings,
+    "memory": MemorySettings,
+    "optimizer": OptimizerSettings,
+    "parallel": ParallelSettings,
+    "data": DataSettings,
+    "checkpoint": CheckpointSettings,
+    "output": OutputSettings,
+    "guard": GuardSettings,
+    "cluster": ClusterSettings,
+}
+
+
+def setting_fields(section: type) -> dict[str, dataclasses.Field]:
+    """{name: dataclass field} of a section's settings."""
+    return {f.name: f for f in dataclasses.fields(section) if f.metadata.get("help") is not None}
+
+
+# every setting's name ("options" included): a registry entry's option may not take one
+RUN_SETTINGS = frozenset(name for cls in SECTIONS.values() for name in setting_fields(cls))
+
+
+def flat_index() -> dict[str, str]:
+    """{flat setting name: its section} ("options" is not a flat name: its keys are)."""
+    return {name: s for s, cls in SECTIONS.items() for name in setting_fields(cls) if name != "options"}
+
+
+def flag_name(name: str) -> str:
+    """The flag of a setting or option: --NAME-WITH-DASHES."""
+    return "--" + name.replace("_", "-")
+
+
+# ------------------------------------------------------------------------------------------ registry options
+
+
+def registered_options() -> dict[str, tuple[Option, tuple[str, ...]]]:
+    """Every registered entry's options by name (the catalog's `all_options`): (the first entry's Option, the
+    entries that take it). An option named like a run setting is a one-line ValueError naming the entry."""
+    for table, kind in (
+        (sequence_strategies(), "sequence strategy"),
+        (tensor_methods(), "tensor method"),
+        (pipeline_schedules(), "pipeline schedule"),
+    ):
+        for entry in table.values():
+            for option in entry.options:
+                if option.name in RUN_SETTINGS:
+                    raise ValueError(f"{kind} {entry.name!r}: option {option.name!r} would shadow a run setting")
+    return all_options()
+
+
+def option_names() -> tuple[str, ...]:
+    """The names of every registered entry's options: settings of the parallel section."""
+    return tuple(registered_options())
+
+
+# ------------------------------------------------------------------------------------------ rules
+
+
+def accepted_types(section: type, name: str) -> tuple[tuple[type, ...], bool]:
+    """(python types the field takes, None allowed) from its annotation."""
+    hint = typing.get_type_hints(section)[name]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = typing.get_args(hint)
+    else:
+        args = (hint,)
+    return tuple(a for a in args if a is not type(None)), type(None) in args
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_rule(label: str, value: object, rule: str) -> None:
+    """ValueError "LABEL VALUE must be RULE" unless `value` obeys `rule` (a key of RULE_TEXT)."""
+    if rule == "int>=1":
+        ok = _is_int(value) and value >= 1
+    elif rule == "int>=0":
+        ok = _is_int(value) and value >= 0
+    elif rule == "seed":
+        ok = _is_int(value) and 0 <= value < 2**32
+    elif rule == "float>0":
+        ok = _is_number(value) and math.isfinite(value) and value > 0
+    elif rule == "float>=0":
+        ok = _is_number(value) and math.isfinite(value) and value >= 0
+    elif rule == "float[0,1]":
+        ok = _is_number(value) and 0 <= value <= 1
+    elif rule == "seconds":
+        ok = _is_number(value) and math.isfinite(value) and 0 < value <= 1e6
+    else:
+        raise AssertionError(f"unknown rule {rule!r}")
+    if not ok:
+        raise ValueError(f"{label} {value!r} must be {RULE_TEXT[rule]}")
+
+
+def setting_choices(meta: Mapping[str, Any]) -> tuple | None:
+    """The choices a setting's field metadata names (a function's are read now), or None."""
+    choices = meta.get("choices")
+    return choices() if callable(choices) else choices
+
+
+def check_setting(section: type, name: str, value: object) -> None:
+    """One setting's type, rule and choices; ValueError naming the flag, the value and the rule."""
+    f = setting_fields(section)[name]
+    label = flag_name(f.metadata.get("flag") or name)
+    accepted, optional = accepted_types(section, name)
+    if value is None:
+        if not optional:
+            raise ValueError(f"{label} cannot be null")
+        return
+    choices = setting_choices(f.metadata)
+    if choices is not None:
+        if value not in choices:
+            if not choices:  # e.g. the model families of a clone that was not installed
+                raise ValueError(f"{label} {value!r}: none is installed (pip install -e . declares them)")
+            shown = ", ".join(map(str, choices))
+            raise ValueError(f"{label} {value!r} is not one of {shown}{nearest(str(value), map(str, choices))}")
+        return
+    rule = f.metadata.get("rule")
+    if rule is not None:
+        check_rule(label, value, rule)
+        return
+    if bool in accepted:
+        if not isinstance(value, bool):
+            raise ValueError(f"{label} {value!r} must be true or false")
+    elif dict in accepted:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{label} {value!r} must be a mapping of NAME: VALUE")
+    elif str in accepted and not isinstance(value, str):
+        raise ValueError(f"{label} {value!r} must be a string")
