@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 import jaxring
 from jaxring import attention_reference, layout_permutation
 from jaxring.analysis import compile_stats
-from jaxring.kernels.blockwise import get_block_ops
+from jaxring.kernels.block_compute import get_block_ops
 from jaxring.parallel.sequence.wallfacer import (
     WF_AXES,
     get_init_send,

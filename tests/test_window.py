@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxring
 from jaxring import attention_reference
-from jaxring.kernels.blockwise import block_backward, block_forward, get_block_ops
+from jaxring.kernels.block_compute import get_block_ops
+from jaxring.kernels.blockwise import block_backward, block_forward
 from jaxring.kernels.layout import RankTokens
 from jaxring.nn import Attention, param_placements
 from jaxring.parallel.plan import ParallelPlan

@@ -154,7 +154,7 @@ def _packings() -> tuple[str, ...]:
 
 
 def _block_ops() -> tuple[str, ...]:
-    from jaxring.kernels.blockwise import BLOCK_OPS
+    from jaxring.kernels.block_compute import BLOCK_OPS
 
     return BLOCK_OPS
 

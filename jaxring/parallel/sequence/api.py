@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring.core.mesh import DATA_AXES, mesh_axis_size, spec_entry
 from jaxring.core.sharded import run_local
-from jaxring.kernels.blockwise import get_block_ops
+from jaxring.kernels.block_compute import get_block_ops
 from jaxring.kernels.layout import check_seq_len, from_layout, to_layout
 from jaxring.kernels.masking import check_qkv, check_window
 from jaxring.kernels.reference import attention_reference

@@ -54,7 +54,8 @@ from jax import lax
 
 from jaxring.core.collectives import BACKWARD, ring_steps, ring_steps_accumulating, send_to_next
 from jaxring.core.vma import vary_like
-from jaxring.kernels.blockwise import BlockOps, get_block_ops, with_window
+from jaxring.kernels.block_compute import get_block_ops
+from jaxring.kernels.blockwise import FORWARD_TILE, BlockOps, tile_size, with_window
 from jaxring.kernels.layout import RankTokens
 from jaxring.kernels.masking import check_qkv, check_window, positions_may_meet, segments_may_meet
 from jaxring.kernels.merge import empty_partial
@@ -385,9 +386,7 @@ def q_tiles(n: int, cpu: bool) -> int:
     ring step); 1 on GPU (the Pallas kernels' residuals are the block's out and lse)."""
     if not cpu:
         return 1
-    from jaxring.kernels.blockwise import FORWARD_TILE, _tile_size
-
-    return n // _tile_size(n, FORWARD_TILE)
+    return n // tile_size(n, FORWARD_TILE)
 
 
 def run_bounds(layout: str, p: int, n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -110,7 +110,8 @@ from jax.sharding import Mesh
 
 from jaxring.core.collectives import ppermute, ring_steps, ring_steps_accumulating, send_to_next
 from jaxring.core.vma import vary_like
-from jaxring.kernels.blockwise import BlockOps, get_block_ops
+from jaxring.kernels.block_compute import get_block_ops
+from jaxring.kernels.blockwise import BlockOps
 from jaxring.kernels.layout import check_seq_len
 from jaxring.kernels.masking import check_qkv, check_window, positions_may_meet
 from jaxring.kernels.merge import empty_partial

@@ -88,7 +88,8 @@ from jaxring.core.collectives import (
 from jaxring.core.mesh import DATA_AXES, mesh_axis_size, spec_entry
 from jaxring.core.sharded import run_local
 from jaxring.core.vma import vary_like, varying_axes
-from jaxring.kernels.blockwise import BlockOps, get_block_ops, with_window
+from jaxring.kernels.block_compute import get_block_ops
+from jaxring.kernels.blockwise import BlockOps, with_window
 from jaxring.kernels.masking import check_window, positions_may_meet, segments_may_meet
 from jaxring.kernels.merge import empty_partial, merge_partials
 from jaxring.kernels.rope import Rope, as_rope
