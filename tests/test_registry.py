@@ -26,9 +26,9 @@ from jaxring.run.spec import RunSpec
 # ------------------------------------------------------------------------------------------ the new strategy
 
 
-def _attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops, chunks):
+def _attend(q, k, v, segment_ids, *, axis_name, layout, causal, sm_scale, block_ops, chunks):
     groups = zip(*(jnp.split(x, chunks, axis=2) for x in (q, k, v)))
-    kw = dict(axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops)
+    kw = dict(axis_name=axis_name, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops)
     return jnp.concatenate([allgather_attention(qg, kg, vg, segment_ids, **kw) for qg, kg, vg in groups], axis=2)
 
 
@@ -147,9 +147,9 @@ def test_a_strategy_without_a_cost_is_refused_by_the_planner_in_one_line(capsys)
     from jaxring.planner import Cluster, Workload, search
     from jaxring.planner.__main__ import main as planner_main
 
-    def attend(q, k, v, segment_ids, *, seq_axes, layout, causal, sm_scale, block_ops):
+    def attend(q, k, v, segment_ids, *, axis_name, layout, causal, sm_scale, block_ops):
         return ring_attention(
-            q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, block_ops=block_ops
+            q, k, v, segment_ids, axis_name=axis_name, layout=layout, causal=causal, block_ops=block_ops
         )
 
     with registered(SequenceStrategy("costless", "a ring without a cost model", attend=attend)):
