@@ -67,7 +67,7 @@ def ring_program(target, strategy, seq, heads, head_dim, devices=8, batch=1):
         mesh = Mesh(np.array(flat.devices).reshape(devices // 2, 2), ("ring", "ulysses"))
         axes = ("ring", "ulysses")
         local = functools.partial(
-            usp_attention, ring_axis="ring", ulysses_axis="ulysses", layout="zigzag", causal=True, block_ops="pallas"
+            usp_attention, axis_name=("ring", "ulysses"), layout="zigzag", causal=True, block_ops="pallas"
         )
     else:
         raise ValueError(f"unknown strategy {strategy!r}")

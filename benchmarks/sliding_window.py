@@ -37,9 +37,9 @@ from jax.sharding import PartitionSpec as P
 import jaxring
 from jaxring.analysis import compile_stats
 from jaxring.core.device_setup import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
-from jaxring.kernels.blockwise import get_block_ops
+from jaxring.kernels.block_compute import get_block_ops
 from jaxring.kernels.layout import RankTokens
-from jaxring.parallel.sequence.ring import ring_attention, ring_forward
+from jaxring.parallel.sequence.ring import RingConfig, ring_attention, ring_forward
 
 SPEC = P(None, "sp", None, None)
 
@@ -59,9 +59,8 @@ def pairs_per_device(mesh, layout, window, xs):
     ops = get_block_ops("auto")
 
     def local(q, k, v):
-        _, _, work = ring_forward(
-            q, k, v, None, "sp", RankTokens(layout), True, q.shape[-1] ** -0.5, ops, window=window
-        )
+        cfg = RingConfig("sp", RankTokens(layout), True, q.shape[-1] ** -0.5, ops, window=window)
+        _, _, work = ring_forward(q, k, v, None, cfg)
         return work[None]
 
     run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(SPEC,) * 3, out_specs=P("sp")))

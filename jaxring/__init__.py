@@ -16,8 +16,8 @@ from jaxring.kernels import (
     to_layout,
 )
 from jaxring.parallel import catalog, registry  # noqa: F401 (catalog: registers the built-in entries)
+from jaxring.parallel.api import sharded_attention
 from jaxring.parallel.plan import ParallelPlan
-from jaxring.parallel.sequence.api import sharded_attention
 from jaxring.parallel.sequence.ring import ring_attention
 from jaxring.run.make_plan import make_plan
 from jaxring.run.spec import RunSpec

@@ -163,7 +163,7 @@ def _strategy(name, devices):
     return (
         mesh,
         ("ring", "ulysses"),
-        functools.partial(usp_attention, ring_axis="ring", ulysses_axis="ulysses", layout="zigzag", block_ops="pallas"),
+        functools.partial(usp_attention, axis_name=("ring", "ulysses"), layout="zigzag", block_ops="pallas"),
     )
 
 

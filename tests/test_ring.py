@@ -12,9 +12,10 @@ from jax.sharding import PartitionSpec as P
 import jaxring
 from jaxring import attention_reference
 from jaxring.analysis import compile_stats
+from jaxring.kernels.block_compute import get_block_ops
 from jaxring.kernels.blockwise import BlockOps, block_backward, block_forward
 from jaxring.kernels.layout import RankTokens
-from jaxring.parallel.sequence.ring import get_block_ops, ring_attention, ring_forward
+from jaxring.parallel.sequence.ring import RingConfig, ring_attention, ring_forward
 
 # (sp4 is the dp2 x sp4 mesh: a fourth entry "dp2xsp4" repeated its six cases on the same mesh)
 MESHES = {"sp2": dict(sp=2, dp=4), "sp4": dict(sp=4, dp=2), "sp8": dict(sp=8)}
@@ -101,7 +102,7 @@ def per_device_work(layout, sp, seq):
     ops = get_block_ops("jnp")
 
     def local(q, k, v):
-        _, _, work = ring_forward(q, k, v, None, "sp", RankTokens(layout), True, 0.3, ops)
+        _, _, work = ring_forward(q, k, v, None, RingConfig("sp", RankTokens(layout), True, 0.3, ops))
         return work[None]
 
     run = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=P("sp"))

@@ -116,7 +116,7 @@ def test_allgather_gathers_kv_and_reduce_scatters_their_gradients():
 def test_usp_traffic_is_ulysses_over_u_plus_ring_over_r():
     u, r, kv_heads = 2, 4, 2
     mesh = jaxring.factored_mesh(jaxring.make_mesh(sp=u * r), "sp", ("ring", "uly"), (r, u))
-    local = functools.partial(usp_attention, ring_axis="ring", ulysses_axis="uly", layout="zigzag")
+    local = functools.partial(usp_attention, axis_name=("ring", "uly"), layout="zigzag")
     n = S // (u * r)
     all_to_all = (u - 1) / u * 4 * B * n * D * (HQ + 2 * kv_heads + HQ)
     kv_block = 4 * B * (n * u) * (kv_heads // u) * D  # after the all-to-all: u times the tokens, 1/u the heads

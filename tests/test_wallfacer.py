@@ -12,9 +12,10 @@ from jax.sharding import PartitionSpec as P
 import jaxring
 from jaxring import attention_reference, layout_permutation
 from jaxring.analysis import compile_stats
-from jaxring.kernels.blockwise import get_block_ops
+from jaxring.kernels.block_compute import get_block_ops
 from jaxring.parallel.sequence.wallfacer import (
     WF_AXES,
+    WallFacerConfig,
     get_init_send,
     get_p2p_config,
     init_pairs,
@@ -280,7 +281,7 @@ def per_device_work(layout, sp, c, seq):
     ops = get_block_ops("jnp")
 
     def local(q, k, v):
-        _, _, work = wallfacer_forward(q, k, v, None, c, layout, True, 0.3, ops)
+        _, _, work = wallfacer_forward(q, k, v, None, WallFacerConfig(c, layout, True, 0.3, ops))
         return work[None]
 
     run = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=P(WF_AXES))

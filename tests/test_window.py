@@ -19,12 +19,13 @@ from jax.sharding import PartitionSpec as P
 
 import jaxring
 from jaxring import attention_reference
-from jaxring.kernels.blockwise import block_backward, block_forward, get_block_ops
+from jaxring.kernels.block_compute import get_block_ops
+from jaxring.kernels.blockwise import block_backward, block_forward
 from jaxring.kernels.layout import RankTokens
 from jaxring.nn import Attention, param_placements
 from jaxring.parallel.plan import ParallelPlan
-from jaxring.parallel.sequence.ring import ring_forward, ring_window_share
-from jaxring.parallel.sequence.wallfacer import WF_AXES, wallfacer_forward, wallfacer_mesh
+from jaxring.parallel.sequence.ring import RingConfig, ring_forward, ring_window_share
+from jaxring.parallel.sequence.wallfacer import WF_AXES, WallFacerConfig, wallfacer_forward, wallfacer_mesh
 from jaxring.parallel.tensor import metp_api, optimus_api
 
 WINDOWS = (3, 21, 100)
@@ -189,7 +190,7 @@ def ring_work(layout, window, seq=128, sp=8, segment_ids=None, causal=True):
 
     def local(q, k, v, *seg):
         seg = seg[0] if seg else None
-        _, _, work = ring_forward(q, k, v, seg, "sp", RankTokens(layout), causal, 0.3, ops, window=window)
+        _, _, work = ring_forward(q, k, v, seg, RingConfig("sp", RankTokens(layout), causal, 0.3, ops, window=window))
         return work[None]
 
     args, specs = (q, k, v), (spec,) * 3
@@ -298,7 +299,7 @@ def test_wallfacer_counts_exactly_the_window_pairs():
     ops = get_block_ops("jnp")
 
     def local(q, k, v, window):
-        _, _, work = wallfacer_forward(q, k, v, None, 2, "zigzag", True, 0.3, ops, window=window)
+        _, _, work = wallfacer_forward(q, k, v, None, WallFacerConfig(2, "zigzag", True, 0.3, ops, window=window))
         return work[None]
 
     run = lambda w: jax.jit(
@@ -323,11 +324,13 @@ def test_usp_and_wallfacer_price_the_steps_they_compute():
     q, k, v, _ = qkv(6, 1, seq, 2, 2, 8)
 
     def usp_ring(q, k, v, layout):  # the ring USP runs over its 4 groups of gathered shards
-        work = [ring_forward(q, k, v, None, "sp", RankTokens(layout, 2), True, 0.3, ops, window=w)[2] for w in windows]
+        configs = [RingConfig("sp", RankTokens(layout, 2), True, 0.3, ops, window=w) for w in windows]
+        work = [ring_forward(q, k, v, None, cfg)[2] for cfg in configs]
         return jnp.stack(work)[None]
 
     def wallfacer(q, k, v, layout):  # work[0]: query-key pairs of the run pairs computed
-        work = [wallfacer_forward(q, k, v, None, 2, layout, True, 0.3, ops, window=w)[2][0] for w in windows]
+        configs = [WallFacerConfig(2, layout, True, 0.3, ops, window=w) for w in windows]
+        work = [wallfacer_forward(q, k, v, None, cfg)[2][0] for cfg in configs]
         return jnp.stack(work)[None]
 
     cases = (

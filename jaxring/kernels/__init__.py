@@ -2,7 +2,8 @@
 merge, the per-block compute (jnp tiles on CPU, Pallas flash kernels on GPU) and RoPE. Nothing here
 communicates; the parallel layer above builds its rings and all-to-alls from these pieces."""
 
-from jaxring.kernels.blockwise import BlockOps, get_block_ops
+from jaxring.kernels.block_compute import get_block_ops
+from jaxring.kernels.blockwise import BlockOps
 from jaxring.kernels.flash import flash_attention, flash_block_ops
 from jaxring.kernels.layout import LAYOUTS, from_layout, layout_permutation, layout_positions, to_layout
 from jaxring.kernels.merge import merge_partials

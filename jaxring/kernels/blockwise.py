@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxring.core.vma import vary, varying_axes
+from jaxring.kernels.flash_tiles import loop_ranges, visibility
 from jaxring.kernels.masking import attention_mask, positions_may_meet
 
 # Tiles of the jnp pair, tuned on 8 simulated CPU devices (benchmarks/ring_attention.py): the forward keeps
@@ -78,7 +79,7 @@ def with_window(ops: BlockOps, window: int | None) -> BlockOps:
     )
 
 
-def _tile_size(n: int, target: int) -> int:
+def tile_size(n: int, target: int) -> int:
     """Largest divisor of n not above target; n itself (one tile) when no divisor reaches target / 8."""
     t = min(n, target)
     while n % t:
@@ -115,8 +116,6 @@ def tile_ranges(
     window: int | None = None,
 ) -> jax.Array:
     """int32 [nq / q_tile, 4]: for each Q tile the K/V tile loop (lo, full_lo, full_hi, hi), batch-wide."""
-    from jaxring.kernels.flash_tiles import loop_ranges, visibility
-
     nq, nk = q_positions.shape[0], kv_positions.shape[0]
     seg = q_segment_ids is not None
     batch = q_segment_ids.shape[0] if seg else 1
@@ -129,7 +128,7 @@ def tile_ranges(
 
 
 def _tiles(q: jax.Array, k: jax.Array, q_tile: int, kv_tile: int):
-    return _tile_size(q.shape[1], q_tile), _tile_size(k.shape[1], kv_tile)
+    return tile_size(q.shape[1], q_tile), tile_size(k.shape[1], kv_tile)
 
 
 def _slice(x: jax.Array | None, start: int | jax.Array, size: int, axis: int = 1):
@@ -337,26 +336,3 @@ def block_backward(
 
 
 JNP_BLOCK_OPS = BlockOps("jnp", block_forward, block_backward, accumulates=True)
-
-
-# the per-block computes by name ("auto": pallas on GPU, jnp elsewhere)
-BLOCK_OPS = ("auto", "jnp", "pallas", "pallas_interpret")
-
-
-def get_block_ops(impl: str | BlockOps = "auto") -> BlockOps:
-    """The per-block compute by name, or a BlockOps as given.
-
-    "jnp" (this module), "pallas" (the compiled flash kernel, GPU), "pallas_interpret" (the same kernel run by
-    the Pallas interpreter, for CPU tests); "auto" is "pallas" on GPU and "jnp" elsewhere.
-    """
-    if isinstance(impl, BlockOps):
-        return impl
-    if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" else "jnp"
-    if impl == "jnp":
-        return JNP_BLOCK_OPS
-    if impl in ("pallas", "pallas_interpret"):
-        from jaxring.kernels.flash import flash_block_ops  # flash.py imports this module
-
-        return flash_block_ops(interpret=impl == "pallas_interpret")
-    raise ValueError(f"unknown block implementation {impl!r}; expected one of {', '.join(BLOCK_OPS)} or a BlockOps")

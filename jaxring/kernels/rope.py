@@ -140,11 +140,6 @@ def _yarn(inv_freq: np.ndarray, rope: Rope, head_dim: int):
     return inv_freq / rope.factor * (1 - extrapolation) + inv_freq * extrapolation
 
 
-def rope_frequencies(head_dim: int, theta: float = 10000.0) -> jax.Array:
-    """Inverse frequencies fp32 [head_dim // 2] of plain RoPE."""
-    return jnp.asarray(Rope(theta=theta).inv_freq(head_dim))
-
-
 def apply_rope(x: jax.Array, positions: jax.Array, rope: Rope | float = 10000.0) -> jax.Array:
     """Rotates halves (x[..., :d/2], x[..., d/2:]) by angle position · inv_freq (see `Rope.apply`).
 

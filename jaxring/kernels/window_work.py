@@ -18,6 +18,10 @@ import itertools
 
 import numpy as np
 
+from jaxring.kernels.blockwise import BACKWARD_TILE, FORWARD_TILE, tile_size
+from jaxring.kernels.flash_tiles import Config, kernel_tiles
+from jaxring.kernels.layout import layout_positions
+
 _NO_WINDOW = np.iinfo(np.int64).max // 4
 
 
@@ -64,15 +68,11 @@ def kernel_passes(cpu: bool, q_len: int, kv_len: int, head_dim: int) -> list[tup
     (`block_forward` 256-token tiles, `block_backward` 128, each the largest divisor not above) or Pallas
     (`kernel_tiles`' defaults for head_dim)."""
     if cpu:
-        from jaxring.kernels.blockwise import BACKWARD_TILE, FORWARD_TILE, _tile_size
-
         fwd, bwd = FORWARD_TILE, BACKWARD_TILE
         return [
-            ("q", _tile_size(q_len, fwd), _tile_size(kv_len, fwd), 2),
-            ("q", _tile_size(q_len, bwd), _tile_size(kv_len, bwd), 5),
+            ("q", tile_size(q_len, fwd), tile_size(kv_len, fwd), 2),
+            ("q", tile_size(q_len, bwd), tile_size(kv_len, bwd), 5),
         ]
-    from jaxring.kernels.flash_tiles import Config, kernel_tiles
-
     tiles = kernel_tiles(Config(True, 1.0, "pallas"), head_dim, q_len, kv_len)
     return [
         ("q", tiles["fwd"].block_q, tiles["fwd"].block_k, 2),
@@ -102,7 +102,5 @@ def kernel_window_share(q_positions: np.ndarray, kv_len: int, window: int, cpu: 
 def layout_window_share(layout: str, ranks: int, n: int, window: int, cpu: bool, head_dim: int) -> float:
     """`kernel_window_share` for the queries of `ranks` ranks of n tokens each in `layout` (one rank: the whole
     sequence in order, as Ulysses and dense attention see it) against all ranks·n keys in natural order."""
-    from jaxring.kernels.layout import layout_positions
-
     queries = np.stack([np.asarray(layout_positions(layout, r, ranks, n)) for r in range(ranks)])
     return kernel_window_share(queries, ranks * n, window, cpu, head_dim)

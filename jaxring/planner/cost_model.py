@@ -519,12 +519,12 @@ def _attention_working(s: Shapes) -> float:
     core, x = s.core, s.local
     out = core.working + s.method.layer_working(s.model, x)
     if s.model.cpu:
-        from jaxring.kernels.blockwise import BACKWARD_TILE, FORWARD_TILE, _tile_size
+        from jaxring.kernels.blockwise import BACKWARD_TILE, FORWARD_TILE, tile_size
 
         block_q, block_k = core.block_q or x.n, core.block_k or x.n
         heads = core.tile_heads or x.heads
-        fwd = 2 * _tile_size(block_q, FORWARD_TILE) * _tile_size(block_k, FORWARD_TILE)
-        bwd = 3 * _tile_size(block_q, BACKWARD_TILE) * _tile_size(block_k, BACKWARD_TILE)
+        fwd = 2 * tile_size(block_q, FORWARD_TILE) * tile_size(block_k, FORWARD_TILE)
+        bwd = 3 * tile_size(block_q, BACKWARD_TILE) * tile_size(block_k, BACKWARD_TILE)
         out += x.b * heads * max(fwd, bwd) * F32
     return out
 

@@ -26,7 +26,7 @@ from jaxring.core.mesh import MESH_AXES
 from jaxring.core.precision import PRECISIONS
 from jaxring.core.suggest import nearest
 from jaxring.data.packing import PACKINGS
-from jaxring.kernels.blockwise import BLOCK_OPS
+from jaxring.kernels.block_compute import BLOCK_OPS
 from jaxring.kernels.layout import LAYOUTS
 from jaxring.nn import OFFLOAD, REMAT
 from jaxring.parallel.catalog import all_options, pipeline_schedules, sequence_strategies, tensor_methods

@@ -17,12 +17,11 @@ that band (in rank order a zig-zag or striped layout scatters it over several ra
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxring.kernels.blockwise import BlockOps
 from jaxring.kernels.flash import flash_attention
 from jaxring.kernels.layout import gathered_positions, layout_positions, natural_order
 from jaxring.kernels.masking import check_qkv
@@ -30,9 +29,6 @@ from jaxring.kernels.window_work import layout_window_share
 from jaxring.parallel.cost_terms import F32, AttentionCost, AttentionShape, Transfer, segment_once
 from jaxring.parallel.registry import SequenceStrategy
 from jaxring.parallel.sequence.ulysses import local_implementation
-
-if TYPE_CHECKING:
-    from jaxring.kernels.blockwise import BlockOps
 
 
 def allgather_attention(
@@ -111,36 +107,9 @@ def allgather_cost(s: AttentionShape, options: dict) -> AttentionCost:
 # ---------------------------------------------------------------------------------------- registry entry
 
 
-def _attend(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array | None,
-    *,
-    seq_axes: tuple[str, ...],
-    layout: str,
-    causal: bool,
-    sm_scale: float,
-    block_ops: str | BlockOps,
-    window: int | None = None,
-):
-    return allgather_attention(
-        q,
-        k,
-        v,
-        segment_ids,
-        axis_name=seq_axes,
-        layout=layout,
-        causal=causal,
-        sm_scale=sm_scale,
-        block_ops=block_ops,
-        window=window,
-    )
-
-
 STRATEGY = SequenceStrategy(
     "allgather",
     "all-gather context parallelism: gather K/V, reduce-scatter dK/dV (Llama 3)",
-    attend=_attend,
+    attend=allgather_attention,
     cost=allgather_cost,
 )

@@ -45,6 +45,7 @@ Communication per rank: forward 2(P-1) K/V blocks; backward 2(P-1) K/V blocks + 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -54,13 +55,27 @@ from jax import lax
 
 from jaxring.core.collectives import BACKWARD, ring_steps, ring_steps_accumulating, send_to_next
 from jaxring.core.vma import vary_like
-from jaxring.kernels.blockwise import BlockOps, get_block_ops, with_window
+from jaxring.kernels.block_compute import get_block_ops
+from jaxring.kernels.blockwise import FORWARD_TILE, BlockOps, tile_size, with_window
 from jaxring.kernels.layout import RankTokens
 from jaxring.kernels.masking import check_qkv, check_window, positions_may_meet, segments_may_meet
 from jaxring.kernels.merge import empty_partial
 from jaxring.parallel.cost_terms import F32, AttentionCost, AttentionShape, Transfer, segment_ring
 from jaxring.parallel.registry import SequenceStrategy
 from jaxring.parallel.sequence.ring_step import add_block_grads, attend_block, pair_work, run_work, split_runs
+
+
+@dataclasses.dataclass(frozen=True)
+class RingConfig:
+    """The static settings of one ring (hashable: the one nondiff argument of its custom_vjp)."""
+
+    axis_name: str | tuple[str, ...]
+    tokens: RankTokens  # the layout (and USP's inner ranks): each block's true positions
+    causal: bool
+    sm_scale: float
+    ops: BlockOps
+    fuse: bool = False  # each hop's arrays as one buffer (`collectives.fused_ppermute`)
+    window: int | None = None  # sliding window (causal): query i sees keys i - window < j <= i
 
 
 def ring_attention(
@@ -105,8 +120,8 @@ def ring_attention(
         )
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     ops = get_block_ops(block_ops)
-    fuse = fuse_by_default(ops, fuse_sends)
-    return _ring(q, k, v, segment_ids, axis_name, tokens, causal, scale, ops, fuse, window)
+    cfg = RingConfig(axis_name, tokens, causal, scale, ops, fuse_by_default(ops, fuse_sends), window)
+    return _ring(q, k, v, segment_ids, cfg)
 
 
 def fuse_by_default(ops: BlockOps, fuse_sends: bool | None) -> bool:
@@ -234,23 +249,13 @@ def grads_step(
 
 
 def ring_forward(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array | None,
-    axis_name: str | tuple[str, ...],
-    tokens: RankTokens,
-    causal: bool,
-    sm_scale: float,
-    ops: BlockOps,
-    fuse: bool = False,
-    window: int | None = None,
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, cfg: RingConfig
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The forward ring. Returns out fp32, lse fp32 [b, n, hq] and the work here: query-key pairs of the
     (Q run, K/V run) pairs computed, those the causal mask and the window do not hide entirely (fp32)."""
-    p, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
-    n, parts = q.shape[1], _parts(tokens, causal)
-    q_pos = tokens.positions(rank, p, n)
+    p, rank = lax.axis_size(cfg.axis_name), lax.axis_index(cfg.axis_name)
+    n, parts = q.shape[1], _parts(cfg.tokens, cfg.causal)
+    q_pos = cfg.tokens.positions(rank, p, n)
 
     def attend(
         carry: tuple[tuple[jax.Array, jax.Array], jax.Array],
@@ -259,9 +264,9 @@ def ring_forward(
     ):
         acc, work = carry
         k, v, kv_seg = kv
-        kv_pos = tokens.positions((rank - step) % p, p, n)
+        kv_pos = cfg.tokens.positions((rank - step) % p, p, n)
         acc, computed = attend_step(
-            ops,
+            cfg.ops,
             acc,
             q,
             q_pos,
@@ -271,74 +276,40 @@ def ring_forward(
             kv_pos,
             kv_seg,
             parts=parts,
-            causal=causal,
-            sm_scale=sm_scale,
-            window=window,
+            causal=cfg.causal,
+            sm_scale=cfg.sm_scale,
+            window=cfg.window,
         )
-        return acc, work + step_work(q_pos, kv_pos, parts, causal, window, computed)
+        return acc, work + step_work(q_pos, kv_pos, parts, cfg.causal, cfg.window, computed)
 
     work0 = jnp.zeros_like(q_pos[0], jnp.float32)
     if segment_ids is not None:  # the steps skipped by segment vary with them (check_vma)
         work0 = vary_like(work0, segment_ids)
     init = (empty_partial(q), work0)
     (out, lse), work = ring_steps(
-        attend, init, (k, v, segment_ids), p, lambda kv: send_to_next(kv, axis_name, fuse=fuse)
+        attend, init, (k, v, segment_ids), p, lambda kv: send_to_next(kv, cfg.axis_name, fuse=cfg.fuse)
     )
     return out, lse, work
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
-def _ring(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array | None,
-    axis_name: str | tuple[str, ...],
-    tokens: RankTokens,
-    causal: bool,
-    sm_scale: float,
-    ops: BlockOps,
-    fuse: bool,
-    window: int | None,
-):
-    out, _, _ = ring_forward(q, k, v, segment_ids, axis_name, tokens, causal, sm_scale, ops, fuse, window)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ring(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, cfg: RingConfig):
+    out, _, _ = ring_forward(q, k, v, segment_ids, cfg)
     return out.astype(q.dtype)
 
 
-def _ring_fwd(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array | None,
-    axis_name: str | tuple[str, ...],
-    tokens: RankTokens,
-    causal: bool,
-    sm_scale: float,
-    ops: BlockOps,
-    fuse: bool,
-    window: int | None,
-):
-    out, lse, _ = ring_forward(q, k, v, segment_ids, axis_name, tokens, causal, sm_scale, ops, fuse, window)
+def _ring_fwd(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, cfg: RingConfig):
+    out, lse, _ = ring_forward(q, k, v, segment_ids, cfg)
     out = out.astype(q.dtype)
     return out, (q, k, v, segment_ids, out, lse)
 
 
-def _ring_bwd(
-    axis_name: str | tuple[str, ...],
-    tokens: RankTokens,
-    causal: bool,
-    sm_scale: float,
-    ops: BlockOps,
-    fuse: bool,
-    window: int | None,
-    residuals: tuple,
-    dout: jax.Array,
-):
+def _ring_bwd(cfg: RingConfig, residuals: tuple, dout: jax.Array):
     q, k, v, segment_ids, out, lse = residuals
-    p, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
-    n, parts = q.shape[1], _parts(tokens, causal)
+    p, rank = lax.axis_size(cfg.axis_name), lax.axis_index(cfg.axis_name)
+    n, parts = q.shape[1], _parts(cfg.tokens, cfg.causal)
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    q_pos = tokens.positions(rank, p, n)
+    q_pos = cfg.tokens.positions(rank, p, n)
 
     def grads(
         dq: jax.Array,
@@ -347,10 +318,10 @@ def _ring_bwd(
         dkv: tuple[jax.Array, jax.Array] | None,
     ):
         k, v, kv_seg = kv
-        kv_pos = tokens.positions((rank - BACKWARD * step) % p, p, n)
+        kv_pos = cfg.tokens.positions((rank - BACKWARD * step) % p, p, n)
         dk, dv = (None, None) if dkv is None else dkv
         dq, dk, dv = grads_step(
-            ops,
+            cfg.ops,
             (dq, dk, dv),
             q,
             dout,
@@ -363,13 +334,13 @@ def _ring_bwd(
             kv_pos,
             kv_seg,
             parts=parts,
-            causal=causal,
-            sm_scale=sm_scale,
-            window=window,
+            causal=cfg.causal,
+            sm_scale=cfg.sm_scale,
+            window=cfg.window,
         )
         return dq, (dk, dv)  # dK/dV: summed by the ranks the block visits, home after P hops
 
-    send = lambda tree: send_to_next(tree, axis_name, shift=BACKWARD, fuse=fuse)
+    send = lambda tree: send_to_next(tree, cfg.axis_name, shift=BACKWARD, fuse=cfg.fuse)
     dq, (dk, dv) = ring_steps_accumulating(grads, jnp.zeros_like(q, jnp.float32), (k, v, segment_ids), p, send)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
@@ -385,9 +356,7 @@ def q_tiles(n: int, cpu: bool) -> int:
     ring step); 1 on GPU (the Pallas kernels' residuals are the block's out and lse)."""
     if not cpu:
         return 1
-    from jaxring.kernels.blockwise import FORWARD_TILE, _tile_size
-
-    return n // _tile_size(n, FORWARD_TILE)
+    return n // tile_size(n, FORWARD_TILE)
 
 
 def run_bounds(layout: str, p: int, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -467,36 +436,9 @@ def ring_cost(s: AttentionShape, options: dict) -> AttentionCost:
 # ---------------------------------------------------------------------------------------- registry entry
 
 
-def _attend(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array | None,
-    *,
-    seq_axes: tuple[str, ...],
-    layout: str,
-    causal: bool,
-    sm_scale: float,
-    block_ops: str | BlockOps,
-    window: int | None = None,
-):
-    return ring_attention(
-        q,
-        k,
-        v,
-        segment_ids,
-        axis_name=seq_axes,
-        layout=layout,
-        causal=causal,
-        sm_scale=sm_scale,
-        block_ops=block_ops,
-        window=window,
-    )
-
-
 STRATEGY = SequenceStrategy(
     "ring",
     "ring attention: K/V blocks circulate with ppermute, online softmax (Playbook)",
-    attend=_attend,
+    attend=ring_attention,
     cost=ring_cost,
 )

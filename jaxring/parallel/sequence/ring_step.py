@@ -9,17 +9,14 @@ two for zig-zag): a (Q run, K/V run) pair counts unless the causal mask hides al
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxring.kernels.blockwise import tile_visible
+from jaxring.kernels.blockwise import BlockOps, tile_visible
 from jaxring.kernels.merge import empty_partial, merge_partials
-
-if TYPE_CHECKING:
-    from jaxring.kernels.blockwise import BlockOps
 
 
 def split_runs(x: jax.Array | None, parts: int, axis: int) -> list[jax.Array | None]:

@@ -54,21 +54,30 @@ of collective-permute and 8(N-1)·c bytes of reduce-scatter.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxring.core.collectives import BACKWARD, ring_steps, send_to_next
+from jaxring.kernels.blockwise import BlockOps
 from jaxring.kernels.layout import check_seq_len, layout_permutation, layout_positions
 from jaxring.kernels.masking import attention_mask, check_qkv, check_window
 from jaxring.parallel.cost_terms import F32, AttentionCost, AttentionShape, Transfer, segment_once
 from jaxring.parallel.registry import SequenceStrategy
 
-if TYPE_CHECKING:
-    from jaxring.kernels.blockwise import BlockOps
+
+@dataclasses.dataclass(frozen=True)
+class RsaConfig:
+    """The static settings of one RSA call (hashable: the one nondiff argument of its custom_vjp)."""
+
+    axis_name: str | tuple[str, ...]
+    layout: str  # each column block's true positions
+    causal: bool
+    sm_scale: float
+    window: int | None = None  # sliding window (causal): query i sees keys i - window < j <= i
 
 
 def rsa_attention(
@@ -81,6 +90,7 @@ def rsa_attention(
     layout: str = "contiguous",
     causal: bool = True,
     sm_scale: float | None = None,
+    block_ops: str | BlockOps = "auto",
     window: int | None = None,
 ) -> jax.Array:
     """Ring Self-Attention over `axis_name`; call inside `shard_map` with the sequence already in `layout`.
@@ -91,10 +101,13 @@ def rsa_attention(
       segment_ids: local int [batch, n] or None; 0 = padding (attends to nothing, output 0).
       layout: "contiguous", "zigzag" or "striped": how this rank's tokens were chosen (see layout.py).
       causal: mask keys after the query (by true positions); sm_scale: default 1/sqrt(head_dim).
+      block_ops: ignored (the registry's call contract passes it): RSA materialises its score rows and has no
+        per-block compute.
       window: sliding window W (needs causal): query i sees keys i - W < j <= i; None: unlimited.
     Returns: out, local [batch, n, q_heads, head_dim] in q.dtype. Differentiable in q, k, v with the paper's
     backward (see the module docstring for its communication).
     """
+    del block_ops
     check_qkv(q, k, v)
     window = check_window(window, causal)
     batch, n = q.shape[:2]
@@ -105,7 +118,7 @@ def rsa_attention(
     num = lax.axis_size(axis_name)
     check_seq_len(n * num, num, layout)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    return _rsa(q, k, v, segment_ids, axis_name, layout, bool(causal), scale, window)
+    return _rsa(q, k, v, segment_ids, RsaConfig(axis_name, layout, bool(causal), scale, window))
 
 
 def _einsum(spec: str, a: jax.Array, b: jax.Array):
@@ -119,22 +132,14 @@ def _grouped(x: jax.Array, kv_heads: int):
 
 
 def rsa_forward(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array | None,
-    axis_name: str | tuple[str, ...],
-    layout: str,
-    causal: bool,
-    sm_scale: float,
-    window: int | None = None,
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, cfg: RsaConfig
 ) -> tuple[jax.Array, jax.Array]:
     """The two forward rings. Returns out fp32 [b, n, hq, d] and P fp32 [b, hkv, groups, n, L]."""
-    num, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    num, rank = lax.axis_size(cfg.axis_name), lax.axis_index(cfg.axis_name)
     batch, n, _, _ = q.shape
     kv_heads, length = k.shape[2], n * num
     qg = _grouped(q, kv_heads)
-    send = lambda tree: send_to_next(tree, axis_name)
+    send = lambda tree: send_to_next(tree, cfg.axis_name)
 
     # pass 1: K chunks (with their segment ids) go round; fill the score columns of each chunk's owner
     def fill_scores(
@@ -153,11 +158,11 @@ def rsa_forward(
     s, kv_seg = ring_steps(fill_scores, (s0, seg0), (k, segment_ids), num, send)
 
     # locally: scale, mask (true positions of every column block), softmax over complete rows
-    q_pos = layout_positions(layout, rank, num, n)
+    q_pos = layout_positions(cfg.layout, rank, num, n)
     with jax.ensure_compile_time_eval():  # static: column o*n + i holds owner o's i-th position
-        kv_pos = jnp.asarray(layout_permutation(layout, length, num), jnp.int32)
-    mask = attention_mask(q_pos, kv_pos, segment_ids, kv_seg, causal=causal, window=window)
-    s = s * sm_scale
+        kv_pos = jnp.asarray(layout_permutation(cfg.layout, length, num), jnp.int32)
+    mask = attention_mask(q_pos, kv_pos, segment_ids, kv_seg, causal=cfg.causal, window=cfg.window)
+    s = s * cfg.sm_scale
     if mask is not None:
         s = jnp.where(mask[:, None, None], s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
@@ -175,47 +180,20 @@ def rsa_forward(
     return out.reshape(q.shape), p
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _rsa(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array | None,
-    axis_name: str | tuple[str, ...],
-    layout: str,
-    causal: bool,
-    sm_scale: float,
-    window: int | None,
-):
-    out, _ = rsa_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, window)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _rsa(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, cfg: RsaConfig):
+    out, _ = rsa_forward(q, k, v, segment_ids, cfg)
     return out.astype(q.dtype)
 
 
-def _rsa_fwd(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array | None,
-    axis_name: str | tuple[str, ...],
-    layout: str,
-    causal: bool,
-    sm_scale: float,
-    window: int | None,
-):
-    out, p = rsa_forward(q, k, v, segment_ids, axis_name, layout, causal, sm_scale, window)
+def _rsa_fwd(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, cfg: RsaConfig):
+    out, p = rsa_forward(q, k, v, segment_ids, cfg)
     return out.astype(q.dtype), (q, k, v, p)
 
 
-def _rsa_bwd(
-    axis_name: str | tuple[str, ...],
-    layout: str,
-    causal: bool,
-    sm_scale: float,
-    window: int | None,
-    residuals: tuple,
-    dout: jax.Array,
-):
-    del window  # folded into P
+def _rsa_bwd(cfg: RsaConfig, residuals: tuple, dout: jax.Array):
+    """The mask (causal, window, segments) is folded into P: only the axis and the scale are needed."""
+    axis_name, sm_scale = cfg.axis_name, cfg.sm_scale
     q, k, v, p = residuals
     num, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
     n, kv_heads = q.shape[1], k.shape[2]
@@ -288,29 +266,10 @@ def rsa_cost(s: AttentionShape, options: dict) -> AttentionCost:
 # ---------------------------------------------------------------------------------------- registry entry
 
 
-def _attend(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array | None,
-    *,
-    seq_axes: tuple[str, ...],
-    layout: str,
-    causal: bool,
-    sm_scale: float,
-    block_ops: str | BlockOps,
-    window: int | None = None,
-):
-    del block_ops  # RSA materialises its score rows: no per-block compute
-    return rsa_attention(
-        q, k, v, segment_ids, axis_name=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, window=window
-    )
-
-
 STRATEGY = SequenceStrategy(
     "rsa",
     "Ring Self-Attention: K then V rings over materialised score rows (Li et al.)",
-    attend=_attend,
+    attend=rsa_attention,
     default_layout="contiguous",
     uses_block_ops=False,
     cost=rsa_cost,

@@ -155,33 +155,6 @@ def ulysses_cost(s: AttentionShape, options: dict) -> AttentionCost:
 # ---------------------------------------------------------------------------------------- registry entry
 
 
-def _attend(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array | None,
-    *,
-    seq_axes: tuple[str, ...],
-    layout: str,
-    causal: bool,
-    sm_scale: float,
-    block_ops: str | BlockOps,
-    window: int | None = None,
-):
-    return ulysses_attention(
-        q,
-        k,
-        v,
-        segment_ids,
-        axis_name=seq_axes,
-        layout=layout,
-        causal=causal,
-        sm_scale=sm_scale,
-        block_ops=block_ops,
-        window=window,
-    )
-
-
 def _check_heads(q_heads: int, kv_heads: int, sp: int, options: dict) -> None:
     del kv_heads, options
     check_heads_split(q_heads, sp)
@@ -190,7 +163,7 @@ def _check_heads(q_heads: int, kv_heads: int, sp: int, options: dict) -> None:
 STRATEGY = SequenceStrategy(
     "ulysses",
     "DeepSpeed-Ulysses: all-to-all sequence <-> heads around local attention",
-    attend=_attend,
+    attend=ulysses_attention,
     default_layout="contiguous",
     check_heads=_check_heads,
     cost=ulysses_cost,

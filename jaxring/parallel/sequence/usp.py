@@ -15,7 +15,6 @@ window is the ring's: its steps outside every query's window are skipped (the ho
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -23,15 +22,13 @@ from jax import lax
 from jax.sharding import Mesh
 
 from jaxring.core.mesh import factored_mesh
+from jaxring.kernels.blockwise import BlockOps
 from jaxring.kernels.layout import RankTokens
 from jaxring.kernels.masking import check_qkv
 from jaxring.parallel.cost_terms import F32, AttentionCost, AttentionShape, Transfer, segment_once, segment_ring
 from jaxring.parallel.registry import Option, SequenceStrategy
 from jaxring.parallel.sequence.ring import q_tiles, ring_attention, ring_window_share
 from jaxring.parallel.sequence.ulysses import check_heads_split, heads_to_seq, repeat_kv_for_split, seq_to_heads
-
-if TYPE_CHECKING:
-    from jaxring.kernels.blockwise import BlockOps
 
 USP_AXES = ("usp_ring", "usp_ulysses")
 
@@ -42,18 +39,24 @@ def usp_attention(
     v: jax.Array,
     segment_ids: jax.Array | None = None,
     *,
-    ring_axis: str,
-    ulysses_axis: str,
+    axis_name: tuple[str, str] = USP_AXES,
     layout: str = "zigzag",
     causal: bool = True,
     sm_scale: float | None = None,
     block_ops: str | BlockOps = "auto",
     window: int | None = None,
+    ulysses_size: int | None = None,
 ) -> jax.Array:
-    """USP inside `shard_map` over (ring_axis, ulysses_axis); the sequence rank is ring * U + ulysses.
+    """USP inside `shard_map`; shapes as `ring_attention`.
+
+    axis_name: (ring axis, Ulysses axis), the sequence rank is ring * U + ulysses (`factored_mesh` of sp into
+      USP_AXES, as the registry's view does). ulysses_size: U, checked against the Ulysses axis when given.
     window: the sliding window (see `ring_attention`)."""
     check_qkv(q, k, v)
+    ring_axis, ulysses_axis = axis_name
     u = lax.axis_size(ulysses_axis)
+    if ulysses_size is not None and ulysses_size != u:
+        raise ValueError(f"ulysses_size U={ulysses_size} does not match the Ulysses axis {ulysses_axis!r} of size {u}")
     check_heads_split(q.shape[2], u, "ulysses_size")
     k, v = repeat_kv_for_split(k, u), repeat_kv_for_split(v, u)
     seg = None if segment_ids is None else lax.all_gather(segment_ids, ulysses_axis, axis=1, tiled=True)
@@ -121,37 +124,6 @@ def usp_cost(s: AttentionShape, options: dict) -> AttentionCost:
 # ---------------------------------------------------------------------------------------- registry entry
 
 
-def _attend(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array | None,
-    *,
-    seq_axes: tuple[str, ...],
-    layout: str,
-    causal: bool,
-    sm_scale: float,
-    block_ops: str | BlockOps,
-    ulysses_size: int,
-    window: int | None = None,
-):
-    del ulysses_size  # the factored view carries it
-    ring_axis, ulysses_axis = seq_axes
-    return usp_attention(
-        q,
-        k,
-        v,
-        segment_ids,
-        ring_axis=ring_axis,
-        ulysses_axis=ulysses_axis,
-        layout=layout,
-        causal=causal,
-        sm_scale=sm_scale,
-        block_ops=block_ops,
-        window=window,
-    )
-
-
 def _view(mesh: Mesh, options: dict, axis: str):
     sp, u = mesh.shape[axis], options["ulysses_size"]
     return factored_mesh(mesh, axis, USP_AXES, (sp // u, u)), USP_AXES
@@ -170,7 +142,7 @@ def _check_heads(q_heads: int, kv_heads: int, sp: int, options: dict) -> None:
 STRATEGY = SequenceStrategy(
     "usp",
     "USP: Ulysses over U devices × ring over sp / U",
-    attend=_attend,
+    attend=usp_attention,
     view=_view,
     check_heads=_check_heads,
     cost=usp_cost,

@@ -98,6 +98,7 @@ ring.py's K/V-rotating one: (P−1)·b·n·(2·hq·d + 2·hq) + P·b·n·hq·d e
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -110,7 +111,8 @@ from jax.sharding import Mesh
 
 from jaxring.core.collectives import ppermute, ring_steps, ring_steps_accumulating, send_to_next
 from jaxring.core.vma import vary_like
-from jaxring.kernels.blockwise import BlockOps, get_block_ops
+from jaxring.kernels.block_compute import get_block_ops
+from jaxring.kernels.blockwise import BlockOps
 from jaxring.kernels.layout import check_seq_len
 from jaxring.kernels.masking import check_qkv, check_window, positions_may_meet
 from jaxring.kernels.merge import empty_partial
@@ -318,25 +320,27 @@ def _visible_pairs(q_pos: jax.Array, kv_pos: jax.Array, causal: bool, window: in
 # --------------------------------------------------------------------------------------------- forward
 
 
+@dataclasses.dataclass(frozen=True)
+class WallFacerConfig:
+    """The static settings of one WallFacer call (hashable: the one nondiff argument of its custom_vjp)."""
+
+    team_size: int  # C
+    layout: str  # "contiguous" or "zigzag" (team-level)
+    causal: bool
+    sm_scale: float
+    ops: BlockOps
+    fuse: bool = False  # each sub-ring hop's arrays as one buffer (`collectives.fused_ppermute`)
+    window: int | None = None  # sliding window (causal): query i sees keys i - window < j <= i
+
+
 def _coords():
     g, j, a = (lax.axis_index(x) for x in WF_AXES)
     return g, j, a, lax.axis_size(RING)
 
 
-def _forward(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array | None,
-    team_size: int,
-    layout: str,
-    causal: bool,
-    sm_scale: float,
-    ops: BlockOps,
-    fuse: bool = False,
-    window: int | None = None,
-):
-    c, zigzag = team_size, layout == "zigzag"
+def _forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, cfg: WallFacerConfig):
+    layout, causal, window = cfg.layout, cfg.causal, cfg.window
+    c, zigzag = cfg.team_size, layout == "zigzag"
     g, j, a, tgs = _coords()
     p, n = c * c * tgs, q.shape[1]
     parts = 2 if zigzag and causal else 1
@@ -353,7 +357,7 @@ def _forward(
         k_c, v_c, kseg_c = kv
         kv_pos = team_positions(layout, ((j - step) % tgs) * c + a, p, c, n)  # the team chunk held now
         acc, step_computed = attend_step(
-            ops,
+            cfg.ops,
             acc,
             q_t,
             q_pos,
@@ -364,7 +368,7 @@ def _forward(
             kseg_c,
             parts=parts,
             causal=causal,
-            sm_scale=sm_scale,
+            sm_scale=cfg.sm_scale,
             window=window,
         )
         for qpos_i in split_runs(q_pos, parts, 0):
@@ -380,7 +384,7 @@ def _forward(
     work0 = jnp.zeros((2,), jnp.float32) + 0 * (g + j + a)
     if seg_t is not None:  # steps skipped by segment: the count varies with the ids too
         work0 = vary_like(work0, seg_t)
-    send = lambda tree: send_to_next(tree, RING, fuse=fuse)
+    send = lambda tree: send_to_next(tree, RING, fuse=cfg.fuse)
     acc, work = ring_steps(attend, (empty_partial(q_t), work0), kv, tgs, send)
     out_t, lse_t = acc
     out, lse, lse_team = _team_combine(out_t, lse_t, c, zigzag)
@@ -388,57 +392,22 @@ def _forward(
 
 
 def wallfacer_forward(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array | None,
-    team_size: int,
-    layout: str,
-    causal: bool,
-    sm_scale: float,
-    ops: BlockOps,
-    window: int | None = None,
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, cfg: WallFacerConfig
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The forward pass inside shard_map. Returns out fp32 [b, n, hq, d], lse fp32 [b, n, hq] (own rows) and
     work fp32 [2] on this device: (query-key pairs of the run pairs computed, visible ones: causal, window)."""
-    out, lse, work, _ = _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, window=window)
+    out, lse, work, _ = _forward(q, k, v, segment_ids, cfg)
     return out, lse, work
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
-def _wallfacer(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array | None,
-    team_size: int,
-    layout: str,
-    causal: bool,
-    sm_scale: float,
-    ops: BlockOps,
-    fuse: bool,
-    window: int | None,
-):
-    out, _, _, _ = _forward(q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, fuse, window)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _wallfacer(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, cfg: WallFacerConfig):
+    out, _, _, _ = _forward(q, k, v, segment_ids, cfg)
     return out.astype(q.dtype)
 
 
-def _wallfacer_fwd(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array | None,
-    team_size: int,
-    layout: str,
-    causal: bool,
-    sm_scale: float,
-    ops: BlockOps,
-    fuse: bool,
-    window: int | None,
-):
-    out, _, _, (q_t, seg_t, kv, lse_team) = _forward(
-        q, k, v, segment_ids, team_size, layout, causal, sm_scale, ops, fuse, window
-    )
+def _wallfacer_fwd(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, cfg: WallFacerConfig):
+    out, _, _, (q_t, seg_t, kv, lse_team) = _forward(q, k, v, segment_ids, cfg)
     out = out.astype(q.dtype)
     return out, (q_t, seg_t, kv, out, lse_team)
 
@@ -446,19 +415,10 @@ def _wallfacer_fwd(
 # -------------------------------------------------------------------------------------------- backward
 
 
-def _wallfacer_bwd(
-    team_size: int,
-    layout: str,
-    causal: bool,
-    sm_scale: float,
-    ops: BlockOps,
-    fuse: bool,
-    window: int | None,
-    residuals: tuple,
-    dout: jax.Array,
-):
+def _wallfacer_bwd(cfg: WallFacerConfig, residuals: tuple, dout: jax.Array):
     q_t, qseg_t, (k_u, v_u, kseg_u), out, lse_t = residuals
-    c, zigzag = team_size, layout == "zigzag"
+    layout, causal = cfg.layout, cfg.causal
+    c, zigzag = cfg.team_size, layout == "zigzag"
     parts = 2 if zigzag and causal else 1
     g, j, a, tgs = _coords()
     p, n = c * c * tgs, out.shape[1]
@@ -466,7 +426,7 @@ def _wallfacer_bwd(
     do_t, delta_t = _gather(dout, c, zigzag), _gather(delta, c, zigzag)
     # K/V stay put: this device holds team chunk j·C + a for the whole pass
     kv_pos = team_positions(layout, j * c + a, p, c, n)
-    send = (lambda tree: send_to_next(tree, RING, fuse=fuse)) if tgs > 1 else (lambda tree: tree)
+    send = (lambda tree: send_to_next(tree, RING, fuse=cfg.fuse)) if tgs > 1 else (lambda tree: tree)
 
     def grads(
         dkv: tuple[jax.Array, jax.Array],
@@ -477,7 +437,7 @@ def _wallfacer_bwd(
         q_c, do_c, lse_c, delta_c, qseg_c = q_side
         q_pos = team_positions(layout, g * tgs + (j - step) % tgs, p, c, n)
         dq, dk, dv = grads_step(
-            ops,
+            cfg.ops,
             (dq, *dkv),
             q_c,
             do_c,
@@ -491,8 +451,8 @@ def _wallfacer_bwd(
             kseg_u,
             parts=parts,
             causal=causal,
-            sm_scale=sm_scale,
-            window=window,
+            sm_scale=cfg.sm_scale,
+            window=cfg.window,
         )
         return (dk, dv), dq  # dQ travels with its Q (one hop behind); the tgs-th hop brings it home
 
@@ -517,12 +477,14 @@ def wallfacer_attention(
     segment_ids: jax.Array | None = None,
     *,
     team_size: int,
+    axis_name: str | tuple[str, ...] = WF_AXES,
     causal: bool = True,
     sm_scale: float | None = None,
     layout: str = "contiguous",
     block_ops: str | BlockOps = "auto",
     fuse_sends: bool | None = None,
     window: int | None = None,
+    placement: str = "team_inner",
 ) -> jax.Array:
     """WallFacer attention; call inside `shard_map` over a `wallfacer_mesh` with the sequence sharded over
     ("wf_group", "wf_ring", "wf_team") in `layout` (see `wallfacer_permutation`).
@@ -532,15 +494,21 @@ def wallfacer_attention(
         existing K/V heads travel).
       segment_ids: local int [batch, n] or None; 0 = padding.
       team_size: C, the size of the wf_team axis (C² divides P).
+      axis_name: the mesh's wallfacer axes, WF_AXES (the only value: the view `wallfacer_mesh` makes).
       layout: "contiguous" or "zigzag" (the team-level zigzag of the module docstring).
       fuse_sends: each sub-ring hop's arrays as one buffer (see `ring_attention`); default with the
         compiled Pallas kernels only.
       window: sliding window W (needs causal): query i sees keys i - W < j <= i; sub-ring steps outside
         every query's window are skipped. None: unlimited.
+      placement: "team_inner" or "ring_inner", which devices the mesh view made neighbours
+        (`wallfacer_mesh`); checked here, it changes nothing in the local computation.
     Returns: out, local [batch, n, q_heads, head_dim] in q.dtype; differentiable (Q-rotating backward).
     """
     check_qkv(q, k, v)
     check_wf_layout(layout)
+    check_placement(placement)
+    if ((axis_name,) if isinstance(axis_name, str) else tuple(axis_name)) != WF_AXES:
+        raise ValueError(f"axis_name {axis_name!r}: wallfacer runs over the axes {WF_AXES} of `wallfacer_mesh`")
     window = check_window(window, causal)
     sizes = tuple(lax.axis_size(x) for x in WF_AXES)
     if sizes != (team_size, sizes[1], team_size):
@@ -552,8 +520,8 @@ def wallfacer_attention(
         raise ValueError(f"local seq {q.shape[1]} must be even for the zigzag layout")
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     ops = get_block_ops(block_ops)
-    fuse = fuse_by_default(ops, fuse_sends)
-    return _wallfacer(q, k, v, segment_ids, team_size, layout, causal, scale, ops, fuse, window)
+    cfg = WallFacerConfig(team_size, layout, causal, scale, ops, fuse_by_default(ops, fuse_sends), window)
+    return _wallfacer(q, k, v, segment_ids, cfg)
 
 
 # ---------------------------------------------------------------------------------------- cost
@@ -650,36 +618,6 @@ def wallfacer_cost(s: AttentionShape, options: dict) -> AttentionCost:
 # ---------------------------------------------------------------------------------------- registry entry
 
 
-def _attend(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array | None,
-    *,
-    seq_axes: tuple[str, ...],
-    layout: str,
-    causal: bool,
-    sm_scale: float,
-    block_ops: str | BlockOps,
-    team_size: int,
-    placement: str = "team_inner",
-    window: int | None = None,
-):
-    del seq_axes, placement  # WF_AXES, laid out by the factored view
-    return wallfacer_attention(
-        q,
-        k,
-        v,
-        segment_ids,
-        team_size=team_size,
-        causal=causal,
-        sm_scale=sm_scale,
-        layout=layout,
-        block_ops=block_ops,
-        window=window,
-    )
-
-
 def _view(mesh: Mesh, options: dict, axis: str):
     return wallfacer_mesh(mesh, options["team_size"], options.get("placement", "team_inner"), axis), WF_AXES
 
@@ -692,7 +630,7 @@ def _team_sizes(sp: int) -> list[int]:
 STRATEGY = SequenceStrategy(
     "wallfacer",
     "WallFacer: teams of C devices, C² sub-rings, 1/C of the ring's P2P volume",
-    attend=_attend,
+    attend=wallfacer_attention,
     layouts=WF_LAYOUTS,
     view=_view,
     cost=wallfacer_cost,

@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring.core.mesh import DATA_AXES, mesh_axis_size
 from jaxring.core.sharded import run_local
-from jaxring.kernels.blockwise import BlockOps, get_block_ops
+from jaxring.kernels.block_compute import get_block_ops
+from jaxring.kernels.blockwise import BlockOps
 from jaxring.kernels.layer_math import check_activation
 from jaxring.kernels.masking import check_window
 from jaxring.parallel.tensor.metp_layers import metp_attention, metp_mlp

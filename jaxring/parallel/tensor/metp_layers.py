@@ -84,7 +84,8 @@ from jaxring.core.collectives import (
     waits_for,
 )
 from jaxring.core.vma import vary_like, varying_axes
-from jaxring.kernels.blockwise import BlockOps, get_block_ops, with_window
+from jaxring.kernels.block_compute import get_block_ops
+from jaxring.kernels.blockwise import BlockOps, with_window
 from jaxring.kernels.layer_math import add_bias, check_activation, head_norm
 from jaxring.kernels.masking import check_window, positions_may_meet, segments_may_meet
 from jaxring.kernels.merge import empty_partial, merge_partials

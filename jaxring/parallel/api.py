@@ -1,13 +1,13 @@
 """`sharded_attention`: every sequence-parallel strategy on global arrays (validation, layout, dispatch).
 
-A thin wrapper over the strategies' local functions from the registry (`jaxring/parallel/registry.py`): it checks the
-inputs, lays the sequence out, and runs the strategy's `attend` in a shard_map over its view of the mesh.
+A thin wrapper over the strategies' local functions (`jaxring/parallel/sequence/`), looked up by name in the
+registry: it checks the inputs, lays the sequence out, and runs the strategy's `attend` in a shard_map over its
+view of the mesh.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -16,14 +16,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring.core.mesh import DATA_AXES, mesh_axis_size, spec_entry
 from jaxring.core.sharded import run_local
-from jaxring.kernels.blockwise import get_block_ops
+from jaxring.kernels.block_compute import get_block_ops
+from jaxring.kernels.blockwise import BlockOps
 from jaxring.kernels.layout import check_seq_len, from_layout, to_layout
 from jaxring.kernels.masking import check_qkv, check_window
 from jaxring.kernels.reference import attention_reference
-from jaxring.parallel.registry import sequence_strategy
-
-if TYPE_CHECKING:
-    from jaxring.kernels.blockwise import BlockOps
+from jaxring.parallel.catalog import sequence_strategy
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -146,7 +144,7 @@ def sharded_attention(
         *args,
         check_vma=check_vma,
         strategy=strategy,
-        seq_axes=seq_axes,
+        axis_name=seq_axes,
         layout=layout,
         causal=causal,
         sm_scale=sm_scale,
@@ -162,7 +160,7 @@ def _local(
     v: jax.Array,
     *segment_ids,
     strategy: str,
-    seq_axes: tuple[str, ...],
+    axis_name: tuple[str, ...],
     layout: str,
     causal: bool,
     sm_scale: float,
@@ -173,10 +171,12 @@ def _local(
     """The per-device body: re-layout (unless laid out), the strategy's local attention, back to natural.
     `options` carries the window only when one is set (a strategy registered without it still runs)."""
     attend = sequence_strategy(strategy).attend
-    kw = dict(seq_axes=seq_axes, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops, **dict(options))
+    kw = dict(
+        axis_name=axis_name, layout=layout, causal=causal, sm_scale=sm_scale, block_ops=block_ops, **dict(options)
+    )
     seg = segment_ids[0] if segment_ids else None
     if laid_out:
         return attend(q, k, v, seg, **kw)
-    q, k, v = (to_layout(x, layout, seq_axes) for x in (q, k, v))
-    seg = None if seg is None else to_layout(seg, layout, seq_axes)
-    return from_layout(attend(q, k, v, seg, **kw), layout, seq_axes)
+    q, k, v = (to_layout(x, layout, axis_name) for x in (q, k, v))
+    seg = None if seg is None else to_layout(seg, layout, axis_name)
+    return from_layout(attend(q, k, v, seg, **kw), layout, axis_name)
