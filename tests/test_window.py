@@ -27,6 +27,7 @@ from jaxring.parallel.plan import ParallelPlan
 from jaxring.parallel.sequence.ring import RingConfig, ring_forward, ring_window_share
 from jaxring.parallel.sequence.wallfacer import WF_AXES, WallFacerConfig, wallfacer_forward, wallfacer_mesh
 from jaxring.parallel.tensor import metp_api, optimus_api
+from jaxring.parallel.tensor.contract import AttentionLayer
 
 WINDOWS = (3, 21, 100)
 
@@ -394,9 +395,9 @@ def test_megatron_tp2_x_ring_sp4_with_a_window():
     rng = np.random.default_rng(0)
     (x, dy), positions = plan.layout_tokens(*(rng.standard_normal((B, S, H)).astype(np.float32) for _ in range(2)))
     x, dy, positions = jnp.asarray(x), jnp.asarray(dy), jnp.asarray(np.broadcast_to(positions, (B, S)))
-    kw = dict(num_heads=HEADS, num_kv_heads=KV, head_dim=H // HEADS, causal=True, rope=10000.0)
+    layer = AttentionLayer(HEADS, KV, H // HEADS, causal=True, rope=10000.0, window=window)
     sharded = plan.shard_map(
-        lambda x, w, pos: plan.tensor.attention(plan, x, w, pos, window=window, **kw),
+        lambda x, w, pos: plan.tensor.attention(plan, x, w, pos, layer),
         in_specs=(plan.activation_spec(), specs, plan.token_spec()),
         out_specs=plan.activation_spec(),
     )

@@ -37,7 +37,7 @@ from jaxring.nn import inference
 from jaxring.nn import moe as moe_lib
 from jaxring.parallel import zero
 from jaxring.parallel.plan import ParallelPlan
-from jaxring.parallel.tensor.contract import KEPT_RESIDUAL, MATMUL_OUTPUT, ParamInfo
+from jaxring.parallel.tensor.contract import KEPT_RESIDUAL, MATMUL_OUTPUT, AttentionLayer, ParamInfo
 
 REMAT = ("none", "selective", "full")
 # The name of a layer's input in the layer stack (`Layers`): host offload keeps it in host memory.
@@ -147,14 +147,10 @@ class Attention(nnx.Module):
             x,
             self.weights(x.dtype),
             positions,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            causal=self.causal,
-            rope=self.rope,
-            window=self.window,
-            norm_eps=self.norm_eps,
-            segment_ids=segment_ids,
+            AttentionLayer(
+                self.num_heads, self.num_kv_heads, self.head_dim, self.causal, self.rope, self.window, self.norm_eps
+            ),
+            segment_ids,
         )
 
     def kv(self, x: jax.Array, positions: jax.Array, plan: ParallelPlan) -> tuple[jax.Array, jax.Array]:

@@ -65,6 +65,26 @@ class ParamInfo:
 # ----------------------------------------------------------------------------------------- the contract
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionLayer:
+    """An attention layer's static settings, as every tensor method's `attention` takes them: the global head
+    counts, the head dim, causal or not, RoPE (a `Rope`, a theta, or None), a sliding window W (None:
+    unlimited) and the QK-norm's eps."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    causal: bool = True
+    rope: Rope | float | None = None
+    window: int | None = None
+    norm_eps: float = 1e-6
+
+
+def attention_extras(w: dict) -> dict:
+    """The optional weights of an attention layer present in `w`: biases and QK-norm scales."""
+    return {n: w[n] for n in ("bq", "bk", "bv", "bo", "q_norm", "k_norm") if n in w}
+
+
 class TensorMethod(HasOptions):
     """No tensor parallelism ("none"); the base of every method (see the module docstring)."""
 
@@ -158,27 +178,20 @@ class TensorMethod(HasOptions):
         x: jax.Array,
         w: dict,
         positions: jax.Array,
-        *,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        causal: bool,
-        rope: Rope | None,
-        window: int | None = None,
-        norm_eps: float = 1e-6,
+        layer: AttentionLayer,
         segment_ids: jax.Array | None = None,
     ) -> jax.Array:
         """x [b, s_act, hidden]; w: wq [h, hq·d], wk/wv [h, hkv·d], wo [hq·d, h] (local blocks of the global
-        num_heads / num_kv_heads), optionally biases bq [hq·d], bk/bv [hkv·d], bo [h] and the QK-norm scales
-        q_norm/k_norm [d] (RMSNorm per head with eps `norm_eps`, before RoPE); positions int [b, s_tok]: the
+        layer.num_heads / num_kv_heads), optionally biases bq [hq·d], bk/bv [hkv·d], bo [h] and the QK-norm
+        scales q_norm/k_norm [d] (RMSNorm per head with eps `layer.norm_eps`, before RoPE); positions int [b, s_tok]: the
         RoPE positions (restarting at 0 in every packed document); segment_ids int [b, s_tok] or None: each
         token's document (0: padding), attention stays inside it. The causal mask and a sliding window W (query
         i sees keys i - W < j <= i; None: unlimited) follow the tokens' order in the row (the plan's layout).
         Returns [b, s_act, h]."""
         q, k, v = (add_bias(x @ w[f"w{n}"], w.get(f"b{n}")) for n in "qkv")
-        q, k, v = split_heads(q, k, v, head_dim)
-        q, k = qk_norm_rope(q, k, w, positions, rope, eps=norm_eps)
-        out = plan.attend(q, k, v, causal=causal, window=window, segment_ids=segment_ids)
+        q, k, v = split_heads(q, k, v, layer.head_dim)
+        q, k = qk_norm_rope(q, k, w, positions, layer.rope, eps=layer.norm_eps)
+        out = plan.attend(q, k, v, causal=layer.causal, window=layer.window, segment_ids=segment_ids)
         return add_bias(merge_heads(out) @ w["wo"], w.get("bo"))
 
     def mlp(self, plan: ParallelPlan, x: jax.Array, w: dict, *, activation: str) -> jax.Array:

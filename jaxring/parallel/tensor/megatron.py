@@ -19,7 +19,13 @@ from jax.sharding import PartitionSpec as P
 from jaxring.core.mesh import spec_entry
 from jaxring.core.vma import gather_invariant
 from jaxring.parallel.cost_terms import F32, LocalDims, ModelShape, Transfer
-from jaxring.parallel.tensor.contract import ParamInfo, TensorMethod, modulation_gradients
+from jaxring.parallel.tensor.contract import (
+    AttentionLayer,
+    ParamInfo,
+    TensorMethod,
+    attention_extras,
+    modulation_gradients,
+)
 from jaxring.parallel.tensor.megatron_layers import (
     attention,
     column_parallel_linear,
@@ -30,7 +36,6 @@ from jaxring.parallel.tensor.megatron_layers import (
 from jaxring.parallel.tensor.splits import check_divisible, check_kv_heads, own_kv_head
 
 if TYPE_CHECKING:
-    from jaxring.kernels.rope import Rope
     from jaxring.parallel.plan import ParallelPlan
 
 
@@ -124,25 +129,17 @@ class Megatron(TensorMethod):
         x: jax.Array,
         w: dict,
         positions: jax.Array,
-        *,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        causal: bool,
-        rope: Rope | None,
-        window: int | None = None,
-        norm_eps: float = 1e-6,
+        layer: AttentionLayer,
         segment_ids: jax.Array | None = None,
     ) -> jax.Array:
-        w = own_kv_head(w, num_kv_heads, plan.tp, head_dim)  # fewer K/V heads than tp: replicated
+        w = own_kv_head(w, layer.num_kv_heads, plan.tp, layer.head_dim)  # fewer K/V heads than tp: replicated
 
         def attend(
             q: jax.Array, k: jax.Array, v: jax.Array, rope_positions: jax.Array, segment_ids: jax.Array | None
         ) -> jax.Array:
             del rope_positions  # the mask follows the token order (the plan's layout), not RoPE positions
-            return plan.attend(q, k, v, causal=causal, window=window, segment_ids=segment_ids)
+            return plan.attend(q, k, v, causal=layer.causal, window=layer.window, segment_ids=segment_ids)
 
-        extras = {n: w[n] for n in ("bq", "bk", "bv", "bo", "q_norm", "k_norm") if n in w}
         return attention(
             x,
             w["wq"],
@@ -150,12 +147,12 @@ class Megatron(TensorMethod):
             w["wv"],
             w["wo"],
             positions,
-            head_dim=head_dim,
-            causal=causal,
-            rope_theta=rope,
+            head_dim=layer.head_dim,
+            causal=layer.causal,
+            rope_theta=layer.rope,
             attend=attend,
-            extras=extras,
-            norm_eps=norm_eps,
+            extras=attention_extras(w),
+            norm_eps=layer.norm_eps,
             segment_ids=segment_ids,
         )
 

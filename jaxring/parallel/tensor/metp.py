@@ -17,12 +17,17 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring.core.mesh import spec_entry
 from jaxring.parallel.cost_terms import F32, AttentionCost, LocalDims, ModelShape, Transfer, tree_rounds
-from jaxring.parallel.tensor.contract import ParamInfo, TensorMethod, modulation_gradients
+from jaxring.parallel.tensor.contract import (
+    AttentionLayer,
+    ParamInfo,
+    TensorMethod,
+    attention_extras,
+    modulation_gradients,
+)
 from jaxring.parallel.tensor.metp_layers import metp_attention, metp_mlp
 from jaxring.parallel.tensor.splits import check_divisible, check_kv_heads, own_kv_head
 
 if TYPE_CHECKING:
-    from jaxring.kernels.rope import Rope
     from jaxring.parallel.plan import ParallelPlan
 
 
@@ -107,18 +112,12 @@ class METP(TensorMethod):
         x: jax.Array,
         w: dict,
         positions: jax.Array,
-        *,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        causal: bool,
-        rope: Rope | None,
-        window: int | None = None,
-        norm_eps: float = 1e-6,
+        layer: AttentionLayer,
         segment_ids: jax.Array | None = None,
     ) -> jax.Array:
+        num_kv_heads = layer.num_kv_heads
         if num_kv_heads < plan.tp:  # each rank's group reads one replicated K/V head
-            w, num_kv_heads = own_kv_head(w, num_kv_heads, plan.tp, head_dim), plan.tp
+            w, num_kv_heads = own_kv_head(w, num_kv_heads, plan.tp, layer.head_dim), plan.tp
         b, n = positions.shape  # the tokens are contiguous over tp (no layout at sp = 1): rank r holds r·n ..
         order = jnp.broadcast_to(lax.axis_index("tp") * n + jnp.arange(n, dtype=jnp.int32), (b, n))
         return metp_attention(
@@ -128,15 +127,15 @@ class METP(TensorMethod):
             w["wv"],
             w["wo"],
             positions,
-            num_heads=num_heads,
+            num_heads=layer.num_heads,
             num_kv_heads=num_kv_heads,
             axis_name="tp",
-            causal=causal,
-            rope_theta=rope,
+            causal=layer.causal,
+            rope_theta=layer.rope,
             block_ops=plan.block_ops,
-            extras={n: w[n] for n in ("bq", "bk", "bv", "bo", "q_norm", "k_norm") if n in w},
-            norm_eps=norm_eps,
-            window=window,
+            extras=attention_extras(w),
+            norm_eps=layer.norm_eps,
+            window=layer.window,
             segment_ids=segment_ids,
             token_order=order,
         )

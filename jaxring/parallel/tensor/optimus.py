@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring.core.mesh import DATA_AXES, factored_mesh, spec_entry
 from jaxring.parallel.cost_terms import F32, LocalDims, ModelShape, Transfer, tree_rounds
-from jaxring.parallel.tensor.contract import ParamInfo, TensorMethod
+from jaxring.parallel.tensor.contract import AttentionLayer, ParamInfo, TensorMethod
 from jaxring.parallel.tensor.optimus_layers import (
     COL,
     GRID,
@@ -35,7 +35,6 @@ from jaxring.parallel.tensor.splits import check_divisible, unusable_mesh_axes
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
-    from jaxring.kernels.rope import Rope
     from jaxring.parallel.plan import ParallelPlan
 
 
@@ -161,27 +160,19 @@ class Optimus(TensorMethod):
         x: jax.Array,
         w: dict,
         positions: jax.Array,
-        *,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        causal: bool,
-        rope: Rope | None,
-        window: int | None = None,
-        norm_eps: float = 1e-6,
+        layer: AttentionLayer,
         segment_ids: jax.Array | None = None,
     ) -> jax.Array:
-        del head_dim
         return attention_2d(
             x,
             w,
             positions,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            causal=causal,
-            rope_theta=rope,
-            window=window,
-            norm_eps=norm_eps,
+            num_heads=layer.num_heads,
+            num_kv_heads=layer.num_kv_heads,
+            causal=layer.causal,
+            rope_theta=layer.rope,
+            window=layer.window,
+            norm_eps=layer.norm_eps,
             segment_ids=segment_ids,
             token_order=jnp.arange(positions.shape[1], dtype=jnp.int32),  # whole rows: the layout's order
         )
