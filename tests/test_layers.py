@@ -16,6 +16,7 @@ import tomllib
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("import_graph", ROOT / "tools" / "import_graph.py")
 import_graph = importlib.util.module_from_spec(spec)
+sys.modules["import_graph"] = import_graph  # its dataclass looks its module up while the class is built
 spec.loader.exec_module(import_graph)
 
 # at most this many imports of the project's own modules inside functions, each with its reason in a comment
