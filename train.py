@@ -28,18 +28,23 @@ launch, no flags are needed (jax.distributed finds them; see examples/slurm.sh).
 
 from __future__ import annotations
 
+import os
 import sys
 
+from jaxring.aot.compile_for import check_target, compile_for
+from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
+from jaxring.planner.auto import apply_auto_plan
 from jaxring.run.cli import EXIT_USER_ERROR, parse_command_line
+from jaxring.train.guard import Diverged
+from jaxring.train.loop import prepare, train
+from jaxring.train.multihost import shared_settings, start_processes
+from jaxring.train.signals import Interrupted
 
 EXIT_DIVERGED = 3
 
 
 def main(argv=None) -> int:
     spec, meta = parse_command_line(argv, prog="train.py", description=__doc__)
-    from jaxring.train.guard import Diverged
-    from jaxring.train.signals import Interrupted
-
     try:
         if meta.compile_for:
             return compile_only(spec, meta.compile_for)
@@ -67,10 +72,6 @@ def _one_line(e: BaseException) -> str:
 
 def compile_only(spec, target: str) -> int:
     """--compile-for TARGET: the run's step compiled for a GPU machine without one; 0 fits, 3 does not."""
-    import os
-
-    from jaxring.planner.compile_for import check_target, compile_for
-
     spec.validate()
     check_target(target)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless: the CUDA plugin's device check needs the CPU platform
@@ -80,19 +81,11 @@ def compile_only(spec, target: str) -> int:
 def run(spec, *, print_config: bool = False) -> int:
     """Starts the processes and devices, resolves the plan (--plan auto: the planner's), then prints the
     resolved run (--print-config) or trains it."""
-    from jaxring.train.multihost import shared_settings, start_processes
-
     spec.validate()  # every setting's rule, before any process or device starts
     start_processes(spec.cluster, shared_settings(spec))  # checks that every process has the same settings
-    from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
-
     devices = use_cpu_devices_if_no_accelerator(spec.cluster.cpu_devices)
     if spec.parallel.plan == "auto":
-        from jaxring.planner.auto import apply_auto_plan
-
         spec = apply_auto_plan(spec, devices, log=(lambda *a: None) if print_config else print)
-    from jaxring.train.loop import prepare, train
-
     if print_config:
         resolved = prepare(spec, len(devices))
         resolved.output.out_dir = spec.output.out_dir  # as given: a fresh run directory each time, unless named

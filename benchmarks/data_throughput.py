@@ -24,7 +24,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np
 
-from jaxring.core.device_setup import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
+from jaxring.analysis.records import benchmark_record, save_record
+from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 from jaxring.data import PackedBatches, StepBatches, prepare, split_documents
 from jaxring.data.store import bundled_store
 

@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import numpy as np
 
-from jaxring.core.device_setup import benchmark_record, save_record
+from jaxring.analysis.records import benchmark_record, save_record
 from jaxring.data.packing import plan_split
 from jaxring.kernels.layout import layout_permutation
 

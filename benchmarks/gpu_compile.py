@@ -31,8 +31,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxring.analysis import gpu
+from jaxring.analysis.records import save_record
 from jaxring.analysis.roofline import attention_flops, roofline_of
-from jaxring.core.device_setup import save_record
 from jaxring.kernels.flash import default_block_config, flash_attention
 from jaxring.parallel.sequence.ring import ring_attention
 from jaxring.parallel.sequence.usp import usp_attention

@@ -45,8 +45,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxring.analysis import gpu
+from jaxring.analysis.records import benchmark_record, save_record
 from jaxring.analysis.roofline import roofline_of
-from jaxring.core.device_setup import benchmark_record, save_record
 
 # name -> make_mesh degrees and ParallelPlan options (8 GPUs each)
 CONFIGS = {

@@ -51,14 +51,14 @@ def hf_tensor_shapes(cfg) -> dict[str, tuple[int, ...]]:
     from flax.traverse_util import flatten_dict
     from jaxring.models import hf
 
-    _, state = hf._abstract(cfg)
+    _, state = hf.abstract_model(cfg)
     shapes = {}
     for path, var in flatten_dict(nnx.to_pure_dict(state)).items():
-        pattern, transposed, stacked = hf._hf_name(path)
+        pattern, transposed, stacked = hf.hf_name(path)
         shape = tuple(var.shape[1:] if stacked else var.shape)
         for i in range(cfg.num_layers if stacked else 1):
             shapes[pattern.format(i=i)] = tuple(reversed(shape)) if transposed else shape
-    return dict(sorted(shapes.items(), key=lambda kv: hf._sort_key(kv[0])))
+    return dict(sorted(shapes.items(), key=lambda kv: hf.file_order_key(kv[0])))
 
 
 def write_checkpoint(path: str, cfg, dtype: str, seed: int = 0) -> tuple[dict, int]:
@@ -70,7 +70,7 @@ def write_checkpoint(path: str, cfg, dtype: str, seed: int = 0) -> tuple[dict, i
 
     np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
     shapes = hf_tensor_shapes(cfg)
-    limit = hf._size_bytes(SHARD_SIZE)
+    limit = hf.size_bytes(SHARD_SIZE)
     shards, current, size = [], [], 0
     for name, shape in shapes.items():
         nbytes = math.prod(shape) * np_dtype.itemsize

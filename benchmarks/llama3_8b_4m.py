@@ -6,7 +6,7 @@ there, compiled and estimated, and what `--plan auto` picks.
 
 Each row is the run spec `train.py` would build (batch 1, bf16 compute, fp32 weights and AdamW moments,
 clipping, the Pallas flash kernel), compiled for the target's 8 GPUs with no GPU by
-`jaxring.planner.step_program.compile_train_step` (what `train.py --compile-for` compiles). Figures per device:
+`jaxring.aot.train_step.compile_train_step` (what `train.py --compile-for` compiles). Figures per device:
 `memory_analysis()`'s argument + output + temp - alias bytes (device), its host bytes (the offloaded layer
 inputs and optimizer state), and the planner's estimate (`jaxring.planner.cost_model.memory`) of the same plan.
 The auto pick is also compiled at 4.5M, 5M and 6M tokens (the longest that fits).
@@ -23,7 +23,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless GPU compiles need the CPU platform selected
 
 from jaxring.analysis import gpu
-from jaxring.core.device_setup import benchmark_record, save_record
+from jaxring.analysis.records import benchmark_record, save_record
 
 GIB = 2**30
 BASE = dict(preset="llama3-8b", batch_size=1, tp=8, tensor_parallel="metp", remat="full", loss_tile=4096, mlp_tile=4096)
@@ -37,10 +37,10 @@ LONGER = (4718592, 5242880, 6291456)  # the auto pick at 4.5M, 5M and 6M tokens:
 
 def measure(settings: dict, seq_len: int, target: str) -> dict:
     """The compiled and estimated bytes per device of the run `settings` at `seq_len` on 8 GPUs of `target`."""
+    from jaxring.aot.train_step import compile_train_step
     from jaxring.planner import cost_model as cost
     from jaxring.planner.fit import candidate_of, workload_of
     from jaxring.planner.params import param_leaves
-    from jaxring.planner.step_program import compile_train_step
     from jaxring.run.spec import RunSpec
 
     devices = gpu.gpu_devices(target, 8)

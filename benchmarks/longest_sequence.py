@@ -9,7 +9,7 @@ weights and AdamW moments, batch 1, `--remat full`, the flash kernels; the seque
 weights and AdamW state ZeRO-3-sharded over sp, the tensor methods over tp. A row is (target, plan,
 technique):
 
-  targets     h100x8, h200x8, h100x1 (`jaxring.planner.compile_for.TARGETS`); the budget per device is the
+  targets     h100x8, h200x8, h100x1 (`jaxring.aot.compile_for.TARGETS`); the budget per device is the
               planner's usable memory (what `train.py --compile-for` checks against)
   plans       ring zigzag sp8, ulysses sp8, usp sp8 (ring 4 x ulysses 2), megatron tp8, metp tp8, and `auto`:
               at each length, the plan `train.py --plan auto` picks (the planner's best that its estimate
@@ -21,7 +21,7 @@ How a row is found, cheapest first:
   1. bisection on the planner's memory ESTIMATE (`jaxring.planner.cost_model.memory`, no compile) to --unit tokens:
      the longest length whose estimate fits the budget;
   2. at most three compiles of the exact train step for the target with no GPU (`train.py --compile-for`'s
-     program: `jaxring.planner.compile_for.lowered_step`): the estimate's length, one --unit up (if it fits)
+     program: `jaxring.aot.compile_for.lowered_step`): the estimate's length, one --unit up (if it fits)
      or down (if not), and, when both agree, the length the two compiles' affine memory predicts (upward, half
      way to it: near the device's limit the compiled bytes grow faster than affine). Every
      compile records the estimate and the compiled bytes per device (argument + output + temp - alias of
@@ -232,7 +232,7 @@ def compile_probe(row: Row, seq: int, preset: str = PRESET) -> dict:
     and the compiled bytes per device, and the roofline of the compiled program."""
     from jaxring.analysis import gpu
     from jaxring.analysis.roofline import roofline_of
-    from jaxring.planner.compile_for import lowered_step, ranked_specs
+    from jaxring.aot.compile_for import lowered_step, ranked_specs
     from jaxring.planner.fit import workload_of
     from jaxring.run.spec import RunSpec
 
@@ -368,7 +368,7 @@ def load(path: str) -> dict | None:
 
 def run(rows: list[Row], record: dict, path: str, *, redo: bool = False, log=print, **measure) -> dict:
     """Measures every row not in `record` (all with `redo`), writing the record after each one."""
-    from jaxring.core.device_setup import save_record
+    from jaxring.analysis.records import save_record
 
     done = {r["key"] for r in record["results"]}
     for row in rows:
@@ -415,7 +415,7 @@ def header(command: list[str]) -> dict:
 
     import jax
 
-    from jaxring.core.device_setup import benchmark_record
+    from jaxring.analysis.records import benchmark_record
 
     record = benchmark_record("longest_sequence", jax.devices("cpu")[:1], {})
     try:
@@ -552,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         if record is None:
             sys.exit(f"no results at {args.out}: run the benchmark first")
-        from jaxring.core.device_setup import save_record
+        from jaxring.analysis.records import save_record
 
         record["summary"] = summary(record)
         save_record(record, args.out)

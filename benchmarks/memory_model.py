@@ -3,10 +3,10 @@
     python benchmarks/memory_model.py [--out FILE] [--only SUBSTRING] [--note TEXT]
 
 The compared quantity, per device: compiled = argument + output + temp - alias bytes of `memory_analysis()`
-(what `jaxring.planner.memory_check.compiled_peak` reads: weights, Adam moments and the batch as arguments, the new
+(what `jaxring.aot.memory_check.compiled_peak` reads: weights, Adam moments and the batch as arguments, the new
 state as outputs, donated state aliased, plus the temporaries at the program's peak); estimate =
 `jaxring.planner.cost_model.memory(...).total` of the same plan (`cpu=True`: XLA:CPU's collectives and block ops).
-The step is the trainer's (`jaxring.planner.step_program.build_train_step`: AdamW, clipping, remat, offload,
+The step is the trainer's (`jaxring.aot.train_step.build_train_step`: AdamW, clipping, remat, offload,
 the tiles) on abstract inputs. A row passes when |estimate / compiled - 1| <= 10%.
 
 The grid: a 4-layer GPT (hidden 128, 8 heads, ffn 512, vocab 1024), fp32, one sequence of 2,048 tokens (and
@@ -24,7 +24,8 @@ import dataclasses
 import os
 import time
 
-from jaxring.core.device_setup import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
+from jaxring.analysis.records import benchmark_record, save_record
+from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 
 TOLERANCE = 0.10
 
@@ -90,10 +91,10 @@ def measure(
 ) -> dict:
     """One row: the estimate's parts, the compiled bytes and their ratio. earlier: a row of an earlier run of
     the same case, whose compiled figures are reused (the compiled program does not depend on the cost model)."""
+    from jaxring.aot.train_step import compile_train_step
     from jaxring.planner import cost_model as cost
     from jaxring.planner.params import param_leaves
     from jaxring.planner.space import Candidate, Workload
-    from jaxring.planner.step_program import compile_train_step
 
     w = Workload("gpt", config(), seq_len, batch, precision)
     c = Candidate.of(**settings)

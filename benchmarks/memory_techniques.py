@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from jaxring.analysis import gpu
 from jaxring.analysis.compiled import host_memory_traffic
-from jaxring.core.device_setup import benchmark_record, save_record
+from jaxring.analysis.records import benchmark_record, save_record
 
 GIB = 2**30
 TECHNIQUES = {

@@ -30,7 +30,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxring.core.device_setup import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
+from jaxring.analysis.records import benchmark_record, save_record
+from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 
 SIZES = {  # name -> (hidden, experts, top-k, ffn, batch, seq)
     "tiny": (64, 8, 2, 128, 8, 128),
@@ -143,9 +144,7 @@ def measure_model(name, ep, capacity_factor, devices, steps):
     config = trainer.task.config
     start = time.perf_counter()
     # the trainer's own jitted step (its compiled executable is cached: the steps below reuse it)
-    compiled = trainer._step.lower(
-        trainer.params, trainer.opt_state, trainer.task.batch(0), trainer.key(0), jnp.float32(jnp.inf)
-    ).compile()
+    compiled = trainer.lower_step().compile()
     compile_s = time.perf_counter() - start
     mem = compiled.memory_analysis()
     moved, ops = collective_traffic(compiled.as_text(), len(devices))

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from jaxring.core.device_setup import benchmark_record, save_record
+    from jaxring.analysis.records import benchmark_record, save_record
 
     chosen = [p for p in NOTEBOOKS if args.only is None or p.stem in args.only]
     unknown = set(args.only or ()) - {p.stem for p in NOTEBOOKS}

@@ -39,7 +39,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxring.core.device_setup import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
+from jaxring.analysis.records import benchmark_record, save_record
+from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 
 MESHES = {"pp4xdp2": dict(pp=4, dp=2), "pp2xdp4": dict(pp=2, dp=4)}
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
@@ -156,7 +157,6 @@ GPT_OVERRIDES = dict(num_layers=8, hidden=128, num_heads=8, ffn=512)
 
 def run_gpt_row(devices, name, degrees, m, v, args):
     """One GPT train-step row (see the module docstring); pp = 1 is the no-pipeline reference."""
-    import jax.numpy as jnp
 
     from jaxring.parallel.pipeline import make_schedule, simulate
     from jaxring.parallel.pipeline.traffic import stage_link_bytes
@@ -206,9 +206,7 @@ def run_gpt_row(devices, name, degrees, m, v, args):
         row.update(bubble_sim=0.0, bubble_sim_lockstep=0.0, peak_in_flight=1, ticks=2 * m)
     start = time.perf_counter()
     # the trainer's own jitted step (its compiled executable is cached: the steps below reuse it)
-    compiled = trainer._step.lower(
-        trainer.params, trainer.opt_state, trainer.task.batch(0), trainer.key(0), jnp.float32(jnp.inf)
-    ).compile()
+    compiled = trainer.lower_step().compile()
     row["compile_s"] = time.perf_counter() - start
     mem = compiled.memory_analysis()
     text = compiled.as_text()

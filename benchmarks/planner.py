@@ -31,9 +31,9 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the planner runs nothing; GPU-target compiles need the CPU platform
 
-from jaxring.core.device_setup import benchmark_record, save_record
+from jaxring.analysis.records import benchmark_record, save_record
+from jaxring.aot.memory_check import GPU_TARGETS, compiled_peak, gpu_target_available
 from jaxring.planner import Candidate, Cluster, NoPlanError, Workload, evaluate, search
-from jaxring.planner.memory_check import GPU_TARGETS, compiled_peak, gpu_target_available
 from jaxring.planner.search import plan_json
 
 K = 1024

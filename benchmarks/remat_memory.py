@@ -15,7 +15,8 @@ import argparse
 import os
 import subprocess
 
-from jaxring.core.device_setup import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
+from jaxring.analysis.records import benchmark_record, save_record
+from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 
 MESHES = {
     "sp8 ring": (dict(sp=8), dict(attention="ring")),

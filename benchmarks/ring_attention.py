@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import jaxring
-from jaxring.core.device_setup import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
+from jaxring.analysis.records import benchmark_record, save_record
+from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 from jaxring.parallel.sequence.ring import ring_attention
 
 SPEC = P(None, "sp", None, None)

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 
 import jaxring
 from jaxring.analysis import compile_stats
-from jaxring.core.device_setup import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
+from jaxring.analysis.records import benchmark_record, save_record
+from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 from jaxring.core.timing import median_seconds
 
 # name -> sharded_attention keywords

@@ -36,7 +36,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxring
 from jaxring.analysis import compile_stats
-from jaxring.core.device_setup import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
+from jaxring.analysis.records import benchmark_record, save_record
+from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 from jaxring.kernels.block_compute import get_block_ops
 from jaxring.kernels.layout import RankTokens
 from jaxring.parallel.sequence.ring import RingConfig, ring_attention, ring_forward

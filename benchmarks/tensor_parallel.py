@@ -17,7 +17,8 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jaxring.core.device_setup import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
+from jaxring.analysis.records import benchmark_record, save_record
+from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 
 METHODS = {  # name -> (module, mesh degrees, devices, batch)
     "megatron": ("megatron", dict(tp=8), 8, 1),

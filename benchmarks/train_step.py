@@ -17,7 +17,8 @@ import argparse
 import os
 import time
 
-from jaxring.core.device_setup import benchmark_record, save_record, use_cpu_devices_if_no_accelerator
+from jaxring.analysis.records import benchmark_record, save_record
+from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 
 MESHES = {
     "1 device": dict(devices=1),
@@ -47,17 +48,9 @@ MESHES = {
 }
 
 
-def lower_step(trainer):
-    import jax.numpy as jnp
-
-    return trainer._step.lower(
-        trainer.params, trainer.opt_state, trainer.task.batch(0), trainer.key(0), jnp.float32(jnp.inf)
-    )
-
-
 def step_memory(trainer):
     """Per-device bytes of the compiled train step (arguments, outputs, temporaries)."""
-    compiled = lower_step(trainer).compile()
+    compiled = trainer.lower_step().compile()
     mem = compiled.memory_analysis()
     return {
         "argument_bytes": mem.argument_size_in_bytes,
@@ -183,7 +176,7 @@ def compile_time(args, devices):
             )
             trainer = Trainer(cfg, devices)
             t0, c0 = time.perf_counter(), time.process_time()
-            lowered = lower_step(trainer)
+            lowered = trainer.lower_step()
             t1, c1 = time.perf_counter(), time.process_time()
             lowered.compile()
             t2, c2 = time.perf_counter(), time.process_time()

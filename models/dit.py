@@ -110,7 +110,7 @@ class DiTConfig:
     def head_dim(self) -> int:
         return self.hidden // self.num_heads
 
-    def _param_counts(self) -> tuple[int, int]:
+    def param_counts(self) -> tuple[int, int]:
         """(weights applied to every token, weights applied once per image)."""
         h, pd = self.hidden, self.patch_dim
         per_token = (
@@ -133,7 +133,7 @@ class DiTConfig:
         return per_token, per_image
 
     def num_params(self) -> int:
-        return sum(self._param_counts())
+        return sum(self.param_counts())
 
     def flops_per_image(self) -> float:
         """Training FLOPs per image (forward + backward = 3 × forward, 2 FLOPs per multiply-add).
@@ -141,7 +141,7 @@ class DiTConfig:
         6 × (per-token weights) × tokens + 12·L·h·s² for the non-causal attention (QKᵀ and PV); the
         conditioning path (timestep MLP, adaLN) runs once per image, 6 × its weights.
         """
-        per_token, per_image = self._param_counts()
+        per_token, per_image = self.param_counts()
         s = self.num_tokens
         return 6.0 * per_token * s + 6.0 * per_image + 12.0 * self.num_layers * self.hidden * s * s
 

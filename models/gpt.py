@@ -5,7 +5,8 @@ SwiGLU MLP; GQA/MQA; head_dim independent of hidden / heads; optional biases on 
 projection and the MLP; QK-norm (Qwen3); a sliding window (Mistral); tied or untied embeddings. Presets with
 the published shapes of Llama 3 / 3.1, Mistral 7B, Qwen2.5 and Qwen3, each with a tiny twin for tests
 (`tiny-llama3`, ...); `jaxring.models.hf` reads and writes their Hugging Face checkpoints. The parallel strategy is
-not part of the model: every call takes a `ParallelPlan`, so the same parameters run on any mesh.
+not part of the model: every call takes a `ParallelPlan`, so the same parameters run on any mesh. Generation
+with a KV cache sharded over the plan is `jaxring.models.generate.generate(model, plan, prompts, max_new_tokens)`.
 
     model = GPT(PRESETS["tiny"], rngs=nnx.Rngs(0))
     trainer = jaxring.train.Trainer(...)                    # or, inside plan.shard_map on local shards:
@@ -498,27 +499,3 @@ class NextTokenObjective(Objective):
         aux = {"extra_loss": stats["loss"], "moe_loss": stats["loss"]}
         aux.update({f"moe_{k}" if k in ("aux_loss", "z_loss") else k: stats[k] / num_layers for k in MOE_METRICS})
         return losses.sum(), aux
-
-
-def generate(
-    model: GPT,
-    plan: ParallelPlan | None,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    key=None,
-    progress: bool = False,
-    stop_tokens: int | list[int] | None = None,
-) -> list[list[int]]:
-    """`max_new_tokens` ids generated after each prompt (a list of token-id lists, any lengths), with a KV cache
-    sharded over the plan (plan=None: one device); temperature 0 is greedy; a prompt's list ends at the first of
-    `stop_tokens` it produces (e.g. the tokenizer's end of sequence). See `jaxring.models.generate.generate`."""
-    from jaxring.models.generate import generate as generate_with_cache
-
-    return generate_with_cache(
-        model, plan, prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, key=key,
-        progress=progress, stop_tokens=stop_tokens,
-    )  # fmt: skip

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jaxring.models import hf
 from jaxring.models.gpt import GPT, GPTConfig
 
 from jaxring.nn import Layers, weight_specs
@@ -20,8 +21,6 @@ HEAD_ROWS = 2048  # the LM head runs on this many positions at a time (the logit
 def load_pretrained(path: str, plan: ParallelPlan, overrides: dict | None = None) -> tuple[GPT, GPTConfig]:
     """The model of a Hugging Face directory on `plan` (`jaxring.models.hf.load_pretrained`, whose errors are
     ValueErrors of one line)."""
-    from jaxring.models import hf
-
     return hf.load_pretrained(path, plan, overrides=overrides or None)
 
 

@@ -13,10 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxring.models import gpt, gpt_eval
+from jaxring.models import gpt, gpt_eval, hf
+from jaxring.models.generate import generate
 
 from jaxring.core.mesh import make_mesh
-from jaxring.data import StepBatches, global_array, host_rows, open_token_data, to_one_device
+from jaxring.data import StepBatches, global_array, host_rows, load_tokenizer, open_token_data, to_one_device
 from jaxring.data.token_data import is_token_file
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.run.task import ModelFamily
@@ -64,8 +65,8 @@ class GPTTask:
         overrides = dict(spec.model.overrides)
         _check_overrides_fit_the_data(overrides, self.source, self.seq_len)
         if spec.model.init_from is not None:
-            _check_data_tokenizer(spec.model.init_from, self.data)
-            self.config = _pretrained_config(spec.model.init_from, overrides, self.data.vocab_size)
+            check_data_tokenizer(spec.model.init_from, self.data)
+            self.config = pretrained_config(spec.model.init_from, overrides, self.data.vocab_size)
         else:
             base = gpt.get_config(spec.model.preset, **overrides)
             derived = {}
@@ -120,8 +121,6 @@ class GPTTask:
         init_from = self.spec.model.init_from
         if init_from is None:
             return gpt.GPT(self.config, rngs=nnx.Rngs(seed))
-        from jaxring.models import hf
-
         model, _ = hf.load_pretrained(init_from, self.plan, overrides=_changed(hf.read_config(init_from), self.config))
         _log_main(f"initialized from {init_from} ({self.config.num_params() / 1e6:.1f}M parameters)")
         return model
@@ -169,8 +168,6 @@ class GPTTask:
         export = self.spec.model.export_hf
         if export is None:
             return
-        from jaxring.models import hf
-
         dtype = "bfloat16" if self.spec.compute_precision == "bf16" else None
         files = hf.save_pretrained(model, self.config, export, tokenizer=self._tokenizer_file(), dtype=dtype)
         log(f"exported the model to {export} ({len(files)} files)")
@@ -193,7 +190,7 @@ class GPTTask:
         graphdef, state = nnx.split(model)
         single = nnx.merge(graphdef, to_one_device(state, device))
         prompt = self.source.encode("def ")
-        (ids,) = gpt.generate(
+        (ids,) = generate(
             single,
             one,
             [list(prompt)],
@@ -273,10 +270,8 @@ FAMILY = ModelFamily(
 CONTEXT_EXTENSION = ("max_seq_len",)  # with every rope_* field: what --override may change under --init-from
 
 
-def _pretrained_config(path: str, overrides: dict, data_vocab: int) -> gpt.GPTConfig:
+def pretrained_config(path: str, overrides: dict, data_vocab: int) -> gpt.GPTConfig:
     """The GPTConfig of a Hugging Face checkpoint, with the overrides a context extension may make."""
-    from jaxring.models import hf
-
     config = hf.read_config(path)
     fixed = sorted(
         k
@@ -296,11 +291,9 @@ def _pretrained_config(path: str, overrides: dict, data_vocab: int) -> gpt.GPTCo
     return dataclasses.replace(config, **overrides)
 
 
-def _check_data_tokenizer(path: str, data) -> None:
+def check_data_tokenizer(path: str, data) -> None:
     """The data of a run from --init-from must be tokenized with the checkpoint's own tokenizer.json when it has
     one (compared by sha256; a .bin's windows record no tokenizer and are checked by their ids only)."""
-    from jaxring.data import load_tokenizer
-
     file = os.path.join(path, "tokenizer.json")
     if data.is_windows or not os.path.isfile(file):
         return

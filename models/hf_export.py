@@ -16,13 +16,20 @@ import argparse
 import os
 import sys
 
+import jax
+from jaxring.models import gpt, hf
+
+from jaxring.core.mesh import make_mesh
+from jaxring.data.tokenizer import tokenizer_file
+from jaxring.eval import loading
+from jaxring.parallel.plan import ParallelPlan
+from jaxring.run.cli import EXIT_USER_ERROR
+
 PROG = "python -m jaxring.models.hf"
 
 
 def run_tokenizer_file(run_config: dict) -> str | None:
     """The tokenizer.json of a run (its flat settings, as saved in the checkpoint's metadata), or None."""
-    from jaxring.data.tokenizer import tokenizer_file
-
     for spec in (run_config.get("init_from"), run_config.get("tokenizer"), run_config.get("data")):
         if spec and spec != "bytes":
             try:
@@ -37,20 +44,15 @@ def export(checkpoint: str, out: str, step: int | None = None, dtype: str | None
     Hugging Face directory, its tensors in `dtype` (default: bfloat16 for a run trained in --precision bf16, as
     released checkpoints are, else the parameters' own). Returns (the step, the files written). Bad input: a
     one-line ValueError."""
-    import jax
-    from jaxring.models import gpt, hf
-
-    from jaxring.core.mesh import make_mesh
-    from jaxring.eval.loading import HF_CONFIG, checkpoint_metadata, load_model
-    from jaxring.parallel.plan import ParallelPlan
-
     if not os.path.isdir(checkpoint):
         raise ValueError(f"checkpoint {checkpoint!r}: no such directory")
-    if os.path.isfile(os.path.join(checkpoint, HF_CONFIG)):
-        raise ValueError(f"checkpoint {checkpoint!r} holds a {HF_CONFIG}: it is a Hugging Face directory already")
+    if os.path.isfile(os.path.join(checkpoint, loading.HF_CONFIG)):
+        raise ValueError(
+            f"checkpoint {checkpoint!r} holds a {loading.HF_CONFIG}: it is a Hugging Face directory already"
+        )
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ValueError(f"OUT_DIR {out!r} exists and is not an empty directory; give a new or empty one")
-    step, metadata = checkpoint_metadata(checkpoint, step)
+    step, metadata = loading.checkpoint_metadata(checkpoint, step)
     saved = dict(metadata.get("model") or {})
     kind = saved.pop("kind", None)
     if kind != "gpt":
@@ -69,14 +71,12 @@ def export(checkpoint: str, out: str, step: int | None = None, dtype: str | None
         raise ValueError(f"--dtype {dtype!r}: expected one of {', '.join(hf.SAVE_DTYPES)}")
     devices = jax.devices()
     plan = ParallelPlan(make_mesh(dp=len(devices), devices=devices), zero=3)
-    loaded = load_model(checkpoint, plan, step=step, tokenizer="bytes")
+    loaded = loading.load_model(checkpoint, plan, step=step, tokenizer="bytes")
     tokenizer = run_tokenizer_file(run_config)
     return step, hf.save_pretrained(loaded.model, loaded.config, out, tokenizer=tokenizer, dtype=dtype)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jaxring.run.cli import EXIT_USER_ERROR
-
     class Parser(argparse.ArgumentParser):
         def error(self, message: str) -> None:
             self.exit(EXIT_USER_ERROR, f"error: {message} (see {self.prog} --help)\n")
@@ -97,8 +97,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxring.run.cli import EXIT_USER_ERROR
-
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         step, files = export(args.checkpoint, args.out, args.step, args.dtype)

@@ -104,9 +104,9 @@ def test_a_pipeline_counts_the_stage_branches_each_device_runs():
     of 16 floats: 512 B), however the ticks fall into loops and switch branches. Over pp, outside the switch:
     one activation per sending tick, 4 forward and 4 backward. Once a step, the weight's gradient (one float) is
     all-reduced over sp: 2 (4 - 1) / 4 x 4 B."""
+    from jaxring.analysis.axis_traffic import axis_traffic
     from jaxring.core.collectives import ppermute
     from jaxring.parallel.pipeline import make_schedule, pipeline_loss_and_grads
-    from jaxring.planner.step_program import axis_traffic
 
     mesh = jaxring.make_mesh(pp=2, sp=4)
     m, ring = 4, [(i, (i + 1) % 4) for i in range(4)]

@@ -288,7 +288,7 @@ def test_presets_parameters_and_flops():
     assert 1.0e9 < big.num_params() < 1.1e9
     long = get_config("dit-1b", image_size=724)
     assert long.num_tokens == 362**2
-    per_token, per_image = long._param_counts()
+    per_token, per_image = long.param_counts()
     assert long.flops_per_image() == 6 * per_token * long.num_tokens + 6 * per_image + 12 * 24 * 1536 * 362**4
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jaxring.models import gpt
+from jaxring.models.generate import generate
 
 import jaxring
 from jaxring.eval import cli, load_model, needle
@@ -129,7 +130,7 @@ def test_sharded_scores_equal_transformers_logits(settings):
 def test_teacher_forced_argmax_is_greedy_decoding():
     """needle's scoring rule: greedy decoding reproduces an answer iff every teacher-forced argmax over prompt +
     answer is the answer's token. Oracle: greedy decoding by recomputing the full sequence on one device (the
-    argmax of the logits, token by token), which `jaxring.models.gpt.generate(temperature=0)` reproduces."""
+    argmax of the logits, token by token), which `jaxring.models.generate.generate(temperature=0)` reproduces."""
     cfg = gpt.GPTConfig(vocab_size=64, **TINY)
     model = gpt.GPT(cfg, rngs=nnx.Rngs(0))
     one = ParallelPlan(jaxring.make_mesh(devices=jax.devices()[:1]))
@@ -149,7 +150,7 @@ def test_teacher_forced_argmax_is_greedy_decoding():
         tokens[0, : len(ids)] = ids
         ids.append(int(next_token(state, tokens, len(ids) - 1)))
     greedy = ids[prompt_len:]
-    assert gpt.generate(model, None, [prompt], new, temperature=0) == [greedy]  # the KV-cache decoder agrees
+    assert generate(model, None, [prompt], new, temperature=0) == [greedy]  # the KV-cache decoder agrees
 
     loaded = jaxring.eval.LoadedModel(model, cfg, jaxring.run.task.model_family("gpt"), None, "tiny")
     answers = [greedy]

@@ -34,9 +34,9 @@ from jaxring.train.checkpoint import (
 from jaxring.train.guard import DivergenceGuard
 from jaxring.train.multihost import (
     MultiHostError,
-    _rendezvous_coordinator,
-    _rendezvous_peer,
     initialize,
+    rendezvous_coordinator,
+    rendezvous_peer,
     shared_settings,
     start_processes,
 )
@@ -454,14 +454,14 @@ def test_processes_with_different_settings_stop_naming_the_setting():
 
     def peer():
         try:
-            _rendezvous_peer("127.0.0.1", port, 1, 2, 20, "process 1", theirs)
+            rendezvous_peer("127.0.0.1", port, 1, 2, 20, "process 1", theirs)
         except MultiHostError as e:
             errors["peer"] = str(e)
 
     thread = threading.Thread(target=peer)
     thread.start()
     with pytest.raises(MultiHostError) as coordinator:
-        _rendezvous_coordinator(port, 2, 20, "process 0", ours)
+        rendezvous_coordinator(port, 2, 20, "process 0", ours)
     thread.join(timeout=30)
     expected = "process 1 (on 127.0.0.1) was given --dp 2 but process 0 --dp (not given)"
     assert expected in str(coordinator.value) and expected in errors["peer"]

@@ -184,14 +184,14 @@ def test_sample_keeps_to_top_k_and_top_p():
 def test_bad_input_is_one_line(kwargs, message):
     args = dict(prompts=[[1, 2, 3]], max_new_tokens=2) | kwargs
     with pytest.raises(ValueError) as err:
-        gpt.generate(model_of("tiny"), None, args.pop("prompts"), args.pop("max_new_tokens"), **args)
+        generate(model_of("tiny"), None, args.pop("prompts"), args.pop("max_new_tokens"), **args)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
 def test_plans_the_decoder_cannot_run_are_refused():
     plan = ParallelPlan(jaxring.make_mesh(tp=4, devices=jax.devices()[:4]), tensor_parallel="optimus")
     with pytest.raises(ValueError, match="generate decodes with tensor parallelism none, megatron; got 'optimus'"):
-        gpt.generate(model_of("tiny"), plan, [[1, 2]], 2)
+        generate(model_of("tiny"), plan, [[1, 2]], 2)
 
 
 def test_stop_tokens_end_each_prompt_at_its_first_stop():

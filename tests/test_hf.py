@@ -323,10 +323,10 @@ def test_train_py_init_from_and_export_hf(tmp_path, capsys):
     assert cli.main([*common, "--override", "hidden=32"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--override hidden=32 contradicts --init-from" in err[0], err
-    from jaxring.models.gpt_train import _pretrained_config
+    from jaxring.models.gpt_train import pretrained_config
 
     assert (
-        _pretrained_config(str(src), {"hidden": cfg.hidden}, 0).hidden == cfg.hidden
+        pretrained_config(str(src), {"hidden": cfg.hidden}, 0).hidden == cfg.hidden
     )  # an equal value is no contradiction
     rc = cli.main([*common, "--lr", "1e-6", "--warmup", "0", "--export-hf", str(out), "--override", "rope_factor=16"])
     assert rc == 0
@@ -392,7 +392,7 @@ def test_init_from_refuses_data_of_another_tokenizer(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert "was tokenized with bytes, not with --init-from" in err[0] and "tokenizer.json (sha256 " in err[0], err
-    from jaxring.models.gpt_train import _check_data_tokenizer
+    from jaxring.models.gpt_train import check_data_tokenizer
 
     from jaxring.data import open_token_data
     from jaxring.run.spec import RunSpec
@@ -401,7 +401,7 @@ def test_init_from_refuses_data_of_another_tokenizer(tmp_path, capsys):
         "".join(json.dumps({"text": f"w{i} w{i + 1} w7"}) + "\n" for i in range(2, 40))
     )
     same = open_token_data(RunSpec.of(data=str(tmp_path / "docs.jsonl"), tokenizer=str(src)).data)
-    _check_data_tokenizer(str(src), same)  # prepared with the checkpoint's own tokenizer: accepted
+    check_data_tokenizer(str(src), same)  # prepared with the checkpoint's own tokenizer: accepted
 
 
 def test_eval_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path, capsys):

@@ -14,10 +14,10 @@ import jax
 import pytest
 from jaxring.models import gpt
 
+from jaxring.aot.train_step import compile_train_step
 from jaxring.planner import cost_model as cost
 from jaxring.planner.params import param_leaves
 from jaxring.planner.space import Candidate, Workload
-from jaxring.planner.step_program import compile_train_step
 
 CONFIG = gpt.GPTConfig(vocab_size=1024, num_layers=2, hidden=128, num_heads=8, ffn=512)
 
@@ -155,7 +155,7 @@ def test_compile_for_without_the_cuda_plugin_is_one_line(capsys):
     """--compile-for compiles for a GPU without one; where jax[cuda12] is missing (CI's venv), one line saying
     what to install, exit 2. The verdict's form: the last line of a run that has the plugin."""
     import train as cli
-    from jaxring.planner.compile_for import GIB, Verdict
+    from jaxring.aot.compile_for import GIB, Verdict
 
     rc = cli.main(["--compile-for", "h100x8", "--steps", "1"])
     err = capsys.readouterr().err.strip()
@@ -206,7 +206,7 @@ def test_the_heads_backward_holds_no_layer_gradients_on_the_gpu_target():
     buffers exist: a 32-layer GPT whose 16,384 × 32,768 logits outweigh the layers' working set, one H100,
     bf16. The estimate is within 3% of the compiled step; with every gradient live in the head's phase it
     would be 6% over."""
-    from jaxring.planner.memory_check import compiled_peak, gpu_target_available
+    from jaxring.aot.memory_check import compiled_peak, gpu_target_available
 
     ok, why = gpu_target_available()
     if not ok:

@@ -16,12 +16,13 @@ import jax
 import pytest
 from jaxring.models import dit, gpt
 
+from jaxring.analysis.axis_traffic import axis_traffic
+from jaxring.aot.train_step import compile_train_step
 from jaxring.planner import Cluster, NoPlanError, Workload, search
 from jaxring.planner import cost_model as cost
 from jaxring.planner.__main__ import main as planner_main
 from jaxring.planner.params import param_leaves
 from jaxring.planner.space import Candidate
-from jaxring.planner.step_program import axis_traffic, compile_train_step
 
 GPT = gpt.GPTConfig(vocab_size=128, num_layers=2, hidden=64, num_heads=8, ffn=256)
 MOE = dataclasses.replace(GPT, activation="swiglu", ffn=128, num_experts=8, experts_per_token=2)
@@ -475,7 +476,7 @@ GPU_CASES = {
 def test_predicted_memory_of_the_top_plan_on_the_gpu_target(name):
     """The same check on the program compiled for the GPU (Pallas attention kernels, bf16): needs the
     compile-only CUDA plugin (pip install -e ".[dev,gpu-compile]", its own venv); skips elsewhere."""
-    from jaxring.planner.memory_check import compiled_peak, gpu_target_available
+    from jaxring.aot.memory_check import compiled_peak, gpu_target_available
 
     ok, why = gpu_target_available()
     if not ok:
@@ -503,7 +504,7 @@ def test_predicted_bytes_with_packed_documents_on_the_gpu_target(name):
     model's for the GPU (cpu=False), within the case's slack. Needs the compile-only CUDA plugin; skips
     elsewhere."""
     from jaxring.analysis import gpu
-    from jaxring.planner.memory_check import gpu_target_available
+    from jaxring.aot.memory_check import gpu_target_available
 
     ok, why = gpu_target_available()
     if not ok:

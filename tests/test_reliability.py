@@ -27,7 +27,7 @@ from jaxring.run.task import model_family
 from jaxring.train import loop
 from jaxring.train.guard import Diverged, DivergenceGuard
 from jaxring.train.metrics import drop_rows_after, progress_postfix, step_metrics
-from jaxring.train.multihost import MultiHostError, _rendezvous_coordinator, _rendezvous_peer, initialize
+from jaxring.train.multihost import MultiHostError, initialize, rendezvous_coordinator, rendezvous_peer
 from jaxring.train.signals import GracefulStop, Interrupted
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,7 +240,7 @@ def _rendezvous(hellos, num_processes=3, timeout_s=20):
 
     def peer(i, pid, count):
         try:
-            _rendezvous_peer("127.0.0.1", port, pid, count, timeout_s, f"process {pid}")
+            rendezvous_peer("127.0.0.1", port, pid, count, timeout_s, f"process {pid}")
         except MultiHostError as e:
             errors[i] = str(e)
 
@@ -248,7 +248,7 @@ def _rendezvous(hellos, num_processes=3, timeout_s=20):
     for t in threads:
         t.start()
     try:
-        _rendezvous_coordinator(port, num_processes, timeout_s, "process 0")
+        rendezvous_coordinator(port, num_processes, timeout_s, "process 0")
     except MultiHostError as e:
         errors["coordinator"] = str(e)
     for t in threads:

@@ -67,7 +67,7 @@ _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[0-9,]*\})")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=")
 
 
-def _shape_bytes(shape_text: str) -> int:
+def shape_bytes(shape_text: str) -> int:
     total = 0
     for dtype, dims in _ARRAY.findall(shape_text):
         if dtype in _DTYPE_BYTES:
@@ -97,9 +97,9 @@ def _async_result_bytes(kind: str, shape_text: str) -> int:
     the others' is (operands, results, context...), the operands and results each one array, or a tuple of
     them when the op moves several (a combined collective-permute)."""
     if kind == "all-reduce":
-        return _shape_bytes(shape_text)
+        return shape_bytes(shape_text)
     elements = _tuple_elements(shape_text)
-    return _shape_bytes(elements[1] if len(elements) > 1 else elements[0])
+    return shape_bytes(elements[1] if len(elements) > 1 else elements[0])
 
 
 def _group_size(line: str, num_devices: int) -> int:
@@ -116,7 +116,7 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _CALLEES = re.compile(r"(?:to_apply|calls|true_computation|false_computation)=%([\w.\-]+)")
 
 
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+def hlo_computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
     """HLO computations by name (their instruction lines), and the entry computation's name."""
     comps, entry, current = {}, None, None
     for line in hlo_text.splitlines():
@@ -180,7 +180,7 @@ def _declares_runs(name: str, comps: dict[str, list[str]]) -> bool:
     return _calls_any(name, comps, lambda line: bool(_OP.search(line)) and _declared_share(line) is not None)
 
 
-def _executions(
+def computation_runs(
     comps: dict[str, list[str]], entry: str, *, one_branch: bool = False, devices: int = 1
 ) -> dict[str, int]:
     """How many times each computation runs per program execution (loop bodies times their trip count).
@@ -227,13 +227,13 @@ def received_factor(kind: str, group: int) -> float:
 
 
 def _ops(comps: dict[str, list[str]], root: str, devices: int) -> Iterator[tuple[str, str, int, int | Fraction]]:
-    for name, times in _executions(comps, root, one_branch=True, devices=devices).items():
+    for name, times in computation_runs(comps, root, one_branch=True, devices=devices).items():
         for line in comps[name]:
             m = _OP.search(line)
             if not m:
                 continue
             shape_text, kind, start = m.groups()
-            size = _shape_bytes(shape_text)
+            size = shape_bytes(shape_text)
             if start and shape_text.startswith("("):
                 size = _async_result_bytes(kind, shape_text)
             share = _declared_share(line)
@@ -251,7 +251,7 @@ def collective_ops(hlo_text: str) -> Iterator[tuple[str, str, int, int | Fractio
     once per iteration, a conditional's branches as the module docstring says (executions are then a Fraction
     where declared shares do not divide them). Async start ops return (operand, result, ...): the result is
     counted."""
-    comps, entry = _computations(hlo_text)
+    comps, entry = hlo_computations(hlo_text)
     partitions = re.search(r"num_partitions=(\d+)", hlo_text)
     yield from _ops(comps, entry, int(partitions.group(1)) if partitions else 1)
 

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from jaxring.analysis.compiled import computation_runs, hlo_computations
 from jaxring.core import compat
 
 if TYPE_CHECKING:
@@ -439,10 +440,8 @@ def kernel_executions(hlo: str) -> dict[str, list[tuple[list[str], int]]]:
     """The flash kernels' launches of one program execution: name -> [(operand shapes, executions)], one
     entry per launch site, executions from the enclosing loops' trip counts (both branches of a conditional
     count, as if no block were skipped)."""
-    from jaxring.analysis.compiled import _computations, _executions
-
-    comps, entry = _computations(hlo)
-    runs = _executions(comps, entry)
+    comps, entry = hlo_computations(hlo)
+    runs = computation_runs(comps, entry)
     found: dict[str, list] = {}
     for comp, times in runs.items():
         for line in comps.get(comp, []):

@@ -37,13 +37,10 @@ Peak figures, HBM and link bandwidth: `jaxring.core.accelerators` (the link band
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from jaxring.analysis.compiled import CompiledStats
-
 import dataclasses
 
+from jaxring.analysis.compiled import CompiledStats, collective_traffic
+from jaxring.analysis.gpu import flash_flops
 from jaxring.core.accelerators import DeviceSpec, device_spec
 
 
@@ -136,9 +133,6 @@ def roofline_of(
     """Roofline of a `gpu.GpuCompileReport`: XLA's flops/bytes of the module (loops weighted by their trip
     counts), plus the flash kernels' flops when `causal` is given (True/False: the attention's masking), plus
     `extra_flops`/`extra_bytes` for other opaque kernels."""
-    from jaxring.analysis.compiled import collective_traffic
-    from jaxring.analysis.gpu import flash_flops
-
     if not report.cost:
         raise ValueError("the report has no cost analysis (flops, bytes accessed)")
     kernels = 0.0 if causal is None else flash_flops(report.hlo, causal=causal)

@@ -10,7 +10,7 @@ Sections (one per area; add new uses to the matching one, or a new section):
   varying types    shard_map's varying-axes (check_vma) collectives (jaxring/core/vma.py)
   jaxprs           tracing, dead-code elimination and partial evaluation of jaxprs (jaxring/parallel/pipeline/)
   backends         JAX's backends and XLA's HLO cost analysis (jaxring/analysis/gpu.py)
-  memory kinds     host-memory arguments of a deviceless GPU program (jaxring/planner/step_program.py)
+  memory kinds     host-memory arguments of a deviceless GPU program (jaxring/aot/train_step.py)
 """
 
 from __future__ import annotations

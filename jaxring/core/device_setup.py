@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import jax
 
+from jaxring.core.collectives import own_channel_per_cpu_permute
+
 
 def max_cpu_devices() -> int:
     """The most simulated CPU devices jaxring starts: 64 per host core, at most 4096 (at least 8).
@@ -38,8 +40,6 @@ def use_simulated_devices() -> None:
     (`use_cpu_devices_if_no_accelerator` below: train.py, the notebooks, the benchmarks; tests/conftest.py):
     every CPU collective-permute lowered with its own channel id (`collectives.own_channel_per_cpu_permute`,
     which replaces JAX's CPU lowering of ppermute for the whole process). Idempotent; harmless on GPU/TPU."""
-    from jaxring.core.collectives import own_channel_per_cpu_permute
-
     own_channel_per_cpu_permute()
 
 
@@ -94,35 +94,3 @@ def describe_devices(devices: Sequence[jax.Device]) -> str:
     except RuntimeError:  # no backend of that platform in this process
         attached = False
     return f"{len(devices)} x {kind} ({d.platform}{'' if attached else ', deviceless compile'})"
-
-
-def benchmark_record(name: str, devices: Sequence[jax.Device], config: dict) -> dict:
-    """The header every benchmark result file carries: what ran, where, with which versions."""
-    import os
-    import platform
-    import sys
-
-    import numpy as np
-
-    return {
-        "benchmark": name,
-        "command": " ".join(["python"] + sys.argv),
-        "device": describe_devices(devices),
-        "host_cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "numpy": np.__version__,
-        "config": config,
-        "results": [],
-    }
-
-
-def save_record(record: dict, path: str) -> None:
-    """Writes a benchmark record as JSON (after every row, so a long run keeps what it measured)."""
-    import json
-    import os
-
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)

@@ -11,6 +11,8 @@ import argparse
 import os
 import sys
 
+from jaxring.data.store import prepare
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxring.data", description=__doc__.split("\n\n")[1])
@@ -26,8 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     args = parser.parse_args(argv)
-    from jaxring.data.store import prepare
-
     try:
         store = prepare(
             args.input,

@@ -30,7 +30,7 @@ import grain
 import numpy as np
 
 from jaxring.data.packing import PACKINGS, assemble_row, check_batch, plan_drop, plan_split
-from jaxring.data.sources import TokenBatches, _check_hosts, _check_seed_step
+from jaxring.data.sources import TokenBatches, check_hosts, check_seed_step
 from jaxring.data.store import DocumentStore
 
 __all__ = ["PackedBatches", "StepBatches", "WindowBatches", "held_out", "split_documents"]
@@ -140,10 +140,10 @@ class PackedBatches(grain.IterDataset):
         vocab_size: int | None = None,
     ):
         super().__init__()
-        self.local_batch_size = _check_hosts(batch_size, process_index, process_count)
+        self.local_batch_size = check_hosts(batch_size, process_index, process_count)
         if not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len {seq_len!r} must be a positive integer")
-        _check_seed_step(seed, 0)
+        check_seed_step(seed, 0)
         if packing not in PACKINGS:
             raise ValueError(f"--packing {packing!r} is not one of {', '.join(PACKINGS)}")
         documents = np.asarray(documents, np.int64).reshape(-1, 2)

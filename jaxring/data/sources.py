@@ -313,7 +313,8 @@ def load_tokens(path: str | os.PathLike | None, *, split: str = "train", vocab_s
     return _load_text(p, split)
 
 
-def _check_hosts(batch_size: int, process_index: int, process_count: int) -> None:
+def check_hosts(batch_size: int, process_index: int, process_count: int) -> int:
+    """The rows each host reads (batch_size / process_count); ValueError (one line) for a bad split."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size {batch_size!r} must be a positive integer")
     if not isinstance(process_count, int) or process_count < 1:
@@ -328,7 +329,8 @@ def _check_hosts(batch_size: int, process_index: int, process_count: int) -> Non
     return batch_size // process_count
 
 
-def _check_seed_step(seed: int, step: int) -> None:
+def check_seed_step(seed: int, step: int) -> None:
+    """ValueError (one line) unless the seed and the step are non-negative integers."""
     if not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed {seed!r} must be a non-negative integer")
     if not isinstance(step, (int, np.integer)) or step < 0:
@@ -354,10 +356,10 @@ class TokenBatches:
         process_index: int = 0,
         process_count: int = 1,
     ):
-        self.local_batch_size = _check_hosts(batch_size, process_index, process_count)
+        self.local_batch_size = check_hosts(batch_size, process_index, process_count)
         if not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len {seq_len!r} must be a positive integer")
-        _check_seed_step(seed, 0)
+        check_seed_step(seed, 0)
         if len(source) < seq_len + 1:
             raise ValueError(
                 f"corpus {source.name} has {len(source)} tokens, fewer than seq_len + 1 = "
@@ -368,7 +370,7 @@ class TokenBatches:
 
     def starts(self, step: int) -> np.ndarray:
         """[batch_size] int64: the window starts of the whole global batch at `step`."""
-        _check_seed_step(self.seed, step)
+        check_seed_step(self.seed, step)
         rng = np.random.default_rng([self.seed, step])
         return rng.integers(0, len(self.source) - self.seq_len, size=self.batch_size)
 
@@ -526,8 +528,8 @@ class ImageBatches:
     def __init__(
         self, source: ImageSource, *, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1
     ):
-        self.local_batch_size = _check_hosts(batch_size, process_index, process_count)
-        _check_seed_step(seed, 0)
+        self.local_batch_size = check_hosts(batch_size, process_index, process_count)
+        check_seed_step(seed, 0)
         if len(source) < 1:
             raise ValueError(f"image source {source.name} is empty")
         self.source, self.batch_size, self.seed = source, batch_size, seed
@@ -535,7 +537,7 @@ class ImageBatches:
 
     def indices(self, step: int) -> np.ndarray:
         """[local_batch_size] int64: this host's image indices at `step`."""
-        _check_seed_step(self.seed, step)
+        check_seed_step(self.seed, step)
         n = len(self.source)
         first = step * self.batch_size + self.process_index * self.local_batch_size
         i = np.arange(first, first + self.local_batch_size)

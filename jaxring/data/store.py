@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxring.data.inputs import input_files, read_documents
+from jaxring.data.sources import STDLIB_FILES, TEXT_SUFFIXES
 from jaxring.data.tokenizer import BYTES, Tokenizer, load_tokenizer
 
 __all__ = [
@@ -365,8 +366,6 @@ def cache_dir(path: str | os.PathLike, tokenizer: Tokenizer) -> Path:
 def bundled_store(tokenizer: str | None = None) -> DocumentStore:
     """The bundled corpus: the Python standard library's own files (`sources.STDLIB_FILES`, in that fixed
     order, those this Python has), one document per file, in memory."""
-    from jaxring.data.sources import STDLIB_FILES, TEXT_SUFFIXES
-
     root = Path(sysconfig.get_paths()["stdlib"])
     texts = [(root / n).read_text("utf-8") for n in STDLIB_FILES if (root / n).is_file()]
     if not texts:

@@ -17,8 +17,13 @@ import json
 import os
 import sys
 
+import jax
+from tqdm.auto import tqdm
+
+from jaxring.eval import loading, needle, perplexity, plots
 from jaxring.run.cli import EXIT_USER_ERROR, parse_command_line
 from jaxring.run.spec import RunSpec
+from jaxring.run.task import model_family
 
 PROG = "python -m jaxring.eval"
 
@@ -92,12 +97,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, spec: RunSpec) -> int:
-    import jax
-    from tqdm.auto import tqdm
-
-    from jaxring.eval import loading, needle, perplexity, plots
-    from jaxring.run.task import model_family
-
     if args.command == "needle":  # said before anything loads
         needle.check_depths(args.depths)
     devices = jax.devices()

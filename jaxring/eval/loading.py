@@ -13,12 +13,15 @@ import os
 from typing import Any
 
 import jax
+import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxring.data import load_tokenizer
 from jaxring.nn import param_shardings
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.run.task import ModelFamily, model_family
+from jaxring.train import checksum
+from jaxring.train.checkpoint import Checkpointer
 
 HF_CONFIG = "config.json"
 HF_TOKENIZER = "tokenizer.json"
@@ -78,8 +81,6 @@ def check_tokenizer_fits(loaded: LoadedModel) -> None:
 def checkpoint_metadata(path: str, step: int | None = None) -> tuple[int, dict]:
     """(step, metadata) of a jaxring checkpoint directory's step `step` (default: the newest); a directory
     with no saved steps or without that step is a one-line ValueError."""
-    from jaxring.train.checkpoint import Checkpointer
-
     ckpt = Checkpointer(path, report=lambda _: None)
     try:
         steps = ckpt.all_steps()
@@ -117,11 +118,6 @@ def _load_jaxring(path: str, plan: ParallelPlan, overrides: dict, tokenizer: str
 def restore_params(step_dir: str, abstract_state: Any, shardings: dict) -> dict:
     """The "params" of a saved step (its `state` item), each array read onto `shardings`' shards; their
     checksums checked against the step's saved ones (a damaged file is a one-line ValueError)."""
-    import orbax.checkpoint as ocp
-
-    from jaxring.train import checksum
-    from jaxring.train.checkpoint import Checkpointer
-
     shapes = nnx.to_pure_dict(abstract_state)
     item = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
     args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), item)

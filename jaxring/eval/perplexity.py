@@ -17,10 +17,11 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from jaxring.data import Tokenizer
+from jaxring.data import StepBatches, Tokenizer, open_token_data
 from jaxring.eval.loading import LoadedModel
 from jaxring.eval.scoring import check_context, token_scores
 from jaxring.parallel.plan import ParallelPlan
+from jaxring.run.spec import RunSpec
 
 
 def bucket_edges(seq_len: int, first: int | None = None) -> list[int]:
@@ -42,9 +43,6 @@ def held_out_rows(
 ) -> Iterator[dict]:
     """Yields `batches` dicts {"tokens", "targets", "loss_mask"} of int [batch_size, seq_len] rows of the val
     split of `data` (see `jaxring.run.schema.DataSettings.data`; None: the bundled corpus), tokenized by `tokenizer`."""
-    from jaxring.data import StepBatches, open_token_data
-    from jaxring.run.spec import RunSpec
-
     settings = RunSpec.of(data=data, tokenizer=None if tokenizer is None else tokenizer.name).data
     token_data = open_token_data(settings)
     if token_data.vocab_size > vocab_size:

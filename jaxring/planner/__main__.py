@@ -22,6 +22,14 @@ import os
 import sys
 from collections.abc import Sequence
 
+# the compile check builds the trainer's step (jaxring.aot, a layer above the planner): this command line is an
+# application entry point, the one planner module that may import it
+from jaxring.aot.memory_check import compile_check
+from jaxring.planner.cluster import DEVICES, Cluster
+from jaxring.planner.search import search
+from jaxring.planner.space import Workload
+from jaxring.run.task import model_family
+
 EXIT_USER_ERROR = 2
 
 
@@ -54,8 +62,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    from jaxring.planner.cluster import DEVICES
-
     p = _Parser(
         prog="python -m jaxring.planner", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -138,12 +144,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxring.planner.cluster import Cluster
-    from jaxring.planner.memory_check import GPU_TARGETS, compiled_peak, gpu_target_available
-    from jaxring.planner.search import search
-    from jaxring.planner.space import Workload
-    from jaxring.run.task import model_family
-
     if args.top < 1:
         raise ValueError(f"--top {args.top} must be a positive integer")
     family = model_family(args.model)
@@ -170,20 +170,7 @@ def run(args: argparse.Namespace) -> int:
         memory_fraction=args.memory_fraction,
     )
     result = search(w, cluster, only=dict(args.only))
-    note = ""
-    if args.compile_check:
-        if args.device == "cpu":
-            target, ok, why = None, True, ""
-        else:
-            target = GPU_TARGETS[args.device]
-            ok, why = gpu_target_available()
-        if ok:
-            for ev in result.ranked[: args.compile_check]:
-                ev.compiled_memory = compiled_peak(w, ev.candidate, target=target)
-            if target is not None and target != args.device:
-                note = f"compiled for the {target} target (no {args.device} target config ships with jaxring)"
-        else:
-            note = f"compile check skipped: {why}"
+    note = compile_check(result, args.device, args.compile_check) if args.compile_check else ""
     if args.json:
         out = result.to_json(top=args.top)
         if note:

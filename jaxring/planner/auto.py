@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from jaxring.planner.cluster import Cluster
+from jaxring.planner.fit import workload_of
 from jaxring.planner.search import Result, search
-from jaxring.planner.space import Candidate, Workload
 
 if TYPE_CHECKING:
     import jax
@@ -46,11 +46,6 @@ def cluster_of(devices: Sequence[jax.Device]) -> Cluster:
     return Cluster.of(device_kind(devices), len(devices), devices_per_node=per_node)
 
 
-def settings_of(c: Candidate, w: Workload) -> dict:
-    """The run spec's flat settings of a candidate (grad_accum: the micro-steps when pp = 1)."""
-    return c.settings(w)
-
-
 def held_settings(spec: RunSpec) -> dict:
     """The spec's given parallel settings (and remat when not the default), held fixed in a search."""
     p = spec.parallel
@@ -68,10 +63,8 @@ def held_settings(spec: RunSpec) -> dict:
 
 def auto_plan(spec: RunSpec, devices: Sequence[jax.Device]) -> tuple[dict, Result]:
     """(the spec's settings of the best plan, the search result); the spec's given parallel settings held."""
-    from jaxring.planner.fit import workload_of
-
     result = search(workload_of(spec), cluster_of(list(devices)), only=held_settings(spec))
-    return settings_of(result.best.candidate, result.workload), result
+    return result.best.candidate.settings(result.workload), result  # grad_accum too (pp = 1)
 
 
 def apply_auto_plan(spec: RunSpec, devices: Sequence[jax.Device], log: Callable[[str], object] = print) -> RunSpec:

@@ -49,8 +49,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from jaxring.core.precision import BYTES_PER_ELEMENT as DTYPE_BYTES
+from jaxring.kernels.blockwise import BACKWARD_TILE, FORWARD_TILE, tile_size
 from jaxring.nn import offloaded
 from jaxring.parallel.cost_terms import F32, AttentionCost, AttentionShape, LocalDims, ModelShape, Transfer
+from jaxring.parallel.pipeline import lower, make_schedule, peak_in_flight, simulate
+from jaxring.parallel.pipeline.schedules import BW, B, F, W
 from jaxring.planner.space import Candidate, Workload
 
 if TYPE_CHECKING:
@@ -323,9 +326,6 @@ class PipelineInfo:
 @functools.lru_cache(maxsize=1024)
 def pipeline_info(schedule: str, pp: int, microbatches: int, options: tuple = ()) -> PipelineInfo:
     """The table of `schedule` for pp stages and `microbatches`, its options as (name, value) pairs."""
-    from jaxring.parallel.pipeline import lower, make_schedule, peak_in_flight, simulate
-    from jaxring.parallel.pipeline.schedules import BW, B, F, W
-
     sched = make_schedule(schedule, pp, microbatches, **dict(options))
     low = lower(sched)
     ticks = sum(1 for pairs in low.fwd_pairs if pairs) + sum(1 for pairs in low.bwd_pairs if pairs)
@@ -385,7 +385,7 @@ def traffic(
 
 
 def bytes_by_axes(transfers: Sequence[Transfer]) -> dict[tuple[str, ...], float]:
-    """{run-mesh axes: bytes per device per step}, as `jaxring.planner.step_program.axis_traffic` reads them."""
+    """{run-mesh axes: bytes per device per step}, as `jaxring.analysis.axis_traffic.axis_traffic` reads them."""
     out: dict[tuple[str, ...], float] = {}
     for t in transfers:
         out[t.axes] = out.get(t.axes, 0.0) + t.bytes
@@ -519,8 +519,6 @@ def _attention_working(s: Shapes) -> float:
     core, x = s.core, s.local
     out = core.working + s.method.layer_working(s.model, x)
     if s.model.cpu:
-        from jaxring.kernels.blockwise import BACKWARD_TILE, FORWARD_TILE, tile_size
-
         block_q, block_k = core.block_q or x.n, core.block_k or x.n
         heads = core.tile_heads or x.heads
         fwd = 2 * tile_size(block_q, FORWARD_TILE) * tile_size(block_k, FORWARD_TILE)

@@ -5,7 +5,7 @@
 
 The estimate is `jaxring.planner.cost_model.memory` of the run's own plan (the spec's mesh, strategies, remat, tiles,
 offload, micro-batching) for the run's model: per device, the stored state plus the larger of the backward's
-and the update's peak (see `cost.Memory`). It is compared with the device memory: --device-memory-gib when
+and the update's peak (see `cost_model.Memory`). It is compared with the device memory: --device-memory-gib when
 given, else the accelerator's own (`memory_stats()["bytes_limit"]`); simulated CPU devices have none, so a CPU
 run is checked only with --device-memory-gib. A run that does not fit stops before compiling, in one line
 naming the estimate, the budget and the first setting change (--remat full, --loss-tile, --mlp-tile, larger
@@ -18,8 +18,11 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from jaxring.planner import cost_model
 from jaxring.planner.cost_model import Memory
+from jaxring.planner.params import param_leaves
 from jaxring.planner.space import Candidate, Workload
+from jaxring.run.task import model_family
 
 if TYPE_CHECKING:
     import jax
@@ -35,8 +38,6 @@ class DoesNotFit(ValueError):
 
 def workload_of(spec: RunSpec) -> Workload:
     """The planner's workload of a (resolved) run specification: its model, sequence, batch and precision."""
-    from jaxring.run.task import model_family
-
     t = spec.training
     family = model_family(spec.model.model)
     causal = family.causal  # a causal model's default 256 tokens; a DiT: its images
@@ -79,11 +80,8 @@ def candidate_of(spec: RunSpec) -> Candidate:
 
 
 def _memory(w: Workload, c: Candidate, cpu: bool) -> Memory:
-    from jaxring.planner import cost_model as cost
-    from jaxring.planner.params import param_leaves
-
     plan = c.check(w)
-    return cost.memory(w, c, param_leaves(w.model, w.config, plan), cpu=cpu, plan=plan)
+    return cost_model.memory(w, c, param_leaves(w.model, w.config, plan), cpu=cpu, plan=plan)
 
 
 def _on_cpu(devices: Sequence[jax.Device]) -> bool:

@@ -14,6 +14,10 @@ from typing import TYPE_CHECKING, Any
 import jax
 from flax import nnx
 
+from jaxring.nn import BIAS, param_placements
+from jaxring.parallel.zero import Placement
+from jaxring.run.task import model_family
+
 if TYPE_CHECKING:
     from jaxring.parallel.plan import ParallelPlan
 
@@ -32,16 +36,11 @@ class ParamLeaf:
 @functools.lru_cache(maxsize=16)
 def abstract_state(model: str, config: Any) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, abstract nnx.State) of the model, nothing allocated."""
-    from jaxring.run.task import model_family
-
     build = model_family(model).build
     return nnx.split(nnx.eval_shape(lambda: build(config, nnx.Rngs(0))))
 
 
 def param_leaves(model: str, config: Any, plan: ParallelPlan) -> list[ParamLeaf]:
-    from jaxring.nn import BIAS, param_placements
-    from jaxring.parallel.zero import Placement
-
     _, state = abstract_state(model, config)
     placements = param_placements(state, plan)
     biases = {

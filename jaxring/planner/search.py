@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from jaxring.nn import REMAT
-from jaxring.parallel.registry import (
+from jaxring.parallel.catalog import (
     all_options,
     pipeline_schedule,
     pipeline_schedules,
@@ -34,6 +34,7 @@ from jaxring.parallel.registry import (
     tensor_method,
     tensor_methods,
 )
+from jaxring.parallel.pipeline import make_schedule
 from jaxring.planner import cost_model as cost
 from jaxring.planner.cluster import Cluster
 from jaxring.planner.params import param_leaves
@@ -240,8 +241,6 @@ def schedule_choices(pp: int, layers: int) -> list[tuple[str, dict]]:
 @functools.lru_cache(maxsize=256)
 def _stage_chunks(schedule: str, pp: int, options: tuple) -> int | None:
     """Layer chunks per stage of the schedule's table (its virtual stages), None when the options are refused."""
-    from jaxring.parallel.pipeline import make_schedule
-
     try:
         return make_schedule(schedule, pp, pp, **dict(options)).virtual_stages
     except ValueError:

@@ -22,14 +22,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from jaxring.core.mesh import MESH_AXES, make_mesh
 from jaxring.core.precision import PRECISIONS
+from jaxring.parallel.catalog import pipeline_schedule, sequence_strategy, tensor_method
+from jaxring.parallel.cost_terms import WorkloadTerms
+from jaxring.parallel.plan import ParallelPlan
+from jaxring.run.task import model_family
 
 if TYPE_CHECKING:
     import jax
 
     from jaxring.nn.moe.config import MoEConfig
-    from jaxring.parallel.cost_terms import WorkloadTerms
-    from jaxring.parallel.plan import ParallelPlan
     from jaxring.parallel.registry import HasOptions
     from jaxring.run.task import ModelFamily
 
@@ -71,8 +74,6 @@ class Workload:
         sequences, or in tokens (rounded down to whole sequences, at least one)."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
-        from jaxring.run.task import model_family
-
         family = model_family(model)
         if family.causal and seq_len is None:
             raise ValueError(f"a {model} workload needs --seq-len")
@@ -93,8 +94,6 @@ class Workload:
 
     @property
     def family(self) -> ModelFamily:
-        from jaxring.run.task import model_family
-
         return model_family(self.model)
 
     @property
@@ -104,8 +103,6 @@ class Workload:
     @property
     def terms(self) -> WorkloadTerms:
         """The family's `jaxring.parallel.cost_terms.WorkloadTerms` (what the cost model adds beyond the blocks)."""
-        from jaxring.parallel.cost_terms import WorkloadTerms
-
         return self.family.planner_terms or WorkloadTerms()
 
     @property
@@ -193,8 +190,6 @@ class Candidate:
 
     def _entries(self) -> list:
         """The registry entries the candidate uses, with their option names: strategy, method, schedule."""
-        from jaxring.parallel.registry import pipeline_schedule, sequence_strategy, tensor_method
-
         out = [sequence_strategy(self.attention), tensor_method(self.tensor_parallel)]
         if self.pp > 1:
             out.append(pipeline_schedule(self.pipeline_schedule))
@@ -216,8 +211,6 @@ class Candidate:
         devices: real devices (a list of device count), or None for stand-ins (validation and the run-mesh
         view only; nothing can be compiled on them). block_ops: the attention's per-block compute ("pallas"
         for a GPU target compiled without a GPU, where "auto" would pick the CPU path)."""
-        from jaxring.parallel.plan import ParallelPlan
-
         mesh = _mesh(self.dp, self.pp, self.tp, self.sp, self.ep) if devices is None else _real_mesh(self, devices)
         return ParallelPlan(mesh, block_ops=block_ops, **self.plan_kwargs())
 
@@ -310,8 +303,6 @@ class _StandIn:
 
 @functools.lru_cache(maxsize=4096)
 def _mesh(dp: int, pp: int, tp: int, sp: int, ep: int) -> Mesh:
-    from jaxring.core.mesh import MESH_AXES
-
     sizes = {"dp": dp, "pp": pp, "fsdp": 1, "ep": ep, "sp": sp, "tp": tp}
     n = dp * pp * tp * sp * ep
     devices = np.array([_StandIn(i) for i in range(n)], dtype=object).reshape([sizes[a] for a in MESH_AXES])
@@ -319,6 +310,4 @@ def _mesh(dp: int, pp: int, tp: int, sp: int, ep: int) -> Mesh:
 
 
 def _real_mesh(c: Candidate, devices: Sequence[jax.Device]) -> Mesh:
-    from jaxring.core.mesh import make_mesh
-
     return make_mesh(dp=c.dp, pp=c.pp, tp=c.tp, sp=c.sp, ep=c.ep, devices=list(devices))

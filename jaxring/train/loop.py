@@ -42,6 +42,7 @@ from typing import Any
 
 import jax
 
+from jaxring.planner.fit import check_fits
 from jaxring.run.spec import RunSpec
 from jaxring.train.checkpoint import Checkpointer, NonFiniteStateError
 from jaxring.train.guard import Diverged, DivergenceGuard
@@ -121,8 +122,6 @@ def estimated_memory_bytes(spec: RunSpec, devices: Sequence[jax.Device]) -> int 
     """Per-device memory the run is estimated to need (the planner's `jaxring.planner.fit.check_fits`); None:
     no estimate. Raises `DoesNotFit` (a ValueError, one line: the estimate, the device memory and the setting
     to change) when the estimate exceeds the device memory, before anything is built or compiled."""
-    from jaxring.planner.fit import check_fits
-
     memory = check_fits(spec, list(devices))
     return None if memory is None else round(memory.total)
 

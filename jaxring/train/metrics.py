@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import resource
+import sys
 from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxring.core.accelerators import device_spec_of
 
 if TYPE_CHECKING:
     from jaxring.run.spec import RunSpec
-
-import jax
-
-from jaxring.core.accelerators import device_spec_of
 
 
 def peak_flops(device: jax.Device, precision: str) -> float | None:
@@ -41,8 +47,6 @@ def progress_bar(spec: RunSpec, start: int, is_main: bool) -> Any:
     """A tqdm bar over the run's steps (None when progress is off or on other hosts)."""
     if not (spec.output.progress and is_main):
         return None
-    from tqdm.auto import tqdm
-
     return tqdm(total=spec.training.steps, initial=start, desc="train", dynamic_ncols=True)
 
 
@@ -61,8 +65,6 @@ def step_metrics(out: dict) -> tuple[dict, tuple[str, ...]]:
     ``out["progress"]`` may hold a tuple of metric names (a host-side entry, not logged); "loss" is always
     shown.
     """
-    import numpy as np
-
     progress = tuple(out.get(PROGRESS_KEY, ()))
     values = jax.device_get({k: v for k, v in out.items() if k != PROGRESS_KEY})
     record = {}
@@ -94,9 +96,6 @@ def progress_postfix(record: dict, keys: tuple[str, ...]) -> dict:
 def drop_rows_after(path: str | os.PathLike, step: int) -> int:
     """Removes the rows of metrics file `path` whose "step" is after `step` (and unreadable lines: a row cut
     short by a kill), so a resumed run does not log those steps twice. Returns how many rows went."""
-    import json
-    import os
-
     if not os.path.exists(path):
         return 0
     with open(path) as f:
@@ -181,9 +180,6 @@ class MetricsLog:
     only). write(record) takes one step's record; close() flushes and closes them all."""
 
     def __init__(self, spec: RunSpec, is_main: bool):
-        import json
-
-        self._json = json
         out = spec.output
         self.sinks = []
         path = out.metrics_path()
@@ -199,7 +195,7 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         if self.file:
-            self.file.write(self._json.dumps(json_safe(record)) + "\n")
+            self.file.write(json.dumps(json_safe(record)) + "\n")
             self.file.flush()
         for sink in self.sinks:
             sink.write(record)
@@ -215,7 +211,6 @@ class MetricsLog:
 
 def json_safe(record: dict) -> dict:
     """NaN/Inf as null (JSON has no NaN)."""
-    import math
 
     def fix(v: Any) -> Any:
         if isinstance(v, float) and not math.isfinite(v):
@@ -229,8 +224,5 @@ def json_safe(record: dict) -> dict:
 
 def host_memory_bytes() -> int:
     """This process's peak resident memory (bytes): the memory figure where the device gives none (CPU)."""
-    import resource
-    import sys
-
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)

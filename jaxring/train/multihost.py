@@ -28,21 +28,24 @@ settings' hashes across the processes. --coordinator still overrides.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from jaxring.run.schema import ClusterSettings
-    from jaxring.run.spec import RunSpec
-
 import hashlib
 import json
 import math
 import os
 import socket
 import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxring.core.device_setup import check_cpu_devices
+
+if TYPE_CHECKING:
+    from jaxring.run.schema import ClusterSettings
+    from jaxring.run.spec import RunSpec
 
 
 class MultiHostError(ValueError):
@@ -189,7 +192,7 @@ def _check_hello(hello: dict, address: str, seen: dict, num_processes: int, sett
     return None
 
 
-def _rendezvous_coordinator(
+def rendezvous_coordinator(
     port: int, num_processes: int, timeout_s: float, where: str, settings: dict | None = None
 ) -> None:
     """Process 0: wait for the other processes' hellos, check them, answer each."""
@@ -251,7 +254,7 @@ def _rendezvous_coordinator(
         raise MultiHostError(f"{where}: {error}")
 
 
-def _rendezvous_peer(
+def rendezvous_peer(
     host: str,
     port: int,
     process_id: int,
@@ -315,11 +318,9 @@ def initialize(
     where = f"coordinator {coordinator}, process {process_id} of {num_processes}"
     if num_processes > 1:
         if process_id == 0:
-            _rendezvous_coordinator(port, num_processes, timeout_s, where, settings)
+            rendezvous_coordinator(port, num_processes, timeout_s, where, settings)
         else:
-            _rendezvous_peer(host, port, process_id, num_processes, timeout_s, where, settings)
-    import jax
-
+            rendezvous_peer(host, port, process_id, num_processes, timeout_s, where, settings)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices across processes
     if cpu_devices is not None:
         jax.config.update("jax_num_cpu_devices", cpu_devices)
@@ -327,8 +328,6 @@ def initialize(
 
 
 def _check_cpu_devices(count: int | None) -> None:
-    from jaxring.core.device_setup import check_cpu_devices
-
     try:
         check_cpu_devices(count)
     except ValueError as e:
@@ -377,8 +376,6 @@ def start_processes(
     kind = detected_cluster()
     if kind is None:
         return None
-    import jax
-
     check_flags("detected:1", 1, 0, cluster.init_timeout)  # the timeout's bound
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
@@ -386,8 +383,6 @@ def start_processes(
     except (RuntimeError, ValueError) as e:
         raise MultiHostError(f"{kind} start-up: {' '.join(str(e).split())[:300]}") from None
     if settings is not None:
-        from jax.experimental import multihost_utils
-
         digest = np.frombuffer(bytes.fromhex(settings_digest(settings))[:8], np.int64)
         every = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1)
         if (every != every[0]).any():
@@ -404,19 +399,13 @@ def start_processes(
 
 
 def is_primary() -> bool:
-    import jax
-
     return jax.process_index() == 0
 
 
 def any_process(flag: bool) -> bool:
     """True when `flag` is set on any process (every process must call this at the same point)."""
-    import jax
-
     if jax.process_count() == 1:
         return bool(flag)
-    from jax.experimental import multihost_utils
-
     return bool(np.asarray(multihost_utils.process_allgather(np.int32(bool(flag)))).max())
 
 
@@ -427,9 +416,5 @@ def all_processes_agree(flag: bool) -> bool:
 
 def sync_processes(name: str) -> None:
     """A barrier across processes (nothing on one process)."""
-    import jax
-
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)

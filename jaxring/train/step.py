@@ -31,8 +31,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring.core.vma import vary, vary_like, varying_axes
-from jaxring.nn import Layers, offloaded
+from jaxring.nn import Layers, offloaded, param_placements
 from jaxring.parallel import zero
+from jaxring.parallel.pipeline import pipeline_loss_and_grads
 from jaxring.run.checks import OFFLOAD_WITH_PP
 
 if TYPE_CHECKING:
@@ -168,8 +169,6 @@ class TrainStep:
         """Loss, aux and gradients with the layer stack split over pp, run by the plan's schedule
         (`jaxring.parallel.pipeline`): embed on the first virtual stage, chunks of `Layers` on every stage, the head and
         loss on the last. The pipeline's micro-batches are the step's gradient accumulation."""
-        from jaxring.parallel.pipeline import pipeline_loss_and_grads
-
         stage, plan, task = self.stage, self.plan, self.task
         schedule = plan.schedule
         v, m = schedule.virtual_stages, schedule.num_microbatches
@@ -341,8 +340,6 @@ def value_and_grad(
     """(loss, grads) of `objective` for an nnx `model` on `plan`, through the train step's own path (one
     shard_map, the plan's ZeRO stage): loss fp32 scalar, grads a nested dict like `nnx.to_pure_dict`.
     For tests and notebooks; training uses `TrainStep` directly."""
-    from jaxring.nn import param_placements
-
     graphdef, state = nnx.split(model)
     placements = param_placements(state, plan)
     step = TrainStep(

@@ -109,6 +109,11 @@ class Trainer:
         self.step_count += 1
         return {**out, "progress": getattr(self.task, "progress", ())}
 
+    def lower_step(self) -> jax.stages.Lowered:
+        """The jitted update lowered on the current state and the first batch (what `step` runs: benchmarks
+        compile it to read its memory and HLO)."""
+        return self._step.lower(self.params, self.opt_state, self.task.batch(0), self.key(0), jnp.float32(jnp.inf))
+
     def set_state(self, state: dict) -> None:
         """Puts a state like `state()`'s back (natural layer order, e.g. restored)."""
         if self.layer_order is not None:

@@ -199,7 +199,7 @@ for label in ("B", "C", "D"):
 # %% [markdown]
 # ## 3. Generating text
 #
-# `jaxring.models.gpt.generate(model, plan, prompts, max_new_tokens, temperature=..., top_k=..., top_p=..., key=...)`
+# `jaxring.models.generate.generate(model, plan, prompts, max_new_tokens, temperature=..., top_k=..., top_p=..., key=...)`
 # samples one byte at a time for a batch of prompts (`stop_tokens=` ends a prompt at its first end-of-sequence
 # id, as `eos_token_id` does in transformers): one forward pass over the prompts fills a KV cache
 # (sharded over the plan's `sp` like the training sequence), then each new token attends that cache. Here we
@@ -208,7 +208,7 @@ for label in ("B", "C", "D"):
 
 # %%
 from flax import nnx
-from jaxring.models import gpt
+from jaxring.models.generate import generate
 
 from jaxring.parallel.plan import ParallelPlan
 
@@ -218,7 +218,7 @@ model = nnx.merge(graphdef, jax.device_put(state, use[0]))  # the trained weight
 
 corpus = trainer_b.task.source
 prompt = list(corpus.encode("def "))
-(ids,) = gpt.generate(model, one_device, [prompt], 120 if FAST else 400, temperature=0.8, key=jax.random.PRNGKey(0))
+(ids,) = generate(model, one_device, [prompt], 120 if FAST else 400, temperature=0.8, key=jax.random.PRNGKey(0))
 print(corpus.decode(prompt + ids))
 
 # %% [markdown]

@@ -127,9 +127,10 @@ import dataclasses
 
 from jaxring.models import gpt
 
+from jaxring.analysis.axis_traffic import axis_traffic
+from jaxring.aot.train_step import compile_train_step
 from jaxring.planner import cost_model as cost
 from jaxring.planner.params import param_leaves
-from jaxring.planner.step_program import axis_traffic, compile_train_step
 
 small = Workload(
     "gpt",

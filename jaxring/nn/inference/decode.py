@@ -31,8 +31,8 @@ from jaxring.core.vma import gather_invariant, vary_like
 from jaxring.kernels.layer_math import activate, add_bias, head_norm, qk_norm_rope, split_heads
 from jaxring.kernels.merge import merge_partials
 from jaxring.kernels.rope import Rope, as_rope
+from jaxring.parallel.catalog import tensor_methods
 from jaxring.parallel.plan import ParallelPlan
-from jaxring.parallel.registry import tensor_methods
 from jaxring.parallel.tensor.splits import own_kv_head
 
 

@@ -13,7 +13,7 @@ import re
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxring.analysis.compiled import _computations, _executions, _shape_bytes
+from jaxring.analysis.compiled import computation_runs, hlo_computations, shape_bytes
 
 _PERMUTE = re.compile(r"=\s*(\(.*?\)|\S+)\s+collective-permute(-start)?\(")
 _ARRAY = re.compile(r"[a-z]+[0-9]*\[[0-9,]*\]")
@@ -21,16 +21,16 @@ _ARRAY = re.compile(r"[a-z]+[0-9]*\[[0-9,]*\]")
 
 def permute_bytes_by_pair(hlo_text: str) -> dict[tuple[int, int], int]:
     """{(source, target) device index in the program: bytes sent per run}."""
-    comps, entry = _computations(hlo_text)
+    comps, entry = hlo_computations(hlo_text)
     moved: dict[tuple[int, int], int] = {}
-    for name, times in _executions(comps, entry).items():
+    for name, times in computation_runs(comps, entry).items():
         for line in comps[name]:
             op = _PERMUTE.search(line)
             if not op:
                 continue
-            size = _shape_bytes(op.group(1))
+            size = shape_bytes(op.group(1))
             if op.group(2):  # async start: (operand, result, ...): the result
-                size = _shape_bytes(_ARRAY.findall(op.group(1))[1])
+                size = shape_bytes(_ARRAY.findall(op.group(1))[1])
             pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", line).group(1)
             for a, b in re.findall(r"(\d+),(\d+)", pairs):
                 moved[(int(a), int(b))] = moved.get((int(a), int(b)), 0) + size * times

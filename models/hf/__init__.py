@@ -12,7 +12,8 @@ READ_BYTES with the file mapped only during each run, so a process holds its dev
 (benchmarks/hf_loading.py measures it); saving gathers one layer's tensor at a time.
 Every refusal is one `CheckpointError` line naming the file and the tensor or setting.
 
-    python -m jaxring.models.hf export CHECKPOINT_DIR OUT_DIR [--step N]   # a training checkpoint (models/hf_export.py)
+    python -m jaxring.models.hf export CHECKPOINT_DIR OUT_DIR [--step N]   # a training checkpoint (models/hf_export.py,
+                                                                          # run by models/hf/__main__.py)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import SingleDeviceSharding
 from jaxring.models.gpt import GPT, GPTConfig
 
+from jaxring.core.mesh import make_mesh
 from jaxring.nn import Layers, param_shardings, weight_specs
 from jaxring.parallel.plan import ParallelPlan
 
@@ -230,7 +232,7 @@ _NAMES = {  # our parameter path -> (HF name, transposed)
 }
 
 
-def _hf_name(path: tuple) -> tuple[str, bool, bool]:
+def hf_name(path: tuple) -> tuple[str, bool, bool]:
     """(HF name pattern, transposed, stacked over layers) of our parameter at `path`."""
     if path not in _NAMES:
         raise CheckpointError(f"parameter {'.'.join(path)} has no Hugging Face name")
@@ -238,7 +240,7 @@ def _hf_name(path: tuple) -> tuple[str, bool, bool]:
     return name, transposed, path[0] == "blocks"
 
 
-def _abstract(cfg: GPTConfig):
+def abstract_model(cfg: GPTConfig):
     """(graphdef, abstract state) of a GPT of `cfg`: shapes only, nothing allocated."""
     return nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
 
@@ -390,7 +392,7 @@ def load_pretrained(
         check_tokenizer(tokenizer, cfg.vocab_size, os.path.join(path, CONFIG))
     files = _Files(path)
     dtype = jnp.dtype(dtype or jnp.float32)
-    graphdef, state = _abstract(cfg)
+    graphdef, state = abstract_model(cfg)
     if plan is None:
         device = SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: device, nnx.to_pure_dict(state))
@@ -399,14 +401,14 @@ def load_pretrained(
     flat_shapes = flatten_dict(nnx.to_pure_dict(state))
     flat_shardings = flatten_dict(shardings)
     for path_, var in flat_shapes.items():  # everything checked before anything is read
-        pattern, transposed, stacked = _hf_name(path_)
+        pattern, transposed, stacked = hf_name(path_)
         shape = tuple(var.shape[1:] if stacked else var.shape)
         want = tuple(reversed(shape)) if transposed else shape
         for i in range(cfg.num_layers if stacked else 1):
             _check_tensor(files, pattern.format(i=i), want)
     loaded = {}
     for path_, var in flat_shapes.items():
-        pattern, transposed, stacked = _hf_name(path_)
+        pattern, transposed, stacked = hf_name(path_)
         read = lambda index, p=pattern, t=transposed, s=stacked, v=var: _read_block(
             files, p, t, s, _full(index, v), dtype
         )
@@ -429,8 +431,6 @@ def logits(model: GPT, tokens, plan: ParallelPlan | None = None) -> np.ndarray:
     """float32 [batch, seq, vocab] of int32 tokens [batch, seq] (one global array, natural order), run as the
     plan's SPMD program (its layout inside; the result in token order). plan=None: one device. The final
     hidden states come out of the shard_map in the plan's activation layout; the head is applied on them."""
-    from jaxring import make_mesh
-
     tokens = np.asarray(tokens)
     if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"tokens must be int [batch, seq]; got {tokens.dtype} {list(tokens.shape)}")
@@ -467,7 +467,8 @@ def logits(model: GPT, tokens, plan: ParallelPlan | None = None) -> np.ndarray:
 # ---------------------------------------------------------------------------------------- save
 
 
-def _size_bytes(size) -> int:
+def size_bytes(size) -> int:
+    """Bytes of a shard size: an int, or text such as '5GB', '500MB', '2GiB' (max_shard_size's forms)."""
     if isinstance(size, int):
         return size
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
@@ -497,7 +498,7 @@ def save_pretrained(
     Gathered one HF tensor (one layer's slice) at a time. Returns the list of files written."""
     from safetensors.numpy import save_file
 
-    limit = _size_bytes(max_shard_size)
+    limit = size_bytes(max_shard_size)
     if limit <= 0:
         raise ValueError(f"max_shard_size {max_shard_size!r} must be positive")
     state = nnx.to_pure_dict(nnx.state(model))
@@ -515,14 +516,14 @@ def save_pretrained(
     os.makedirs(path, exist_ok=True)
     tensors = []  # (HF name, a function producing it as numpy)
     for path_, arr in flatten_dict(state).items():
-        pattern, transposed, stacked = _hf_name(path_)
+        pattern, transposed, stacked = hf_name(path_)
         nbytes = np_dtype.itemsize * math.prod(arr.shape[1 if stacked else 0 :])
         for i in range(arr.shape[0] if stacked else 1):
             get = lambda a=arr, i=i, st=stacked, t=transposed: _gather(a[i] if st else a, t).astype(
                 np_dtype, copy=False
             )
             tensors.append((pattern.format(i=i), get, nbytes))
-    tensors.sort(key=lambda t: _sort_key(t[0]))
+    tensors.sort(key=lambda t: file_order_key(t[0]))
     shards, current, size = [], [], 0
     for name, get, nbytes in tensors:
         if current and size + nbytes > limit:
@@ -555,7 +556,7 @@ def to_hf_tensors(tree: dict) -> dict:
     their gradients), gathered whole: for small models and tests."""
     out = {}
     for path_, arr in flatten_dict(tree).items():
-        pattern, transposed, stacked = _hf_name(path_)
+        pattern, transposed, stacked = hf_name(path_)
         for i in range(arr.shape[0] if stacked else 1):
             out[pattern.format(i=i)] = _gather(arr[i] if stacked else arr, transposed)
     return out
@@ -566,7 +567,7 @@ def _gather(arr, transposed: bool) -> np.ndarray:
     return np.ascontiguousarray(out.T if transposed else out)
 
 
-def _sort_key(name: str):
+def file_order_key(name: str):
     """Embedding first, then layer by layer, then the final norm and the head."""
     parts = name.split(".")
     if "layers" in parts:
@@ -577,17 +578,15 @@ def _sort_key(name: str):
 __all__ = [
     "ARCHITECTURES",
     "CheckpointError",
+    "abstract_model",
     "check_tokenizer",
     "config_from_hf",
     "config_to_hf",
+    "file_order_key",
+    "hf_name",
     "load_pretrained",
     "logits",
     "save_pretrained",
+    "size_bytes",
     "to_hf_tensors",
 ]
-
-
-if __name__ == "__main__":  # python -m jaxring.models.hf export ...: the command lives in models/hf_export.py
-    from jaxring.models.hf_export import main
-
-    raise SystemExit(main())

@@ -4,7 +4,7 @@
     ...
     fits: compiled 41.2 GiB per device, estimate 39.8 GiB, budget 67.1 GiB
 
-The run's exact train step (`jaxring.planner.step_program.build_train_step`: the trainer's `TrainStep` with the
+The run's exact train step (`jaxring.aot.train_step.build_train_step`: the trainer's `TrainStep` with the
 run's plan, remat, offload, tiles, accumulation, precision and clipping; the attention's Pallas kernels) is
 compiled for the target's GPU topology without a GPU (deviceless AOT: `jaxring.analysis.gpu`), on abstract
 inputs: nothing is allocated. The last line compares the compiled program's memory per device (argument +
@@ -23,9 +23,18 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import jax
+import jax
 
+from jaxring.analysis import gpu
+from jaxring.aot.train_step import lower_train_step
+from jaxring.planner import cost_model
+from jaxring.planner.auto import held_settings
+from jaxring.planner.cluster import Cluster
+from jaxring.planner.fit import candidate_of, workload_of
+from jaxring.planner.params import param_leaves
+from jaxring.planner.search import search
+
+if TYPE_CHECKING:
     from jaxring.run.spec import RunSpec
 
 GIB = 2**30
@@ -71,12 +80,8 @@ def check_target(target: str) -> tuple[str, int]:
 
 def require_plugin(target: str) -> None:
     """ValueError (one line: what to install) unless deviceless GPU compilation works in this environment."""
-    from jaxring.analysis import gpu
-
     ok, why = gpu.available()
     if not ok:
-        import jax
-
         raise ValueError(
             f"--compile-for {target} compiles for a GPU without one, which this environment cannot: {why} (e.g. "
             f'pip install "jax[cuda12]=={jax.__version__}" nvidia-cuda-nvcc-cu12 in its own venv)'
@@ -85,8 +90,6 @@ def require_plugin(target: str) -> None:
 
 def budget_bytes(spec: RunSpec, gpu: str) -> float:
     """--device-memory-gib, else the device's memory times the planner's usable fraction."""
-    from jaxring.planner.cluster import Cluster
-
     if spec.memory.device_memory_gib is not None:
         return spec.memory.device_memory_gib * GIB
     return Cluster.of(gpu, 1).usable_memory
@@ -95,11 +98,6 @@ def budget_bytes(spec: RunSpec, gpu: str) -> float:
 def lowered_step(spec: RunSpec, devices: list) -> tuple[jax.stages.Lowered, float, str]:
     """(the lowered train step, its estimated bytes per device, the plan) of the resolved run on `devices`
     (abstract GPUs), with the flash kernels; nothing is allocated."""
-    from jaxring.planner import cost_model as cost
-    from jaxring.planner.fit import candidate_of, workload_of
-    from jaxring.planner.params import param_leaves
-    from jaxring.planner.step_program import lower_train_step
-
     spec = spec.resolved(len(devices))
     spec.validate()
     spec = dataclasses.replace(spec, parallel=dataclasses.replace(spec.parallel, block_ops="pallas"))
@@ -107,7 +105,7 @@ def lowered_step(spec: RunSpec, devices: list) -> tuple[jax.stages.Lowered, floa
     plan = spec.plan(devices)
     t = spec.training
     w.family.check_plan(w.config, plan, t.batch_size // t.grad_accum, w.seq_len)
-    estimate = cost.memory(w, c, param_leaves(w.model, w.config, c.check(w)), cpu=False).total
+    estimate = cost_model.memory(w, c, param_leaves(w.model, w.config, c.check(w)), cpu=False).total
     lowered = lower_train_step(
         w.model,
         w.config,
@@ -139,11 +137,6 @@ def _compile(spec: RunSpec, devices: list) -> tuple[float, float, str]:
 def ranked_specs(spec: RunSpec, gpu: str, count: int, tries: int = TRIES, hold: dict | None = None) -> list[RunSpec]:
     """--plan auto: the planner's best plans for the target (settings the user gave held, and `hold`), as run
     specs."""
-    from jaxring.planner.auto import held_settings
-    from jaxring.planner.cluster import Cluster
-    from jaxring.planner.fit import workload_of
-    from jaxring.planner.search import search
-
     result = search(workload_of(spec), Cluster.of(gpu, count), only=held_settings(spec) | (hold or {}))
     parallel = dataclasses.replace(spec.parallel, options={}, plan="manual")
     base = dataclasses.replace(spec, parallel=parallel)
@@ -155,8 +148,6 @@ def compile_for(spec: RunSpec, target: str, log: Callable[[str], None] = print) 
     Raises ValueError (one line) for a bad target, a missing plugin or a plan the model refuses."""
     gpu_name, count = check_target(target)
     require_plugin(target)
-    from jaxring.analysis import gpu
-
     devices = gpu.gpu_devices(gpu_name, count)
     budget = budget_bytes(spec, gpu_name)
     specs = ranked_specs(spec, gpu_name, count) if spec.parallel.plan == "auto" else [spec]

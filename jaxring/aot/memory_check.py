@@ -2,8 +2,10 @@
 
     peak = compiled_peak(workload, candidate, target="h200")     # deviceless GPU compile (gpu-compile extra)
     peak = compiled_peak(workload, candidate)                    # this process's devices (e.g. simulated CPUs)
+    note = compile_check(result, "h200", top=3)  # `python -m jaxring.planner --compile-check 3`: fills the
+                                                 # top plans' `compiled_memory`, returns a note (or "")
 
-The step is the trainer's (`jaxring.planner.step_program.build_train_step`) on abstract inputs: nothing is
+The step is the trainer's (`jaxring.aot.train_step.build_train_step`) on abstract inputs: nothing is
 allocated. For a GPU target the attention runs its Pallas kernels (block_ops="pallas": "auto" would pick the
 CPU path, as a deviceless compile runs on the CPU platform). Peak = arguments + outputs + temporaries - aliased
 (donated weights and optimizer state come back in place).
@@ -12,19 +14,20 @@ CPU path, as a deviceless compile runs on the CPU platform). Peak = arguments + 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+import jax
+
+from jaxring.analysis import gpu
+from jaxring.aot.train_step import compile_train_step
+from jaxring.planner.search import Result
 from jaxring.planner.space import Candidate, Workload
 
-if TYPE_CHECKING:
-    import jax
-
+# the planner's device: the GPU target config it is compiled for (no A100 target config ships with jaxring)
 GPU_TARGETS = {"h100": "h100", "h200": "h200", "a100-40gb": "h100", "a100-80gb": "h100"}
 
 
 def gpu_target_available() -> tuple[bool, str]:
-    from jaxring.analysis import gpu
-
+    """(whether deviceless GPU compilation works here, why not)."""
     return gpu.available()
 
 
@@ -33,14 +36,8 @@ def compiled_peak(
 ) -> float:
     """Per-device peak bytes of the compiled step of `c` for `w`: on the GPU topology `target` ("h100",
     "h200"), or on `devices` (default: the first c.devices of jax.devices())."""
-    import jax
-
-    from jaxring.planner.step_program import compile_train_step
-
     block_ops = "auto"
     if target is not None:
-        from jaxring.analysis import gpu
-
         devices = gpu.gpu_devices(target, c.devices)
         block_ops = "pallas"
     elif devices is None:
@@ -62,3 +59,21 @@ def compiled_peak(
     )
     m = compiled.memory_analysis()
     return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def compile_check(result: Result, device: str, top: int) -> str:
+    """Compiles the `top` ranked plans of `result` for `device` (a planner device name: its GPU target,
+    deviceless; "cpu": this process's devices) and sets each one's `compiled_memory`. Returns a note for the
+    output ("" when none): the target that stood in for the device, or why the check was skipped."""
+    if device == "cpu":
+        target = None
+    else:
+        target = GPU_TARGETS[device]
+        ok, why = gpu_target_available()
+        if not ok:
+            return f"compile check skipped: {why}"
+    for ev in result.ranked[:top]:
+        ev.compiled_memory = compiled_peak(result.workload, ev.candidate, target=target)
+    if target is not None and target != device:
+        return f"compiled for the {target} target (no {device} target config ships with jaxring)"
+    return ""

@@ -1,0 +1,105 @@
+"""A run's train step built on abstract inputs, lowered and compiled without running it.
+
+    compiled = compile_train_step("gpt", config, plan, batch=8, seq_len=1024)   # nothing allocated
+    compiled.memory_analysis(), compiled.as_text()     # per-device bytes; the HLO (`jaxring.analysis`)
+
+`build_train_step` builds the same `TrainStep` the trainer builds (`jaxring.train.trainer`: AdamW, clipping,
+remat, offload, gradient accumulation, precision), on the plan's devices: simulated CPU devices, or a GPU
+topology from `jaxring.analysis.gpu.gpu_devices` (deviceless); weights, optimizer state and the batch are
+ShapeDtypeStructs with the trainer's shardings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxring.core.compat import place_in_host_memory
+from jaxring.core.precision import compute_dtype
+from jaxring.nn import offloaded, param_placements
+from jaxring.run.task import model_family
+from jaxring.train.step import TrainStep
+
+if TYPE_CHECKING:
+    from jaxring.parallel.plan import ParallelPlan
+
+
+def _abstract(tree: Any, shardings: Any):
+    """ShapeDtypeStructs of `tree`'s arrays with `shardings` (nothing allocated)."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def build_train_step(
+    model_kind: str,
+    config: Any,
+    plan: ParallelPlan,
+    *,
+    batch: int,
+    seq_len: int | None = None,
+    grad_accum: int = 1,
+    precision: str = "bf16",
+    remat: str = "full",
+    offload: str = "none",
+    clip: float | None = 1.0,
+    documents: bool = False,
+) -> tuple[Callable[..., Any], tuple]:
+    """(step, abstract args) of the trainer's jitted update for a `config` GPT or DiT on `plan` with a global
+    batch of `batch` sequences (images), without allocating anything; documents: batches of packed documents
+    (the family's objective with their segment ids, as the trainer builds it from a document store)."""
+    family = model_family(model_kind)
+    packed = {"documents": True} if documents else {}  # a family without documents takes no such argument
+    objective = family.objective(config, batch, seq_len, **packed)
+    model = nnx.eval_shape(lambda: family.build(config, nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    tx = optax.adamw(1e-3)
+    step = TrainStep(
+        plan,
+        graphdef,
+        param_placements(state, plan),
+        tx,
+        objective,
+        dtype=compute_dtype(precision),
+        remat=remat,
+        offload=offload,
+        grad_accum=grad_accum,
+        clip=clip,
+        stack=model.STACK,
+        layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
+    )
+    params = _abstract(nnx.to_pure_dict(state), step.shardings(step.param_specs))
+    opt_specs = step.opt_state_specs(params)
+    opt = _abstract(jax.eval_shape(tx.init, params), step.opt_state_shardings(opt_specs))
+    data = family.abstract_batch(config, plan, batch, seq_len, **packed)
+    args = (params, opt, data, jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((), jnp.float32))
+    return step.build(opt_specs), args
+
+
+def _lists_host_memory(device: jax.Device) -> bool:
+    try:
+        return any(m.kind == "pinned_host" for m in device.addressable_memories())
+    except Exception:  # an abstract device of a topology (deviceless compile) lists none
+        return False
+
+
+def compile_train_step(model_kind: str, config: Any, plan: ParallelPlan, **kwargs) -> jax.stages.Compiled:
+    """The compiled train step (see `lower_train_step`): `.memory_analysis()`, `.as_text()`."""
+    return lower_train_step(model_kind, config, plan, **kwargs).compile()
+
+
+def lower_train_step(model_kind: str, config: Any, plan: ParallelPlan, **kwargs) -> jax.stages.Lowered:
+    """The lowered train step (see `build_train_step`). With the optimizer state offloaded on abstract GPUs
+    (which list no host memory), its arguments and results are marked as pinned host memory in the lowered
+    program, as jit marks them on real devices."""
+    fn, args = build_train_step(model_kind, config, plan, **kwargs)
+    lowered = fn.lower(*args)
+    abstract = not _lists_host_memory(plan.run_mesh.devices.flat[0])
+    if "optimizer" in offloaded(kwargs.get("offload", "none")) and abstract:
+        first = len(jax.tree.leaves(args[0]))  # (params, opt_state, ...) in, (params, opt_state, metrics) out
+        state = set(range(first, first + len(jax.tree.leaves(args[1]))))
+        place_in_host_memory(lowered, state, state)
+    return lowered
