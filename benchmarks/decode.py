@@ -48,9 +48,9 @@ def cpu_plan(name: str, devices):
 def time_decoding(model, plan, length: int, steps: int) -> dict:
     """Per-token time of `Decoder.step` at position length - 1 of a random cache of `length` slots."""
     from jax.sharding import PartitionSpec as P
-    from jaxring.models.generate import Decoder, sampling_rule
 
     from jaxring.core.mesh import spec_entry
+    from jaxring.models.generate import Decoder, sampling_rule
 
     decoder = Decoder(model, plan)
     abstract = decoder.abstract_cache(1, length)
@@ -87,11 +87,11 @@ def time_decoding(model, plan, length: int, steps: int) -> dict:
 def compile_for_h200(cfg, length: int, sp: int) -> dict:
     """Deviceless compile of the decode step of `cfg` at `length` cached tokens on `sp` abstract H200s."""
     from flax import nnx
-    from jaxring.models import gpt
-    from jaxring.models.generate import Decoder
 
     import jaxring
     from jaxring.analysis import gpu
+    from jaxring.models import gpt
+    from jaxring.models.generate import Decoder
 
     devices = gpu.gpu_devices("h200", sp)
     settings = dict(sp=sp, attention="ring", layout="zigzag") if sp > 1 else {}
@@ -126,6 +126,7 @@ def main():
     args = parser.parse_args()
     devices = use_cpu_devices_if_no_accelerator(8)
     from flax import nnx
+
     from jaxring.models import gpt
 
     record = benchmark_record(

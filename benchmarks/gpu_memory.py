@@ -70,9 +70,9 @@ STAMP = {}  # commit and note, recorded with every row
 def step_program(preset, config, seq, *, zero=3, remat="selective", target="h200", batch=1, layers=None):
     """(lowered train step, model config, plan) of `preset` under `config` at `seq` tokens, on abstract GPUs."""
     from flax import nnx
-    from jaxring.models import gpt
 
     import jaxring
+    from jaxring.models import gpt
     from jaxring.nn import param_placements
     from jaxring.parallel.plan import ParallelPlan
     from jaxring.run.spec import RunSpec

@@ -49,6 +49,7 @@ def hf_tensor_shapes(cfg) -> dict[str, tuple[int, ...]]:
     """{HF tensor name: its shape in the file} of a GPT of `cfg`, in jaxring.models.hf's file order."""
     from flax import nnx
     from flax.traverse_util import flatten_dict
+
     from jaxring.models import hf
 
     _, state = hf.abstract_model(cfg)
@@ -65,8 +66,9 @@ def write_checkpoint(path: str, cfg, dtype: str, seed: int = 0) -> tuple[dict, i
     """A sharded safetensors checkpoint of `cfg` with N(0, 0.02) weights (norm scales 1), written one shard at a
     time. Returns ({tensor name: shape}, the number of files)."""
     import ml_dtypes
-    from jaxring.models import hf
     from safetensors.numpy import save_file
+
+    from jaxring.models import hf
 
     np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
     shapes = hf_tensor_shapes(cfg)
@@ -120,10 +122,10 @@ def worker(path: str, process_id: int, processes: int, port: int, dtype: str) ->
     import jax.numpy as jnp
     from flax import nnx
     from flax.traverse_util import flatten_dict
-    from jaxring.models import hf
     from safetensors import safe_open
 
     import jaxring
+    from jaxring.models import hf
 
     plan = jaxring.make_plan(fsdp=processes)
     hf.read_config(path)  # imports and first calls done before the baseline

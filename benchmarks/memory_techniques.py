@@ -49,9 +49,9 @@ TECHNIQUES = {
 def step_program(cfg, seq, *, sp, target, loss_tile=None, mlp_tile=None, offload="none"):
     """The lowered train step of GPT `cfg` at `seq` tokens (batch 1) on `sp` abstract GPUs of `target`."""
     from flax import nnx
-    from jaxring.models import gpt
 
     import jaxring
+    from jaxring.models import gpt
     from jaxring.nn import param_placements
     from jaxring.run.spec import RunSpec
     from jaxring.train.step import TrainStep

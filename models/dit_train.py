@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxring.models import dit
 
 from jaxring.core.mesh import make_mesh
 from jaxring.data import ImageBatches, global_array, host_rows, load_images, to_one_device
+from jaxring.models import dit
 from jaxring.parallel.cost_terms import WorkloadTerms
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.run.task import ModelFamily

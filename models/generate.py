@@ -31,10 +31,10 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxring.models.gpt import GPT, check_plan
 from tqdm.auto import tqdm
 
 from jaxring.core.mesh import make_mesh, spec_entry
+from jaxring.models.gpt import GPT, check_plan
 from jaxring.nn import Layers, weight_specs
 from jaxring.nn.inference import (
     cache_length,

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
 from jaxring.models import hf
 from jaxring.models.gpt import GPT, GPTConfig
-
 from jaxring.nn import Layers, weight_specs
 from jaxring.parallel.plan import ParallelPlan
 

@@ -13,12 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxring.models import gpt, gpt_eval, hf
-from jaxring.models.generate import generate
 
 from jaxring.core.mesh import make_mesh
 from jaxring.data import StepBatches, global_array, host_rows, load_tokenizer, open_token_data, to_one_device
 from jaxring.data.token_data import is_token_file
+from jaxring.models import gpt, gpt_eval, hf
+from jaxring.models.generate import generate
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.run.task import ModelFamily
 

@@ -17,11 +17,11 @@ import os
 import sys
 
 import jax
-from jaxring.models import gpt, hf
 
 from jaxring.core.mesh import make_mesh
 from jaxring.data.tokenizer import tokenizer_file
 from jaxring.eval import loading
+from jaxring.models import gpt, hf
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.run.cli import EXIT_USER_ERROR
 

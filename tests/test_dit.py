@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import assert_close
+from PIL import Image
+
+import jaxring
 from jaxring.models.dit import (
     DiT,
     DiTConfig,
@@ -26,9 +29,6 @@ from jaxring.models.dit import (
     unpatchify,
     weight_specs,
 )
-from PIL import Image
-
-import jaxring
 from jaxring.nn import Layers, remat_policy
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.train.step import value_and_grad

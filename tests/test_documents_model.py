@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import assert_close
-from jaxring.models.gpt import GPT, GPTConfig, NextTokenObjective
 
 from jaxring import make_plan
 from jaxring.data.packing import check_batch
+from jaxring.models.gpt import GPT, GPTConfig, NextTokenObjective
 from jaxring.nn import Layers, param_placements
 from jaxring.train.step import TrainStep
 

@@ -13,12 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jaxring.models import gpt
-from jaxring.models.generate import generate
 
 import jaxring
 from jaxring.eval import cli, load_model, needle
 from jaxring.eval.scoring import token_scores
+from jaxring.models import gpt
+from jaxring.models.generate import generate
 from jaxring.nn import Layers
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.run.spec import RunSpec

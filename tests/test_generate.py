@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jaxring.models import gpt
-from jaxring.models.generate import Decoder, generate
 
 import jaxring
+from jaxring.models import gpt
+from jaxring.models.generate import Decoder, generate
 from jaxring.nn import Layers
 from jaxring.nn.inference import sample
 from jaxring.parallel.plan import ParallelPlan

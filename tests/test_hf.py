@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxring.models import gpt, hf
 
 import jaxring
+from jaxring.models import gpt, hf
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.train.step import value_and_grad
 
@@ -392,9 +392,8 @@ def test_init_from_refuses_data_of_another_tokenizer(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert "was tokenized with bytes, not with --init-from" in err[0] and "tokenizer.json (sha256 " in err[0], err
-    from jaxring.models.gpt_train import check_data_tokenizer
-
     from jaxring.data import open_token_data
+    from jaxring.models.gpt_train import check_data_tokenizer
     from jaxring.run.spec import RunSpec
 
     (tmp_path / "docs.jsonl").write_text(

@@ -8,10 +8,10 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from jaxring.models import hf, hf_export
 
 import jaxring
 from jaxring.eval.loading import load_model
+from jaxring.models import hf, hf_export
 from jaxring.parallel.plan import ParallelPlan
 
 

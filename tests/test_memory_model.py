@@ -12,9 +12,9 @@ import json
 
 import jax
 import pytest
-from jaxring.models import gpt
 
 from jaxring.aot.train_step import compile_train_step
+from jaxring.models import gpt
 from jaxring.planner import cost_model as cost
 from jaxring.planner.params import param_leaves
 from jaxring.planner.space import Candidate, Workload

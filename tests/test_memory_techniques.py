@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jaxring.models import gpt
 
 import jaxring
 from jaxring.analysis import gpu
 from jaxring.analysis.compiled import host_memory_traffic
+from jaxring.models import gpt
 from jaxring.nn import param_placements
 from jaxring.train.step import TrainStep, value_and_grad
 

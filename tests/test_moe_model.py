@@ -7,9 +7,9 @@ import json
 import jax
 import numpy as np
 import pytest
-from jaxring.models import gpt
 
 import train as cli
+from jaxring.models import gpt
 
 COMMON = [
     "--preset",

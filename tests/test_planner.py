@@ -14,10 +14,10 @@ import math
 
 import jax
 import pytest
-from jaxring.models import dit, gpt
 
 from jaxring.analysis.axis_traffic import axis_traffic
 from jaxring.aot.train_step import compile_train_step
+from jaxring.models import dit, gpt
 from jaxring.planner import Cluster, NoPlanError, Workload, search
 from jaxring.planner import cost_model as cost
 from jaxring.planner.__main__ import main as planner_main

@@ -122,7 +122,6 @@ def test_the_new_strategy_is_a_flag_a_yaml_key_a_plan_and_trains(mine, tmp_path)
 
 def test_the_planner_prices_and_ranks_the_new_strategy(mine):
     from jaxring.models import gpt
-
     from jaxring.planner import Candidate, Cluster, Workload, evaluate, search
     from jaxring.planner import cost_model as cost
 

@@ -253,9 +253,9 @@ def _remat_step_programs(mesh_degrees, **plan_options):
     """{remat: the compiled gradient path of a 4-layer tiny GPT's train step} for none/selective/full."""
     import jax.numpy as jnp
     from flax import nnx
-    from jaxring.models import gpt
 
     import jaxring
+    from jaxring.models import gpt
     from jaxring.nn import param_placements
     from jaxring.parallel.plan import ParallelPlan
     from jaxring.train.step import TrainStep

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
-from jaxring.models import gpt
 
 import jaxring
 from jaxring.analysis.compiled import collective_traffic
+from jaxring.models import gpt
 from jaxring.nn import param_placements
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.train.step import TrainStep

@@ -30,9 +30,9 @@ import numpy as np
 from flax import nnx
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import SingleDeviceSharding
-from jaxring.models.gpt import GPT, GPTConfig
 
 from jaxring.core.mesh import make_mesh
+from jaxring.models.gpt import GPT, GPTConfig
 from jaxring.nn import Layers, param_shardings, weight_specs
 from jaxring.parallel.plan import ParallelPlan
 

@@ -1003,9 +1003,9 @@ if P >= 4:
 import re
 
 import optax
-from jaxring.models import gpt
 
 from jaxring.analysis.compiled import collective_traffic
+from jaxring.models import gpt
 from jaxring.train.step import TrainStep
 
 ZERO_N = P

@@ -208,8 +208,8 @@ for label in ("B", "C", "D"):
 
 # %%
 from flax import nnx
-from jaxring.models.generate import generate
 
+from jaxring.models.generate import generate
 from jaxring.parallel.plan import ParallelPlan
 
 one_device = ParallelPlan(jaxring.make_mesh(devices=use[:1]))

@@ -49,8 +49,8 @@ print("devices:", describe_devices(devices), "| FAST mode" if FAST else "")
 import jax
 import matplotlib.pyplot as plt
 import numpy as np
-from jaxring.models import dit
 
+from jaxring.models import dit
 from jaxring.run.spec import RunSpec
 from jaxring.train.loop import Trainer
 

@@ -288,8 +288,8 @@ for label in RUNS:
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jaxring.models import gpt
 
+from jaxring.models import gpt
 from jaxring.nn import param_placements
 from jaxring.parallel.pipeline.traffic import stage_link_bytes
 from jaxring.parallel.plan import ParallelPlan

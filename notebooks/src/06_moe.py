@@ -69,9 +69,9 @@ import tempfile
 
 import matplotlib.pyplot as plt
 import numpy as np
-from jaxring.models import gpt
 from matplotlib.ticker import MaxNLocator
 
+from jaxring.models import gpt
 from jaxring.run.spec import RunSpec
 from jaxring.train.loop import train
 

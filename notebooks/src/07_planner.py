@@ -125,10 +125,9 @@ except NoPlanError as e:
 # %%
 import dataclasses
 
-from jaxring.models import gpt
-
 from jaxring.analysis.axis_traffic import axis_traffic
 from jaxring.aot.train_step import compile_train_step
+from jaxring.models import gpt
 from jaxring.planner import cost_model as cost
 from jaxring.planner.params import param_leaves
 
