@@ -12,7 +12,7 @@ matmul: E_local times the FLOPs and an [rows, E_local*hidden] temporary). Simula
 host's cores: read the times as relative, for this host.
 
 --scope model: the whole GPT train step as `train.py --preset P --ep E --dp 8/E` runs it (forward, backward,
-gradient reduction, clipping, AdamW; `jaxring.train.Trainer`), for "tiny-moe" (the preset: 2 layers, hidden 64,
+gradient reduction, clipping, AdamW; `jaxring.train.trainer.Trainer`), for "tiny-moe" (the preset: 2 layers, hidden 64,
 8 experts top-2 of ffn 128, SwiGLU; batch 8 x seq 128) and "mid-moe" (2 layers, hidden 256, 8 heads, 16 experts
 top-2 of ffn 512, SwiGLU: the block benchmark's "mid" experts in a GPT; batch 16 x seq 256), fp32. Per row:
 compiled peak/temp/argument bytes per device, all-to-all bytes per device per step and the formula (per MoE

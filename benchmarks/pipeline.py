@@ -20,7 +20,7 @@ reflects total work and overhead, not the bubble; the bubble is what the simulat
 show.
 
 --model gpt: the whole GPT train step as `train.py --pp P --dp D --pipeline-schedule S --microbatches m` runs it
-(forward, backward, gradient reduction, clipping, AdamW; `jaxring.train.Trainer`): the tiny preset with 8 layers
+(forward, backward, gradient reduction, clipping, AdamW; `jaxring.train.trainer.Trainer`): the tiny preset with 8 layers
 (hidden 128, 8 heads, ffn 512, byte vocabulary, RoPE), seq 128, fp32, a micro-batch of --gpt-micro-batch
 sequences (split over dp), m micro-batches a step; the reference is dp=8 with the same micro-batches as gradient
 accumulation (--grad-accum m). Memory and stage-link bytes are read from the compiled step; tokens/s is the

@@ -493,7 +493,7 @@ def sample(
     params = jax.device_put(
         nnx.to_pure_dict(state), jax.tree.map(lambda s: plan.sharding(s), specs, is_leaf=lambda x: isinstance(x, P))
     )
-    step = _euler_step(graphdef, plan, guided, jnp.dtype(dtype), _freeze(specs))
+    step = euler_step(graphdef, plan, guided, jnp.dtype(dtype), freeze_specs(specs))
     x = _noise(plan, (b, cfg.image_size, cfg.image_size, cfg.channels))(key)
     labels = jax.device_put(jnp.asarray(labels, jnp.int32), plan.sharding(plan.batch_spec()))
     ts = np.linspace(1.0, 0.0, num_steps + 1, dtype=np.float32)
@@ -503,7 +503,8 @@ def sample(
     return jnp.clip(x, -1.0, 1.0)
 
 
-def _freeze(tree):
+def freeze_specs(tree):
+    """A tree of PartitionSpecs as a hashable tuple of (path, spec): a static argument of `euler_step`."""
     return tuple(jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, P))[0])
 
 
@@ -549,7 +550,7 @@ def velocity_fn(graphdef, plan: ParallelPlan, dtype, specs):
 
 
 @functools.lru_cache(maxsize=32)
-def _euler_step(graphdef, plan: ParallelPlan, guided: bool, dtype, frozen_specs):
+def euler_step(graphdef, plan: ParallelPlan, guided: bool, dtype, frozen_specs):
     """jit(params, x_t, t, dt, labels, cfg_scale) → x_{t−dt} = x_t − dt · v (guided: v from both label sets)."""
     velocity = velocity_fn(graphdef, plan, dtype, _thaw(frozen_specs))
 

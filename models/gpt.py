@@ -9,7 +9,7 @@ not part of the model: every call takes a `ParallelPlan`, so the same parameters
 with a KV cache sharded over the plan is `jaxring.models.generate.generate(model, plan, prompts, max_new_tokens)`.
 
     model = GPT(PRESETS["tiny"], rngs=nnx.Rngs(0))
-    trainer = jaxring.train.Trainer(...)                    # or, inside plan.shard_map on local shards:
+    trainer = jaxring.train.trainer.Trainer(...)            # or, inside plan.shard_map on local shards:
     losses = model.token_losses(tokens, targets, positions, plan, Layers.of(model.blocks))
 """
 

@@ -16,10 +16,10 @@ from jaxring.models.dit import (
     DiT,
     DiTConfig,
     FlowMatchingObjective,
-    _euler_step,
-    _freeze,
     check_plan,
+    euler_step,
     flow_matching_inputs,
+    freeze_specs,
     get_config,
     patchify,
     pos_embed_2d,
@@ -248,8 +248,8 @@ def test_sample_is_euler_with_guidance(setup):
     plan = ParallelPlan(jaxring.make_mesh(sp=8), attention="ring")
     labels, key, scale = np.array([0, 3, 9, 10]), jax.random.PRNGKey(11), 3.0
     out = sample(model, plan, labels, key, num_steps=2, cfg_scale=scale)
-    specs = _freeze(weight_specs(nnx.state(model), plan))
-    assert _euler_step(nnx.graphdef(model), plan, True, jnp.dtype(jnp.float32), specs)._cache_size() == 1
+    specs = freeze_specs(weight_specs(nnx.state(model), plan))
+    assert euler_step(nnx.graphdef(model), plan, True, jnp.dtype(jnp.float32), specs)._cache_size() == 1
     assert out.shape == (4, 16, 16, 1) and out.dtype == jnp.float32
     assert np.isfinite(np.asarray(out)).all() and float(jnp.abs(out).max()) <= 1.0
 

@@ -193,7 +193,7 @@ def test_sharded_load_reads_runs_of_rows_and_keeps_no_file_mapped(monkeypatch):
     monkeypatch.setattr(hf, "READ_BYTES", 1024)
     monkeypatch.setattr("safetensors.safe_open", Counted)
     sharded, _ = hf.load_pretrained(src, plan_of(devices=8, dp=8, zero=3))
-    tensors = len(hf._Files(src).weight_map)
+    tensors = len(hf.CheckpointFiles(src).weight_map)
     assert len(opened) == len(closed) > 4 * 8 * tensors, (len(opened), len(closed))  # many runs, each map closed
     for a, b in zip(jax.tree.leaves(nnx_pure(whole)), jax.tree.leaves(nnx_pure(sharded))):
         assert len(b.sharding.device_set) == 8

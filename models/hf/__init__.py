@@ -251,7 +251,7 @@ def abstract_model(cfg: GPTConfig):
 READ_BYTES = 16 * 2**20  # file bytes per read: loading holds the parameters' shards plus one such run
 
 
-class _Files:
+class CheckpointFiles:
     """The safetensors files of a checkpoint directory: which file holds each tensor, their dtypes and shapes
     (from the headers), and reads of a block of a tensor. Each read maps its file only while it copies one run
     of rows (at most READ_BYTES): a device's block strided across a tensor (ZeRO shards the hidden dim, the
@@ -316,7 +316,9 @@ class _Files:
                 raise CheckpointError(f"{file}: tensor {name} unreadable ({e})") from None
 
 
-def _read_block(files: _Files, pattern: str, transposed: bool, stacked: bool, index: tuple, dtype) -> np.ndarray:
+def _read_block(
+    files: CheckpointFiles, pattern: str, transposed: bool, stacked: bool, index: tuple, dtype
+) -> np.ndarray:
     """Our parameter's block `index` (explicit slices of our layout) read from the HF tensors."""
     inner = index[1:] if stacked else index
     hf_index = tuple(reversed(inner)) if transposed else tuple(inner)
@@ -328,7 +330,7 @@ def _read_block(files: _Files, pattern: str, transposed: bool, stacked: bool, in
     return out
 
 
-def _check_tensor(files: _Files, name: str, want: tuple):
+def _check_tensor(files: CheckpointFiles, name: str, want: tuple):
     dtype, shape, file = files.info(name)
     if dtype not in FLOAT_DTYPES:
         raise CheckpointError(f"{file}: tensor {name} has dtype {dtype}; expected one of {', '.join(FLOAT_DTYPES)}")
@@ -390,7 +392,7 @@ def load_pretrained(
     tokenizer = os.path.join(path, TOKENIZER)
     if os.path.exists(tokenizer):
         check_tokenizer(tokenizer, cfg.vocab_size, os.path.join(path, CONFIG))
-    files = _Files(path)
+    files = CheckpointFiles(path)
     dtype = jnp.dtype(dtype or jnp.float32)
     graphdef, state = abstract_model(cfg)
     if plan is None:
