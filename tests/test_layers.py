@@ -62,8 +62,8 @@ def test_pyproject_lists_every_package():
     """pyproject.toml lists the packages by name (the models/ folder's mapping needs it): none may be missing."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(config["packages"])
-    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "jaxring").rglob("__init__.py")} | {
-        "jaxring.models"
-    }
+    library = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "jaxring").rglob("__init__.py")}
+    models = {".".join(("jaxring", *p.parent.relative_to(ROOT).parts)) for p in (ROOT / "models").rglob("__init__.py")}
+    folders = library | models
     assert listed == folders, (sorted(listed - folders), sorted(folders - listed))
     assert config["package-dir"] == {"jaxring.models": "models"}
