@@ -26,8 +26,8 @@ import numpy as np
 
 from jaxring.analysis.records import benchmark_record, save_record
 from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
-from jaxring.data import PackedBatches, StepBatches, prepare, split_documents
-from jaxring.data.store import bundled_store
+from jaxring.data.loader import PackedBatches, StepBatches, split_documents
+from jaxring.data.store import bundled_store, prepare
 
 
 def train_bpe(texts, path: str, vocab: int = 4096) -> str:

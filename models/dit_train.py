@@ -16,7 +16,8 @@ import numpy as np
 from flax import nnx
 
 from jaxring.core.mesh import make_mesh
-from jaxring.data import ImageBatches, global_array, host_rows, load_images, to_one_device
+from jaxring.data.hosts import global_array, host_rows, to_one_device
+from jaxring.data.sources import ImageBatches, load_images
 from jaxring.models import dit
 from jaxring.parallel.cost_terms import WorkloadTerms
 from jaxring.parallel.plan import ParallelPlan

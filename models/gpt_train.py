@@ -15,8 +15,10 @@ import numpy as np
 from flax import nnx
 
 from jaxring.core.mesh import make_mesh
-from jaxring.data import StepBatches, global_array, host_rows, load_tokenizer, open_token_data, to_one_device
-from jaxring.data.token_data import is_token_file
+from jaxring.data.hosts import global_array, host_rows, to_one_device
+from jaxring.data.loader import StepBatches
+from jaxring.data.token_data import is_token_file, open_token_data
+from jaxring.data.tokenizer import load_tokenizer
 from jaxring.models import gpt, gpt_eval, hf
 from jaxring.models.generate import generate
 from jaxring.parallel.plan import ParallelPlan

@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxring.data import PackedBatches, check_batch, open_store, prepare, split_documents
 from jaxring.data.__main__ import main as data_main
-from jaxring.data.store import DocumentStore, bundled_store, cache_dir
+from jaxring.data.loader import PackedBatches, split_documents
+from jaxring.data.packing import check_batch
+from jaxring.data.store import DocumentStore, bundled_store, cache_dir, open_store, prepare
 from jaxring.data.tokenizer import load_tokenizer
 
 TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld ünïcode ✓\n", "a" * 300, "import os\nprint(os.sep)\n"]

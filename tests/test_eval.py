@@ -168,7 +168,7 @@ def test_teacher_forced_argmax_is_greedy_decoding():
 
 
 def test_needle_sequence_places_the_key():
-    tok = jaxring.data.load_tokenizer("bytes")
+    tok = jaxring.data.tokenizer.load_tokenizer("bytes")
     for depth in (0.0, 0.5, 1.0):
         ids, n = needle.sequence(tok, 200, depth, 12345)
         text = tok.decode(ids)

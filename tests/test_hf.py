@@ -392,7 +392,7 @@ def test_init_from_refuses_data_of_another_tokenizer(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert "was tokenized with bytes, not with --init-from" in err[0] and "tokenizer.json (sha256 " in err[0], err
-    from jaxring.data import open_token_data
+    from jaxring.data.token_data import open_token_data
     from jaxring.models.gpt_train import check_data_tokenizer
     from jaxring.run.spec import RunSpec
 

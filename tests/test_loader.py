@@ -8,8 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxring.data import PackedBatches, StepBatches, split_documents
-from jaxring.data.loader import DocumentOrder, held_out
+from jaxring.data.loader import DocumentOrder, PackedBatches, StepBatches, held_out, split_documents
 from jaxring.data.store import DocumentStore
 from jaxring.data.tokenizer import load_tokenizer
 
@@ -233,8 +232,8 @@ def test_kill_and_resume_from_a_store_is_bit_exact(tmp_path, monkeypatch):
     for bit); the resumed run continues from the saved data position (it never seeks)."""
     from test_train import run
 
-    from jaxring.data import StepBatches as SB
-    from jaxring.data import prepare
+    from jaxring.data.loader import StepBatches as SB
+    from jaxring.data.store import prepare
     from jaxring.train.checkpoint import Checkpointer
 
     texts = tmp_path / "texts"

@@ -16,7 +16,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxring.data import load_tokenizer
+from jaxring.data.tokenizer import load_tokenizer
 from jaxring.nn import param_shardings
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.run.task import ModelFamily, model_family

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxring.data import Tokenizer
+from jaxring.data.tokenizer import Tokenizer
 from jaxring.eval.loading import LoadedModel, check_tokenizer_fits
 from jaxring.eval.scoring import check_context, token_scores
 from jaxring.parallel.plan import ParallelPlan

@@ -17,7 +17,9 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from jaxring.data import StepBatches, Tokenizer, open_token_data
+from jaxring.data.loader import StepBatches
+from jaxring.data.token_data import open_token_data
+from jaxring.data.tokenizer import Tokenizer
 from jaxring.eval.loading import LoadedModel
 from jaxring.eval.scoring import check_context, token_scores
 from jaxring.parallel.plan import ParallelPlan
