@@ -18,6 +18,7 @@ import sys
 
 import jax
 
+from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 from jaxring.core.mesh import make_mesh
 from jaxring.data.tokenizer import tokenizer_file
 from jaxring.eval import loading
@@ -92,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("float32", "bfloat16", "float16"),
         help="the tensors' dtype (default: bfloat16 for a run in --precision bf16, else the parameters' own)",
     )
+    s.add_argument(
+        "--cpu-devices", type=int, default=8, help="simulated CPU devices when there is no accelerator (train.py's)"
+    )
     s.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return p
 
@@ -99,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        use_cpu_devices_if_no_accelerator(args.cpu_devices)  # the devices every entry point sets up
         step, files = export(args.checkpoint, args.out, args.step, args.dtype)
     except (ValueError, FileNotFoundError) as e:  # jaxring.models.hf.CheckpointError is a ValueError
         if args.debug:

@@ -3,9 +3,10 @@
 
 The commands run in README order in one working directory, as a reader would type them (`--config run.yaml`
 reads the file the `--print-config ... > run.yaml` before it wrote; `--resume` continues the checkpoint the
-command before it saved). `python train.py` runs in this process through `train.main` with its steps cut to
-two (four after a resume), a smaller model, no sample or held-out loss, and its outputs in a temporary
-directory; `python -m jaxring.demo` at a short sequence; `python -m jaxring.data prepare` with one worker, on
+command before it saved). Each runs in a child process with a fresh shell's environment (no XLA device flags,
+no JAX platform: `clean_environment`), so it sets up its own devices as it would for a reader; each is shortened
+only in sizes: `python train.py` with its steps cut to two (four after a resume), a smaller model, no sample or
+held-out loss, and its outputs in a temporary directory; `python -m jaxring.demo` at a short sequence; `python -m jaxring.data prepare` with one worker, on
 a `corpus.jsonl` and a `path/to/tokenizer.json` this file writes first (the reader's own files in the README);
 `python -m jaxring.planner` as shown (it runs nothing); `python -m jaxring.eval` on one 64-token batch or one
 96-token needle length; `python -m jaxring.models.hf export` on the newest step (the shortened run saved only its last).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import pathlib
 import re
 import shlex
@@ -167,49 +169,58 @@ def _params():
     return out
 
 
+def clean_environment() -> dict[str, str]:
+    """A fresh shell's environment: none of the test process's JAX or XLA settings (its 8 simulated devices, its
+    platform), so a command that does not set up its own devices fails here as it would for a reader. The one
+    flag kept is XLA:CPU's backend optimisation level 0 (tests/conftest.py: compile time only, the same
+    programs and results), which says nothing about devices."""
+    keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER", "VIRTUAL_ENV", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+    env = {name: os.environ[name] for name in keep if name in os.environ}
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    return env
+
+
+def child_argv(words: list[str], workdir: pathlib.Path, index: int) -> list[str]:
+    """The README command's arguments for the child's `python`, shortened only in sizes (steps, model,
+    sequence, batches, workers)."""
+    if words[:2] == ["python", "train.py"]:
+        return [str(ROOT / "train.py"), *shortened(words[2:], workdir / f"out{index}")]
+    module, args = (words[2], words[3:]) if words[:2] == ["python", "-m"] and len(words) > 2 else (None, [])
+    if module == "jaxring.demo":
+        return ["-m", module, *args, "--seq", "256", "--runs", "1"]
+    if module == "jaxring.data":
+        return ["-m", module, *args, "--workers", "1", "--no-progress"]  # 1 worker: CI has 2 cores
+    if module == "jaxring.eval":
+        return ["-m", module, *eval_shortened(args)]
+    if module == "jaxring.models.hf" and args[:1] == ["export"]:
+        return ["-m", module, *hf_export_shortened(args)]
+    if module == "jaxring.planner":
+        return ["-m", module, *args]
+    pytest.fail(f"tests/test_readme.py does not know how to run the README command {shlex.join(words)!r}: teach it")
+
+
 @pytest.mark.parametrize("index,command", _params())
-def test_readme_command_runs(index, command, workdir, monkeypatch, capsys):
-    monkeypatch.chdir(workdir)
+def test_readme_command_runs(index, command, workdir):
+    """The command runs as a reader types it: `python ...` in a child process, in the working directory of the
+    README's earlier commands, with a fresh shell's environment."""
     words = shlex.split(command)
     redirect = None
     if ">" in words:  # `... > FILE`: the command's stdout goes to FILE
         at = words.index(">")
         words, redirect = words[:at], words[at + 1]
-    if words[:2] == ["python", "train.py"]:
-        argv = shortened(words[2:], workdir / f"out{index}")
-        if "--config" in argv:
-            path = _flag(argv, "--config", "")
-            assert (workdir / path).is_file(), f"{path} is written by a README command before this one"
-        if "--resume" in argv:
-            ckpt = _flag(argv, "--checkpoint-dir", "")
-            assert (workdir / ckpt).is_dir(), f"{ckpt}/ is written by a README command before this one"
-        code = _exit_code(_train_module().main, argv)
-    elif words[:3] == ["python", "-m", "jaxring.demo"]:
-        from jaxring import demo
-
-        code = _exit_code(demo.main, words[3:] + ["--seq", "256", "--runs", "1"])
-    elif words[:3] == ["python", "-m", "jaxring.data"]:
-        from jaxring.data.__main__ import main as data_main
-
-        code = _exit_code(data_main, words[3:] + ["--workers", "1", "--no-progress"])  # 1 worker: CI has 2 cores
-    elif words[:3] == ["python", "-m", "jaxring.eval"]:
-        from jaxring.eval.cli import main as eval_main
-
-        code = _exit_code(eval_main, eval_shortened(words[3:]))
-    elif words[:4] == ["python", "-m", "jaxring.models.hf", "export"]:
-        from jaxring.models.hf_export import main as hf_main
-
-        code = _exit_code(hf_main, hf_export_shortened(words[3:]))
-    elif words[:3] == ["python", "-m", "jaxring.planner"]:
-        from jaxring.planner.__main__ import main as planner_main
-
-        code = _exit_code(planner_main, words[3:])
-    else:
-        pytest.fail(f"tests/test_readme.py does not know how to run the README command {command!r}: teach it")
-    out, err = capsys.readouterr()
-    assert code == 0, f"{command!r} exited with {code}:\n{err[-3000:]}"
+    argv = child_argv(words, workdir, index)
+    if "--config" in argv:
+        path = _flag(argv, "--config", "")
+        assert (workdir / path).is_file(), f"{path} is written by a README command before this one"
+    if "--resume" in argv:
+        ckpt = _flag(argv, "--checkpoint-dir", "")
+        assert (workdir / ckpt).is_dir(), f"{ckpt}/ is written by a README command before this one"
+    result = subprocess.run(
+        [sys.executable, *argv], cwd=workdir, env=clean_environment(), capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, f"{command!r} exited with {result.returncode}:\n{result.stderr[-3000:]}"
     if redirect is not None:
-        (workdir / redirect).write_text(out)
+        (workdir / redirect).write_text(result.stdout)
 
 
 def _exit_code(main, argv) -> int:

@@ -17,9 +17,9 @@ import json
 import os
 import sys
 
-import jax
 from tqdm.auto import tqdm
 
+from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 from jaxring.eval import loading, needle, perplexity, plots
 from jaxring.run.cli import EXIT_USER_ERROR, parse_command_line
 from jaxring.run.spec import RunSpec
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, spec: RunSpec) -> int:
     if args.command == "needle":  # said before anything loads
         needle.check_depths(args.depths)
-    devices = jax.devices()
+    devices = use_cpu_devices_if_no_accelerator(spec.cluster.cpu_devices)  # as train.py: --cpu-devices
     spec = spec.resolved(len(devices))
     plan = spec.plan(devices)
     overrides = dict(model_family(args.model).parse_override(item) for item in args.override)
