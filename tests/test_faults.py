@@ -570,3 +570,14 @@ def test_wandb_offline(tmp_path, monkeypatch):
     history, _ = _run(steps=2, wandb="jaxring-test", out_dir=str(tmp_path / "out"))
     assert len(history) == 2
     assert list((tmp_path / "out").rglob("*.wandb"))
+
+
+def test_resume_after_a_killed_first_save_logs_no_step_twice(tmp_path):
+    """kill -9 during the first save leaves the steps logged before it and no step: the resumed run starts at
+    step 0 and must drop those rows, not append a second step 1 (as it did)."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in (1, 2)) + '{"step": 3, "lo')
+    (tmp_path / "ck").mkdir()  # (the killed save left no step)
+    _, lines = _run(steps=2, checkpoint_dir=str(tmp_path / "ck"), resume=True, metrics_file=str(metrics))
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]
+    assert any(line.startswith("dropped 3 rows after step 0 from ") for line in lines), lines

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import hashlib
 import json
 import logging
@@ -79,10 +80,12 @@ class _Noise:
 
     * its (absl) log lines below CRITICAL: a failed background save logs the same traceback from several
       threads; the Checkpointer reports the failure itself, in one line;
-    * one kind of unraisable error: when orbax gives up reading a damaged step, tensorstore still completes
-      the step's other pending reads and calls back into orbax's already closed asyncio loop, which prints a
-      "RuntimeError: Event loop is closed" traceback per array. Every other unraisable error goes to the
-      hook that was there before.
+    * two kinds of unraisable error, both left behind when orbax gives up reading a damaged step (which the
+      Checkpointer reports in one line): tensorstore still completes the step's other pending reads and calls
+      back into orbax's already closed asyncio loop ("RuntimeError: Event loop is closed", a traceback per
+      array), and orbax's abandoned read coroutines, when collected, raise their own read errors ("Exception
+      ignored in: <coroutine object _read_array_index_and_device_put>", a 60-line TensorStore spec each).
+      Every other unraisable error goes to the hook that was there before.
     """
 
     def __init__(self):
@@ -96,6 +99,8 @@ class _Noise:
             e = unraisable.exc_value
             if isinstance(e, RuntimeError) and str(e) == "Event loop is closed":
                 return
+            if _is_orbax_coroutine(unraisable.object):
+                return
             previous(unraisable)
 
         self.hook = hook
@@ -105,6 +110,12 @@ class _Noise:
         self.logger.setLevel(self.level)
         if sys.unraisablehook is self.hook:  # (another hook installed since stays)
             sys.unraisablehook = self.previous_hook
+
+
+def _is_orbax_coroutine(obj: Any) -> bool:
+    """Whether `obj` is a coroutine of orbax's own code (one it abandoned when a read failed)."""
+    code = getattr(obj, "cr_code", None)
+    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
 
 
 def _join_orbax_threads(timeout_s: float = 60.0) -> None:
@@ -525,6 +536,7 @@ class Checkpointer:
             error = None
         except Exception as e:
             restored, error = None, e
+            gc.collect()  # orbax's abandoned reads are finalised now, while `_Noise` keeps them quiet
         if not all_processes_agree(error is None):
             detail = _one_line(error) if error is not None else "another process could not read its shards"
             raise DamagedCheckpointError(f"{where}: cannot read its arrays ({detail})") from error

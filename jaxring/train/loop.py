@@ -364,7 +364,8 @@ def _save(
 
 
 def _resume(spec: RunSpec, trainer: Trainer, ckpt: Checkpointer, guard: DivergenceGuard, say: Callable[..., object]):
-    if not ckpt.all_steps():
+    if not ckpt.all_steps():  # (e.g. the first save was killed: the steps logged before it run again)
+        _drop_metrics_after(spec, 0, say)
         say(f"--resume: no checkpoint in {spec.checkpoint.checkpoint_dir} yet; starting from step 0")
         return
     step, _ = ckpt.newest_intact(lambda s: trainer.restore(ckpt, s), report=say)
@@ -372,11 +373,16 @@ def _resume(spec: RunSpec, trainer: Trainer, ckpt: Checkpointer, guard: Divergen
     guard.load_state_dict(saved.get("guard"))
     _restore_data_state(trainer, saved.get("data"), step, say)
     _warn_schedule(spec, saved.get("config") or {}, step, say)
+    _drop_metrics_after(spec, step, say)
+    say(f"resumed from {spec.checkpoint.checkpoint_dir} at step {trainer.step_count}")
+
+
+def _drop_metrics_after(spec: RunSpec, step: int, say: Callable[..., object]) -> None:
+    """The metrics file's rows after `step` removed: those steps run again, and no step is logged twice."""
     if jax.process_index() == 0:
         dropped = drop_rows_after(spec.output.metrics_path(), step)
         if dropped:
             say(f"dropped {dropped} rows after step {step} from {spec.output.metrics_path()} (those steps run again)")
-    say(f"resumed from {spec.checkpoint.checkpoint_dir} at step {trainer.step_count}")
 
 
 # ---- the data loader's position (jaxring.data): a JSON dict in the checkpoint's metadata, under "data". A task
