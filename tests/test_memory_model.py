@@ -129,6 +129,45 @@ def test_a_run_that_cannot_fit_stops_in_one_line_before_compiling(capsys, tmp_pa
     assert not (tmp_path / "run.yaml").exists()  # stopped before building the run
 
 
+@pytest.mark.parametrize("argv", [["--seq-len", "65536", "--batch-size", "4096"], ["--seq-len", "1000000000"]])
+def test_simulated_devices_that_cannot_share_the_host_stop_in_one_line(argv, tmp_path):
+    """Simulated CPU devices share the host's memory: a run whose estimates together exceed it stops before
+    compiling, in one line (exit 2), as train.py is typed: before, XLA compiled it and the kernel's
+    out-of-memory killer ended it without a message."""
+    import subprocess
+    import sys
+
+    from test_readme import ROOT, clean_environment
+
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *argv, "--out-dir", str(tmp_path)],
+        env=clean_environment(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.count("\n") == 1 and "x 8 simulated CPU devices = " in run.stderr, run.stderr
+    assert "GiB of this machine's memory, which they share; " in run.stderr
+    assert "--sp" not in run.stderr.split("; ", 1)[1]  # (more simulated devices do not add memory)
+    assert not (tmp_path / "run.yaml").exists()
+
+
+def test_host_memory_gib_is_the_shared_budget(capsys, tmp_path, monkeypatch):
+    import train as cli
+    from jaxring.core import host
+
+    assert cli.main(["--host-memory-gib", "0.01", "--steps", "1", "--out-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "x 8 simulated CPU devices" in err and "above the 0.01 GiB of --host-memory-gib" in err, err
+    limit = tmp_path / "memory.max"  # a container's limit below the physical memory is the one that counts
+    limit.write_text("1048576\n")
+    monkeypatch.setattr(host, "CGROUP_LIMITS", (str(tmp_path / "none"), str(limit)))
+    assert host.machine_memory_bytes() == 1 << 20
+    limit.write_text("max\n")
+    assert host.machine_memory_bytes() > 1 << 20
+
+
 def test_the_header_shows_the_estimate_and_a_run_that_fits_trains(tmp_path):
     from jaxring.run.spec import RunSpec
     from jaxring.train.loop import train

@@ -6,10 +6,11 @@
 The estimate is `jaxring.planner.cost_model.memory` of the run's own plan (the spec's mesh, strategies, remat, tiles,
 offload, micro-batching) for the run's model: per device, the stored state plus the larger of the backward's
 and the update's peak (see `cost_model.Memory`). It is compared with the device memory: --device-memory-gib when
-given, else the accelerator's own (`memory_stats()["bytes_limit"]`); simulated CPU devices have none, so a CPU
-run is checked only with --device-memory-gib. A run that does not fit stops before compiling, in one line
-naming the estimate, the budget and the first setting change (--remat full, --loss-tile, --mlp-tile, larger
-sp) that the estimate says would fit.
+given, else the accelerator's own (`memory_stats()["bytes_limit"]`). Simulated CPU devices have no memory of
+their own: they share the host's, so their estimates together are checked against --host-memory-gib, else the
+machine's memory (`jaxring.core.host`; instead of the kernel's out-of-memory killer after compiling). A run that
+does not fit stops before compiling, in one line naming the estimate, the budget and the first setting change
+(--remat full, --loss-tile, --mlp-tile, larger sp) that the estimate says would fit.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import jax
+
+from jaxring.core.host import machine_memory_bytes
 from jaxring.planner import cost_model
 from jaxring.planner.cost_model import Memory
 from jaxring.planner.params import param_leaves
@@ -25,8 +29,6 @@ from jaxring.planner.space import Candidate, Workload
 from jaxring.run.task import model_family
 
 if TYPE_CHECKING:
-    import jax
-
     from jaxring.run.spec import RunSpec
 
 GIB = 2**30
@@ -139,8 +141,9 @@ def _remedies(spec: RunSpec, c: Candidate, w: Workload) -> list[tuple[str, Candi
     return out
 
 
-def advice(spec: RunSpec, devices: Sequence[jax.Device], budget: float) -> str:
-    """The first cumulative setting change whose estimate fits `budget`, as flags; else what is left."""
+def advice(spec: RunSpec, devices: Sequence[jax.Device], budget: float, shared_host: bool = False) -> str:
+    """The first cumulative setting change whose estimate fits `budget`, as flags; else what is left (more
+    devices too, unless `budget` is the devices' share of one host's memory)."""
     w, c = workload_of(spec), candidate_of(spec)
     cpu = _on_cpu(devices)
     flags = []
@@ -154,16 +157,40 @@ def advice(spec: RunSpec, devices: Sequence[jax.Device], budget: float) -> str:
         except ValueError:
             continue
     tried = f"even with {' '.join(flags)}; " if flags else ""
+    more = "" if shared_host else "a larger --sp (more devices) or --tp, "  # (more CPU devices: one memory still)
     return (
-        f"{tried}use a larger --sp (more devices) or --tp, a shorter --seq-len or a smaller --batch-size "
+        f"{tried}use {more}a shorter --seq-len or a smaller --batch-size "
         f"(now sp {spec.parallel.sp}, seq-len {w.seq_len}, batch {w.global_batch})"
     )
 
 
+def host_memory_bytes(spec: RunSpec) -> float | None:
+    """The host memory budget: --host-memory-gib, else this machine's (or container's) memory; None: unknown."""
+    given = spec.memory.host_memory_gib
+    return given * GIB if given is not None else machine_memory_bytes()
+
+
+def _check_host(spec: RunSpec, devices: Sequence[jax.Device], memory: Memory) -> None:
+    """DoesNotFit when simulated CPU devices, which share this host's memory, together need more than it has."""
+    local = sum(d.process_index == jax.process_index() for d in devices)
+    budget = host_memory_bytes(spec)
+    if budget is None or memory.total * local <= budget:
+        return
+    source = "--host-memory-gib" if spec.memory.host_memory_gib is not None else "this machine's memory"
+    raise DoesNotFit(
+        f"the run does not fit: estimated {memory.total / GIB:.2f} GiB per device x {local} simulated CPU devices "
+        f"= {memory.total * local / GIB:.2f} GiB, above the {budget / GIB:.2f} GiB of {source}, which they share; "
+        f"{advice(spec, devices, budget / local, shared_host=True)}"
+    )
+
+
 def check_fits(spec: RunSpec, devices: Sequence[jax.Device]) -> Memory | None:
-    """The estimate (None when there is none); DoesNotFit (one line) when it exceeds the device memory."""
+    """The estimate (None when there is none); DoesNotFit (one line) when it exceeds the device memory (or, for
+    simulated CPU devices, their share of the host's)."""
     memory = estimate(spec, devices)
     budget = device_memory_bytes(spec, devices)
+    if memory is not None and _on_cpu(devices) and (budget is None or memory.total <= budget):
+        _check_host(spec, devices, memory)
     if memory is None or budget is None or memory.total <= budget:
         return memory
     source = "--device-memory-gib" if spec.memory.device_memory_gib is not None else devices[0].device_kind

@@ -178,7 +178,13 @@ class MemorySettings:
     device_memory_gib: float | None = setting(
         None,
         "memory per device (GiB) the run's estimated memory is checked against before compiling (default: the "
-        "accelerator's own; simulated CPU devices: no check)",
+        "accelerator's own; simulated CPU devices: their share of --host-memory-gib)",
+        rule="float>0",
+    )
+    host_memory_gib: float | None = setting(
+        None,
+        "host memory (GiB) the run may use: simulated CPU devices share it, so their estimated memory together is "
+        "checked against it before compiling (default: this machine's memory, or its container's limit)",
         rule="float>0",
     )
 
