@@ -160,6 +160,18 @@ def test_host_memory_gib_is_the_shared_budget(capsys, tmp_path, monkeypatch):
     assert cli.main(["--host-memory-gib", "0.01", "--steps", "1", "--out-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "x 8 simulated CPU devices" in err and "above the 0.01 GiB of --host-memory-gib" in err, err
+    from types import SimpleNamespace
+
+    from jaxring.planner import fit
+    from jaxring.run.spec import RunSpec
+
+    gpus = [SimpleNamespace(platform="gpu", process_index=0, device_kind="NVIDIA H100 80GB HBM3")] * 8
+    gib = 2**30
+    offloaded = cost.Memory(params=gib, optimizer=0, gradients=0, activations=0, working=0, update=0, host=40 * gib)
+    spec = RunSpec.of(offload="layer_inputs", remat="full")
+    fit._check_host(spec.updated(host_memory_gib=320.0), gpus, offloaded)  # 8 x 40 GiB offloaded fit in 320
+    with pytest.raises(fit.DoesNotFit, match=r"--offload layer_inputs keeps an estimated 40.00 GiB per device x 8 "):
+        fit._check_host(spec.updated(host_memory_gib=319.0), gpus, offloaded)
     limit = tmp_path / "memory.max"  # a container's limit below the physical memory is the one that counts
     limit.write_text("1048576\n")
     monkeypatch.setattr(host, "CGROUP_LIMITS", (str(tmp_path / "none"), str(limit)))

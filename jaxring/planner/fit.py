@@ -171,27 +171,38 @@ def host_memory_bytes(spec: RunSpec) -> float | None:
 
 
 def _check_host(spec: RunSpec, devices: Sequence[jax.Device], memory: Memory) -> None:
-    """DoesNotFit when simulated CPU devices, which share this host's memory, together need more than it has."""
+    """DoesNotFit when this host's devices together need more host memory than it has: simulated CPU devices keep
+    everything in it (their total and what offload moves), accelerators what host offload keeps there."""
     local = sum(d.process_index == jax.process_index() for d in devices)
+    cpu = _on_cpu(devices)
+    per_device = memory.total + memory.host if cpu else memory.host
     budget = host_memory_bytes(spec)
-    if budget is None or memory.total * local <= budget:
+    if budget is None or per_device * local <= budget:
         return
     source = "--host-memory-gib" if spec.memory.host_memory_gib is not None else "this machine's memory"
+    need = f"{per_device / GIB:.2f} GiB per device x {local} "
+    if cpu:
+        raise DoesNotFit(
+            f"the run does not fit: estimated {need}simulated CPU devices = {per_device * local / GIB:.2f} GiB, "
+            f"above the {budget / GIB:.2f} GiB of {source}, which they share; "
+            f"{advice(spec, devices, budget / local, shared_host=True)}"
+        )
     raise DoesNotFit(
-        f"the run does not fit: estimated {memory.total / GIB:.2f} GiB per device x {local} simulated CPU devices "
-        f"= {memory.total * local / GIB:.2f} GiB, above the {budget / GIB:.2f} GiB of {source}, which they share; "
-        f"{advice(spec, devices, budget / local, shared_host=True)}"
+        f"the run does not fit in host memory: --offload {spec.memory.offload} keeps an estimated {need}"
+        f"{devices[0].device_kind} devices = {per_device * local / GIB:.2f} GiB there, above the "
+        f"{budget / GIB:.2f} GiB of {source}; offload less, or use a shorter --seq-len or a smaller --batch-size"
     )
 
 
 def check_fits(spec: RunSpec, devices: Sequence[jax.Device]) -> Memory | None:
-    """The estimate (None when there is none); DoesNotFit (one line) when it exceeds the device memory (or, for
-    simulated CPU devices, their share of the host's)."""
+    """The estimate (None when there is none); DoesNotFit (one line) when it exceeds the device memory, or when
+    the host's devices together exceed the host's memory (`_check_host`)."""
     memory = estimate(spec, devices)
+    if memory is None:
+        return None
     budget = device_memory_bytes(spec, devices)
-    if memory is not None and _on_cpu(devices) and (budget is None or memory.total <= budget):
+    if budget is None or memory.total <= budget:
         _check_host(spec, devices, memory)
-    if memory is None or budget is None or memory.total <= budget:
         return memory
     source = "--device-memory-gib" if spec.memory.device_memory_gib is not None else devices[0].device_kind
     raise DoesNotFit(

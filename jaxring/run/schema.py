@@ -183,8 +183,9 @@ class MemorySettings:
     )
     host_memory_gib: float | None = setting(
         None,
-        "host memory (GiB) the run may use: simulated CPU devices share it, so their estimated memory together is "
-        "checked against it before compiling (default: this machine's memory, or its container's limit)",
+        "host memory (GiB) the run may use: simulated CPU devices share it, --offload keeps its buffers in it; "
+        "this host's devices' estimates together are checked against it before compiling (default: this "
+        "machine's memory, or its container's limit)",
         rule="float>0",
     )
 
