@@ -14,8 +14,8 @@ each run writes its resolved settings to OUT_DIR/run.yaml. Without an accelerato
 CPU devices are used (default 8). With no mesh flag the whole machine is one sequence-parallel ring.
 
 `--compile-for h100x8` (h200x8, h100x1, h200x1) compiles the run's step for that machine with no GPU (needs
-jax[cuda12]) and exits: its last line `fits: compiled X GiB per device, estimate Y GiB, budget Z GiB` (exit 0)
-or `does not fit: ...` (exit 3); with --plan auto, the planner's best plan for that machine that fits.
+jax[cuda12]) and exits: its last line `fits: compiled X GiB per device, estimate Y GiB, budget Z GiB; host memory
+...` (exit 0) or `does not fit: ...` (exit 3); with --plan auto, the planner's best plan for that machine that fits.
 
 Exit codes: 0 done; 2 a bad flag, config, data file, checkpoint or multi-host set-up (one line on stderr;
 --debug shows the traceback); 3 training diverged (see --on-divergence); 128 + N stopped by signal N

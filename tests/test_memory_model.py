@@ -214,9 +214,13 @@ def test_compile_for_without_the_cuda_plugin_is_one_line(capsys):
     assert "--compile-for h100x8" in err and "jax[cuda12]" in err
     assert cli.main(["--compile-for", "a100x3"]) == 2
     assert "expected one of h100x8, h200x8, h100x1" in capsys.readouterr().err
-    fits = Verdict("sp=8", 71.2 * GIB, 69.8 * GIB, 76.0 * GIB)
-    assert fits.line() == "fits: compiled 71.2 GiB per device, estimate 69.8 GiB, budget 76.0 GiB"
-    assert Verdict("sp=8", 80 * GIB, 79 * GIB, 76 * GIB).line().startswith("does not fit: compiled 80.0 GiB")
+    fits = Verdict("sp=8", 71.2 * GIB, 69.8 * GIB, 76.0 * GIB, 30 * GIB, 29.5 * GIB, 256 * GIB)
+    assert fits.line() == (
+        "fits: compiled 71.2 GiB per device, estimate 69.8 GiB, budget 76.0 GiB; "
+        "host memory 30.0 GiB per device, estimate 29.5 GiB, budget 256.0 GiB"
+    )
+    assert Verdict("sp=8", 80 * GIB, 79 * GIB, 76 * GIB, 0, 0, GIB).line().startswith("does not fit: compiled 80.0")
+    assert not Verdict("sp=8", 70 * GIB, 69 * GIB, 76 * GIB, 2 * GIB, 2 * GIB, GIB).fits  # the host's budget too
 
 
 LLAMA_4M = ["--preset", "llama3-8b", "--seq-len", "4194304", "--batch-size", "1", "--plan", "auto"]

@@ -2,14 +2,17 @@
 
     python train.py --preset 7b --seq-len 262144 --sp 8 --remat full --compile-for h100x8
     ...
-    fits: compiled 41.2 GiB per device, estimate 39.8 GiB, budget 67.1 GiB
+    fits: compiled 41.2 GiB per device, estimate 39.8 GiB, budget 67.1 GiB; host memory 0.000 GiB per device, ...
 
 The run's exact train step (`jaxring.aot.train_step.build_train_step`: the trainer's `TrainStep` with the
 run's plan, remat, offload, tiles, accumulation, precision and clipping; the attention's Pallas kernels) is
 compiled for the target's GPU topology without a GPU (deviceless AOT: `jaxring.analysis.gpu`), on abstract
 inputs: nothing is allocated. The last line compares the compiled program's memory per device (argument +
 output + temp - alias bytes of `memory_analysis()`) and the planner's estimate (`jaxring.planner.cost_model.memory`)
-with the budget: --device-memory-gib, else the device's memory times the planner's usable fraction (0.9).
+with the budget: --device-memory-gib, else the device's memory times the planner's usable fraction (0.9). Beside
+it, the host memory per device (what --offload keeps there: the compiled program's host bytes, and the
+estimate's) against the target's host budget: `HOST_GIB_PER_GPU` (a DGX node's share), or --host-memory-gib over
+the target's GPUs; a plan whose estimate exceeds it is refused before compiling.
 Exit 0 when it fits, 3 when not. With --plan auto, the planner's ranked plans for the target are compiled in
 order until one fits (at most `TRIES`).
 
@@ -30,7 +33,7 @@ from jaxring.aot.train_step import lower_train_step
 from jaxring.planner import cost_model
 from jaxring.planner.auto import held_settings
 from jaxring.planner.cluster import Cluster
-from jaxring.planner.fit import candidate_of, workload_of
+from jaxring.planner.fit import DoesNotFit, candidate_of, workload_of
 from jaxring.planner.params import param_leaves
 from jaxring.planner.search import search
 
@@ -43,6 +46,10 @@ TRIES = 3  # ranked plans compiled at most with --plan auto
 
 # target: (the GPU, how many); the GPU names a target config of jaxring.analysis.gpu and a planner device
 TARGETS = {"h100x8": ("h100", 8), "h200x8": ("h200", 8), "h100x1": ("h100", 1), "h200x1": ("h200", 1)}
+# Host memory per GPU of a target (--host-memory-gib overrides it for the whole target): a typical 8-GPU node,
+# NVIDIA's DGX H100 / DGX H200, has 2 TiB of system memory, 256 GiB per GPU; a one-GPU target gets one GPU's
+# share of such a node.
+HOST_GIB_PER_GPU = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,16 +60,20 @@ class Verdict:
     compiled: float
     estimate: float
     budget: float
+    host: float = 0.0  # host-memory bytes per device of the compiled program (what --offload keeps there)
+    host_estimate: float = 0.0
+    host_budget: float = float("inf")  # per device
 
     @property
     def fits(self) -> bool:
-        return self.compiled <= self.budget
+        return self.compiled <= self.budget and self.host <= self.host_budget
 
     def line(self) -> str:
         head = "fits" if self.fits else "does not fit"
         return (
             f"{head}: compiled {_gib(self.compiled)} GiB per device, estimate {_gib(self.estimate)} GiB, "
-            f"budget {_gib(self.budget)} GiB"
+            f"budget {_gib(self.budget)} GiB; host memory {_gib(self.host)} GiB per device, estimate "
+            f"{_gib(self.host_estimate)} GiB, budget {_gib(self.host_budget)} GiB"
         )
 
 
@@ -95,6 +106,20 @@ def budget_bytes(spec: RunSpec, gpu: str) -> float:
     return Cluster.of(gpu, 1).usable_memory
 
 
+def host_budget_bytes(spec: RunSpec, count: int) -> float:
+    """Host memory per GPU of a target: --host-memory-gib over its `count` GPUs, else `HOST_GIB_PER_GPU`."""
+    if spec.memory.host_memory_gib is not None:
+        return spec.memory.host_memory_gib * GIB / count
+    return HOST_GIB_PER_GPU * GIB
+
+
+def estimated_memory(spec: RunSpec, count: int) -> cost_model.Memory:
+    """The planner's estimate per device of the (unresolved) run on `count` GPUs."""
+    spec = spec.resolved(count)
+    w, c = workload_of(spec), candidate_of(spec)
+    return cost_model.memory(w, c, param_leaves(w.model, w.config, c.check(w)), cpu=False)
+
+
 def lowered_step(spec: RunSpec, devices: list) -> tuple[jax.stages.Lowered, float, str]:
     """(the lowered train step, its estimated bytes per device, the plan) of the resolved run on `devices`
     (abstract GPUs), with the flash kernels; nothing is allocated."""
@@ -122,16 +147,23 @@ def lowered_step(spec: RunSpec, devices: list) -> tuple[jax.stages.Lowered, floa
     return lowered, float(estimate), plan.describe()
 
 
-def _compile(spec: RunSpec, devices: list) -> tuple[float, float, str]:
-    """(compiled bytes, estimated bytes, the plan) of the resolved run's step on the abstract GPUs."""
+def _compile(spec: RunSpec, devices: list) -> tuple[float, float, float, str]:
+    """(compiled device bytes, estimated bytes, compiled host bytes, the plan) of the resolved run's step on the
+    abstract GPUs."""
     lowered, estimate, plan = lowered_step(spec, devices)
     m = lowered.compile().memory_analysis()
     peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    host = (
+        m.host_argument_size_in_bytes
+        + m.host_output_size_in_bytes
+        + m.host_temp_size_in_bytes
+        - m.host_alias_size_in_bytes
+    )
     ms = spec.memory
     kept = [f"remat {ms.remat}", spec.compute_precision]
     kept += [f"{n} {v}" for n, v in (("loss tile", ms.loss_tile), ("mlp tile", ms.mlp_tile), ("offload", ms.offload))]
     settings = ", ".join(k for k in kept if not k.endswith((" None", " none")))
-    return float(peak), estimate, f"{plan}; {settings}"
+    return float(peak), estimate, float(host), f"{plan}; {settings}"
 
 
 def ranked_specs(spec: RunSpec, gpu: str, count: int, tries: int = TRIES, hold: dict | None = None) -> list[RunSpec]:
@@ -149,15 +181,35 @@ def compile_for(spec: RunSpec, target: str, log: Callable[[str], None] = print) 
     gpu_name, count = check_target(target)
     require_plugin(target)
     devices = gpu.gpu_devices(gpu_name, count)
-    budget = budget_bytes(spec, gpu_name)
-    specs = ranked_specs(spec, gpu_name, count) if spec.parallel.plan == "auto" else [spec]
+    budget, host_budget = budget_bytes(spec, gpu_name), host_budget_bytes(spec, count)
+    auto = spec.parallel.plan == "auto"
+    specs = ranked_specs(spec, gpu_name, count) if auto else [spec]
     verdict = None
     for i, candidate in enumerate(specs, 1):
-        compiled, estimate, plan = _compile(candidate, devices)
-        verdict = Verdict(plan, compiled, estimate, budget)
-        which = f"plan {i} of the planner's ranking: " if spec.parallel.plan == "auto" else ""
+        which = f"plan {i} of the planner's ranking: " if auto else ""
+        host_estimate = estimated_memory(candidate, count).host
+        if host_estimate > host_budget:  # refused before compiling
+            line = (
+                f"--compile-for {target}: {which}--offload {candidate.memory.offload} keeps an estimated "
+                f"{_gib(host_estimate)} GiB per device in host memory, above the target's {_gib(host_budget)} GiB "
+                f"per GPU ({_host_source(spec, count)})"
+            )
+            if not auto:
+                raise DoesNotFit(f"{line}; offload less, or give --host-memory-gib for a larger host")
+            log(line)
+            continue
+        compiled, estimate, host, plan = _compile(candidate, devices)
+        verdict = Verdict(plan, compiled, estimate, budget, host, host_estimate, host_budget)
         log(f"--compile-for {target}: {which}{plan}: {verdict.line()}")
         if verdict.fits:
             break
+    if verdict is None:
+        raise DoesNotFit(f"--compile-for {target}: no ranked plan fits the target's host memory")
     log(verdict.line())
     return 0 if verdict.fits else EXIT_DOES_NOT_FIT
+
+
+def _host_source(spec: RunSpec, count: int) -> str:
+    if spec.memory.host_memory_gib is not None:
+        return f"--host-memory-gib {spec.memory.host_memory_gib:g} over {count} GPUs"
+    return f"{HOST_GIB_PER_GPU} GiB per GPU, a DGX node's 2 TiB over 8; --host-memory-gib sets the target's"
