@@ -59,9 +59,17 @@ def check_free_space(path: str, nbytes: int, flag: str, what: str) -> None:
     need = int(nbytes * FREE_SPACE_MARGIN)
     if free < need:
         raise ValueError(
-            f"{flag} {path!r}: {what} needs about {need / 1e9:.3g} GB, but the filesystem of {where!r} has "
-            f"{free / 1e9:.3g} GB free; free space or give a directory on another filesystem"
+            f"{flag} {path!r}: {what} needs about {_size(need)}, but the filesystem of {where!r} has "
+            f"{_size(free)} free; free space or give a directory on another filesystem"
         )
+
+
+def _size(nbytes: int) -> str:
+    """'362 kB', '4.1 GB': bytes in the decimal unit that keeps three significant digits readable."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes} bytes"
 
 
 def write_atomically(path: str, write: Callable[[str], object]) -> None:

@@ -578,7 +578,7 @@ def _write_tensors(data: dict, file: str) -> None:
         raise
     except Exception as e:
         text = " ".join(str(e).split())
-        code = re.search(r"code: (\d+)", text)
+        code = re.search(r"(?:code: |os error )(\d+)", text)  # the OS error inside safetensors' message
         raise OSError(int(code.group(1)) if code else errno.EIO, f"{os.path.basename(file)}: {text}") from None
 
 
