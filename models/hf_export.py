@@ -10,7 +10,8 @@ mistake (a missing directory, a checkpoint of another model family or of a GPT n
 stores, an OUT_DIR that holds other files or an earlier export without --overwrite, one this process cannot
 write in or whose filesystem has no room for the tensors) is one line and exit code 2, said before anything is
 read. The files are written beside OUT_DIR and renamed onto it at the end: a write that fails anyway (a full
-disk) is one line, exit code 2, and leaves no partial directory; Ctrl-C likewise (exit code 130).
+disk) is one line, exit code 2, and leaves no partial directory; Ctrl-C, SIGTERM or SIGHUP likewise (exit
+code 128 + N).
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 from jaxring.core.mesh import make_mesh
 from jaxring.data.tokenizer import tokenizer_file
 from jaxring.eval import loading
+from jaxring.eval.stop_signals import exit_code, stop_message, stops_on_signals
 from jaxring.models import gpt, hf
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.run.cli import EXIT_USER_ERROR
 
 PROG = "python -m jaxring.models.hf"
-EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
 
 def run_tokenizer_file(run_config: dict) -> str | None:
@@ -114,10 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         use_cpu_devices_if_no_accelerator(args.cpu_devices)  # the devices every entry point sets up
-        step, files = export(args.checkpoint, args.out, args.step, args.dtype, args.overwrite)
-    except KeyboardInterrupt:  # nothing partial is left: the files were being written beside OUT_DIR
-        print(f"interrupted: nothing written to {args.out}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        with stops_on_signals():
+            step, files = export(args.checkpoint, args.out, args.step, args.dtype, args.overwrite)
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: the files were being written beside OUT_DIR
+        print(stop_message(e, f": nothing written to {args.out}"), file=sys.stderr)
+        return exit_code(e)
     except (ValueError, FileNotFoundError) as e:  # jaxring.models.hf.CheckpointError is a ValueError
         if args.debug:
             raise

@@ -24,6 +24,7 @@ from test_reliability import CLI, _env
 
 from jaxring.eval import cli as eval_cli
 from jaxring.eval import loading, output_files, perplexity
+from jaxring.eval.stop_signals import Stopped
 from jaxring.models import gpt, hf, hf_export
 from jaxring.train import checksum
 from jaxring.train.checkpoint import Checkpointer
@@ -151,10 +152,19 @@ def test_export_checks_out_dir_before_reading(checkpoint, tmp_path, capsys, monk
     assert not out.exists()
 
 
-def test_ctrl_c_during_an_export_is_one_line_and_leaves_nothing(checkpoint, tmp_path, capsys, monkeypatch):
-    _save_file_fails(monkeypatch, KeyboardInterrupt())
-    line = _one_line(hf_export.main(["export", checkpoint, str(tmp_path / "hf")]), capsys, want_code=130)
-    assert line == f"interrupted: nothing written to {tmp_path / 'hf'}"
+@pytest.mark.parametrize(
+    "stop, code, head",
+    [(KeyboardInterrupt(), 130, "interrupted"), (Stopped(signal.SIGTERM), 143, "stopped by SIGTERM")],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_a_stop_during_an_export_is_one_line_and_leaves_nothing(
+    checkpoint, tmp_path, capsys, monkeypatch, stop, code, head
+):
+    """Ctrl-C (or SIGTERM, raised as Stopped by the command's handler) while the tensors are written: a
+    traceback and a partial OUT_DIR before; now one line, 128 + N, nothing left."""
+    _save_file_fails(monkeypatch, stop)
+    line = _one_line(hf_export.main(["export", checkpoint, str(tmp_path / "hf")]), capsys, want_code=code)
+    assert line == f"{head}: nothing written to {tmp_path / 'hf'}"
     assert not (tmp_path / "hf").exists() and not _leftovers(tmp_path)
 
 
@@ -335,8 +345,12 @@ sys.exit(cli.main(["perplexity", "m", "--seq-len", "32", "--no-progress", "--out
 """
 
 
-def test_ctrl_c_during_an_evaluation_is_one_line(tmp_path):
-    """SIGINT while scoring: a KeyboardInterrupt traceback before; now 'interrupted' and exit code 130."""
+@pytest.mark.parametrize(
+    "signum, code, line", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "stopped by SIGTERM")]
+)
+def test_a_stop_signal_during_an_evaluation_is_one_line(tmp_path, signum, code, line):
+    """Ctrl-C while scoring: a KeyboardInterrupt traceback before; now 'interrupted' and exit code 130. SIGTERM
+    ends it the same way (its clean-up runs: no temporary file is left), exit code 143."""
     proc = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(tmp_path / "e")],
         env={**_env(), "PYTHONUNBUFFERED": "1"},
@@ -347,9 +361,9 @@ def test_ctrl_c_during_an_evaluation_is_one_line(tmp_path):
     try:
         deadline = time.monotonic() + 120
         assert proc.stdout.readline().strip() == "scoring" and time.monotonic() < deadline
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 130 and err == "interrupted\n", err
+    assert proc.returncode == code and err == line + "\n", err
     assert not (tmp_path / "e").exists()

@@ -7,7 +7,7 @@ OUT/needle.json + needle.png and prints a table. A mistake (a missing checkpoint
 cannot take, a depth outside [0, 1], an --out that is a file or cannot be written in, --pp: evaluation does
 not pipeline) ends in one line and exit code 2, before the model is scored. The table is printed before the
 files are written; each file is written whole or not at all (a temporary file renamed), and one that cannot
-be written (a full disk) is one line, exit code 2. Ctrl-C: one line, exit code 130.
+be written (a full disk) is one line, exit code 2. Ctrl-C, SIGTERM, SIGHUP: one line, exit code 128 + N.
 
     python -m jaxring.eval perplexity runs/ckpt --seq-len 2048 --sp 8 --attention ring --layout zigzag
     python -m jaxring.eval needle HF_DIR --lengths 1024,2048 --depths 0,0.5,1 --sp 8 --attention ring
@@ -25,12 +25,12 @@ from tqdm.auto import tqdm
 
 from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 from jaxring.eval import loading, needle, output_files, perplexity, plots
+from jaxring.eval.stop_signals import exit_code, stop_message, stops_on_signals
 from jaxring.run.cli import EXIT_USER_ERROR, parse_command_line
 from jaxring.run.spec import RunSpec
 from jaxring.run.task import model_family
 
 PROG = "python -m jaxring.eval"
-EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
 
 class _Parser(argparse.ArgumentParser):
@@ -93,10 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
     spec, _ = parse_command_line(rest, prog=f"{PROG} {args.command}")  # the plan flags (one line when bad)
     try:
-        return _run(args, spec)
-    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT; nothing partial was written
-        print("interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        with stops_on_signals():
+            return _run(args, spec)
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: one line, 128 + N; nothing partial was written
+        print(stop_message(e), file=sys.stderr)
+        return exit_code(e)
     except (ValueError, FileNotFoundError) as e:
         if args.debug:
             raise
