@@ -182,10 +182,13 @@ class GPTTask:
 
     def _check_export(self) -> None:
         """--export-hf DIR checked as the exporter would refuse it (`jaxring.models.hf.check_export`): an
-        architecture Hugging Face stores, DIR new, empty or an earlier export with --overwrite-export, writable,
-        and room on its filesystem for the parameters in the export's dtype."""
+        architecture Hugging Face stores, the tokenizer.json it ships, DIR new, empty or an earlier export with
+        --overwrite-export, writable, and room on its filesystem for the parameters in the export's dtype."""
         m = self.spec.model
         if m.export_hf is not None:
+            tokenizer = self._tokenizer_file()
+            if tokenizer is not None:  # the tokenizer.json it ships must fit the vocabulary
+                hf.check_tokenizer(tokenizer, self.config.vocab_size, "the model's config")
             hf.check_export(
                 self.config,
                 m.export_hf,
@@ -211,7 +214,7 @@ class GPTTask:
         )
         try:
             files = write(export, self.spec.model.overwrite_export)
-        except OSError as e:
+        except (OSError, hf.CheckpointError) as e:  # a full disk; files put in DIR during training
             failed = f"--export-hf {export!r}: writing the export failed ({_one_line(e)})"
             checkpoints = self.spec.checkpoint.checkpoint_dir
             if checkpoints is not None:  # the loop saved the final step before exporting
