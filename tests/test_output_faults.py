@@ -226,7 +226,7 @@ def test_train_py_export_failing_with_a_checkpoint_dir_names_the_checkpoint(tmp_
         f"the trained model is the final checkpoint in '{ck}': export it with python -m jaxring.models.hf export "
         f"{ck} DIR"
     )
-    assert hf_export.main(["export", str(ck), str(out)]) == 0
+    assert hf_export.main(["export", str(ck), str(tmp_path / "exported")]) == 0  # as the line says
 
 
 # ---- NaN / Inf in loaded weights -------------------------------------------------------------------------
