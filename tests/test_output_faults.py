@@ -194,6 +194,8 @@ def test_train_py_export_hf_is_checked_before_the_first_step(tmp_path, capsys):
     assert code == 2 and len(err) == 1 and "holds an earlier export" in err[0], err
     assert "pass --overwrite-export to replace it" in err[0]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    code, _, err = _train(["--overwrite-export"], tmp_path, capsys)
+    assert code == 2 and len(err) == 1 and "--overwrite-export lets --export-hf DIR replace" in err[0], err
 
 
 def test_train_py_export_failing_at_the_end_keeps_the_trained_model(tmp_path, capsys, monkeypatch):
