@@ -294,6 +294,7 @@ RESULT = {
         ("read-only", "--out '{out}': cannot write in '{parent}' (Read-only file system)"),
         ("pp", "--pp 2: evaluation does not pipeline"),
     ],
+    ids=["file", "read-only", "pp"],
 )
 def test_eval_checks_its_outputs_and_plan_before_loading(tmp_path, capsys, monkeypatch, case, want):
     """--out naming a file or a read-only place failed after scoring (a traceback); --pp 2 answered with
@@ -348,7 +349,9 @@ sys.exit(cli.main(["perplexity", "m", "--seq-len", "32", "--no-progress", "--out
 
 
 @pytest.mark.parametrize(
-    "signum, code, line", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "stopped by SIGTERM")]
+    "signum, code, line",
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "stopped by SIGTERM")],
+    ids=["sigint", "sigterm"],
 )
 def test_a_stop_signal_during_an_evaluation_is_one_line(tmp_path, signum, code, line):
     """Ctrl-C while scoring: a KeyboardInterrupt traceback before; now 'interrupted' and exit code 130. SIGTERM
