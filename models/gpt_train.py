@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +27,10 @@ from jaxring.parallel.plan import ParallelPlan
 from jaxring.run.task import ModelFamily
 
 DEFAULT_SEQ_LEN = 256
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def _log_main(message: str) -> None:
@@ -84,6 +90,8 @@ class GPTTask:
                 f"--seq-len {self.seq_len}: {e}; e.g. --seq-len {_nearest_seq_len(plan, self.seq_len)}"
             ) from None
         gpt.check_plan(self.config, plan, t.batch_size // t.grad_accum, self.seq_len)
+        self.spec = spec
+        self._check_export()  # before the first step: an export that cannot be written must not wait for the end
         self.objective = gpt.NextTokenObjective(t.batch_size, self.seq_len, documents=not self.data.is_windows)
         # the progress bar's MoE metrics (metrics.step_metrics' convention)
         self.progress = ("moe_aux_loss", "load_imbalance", "drop_rate") if self.config.moe is not None else ()
@@ -123,7 +131,12 @@ class GPTTask:
         init_from = self.spec.model.init_from
         if init_from is None:
             return gpt.GPT(self.config, rngs=nnx.Rngs(seed))
-        model, _ = hf.load_pretrained(init_from, self.plan, overrides=_changed(hf.read_config(init_from), self.config))
+        try:
+            model, _ = hf.load_pretrained(
+                init_from, self.plan, overrides=_changed(hf.read_config(init_from), self.config)
+            )
+        except hf.DamagedWeights as e:  # NaN/Inf named by tensor here, not as a divergence at step 1
+            raise ValueError(f"--init-from {init_from}: {e.detail}") from None
         _log_main(f"initialized from {init_from} ({self.config.num_params() / 1e6:.1f}M parameters)")
         return model
 
@@ -164,15 +177,70 @@ class GPTTask:
     def flops_per_step(self) -> float:
         return self.config.flops_per_token(self.seq_len, causal=True) * self.tokens_per_step
 
+    def _export_dtype(self) -> str:
+        return "bfloat16" if self.spec.compute_precision == "bf16" else "float32"  # the weights are fp32 masters
+
+    def _check_export(self) -> None:
+        """--export-hf DIR checked as the exporter would refuse it (`jaxring.models.hf.check_export`): an
+        architecture Hugging Face stores, the tokenizer.json it ships, DIR new, empty or an earlier export with
+        --overwrite-export, writable, and room on its filesystem for the parameters in the export's dtype."""
+        m = self.spec.model
+        if m.export_hf is not None:
+            tokenizer = self._tokenizer_file()
+            if tokenizer is not None:  # the tokenizer.json it ships must fit the vocabulary
+                hf.check_tokenizer(tokenizer, self.config.vocab_size, "the model's config")
+            hf.check_export(
+                self.config,
+                m.export_hf,
+                self._export_dtype(),
+                overwrite=m.overwrite_export,
+                flag="--export-hf",
+                overwrite_flag="--overwrite-export",
+            )
+
     def export(self, model, log) -> None:
         """--export-hf DIR: the trained model written as a Hugging Face checkpoint (with the tokenizer.json of
-        --init-from or --tokenizer, when there is one), in bfloat16 when trained in --precision bf16."""
+        --init-from or --tokenizer, when there is one), in bfloat16 when trained in --precision bf16.
+
+        A write that fails anyway (the disk filled during training) leaves DIR as it was and raises one OSError
+        line saying where the trained model is: the run's final checkpoint when there is a --checkpoint-dir,
+        else an export written to a fallback directory (OUT_DIR/export-hf, else a new directory in the system's
+        temporary directory), or that both failed too."""
         export = self.spec.model.export_hf
         if export is None:
             return
-        dtype = "bfloat16" if self.spec.compute_precision == "bf16" else None
-        files = hf.save_pretrained(model, self.config, export, tokenizer=self._tokenizer_file(), dtype=dtype)
+        write = lambda path, overwrite: hf.save_pretrained(
+            model, self.config, path, tokenizer=self._tokenizer_file(), dtype=self._export_dtype(), overwrite=overwrite
+        )
+        try:
+            files = write(export, self.spec.model.overwrite_export)
+        except (OSError, hf.CheckpointError) as e:  # a full disk; files put in DIR during training
+            failed = f"--export-hf {export!r}: writing the export failed ({_one_line(e)})"
+            checkpoints = self.spec.checkpoint.checkpoint_dir
+            if checkpoints is not None:  # the loop saved the final step before exporting
+                raise OSError(
+                    f"{failed}; the trained model is the final checkpoint in {checkpoints!r}: export it with "
+                    f"python -m jaxring.models.hf export {checkpoints} DIR"
+                ) from None
+            raise OSError(f"{failed}; {self._fallback_export(write, log)}") from None
         log(f"exported the model to {export} ({len(files)} files)")
+
+    def _fallback_export(self, write, log) -> str:
+        """The export written to the first fallback directory that takes it; what happened, as a clause."""
+        tried = []
+        for where in (os.path.join(self.spec.output.out_dir or ".", "export-hf"), None):
+            made = where is None
+            try:
+                where = where or tempfile.mkdtemp(prefix="jaxring-export-hf-")
+                write(where, hf.is_export_dir(where))
+            except (OSError, ValueError) as e:
+                tried.append(f"{where or tempfile.gettempdir()}: {_one_line(e)}")
+                if made and where is not None:
+                    shutil.rmtree(where, ignore_errors=True)
+                continue
+            log(f"exported the model to the fallback directory {where}")
+            return f"the trained model was exported to {where!r} instead"
+        return f"the fallback exports failed too ({'; '.join(tried)}): the trained model is lost"
 
     def _tokenizer_file(self) -> str | None:
         """The tokenizer.json to ship with an export: --init-from's, else --tokenizer's (a file or a directory)."""

@@ -54,7 +54,7 @@ def test_bad_input_is_one_line(checkpoint, tmp_path, capsys, monkeypatch):
     full = tmp_path / "full"
     full.mkdir()
     (full / "x").write_text("x")
-    assert "exists and is not an empty directory" in _one_line_error(["export", str(checkpoint), str(full)], capsys)
+    assert "holds files that are not an export (x)" in _one_line_error(["export", str(checkpoint), str(full)], capsys)
     assert "has no step 7" in _one_line_error(["export", str(checkpoint), str(tmp_path / "o"), "--step", "7"], capsys)
     hf_dir = tmp_path / "hfdir"
     hf_dir.mkdir()

@@ -4,7 +4,10 @@ CHECKPOINT: a jaxring checkpoint directory (`train.py --checkpoint-dir`) or a Hu
 flags are train.py's (`--sp 8 --attention ring --layout zigzag`, `--tp 2 --tensor-parallel megatron`, ...:
 `jaxring.run.cli`); the model runs as one SPMD program on it. Writes OUT/perplexity.json + perplexity.png or
 OUT/needle.json + needle.png and prints a table. A mistake (a missing checkpoint, a context the model or plan
-cannot take, a depth outside [0, 1]) ends in one line and exit code 2.
+cannot take, a depth outside [0, 1], an --out that is a file or cannot be written in, --pp: evaluation does
+not pipeline) ends in one line and exit code 2, before the model is scored. The table is printed before the
+files are written; each file is written whole or not at all (a temporary file renamed), and one that cannot
+be written (a full disk) is one line, exit code 2. Ctrl-C, SIGTERM, SIGHUP: one line, exit code 128 + N.
 
     python -m jaxring.eval perplexity runs/ckpt --seq-len 2048 --sp 8 --attention ring --layout zigzag
     python -m jaxring.eval needle HF_DIR --lengths 1024,2048 --depths 0,0.5,1 --sp 8 --attention ring
@@ -16,11 +19,13 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 
 from tqdm.auto import tqdm
 
 from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
-from jaxring.eval import loading, needle, perplexity, plots
+from jaxring.eval import loading, needle, output_files, perplexity, plots
+from jaxring.eval.stop_signals import exit_code, stop_message, stops_on_signals
 from jaxring.run.cli import EXIT_USER_ERROR, parse_command_line
 from jaxring.run.spec import RunSpec
 from jaxring.run.task import model_family
@@ -88,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
     spec, _ = parse_command_line(rest, prog=f"{PROG} {args.command}")  # the plan flags (one line when bad)
     try:
-        return _run(args, spec)
+        with stops_on_signals():
+            return _run(args, spec)
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: one line, 128 + N; nothing partial was written
+        print(stop_message(e), file=sys.stderr)
+        return exit_code(e)
     except (ValueError, FileNotFoundError) as e:
         if args.debug:
             raise
@@ -96,9 +105,24 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER_ERROR
 
 
+def _check_no_pipeline(spec: RunSpec) -> None:
+    """Evaluation runs one forward pass of the whole stack per batch: no pipeline. Said before the plan flags
+    are resolved (whose rules are train.py's, about --batch-size and micro-batches)."""
+    pp = spec.parallel.pp
+    if pp is not None and pp > 1:
+        raise ValueError(
+            f"--pp {pp}: evaluation does not pipeline (one forward pass of the whole stack); a checkpoint "
+            f"restores onto any mesh, so drop --pp (and the pipeline flags) and give its devices to another axis, "
+            f"e.g. --dp or --sp"
+        )
+
+
 def _run(args: argparse.Namespace, spec: RunSpec) -> int:
+    _check_no_pipeline(spec)
     if args.command == "needle":  # said before anything loads
         needle.check_depths(args.depths)
+    output_files.check_output_dir(args.out, "--out")  # before scoring, not after it
+    plots.check_available()
     devices = use_cpu_devices_if_no_accelerator(spec.cluster.cpu_devices)  # as train.py: --cpu-devices
     spec = spec.resolved(len(devices))
     plan = spec.plan(devices)
@@ -106,7 +130,6 @@ def _run(args: argparse.Namespace, spec: RunSpec) -> int:
     loaded = loading.load_model(
         args.checkpoint, plan, family=args.model, overrides=overrides, tokenizer=args.tokenizer, step=args.step
     )
-    os.makedirs(args.out, exist_ok=True)
     if args.command == "perplexity":
         bar = lambda rows: tqdm(rows, total=args.batches, desc="perplexity", unit="batch", disable=not args.progress)
         result = perplexity.evaluate(
@@ -120,7 +143,7 @@ def _run(args: argparse.Namespace, spec: RunSpec) -> int:
             progress=bar,
             label=args.label,
         )
-        text, png = perplexity.table(result), plots.perplexity_plot([result], os.path.join(args.out, "perplexity.png"))
+        text, plot = perplexity.table(result), lambda path: plots.perplexity_plot([result], path)
     else:
         bar = lambda total: tqdm(total=total, desc="needle", unit="seq", disable=not args.progress)
         result = needle.evaluate(
@@ -134,10 +157,40 @@ def _run(args: argparse.Namespace, spec: RunSpec) -> int:
             progress=bar,
             label=args.label,
         )
-        text, png = needle.table(result), plots.needle_heatmap(result, os.path.join(args.out, "needle.png"))
-    path = os.path.join(args.out, f"{args.command}.json")
+        text, plot = needle.table(result), lambda path: plots.needle_heatmap(result, path)
+    print(text, flush=True)  # the result first: a failed write below loses no numbers
+    return _write_outputs(args.out, args.command, result, plot)
+
+
+def _write_outputs(out: str, name: str, result: dict, plot: Callable[[str], object]) -> int:
+    """OUT/NAME.json and OUT/NAME.png, each written whole or not at all; a failure is one line (exit code 2)."""
+    written, failed = [], []
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        failed.append(f"{out}: {_one_line(e)}")
+    else:
+        for path, write in (
+            (os.path.join(out, f"{name}.json"), lambda tmp: _dump_json(result, tmp)),
+            (os.path.join(out, f"{name}.png"), plot),
+        ):
+            try:
+                output_files.write_atomically(path, write)
+                written.append(path)
+            except OSError as e:
+                failed.append(f"{path}: {_one_line(e)}")
+    if failed:
+        kept = f"; wrote {' and '.join(written)}" if written else ""
+        print(f"error: could not write {'; '.join(failed)}{kept} (the table above is the result)", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(f"wrote {' and '.join(written)}")
+    return 0
+
+
+def _dump_json(result: dict, path: str) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    print(text)
-    print(f"wrote {path} and {png}")
-    return 0
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__

@@ -17,6 +17,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxring.data.tokenizer import load_tokenizer
+from jaxring.eval import finite
 from jaxring.nn import param_shardings
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.run.task import ModelFamily, model_family
@@ -49,9 +50,10 @@ def load_model(
     step: int | None = None,
 ) -> LoadedModel:
     """The model at `path` placed on `plan`. family: the model family of a Hugging Face directory (a jaxring
-    checkpoint names its own); overrides: config fields to change; tokenizer: "bytes" or a tokenizer.json
-    (default: the directory's tokenizer.json, else the run's --tokenizer, else bytes); step: the checkpoint
-    step (default: the newest). Errors (a missing directory, a damaged step) are one-line ValueErrors."""
+        checkpoint names its own); overrides: config fields to change; tokenizer: "bytes" or a tokenizer.json
+        (default: the directory's tokenizer.json, else the run's --tokenizer, else bytes); step: the checkpoint
+        step (default: the newest). Errors (a missing directory, a damaged step, NaN or Inf in a parameter, named
+    with its layer) are one-line ValueErrors."""
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint {path!r}: no such directory")
     if plan.pp > 1:
@@ -109,10 +111,23 @@ def _load_jaxring(path: str, plan: ParallelPlan, overrides: dict, tokenizer: str
     graphdef, state = nnx.split(abstract)
     shardings = param_shardings(state, plan)
     params = restore_params(os.path.join(path, str(step)), state, shardings)
+    _check_finite(params, getattr(abstract, "STACK", None), f"checkpoint {path!r} step {step}")
     nnx.replace_by_pure_dict(state, params)
     run_tokenizer = (metadata.get("config") or {}).get("tokenizer")
     tok = load_tokenizer(tokenizer or run_tokenizer)
     return LoadedModel(nnx.merge(graphdef, state), config, fam, tok, f"{path} (step {step})")
+
+
+def _check_finite(params: dict, stack: str | None, where: str) -> None:
+    """One line naming the first parameter (and layer, in the stacked ones) that holds NaN or Inf."""
+    bad = finite.nonfinite_tensors(params, stacked=lambda path: path[0] == stack)
+    if bad:
+        path, layer, nans, infs = bad[0]
+        name = ".".join(map(str, path)) + ("" if layer is None else f" (layer {layer})")
+        more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+        raise ValueError(
+            f"{where}: parameter {name} has {finite.describe_counts(nans, infs)}{more}; the checkpoint is damaged"
+        )
 
 
 def restore_params(step_dir: str, abstract_state: Any, shardings: dict) -> dict:

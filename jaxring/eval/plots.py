@@ -18,6 +18,11 @@ def _pyplot():
     return plt
 
 
+def check_available() -> None:
+    """ValueError (one line) when matplotlib is missing: said before a model is scored, not after."""
+    _pyplot()
+
+
 def perplexity_plot(results: Sequence[dict], path: str, title: str = "loss by position") -> str:
     """Writes the mean loss of each position bucket (x: the bucket's end, log scale) of each result
     (`jaxring.eval.perplexity.evaluate`'s dicts, labelled by their "label" or "model") to `path`."""
@@ -33,7 +38,7 @@ def perplexity_plot(results: Sequence[dict], path: str, title: str = "loss by po
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")  # the path may be a temporary name
     plt.close(fig)
     return path
 
@@ -55,6 +60,6 @@ def needle_heatmap(result: dict, path: str, title: str | None = None) -> str:
     ax.set_title(title or f"pass key retrieval: {result.get('label') or result['model']}", fontsize=9)
     fig.colorbar(image, ax=ax, label="exact match")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")  # the path may be a temporary name
     plt.close(fig)
     return path

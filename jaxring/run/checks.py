@@ -72,6 +72,8 @@ def _check_paths(spec: RunSpec) -> None:
         raise ValueError(f"--init-from {init_from!r} is not a directory (a Hugging Face checkpoint)")
     if export_hf is not None and os.path.exists(export_hf) and not os.path.isdir(export_hf):
         raise ValueError(f"--export-hf {export_hf!r} exists and is not a directory")
+    if spec.model.overwrite_export and export_hf is None:
+        raise ValueError("--overwrite-export lets --export-hf DIR replace an earlier export; it needs --export-hf")
 
 
 def _check_data(spec: RunSpec) -> None:

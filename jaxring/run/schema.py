@@ -132,6 +132,7 @@ class ModelSettings:
     export_hf: str | None = setting(
         None, "write the trained model as a Hugging Face checkpoint directory at the end (gpt)", metavar="DIR"
     )
+    overwrite_export: bool = setting(False, "--export-hf may replace an earlier export in DIR (as a whole)")
 
 
 @dataclasses.dataclass

@@ -183,13 +183,15 @@ def train(
         finally:
             if ckpt is not None:
                 ckpt.close()  # waits for pending saves, also when stopping on an error
+    # a task's own export of the trained model (gpt: --export-hf), before the held-out loss and the sample (which
+    # can fail: out of memory) so that the trained model is written first
+    export = getattr(trainer.task, "export", None)
+    if is_main and history and export is not None:
+        export(trainer.model(), say)
     if history and spec.output.eval_at_end:
         say("evaluating the held-out loss...")
         with _reporting_out_of_memory(spec, "evaluating the held-out loss", len(devices)):
             say(f"final loss {history[-1]['loss']:.4f}; held-out loss {trainer.val_loss():.4f}")
-    export = getattr(trainer.task, "export", None)  # a task's own export of the trained model (gpt: --export-hf)
-    if is_main and history and export is not None:
-        export(trainer.model(), say)
     if is_main and spec.output.sample_tokens:
         say(f"sampling from the trained model ({spec.output.sample_tokens} tokens/images)...")
         trainer.task.finish(trainer.model(), say, spec.output.out_dir)

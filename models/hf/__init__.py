@@ -19,9 +19,11 @@ Every refusal is one `CheckpointError` line naming the file and the tensor or se
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
+import re
 import shutil
 
 import jax
@@ -32,6 +34,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import SingleDeviceSharding
 
 from jaxring.core.mesh import make_mesh
+from jaxring.eval import finite, output_files
 from jaxring.models.gpt import GPT, GPTConfig
 from jaxring.nn import Layers, param_shardings, weight_specs
 from jaxring.parallel.plan import ParallelPlan
@@ -45,6 +48,15 @@ SAVE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": jnp.bfl
 
 class CheckpointError(ValueError):
     """A checkpoint directory that cannot be read or written as asked (one line: the file and the tensor)."""
+
+
+class DamagedWeights(CheckpointError):
+    """A tensor of a checkpoint holds NaN or Inf. `detail`: the message without the directory, for a caller
+    that names the directory by its flag ("--init-from X: tensor ... has 12 NaN values; ...")."""
+
+    def __init__(self, path: str, detail: str):
+        super().__init__(f"{path}: {detail}")
+        self.detail = detail
 
 
 # ---------------------------------------------------------------------------------------- config.json
@@ -415,10 +427,24 @@ def load_pretrained(
             files, p, t, s, _full(index, v), dtype
         )
         loaded[path_] = jax.make_array_from_callback(tuple(var.shape), flat_shardings[path_], read)
+    _check_finite(files, unflatten_dict(loaded))
     nnx.replace_by_pure_dict(state, unflatten_dict(loaded))
     model = nnx.merge(graphdef, state)
     model.hf_tokenizer = tokenizer if os.path.exists(tokenizer) else None  # copied again by save_pretrained
     return model, cfg
+
+
+def _check_finite(files: CheckpointFiles, params: dict) -> None:
+    """DamagedWeights naming the first HF tensor (and its file) that holds NaN or Inf: one reduction per
+    parameter on its devices, per layer for the stacked ones."""
+    bad = finite.nonfinite_tensors(params, stacked=lambda path: hf_name(path)[2])
+    if not bad:
+        return
+    path_, layer, nans, infs = bad[0]
+    name = hf_name(path_)[0].format(i=layer)
+    more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+    detail = f"tensor {name} has {finite.describe_counts(nans, infs)}{more}; the checkpoint is damaged"
+    raise DamagedWeights(files.path, f"{detail} ({os.path.basename(files.info(name)[2])})")
 
 
 def _full(index, var) -> tuple:
@@ -484,6 +510,78 @@ def size_bytes(size) -> int:
     raise ValueError(f"max_shard_size {size!r}: expected bytes or a size such as '5GB' or '500MB'")
 
 
+EXPORT_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def is_export_file(name: str) -> bool:
+    """A file name save_pretrained writes (config.json, the index, the shards, tokenizer.json, or a single
+    model.safetensors): a directory of only these, with a config.json, is an earlier export."""
+    return name in (CONFIG, INDEX, WEIGHTS, TOKENIZER) or EXPORT_SHARD.fullmatch(name) is not None
+
+
+def is_export_dir(path: str) -> bool:
+    """`path` is a directory holding an earlier export: a config.json and only files an export writes."""
+    entries = os.listdir(path) if os.path.isdir(path) else []
+    return CONFIG in entries and all(is_export_file(e) for e in entries)
+
+
+def check_export_dir(path: str, overwrite: bool, flag: str = "path", overwrite_flag: str = "overwrite=True") -> None:
+    """The rule for the directory an export goes to (one line, a CheckpointError): new, empty, or an earlier
+    export that `overwrite` allows to replace; never a directory of other files."""
+    if not os.path.exists(path):
+        return
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{flag} {path!r} exists and is not a directory")
+    entries = sorted(os.listdir(path))
+    if not entries:
+        return
+    others = [e for e in entries if not is_export_file(e)]
+    if others or CONFIG not in entries:
+        shown = ", ".join((others or entries)[:3]) + (", ..." if len(others or entries) > 3 else "")
+        raise CheckpointError(
+            f"{flag} {path!r} holds files that are not an export ({shown}); give a new or empty directory"
+        )
+    if not overwrite:
+        raise CheckpointError(
+            f"{flag} {path!r} holds an earlier export ({CONFIG}, safetensors); pass {overwrite_flag} to replace it, "
+            f"or give a new directory"
+        )
+
+
+def export_bytes(cfg: GPTConfig, dtype: str) -> int:
+    """The bytes of the tensors save_pretrained writes for `cfg` in `dtype` (SAVE_DTYPES' names)."""
+    _, state = abstract_model(cfg)
+    count = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.to_pure_dict(state)))
+    return count * jnp.dtype(SAVE_DTYPES[dtype]).itemsize
+
+
+def check_export(cfg: GPTConfig, path: str, dtype: str, *, overwrite: bool, flag: str, overwrite_flag: str) -> None:
+    """Everything about an export that can fail, said before the work that produces the model (one line, a
+    ValueError): an architecture Hugging Face stores (`architecture_of`, the exporter's own rule), the directory
+    (`check_export_dir`), that this process can write there and that its filesystem has room for the tensors."""
+    try:
+        architecture_of(cfg)
+    except CheckpointError as e:
+        raise CheckpointError(f"{flag} {path!r}: {e}; nothing can be exported") from None
+    check_export_dir(path, overwrite, flag, overwrite_flag)
+    output_files.check_output_dir(path, flag)
+    output_files.check_free_space(path, export_bytes(cfg, dtype), flag, f"the export ({dtype})")
+
+
+def _write_tensors(data: dict, file: str) -> None:
+    """safetensors' save_file, its write failures (a SafetensorError on a full disk) raised as OSError."""
+    from safetensors.numpy import save_file
+
+    try:
+        save_file(data, file, metadata={"format": "pt"})
+    except OSError:
+        raise
+    except Exception as e:
+        text = " ".join(str(e).split())
+        code = re.search(r"(?:code: |os error )(\d+)", text)  # the OS error inside safetensors' message
+        raise OSError(int(code.group(1)) if code else errno.EIO, f"{os.path.basename(file)}: {text}") from None
+
+
 def save_pretrained(
     model: GPT,
     cfg: GPTConfig,
@@ -492,14 +590,17 @@ def save_pretrained(
     max_shard_size="5GB",
     tokenizer: str | None = None,
     dtype: str | None = None,
+    overwrite: bool = False,
 ) -> list[str]:
     """Writes `config.json`, `model-0000k-of-0000n.safetensors` (each at most max_shard_size, one tensor
     possibly more) and `model.safetensors.index.json`; copies `tokenizer` (a tokenizer.json; default: the one
     of the directory the model was loaded from, if any). dtype: "float32", "bfloat16" or "float16", the
     tensors' dtype in the files and config.json's `dtype`/`torch_dtype` (default: the parameters' own).
-    Gathered one HF tensor (one layer's slice) at a time. Returns the list of files written."""
-    from safetensors.numpy import save_file
+    Gathered one HF tensor (one layer's slice) at a time. Returns the list of files written.
 
+    `path` must be new, empty, or (with overwrite=True) an earlier export (`check_export_dir`). The files are
+    written into a hidden directory beside `path`, renamed onto it when all are written: a failed write (an
+    OSError, e.g. a full disk) or an interrupt leaves `path` as it was and no partial files."""
     limit = size_bytes(max_shard_size)
     if limit <= 0:
         raise ValueError(f"max_shard_size {max_shard_size!r} must be positive")
@@ -515,7 +616,7 @@ def save_pretrained(
     tokenizer = tokenizer or getattr(model, "hf_tokenizer", None)
     if tokenizer is not None:
         check_tokenizer(tokenizer, cfg.vocab_size, "the model's config")
-    os.makedirs(path, exist_ok=True)
+    check_export_dir(path, overwrite)
     tensors = []  # (HF name, a function producing it as numpy)
     for path_, arr in flatten_dict(state).items():
         pattern, transposed, stacked = hf_name(path_)
@@ -535,21 +636,22 @@ def save_pretrained(
         size += nbytes
     shards.append(current)
     weight_map, written, total = {}, [], 0
-    for k, shard in enumerate(shards):
-        file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        data = {name: get() for name, get in shard}  # one shard's tensors on the host at a time
-        total += sum(a.nbytes for a in data.values())
-        save_file(data, os.path.join(path, file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(data, file))
-        written.append(file)
-    with open(os.path.join(path, INDEX), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    with open(os.path.join(path, CONFIG), "w") as f:
-        json.dump(hf, f, indent=2)
-    written += [INDEX, CONFIG]
-    if tokenizer is not None and os.path.abspath(tokenizer) != os.path.abspath(os.path.join(path, TOKENIZER)):
-        shutil.copyfile(tokenizer, os.path.join(path, TOKENIZER))
-        written.append(TOKENIZER)
+    with output_files.staged_directory(path, replace=overwrite) as staged:
+        for k, shard in enumerate(shards):
+            file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            data = {name: get() for name, get in shard}  # one shard's tensors on the host at a time
+            total += sum(a.nbytes for a in data.values())
+            _write_tensors(data, os.path.join(staged, file))
+            weight_map.update(dict.fromkeys(data, file))
+            written.append(file)
+        with open(os.path.join(staged, INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        with open(os.path.join(staged, CONFIG), "w") as f:
+            json.dump(hf, f, indent=2)
+        written += [INDEX, CONFIG]
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, os.path.join(staged, TOKENIZER))
+            written.append(TOKENIZER)
     return written
 
 
@@ -580,12 +682,18 @@ def file_order_key(name: str):
 __all__ = [
     "ARCHITECTURES",
     "CheckpointError",
+    "DamagedWeights",
     "abstract_model",
+    "check_export",
+    "check_export_dir",
     "check_tokenizer",
     "config_from_hf",
     "config_to_hf",
+    "export_bytes",
     "file_order_key",
     "hf_name",
+    "is_export_dir",
+    "is_export_file",
     "load_pretrained",
     "logits",
     "save_pretrained",
