@@ -9,12 +9,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_close, check, padded_segments, qkv, with_reference
+from test_reliability import CLI, SMALL_FLAGS
 
 import jaxring
+from jaxring.analysis import gpu
 from jaxring.core import compat
 from jaxring.kernels import cudnn_contract as cc
 from jaxring.kernels.block_compute import get_block_ops, local_attention, resolve_name
-from jaxring.kernels.cudnn_blocks import CLASS_NAMES, FALLBACK, planned_classes, stand_in_output
+from jaxring.kernels.cudnn_blocks import (
+    CLASS_NAMES,
+    FALLBACK,
+    REAL_CALLS,
+    cudnn_block_ops,
+    planned_classes,
+    stand_in_output,
+)
+from jaxring.kernels.flash import flash_block_ops
 from jaxring.kernels.layout import RankTokens, layout_positions
 
 SLOW = pytest.mark.slow
@@ -132,6 +142,16 @@ def test_names():
     assert "\n" not in str(err.value)
 
 
+def test_train_cudnn_on_cpu_is_one_line(capsys, tmp_path):
+    """train.py --block-ops cudnn without an NVIDIA GPU: exit 2 and one line, before any step."""
+    try:
+        code = CLI.main([*SMALL_FLAGS, "--steps", "1", "--block-ops", "cudnn", "--out-dir", str(tmp_path)])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "'cudnn' needs an NVIDIA GPU" in err[0], err
+
+
 def _strategy(mesh_kw, strategy, layout, *, causal=True, segment_ids=None, window=None, **options):
     mesh = jaxring.make_mesh(**mesh_kw)
 
@@ -192,3 +212,25 @@ def test_window_and_documents():
     seg = jnp.asarray(padded_segments("zigzag", 128, 8))
     fn = _strategy(dict(sp=8), "ring", "zigzag", segment_ids=seg)
     check(*with_reference(fn, q, k, v, dout, causal=True, segment_ids=seg), 2e-4)
+
+
+DEVICELESS, WHY_NOT = gpu.available()
+
+
+@pytest.mark.skipif(not DEVICELESS, reason=f"deviceless GPU compile unavailable: {WHY_NOT}")
+def test_deviceless_h100_compile_has_cudnn_calls():
+    """The cuDNN block compute compiles for an H100 with no GPU: XLA emits cuDNN's fused-attention custom calls
+    (forward and backward); the Pallas fallback's Triton kernels are compiled beside them."""
+    devices = gpu.gpu_devices("h100", 1)
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+    x = lambda heads: gpu.abstract((1, 1024, heads, 128), jnp.bfloat16, mesh)
+    ops = cudnn_block_ops(REAL_CALLS, flash_block_ops())  # get_block_ops("cudnn") wants a real NVIDIA backend
+
+    def block(q, k, v, do):
+        pos = jnp.arange(1024, dtype=jnp.int32)
+        out, lse = ops.forward(q, k, v, pos, pos, causal=True, sm_scale=0.1)
+        delta = jnp.sum(do.astype(jnp.float32) * out, -1)
+        return out, ops.backward(q, k, v, do, lse, delta, pos, pos, causal=True, sm_scale=0.1)
+
+    text = jax.jit(block).lower(x(8), x(2), x(2), x(8)).compile().as_text()
+    assert '"__cudnn$fmhaSoftmax"' in text and '"__cudnn$fmhaSoftmaxBackward"' in text
