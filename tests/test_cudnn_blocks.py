@@ -26,6 +26,11 @@ from jaxring.kernels.cudnn_blocks import (
 )
 from jaxring.kernels.flash import flash_block_ops
 from jaxring.kernels.layout import RankTokens, layout_positions
+from jaxring.models import gpt
+from jaxring.parallel.cost_terms import block_compute_speed
+from jaxring.planner import Cluster, Workload
+from jaxring.planner import cost_model as cost
+from jaxring.planner.space import Candidate
 
 SLOW = pytest.mark.slow
 
@@ -234,3 +239,17 @@ def test_deviceless_h100_compile_has_cudnn_calls():
 
     text = jax.jit(block).lower(x(8), x(2), x(2), x(8)).compile().as_text()
     assert '"__cudnn$fmhaSoftmax"' in text and '"__cudnn$fmhaSoftmaxBackward"' in text
+
+
+def test_planner_prices_the_block_compute():
+    """On an H100, the Pallas kernel's attention FLOPs take 1/0.385 of cuDNN's time (the measured ratio);
+    everything else, and the CPU pricing, is unchanged."""
+    w = Workload("gpt", gpt.PRESETS["7b"], 65536, 1, "bf16")
+    c = Candidate(sp=8, attention="ring")
+    cluster = Cluster.of("h100", 8)
+    s = cost.shapes(w, c)
+    times = {ops: cost.step_time(w, c, [], cluster, {}, s=s, block_ops=ops).compute for ops in ("auto", "pallas")}
+    _, attention, _ = cost.compute_flops(w, c, c.remat, s)
+    seconds = attention / (cluster.device.flops * cluster.efficiency)
+    assert times["pallas"] - times["auto"] == pytest.approx(seconds * (1 / 0.385 - 1), rel=1e-9)
+    assert block_compute_speed("pallas", cpu=True) == block_compute_speed("cudnn", cpu=False) == 1.0

@@ -210,14 +210,43 @@ def place_in_host_memory(lowered: jax.stages.Lowered, arguments: set[int], resul
 # Unused operands are empty arrays (jnp.zeros(0)), as the public wrapper passes them.
 
 
+# the forward's operands and parameters on jax 0.10.2 (older JAX had six operands: no offsets, no page tables)
+_CUDNN_FORWARD_SIGNATURE = [
+    "query",
+    "key",
+    "value",
+    "bias",
+    "q_seqlen",
+    "kv_seqlen",
+    "q_offsets",
+    "kv_offsets",
+    "page_table_k",
+    "page_table_v",
+    "scale",
+    "seed",
+    "dropout_rate",
+    "variadic_args",
+    "mask_type",
+    "layout",
+    "sliding_window_length",
+    "is_training",
+]
+
+
 def has_cudnn_attention() -> bool:
-    """Whether this JAX has cuDNN's fused attention primitives as checked (jax 0.10.2)."""
+    """Whether this JAX has cuDNN's fused attention primitives with the call contract checked on jax 0.10.2
+    (the names, and the forward implementation's parameter list, which older JAX versions lack)."""
+    import inspect
+
     try:
         from jax._src.cudnn import fused_attention_stablehlo as fa
     except ImportError:
         return False
     needed = ("_dot_product_attention_fwd_p_wrapper", "_dot_product_attention_bwd_p_wrapper", "MaskType")
-    return all(hasattr(fa, name) for name in needed)
+    if not all(hasattr(fa, name) for name in needed):
+        return False
+    impl = getattr(fa, "_dot_product_attention_fwd_impl", None)
+    return impl is not None and list(inspect.signature(impl).parameters) == _CUDNN_FORWARD_SIGNATURE
 
 
 def cudnn_mask_types() -> dict[str, Any]:
