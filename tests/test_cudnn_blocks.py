@@ -25,7 +25,7 @@ from jaxring.kernels.cudnn_blocks import (
     stand_in_output,
 )
 from jaxring.kernels.flash import flash_block_ops
-from jaxring.kernels.layout import RankTokens, layout_positions
+from jaxring.kernels.layout import RankTokens, layout_permutation, layout_positions
 from jaxring.models import gpt
 from jaxring.parallel.cost_terms import block_compute_speed
 from jaxring.planner import Cluster, Workload
@@ -197,13 +197,14 @@ def test_strategies_match_reference(strategy, layout, options, q_heads, kv_heads
 
 
 def test_dense_local_attention():
-    """sp = 1 (the plan's dense path): one cuDNN call over the sequence in position order, GQA."""
+    """sp = 1 (the plan's dense path) with tokens in zig-zag order: sorted into one run, one cuDNN call, GQA."""
     q, k, v, dout = qkv(5, 2, 64, 4, 2, 16)
-    order = jnp.asarray(layout_positions("zigzag", 0, 1, 64))  # a permuted order: sorted inside
-    fn = functools.partial(local_attention, "cudnn_reference", q_positions=order, kv_positions=order, causal=True)
-    ref = lambda q, k, v: jaxring.attention_reference(q, k, v, causal=True)[0]
-    got = with_reference(lambda q, k, v: fn(q, k, v), q, k, v, dout, causal=True)[0]
-    check(got, with_reference(ref, q, k, v, dout, causal=True)[1], 2e-4)
+    order = jnp.asarray(layout_permutation("zigzag", 64, 4))  # token i holds position order[i]
+    assert planned_classes(jnp.sort(order), jnp.sort(order), causal=True) == [CLASS_NAMES.index("causal")]
+    kw = dict(q_positions=order, kv_positions=order, causal=True)
+    fn = functools.partial(local_attention, "cudnn_reference", **kw)
+    ref = lambda q, k, v: jaxring.attention_reference(q, k, v, **kw)[0]
+    check(with_reference(fn, q, k, v, dout, causal=True)[0], with_reference(ref, q, k, v, dout, causal=True)[0], 2e-4)
 
 
 @SLOW
