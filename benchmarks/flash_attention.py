@@ -1,8 +1,11 @@
 """Single-device attention kernels: TFLOP/s of forward and forward+backward, bf16.
 
-Compares jaxring's Pallas flash kernel with `jax.nn.dot_product_attention` (cuDNN and XLA) and JAX's own
-Pallas `mha` (jax.experimental.pallas.ops.gpu.attention). Shapes follow the FlashAttention papers'
-benchmark: batch * seq = 16k tokens, hidden = heads * head_dim = 2048 (--tokens, --hidden).
+Compares jaxring's Pallas flash kernel ("jaxring") and jaxring's cuDNN block compute ("jaxring-cudnn": the
+BlockOps of kernels/cudnn_blocks.py through block_attention, as Ulysses and dense attention call it) with
+`jax.nn.dot_product_attention` (cuDNN "cudnn" and XLA) and JAX's own Pallas `mha`
+(jax.experimental.pallas.ops.gpu.attention). Shapes follow the FlashAttention papers' benchmark: batch * seq =
+16k tokens, hidden = heads * head_dim = 2048 (--tokens, --hidden); --kv-heads N adds GQA rows (K/V with N heads,
+e.g. --hidden 4096 --head-dims 128 --kv-heads 8: 32 query heads over 8).
 
 FLOPs (the FlashAttention-2 benchmark's convention): forward 4 * batch * heads * seq^2 * head_dim (two
 matmuls), backward 2.5x the forward, so forward+backward = 3.5x the forward; causal counts half.
@@ -13,6 +16,7 @@ on this device, out of memory, unsupported shape) is recorded as an error string
     python benchmarks/flash_attention.py                 # GPU: writes benchmarks/results/flash_attention_<device>.json
     python benchmarks/flash_attention.py --head-dims 64 --merge    # run in parts; --merge adds to the file
     python benchmarks/flash_attention.py --quick --out /tmp/flash_quick.json   # CPU smoke run (jnp path)
+    python benchmarks/flash_attention.py --quick --impls jaxring jaxring-cudnn xla --kv-heads 2 --out /tmp/q.json
 """
 
 from __future__ import annotations
@@ -30,18 +34,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxring.core.timing import median_seconds
+from jaxring.kernels.block_compute import local_attention
 from jaxring.kernels.flash import default_block_config, flash_attention
 
 TOKENS = 16384
 HIDDEN = 2048
-IMPLS = ("jaxring", "cudnn", "xla", "pallas_mha")
+IMPLS = ("jaxring", "jaxring-cudnn", "cudnn", "xla", "pallas_mha")
 
 
-def attention_fn(impl: str, causal: bool, head_dim: int, jaxring_impl: str):
-    """out = f(q, k, v) for one implementation (bf16 [batch, seq, heads, head_dim])."""
+def attention_fn(impl: str, causal: bool, head_dim: int, jaxring_impl: str, cudnn_block_ops: str = "cudnn"):
+    """out = f(q, k, v) for one implementation (bf16 [batch, seq, heads, head_dim]; K/V may have fewer heads)."""
     scale = head_dim**-0.5
     if impl == "jaxring":
         return lambda q, k, v: flash_attention(q, k, v, causal=causal, sm_scale=scale, implementation=jaxring_impl)
+    if impl == "jaxring-cudnn":
+        return lambda q, k, v: local_attention(cudnn_block_ops, q, k, v, causal=causal, sm_scale=scale)
     if impl in ("cudnn", "xla"):
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=scale, implementation=impl)
     if impl == "pallas_mha":
@@ -90,8 +97,8 @@ def matmul_peak(n, warmup, runs):
     }
 
 
-def accuracy_check(fns, args):
-    """Max |difference| of out and dq/dk/dv between jaxring and the first reference that runs (bf16)."""
+def accuracy_check(fns, args, ours_name="jaxring"):
+    """Max |difference| of out and dq/dk/dv between `ours_name` and the first reference that runs (bf16)."""
     names = ("out", "dq", "dk", "dv")
 
     def run(name):
@@ -99,11 +106,11 @@ def accuracy_check(fns, args):
         return [np.asarray(x, np.float32) for x in (out, *grads)]
 
     try:
-        ours = run("jaxring")
+        ours = run(ours_name)
     except Exception as e:
-        return {"error": f"jaxring: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+        return {"error": f"{ours_name}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
     errors = {}
-    for ref_name in (n for n in ("cudnn", "xla", "pallas_mha") if n in fns):
+    for ref_name in (n for n in ("cudnn", "xla", "pallas_mha", "jaxring") if n in fns and n != ours_name):
         try:
             ref = run(ref_name)
         except Exception as e:
@@ -132,6 +139,12 @@ def main(argv=None):
         default=None,
         help="flash_attention(implementation=...): default 'pallas' ('jnp' with --quick)",
     )
+    parser.add_argument(
+        "--cudnn-block-ops",
+        default=None,
+        help="block_ops of the jaxring-cudnn rows: default 'cudnn' ('cudnn_reference', its CPU stand-in, with --quick)",
+    )
+    parser.add_argument("--kv-heads", type=int, default=None, help="K/V heads (GQA); default: as many as the query's")
     parser.add_argument(
         "--xla-max-seq",
         type=int,
@@ -164,6 +177,7 @@ def main(argv=None):
         tokens=TOKENS,
         hidden=HIDDEN,
         jaxring_implementation="pallas",
+        cudnn_block_ops="cudnn",
     )
     if args.quick:
         defaults.update(
@@ -176,6 +190,7 @@ def main(argv=None):
             tokens=512,
             hidden=256,
             jaxring_implementation="jnp",
+            cudnn_block_ops="cudnn_reference",
         )
     for name, value in defaults.items():  # flags given explicitly win over --quick
         if getattr(args, name) is None:
@@ -212,6 +227,7 @@ def main(argv=None):
             "warmup": args.warmup,
             "runs": args.runs,
             "jaxring_implementation": jaxring_impl,
+            "jaxring_cudnn_block_ops": args.cudnn_block_ops,
             "jaxring_default_tiles": {
                 d: {k: vars(t) for k, t in default_block_config(d).items()} for d in args.head_dims
             },
@@ -245,11 +261,14 @@ def main(argv=None):
     causals = {"both": [True, False], "true": [True], "false": [False]}[args.causal]
     for head_dim in args.head_dims:
         heads = max(1, args.hidden // head_dim)
+        kv_heads = heads if args.kv_heads is None else args.kv_heads
+        if heads % kv_heads:
+            raise SystemExit(f"--kv-heads {kv_heads} does not divide the {heads} query heads (hidden / head dim)")
         for seq in args.seqs:
             batch = max(1, args.tokens // seq)
             keys = jax.random.split(jax.random.PRNGKey(seq + head_dim), 4)
-            shape = (batch, seq, heads, head_dim)
-            qkvd = [jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16) for key in keys]
+            shapes = [(batch, seq, h, head_dim) for h in (heads, kv_heads, kv_heads, heads)]
+            qkvd = [jax.random.normal(key, s, jnp.float32).astype(jnp.bfloat16) for key, s in zip(keys, shapes)]
             for causal in causals:
                 flops_fwd, flops_fwd_bwd = attention_flops(batch, seq, heads, head_dim, causal)
                 fns = {}
@@ -261,6 +280,7 @@ def main(argv=None):
                         "causal": causal,
                         "batch": batch,
                         "heads": heads,
+                        "kv_heads": kv_heads,
                         "flops_fwd": flops_fwd,
                         "flops_fwd_bwd": flops_fwd_bwd,
                     }
@@ -268,7 +288,8 @@ def main(argv=None):
                         row["fwd_error"] = row["fwd_bwd_error"] = f"skipped: seq {seq} > --xla-max-seq"
                     else:
                         try:
-                            fns[impl] = forward_and_backward(attention_fn(impl, causal, head_dim, jaxring_impl))
+                            fn = attention_fn(impl, causal, head_dim, jaxring_impl, args.cudnn_block_ops)
+                            fns[impl] = forward_and_backward(fn)
                             fwd_s, fwd_err = timed(fns[impl][0], qkvd[:3], args.warmup, args.runs)
                             fb_s, fb_err = timed(fns[impl][1], qkvd, args.warmup, args.runs)
                         except Exception as e:
@@ -280,25 +301,29 @@ def main(argv=None):
                     record["results"] = [
                         r
                         for r in record["results"]
-                        if (r["impl"], r["seq"], r["head_dim"], r["causal"]) != (impl, seq, head_dim, causal)
+                        if _key(r) + (r["impl"],) != (seq, head_dim, causal, heads, kv_heads, impl)
                     ] + [row]
                     fmt = lambda x, e: f"{x:7.3g}" if x is not None else f"error ({(e or '')[:60]})"
                     print(
-                        f"d={head_dim:3d} seq={seq:6d} causal={causal!s:5} {impl:10s} "
+                        f"d={head_dim:3d} seq={seq:6d} heads={heads}/{kv_heads} causal={causal!s:5} {impl:13s} "
                         f"fwd {fmt(row.get('fwd_tflops'), row.get('fwd_error'))} "
                         f"fwd+bwd {fmt(row.get('fwd_bwd_tflops'), row.get('fwd_bwd_error'))} TFLOP/s",
                         flush=True,
                     )
-                if seq == min(args.seqs) and "jaxring" in fns and len(fns) > 1:
-                    check = accuracy_check(fns, qkvd)
-                    check.update(seq=seq, head_dim=head_dim, causal=causal)
+                for ours_name in (n for n in ("jaxring", "jaxring-cudnn") if n in fns):
+                    if seq != min(args.seqs) or len(fns) < 2:
+                        break
+                    check = accuracy_check(fns, qkvd, ours_name)
+                    check.update(impl=ours_name, seq=seq, head_dim=head_dim, causal=causal, heads=heads)
+                    check["kv_heads"] = kv_heads
                     record["accuracy"] = [
                         c
                         for c in record["accuracy"]
-                        if (c["seq"], c["head_dim"], c["causal"]) != (seq, head_dim, causal)
+                        if _key(c) + (c.get("impl", "jaxring"),) != (seq, head_dim, causal, heads, kv_heads, ours_name)
                     ] + [check]
                     print(
-                        f"  accuracy vs {check.get('reference')}: {check.get('max_abs_diff', check.get('error'))}",
+                        f"  {ours_name} accuracy vs {check.get('reference')}: "
+                        f"{check.get('max_abs_diff', check.get('error'))}",
                         flush=True,
                     )
                 save()
@@ -308,21 +333,33 @@ def main(argv=None):
     return record
 
 
+def _key(row: dict) -> tuple:
+    """(seq, head_dim, causal, heads, kv_heads) of a result or accuracy row (rows of older files: MHA)."""
+    heads = row.get("heads")
+    return (row["seq"], row["head_dim"], row["causal"], heads, row.get("kv_heads", heads))
+
+
 def summarize(record):
-    """Per (seq, head_dim, causal): jaxring fwd / matmul peak and jaxring fwd+bwd / cuDNN fwd+bwd."""
+    """Per (seq, head_dim, causal, heads, kv_heads): jaxring fwd / matmul peak, jaxring fwd+bwd / cuDNN fwd+bwd
+    and jaxring-cudnn fwd+bwd / cuDNN fwd+bwd (the block decomposition's overhead over one direct call)."""
     peak = (record.get("matmul_peak") or {}).get("tflops")
     by_key = {}
     for r in record["results"]:
-        by_key.setdefault((r["seq"], r["head_dim"], r["causal"]), {})[r["impl"]] = r
+        by_key.setdefault(_key(r), {})[r["impl"]] = r
     summary = []
-    for (seq, head_dim, causal), rows in sorted(by_key.items()):
+    for (seq, head_dim, causal, heads, kv_heads), rows in sorted(by_key.items(), key=lambda kv: str(kv[0])):
         ours, cudnn = rows.get("jaxring", {}), rows.get("cudnn", {})
         fwd, fb, cudnn_fb = ours.get("fwd_tflops"), ours.get("fwd_bwd_tflops"), cudnn.get("fwd_bwd_tflops")
+        blocks_fb = rows.get("jaxring-cudnn", {}).get("fwd_bwd_tflops")
         summary.append(
             {
                 "seq": seq,
                 "head_dim": head_dim,
                 "causal": causal,
+                "heads": heads,
+                "kv_heads": kv_heads,
+                "jaxring_cudnn_fwd_bwd_tflops": blocks_fb,
+                "jaxring_cudnn_over_cudnn_fwd_bwd": None if not (blocks_fb and cudnn_fb) else blocks_fb / cudnn_fb,
                 "jaxring_fwd_tflops": fwd,
                 "jaxring_fwd_bwd_tflops": fb,
                 "cudnn_fwd_bwd_tflops": cudnn_fb,

@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
 # jaxring's checks on one real NVIDIA GPU, as one short script (a lent GPU machine is held by the minute).
 #
-#   bash benchmarks/gpu_session.sh [SECTION ...]      # sections: env kernels train train-no-offload flash mfu
+#   bash benchmarks/gpu_session.sh [SECTION ...]      # sections: env kernels flash flash-gqa train train-no-offload mfu
+#
+# With no SECTION it runs env kernels flash flash-gqa (the cuDNN session of issue 34; at most 200 + 120 + 120 +
+# 60 s, under 10 minutes); the training and MFU sections run when named.
 #
 # Runs from the repository root with the machine's own JAX (its CUDA plugin) and jaxring installed there
 # (`pip install --no-deps -e .`: train.py finds the model families through the package's entry points). Each
 # section has its own time limit and goes on after a failure; logs and JSON land in $OUT (default
 # benchmarks/results/gpu_session/), copied into benchmarks/results/ by hand after review.
 #   env      nvidia-smi, Python and package versions
-#   kernels  tests/test_gpu_kernels.py: the compiled Pallas flash kernel against the dense reference
+#   kernels  tests/test_gpu_kernels.py: the compiled Pallas flash kernel and the cuDNN block compute (block_ops
+#            "cudnn": zig-zag/striped block positions, GQA, a window, documents falling back) against the dense
+#            reference, forward and dq/dk/dv
 #   train    python train.py on the GPU: Llama-3-8B's layer shape (4 of its 32 layers, its 128K vocabulary),
 #            64K tokens, bf16, remat full, tiled loss and MLP, layer inputs offloaded to host memory; the
 #            metrics (peak device memory, step time) beside the estimate train.py prints
-#   flash    benchmarks/flash_attention.py at head dim 128, 8K and 32K tokens: jaxring's kernel and cuDNN
+#   flash    benchmarks/flash_attention.py at head dim 128, 8K and 32K tokens, causal and full: jaxring's Pallas
+#            kernel, jaxring's cuDNN block compute ("jaxring-cudnn") and cuDNN called directly
+#   flash-gqa  the same with GQA, 32 query heads over 8 K/V heads (hidden 4096), added to the same JSON
 #   mfu      benchmarks/train_step.py --gpu-mfu: gpt2-124m and 1b at 8K tokens, tokens/s and MFU
 set -u
 OUT=${OUT:-benchmarks/results/gpu_session}
@@ -29,7 +36,7 @@ run() {  # run NAME SECONDS COMMAND...: one section, its output appended to the 
     echo "=== $name: exit $? after $((SECONDS - start)) s" | tee -a "$LOG"
 }
 
-sections=${*:-env kernels train train-no-offload flash mfu}
+sections=${*:-env kernels flash flash-gqa}
 for s in $sections; do
     case $s in
     env)
@@ -40,7 +47,7 @@ print(sys.version.split()[0], \"jax\", jax.__version__, \"jaxlib\", jaxlib.__ver
 import jaxring, jaxring.models.gpt; print(\"jaxring imports\")'"
         ;;
     kernels)
-        run kernels 170 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py
+        run kernels 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py
         ;;
     train)
         run train 170 "$PY" train.py --preset llama3-8b --override num_layers=4 --seq-len 65536 --batch-size 1 \
@@ -53,12 +60,16 @@ import jaxring, jaxring.models.gpt; print(\"jaxring imports\")'"
             --log-every 1 --sample-tokens 0 --no-eval-at-end --out-dir "$OUT/train-no-offload"
         ;;
     flash)
-        run flash 120 "$PY" benchmarks/flash_attention.py --seqs 8192 32768 --head-dims 128 --impls jaxring cudnn \
-            --runs 5 --out "$OUT/flash_attention.json"
+        run flash 120 "$PY" benchmarks/flash_attention.py --seqs 8192 32768 --head-dims 128 \
+            --impls jaxring jaxring-cudnn cudnn --runs 5 --out "$OUT/flash_attention.json"
+        ;;
+    flash-gqa)
+        run flash-gqa 120 "$PY" benchmarks/flash_attention.py --seqs 8192 32768 --head-dims 128 --hidden 4096 \
+            --kv-heads 8 --impls jaxring jaxring-cudnn cudnn --runs 5 --merge --out "$OUT/flash_attention.json"
         ;;
     mfu)
         run mfu 180 "$PY" benchmarks/train_step.py --gpu-mfu --steps 5 --out "$OUT/train_step_gpu.json"
         ;;
-    *) echo "unknown section $s (env kernels train train-no-offload flash mfu)" | tee -a "$LOG" ;;
+    *) echo "unknown section $s (env kernels flash flash-gqa train train-no-offload mfu)" | tee -a "$LOG" ;;
     esac
 done

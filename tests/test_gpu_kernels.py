@@ -1,4 +1,5 @@
-"""The compiled Pallas flash kernel on a real GPU against the dense reference: out, lse and dq/dk/dv.
+"""The compiled Pallas flash kernel and the cuDNN block compute on a real GPU against the dense reference: out,
+lse and dq/dk/dv (cuDNN: out and dq/dk/dv, through `block_attention`, with zig-zag and striped block positions).
 
 Skipped where JAX has no GPU backend (CI, and the CPU tests, which check the same kernels through the Pallas
 interpreter in test_flash.py). On a GPU machine: `JAX_PLATFORMS= python -m pytest tests/test_gpu_kernels.py`.
@@ -12,7 +13,12 @@ import numpy as np
 import pytest
 
 from jaxring import attention_reference
+from jaxring.core import compat
+from jaxring.kernels.block_attention import block_attention
+from jaxring.kernels.block_compute import get_block_ops, nvidia_gpu
+from jaxring.kernels.cudnn_blocks import FALLBACK, planned_classes
 from jaxring.kernels.flash import flash_attention
+from jaxring.kernels.layout import layout_positions
 
 
 def _gpu():
@@ -97,3 +103,58 @@ def test_compiled_kernel_matches_reference(name, seq, q_heads, kv_heads, head_di
     errors.update({f"d{n}": _relative_error(g, g_r) for n, g, g_r in zip("qkv", grads, grads_r, strict=True)})
     tolerance = TOLERANCE[dtype]
     assert all(e < tolerance for e in errors.values()), f"{name} {jnp.dtype(dtype).name}: {errors} > {tolerance}"
+
+
+# cuDNN: (name, seq, q heads, kv heads, head dim, causal, window, documents, block positions) with positions
+# "natural" (one run), or (layout, ranks, q rank, kv rank): one ring step's block of that layout
+CUDNN_CASES = [
+    ("causal d128", 2048, 8, 8, 128, True, None, False, "natural"),
+    ("full GQA 32:8", 2048, 32, 8, 128, False, None, False, "natural"),
+    ("zigzag diagonal GQA", 2048, 8, 2, 128, True, None, False, ("zigzag", 4, 1, 1)),
+    ("zigzag off-diagonal", 2048, 8, 2, 128, True, None, False, ("zigzag", 4, 1, 3)),
+    ("striped shifted", 2048, 8, 2, 64, True, None, False, ("striped", 4, 1, 2)),
+    ("window 256", 2048, 4, 1, 128, True, 256, False, "natural"),
+    ("documents (fallback)", 2048, 4, 2, 64, True, None, True, "natural"),
+]
+CUDNN = nvidia_gpu() if GPU is not None else False
+
+
+@pytest.mark.skipif(
+    not (CUDNN and compat.has_cudnn_attention()), reason="needs an NVIDIA GPU and JAX's cuDNN primitives"
+)
+@pytest.mark.parametrize(
+    "name,seq,q_heads,kv_heads,head_dim,causal,window,documents,blocks",
+    [pytest.param(*c, id=c[0]) for c in CUDNN_CASES],
+)
+def test_cudnn_blocks_match_reference(name, seq, q_heads, kv_heads, head_dim, causal, window, documents, blocks):
+    """bf16 through cuDNN (block_ops "cudnn"): the block decomposition, the stats conversion and the backward
+    from the global lse and the stand-in output O' (rowsum(dO O') = delta), against the fp32 reference."""
+    q, k, v, dout, _ = _inputs(len(name), 2, seq, q_heads, kv_heads, head_dim, jnp.bfloat16)
+    options = dict(causal=causal, window=window)
+    if blocks == "natural":
+        qp = kp = None
+    else:
+        layout, ranks, qr, kr = blocks
+        qp, kp = (layout_positions(layout, r, ranks, seq) for r in (qr, kr))
+        assert FALLBACK not in planned_classes(qp, kp, causal=causal)
+        options.update(q_positions=qp, kv_positions=kp)
+    if documents:
+        ids = np.ones((2, seq), np.int32)
+        ids[0, seq // 3 :] = 2
+        ids[0, -50:] = 0
+        options["segment_ids"] = jax.device_put(jnp.asarray(ids), GPU)
+    ops = get_block_ops("cudnn")
+
+    def loss(fn, q, k, v):
+        out = fn(q, k, v)
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
+
+    def reference(q, k, v):
+        return attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), **options)[0]
+
+    grad = lambda f: jax.jit(jax.value_and_grad(lambda *a: loss(f, *a), (0, 1, 2), has_aux=True))
+    (_, out), grads = grad(lambda q, k, v: block_attention(ops, q, k, v, **options))(q, k, v)
+    (_, out_r), grads_r = grad(reference)(q, k, v)
+    errors = {"out": _relative_error(out, out_r)}
+    errors.update({f"d{n}": _relative_error(g, g_r) for n, g, g_r in zip("qkv", grads, grads_r, strict=True)})
+    assert all(e < TOLERANCE[jnp.bfloat16] for e in errors.values()), f"{name}: {errors}"

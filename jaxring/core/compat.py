@@ -11,6 +11,7 @@ Sections (one per area; add new uses to the matching one, or a new section):
   jaxprs           tracing, dead-code elimination and partial evaluation of jaxprs (jaxring/parallel/pipeline/)
   backends         JAX's backends and XLA's HLO cost analysis (jaxring/analysis/gpu.py)
   memory kinds     host-memory arguments of a deviceless GPU program (jaxring/aot/train_step.py)
+  cudnn            cuDNN's fused attention primitives, forward with stats and backward (kernels/cudnn_blocks.py)
 """
 
 from __future__ import annotations
@@ -25,10 +26,14 @@ __all__ = [
     "all_gather_invariant",
     "backends_started",
     "close_jaxpr",
+    "cudnn_attention_backward",
+    "cudnn_attention_forward",
+    "cudnn_mask_types",
     "dce_jaxpr",
     "eval_closed_jaxpr",
     "executable_cost_analysis",
     "has_all_gather_invariant",
+    "has_cudnn_attention",
     "hlo_cost_analysis",
     "is_literal",
     "partial_eval_jaxpr",
@@ -189,3 +194,84 @@ def place_in_host_memory(lowered: jax.stages.Lowered, arguments: set[int], resul
     with module.context:
         main.attributes["arg_attrs"] = marked("arg_attrs", {position[a] for a in arguments if a in position})
         main.attributes["res_attrs"] = marked("res_attrs", set(results))
+
+
+# ------------------------------------------------------------------------------------------------- cudnn
+# cuDNN's fused attention through `jax._src.cudnn.fused_attention_stablehlo`'s two wrapper primitives (the
+# public `jax.nn.dot_product_attention(implementation="cudnn")` returns no softmax stats and has no backward
+# that takes another output's stats). Checked on jax 0.10.2 (signatures read from its source; not run on a
+# GPU in that session). Whether jax 0.11 keeps these names and parameters is open: the GPU machine had 0.11.2.
+# The call contract, mirrored by `kernels/cudnn_contract.py` on CPU:
+#   forward(query, key, value, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets, page_table_k, page_table_v,
+#           *, scale, seed, dropout_rate, variadic_args, mask_type, layout, sliding_window_length, is_training)
+#     -> (out [B, T, N, H] in the inputs' dtype, stats fp32 [B, N, T]) when is_training
+#   backward(same ten operands, stats, fwd_output, grad_output, *, the same parameters but is_training)
+#     -> (dq, dk, dv) in the inputs' dtypes
+# Unused operands are empty arrays (jnp.zeros(0)), as the public wrapper passes them.
+
+
+# the forward's operands and parameters on jax 0.10.2 (older JAX had six operands: no offsets, no page tables)
+_CUDNN_FORWARD_SIGNATURE = [
+    "query",
+    "key",
+    "value",
+    "bias",
+    "q_seqlen",
+    "kv_seqlen",
+    "q_offsets",
+    "kv_offsets",
+    "page_table_k",
+    "page_table_v",
+    "scale",
+    "seed",
+    "dropout_rate",
+    "variadic_args",
+    "mask_type",
+    "layout",
+    "sliding_window_length",
+    "is_training",
+]
+
+
+def has_cudnn_attention() -> bool:
+    """Whether this JAX has cuDNN's fused attention primitives with the call contract checked on jax 0.10.2
+    (the names, and the forward implementation's parameter list, which older JAX versions lack)."""
+    import inspect
+
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+    except ImportError:
+        return False
+    needed = ("_dot_product_attention_fwd_p_wrapper", "_dot_product_attention_bwd_p_wrapper", "MaskType")
+    if not all(hasattr(fa, name) for name in needed):
+        return False
+    impl = getattr(fa, "_dot_product_attention_fwd_impl", None)
+    return impl is not None and list(inspect.signature(impl).parameters) == _CUDNN_FORWARD_SIGNATURE
+
+
+def cudnn_mask_types() -> dict[str, Any]:
+    """{"none", "padding", "causal", "padding_causal"} -> the private `MaskType` members (jax 0.10.2)."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType
+
+    return {
+        "none": MaskType.NO_MASK,
+        "padding": MaskType.PADDING,
+        "causal": MaskType.CAUSAL,
+        "padding_causal": MaskType.PADDING_CAUSAL,
+    }
+
+
+def cudnn_attention_forward(*operands: jax.Array, **params: Any) -> tuple[jax.Array, jax.Array]:
+    """Binds `_dot_product_attention_fwd_p_wrapper` (jax 0.10.2) with is_training=True: (out, stats)."""
+    from jax._src.cudnn.fused_attention_stablehlo import _dot_product_attention_fwd_p_wrapper
+
+    out, stats = _dot_product_attention_fwd_p_wrapper.bind(*operands, **params, is_training=True)
+    return out, stats
+
+
+def cudnn_attention_backward(*operands: jax.Array, **params: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Binds `_dot_product_attention_bwd_p_wrapper` (jax 0.10.2): (dq, dk, dv) (no bias, so no dbias)."""
+    from jax._src.cudnn.fused_attention_stablehlo import _dot_product_attention_bwd_p_wrapper
+
+    dq, dk, dv = _dot_product_attention_bwd_p_wrapper.bind(*operands, **params)
+    return dq, dk, dv

@@ -1,32 +1,86 @@
-"""The per-block compute by name: the jnp tiles (`blockwise.py`, CPU) or the Pallas flash kernels (`flash.py`, GPU).
+"""The per-block compute by name: the jnp tiles (`blockwise.py`, CPU), the Pallas flash kernels (`flash.py`, GPU)
+or cuDNN's fused attention (`cudnn_blocks.py`, NVIDIA GPU; its jnp stand-in on CPU).
 
 Every distributed strategy takes `block_ops=` as a name or a `BlockOps` pair (the interface documented in
-`blockwise.py`) and resolves it here, above both implementations.
+`blockwise.py`) and resolves it here, above the implementations.
 """
 
 from __future__ import annotations
 
 import jax
 
+from jaxring.core import compat
+from jaxring.kernels.block_attention import block_attention
 from jaxring.kernels.blockwise import JNP_BLOCK_OPS, BlockOps
-from jaxring.kernels.flash import flash_block_ops
+from jaxring.kernels.cudnn_blocks import REAL_CALLS, REFERENCE_CALLS, cudnn_block_ops
+from jaxring.kernels.flash import flash_attention, flash_block_ops
 
-# the per-block computes by name ("auto": pallas on GPU, jnp elsewhere)
-BLOCK_OPS = ("auto", "jnp", "pallas", "pallas_interpret")
+# the per-block computes by name ("auto": cudnn on an NVIDIA GPU whose JAX has the primitives, else pallas on
+# GPU, jnp elsewhere)
+BLOCK_OPS = ("auto", "jnp", "pallas", "pallas_interpret", "cudnn", "cudnn_reference")
+
+
+def nvidia_gpu() -> bool:
+    """Whether JAX's default backend is a CUDA GPU (not ROCm)."""
+    return jax.default_backend() == "gpu" and "cuda" in jax.devices()[0].client.platform_version.lower()
+
+
+def check_cudnn_available() -> None:
+    """Raises (one line) unless cuDNN's fused attention can run here: an NVIDIA GPU and JAX's primitives."""
+    if not nvidia_gpu():
+        raise ValueError(
+            f"block_ops 'cudnn' needs an NVIDIA GPU (the default backend is {jax.default_backend()!r}); "
+            f"use 'cudnn_reference' for its CPU stand-in"
+        )
+    if not compat.has_cudnn_attention():
+        raise ValueError(
+            f"block_ops 'cudnn': jax {jax.__version__} lacks the cuDNN attention primitives jaxring uses (checked on 0.10.2)"
+        )
+
+
+def resolve_name(impl: str) -> str:
+    """The concrete name "auto" stands for here (other names as given)."""
+    if impl != "auto":
+        return impl
+    if jax.default_backend() != "gpu":
+        return "jnp"
+    return "cudnn" if nvidia_gpu() and compat.has_cudnn_attention() else "pallas"
 
 
 def get_block_ops(impl: str | BlockOps = "auto") -> BlockOps:
     """The per-block compute by name, or a BlockOps as given.
 
     "jnp" (`blockwise.py`), "pallas" (the compiled flash kernel, GPU), "pallas_interpret" (the same kernel run
-    by the Pallas interpreter, for CPU tests); "auto" is "pallas" on GPU and "jnp" elsewhere.
+    by the Pallas interpreter, for CPU tests), "cudnn" (cuDNN's fused attention, NVIDIA GPU only; blocks its
+    masks cannot express go to the Pallas kernel), "cudnn_reference" (the same decomposition over a jnp
+    stand-in with cuDNN's call contract, falling back to the jnp pair: CPU tests); "auto" is "cudnn" on an
+    NVIDIA GPU whose JAX has the primitives, "pallas" on other GPUs and "jnp" elsewhere.
     """
     if isinstance(impl, BlockOps):
         return impl
-    if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" else "jnp"
+    impl = resolve_name(impl)
     if impl == "jnp":
         return JNP_BLOCK_OPS
     if impl in ("pallas", "pallas_interpret"):
         return flash_block_ops(interpret=impl == "pallas_interpret")
+    if impl == "cudnn":
+        check_cudnn_available()
+        return cudnn_block_ops(REAL_CALLS, flash_block_ops())
+    if impl == "cudnn_reference":
+        return cudnn_block_ops(REFERENCE_CALLS, JNP_BLOCK_OPS)
     raise ValueError(f"unknown block implementation {impl!r}; expected one of {', '.join(BLOCK_OPS)} or a BlockOps")
+
+
+# flash_attention's implementations among the names (the others run through `block_attention`)
+FLASH_IMPLEMENTATIONS = ("jnp", "pallas", "pallas_interpret")
+
+
+def local_attention(block_ops: str | BlockOps, q: jax.Array, k: jax.Array, v: jax.Array, **kwargs) -> jax.Array:
+    """Differentiable attention on one device with the named block compute (the strategies that attend
+    locally: Ulysses, the all-gather, dense): `flash_attention` for its implementations, `block_attention`
+    over the BlockOps otherwise (cuDNN). kwargs: flash_attention's (causal, sm_scale, positions, segment ids,
+    window)."""
+    name = block_ops.name if isinstance(block_ops, BlockOps) else resolve_name(block_ops)
+    if name in FLASH_IMPLEMENTATIONS:
+        return flash_attention(q, k, v, implementation=name, **kwargs)
+    return block_attention(get_block_ops(block_ops), q, k, v, **kwargs)

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring.core.mesh import DATA_AXES, mesh_axis_size, spec_entry
 from jaxring.core.tiling import tile_count
-from jaxring.kernels.flash import flash_attention
+from jaxring.kernels.block_compute import local_attention
 from jaxring.kernels.layout import check_seq_len, layout_permutation
 from jaxring.kernels.masking import check_window
 from jaxring.parallel.catalog import (
@@ -48,7 +48,6 @@ from jaxring.parallel.catalog import (
     tensor_method,
 )
 from jaxring.parallel.pipeline.schedules import Schedule, make_schedule
-from jaxring.parallel.sequence.ulysses import local_implementation
 
 if TYPE_CHECKING:
     from jaxring.parallel.registry import HasOptions, SequenceStrategy
@@ -283,7 +282,8 @@ class ParallelPlan:
         """
         if self.sp == 1:
             order = jnp.arange(q.shape[1], dtype=jnp.int32) if token_order is None else token_order
-            return flash_attention(
+            return local_attention(
+                self.block_ops,
                 q,
                 k,
                 v,
@@ -292,7 +292,6 @@ class ParallelPlan:
                 kv_positions=order,
                 segment_ids=segment_ids,
                 window=window,
-                implementation=local_implementation(self.block_ops),
             )
         check_window(window, causal)  # here, so that the error comes before any strategy's collectives
         windowed = {} if window is None else {"window": window}  # strategies registered without it still run

@@ -51,7 +51,15 @@ from typing import TYPE_CHECKING
 from jaxring.core.precision import BYTES_PER_ELEMENT as DTYPE_BYTES
 from jaxring.kernels.blockwise import BACKWARD_TILE, FORWARD_TILE, tile_size
 from jaxring.nn import offloaded
-from jaxring.parallel.cost_terms import F32, AttentionCost, AttentionShape, LocalDims, ModelShape, Transfer
+from jaxring.parallel.cost_terms import (
+    F32,
+    AttentionCost,
+    AttentionShape,
+    LocalDims,
+    ModelShape,
+    Transfer,
+    block_compute_speed,
+)
 from jaxring.parallel.pipeline import lower, make_schedule, peak_in_flight, simulate
 from jaxring.parallel.pipeline.schedules import BW, B, F, W
 from jaxring.planner.space import Candidate, Workload
@@ -719,13 +727,20 @@ def step_time(
     leaves: Sequence[ParamLeaf] = (),
     plan: ParallelPlan | None = None,
     s: Shapes | None = None,
+    block_ops: str = "auto",
 ) -> StepTime:
-    """The step's seconds on `cluster` (see the module docstring). locality: {axes: True when intra-node}."""
+    """The step's seconds on `cluster` (see the module docstring). locality: {axes: True when intra-node}.
+    block_ops: the attention's per-block compute; its FLOPs run at `block_compute_speed` of the others' rate."""
     s = s if s is not None else shapes(w, c, plan, cluster.cpu)
     remat = c.remat
     rate = cluster.device.flops * cluster.efficiency
     flops, attn_flops, ffn_flops = compute_flops(w, c, remat, s)
-    compute = flops / rate + c.steps(w) * (w.config.num_layers // c.pp) * KERNELS_PER_LAYER * KERNEL_OVERHEAD_S
+    attention_s = attn_flops / (rate * block_compute_speed(block_ops, cluster.cpu))
+    compute = (
+        (flops - attn_flops) / rate
+        + attention_s
+        + c.steps(w) * (w.config.num_layers // c.pp) * KERNELS_PER_LAYER * KERNEL_OVERHEAD_S
+    )
     layer_comm: dict = {}
     step_comm: dict = {}
     overlappable = {"attention": 0.0, "ffn": 0.0}
@@ -737,7 +752,7 @@ def step_time(
             continue
         target = step_comm if t.phase == "step" else layer_comm
         target[t.axes] = target.get(t.axes, 0.0) + seconds
-    exposed_attention = max(0.0, overlappable["attention"] - attn_flops / rate)
+    exposed_attention = max(0.0, overlappable["attention"] - attention_s)
     exposed_ffn = max(0.0, overlappable["ffn"] - ffn_flops / (3 * rate))  # the forward FFN matmuls
     hidden = overlappable["attention"] + overlappable["ffn"] - exposed_attention - exposed_ffn
     if exposed_attention or exposed_ffn:

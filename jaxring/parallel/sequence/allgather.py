@@ -21,14 +21,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxring.kernels.block_compute import local_attention
 from jaxring.kernels.blockwise import BlockOps
-from jaxring.kernels.flash import flash_attention
 from jaxring.kernels.layout import gathered_positions, layout_positions, natural_order
 from jaxring.kernels.masking import check_qkv
 from jaxring.kernels.window_work import layout_window_share
 from jaxring.parallel.cost_terms import F32, AttentionCost, AttentionShape, Transfer, segment_once
 from jaxring.parallel.registry import SequenceStrategy
-from jaxring.parallel.sequence.ulysses import local_implementation
 
 
 def allgather_attention(
@@ -58,7 +57,8 @@ def allgather_attention(
         k, v = k[:, order], v[:, order]
         kv_seg = None if kv_seg is None else kv_seg[:, order]
         kv_positions = jnp.arange(n * p, dtype=jnp.int32)
-    return flash_attention(
+    return local_attention(
+        block_ops,
         q,
         k,
         v,
@@ -69,7 +69,6 @@ def allgather_attention(
         segment_ids=segment_ids,
         kv_segment_ids=kv_seg,
         window=window,
-        implementation=local_implementation(block_ops),
     )
 
 

@@ -125,8 +125,8 @@ def ring_attention(
 
 
 def fuse_by_default(ops: BlockOps, fuse_sends: bool | None) -> bool:
-    """fuse_sends as given, or True for the compiled Pallas kernels (a GPU program), else False."""
-    return ops.name == "pallas" if fuse_sends is None else bool(fuse_sends)
+    """fuse_sends as given, or True for the GPU block computes (compiled Pallas kernels, cuDNN), else False."""
+    return ops.name in ("pallas", "cudnn") if fuse_sends is None else bool(fuse_sends)
 
 
 def _parts(tokens: RankTokens, causal: bool):

@@ -24,24 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxring.kernels.block_compute import local_attention
 from jaxring.kernels.blockwise import BlockOps
-from jaxring.kernels.flash import flash_attention
 from jaxring.kernels.layout import gathered_positions, natural_order
 from jaxring.kernels.masking import check_qkv
 from jaxring.kernels.window_work import layout_window_share
 from jaxring.parallel.cost_terms import F32, AttentionCost, AttentionShape, Transfer, segment_once
 from jaxring.parallel.registry import SequenceStrategy
-
-
-def local_implementation(block_ops: str | BlockOps) -> str | None:
-    """The `flash_attention` implementation matching a block-ops choice."""
-    name = block_ops.name if isinstance(block_ops, BlockOps) else block_ops
-    if name in ("auto", "jnp", "pallas", "pallas_interpret"):
-        return None if name == "auto" else name
-    raise ValueError(
-        f"block_ops {name!r}: this strategy computes locally with flash_attention, which takes "
-        f"'auto', 'jnp', 'pallas' or 'pallas_interpret'"
-    )
 
 
 def check_heads_split(q_heads: int, degree: int, what: str = "sp") -> None:
@@ -97,7 +86,8 @@ def ulysses_attention(
         q, k, v = (x[:, order] for x in (q, k, v))
         seg = None if seg is None else seg[:, order]
         positions = jnp.arange(n * p, dtype=jnp.int32)
-    out = flash_attention(
+    out = local_attention(
+        block_ops,
         q,
         k,
         v,
@@ -107,7 +97,6 @@ def ulysses_attention(
         kv_positions=positions,
         segment_ids=seg,
         window=window,
-        implementation=local_implementation(block_ops),
     )
     if order is not None:
         out = out[:, np.argsort(order)]
