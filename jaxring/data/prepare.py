@@ -53,7 +53,10 @@ POLL_S = 0.1  # how often a wait looks at the stop signal
 
 
 class StoreWriteError(OSError):
-    """A store's file could not be written (errno kept: ENOSPC, EROFS, EACCES, ...)."""
+    """A store's file could not be written (errno kept: ENOSPC, EROFS, EACCES, ...); str(): the message alone."""
+
+    def __str__(self) -> str:
+        return self.strerror
 
 
 # ---------------------------------------------------------------------------------------------- workers
@@ -61,20 +64,36 @@ class StoreWriteError(OSError):
 _worker_tokenizer: Tokenizer | None = None
 
 
-def _init_worker(spec: str, pooled: bool = True) -> None:
-    """Loads the tokenizer; in a pool process also: Ctrl-C is the parent's to handle, and the process exits
-    quietly once its parent (the forkserver, which ends with this run's process) is gone."""
+def _init_worker(spec: str, main_pid: int | None = None) -> None:
+    """Loads the tokenizer; in a pool process (`main_pid`: the preparing process) also: Ctrl-C is the main
+    process's to handle, and the worker exits quietly once that process is gone (a SIGKILL)."""
     global _worker_tokenizer
-    if pooled:
+    if main_pid is not None:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one process per core already
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        parent = os.getppid()
-        threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
+        threading.Thread(target=_exit_without, args=(main_pid,), daemon=True).start()
     _worker_tokenizer = load_tokenizer(spec)
 
 
-def _exit_when_orphaned(parent: int) -> None:
-    while os.getppid() == parent:
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a killed one that its parent has not reaped yet is a zombie: not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except OSError:  # no /proc: the signal test alone
+        return True
+
+
+def _exit_without(main_pid: int) -> None:
+    """A worker's watch on the main process: the forkserver that forked the worker outlives the main process
+    (every worker keeps it alive), so the worker looks at the main process itself."""
+    while _alive(main_pid):
         time.sleep(0.5)
     os._exit(0)
 
@@ -103,19 +122,13 @@ def _chunks(documents: Iterable[tuple[str, int]]) -> Iterator[tuple[list[str], i
 def _result(future: Future, stop: StopSignals, message: str):
     while not wait([future], timeout=POLL_S, return_when=FIRST_COMPLETED)[0]:
         stop.check(message)
-    try:
-        return future.result()
-    except BrokenProcessPool:
-        raise ChildProcessError(
-            "a tokenizing worker process died (killed by the system: out of memory?); nothing was written; "
-            "retry with fewer --workers"
-        ) from None
+    return future.result()
 
 
 def _encoded(chunks: Iterator, spec: str, workers: int, stop: StopSignals, message: str) -> Iterator[tuple]:
     """`_encode_chunk` of every chunk, in order; `stop` looked at between chunks (and while waiting)."""
     if workers == 1:
-        _init_worker(spec, pooled=False)
+        _init_worker(spec)
         for chunk in chunks:
             stop.check(message)
             yield _encode_chunk(chunk)
@@ -124,7 +137,7 @@ def _encoded(chunks: Iterator, spec: str, workers: int, stop: StopSignals, messa
     # once; the workers fork from it
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
-    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=(spec,))
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=(spec, os.getpid()))
     pending: collections.deque[Future] = collections.deque()
     try:
         for chunk in chunks:
@@ -134,6 +147,11 @@ def _encoded(chunks: Iterator, spec: str, workers: int, stop: StopSignals, messa
                 yield _result(pending.popleft(), stop, message)
         while pending:
             yield _result(pending.popleft(), stop, message)
+    except BrokenProcessPool:  # from submit or a result
+        raise ChildProcessError(
+            "a tokenizing worker process died (killed by the system: out of memory?); nothing was written; "
+            "retry with fewer --workers"
+        ) from None
     finally:
         pool.shutdown(wait=True, cancel_futures=True)  # the running chunks finish (about a second)
 

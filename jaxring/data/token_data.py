@@ -98,15 +98,21 @@ class TokenData:
         )
 
 
-def open_token_data(settings: Any, log: Callable[[str], None] | None = None) -> TokenData:
-    """The data `settings` (a `spec.DataSettings`) names; text inputs are prepared on first use (`log` says so)."""
+def open_token_data(
+    settings: Any, log: Callable[[str], None] | None = None, bin_vocab_size: int | None = None
+) -> TokenData:
+    """The data `settings` (a `spec.DataSettings`) names; text inputs are prepared on first use (`log` says so).
+    bin_vocab_size: a .bin's vocabulary as the user stated it (None: GPT-2's, `sources.load_tokens`)."""
     if is_token_file(settings.data):
         if settings.tokenizer not in (None, "bytes") or settings.val_data is not None:
             raise ValueError(
                 f"--data {settings.data!r} is a token file (.bin): it takes neither --tokenizer nor --val-data "
                 f"(its val split is val.bin beside it, else its last 10%)"
             )
-        return TokenData(load_tokens(settings.data, split="train"), load_tokens(settings.data, split="val"))
+        return TokenData(
+            load_tokens(settings.data, split="train", vocab_size=bin_vocab_size),
+            load_tokens(settings.data, split="val", vocab_size=bin_vocab_size),
+        )
     train = open_store(settings.data, settings.tokenizer, settings.text_field, log=log)
     val = train
     if settings.val_data is not None:
