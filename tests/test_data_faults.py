@@ -247,7 +247,7 @@ def test_sigint_during_train_py_first_use_preparation(tmp_path, slow_env):
     cache = f"{inp}.jaxring-cache/bytes"
     assert code == 130 and err == [f"SIGINT: interrupted; nothing written to {cache!r}"], err
     assert seconds < 5, f"{seconds:.1f} s from SIGINT to exit"
-    assert not Path(cache).exists() and not (ckpt.exists() and any(p.name.isdigit() for p in ckpt.iterdir()))
+    assert not Path(cache).parent.exists() and not (ckpt.exists() and any(p.name.isdigit() for p in ckpt.iterdir()))
 
 
 # ---- item 4: checksums, the vocabulary, .bin files ---------------------------------------------------------

@@ -75,7 +75,11 @@ def open_store(
                 log(f"preparing {path} into {cache} (tokenizer {tok.describe()}; once, until the input changes)")
             check_out_dir(cache, tok)
             write_store(cache, tok, path, files, field, workers, False, stop, created)
-    except PermissionError as e:
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            cache.parent.rmdir()  # PATH.jaxring-cache/ when this run made it and left nothing in it
+        if not isinstance(e, PermissionError):
+            raise
         raise ValueError(
             f"--data {path!r}: cannot write its cache {str(cache)!r} ({e.strerror}); prepare it elsewhere with "
             f"python -m jaxring.data prepare {path} OUT_DIR and pass --data OUT_DIR"
