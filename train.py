@@ -51,9 +51,9 @@ def main(argv=None) -> int:
         return run(spec, print_config=meta.print_config)
     except Interrupted as e:  # the loop saved and said so
         return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # before the loop: jaxring.data's preparation says what it left, and its code
+        print(str(e) or "interrupted", file=sys.stderr)
+        return getattr(e, "exit_code", 130)
     except Diverged as e:
         if meta.debug:
             raise

@@ -27,7 +27,8 @@ import numpy as np
 from jaxring.analysis.records import benchmark_record, save_record
 from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 from jaxring.data.loader import PackedBatches, StepBatches, split_documents
-from jaxring.data.store import bundled_store, prepare
+from jaxring.data.prepare import prepare
+from jaxring.data.store import bundled_store
 
 
 def train_bpe(texts, path: str, vocab: int = 4096) -> str:

@@ -19,6 +19,8 @@ from flax import nnx
 from jaxring.core.mesh import make_mesh
 from jaxring.data.hosts import global_array, host_rows, to_one_device
 from jaxring.data.loader import StepBatches
+from jaxring.data.sources import TokenSource
+from jaxring.data.store import DocumentStore
 from jaxring.data.token_data import is_token_file, open_token_data
 from jaxring.data.tokenizer import load_tokenizer
 from jaxring.models import gpt, gpt_eval, hf
@@ -68,9 +70,15 @@ class GPTTask:
     def __init__(self, spec, plan: ParallelPlan):
         t = spec.training
         self.seq_len = t.seq_len or DEFAULT_SEQ_LEN
-        self.data = open_token_data(spec.data, log=_log_main)
-        self.source = self.data.tokenizer  # encode/decode (the sample at the end, notebooks)
         overrides = dict(spec.model.overrides)
+        self.data = open_token_data(spec.data, log=_log_main, bin_vocab_size=_stated_vocab(spec, overrides))
+        self.source = self.data.tokenizer  # encode/decode (the sample at the end, notebooks)
+        if self.data.is_windows and spec.output.sample_tokens:
+            _log_main(
+                f"note: --data {spec.data.data} is token ids with no tokenizer: no text sample at the end "
+                f"(--sample-tokens {spec.output.sample_tokens} ignored)"
+            )
+            spec.output.sample_tokens = 0  # the run's settings as it will run them (run.yaml, the loop)
         _check_overrides_fit_the_data(overrides, self.source, self.seq_len)
         if spec.model.init_from is not None:
             check_data_tokenizer(spec.model.init_from, self.data)
@@ -141,14 +149,21 @@ class GPTTask:
         return model
 
     def check_validation_data(self) -> None:
-        """Every held-out token id inside the model's vocabulary, checked before training (not at the end)."""
-        source = self.data.val  # a .bin's TokenSource (its ids scanned) or a document store (its vocabulary)
-        tokens = getattr(source, "tokens", None)
-        top = max_token_id(tokens) if tokens is not None else source.vocab_size - 1
-        if top is not None and top >= self.config.vocab_size:
+        """Every token id of the training and the held-out data inside the model's vocabulary, checked before
+        training (not at the end): a store's largest id as its meta.json says (its files verified by checksum
+        when opened), a .bin's held-out ids scanned (the training file's were scanned when it was opened)."""
+        for source, what in ((self.data.train, "training"), (self.data.val, "held-out")):
+            top = _largest_id(source, scan=source is not self.data.train)
+            if top is None or top < self.config.vocab_size:
+                continue
+            if what == "held-out":
+                raise ValueError(
+                    f"the held-out data {source.name} has token id {top}, outside the vocabulary of "
+                    f"{self.config.vocab_size} (the training data's); use held-out data of the same tokenizer"
+                )
             raise ValueError(
-                f"the held-out data {source.name} has token id {top}, outside the vocabulary of {self.config.vocab_size} "
-                f"(the training data's); use held-out data of the same tokenizer"
+                f"the training data {source.name} has token id {top}, outside the model's vocabulary of "
+                f"{self.config.vocab_size}; give data of the model's tokenizer"
             )
 
     def metadata(self) -> dict:
@@ -253,8 +268,10 @@ class GPTTask:
         return None
 
     def finish(self, model, log, out_dir: str) -> dict:
-        """A generated sample from the trained model, on one device."""
+        """A generated sample from the trained model, on one device (none from token ids without a tokenizer)."""
         del out_dir
+        if self.data.is_windows:
+            return {}
         device = jax.devices()[0]
         one = ParallelPlan(make_mesh(devices=[device]))
         graphdef, state = nnx.split(model)
@@ -299,6 +316,24 @@ def _check_overrides_fit_the_data(overrides: dict, source, seq_len: int) -> None
             f"--override max_seq_len={max_len}: the data is cut into sequences of --seq-len {seq_len}; positions "
             f"past {seq_len} would never be trained (raise --seq-len, or leave max_seq_len out)"
         )
+
+
+def _stated_vocab(spec, overrides: dict) -> int | None:
+    """The vocabulary a .bin's token ids are read with: --override vocab_size, else --init-from's, else None
+    (GPT-2's, `jaxring.data.sources`)."""
+    if isinstance(overrides.get("vocab_size"), int):
+        return overrides["vocab_size"]
+    if spec.model.init_from is not None and is_token_file(spec.data.data):
+        return hf.read_config(spec.model.init_from).vocab_size
+    return None
+
+
+def _largest_id(source: DocumentStore | TokenSource, scan: bool) -> int | None:
+    """A document store's largest id (meta.json's, or its EOS); a .bin's: scanned when `scan`, else bounded by
+    its vocabulary (checked when it was opened)."""
+    if isinstance(source, DocumentStore):
+        return max(source.max_token_id, source.eos_id)
+    return max_token_id(source.tokens) if scan else source.vocab_size - 1
 
 
 def max_token_id(tokens, chunk: int = 1 << 24) -> int | None:

@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 from jaxring.data.__main__ import main as data_main
+from jaxring.data.cache import cache_dir, open_store
 from jaxring.data.loader import PackedBatches, split_documents
 from jaxring.data.packing import check_batch
-from jaxring.data.store import DocumentStore, bundled_store, cache_dir, open_store, prepare
+from jaxring.data.prepare import prepare
+from jaxring.data.store import DocumentStore, bundled_store
 from jaxring.data.tokenizer import load_tokenizer
 
 TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld ünïcode ✓\n", "a" * 300, "import os\nprint(os.sep)\n"]

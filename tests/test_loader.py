@@ -233,7 +233,7 @@ def test_kill_and_resume_from_a_store_is_bit_exact(tmp_path, monkeypatch):
     from test_train import run
 
     from jaxring.data.loader import StepBatches as SB
-    from jaxring.data.store import prepare
+    from jaxring.data.prepare import prepare
     from jaxring.train.checkpoint import Checkpointer
 
     texts = tmp_path / "texts"

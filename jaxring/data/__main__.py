@@ -2,7 +2,8 @@
 
 Tokenizes INPUT (a text file, a directory, .jsonl or .parquet) once into a memory-mapped document store in
 OUT_DIR (`jaxring.data.store`), which `train.py --data OUT_DIR` trains from. Bad input is one line on stderr
-naming the file and line, exit code 2.
+naming the file and line, exit code 2; a stop signal (Ctrl-C) one line saying what was left, exit code
+128 + the signal's number (SIGINT 130, SIGTERM 143), with no temporary file left behind.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import argparse
 import os
 import sys
 
-from jaxring.data.store import prepare
+from jaxring.data.interrupt import Interrupted
+from jaxring.data.prepare import prepare
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +38,13 @@ def main(argv: list[str] | None = None) -> int:
             field=args.field,
             workers=args.workers,
             progress=args.progress,
+            log=lambda line: print(line, file=sys.stderr),
         )
+    except Interrupted as e:
+        if args.debug:
+            raise
+        print(str(e), file=sys.stderr)
+        return e.exit_code
     except (ValueError, OSError) as e:
         if args.debug:
             raise

@@ -122,7 +122,8 @@ class PackedBatches(grain.IterDataset):
     """Global batches of packed rows of `documents` (token ranges of `store`); this host's rows of each.
 
     Element `step`: a dict of int32 [batch_size / process_count, seq_len] arrays (`packing.BATCH_KEYS`).
-    vocab_size: the model's vocabulary (default the store's); a larger id is refused here, before training.
+    vocab_size: the model's vocabulary (default the store's); a larger id is refused here, before training (the
+    store's meta.json max_token_id), and in every batch (a damaged store whose tokens exceed it).
     """
 
     def __init__(
@@ -222,8 +223,16 @@ class PackedBatchIterator(grain.DatasetIterator):
             assemble_row(ds.store.tokens, pieces, lookahead, ds.seq_len, ds.store.eos_id)
             for pieces, lookahead in plans[lo : lo + ds.local_batch_size]
         ]
+        batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+        top = int(max(batch["tokens"].max(), batch["targets"].max()))
+        if top >= ds.vocab_size:  # meta.json's max_token_id was checked: the tokens read are not what it says
+            raise ValueError(
+                f"token id {top} in batch {self._step} of {ds.store.name}[{ds.split}] is beyond the model's vocab_size "
+                f"{ds.vocab_size} (the store's largest id is {ds.store.max_token_id}): the store's tokens are damaged; "
+                f"prepare the data again"
+            )
         self._step += 1
-        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+        return batch
 
     def skip(self, steps: int) -> None:
         """Moves past `steps` batches without reading any token (plans only)."""

@@ -10,8 +10,9 @@ Token sources (``load_tokens``):
     train and val never share a file.
   * a text file, or a directory of ``.txt``/``.py``/``.md`` files: byte-level, vocab 256; val = last 10%.
   * a nanoGPT-style ``.bin`` (uint16 token ids, read through ``np.memmap``), or a directory holding
-    ``train.bin``: vocab 50257 (GPT-2) unless the ids say otherwise; val = ``val.bin`` beside it if
-    present, else the last 10%. No tokenizer is bundled: ``decode`` writes the ids as text.
+    ``train.bin``: vocab 50257 (GPT-2), or the vocab_size stated for it; a larger id is refused (random or
+    non-token bytes read as uint16 reach 65535); val = ``val.bin`` beside it if present, else the last 10%.
+    An even number of bytes. No tokenizer is bundled: ``decode`` writes the ids as text.
 
 Image sources (``load_images``):
   * ``None``: scikit-learn's bundled 8×8 digits (1797 images, 1 channel, 10 classes).
@@ -244,15 +245,24 @@ def _load_text(path: Path, split: str) -> TokenSource:
 BIN_SCAN_LIMIT = 1 << 29  # token files up to 1 GiB are scanned for their largest id
 
 
-def _bin_vocab(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
-    """50257 (GPT-2) unless a larger id occurs. Files over BIN_SCAN_LIMIT tokens are not scanned (each host
-    reads only its batches; TokenBatches.get checks every batch's ids instead)."""
+def _bin_vocab(path: Path, tokens: np.ndarray, stated: int | None, chunk: int = 1 << 24) -> int:
+    """A .bin's vocabulary: `stated` (the user's), else 50257 (GPT-2). The file's largest id must be below it:
+    uint16 ids of GPT-2 never reach 50257, while random or non-token bytes reach 65535 almost surely, so a larger
+    id without a stated vocabulary is refused (one line). Files over BIN_SCAN_LIMIT tokens are not scanned
+    (each host reads only its batches; TokenBatches.get checks every batch's ids instead)."""
+    vocab = GPT2_VOCAB if stated is None else stated
     if len(tokens) > BIN_SCAN_LIMIT:
-        return GPT2_VOCAB
-    top = 0
-    for start in range(0, len(tokens), chunk):
-        top = max(top, int(tokens[start : start + chunk].max()))
-    return max(GPT2_VOCAB, top + 1)
+        return vocab
+    top = max(int(tokens[start : start + chunk].max()) for start in range(0, len(tokens), chunk))
+    if top >= vocab and stated is None:
+        raise ValueError(
+            f"token file {str(path)!r} holds token id {top}, beyond GPT-2's vocabulary of {GPT2_VOCAB} that a .bin "
+            f"is read with: if it holds uint16 ids of a larger vocabulary, state it with --override vocab_size=N "
+            f"(N > {top}); else it is not a file of uint16 token ids"
+        )
+    if top >= vocab:
+        raise ValueError(f"token file {str(path)!r} holds token id {top}, beyond the vocab_size {vocab} stated for it")
+    return vocab
 
 
 def _check_bin(path: Path) -> None:
@@ -275,8 +285,8 @@ def _load_bin(path: Path, split: str, vocab_size: int | None) -> TokenSource:
     else:
         tokens = np.memmap(path, dtype=np.uint16, mode="r")
         tokens = tokens[_split_tail(len(tokens), split)]
-    # Both splits share one vocabulary: take it from the training file (the larger one).
-    vocab = vocab_size if vocab_size is not None else _bin_vocab(np.memmap(path, dtype=np.uint16, mode="r"))
+    # both splits share one vocabulary, the training file's (its ids checked here, the val file's by the task)
+    vocab = _bin_vocab(path, np.memmap(path, dtype=np.uint16, mode="r"), vocab_size)
     return TokenSource(tokens, int(vocab), f"{name}[{split}]", split, "none", (name,))
 
 
@@ -287,7 +297,8 @@ def load_tokens(path: str | os.PathLike | None, *, split: str = "train", vocab_s
       path: None (the bundled standard-library corpus), a text file, a directory of .txt/.py/.md files, a
         nanoGPT-style uint16 ``.bin`` file, or a directory holding ``train.bin`` (see the module docstring).
       split: "train" or "val".
-      vocab_size: for ``.bin`` files only, the vocabulary size (default: 50257, or max id + 1 if larger).
+      vocab_size: for ``.bin`` files only, the vocabulary size (default: 50257, GPT-2's; a larger id in the
+        file is refused unless a vocab_size above it is given).
     Returns:
       a TokenSource; ``len(source)`` tokens in ``source.tokens``.
     """

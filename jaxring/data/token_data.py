@@ -5,7 +5,7 @@ packed batches of its train and val splits.
     data.vocab_size, data.tokenizer.encode("def "), data.name
     train = data.batches("train", batch_size=8, seq_len=256, seed=0, vocab_size=model_vocab)
 
-Sources: a document store, or an input `store.open_store` prepares (packed documents, `loader.PackedBatches`);
+Sources: a document store, or an input `cache.open_store` prepares (packed documents, `loader.PackedBatches`);
 a nanoGPT ``.bin`` (or a directory holding train.bin): random windows of one token stream, no documents
 (`loader.WindowBatches` over `sources.TokenBatches`). Validation: --val-data (all its documents, with the
 same tokenizer), else the --val-fraction share of --data's documents (`loader.split_documents`).
@@ -19,9 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from jaxring.data.cache import open_store
 from jaxring.data.loader import PackedBatches, WindowBatches, split_documents
 from jaxring.data.sources import TokenBatches, TokenSource, load_tokens
-from jaxring.data.store import DocumentStore, open_store
+from jaxring.data.store import DocumentStore
 
 __all__ = ["TokenData", "is_token_file", "open_token_data"]
 
@@ -97,15 +98,21 @@ class TokenData:
         )
 
 
-def open_token_data(settings: Any, log: Callable[[str], None] | None = None) -> TokenData:
-    """The data `settings` (a `spec.DataSettings`) names; text inputs are prepared on first use (`log` says so)."""
+def open_token_data(
+    settings: Any, log: Callable[[str], None] | None = None, bin_vocab_size: int | None = None
+) -> TokenData:
+    """The data `settings` (a `spec.DataSettings`) names; text inputs are prepared on first use (`log` says so).
+    bin_vocab_size: a .bin's vocabulary as the user stated it (None: GPT-2's, `sources.load_tokens`)."""
     if is_token_file(settings.data):
         if settings.tokenizer not in (None, "bytes") or settings.val_data is not None:
             raise ValueError(
                 f"--data {settings.data!r} is a token file (.bin): it takes neither --tokenizer nor --val-data "
                 f"(its val split is val.bin beside it, else its last 10%)"
             )
-        return TokenData(load_tokens(settings.data, split="train"), load_tokens(settings.data, split="val"))
+        return TokenData(
+            load_tokens(settings.data, split="train", vocab_size=bin_vocab_size),
+            load_tokens(settings.data, split="val", vocab_size=bin_vocab_size),
+        )
     train = open_store(settings.data, settings.tokenizer, settings.text_field, log=log)
     val = train
     if settings.val_data is not None:
