@@ -33,12 +33,13 @@ import sys
 
 from jaxring.aot.compile_for import check_target, compile_for
 from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
+from jaxring.core.stop_signals import exit_code
 from jaxring.planner.auto import apply_auto_plan
 from jaxring.run.cli import EXIT_USER_ERROR, parse_command_line
 from jaxring.train.guard import Diverged
 from jaxring.train.loop import prepare, train
 from jaxring.train.multihost import shared_settings, start_processes
-from jaxring.train.signals import Interrupted
+from jaxring.train.signals import TrainingStopped
 
 EXIT_DIVERGED = 3
 
@@ -49,11 +50,11 @@ def main(argv=None) -> int:
         if meta.compile_for:
             return compile_only(spec, meta.compile_for)
         return run(spec, print_config=meta.print_config)
-    except Interrupted as e:  # the loop saved and said so
+    except TrainingStopped as e:  # the loop saved and said so
         return e.exit_code
     except KeyboardInterrupt as e:  # before the loop: jaxring.data's preparation says what it left, and its code
         print(str(e) or "interrupted", file=sys.stderr)
-        return getattr(e, "exit_code", 130)
+        return exit_code(e)
     except Diverged as e:
         if meta.debug:
             raise

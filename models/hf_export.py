@@ -24,9 +24,9 @@ import jax
 
 from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 from jaxring.core.mesh import make_mesh
+from jaxring.core.stop_signals import exit_code, stop_message, stops_on_signals
 from jaxring.data.tokenizer import tokenizer_file
 from jaxring.eval import loading
-from jaxring.eval.stop_signals import exit_code, stop_message, stops_on_signals
 from jaxring.models import gpt, hf
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.run.cli import EXIT_USER_ERROR

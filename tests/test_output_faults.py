@@ -22,9 +22,9 @@ from flax import nnx
 from safetensors import SafetensorError
 from test_reliability import CLI, _env
 
+from jaxring.core.stop_signals import Interrupted
 from jaxring.eval import cli as eval_cli
 from jaxring.eval import loading, output_files, perplexity
-from jaxring.eval.stop_signals import Stopped
 from jaxring.models import gpt, hf, hf_export
 from jaxring.train import checksum
 from jaxring.train.checkpoint import Checkpointer
@@ -154,13 +154,13 @@ def test_export_checks_out_dir_before_reading(checkpoint, tmp_path, capsys, monk
 
 @pytest.mark.parametrize(
     "stop, code, head",
-    [(KeyboardInterrupt(), 130, "interrupted"), (Stopped(signal.SIGTERM), 143, "stopped by SIGTERM")],
+    [(KeyboardInterrupt(), 130, "interrupted"), (Interrupted(signal.SIGTERM), 143, "stopped by SIGTERM")],
     ids=["ctrl-c", "sigterm"],
 )
 def test_a_stop_during_an_export_is_one_line_and_leaves_nothing(
     checkpoint, tmp_path, capsys, monkeypatch, stop, code, head
 ):
-    """Ctrl-C (or SIGTERM, raised as Stopped by the command's handler) while the tensors are written: a
+    """Ctrl-C (or SIGTERM, raised as Interrupted by the command's handler) while the tensors are written: a
     traceback and a partial OUT_DIR before; now one line, 128 + N, nothing left."""
     _save_file_fails(monkeypatch, stop)
     line = _one_line(hf_export.main(["export", checkpoint, str(tmp_path / "hf")]), capsys, want_code=code)

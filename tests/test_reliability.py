@@ -28,7 +28,7 @@ from jaxring.train import loop
 from jaxring.train.guard import Diverged, DivergenceGuard
 from jaxring.train.metrics import drop_rows_after, progress_postfix, step_metrics
 from jaxring.train.multihost import MultiHostError, initialize, rendezvous_coordinator, rendezvous_peer
-from jaxring.train.signals import GracefulStop, Interrupted
+from jaxring.train.signals import GracefulStop, TrainingStopped
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_FLAGS = [
@@ -298,7 +298,7 @@ def test_sigterm_saves_the_step_and_resume_is_bit_exact(straight, tmp_path):
         if line.startswith("step 2:"):
             os.kill(os.getpid(), signal.SIGTERM)  # preempted during step 2's logging
 
-    with pytest.raises(Interrupted) as stop:
+    with pytest.raises(TrainingStopped) as stop:
         _run(log=log, checkpoint_dir=ck, metrics_file=str(tmp_path / "m.jsonl"))
     assert stop.value.exit_code == 128 + signal.SIGTERM
     assert lines[-1] == f"SIGTERM: stopped after step 2 and saved it to {tmp_path / 'ck'}; continue with --resume"

@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from jaxring.data.interrupt import Interrupted
+from jaxring.core.stop_signals import Interrupted
 from jaxring.data.prepare import prepare
 
 

@@ -5,7 +5,7 @@
 An input that is no store is prepared (`jaxring.data.prepare`) into `cache_dir` beside it, once, and again when
 its files change (their sizes and modification times: `prepare.fingerprint`). Runs started together on one
 input take turns on the cache's lock: the first prepares, the others wait and open its store. A stop signal
-ends the preparation or the wait within a second (`jaxring.data.interrupt.Interrupted`).
+ends the preparation or the wait within a second (`jaxring.core.stop_signals.Interrupted`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from jaxring.core.stop_signals import StopSignals
 from jaxring.data.inputs import input_files
-from jaxring.data.interrupt import StopSignals
 from jaxring.data.prepare import check_out_dir, fingerprint, locked, write_store
 from jaxring.data.store import DocumentStore, bundled_store, is_store
 from jaxring.data.tokenizer import BYTES, Tokenizer, load_tokenizer

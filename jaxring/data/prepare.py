@@ -7,7 +7,7 @@ Documents are read in input order, tokenized in chunks of about CHUNK_BYTES (by 
 `concurrent.futures.ProcessPoolExecutor`, or in this process), and written to temporary files that replace the
 store's only when complete; meta.json (with the files' sha256) is written last. What can go wrong ends in one
 line and leaves no temporary file, and an earlier store in OUT_DIR stays as it was until the new one is done:
-  * a stop signal (SIGINT, SIGTERM, SIGHUP; `jaxring.data.interrupt`) ends it between chunks: `Interrupted`
+  * a stop signal (SIGINT, SIGTERM, SIGHUP; `jaxring.core.stop_signals`) ends it between chunks: `Interrupted`
     (exit code 128 + the signal's number);
   * a worker process that dies (the out-of-memory killer): ChildProcessError, not a hang;
   * a write that fails (a full or read-only disk): `StoreWriteError` (an OSError).
@@ -37,9 +37,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from jaxring.core.stop_signals import StopSignals
 from jaxring.data.checksums import VERIFIED, file_checksum
 from jaxring.data.inputs import input_files, read_documents
-from jaxring.data.interrupt import StopSignals
 from jaxring.data.store import META, OFFSETS, TOKENIZER, TOKENS, DocumentStore, is_store, store_meta, token_dtype
 from jaxring.data.tokenizer import BYTES, Tokenizer, load_tokenizer
 

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from tqdm.auto import tqdm
 
 from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
+from jaxring.core.stop_signals import exit_code, stop_message, stops_on_signals
 from jaxring.eval import loading, needle, output_files, perplexity, plots
-from jaxring.eval.stop_signals import exit_code, stop_message, stops_on_signals
 from jaxring.run.cli import EXIT_USER_ERROR, parse_command_line
 from jaxring.run.spec import RunSpec
 from jaxring.run.task import model_family

@@ -9,7 +9,7 @@ Failures end in one exception, each with a one-line message (train.py turns them
   * ValueError / FileNotFoundError: a bad setting, data or checkpoint directory (before any step runs).
   * `Diverged`: the loss went non-finite or spiked (see guard.py), or the state to save holds NaN/Inf; the
     bad state is never saved, the last checkpoint stays the newest.
-  * `Interrupted`: SIGTERM/SIGINT/SIGHUP; the current step was finished, saved (with a checkpoint directory)
+  * `TrainingStopped`: SIGTERM/SIGINT/SIGHUP; the current step was finished, saved (with a checkpoint directory)
     and every pending save waited for. A second signal exits at once (see signals.py for the watchdog).
   * `OutOfMemory` (a ValueError): an allocation failed (MemoryError, XLA's RESOURCE_EXHAUSTED) while
     building the state, compiling or running a step; the message names the settings to shrink.
@@ -57,7 +57,7 @@ from jaxring.train.metrics import (
     progress_postfix,
     step_metrics,
 )
-from jaxring.train.signals import SIGNALS, GracefulStop, Interrupted
+from jaxring.train.signals import SIGNALS, GracefulStop, TrainingStopped
 from jaxring.train.trainer import Trainer, lr_schedule
 
 RUN_FILE = "run.yaml"
@@ -420,7 +420,7 @@ def _warn_schedule(spec: RunSpec, saved: dict, step: int, say: Callable[..., obj
 def _stop_on_signal(
     stop: GracefulStop, trainer: Trainer, ckpt: Checkpointer, guard: DivergenceGuard, say: Callable[..., object]
 ):
-    """After a SIGTERM/SIGINT: save this step, wait for every pending save, raise Interrupted."""
+    """After a SIGTERM/SIGINT: save this step, wait for every pending save, raise TrainingStopped."""
     signum = stop.signum or signal.SIGTERM  # another process's signal: SIGTERM-like
     name = signal.Signals(signum).name
     if ckpt is None:
@@ -432,4 +432,4 @@ def _stop_on_signal(
             f"{name}: stopped after step {trainer.step_count} and saved it to {ckpt.directory}; continue with --resume"
         )
     say(message)
-    raise Interrupted(signum, message)
+    raise TrainingStopped(signum, message)

@@ -7,7 +7,7 @@
             train_step()
 
 The first signal only sets a flag (and says so on stderr); the loop finishes its step, saves and raises
-`Interrupted`. A second signal exits the process at once (exit code 128 + signal number), whatever it is
+`TrainingStopped`. A second signal exits the process at once (exit code 128 + signal number), whatever it is
 doing. SIGHUP (the terminal or ssh session closed) is treated like SIGTERM: a run started in a terminal that
 goes away finishes its step and saves instead of dying on the spot. Handlers are installed only in the main
 thread and the previous ones are put back on exit.
@@ -30,9 +30,9 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from jaxring.core.stop_signals import SIGNALS, Interrupted
 from jaxring.train.multihost import any_process
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 DEFAULT_GRACE_S = 300.0  # after a stop signal, the watchdog's wait before a hard exit
 
 
@@ -46,16 +46,9 @@ def grace_seconds() -> float:
     return grace if grace > 0 and grace == grace else DEFAULT_GRACE_S
 
 
-class Interrupted(Exception):
-    """Training stopped early on a signal (after saving, when there is a checkpoint directory)."""
-
-    def __init__(self, signum: int, message: str):
-        super().__init__(message)
-        self.signum = signum
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
+class TrainingStopped(Interrupted):
+    """Training stopped early on a signal, after its step (and after saving it, when there is a checkpoint
+    directory); the loop has said so."""
 
 
 def _write(text: str) -> None:
