@@ -309,6 +309,24 @@ def test_sigterm_saves_the_step_and_resume_is_bit_exact(straight, tmp_path):
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers put back
 
 
+def test_sigterm_before_the_first_step_saves_nothing(tmp_path):
+    """A signal while the run is built or compiled (e.g. during a first-use data preparation) stops it before
+    step 1 without saving an untrained step 0 (it did)."""
+    ck = str(tmp_path / "ck")
+    lines = []
+
+    def log(line):
+        lines.append(line)
+        if "plan:" in line:  # the run's header, said before the first step
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(TrainingStopped) as stop:
+        _run(log=log, checkpoint_dir=ck)
+    assert stop.value.exit_code == 128 + signal.SIGTERM
+    assert lines[-1] == "SIGTERM: stopped before the first step; nothing was saved"
+    assert steps_in(ck) == []
+
+
 def test_sigterm_to_train_py_saves_and_exits_143(tmp_path):
     """The real process: SIGTERM during step 2 → step finished, saved, one message, exit 143, no traceback."""
     ck = tmp_path / "ck"

@@ -423,7 +423,9 @@ def _stop_on_signal(
     """After a SIGTERM/SIGINT: save this step, wait for every pending save, raise TrainingStopped."""
     signum = stop.signum or signal.SIGTERM  # another process's signal: SIGTERM-like
     name = signal.Signals(signum).name
-    if ckpt is None:
+    if trainer.step_count == 0:  # (stopped while building or compiling: an untrained state is not worth a save)
+        message = f"{name}: stopped before the first step; nothing was saved"
+    elif ckpt is None:
         message = f"{name}: stopped after step {trainer.step_count}; no --checkpoint-dir, so nothing was saved"
     else:
         _save(ckpt, trainer, guard, say)
