@@ -105,11 +105,22 @@ class _Noise:
 
         self.hook = hook
         sys.unraisablehook = hook
+        # the abandoned reads that finish later are logged by asyncio instead ("Task exception was never
+        # retrieved", with orbax's coroutine named in the message)
+        self.asyncio_logger = logging.getLogger("asyncio")
+        self.asyncio_logger.addFilter(_drop_abandoned_orbax_tasks)
 
     def restore(self) -> None:
+        self.asyncio_logger.removeFilter(_drop_abandoned_orbax_tasks)
         self.logger.setLevel(self.level)
         if sys.unraisablehook is self.hook:  # (another hook installed since stays)
             sys.unraisablehook = self.previous_hook
+
+
+def _drop_abandoned_orbax_tasks(record: logging.LogRecord) -> bool:
+    """False (drop) for asyncio's report of an orbax task whose exception nobody retrieved."""
+    message = record.getMessage()
+    return not (message.startswith("Task exception was never retrieved") and f"{os.sep}orbax{os.sep}" in message)
 
 
 def _is_orbax_coroutine(obj: Any) -> bool:
