@@ -404,9 +404,14 @@ def test_abandoned_orbax_tasks_are_not_logged_while_open(tmp_path, caplog):
         + os.path.join(os.sep, "site-packages", "orbax", "serialization.py")
     )
     own_task = "Task exception was never retrieved\nfuture: <Task coro=<mine() defined at /project/mine.py"
+    orbax_future = (
+        "_GatheringFuture exception was never retrieved\nfuture: <_GatheringFuture finished exception=Exception("
+        '"Encountered error while reading array index: (slice(0, 4, 1),). See full TensorStore details: ...'
+    )
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         with Checkpointer(tmp_path / "ck"):
             log.error(orbax_task)
+            log.error(orbax_future)
             log.error(own_task)
         log.error(orbax_task)  # (closed: no longer filtered)
     assert [r.getMessage() for r in caplog.records] == [own_task, orbax_task]

@@ -117,10 +117,15 @@ class _Noise:
             sys.unraisablehook = self.previous_hook
 
 
+# what names an orbax read in asyncio's report of an abandoned task or future (its coroutine, or its error)
+ORBAX_READ_MARKS = (f"{os.sep}orbax{os.sep}", "TensorStore", "OCDBT")
+
+
 def _drop_abandoned_orbax_tasks(record: logging.LogRecord) -> bool:
-    """False (drop) for asyncio's report of an orbax task whose exception nobody retrieved."""
+    """False (drop) for asyncio's report of an orbax read whose exception nobody retrieved ("Task", "Future" or
+    "_GatheringFuture exception was never retrieved")."""
     message = record.getMessage()
-    return not (message.startswith("Task exception was never retrieved") and f"{os.sep}orbax{os.sep}" in message)
+    return not ("exception was never retrieved" in message and any(m in message for m in ORBAX_READ_MARKS))
 
 
 def _is_orbax_coroutine(obj: Any) -> bool:
