@@ -71,7 +71,7 @@ def build_train_step(
         stack=model.STACK,
         layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
     )
-    params = _abstract(nnx.to_pure_dict(state), step.shardings(step.param_specs))
+    params = _abstract(nnx.to_pure_dict(state), step.param_shardings())
     opt_specs = step.opt_state_specs(params)
     opt = _abstract(jax.eval_shape(tx.init, params), step.opt_state_shardings(opt_specs))
     data = family.abstract_batch(config, plan, batch, seq_len, **packed)
@@ -92,14 +92,17 @@ def compile_train_step(model_kind: str, config: Any, plan: ParallelPlan, **kwarg
 
 
 def lower_train_step(model_kind: str, config: Any, plan: ParallelPlan, **kwargs) -> jax.stages.Lowered:
-    """The lowered train step (see `build_train_step`). With the optimizer state offloaded on abstract GPUs
-    (which list no host memory), its arguments and results are marked as pinned host memory in the lowered
-    program, as jit marks them on real devices."""
+    """The lowered train step (see `build_train_step`). With the optimizer state (or the weights and it)
+    offloaded on abstract GPUs (which list no host memory), its arguments and results are marked as pinned host
+    memory in the lowered program, as jit marks them on real devices."""
     fn, args = build_train_step(model_kind, config, plan, **kwargs)
     lowered = fn.lower(*args)
     abstract = not _lists_host_memory(plan.run_mesh.devices.flat[0])
-    if "optimizer" in offloaded(kwargs.get("offload", "none")) and abstract:
+    parts = offloaded(kwargs.get("offload", "none"))
+    if "optimizer" in parts and abstract:
         first = len(jax.tree.leaves(args[0]))  # (params, opt_state, ...) in, (params, opt_state, metrics) out
         state = set(range(first, first + len(jax.tree.leaves(args[1]))))
+        if "weights" in parts:
+            state |= set(range(first))
         place_in_host_memory(lowered, state, state)
     return lowered

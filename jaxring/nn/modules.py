@@ -332,15 +332,21 @@ def stack(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: n
 
 
 # What host offload moves to pinned host memory: the layers' checkpointed inputs (between forward and
-# backward), the optimizer state (between updates), or both.
-OFFLOAD = ("none", "layer_inputs", "optimizer", "layer_inputs+optimizer")
+# backward), the optimizer state (between updates), the weights (the fp32 master weights, their gradients and
+# the optimizer state: each layer's weights reach the device just before the layer runs, its gradient leaves
+# as the backward produces it, and the update streams the state through the device layer by layer), joined
+# by "+" in this order ("weights" already holds the optimizer state).
+OFFLOAD_PARTS = ("layer_inputs", "optimizer", "weights")
+OFFLOAD = ("none", "layer_inputs", "optimizer", "layer_inputs+optimizer", "weights", "layer_inputs+weights")
 
 
 def offloaded(offload: str) -> frozenset[str]:
-    """The parts an --offload value moves to host memory: {"layer_inputs"}, {"optimizer"}, both, or none."""
+    """The parts an --offload value moves to host memory (OFFLOAD_PARTS; "weights" takes the optimizer state
+    with them): e.g. "layer_inputs+weights" -> {"layer_inputs", "optimizer", "weights"}."""
     if offload not in OFFLOAD:
         raise ValueError(f"unknown offload {offload!r}; expected one of {', '.join(OFFLOAD)}")
-    return frozenset() if offload == "none" else frozenset(offload.split("+"))
+    parts = frozenset() if offload == "none" else frozenset(offload.split("+"))
+    return parts | {"optimizer"} if "weights" in parts else parts
 
 
 def remat_policy(remat: str, zero_stage: int = 0, offload: str = "none") -> Callable[..., bool]:
@@ -350,7 +356,7 @@ def remat_policy(remat: str, zero_stage: int = 0, offload: str = "none") -> Call
     are never saved for the backward (`zero.no_weights_saved`): ZeRO-3 gathers them again, the others slice
     them again from the stack.
 
-    offload "layer_inputs" (or "layer_inputs+optimizer"; with remat full): each layer's input, named `LAYER_INPUT` by `Layers`, is the one
+    offload "layer_inputs" (or with "+optimizer", "+weights"; with remat full): each layer's input, named `LAYER_INPUT` by `Layers`, is the one
     value kept, and it is kept in host memory ("pinned_host") between the forward and the backward [ALST];
     XLA moves it out after the layer's forward and back before its backward."""
     if remat not in REMAT:
@@ -411,14 +417,25 @@ class Layers:
             )
             return call(nnx.merge(self.graphdef, weights), carry), None
 
+        if "weights" in offloaded(self.offload):
+            # the stored weights live in host memory: the scan walks them as its xs, and each layer's reach the
+            # device just before the layer runs (again in its backward: never saved); its gradient, the
+            # transfer's transpose, goes back to host memory as the backward produces it
+            def body(carry: Any, stored: Any) -> tuple[Any, None]:
+                weights = jax.tree.map(lambda d, pl: zero.fetch(self.stage, d, pl), stored, layer_placements)
+                return call(nnx.merge(self.graphdef, weights), carry), None
+
+            xs = self.diff
+        else:
+            xs = jnp.arange(num_layers)
         if "layer_inputs" in offloaded(self.offload):
             layer = body
 
-            def body(carry: Any, i: jax.Array) -> tuple[Any, None]:
-                return layer(jax.tree.map(lambda a: checkpoint_name(a, LAYER_INPUT), carry), i)
+            def body(carry: Any, x: Any) -> tuple[Any, None]:
+                return layer(jax.tree.map(lambda a: checkpoint_name(a, LAYER_INPUT), carry), x)
 
         body = jax.checkpoint(body, policy=remat_policy(self.remat, self.stage, self.offload), prevent_cse=False)
-        carry, _ = lax.scan(body, carry, jnp.arange(num_layers))
+        carry, _ = lax.scan(body, carry, xs)
         return carry
 
     @classmethod

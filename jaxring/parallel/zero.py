@@ -161,6 +161,24 @@ def materialize(stage: int, diff: jax.Array, const: jax.Array | None, placement:
     return w.reshape(diff.shape[:zd] + (-1,) + diff.shape[zd + 1 :])
 
 
+def stored_in_host_memory(stage: int, p: jax.Array, placement: Placement) -> tuple[jax.Array, None]:
+    """(diff, const) for weight p stored in pinned host memory (--offload weights; stage 0 or 3): p itself,
+    reduced by `fetch`'s transpose (no `reduce` after it)."""
+    if placement.replica and placement.zero_dim is not None and stage in (1, 2):
+        raise ValueError(f"weights in host memory take ZeRO stage 0 or 3, not {stage}")
+    return p, None
+
+
+def fetch(stage: int, stored: jax.Array, placement: Placement) -> jax.Array:
+    """The weight as a layer reads it, from its form stored in pinned host memory (`stored_in_host_memory`):
+    moved to the device, then all-gathered (stage 3) or marked varying over R (stage 0). The transpose
+    reduce-scatters (psums) the gradient over R on the device, then moves it back to host memory."""
+    here = jax.device_put(stored, jax.memory.Space.Device)
+    if placement.zero_dim is not None and stage == 3:
+        return materialize(3, here, None, placement)
+    return vary(here, placement.replica)
+
+
 def reduce(stage: int, g: jax.Array, placement: Placement) -> jax.Array:
     """The gradient of diff, reduced into the optimizer's layout (summed over R)."""
     if placement.zero_dim is None or stage == 0:
@@ -184,12 +202,17 @@ def updated(stage: int, new_slice: jax.Array, placement: Placement) -> jax.Array
     return new_slice
 
 
-def global_norm(tree: Any) -> jax.Array:
-    """sqrt(Σ g²) over a tree of local gradient pieces: each leaf's sum of squares is summed over the mesh
-    axes the leaf varies over (its distinct pieces), and not over those it is replicated on."""
+def square_sum(g: jax.Array) -> jax.Array:
+    """Σ g² of one local gradient piece, fp32."""
+    return jnp.sum(jnp.square(g.astype(jnp.float32)))
+
+
+def global_norm(tree: Any, squares: Callable[[jax.Array], jax.Array] = square_sum) -> jax.Array:
+    """sqrt(Σ g²) over a tree of local gradient pieces: each leaf's sum of squares (`squares(leaf)`) is summed
+    over the mesh axes the leaf varies over (its distinct pieces), and not over those it is replicated on."""
     total = jnp.zeros((), jnp.float32)
     for g in jax.tree.leaves(tree):
-        sq = jnp.sum(jnp.square(g.astype(jnp.float32)))
+        sq = squares(g)
         axes = tuple(sorted(varying_axes(sq)))
         total = total + (lax.psum(sq, axes) if axes else sq)
     return jnp.sqrt(total)
@@ -201,8 +224,8 @@ def is_weight_gather(prim: Any, params: dict) -> bool:
 
 
 # Ops that only move, cast or view data: free to recompute. A weight reaches its matmuls through these alone
-# (a slice, a cast to the compute dtype, a reshape into heads, the varying cast), so when none of them is
-# saved, the backward rebuilds each weight from its stored form instead of keeping a copy of it.
+# (a slice, a move from host memory, a cast to the compute dtype, a reshape into heads, the varying cast), so
+# when none of them is saved, the backward rebuilds each weight from its stored form instead of keeping a copy.
 _FREE_OPS = frozenset(
     {
         "pvary",
@@ -217,6 +240,7 @@ _FREE_OPS = frozenset(
         "concatenate",
         "copy",
         "copy_p",
+        "device_put",  # a weight's move from host memory (--offload weights): moved again for the backward
     }
 )
 

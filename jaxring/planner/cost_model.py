@@ -563,6 +563,12 @@ PIPELINE_TICK_CHUNKS = 2
 OFFLOADED_MOMENTS_IN_FLIGHT = 0.32
 
 
+# With the weights offloaded too (--offload weights), the update's peak in units of the fp32 bytes of the weights
+# outside the stack (their weights, gradients, moments in and new weights and moments out, fused): fitted on
+# the deviceless H100 compile of Llama-3-8B on one GPU at 16K tokens, where the update is the peak
+OFFLOADED_UPDATE_IN_FLIGHT = 4.0
+
+
 def memory(
     w: Workload,
     c: Candidate,
@@ -577,6 +583,7 @@ def memory(
     remat, x, em = c.remat, s.local, s.model.em
     params = optimizer = grads = update = 0.0
     layer_grad = head_grads = 0.0  # one layer's gradient; the gradients formed by the head's backward
+    top = 0.0  # the fp32 bytes of the weights outside the layer stack, as a device holds them in the step
     for leaf in leaves:
         R = math.prod(s.replica[a] for a in leaf.replica) if leaf.replica else 1
         stage = c.zero if leaf.zero_sharded and R > 1 else 0
@@ -592,6 +599,7 @@ def memory(
         if leaf.stacked:
             layer_grad += psi / max(s.layers, 1)
         else:  # its gradient, and under ZeRO-3 its gathered weights
+            top += psi
             head_grads += psi / (R if stage >= 2 else 1) + (psi / F32 * em if stage == 3 else 0)
     if s.steps > 1 and c.pp == 1:
         head_grads += grads  # the accumulator
@@ -617,6 +625,15 @@ def memory(
         host += optimizer
         update += (OFFLOADED_MOMENTS_IN_FLIGHT - 1) * optimizer
         optimizer = 0.0
+    if "weights" in parts and not cpu:
+        # the fp32 weights and their gradients live in pinned host memory too (host: 4Ψ a device with the
+        # moments); a device holds the weights outside the stack as the step reads them (fetched whole: the
+        # embedding and the head) with their gradients, a layer's weights and gradient in flight, and in the
+        # update the outside weights' streamed state (the layers' one layer at a time)
+        host += params + grads
+        params, grads = top, top + 2 * layer_grad
+        head_grads = top
+        update = OFFLOADED_UPDATE_IN_FLIGHT * top
     if "layer_inputs" in parts and not cpu:
         # each layer's checkpointed input lives in pinned host memory between the forward and the backward
         # (on CPU host and device memory are one: nothing moves)

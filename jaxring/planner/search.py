@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from jaxring.nn import REMAT
+from jaxring.nn import OFFLOAD_PARTS, REMAT
 from jaxring.parallel.catalog import (
     all_options,
     pipeline_schedule,
@@ -386,20 +386,26 @@ def _rule_key(message: str) -> str:
 
 # When no plan fits as it is, the search tries again with the memory techniques, cumulative, cheapest first:
 # the loss and MLP tiles, then the layer inputs in host memory (remat full, pp = 1), then the optimizer state too.
-MEMORY_LEVELS = ("tiles", "tiles+layer_inputs", "tiles+layer_inputs+optimizer")
+MEMORY_LEVELS = ("tiles", "tiles+layer_inputs", "tiles+layer_inputs+optimizer", "tiles+layer_inputs+weights")
 TILE_ROWS = (4096, 2048, 1024, 512, 256, 128, 64)
 
 
 def with_memory_techniques(c: Candidate, w: Workload, level: str) -> Candidate:
     """`c` with the memory techniques of `level` (one of MEMORY_LEVELS): tiles of the largest of TILE_ROWS
     that divides the rows on a device (untiled when none does), the layer inputs offloaded where remat is
-    full and pp = 1, the optimizer state offloaded wherever asked."""
+    full and pp = 1, the optimizer state offloaded wherever asked, the weights (with it) where pp = 1 and the
+    ZeRO stage is 0 or 3 (or nothing is replicated), else the optimizer state alone."""
     rows = w.seq_len // max(1, c.sp * c.tp) if w.seq_len else 0
     tile = next((t for t in TILE_ROWS if t < rows and rows % t == 0), None)
     parts = set(level.split("+")) - {"tiles"}
     if c.remat != "full" or c.pp > 1:
         parts.discard("layer_inputs")
-    offload = "+".join(p for p in ("layer_inputs", "optimizer") if p in parts) or "none"
+    replicated = c.dp * c.sp * c.ep > 1
+    if "weights" in parts and (c.pp > 1 or (replicated and c.zero in (1, 2)) or c.steps(w) > 1):
+        parts = parts - {"weights"} | {"optimizer"}
+    if "weights" in parts:
+        parts.discard("optimizer")
+    offload = "+".join(p for p in OFFLOAD_PARTS if p in parts) or "none"
     vocab = getattr(w.config, "vocab_size", None)
     return dataclasses.replace(c, loss_tile=tile if vocab else None, mlp_tile=tile, offload=offload)
 

@@ -24,12 +24,31 @@ from jaxring.run.task import model_family
 if TYPE_CHECKING:
     from jaxring.run.spec import RunSpec
 
-__all__ = ["OFFLOAD_WITH_PP", "batch_parts", "check_batch_split", "check_degrees", "check_spec"]
+__all__ = [
+    "OFFLOAD_WITH_PP",
+    "WEIGHTS_OFFLOAD_RULES",
+    "batch_parts",
+    "check_batch_split",
+    "check_degrees",
+    "check_spec",
+]
 
 # The pipeline interpreter keeps each micro-batch's residuals in device buffers shared by its schedule's branches
+# what --offload weights does not compose with (the train step's refusals)
+WEIGHTS_OFFLOAD_RULES = {
+    "grad_accum": (
+        "--offload {offload} keeps the gradients in host memory and accumulates none there: "
+        "--grad-accum {grad_accum} needs --offload optimizer or layer_inputs+optimizer instead"
+    ),
+    "zero": (
+        "--offload {offload} with --zero {zero}: weights in host memory are reduced as the backward forms "
+        "their gradients, which ZeRO stage 0 or 3 does over the replica axes ({axes}); use --zero 3"
+    ),
+}
+
 OFFLOAD_WITH_PP = (
     "--offload {offload} is not supported with pipeline parallelism (pp = {pp}): the pipeline keeps its "
-    "micro-batches' layer inputs in device buffers; use --offload none or pp = 1"
+    "micro-batches' layer inputs and its stages' weights in device buffers; use --offload optimizer or pp = 1"
 )
 
 
@@ -99,8 +118,10 @@ def _check_memory(spec: RunSpec) -> None:
             f"it needs --remat full (got --remat {m.remat})"
         )
     pp = spec.parallel.degrees()["pp"]
-    if pp > 1 and layer_inputs:
+    if pp > 1 and offloaded(m.offload) - {"optimizer"}:
         raise ValueError(OFFLOAD_WITH_PP.format(offload=m.offload, pp=pp))
+    if "weights" in offloaded(m.offload) and t.grad_accum > 1:
+        raise ValueError(WEIGHTS_OFFLOAD_RULES["grad_accum"].format(offload=m.offload, grad_accum=t.grad_accum))
     if pp > 1 and t.grad_accum > 1:
         raise ValueError(
             f"--grad-accum {t.grad_accum} with --pp {pp}: the pipeline's micro-batches are the "

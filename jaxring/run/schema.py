@@ -173,7 +173,9 @@ class MemorySettings:
         "none",
         "host offload: none; layer_inputs (each layer's checkpointed input lives in host memory between the "
         "forward and the backward; with --remat full); optimizer (the AdamW state lives in host memory between "
-        "updates); layer_inputs+optimizer (both)",
+        "updates); weights (the fp32 weights, their gradients and the AdamW state live in host memory: each "
+        "layer's weights reach the device as the layer runs, its gradient leaves as it is formed, the update "
+        "streams layer by layer; pp = 1, ZeRO stage 0 or 3); layer_inputs+optimizer, layer_inputs+weights (both)",
         choices=OFFLOAD,
     )
     device_memory_gib: float | None = setting(

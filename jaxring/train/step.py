@@ -34,7 +34,8 @@ from jaxring.core.vma import vary, vary_like, varying_axes
 from jaxring.nn import Layers, offloaded, param_placements
 from jaxring.parallel import zero
 from jaxring.parallel.pipeline import pipeline_loss_and_grads
-from jaxring.run.checks import OFFLOAD_WITH_PP
+from jaxring.run.checks import OFFLOAD_WITH_PP, WEIGHTS_OFFLOAD_RULES
+from jaxring.train.streamed_update import streamed_norm, streamed_update
 
 if TYPE_CHECKING:
     from jaxring.parallel.plan import ParallelPlan
@@ -101,26 +102,40 @@ class TrainStep:
         self.layer_graphdef, self.offload = layer_graphdef, offload
         # the optimizer state in pinned host memory between updates: moved in for the update, out after it
         self.offload_optimizer = "optimizer" in offloaded(offload)
-        if "layer_inputs" in offloaded(offload) and plan.pp > 1:
+        # the weights, their gradients and the optimizer state in pinned host memory: each layer's weights
+        # moved in for its forward and again for its backward, its gradient out as soon as it is formed, the
+        # update streamed through the device layer by layer (`jaxring.train.streamed_update`)
+        self.offload_weights = "weights" in offloaded(offload)
+        if offloaded(offload) - {"optimizer"} and plan.pp > 1:
             raise ValueError(OFFLOAD_WITH_PP.format(offload=offload, pp=plan.pp))
         self.stage = plan.zero_stage
         is_pl = lambda x: isinstance(x, zero.Placement)
+        if self.offload_weights:
+            replicated = [pl for pl in jax.tree.leaves(placements, is_leaf=is_pl) if pl.replica]
+            if grad_accum > 1:
+                raise ValueError(WEIGHTS_OFFLOAD_RULES["grad_accum"].format(offload=offload, grad_accum=grad_accum))
+            if replicated and self.stage in (1, 2):
+                axes = ", ".join(sorted({a for pl in replicated for a in pl.replica}))
+                raise ValueError(WEIGHTS_OFFLOAD_RULES["zero"].format(offload=offload, zero=self.stage, axes=axes))
         self.param_specs = jax.tree.map(lambda pl: pl.param_spec(self.stage), placements, is_leaf=is_pl)
         self.moment_specs = jax.tree.map(lambda pl: pl.state_spec(self.stage), placements, is_leaf=is_pl)
         self.input_specs = task.input_specs(plan)
 
     # ------------------------------------------------------------------ layouts
-    def shardings(self, specs: Any) -> Any:
-        return jax.tree.map(lambda s: NamedSharding(self.plan.run_mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+    def shardings(self, specs: Any, memory_kind: str | None = None) -> Any:
+        return jax.tree.map(
+            lambda s: NamedSharding(self.plan.run_mesh, s, memory_kind=memory_kind),
+            specs,
+            is_leaf=lambda x: isinstance(x, P),
+        )
+
+    def param_shardings(self) -> Any:
+        """The stored weights' shardings: their specs on the run mesh, in pinned host memory when offloaded."""
+        return self.shardings(self.param_specs, "pinned_host" if self.offload_weights else None)
 
     def opt_state_shardings(self, opt_specs: Any) -> Any:
         """The optimizer state's shardings: its specs on the run mesh, in pinned host memory when offloaded."""
-        kind = "pinned_host" if self.offload_optimizer else None
-        return jax.tree.map(
-            lambda s: NamedSharding(self.plan.run_mesh, s, memory_kind=kind),
-            opt_specs,
-            is_leaf=lambda x: isinstance(x, P),
-        )
+        return self.shardings(opt_specs, "pinned_host" if self.offload_optimizer else None)
 
     def opt_state_specs(self, abstract_params: Any) -> Any:
         """Specs of the optimizer state: moments like their weights' ZeRO layout, counts replicated."""
@@ -143,7 +158,10 @@ class TrainStep:
         top = {k: v for k, v in diff.items() if k != self.stack}
         top_const = {k: v for k, v in const.items() if k != self.stack}
         top_pl = {k: v for k, v in self.placements.items() if k != self.stack}
-        weights = _map(lambda d, pl, c: zero.materialize(stage, d, c, pl), top, top_pl, top_const)
+        if self.offload_weights:
+            weights = _map(lambda d, pl: zero.fetch(stage, d, pl), top, top_pl)
+        else:
+            weights = _map(lambda d, pl, c: zero.materialize(stage, d, c, pl), top, top_pl, top_const)
         model = nnx.merge(self.graphdef, {**weights, self.stack: diff[self.stack]})
         layers = Layers(
             self.layer_graphdef,
@@ -222,11 +240,16 @@ class TrainStep:
         aux = {k: same(x) if k == "loss" else same(x) / m for k, x in aux.items()}
         return aux.pop("loss"), aux, grads
 
+    def _inputs(self, stage: int, params: dict) -> tuple[dict, dict]:
+        """(diff, const) of the stored weights (`zero.inputs`, or `zero.stored_in_host_memory`)."""
+        split = zero.stored_in_host_memory if self.offload_weights else zero.inputs
+        return _split(params, self.placements, lambda p, pl: split(stage, p, pl))
+
     def _value_and_grad(self, params: dict, inputs: Any):
         if self.plan.pp > 1:
             return self._pipeline_value_and_grad(params, inputs)
         stage = self.stage
-        diff, const = _split(params, self.placements, lambda p, pl: zero.inputs(stage, p, pl))
+        diff, const = self._inputs(stage, params)
         loss_fn = lambda d, x: self._loss(d, const, x, stage)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if self.grad_accum == 1:
@@ -248,19 +271,25 @@ class TrainStep:
             (_, aux, grads), _ = lax.scan(body, zeros, micro)
             # every micro-batch's loss is a share of the step's mean; its other metrics are averaged
             aux = {k: v if k == "loss" else v / accum for k, v in aux.items()}
-        grads = _map(lambda g, pl: zero.reduce(stage, g, pl), grads, self.placements)
+        if not self.offload_weights:  # offloaded ones were reduced by `zero.fetch`'s transpose
+            grads = _map(lambda g, pl: zero.reduce(stage, g, pl), grads, self.placements)
         return aux.pop("loss"), aux, grads
 
     # ------------------------------------------------------------------ the step
     def _local_step(self, params: dict, opt_state: optax.OptState, inputs: Any, max_loss: jax.Array):
         stage = self.stage
         loss, aux, grads = self._value_and_grad(params, inputs)
+        # a non-finite loss, or one over max_loss (the divergence guard's limit), leaves the state as it was
+        ok = jnp.isfinite(loss) & (loss <= max_loss)
+        if self.offload_weights:
+            norm = streamed_norm(grads, self.stack)
+            scale = 1.0 if self.clip is None else jnp.where(norm <= self.clip, 1.0, self.clip / norm)
+            params, opt_state = streamed_update(self.tx, params, opt_state, grads, stack=self.stack, scale=scale, ok=ok)
+            return params, opt_state, {"loss": loss, "grad_norm": norm, "skipped": ~ok, **aux}
         norm = zero.global_norm(grads)
         if self.clip is not None:
             scale = jnp.where(norm <= self.clip, 1.0, self.clip / norm)
             grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
-        # a non-finite loss, or one over max_loss (the divergence guard's limit), leaves the state as it was
-        ok = jnp.isfinite(loss) & (loss <= max_loss)
 
         def update(params: dict, opt_state: optax.OptState):
             if self.offload_optimizer:  # in from host memory for the update alone
@@ -285,18 +314,24 @@ class TrainStep:
         )
 
         def step(params: dict, opt_state: optax.OptState, batch: dict, key: jax.Array, max_loss: jax.Array):
-            if self.offload_optimizer:
-                # already there on real devices; typed so on abstract ones (which list no host memory, see
-                # jaxring.core.compat.place_in_host_memory), so that the update moves it in and out the same way
-                opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
+            params, opt_state = self._typed_in_host_memory(params, opt_state)
             return body(params, opt_state, self.task.prepare(batch, key), max_loss)
 
         replicated = NamedSharding(self.plan.run_mesh, P())
         return jax.jit(
             step,
             donate_argnums=(0, 1),
-            out_shardings=(self.shardings(self.param_specs), self.opt_state_shardings(opt_specs), replicated),
+            out_shardings=(self.param_shardings(), self.opt_state_shardings(opt_specs), replicated),
         )
+
+    def _typed_in_host_memory(self, params: dict, opt_state: Any = None) -> tuple[dict, Any]:
+        """The offloaded state typed as living in host memory: already there on real devices; on abstract ones
+        (which list no host memory, see jaxring.core.compat.place_in_host_memory) so typed that the step moves
+        it in and out the same way."""
+        host = lambda tree: jax.device_put(tree, jax.memory.Space.Host)
+        if self.offload_optimizer and opt_state is not None:
+            opt_state = host(opt_state)
+        return (host(params) if self.offload_weights else params), opt_state
 
     def build_eval(self) -> Callable[[dict, dict, jax.Array], jax.Array]:
         """The jitted held-out loss(params, batch, key) -> fp32 scalar (no gradients; under pp the pipeline
@@ -306,11 +341,13 @@ class TrainStep:
         def local(params: dict, inputs: Any):
             if self.plan.pp > 1:
                 return self._pipeline_value_and_grad(params, inputs)[0]
-            diff, const = _split(params, self.placements, lambda p, pl: zero.inputs(stage, p, pl))
+            diff, const = self._inputs(stage, params)
             return self._loss(diff, const, inputs, stage)[1]["loss"]
 
         body = self.plan.shard_map(local, in_specs=(self.param_specs, self.input_specs), out_specs=P())
-        return jax.jit(lambda params, batch, key: body(params, self.task.prepare(batch, key)))
+        return jax.jit(
+            lambda params, batch, key: body(self._typed_in_host_memory(params)[0], self.task.prepare(batch, key))
+        )
 
     def build_grads(self) -> Callable[[dict, dict, jax.Array], tuple[jax.Array, dict, dict]]:
         """The jitted (params, batch, key) -> (loss, aux, grads): gradients summed over the replica axes, in the
@@ -322,7 +359,9 @@ class TrainStep:
         body = self.plan.shard_map(
             local, in_specs=(self.param_specs, self.input_specs), out_specs=(P(), P(), self.moment_specs)
         )
-        return jax.jit(lambda params, batch, key: body(params, self.task.prepare(batch, key)))
+        return jax.jit(
+            lambda params, batch, key: body(self._typed_in_host_memory(params)[0], self.task.prepare(batch, key))
+        )
 
 
 def value_and_grad(
@@ -355,6 +394,6 @@ def value_and_grad(
         stack=model.STACK,
         layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
     )
-    params = jax.device_put(nnx.to_pure_dict(state), step.shardings(step.param_specs))
+    params = jax.device_put(nnx.to_pure_dict(state), step.param_shardings())
     loss, _, grads = step.build_grads()(params, batch, key)
     return loss, grads

@@ -74,7 +74,7 @@ class Trainer:
             stack=model.STACK,
             layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
         )
-        self.shardings = self.train_step.shardings(self.train_step.param_specs)
+        self.shardings = self.train_step.param_shardings()
         host_params = nnx.to_pure_dict(state)
         # interleaved pipelines keep the layer stack in pipeline order (each pp rank's chunks together);
         # checkpoints and model() see the natural order

@@ -1,0 +1,168 @@
+"""--offload weights: the fp32 weights, their gradients and the AdamW state live in pinned host memory; each
+layer's weights reach the device as the layer runs and its gradient leaves as it is formed; the update streams
+layer by layer (jaxring.train.streamed_update). The same loss, gradients and updates as the device-resident
+step (fp32, 1e-6), on one device and under ZeRO 0 and 3 with sequence and tensor parallelism; the state stays
+in host memory and resumes bit-exactly; what it does not compose with is one line; compiled for one H100 the
+weights are host arguments and the device keeps none of the stack."""
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from test_memory_techniques import BATCH, CFG, PLANS, SEQ, _assert_same, _batch, _loss_and_grads, _train_step
+
+import jaxring
+from jaxring.analysis import gpu
+from jaxring.models import gpt
+from jaxring.run.spec import RunSpec
+from jaxring.train.loop import train
+
+# (plan, extra settings): remat and the ZeRO stage the weights take over replicas (0 or 3)
+CASES = {
+    "one device": dict(devices=1),
+    "one device, remat full, layer inputs too": dict(devices=1, remat="full", offload="layer_inputs+weights"),
+    "ring sp8, zero 3": PLANS["ring zigzag sp8"] | dict(zero=3, remat="full"),
+    "ulysses sp4 x dp2, zero 0": PLANS["ulysses sp4 dp2"] | dict(zero=0),
+    "metp tp4 x dp2, zero 3": PLANS["metp tp4 dp2"] | dict(zero=3),
+}
+SLOW_CASES = ("metp tp4 x dp2, zero 3",)  # 16 s; METP's gradients are checked with the weights on the device
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CASES else n for n in CASES])
+def test_the_same_loss_and_gradients(name):
+    settings = dict(CASES[name])
+    offload = settings.pop("offload", "weights")
+    _assert_same(_loss_and_grads(settings | dict(offload=offload)), _loss_and_grads(settings))
+
+
+def _two_updates(settings: dict, offload: str):
+    """(params, AdamW state, last metrics) after two train steps of the test GPT, and the memory kinds."""
+    settings = dict(settings)
+    devices = jax.devices()[: settings.pop("devices", 8)]
+    remat = settings.pop("remat", "full")
+    plan = jaxring.make_plan(devices, **settings)
+    tx = optax.adamw(1e-2)
+    step, state = _train_step(plan, tx, remat, offload, CFG, BATCH, SEQ)
+    step.clip = 0.5  # below the gradients' norm (0.82 at the first step): the clipping is exercised
+    params = jax.device_put(nnx.to_pure_dict(state), step.param_shardings())
+    opt_specs = step.opt_state_specs(params)
+    opt_state = jax.jit(tx.init, out_shardings=step.opt_state_shardings(opt_specs))(params)
+    update = step.build(opt_specs)
+    for i in range(2):
+        params, opt_state, metrics = update(params, opt_state, _batch(plan), jax.random.PRNGKey(i), jnp.float32(9.0))
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves((params, opt_state))}
+    return jax.tree.map(np.asarray, (params, opt_state, metrics)), kinds
+
+
+@pytest.mark.parametrize("name", ["one device", "ring sp8, zero 3"])
+def test_the_same_updates_with_the_state_in_host_memory(name):
+    """Two AdamW steps (clipped at norm 0.5) give the same weights, moments, count and metrics (1e-6 of the
+    largest entry), and every array of the state stays in pinned host memory."""
+    want, kinds = _two_updates(CASES[name], "none")
+    assert kinds == {"device"}, kinds
+    got, kinds = _two_updates(CASES[name], "weights")
+    assert kinds == {"pinned_host"}, kinds
+
+    def close(path, a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        scale = max(np.abs(b).max(), 1e-30)
+        assert np.abs(a - b).max() <= 1e-6 * scale, (jax.tree_util.keystr(path), np.abs(a - b).max() / scale)
+
+    jax.tree_util.tree_map_with_path(close, got, want)
+
+
+def test_a_skipped_step_leaves_the_host_state_as_it_was():
+    """A loss over the divergence guard's limit skips the streamed update: weights and moments unchanged."""
+    plan = jaxring.make_plan(jax.devices()[:1])
+    tx = optax.adamw(1e-2)
+    step, state = _train_step(plan, tx, "none", "weights", CFG, BATCH, SEQ)
+    params = jax.device_put(nnx.to_pure_dict(state), step.param_shardings())
+    opt_specs = step.opt_state_specs(params)
+    opt_state = jax.jit(tx.init, out_shardings=step.opt_state_shardings(opt_specs))(params)
+    before = jax.tree.map(np.asarray, (params, opt_state))
+    params, opt_state, metrics = step.build(opt_specs)(
+        params, opt_state, _batch(plan), jax.random.PRNGKey(0), jnp.float32(0.0)
+    )
+    assert bool(metrics["skipped"])
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, (params, opt_state)), before)
+
+
+SMALL = dict(model="gpt", preset="tiny", overrides={"num_layers": 2, "hidden": 64, "num_heads": 8, "ffn": 128})
+RUN = RunSpec.of(
+    **SMALL,
+    steps=4,
+    batch_size=4,
+    seq_len=64,
+    lr=3e-3,
+    warmup=1,
+    sample_tokens=0,
+    progress=False,
+    eval_at_end=False,
+    sp=8,
+    zero=3,
+    offload="weights",
+)
+
+
+def _losses(spec: RunSpec) -> list[float]:
+    return [r["loss"] for r in train(spec, log=lambda *a: None)]
+
+
+def test_train_py_resumes_bit_exactly(tmp_path):
+    """train.py --offload weights: saved at step 2 and resumed, the same losses as the uninterrupted run; the
+    losses are those of the run with the weights on the device (1e-5)."""
+    full = _losses(RUN)
+    np.testing.assert_allclose(full, _losses(RUN.updated(offload="none")), rtol=1e-5)
+    ckpt = str(tmp_path / "ckpt")
+    first = _losses(RUN.updated(steps=2, checkpoint_dir=ckpt))
+    resumed = _losses(RUN.updated(checkpoint_dir=ckpt, resume=True))
+    np.testing.assert_array_equal(first + resumed, full)
+
+
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        (dict(offload="weights", pp=2, dp=4), r"--offload weights is not supported with pipeline parallelism"),
+        (
+            dict(offload="weights", grad_accum=2),
+            r"--offload weights keeps the gradients in host memory .* "
+            r"--grad-accum 2 needs --offload optimizer",
+        ),
+    ],
+)
+def test_what_weight_offload_does_not_compose_with_is_one_line(settings, message):
+    with pytest.raises(ValueError, match=message):
+        RunSpec.of(**settings).validate()
+
+
+def test_zero_1_and_2_over_replicas_are_refused():
+    plan = jaxring.make_plan(jax.devices()[:8], dp=2, sp=4, zero=2)
+    with pytest.raises(
+        ValueError,
+        match=r"--offload weights with --zero 2: .* over the replica axes \(dp, sp\); "
+        r"use --zero 3",
+    ):
+        _train_step(plan, optax.adamw(1e-3), "none", "weights", CFG, BATCH, SEQ)
+
+
+@pytest.mark.skipif(not gpu.available()[0], reason="deviceless GPU compile unavailable (see jaxring/analysis/gpu.py)")
+def test_compiled_for_one_h100_the_weights_are_host_arguments():
+    """The compiled step of an 8-layer GPT on one H100: weights and moments are host arguments (4Ψ fp32 less the
+    gradients, which are host temporaries), and the device holds less than one tenth of the stack's weights
+    beside the run with them on the device."""
+    from jaxring.aot.train_step import compile_train_step
+
+    cfg = gpt.GPTConfig(vocab_size=256, num_layers=8, hidden=512, num_heads=4, ffn=2048)
+    plan = jaxring.make_plan(gpu.gpu_devices("h100", 1))
+    kw = dict(batch=1, seq_len=256, remat="full")
+    on_device = compile_train_step("gpt", cfg, plan, offload="optimizer", **kw).memory_analysis()
+    on_host = compile_train_step("gpt", cfg, plan, offload="weights", **kw).memory_analysis()
+    weights = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: gpt.GPT(cfg, rngs=nnx.Rngs(0)))))) * 4
+    # the weights and the two moments (and the step count); with the optimizer state alone offloaded, the moments
+    assert abs(on_host.host_argument_size_in_bytes - 3 * weights) <= 64, on_host.host_argument_size_in_bytes
+    assert abs(on_device.host_argument_size_in_bytes - 2 * weights) <= 64, on_device.host_argument_size_in_bytes
+    device = lambda m: m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    assert device(on_device) - device(on_host) >= 0.9 * 2 * weights, (device(on_device), device(on_host), weights)
