@@ -15,7 +15,8 @@ technique):
               at each length, the plan `train.py --plan auto` picks (the planner's best that its estimate
               fits); on one GPU: one gpu, auto
   techniques  none; loss tile (--loss-tile); mlp tile (--mlp-tile); offload (--offload layer_inputs); all;
-              all + optimizer (--offload layer_inputs+optimizer: the AdamW state in host memory too)
+              all + optimizer (--offload layer_inputs+optimizer: the AdamW state in host memory too); all +
+              weights (--offload layer_inputs+weights: the fp32 weights and gradients as well)
 
 How a row is found, cheapest first:
   1. bisection on the planner's memory ESTIMATE (`jaxring.planner.cost_model.memory`, no compile) to --unit tokens:
@@ -73,6 +74,9 @@ TECHNIQUES = {
     "all": dict(loss_tile=TILE, mlp_tile=TILE, offload="layer_inputs"),
     # and the AdamW state in host memory between updates (--offload layer_inputs+optimizer)
     "all + optimizer": dict(loss_tile=TILE, mlp_tile=TILE, offload="layer_inputs+optimizer"),
+    # and the fp32 weights and their gradients too, streamed to the device layer by layer (--offload
+    # layer_inputs+weights)
+    "all + weights": dict(loss_tile=TILE, mlp_tile=TILE, offload="layer_inputs+weights"),
 }
 
 

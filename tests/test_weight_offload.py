@@ -5,7 +5,6 @@ step (fp32, 1e-6), on one device and under ZeRO 0 and 3 with sequence and tensor
 in host memory and resumes bit-exactly; what it does not compose with is one line; compiled for one H100 the
 weights are host arguments and the device keeps none of the stack."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -160,9 +159,25 @@ def test_compiled_for_one_h100_the_weights_are_host_arguments():
     kw = dict(batch=1, seq_len=256, remat="full")
     on_device = compile_train_step("gpt", cfg, plan, offload="optimizer", **kw).memory_analysis()
     on_host = compile_train_step("gpt", cfg, plan, offload="weights", **kw).memory_analysis()
-    weights = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: gpt.GPT(cfg, rngs=nnx.Rngs(0)))))) * 4
+    weights = (
+        sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: gpt.GPT(cfg, rngs=nnx.Rngs(0)))))) * 4
+    )
     # the weights and the two moments (and the step count); with the optimizer state alone offloaded, the moments
     assert abs(on_host.host_argument_size_in_bytes - 3 * weights) <= 64, on_host.host_argument_size_in_bytes
     assert abs(on_device.host_argument_size_in_bytes - 2 * weights) <= 64, on_device.host_argument_size_in_bytes
     device = lambda m: m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
     assert device(on_device) - device(on_host) >= 0.9 * 2 * weights, (device(on_device), device(on_host), weights)
+
+
+def test_the_planner_turns_to_weight_offload_on_one_h100():
+    """Llama-3-8B at 524,288 tokens on one H100: nothing fits until the weights leave the device; the planner's
+    plan offloads them with the layer inputs, and prices the host link in the step time."""
+    from jaxring.planner.cluster import Cluster
+    from jaxring.planner.fit import workload_of
+    from jaxring.planner.search import search
+
+    w = workload_of(RunSpec.of(preset="llama3-8b", seq_len=524288, batch_size=1))
+    best = search(w, Cluster.of("h100", 1)).best
+    assert (best.candidate.offload, best.candidate.remat) == ("layer_inputs+weights", "full")
+    assert best.memory.total <= Cluster.of("h100", 1).usable_memory
+    assert best.time.offload > 0

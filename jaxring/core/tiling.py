@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxring.core.vma import vary_like
+
 __all__ = ["over_tiles", "tile_count"]
 
 
@@ -77,33 +79,41 @@ def _tiled_fwd(fn: Callable[..., Any], parts: tuple[jax.Array, ...], consts: tup
 
 def _tiled_bwd(fn: Callable[..., Any], residuals: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]], g: Any):
     """Per tile: its forward again and its VJP; d(consts) summed over the tiles (the first tile's seeds the
-    sum, so it has the type the VJP gives), d(parts) stacked."""
+    sum, so it has the type the VJP gives), d(parts) written in place into one stacked buffer per part. The
+    tiles are read where they lie (a dynamic index of the stacked inputs and cotangents): no copy of the
+    tiles after the first, nor of the stacked gradients, beside them."""
     parts, consts = residuals
     diff = [i for i, p in enumerate(parts) if _differentiable(p)]
+    tiles = parts[0].shape[0]
 
-    def tile_vjp(p: tuple[jax.Array, ...], g_tile: Any):
+    def tile_vjp(i: jax.Array | int):
+        p, g_tile = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), (parts, g))
+
         def f(dp: list[jax.Array], c: tuple[jax.Array, ...]):
             q = list(p)
-            for i, a in zip(diff, dp, strict=True):
-                q[i] = a
+            for k, a in zip(diff, dp, strict=True):
+                q[k] = a
             return fn(*q, *c)
 
-        _, vjp = jax.vjp(f, [p[i] for i in diff], consts)
+        _, vjp = jax.vjp(f, [p[k] for k in diff], consts)
         return vjp(g_tile)
 
-    first = jax.tree.map(lambda a: a[0], (parts, g))
-    d_first, d_consts = tile_vjp(*first)
+    def stacked(d: jax.Array) -> jax.Array:  # the first tile's gradient in a buffer for all of them
+        buffer = vary_like(jnp.zeros((tiles,) + d.shape, d.dtype), d)
+        return lax.dynamic_update_index_in_dim(buffer, d, 0, 0)
 
-    def step(acc: tuple[jax.Array, ...], tile: tuple[tuple[jax.Array, ...], Any]):
-        d_parts, d_c = tile_vjp(*tile)
-        return jax.tree.map(jnp.add, acc, d_c), d_parts
+    d_first, d_consts = tile_vjp(0)
 
-    rest = jax.tree.map(lambda a: a[1:], (parts, g))
-    d_consts, d_rest = lax.scan(step, d_consts, rest)
-    d_diff = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), d_first, d_rest)
+    def step(i: jax.Array, carry: tuple) -> tuple:
+        acc, out = carry
+        d_parts, d_c = tile_vjp(i)
+        out = jax.tree.map(lambda o, d: lax.dynamic_update_index_in_dim(o, d, i, 0), out, d_parts)
+        return jax.tree.map(jnp.add, acc, d_c), out
+
+    d_consts, d_diff = lax.fori_loop(1, tiles, step, (d_consts, jax.tree.map(stacked, d_first)))
     d_parts = [None] * len(parts)
-    for i, d in zip(diff, d_diff, strict=True):
-        d_parts[i] = d
+    for k, d in zip(diff, d_diff, strict=True):
+        d_parts[k] = d
     return tuple(d_parts), d_consts
 
 

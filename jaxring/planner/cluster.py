@@ -34,6 +34,9 @@ class Device:
     memory_bytes: float
     nvlink_bytes_per_s: float  # per direction
     nic_bytes_per_s: float  # default inter-node bandwidth per device and direction
+    # to and from its host's pinned memory, per direction (what --offload moves): PCIe Gen5 x16 is 64 GB/s
+    # nominal for an H100/H200 SXM, Gen4 x16 32 GB/s for an A100; pinned copies reach about 80% of it
+    host_bytes_per_s: float = 50e9
 
 
 DEVICES = {
@@ -54,10 +57,10 @@ DEVICES = {
         50e9,
     ),
     # NVIDIA's A100 SXM datasheet: 312 TFLOP/s dense bf16, HBM2 1.555 / HBM2e 2.039 TB/s, NVLink 3 600 GB/s
-    "a100-40gb": Device("NVIDIA A100 SXM 40GB", 312e12, 1.555e12, 40 * 10**9, 300e9, 25e9),
-    "a100-80gb": Device("NVIDIA A100 SXM 80GB", 312e12, 2.039e12, 80 * 10**9, 300e9, 25e9),
+    "a100-40gb": Device("NVIDIA A100 SXM 40GB", 312e12, 1.555e12, 40 * 10**9, 300e9, 25e9, 25e9),
+    "a100-80gb": Device("NVIDIA A100 SXM 80GB", 312e12, 2.039e12, 80 * 10**9, 300e9, 25e9, 25e9),
     # simulated CPU devices (tests, train.py --plan auto without an accelerator): nominal figures
-    "cpu": Device("simulated CPU device", 50e9, 20e9, 4 * 10**9, 10e9, 10e9),
+    "cpu": Device("simulated CPU device", 50e9, 20e9, 4 * 10**9, 10e9, 10e9, 10e9),
 }
 
 

@@ -545,6 +545,17 @@ def _attention_working(s: Shapes) -> float:
 # tests/test_planner.py is 8% over.
 LAYER_WORKING_SHARE = {"none": 0.75, "selective": 0.75, "full": 0.75}
 
+# The constants above were fitted on compiled programs whose tiled MLP's backward held copies of its [b, n, h]
+# input and cotangent (the tiles after the first, sliced out; their gradients stacked, then concatenated with
+# the first's); `jaxring.core.tiling` now reads the tiles in place and writes their gradients into one
+# buffer. What that took off one layer's backward, in [b, n, h] arrays of the activation dtype, on the
+# deviceless H100 compiles of Llama-3-8B with the loss and MLP tiled (4096) and the layer inputs offloaded:
+# one GPU with the weights offloaded, 655,360 tokens, 70.3 -> 44.9 GiB (5.1 arrays); ring sp8 at 2,818,048,
+# 65.5 -> 53.8 GiB (4.4); Ulysses sp8 at 4,325,376, 66.5 -> 48.6 GiB (4.4); METP tp8 at 4,194,304, 61.6 ->
+# 54.0 GiB (1.2 of its [b, n, h] unit: its recomputed stream holds fewer of them)
+TILED_COPIES_GONE = 5
+TILED_COPIES_GONE_RECOMPUTED = 1
+
 # A pipeline tick holds, beside the residual slots (`peak_in_flight` micro-batch-chunks, the interpreter's
 # buffer), two more chunks' residuals: the slot it reads, sliced out of the buffer before the stage's switch
 # (`dynamic_index_in_dim`: a conditional's operand is its own array), and one inside the switch's branch (a
@@ -628,10 +639,11 @@ def memory(
     if "weights" in parts and not cpu:
         # the fp32 weights and their gradients live in pinned host memory too (host: 4Ψ a device with the
         # moments); a device holds the weights outside the stack as the step reads them (fetched whole: the
-        # embedding and the head) with their gradients, a layer's weights and gradient in flight, and in the
-        # update the outside weights' streamed state (the layers' one layer at a time)
+        # embedding and the head), the head's gradients in its backward (then moved out), two layers'
+        # weights and gradients in flight, and in the update the outside weights' streamed state (the
+        # layers' one layer at a time)
         host += params + grads
-        params, grads = top, top + 2 * layer_grad
+        params, grads = top, 2 * layer_grad
         head_grads = top
         update = OFFLOADED_UPDATE_IN_FLIGHT * top
     if "layer_inputs" in parts and not cpu:
@@ -661,6 +673,9 @@ def memory(
     elif not cpu and w.moe is None:
         layer += (UNTILED_MLP_GPU - 6) * x.b * x.n * x.ffn * em  # of the 6 arrays _mlp_saved counts
     working = LAYER_WORKING_SHARE[remat] * layer + _attention_working(s)
+    if c.mlp_tile is not None and c.mlp_tile < x.n:
+        copies = TILED_COPIES_GONE_RECOMPUTED if s.method.recomputes_forward else TILED_COPIES_GONE
+        working -= copies * x.b * x.n_act * s.model.hidden * em
     # the step's batch as stored (the family's: tokens, targets, positions int32, packed documents' segment ids
     # and loss mask; a DiT's images and labels)
     rows = w.global_batch // c.data_degree // x.batch_split
@@ -692,10 +707,11 @@ class StepTime:
     hidden: float  # communication hidden behind compute (ring loops), not in the total
     bubble: float
     optimizer: float
+    offload: float = 0.0  # host-memory transfers (--offload) not hidden behind the layers' compute
 
     @property
     def total(self) -> float:
-        return self.compute + sum(self.communication.values()) + self.bubble + self.optimizer
+        return self.compute + sum(self.communication.values()) + self.bubble + self.optimizer + self.offload
 
 
 def compute_flops(w: Workload, c: Candidate, remat: str, s: Shapes) -> tuple[float, float, float]:
@@ -788,7 +804,36 @@ def step_time(
     comm = dict(layer_comm)
     for k, v in step_comm.items():
         comm[k] = comm.get(k, 0.0) + v
-    return StepTime(compute, comm, hidden, bubble, optimizer)
+    offload = 0.0
+    if c.offload != "none" and not cluster.cpu:
+        layers_s, update_s = host_transfer_seconds(w, c, s, updated * F32, cluster.device.host_bytes_per_s)
+        offload = max(0.0, layers_s - compute) + update_s
+        if "weights" in offloaded(c.offload):
+            optimizer = 0.0  # streamed: the host link, not HBM, bounds it (update_s)
+    return StepTime(compute, comm, hidden, bubble, optimizer, offload)
+
+
+def host_transfer_seconds(w: Workload, c: Candidate, s: Shapes, weights: float, host_bw: float) -> tuple[float, float]:
+    """(seconds the layers' host transfers take, overlapping their compute; seconds of the update's, exposed)
+    of --offload, per direction at `host_bw` (the link is full duplex: the busier direction counts).
+    weights: the fp32 bytes of this device's weights as the optimizer updates them.
+
+    layer_inputs  each layer's input out after its forward, in before its backward
+    optimizer     the moments (2 x weights) in for the update and out after it
+    weights       each layer's fp32 weights in for its forward and again for its backward, its gradient out;
+                  the update reads weights, gradients (twice: the norm first) and moments, writes weights and
+                  moments"""
+    parts = offloaded(c.offload)
+    to_device = from_device = update_in = update_out = 0.0
+    if "layer_inputs" in parts:
+        inputs = s.layers * s.local.b * s.local.n_act * s.model.hidden * s.model.em
+        to_device, from_device = to_device + inputs, from_device + inputs
+    if "weights" in parts:
+        to_device, from_device = to_device + 2 * weights, from_device + weights
+        update_in, update_out = 5 * weights, 3 * weights
+    elif "optimizer" in parts:
+        update_in, update_out = 2 * weights, 2 * weights
+    return max(to_device, from_device) / host_bw, max(update_in, update_out) / host_bw
 
 
 def locality(plan: ParallelPlan, axes_list: Sequence[tuple[str, ...]], devices_per_node: int) -> dict:

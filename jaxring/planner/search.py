@@ -178,6 +178,7 @@ def plan_json(ev: Evaluated, w: Workload, cl: Cluster) -> dict:
             "compute": ev.time.compute,
             "bubble": ev.time.bubble,
             "optimizer": ev.time.optimizer,
+            "offload": ev.time.offload,
             "hidden_communication": ev.time.hidden,
             "exposed_communication": {"×".join(k): v for k, v in ev.time.communication.items()},
         },
