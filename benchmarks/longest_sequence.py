@@ -200,9 +200,10 @@ def confirm(start: int, unit: int, fits: Callable[[int], bool], compiled: Callab
 # ------------------------------------------------------------------------------ estimate and compile
 
 
-def estimate_bytes(row: Row, seq: int, preset: str = PRESET) -> tuple[float, dict]:
-    """(the planner's estimate per device, the plan's settings) of `row` at `seq`; the planner's best plan for
-    plan auto (inf when none fits); ValueError when the plan cannot run that length."""
+def estimate_bytes(row: Row, seq: int, preset: str = PRESET) -> tuple[float, dict, float]:
+    """(the planner's estimate per device, the plan's settings, its host bytes per device) of `row` at `seq`;
+    the planner's best plan for plan auto (inf when none fits); ValueError when the plan cannot run that
+    length."""
     from jaxring.planner import cost_model as cost
     from jaxring.planner.auto import held_settings
     from jaxring.planner.cluster import Cluster
@@ -216,15 +217,16 @@ def estimate_bytes(row: Row, seq: int, preset: str = PRESET) -> tuple[float, dic
         try:
             result = search(workload_of(spec), Cluster.of(row.gpu, row.devices), only=held_settings(spec) | row.held)
         except NoPlanError:  # "no plan fits in memory ...": the least any plan needs is above the budget
-            return math.inf, {}
+            return math.inf, {}, 0.0
         if not result.ranked:
-            return math.inf, {}
+            return math.inf, {}, 0.0
         best = result.ranked[0]
-        return best.memory.total, best.candidate.settings(result.workload)
+        return best.memory.total, best.candidate.settings(result.workload), best.memory.host
     spec = spec.resolved(row.devices)
     spec.validate()
     w, c = workload_of(spec), candidate_of(spec)
-    return cost.memory(w, c, param_leaves(w.model, w.config, c.check(w)), cpu=False).total, {}
+    memory = cost.memory(w, c, param_leaves(w.model, w.config, c.check(w)), cpu=False)
+    return memory.total, {}, memory.host
 
 
 class NoPlan(ValueError):
@@ -263,7 +265,7 @@ def compile_probe(row: Row, seq: int, preset: str = PRESET) -> dict:
         "estimate_gib": estimate / GIB,
         "compiled_gib": report.peak_bytes / GIB,
         "estimate_over_compiled": estimate / report.peak_bytes,
-        "host_gib": report.memory.get("host_temp", 0) / GIB,
+        "host_gib": report.memory.get("host", report.memory.get("host_temp", 0)) / GIB,
         "compile_s": round(report.compile_seconds, 1),
         "step_s": roof.time_s,
         "tokens_per_s_per_gpu": seq / roof.time_s / row.devices,
@@ -278,14 +280,25 @@ def budget_bytes(row: Row) -> float:
     return Cluster.of(row.gpu, 1).usable_memory
 
 
+def host_budget_bytes() -> float:
+    """The host memory per GPU that `train.py --compile-for` checks --offload against (a DGX node's share)."""
+    from jaxring.aot.compile_for import HOST_GIB_PER_GPU
+
+    return HOST_GIB_PER_GPU * GIB
+
+
 def _bytes(probe: dict) -> float:
     """A probe's compiled bytes per device (inf when plan auto had no plan to compile)."""
     return math.inf if probe["compiled_gib"] is None else probe["compiled_gib"] * GIB
 
 
-def measure_row(row: Row, *, estimate=estimate_bytes, compile_one=compile_probe, budget=None, unit=None, log=print):
-    """The row's record: the estimate's longest length, the compiles that confirm it, the roofline there."""
+def measure_row(
+    row: Row, *, estimate=estimate_bytes, compile_one=compile_probe, budget=None, unit=None, host=None, log=print
+):
+    """The row's record: the estimate's longest length, the compiles that confirm it, the roofline there. A
+    length fits when its device bytes are within `budget` and its host bytes within `host` (per device)."""
     budget = budget_bytes(row) if budget is None else budget
+    host = host_budget_bytes() if host is None else host
     unit = unit or UNIT[row.devices]
     start = time.time()
     out = {"key": row.key, "target": row.target, "plan": row.plan, "technique": row.technique}
@@ -298,7 +311,8 @@ def measure_row(row: Row, *, estimate=estimate_bytes, compile_one=compile_probe,
 
     def estimate_fits(seq):
         try:
-            estimated[seq] = estimate(row, seq)[0]
+            guess = estimate(row, seq)
+            estimated[seq] = guess[0] if len(guess) < 3 or guess[2] <= host else math.inf
         except ValueError as e:
             if seq == unit:
                 raise
@@ -327,9 +341,10 @@ def measure_row(row: Row, *, estimate=estimate_bytes, compile_one=compile_probe,
         p = probes[seq]
         log(
             f"  {row.key}: {seq} tokens: compiled {p['compiled_gib']:.2f} GiB, estimate {p['estimate_gib']:.2f} "
-            f"GiB (x{p['estimate_over_compiled']:.3f}), budget {budget / GIB:.1f} GiB, {p['compile_s']:.0f} s"
+            f"GiB (x{p['estimate_over_compiled']:.3f}), budget {budget / GIB:.1f} GiB, host "
+            f"{p.get('host_gib', 0):.1f} GiB of {host / GIB:.0f}, {p['compile_s']:.0f} s"
         )
-        return p["compiled_gib"] * GIB <= budget
+        return p["compiled_gib"] * GIB <= budget and p.get("host_gib", 0) * GIB <= host
 
     try:
         if longest_estimate:
@@ -350,6 +365,7 @@ def measure_row(row: Row, *, estimate=estimate_bytes, compile_one=compile_probe,
         out.update(
             plan_at_longest=at["plan"],
             compiled_gib=at["compiled_gib"],
+            host_gib=at.get("host_gib"),
             estimate_gib=at["estimate_gib"],
             estimate_over_compiled=at["estimate_over_compiled"],
             step_s=at["step_s"],
@@ -466,14 +482,14 @@ def table(record: dict) -> str:
         lines += [
             f"**{target}** (budget {by_key[rows[0].key]['budget_gib']:.1f} GiB per device)",
             "",
-            "| plan | technique | longest (compiled) | estimate's longest | compiled GiB | estimate / compiled "
-            "| roofline step s | tokens/s/GPU |",
-            "|---|---|---:|---:|---:|---:|---:|---:|",
+            "| plan | technique | longest (compiled) | estimate's longest | compiled GiB | host GiB | estimate / "
+            "compiled | roofline step s | tokens/s/GPU |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for row in rows:
             r = by_key[row.key]
             if r.get("error") and not r.get("longest"):
-                lines.append(f"| {row.plan} | {row.technique} | refused: {r['error'][:80]} | | | | | |")
+                lines.append(f"| {row.plan} | {row.technique} | refused: {r['error'][:80]} | | | | | | |")
                 continue
             longest = f"{r['longest']:,}" + ("" if r.get("bracketed") else " (≥)") if r.get("longest") else "0"
             if r.get("longest"):
@@ -482,18 +498,25 @@ def table(record: dict) -> str:
                 plan = f" ({r['plan_at_longest']})" if row.plan == "auto" else ""
                 lines.append(
                     f"| {row.plan}{plan} | {row.technique} | {longest} | {r['estimate_longest']:,} | "
-                    f"{r['compiled_gib']:.1f} | {agree} | {r['step_s']:.2f} | {r['tokens_per_s_per_gpu']:,.0f} |"
+                    f"{r['compiled_gib']:.1f} | {_host(r)} | {agree} | {r['step_s']:.2f} | "
+                    f"{r['tokens_per_s_per_gpu']:,.0f} |"
                 )
             else:
                 shortest = next((p for p in r.get("probes", []) if "refused" not in p), None)
                 at = (
-                    f"{shortest['compiled_gib']:.1f} at {shortest['seq']:,} | {shortest['estimate_over_compiled']:.3f}"
+                    f"{shortest['compiled_gib']:.1f} at {shortest['seq']:,} | {_host(shortest)} | "
+                    f"{shortest['estimate_over_compiled']:.3f}"
                     if shortest
-                    else "no plan (planner) | "
+                    else "no plan (planner) | | "
                 )
                 lines.append(f"| {row.plan} | {row.technique} | 0 | {r.get('estimate_longest', 0):,} | {at} | | |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _host(r: dict) -> str:
+    """A row's (or probe's) host memory per device, GiB ("" in records from before it was kept)."""
+    return "" if r.get("host_gib") is None else f"{r['host_gib']:.1f}"
 
 
 def _tokens(n: float, _pos=None) -> str:

@@ -321,6 +321,11 @@ def compile_for_gpu(
         "temp": mem.temp_size_in_bytes,
         "alias": mem.alias_size_in_bytes,
         "host_temp": mem.host_temp_size_in_bytes,  # buffers in host memory (offloaded values)
+        # all of the program's host memory per device: offloaded values, and state kept there (--offload)
+        "host": mem.host_argument_size_in_bytes
+        + mem.host_output_size_in_bytes
+        + mem.host_temp_size_in_bytes
+        - mem.host_alias_size_in_bytes,
     }
     name = target or _target_of(devices)
     return GpuCompileReport(
