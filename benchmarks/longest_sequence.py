@@ -16,7 +16,8 @@ technique):
               fits); on one GPU: one gpu, auto
   techniques  none; loss tile (--loss-tile); mlp tile (--mlp-tile); offload (--offload layer_inputs); all;
               all + optimizer (--offload layer_inputs+optimizer: the AdamW state in host memory too); all +
-              weights (--offload layer_inputs+weights: the fp32 weights and gradients as well)
+              weights (--offload layer_inputs+weights: the fp32 weights and gradients as well); all + weights,
+              blocks (and --remat-layers 2: recompute blocks of two layers, half the layer inputs kept)
 
 How a row is found, cheapest first:
   1. bisection on the planner's memory ESTIMATE (`jaxring.planner.cost_model.memory`, no compile) to --unit tokens:
@@ -77,6 +78,8 @@ TECHNIQUES = {
     # and the fp32 weights and their gradients too, streamed to the device layer by layer (--offload
     # layer_inputs+weights)
     "all + weights": dict(loss_tile=TILE, mlp_tile=TILE, offload="layer_inputs+weights"),
+    # and recompute blocks of 2 layers (--remat-layers 2): half the layer inputs in host memory
+    "all + weights, blocks": dict(loss_tile=TILE, mlp_tile=TILE, offload="layer_inputs+weights", remat_layers=2),
 }
 
 

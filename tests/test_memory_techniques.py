@@ -53,11 +53,19 @@ def _loss_and_grads(settings: dict):
     settings = dict(settings)
     devices = jax.devices()[: settings.pop("devices", 8)]
     remat, offload = settings.pop("remat", "none"), settings.pop("offload", "none")
+    remat_layers = settings.pop("remat_layers", 1)
     plan = jaxring.make_plan(devices, **settings)
     model = gpt.GPT(CFG, rngs=nnx.Rngs(0))
     objective = gpt.NextTokenObjective(BATCH, SEQ)
     loss, grads = value_and_grad(
-        model, plan, objective, _batch(plan), jax.random.PRNGKey(0), remat=remat, offload=offload
+        model,
+        plan,
+        objective,
+        _batch(plan),
+        jax.random.PRNGKey(0),
+        remat=remat,
+        offload=offload,
+        remat_layers=remat_layers,
     )
     return float(loss), jax.tree.map(np.asarray, grads)
 

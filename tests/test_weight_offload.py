@@ -181,3 +181,25 @@ def test_the_planner_turns_to_weight_offload_on_one_h100():
     assert (best.candidate.offload, best.candidate.remat) == ("layer_inputs+weights", "full")
     assert best.memory.total <= Cluster.of("h100", 1).usable_memory
     assert best.time.offload > 0
+
+
+@pytest.mark.parametrize(
+    "name,offload",
+    [
+        ("one device", "layer_inputs+weights"),
+        ("ring sp8, zero 3", "layer_inputs"),
+        ("ring sp8, zero 3", "layer_inputs+weights"),
+    ],
+)
+def test_recompute_blocks_give_the_same_loss_and_gradients(name, offload):
+    """--remat-layers 2 (a block of 2 layers keeps, or offloads, one input; its backward recomputes both): the
+    loss and gradients of the per-layer remat (fp32, 1e-6)."""
+    settings = dict(CASES[name]) | dict(remat="full")
+    _assert_same(_loss_and_grads(settings | dict(offload=offload, remat_layers=2)), _loss_and_grads(settings))
+
+
+def test_recompute_blocks_need_full_remat_and_a_divisor_of_the_layers():
+    with pytest.raises(ValueError, match=r"--remat-layers 2 recomputes blocks .* needs --remat full"):
+        RunSpec.of(remat="selective", remat_layers=2).validate()
+    with pytest.raises(ValueError, match=r"--remat-layers 3 .* a divisor of the 2 layers"):
+        _loss_and_grads(dict(devices=1, remat="full", remat_layers=3))

@@ -139,6 +139,7 @@ def lowered_step(spec: RunSpec, devices: list) -> tuple[jax.stages.Lowered, floa
         seq_len=w.seq_len,
         precision=spec.compute_precision,
         remat=spec.memory.remat,
+        remat_layers=spec.memory.remat_layers,
         offload=spec.memory.offload,
         grad_accum=t.grad_accum,
         clip=spec.optimizer.clip,
@@ -160,7 +161,10 @@ def _compile(spec: RunSpec, devices: list) -> tuple[float, float, float, str]:
         - m.host_alias_size_in_bytes
     )
     ms = spec.memory
-    kept = [f"remat {ms.remat}", spec.compute_precision]
+    kept = [
+        f"remat {ms.remat}" + (f" in blocks of {ms.remat_layers} layers" if ms.remat_layers > 1 else ""),
+        spec.compute_precision,
+    ]
     kept += [f"{n} {v}" for n, v in (("loss tile", ms.loss_tile), ("mlp tile", ms.mlp_tile), ("offload", ms.offload))]
     settings = ", ".join(k for k in kept if not k.endswith((" None", " none")))
     return float(peak), estimate, float(host), f"{plan}; {settings}"
@@ -169,7 +173,8 @@ def _compile(spec: RunSpec, devices: list) -> tuple[float, float, float, str]:
 def ranked_specs(spec: RunSpec, gpu: str, count: int, tries: int = TRIES, hold: dict | None = None) -> list[RunSpec]:
     """--plan auto: the planner's best plans for the target (settings the user gave held, and `hold`), as run
     specs."""
-    result = search(workload_of(spec), Cluster.of(gpu, count), only=held_settings(spec) | (hold or {}))
+    cluster = Cluster.of(gpu, count, host_memory=host_budget_bytes(spec, count))
+    result = search(workload_of(spec), cluster, only=held_settings(spec) | (hold or {}))
     parallel = dataclasses.replace(spec.parallel, options={}, plan="manual")
     base = dataclasses.replace(spec, parallel=parallel)
     return [base.updated(**ev.candidate.settings(result.workload)) for ev in result.ranked[:tries]]

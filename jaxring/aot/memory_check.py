@@ -53,6 +53,7 @@ def compiled_peak(
         seq_len=w.seq_len,
         precision=w.precision,
         remat=c.remat,
+        remat_layers=c.remat_layers,
         offload=c.offload,
         grad_accum=c.steps(w) if c.pp == 1 else 1,
         documents=w.documents,

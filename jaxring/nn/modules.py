@@ -349,6 +349,12 @@ def offloaded(offload: str) -> frozenset[str]:
     return parts | {"optimizer"} if "weights" in parts else parts
 
 
+REMAT_LAYERS_RULE = (
+    "--remat-layers {k} recomputes blocks of {k} layers from their inputs: it needs --remat full (got --remat "
+    "{remat}) and a divisor of the {layers} layers a stack scans"
+)
+
+
 def remat_policy(remat: str, zero_stage: int = 0, offload: str = "none") -> Callable[..., bool]:
     """The jax.checkpoint policy of one layer for remat none/selective/full: none saves everything it computes,
     selective only the weight matmuls' outputs (dots without batch dims, and those computed inside a custom_vjp,
@@ -386,6 +392,9 @@ class Layers:
 
     graphdef: one layer's graph; diff/const: the stacked stored leaves (see `jaxring.parallel.zero.inputs`);
     placements: their stacked Placements; stage: the ZeRO stage; remat: none/selective/full per layer.
+    remat_layers: with remat full, layers per recompute block (Megatron's uniform --recompute-num-layers): the
+    stack is scanned a block at a time, a block keeps (or offloads) only its input, and its backward recomputes
+    its layers' forward keeping each layer's input on the device (one more forward per layer).
     """
 
     graphdef: object
@@ -395,6 +404,7 @@ class Layers:
     stage: int = 0
     remat: str = "none"
     offload: str = "none"
+    remat_layers: int = 1
 
     def __call__(self, carry: Any, call: Callable[[nnx.Module, Any], Any]) -> Any:
         """call(layer, carry) -> carry for every layer in order, under `lax.scan`; carry: any pytree (e.g.
@@ -428,6 +438,18 @@ class Layers:
             xs = self.diff
         else:
             xs = jnp.arange(num_layers)
+        k = self.remat_layers
+        if k > 1:
+            if self.remat != "full" or num_layers % k:
+                raise ValueError(REMAT_LAYERS_RULE.format(k=k, remat=self.remat, layers=num_layers))
+            one = jax.checkpoint(body, policy=remat_policy("full", self.stage), prevent_cse=False)
+
+            def body(carry: Any, block: Any) -> tuple[Any, None]:  # k layers, each keeping its input alone
+                if "weights" in offloaded(self.offload):  # the block's weights moved in at once (their
+                    block = jax.device_put(block, jax.memory.Space.Device)  # gradients out at once)
+                return lax.scan(one, carry, block)[0], None
+
+            xs = jax.tree.map(lambda a: a.reshape((num_layers // k, k) + a.shape[1:]), xs)
         if "layer_inputs" in offloaded(self.offload):
             layer = body
 

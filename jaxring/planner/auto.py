@@ -58,6 +58,8 @@ def held_settings(spec: RunSpec) -> dict:
             held[name] = getattr(spec.memory, name)
     if spec.memory.offload != "none":
         held["offload"] = spec.memory.offload
+    if spec.memory.remat_layers != 1:
+        held["remat_layers"] = spec.memory.remat_layers
     return held
 
 

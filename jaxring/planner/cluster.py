@@ -75,6 +75,7 @@ class Cluster:
     inter_latency: float = 20e-6
     efficiency: float = 0.5
     memory_fraction: float = 0.9  # of device memory a plan may use (the rest: allocator, runtime, fragments)
+    host_memory: float = math.inf  # host bytes per device a plan's --offload may keep there (`Memory.host`)
 
     @classmethod
     def of(
@@ -88,6 +89,7 @@ class Cluster:
         efficiency: float = 0.5,
         memory_fraction: float = 0.9,
         memory_bytes: float | None = None,
+        host_memory: float = math.inf,
     ) -> Cluster:
         if device not in DEVICES:
             raise ValueError(f"unknown device {device!r}; expected one of {', '.join(DEVICES)}")
@@ -120,6 +122,7 @@ class Cluster:
             spec.nic_bytes_per_s if inter_bw is None else inter_bw,
             efficiency=efficiency,
             memory_fraction=memory_fraction,
+            host_memory=host_memory,
         )
 
     @property

@@ -552,9 +552,9 @@ LAYER_WORKING_SHARE = {"none": 0.75, "selective": 0.75, "full": 0.75}
 # deviceless H100 compiles of Llama-3-8B with the loss and MLP tiled (4096) and the layer inputs offloaded:
 # one GPU with the weights offloaded, 655,360 tokens, 70.3 -> 44.9 GiB (5.1 arrays); ring sp8 at 2,818,048,
 # 65.5 -> 53.8 GiB (4.4); Ulysses sp8 at 4,325,376, 66.5 -> 48.6 GiB (4.4); METP tp8 at 4,194,304, 61.6 ->
-# 54.0 GiB (1.2 of its [b, n, h] unit: its recomputed stream holds fewer of them)
+# 54.0 GiB (a smaller unit for its recomputed stream: 2 fits its compiles at 4.2M to 6.0M tokens within 7%)
 TILED_COPIES_GONE = 5
-TILED_COPIES_GONE_RECOMPUTED = 1
+TILED_COPIES_GONE_RECOMPUTED = 2
 
 # A pipeline tick holds, beside the residual slots (`peak_in_flight` micro-batch-chunks, the interpreter's
 # buffer), two more chunks' residuals: the slot it reads, sliced out of the buffer before the stage's switch
@@ -646,11 +646,12 @@ def memory(
         params, grads = top, 2 * layer_grad
         head_grads = top
         update = OFFLOADED_UPDATE_IN_FLIGHT * top
+    blocks = c.remat_layers if remat == "full" else 1  # layers per recompute block: one input kept per block
     if "layer_inputs" in parts and not cpu:
-        # each layer's checkpointed input lives in pinned host memory between the forward and the backward
+        # each block's checkpointed input lives in pinned host memory between the forward and the backward
         # (on CPU host and device memory are one: nothing moves)
         inputs = x.b * x.n_act * s.model.hidden * em
-        host += s.layers * inputs
+        host += s.layers // blocks * inputs
         per_layer -= inputs
     if c.pp > 1:
         info = pipeline_info(c.pipeline_schedule, c.pp, s.steps, s.schedule)
@@ -660,7 +661,7 @@ def memory(
         # the switch's weight gradients of the chunk it ran (fp32), beside the accumulator they are added to
         grads += (s.layers // info.virtual_stages) * layer_grad
     else:
-        activations = s.layers * per_layer
+        activations = s.layers // blocks * per_layer
     # one layer's backward: its residuals formed again as the backward walks it, the stream in the activation
     # dtype (what the deviceless compiles of Llama-3-8B under remat full show; the saved stack keeps fp32)
     layer = saved_per_layer(w, s, "none", c.mlp_tile)
@@ -673,6 +674,7 @@ def memory(
     elif not cpu and w.moe is None:
         layer += (UNTILED_MLP_GPU - 6) * x.b * x.n * x.ffn * em  # of the 6 arrays _mlp_saved counts
     working = LAYER_WORKING_SHARE[remat] * layer + _attention_working(s)
+    working += (blocks - 1) * x.b * x.n_act * s.model.hidden * em  # a block's other layers' inputs, recomputed
     if c.mlp_tile is not None and c.mlp_tile < x.n:
         copies = TILED_COPIES_GONE_RECOMPUTED if s.method.recomputes_forward else TILED_COPIES_GONE
         working -= copies * x.b * x.n_act * s.model.hidden * em
@@ -736,6 +738,8 @@ def compute_flops(w: Workload, c: Candidate, remat: str, s: Shapes) -> tuple[flo
     extra = 0.0
     if remat == "full" or s.method.recomputes_forward:
         extra += layers / 3
+        if remat == "full" and c.remat_layers > 1:  # a block's backward runs each layer's forward once more
+            extra += layers / 3
     elif remat == "selective":
         extra += computed / 3
     if s.core.extra_attention:

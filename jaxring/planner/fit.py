@@ -73,6 +73,7 @@ def candidate_of(spec: RunSpec) -> Candidate:
         pipeline_schedule=p.pipeline_schedule,
         microbatches=steps if p.pp > 1 else None,
         remat=m.remat,
+        remat_layers=m.remat_layers,
         loss_tile=m.loss_tile,
         mlp_tile=m.mlp_tile,
         offload=m.offload,

@@ -43,7 +43,7 @@ from jaxring.planner.space import Candidate, Workload
 if TYPE_CHECKING:
     from jaxring.parallel.plan import ParallelPlan
 
-MEMORY_SETTINGS = ("loss_tile", "mlp_tile", "offload")
+MEMORY_SETTINGS = ("loss_tile", "mlp_tile", "offload", "remat_layers")
 
 
 class NoPlanError(ValueError):
@@ -333,7 +333,7 @@ def evaluate(
     local = cache.locality(c, plan, [t.axes for t in transfers])
     mem = cost.memory(w, c, leaves, cpu=cluster.cpu, s=shapes)
     time = cost.step_time(w, c, transfers, cluster, local, leaves, s=shapes)
-    return Evaluated(c, w, mem, time, transfers, mem.total <= cluster.usable_memory)
+    return Evaluated(c, w, mem, time, transfers, mem.total <= cluster.usable_memory and mem.host <= cluster.host_memory)
 
 
 def _pipeline_rule(c: Candidate, w: Workload):
@@ -387,7 +387,13 @@ def _rule_key(message: str) -> str:
 
 # When no plan fits as it is, the search tries again with the memory techniques, cumulative, cheapest first:
 # the loss and MLP tiles, then the layer inputs in host memory (remat full, pp = 1), then the optimizer state too.
-MEMORY_LEVELS = ("tiles", "tiles+layer_inputs", "tiles+layer_inputs+optimizer", "tiles+layer_inputs+weights")
+MEMORY_LEVELS = (
+    "tiles",
+    "tiles+layer_inputs",
+    "tiles+layer_inputs+optimizer",
+    "tiles+layer_inputs+weights",
+    "tiles+layer_inputs+weights+blocks",  # recompute blocks of 2 layers: half the layer inputs kept
+)
 TILE_ROWS = (4096, 2048, 1024, 512, 256, 128, 64)
 
 
@@ -395,7 +401,8 @@ def with_memory_techniques(c: Candidate, w: Workload, level: str) -> Candidate:
     """`c` with the memory techniques of `level` (one of MEMORY_LEVELS): tiles of the largest of TILE_ROWS
     that divides the rows on a device (untiled when none does), the layer inputs offloaded where remat is
     full and pp = 1, the optimizer state offloaded wherever asked, the weights (with it) where pp = 1 and the
-    ZeRO stage is 0 or 3 (or nothing is replicated), else the optimizer state alone."""
+    ZeRO stage is 0 or 3 (or nothing is replicated), else the optimizer state alone; "blocks": recompute
+    blocks of 2 layers under remat full (`--remat-layers 2`: half the layer inputs kept)."""
     rows = w.seq_len // max(1, c.sp * c.tp) if w.seq_len else 0
     tile = next((t for t in TILE_ROWS if t < rows and rows % t == 0), None)
     parts = set(level.split("+")) - {"tiles"}
@@ -406,9 +413,12 @@ def with_memory_techniques(c: Candidate, w: Workload, level: str) -> Candidate:
         parts = parts - {"weights"} | {"optimizer"}
     if "weights" in parts:
         parts.discard("optimizer")
+    blocks = 2 if "blocks" in parts and c.remat == "full" and w.config.num_layers % (2 * c.pp) == 0 else 1
     offload = "+".join(p for p in OFFLOAD_PARTS if p in parts) or "none"
     vocab = getattr(w.config, "vocab_size", None)
-    return dataclasses.replace(c, loss_tile=tile if vocab else None, mlp_tile=tile, offload=offload)
+    return dataclasses.replace(
+        c, loss_tile=tile if vocab else None, mlp_tile=tile, offload=offload, remat_layers=blocks
+    )
 
 
 def search(w: Workload, cluster: Cluster, *, only: dict | None = None, keep: int | None = None) -> Result:
@@ -529,8 +539,16 @@ def _tightest(
 ) -> str:
     """One line: why nothing fits, naming the constraint closest to being met."""
     where = f"{w.describe()} on {cluster.devices} × {cluster.device.name}"
+    if over and all(ev.memory.total <= cluster.usable_memory for ev in over):  # the host is what binds
+        least = min(over, key=lambda ev: ev.memory.host)
+        return (
+            f"no plan fits in host memory for {where}: the least any valid plan keeps there is "
+            f"{least.memory.host / 2**30:.1f} GiB per device ({least.candidate.describe()}), above the "
+            f"{cluster.host_memory / 2**30:.1f} GiB per device the host has (a larger host, more devices or a "
+            f"shorter sequence)"
+        )
     if over:
-        least = min(over, key=lambda ev: ev.memory.total)
+        least = min((ev for ev in over if ev.memory.total > cluster.usable_memory), key=lambda ev: ev.memory.total)
         parts = least.memory.as_dict()
         biggest = max(("params", "optimizer", "gradients", "activations", "working", "head"), key=lambda k: parts[k])
         return (

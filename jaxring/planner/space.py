@@ -147,6 +147,7 @@ class Candidate:
     pipeline_schedule: str = "1f1b"
     microbatches: int | None = None
     remat: str = "none"
+    remat_layers: int = 1  # layers per recompute block (remat full)
     loss_tile: int | None = None  # the run spec's memory settings (tokens per tile of the loss, of the MLP)
     mlp_tile: int | None = None
     offload: str = "none"
@@ -242,6 +243,7 @@ class Candidate:
         out = {**self.mesh_degrees(), "fsdp": 1, "attention": self.attention if self.sp > 1 else None}
         out.update(layout=self.layout, tensor_parallel=self.tensor_parallel, zero=self.zero, remat=self.remat)
         out.update(loss_tile=self.loss_tile, mlp_tile=self.mlp_tile, offload=self.offload)
+        out.update(remat_layers=self.remat_layers)
         if self.pp > 1:
             out.update(pipeline_schedule=self.pipeline_schedule, microbatches=self.microbatches)
         out.update(self._live_options())
@@ -278,6 +280,8 @@ class Candidate:
             parts.append(self.pipeline_schedule + opts(entries[2], f"m={self.microbatches}"))
         if self.remat != "none":
             parts.append(f"remat={self.remat}")
+        if self.remat_layers > 1:
+            parts.append(f"remat_layers={self.remat_layers}")
         parts += [f"{n}={v}" for n, v in (("loss_tile", self.loss_tile), ("mlp_tile", self.mlp_tile)) if v]
         if self.offload != "none":
             parts.append(f"offload={self.offload}")
@@ -286,7 +290,18 @@ class Candidate:
 
 
 # settings train.py need not be told: the run specification's defaults (degrees of 1; no flag for fsdp)
-_FLAG_DEFAULTS = {"dp": 1, "pp": 1, "tp": 1, "sp": 1, "ep": 1, "fsdp": 1, "zero": 0, "remat": "none", "offload": "none"}
+_FLAG_DEFAULTS = {
+    "dp": 1,
+    "pp": 1,
+    "tp": 1,
+    "sp": 1,
+    "ep": 1,
+    "fsdp": 1,
+    "zero": 0,
+    "remat": "none",
+    "offload": "none",
+    "remat_layers": 1,
+}
 
 
 class _StandIn:

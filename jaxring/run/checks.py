@@ -117,6 +117,11 @@ def _check_memory(spec: RunSpec) -> None:
             f"--offload {m.offload} keeps each layer's input in host memory and recomputes the rest: "
             f"it needs --remat full (got --remat {m.remat})"
         )
+    if m.remat_layers > 1 and m.remat != "full":
+        raise ValueError(
+            f"--remat-layers {m.remat_layers} recomputes blocks of layers from their inputs: it needs --remat full "
+            f"(got --remat {m.remat})"
+        )
     pp = spec.parallel.degrees()["pp"]
     if pp > 1 and offloaded(m.offload) - {"optimizer"}:
         raise ValueError(OFFLOAD_WITH_PP.format(offload=m.offload, pp=pp))

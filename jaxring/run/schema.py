@@ -163,6 +163,13 @@ class MemorySettings:
         "cores, activations, norms); full (keeps each layer's input only)",
         choices=REMAT,
     )
+    remat_layers: int = setting(
+        1,
+        "with --remat full, layers per recompute block (Megatron's --recompute-num-layers, uniform): a block "
+        "keeps, or with --offload layer_inputs offloads, one input for its K layers, and its backward "
+        "recomputes their forward keeping each layer's input on the device (one more forward a layer)",
+        rule="int>=1",
+    )
     loss_tile: int | None = setting(
         None, "tokens per tile of the LM head's loss (logits never whole; default: untiled)", rule="int>=1"
     )

@@ -234,10 +234,14 @@ def _describe(spec: RunSpec, trainer: Trainer, say: Callable[..., object], estim
     layout = f", layout={p.layout}" if p.layout and p.sp > 1 else ""
     memory = f" | estimated memory {estimate / 2**30:.2f} GiB per device" if estimate else ""
     m = spec.memory
-    kept = f"remat {m.remat}" + "".join(
-        f", {name} {value}"
-        for name, value in (("loss tile", m.loss_tile), ("mlp tile", m.mlp_tile), ("offload", m.offload))
-        if value not in (None, "none")
+    kept = (
+        f"remat {m.remat}"
+        + (f" in blocks of {m.remat_layers} layers" if m.remat_layers > 1 else "")
+        + "".join(
+            f", {name} {value}"
+            for name, value in (("loss tile", m.loss_tile), ("mlp tile", m.mlp_tile), ("offload", m.offload))
+            if value not in (None, "none")
+        )
     )
     say(
         f"{spec.model.model} {spec.model.init_from or spec.model.preset}: {n_params / 1e6:.2f}M params | plan: {trainer.plan.describe()}"

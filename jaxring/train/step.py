@@ -96,10 +96,11 @@ class TrainStep:
         clip: float | None = 1.0,
         stack: str = "blocks",
         layer_graphdef: nnx.GraphDef | None = None,
+        remat_layers: int = 1,
     ):
         self.plan, self.graphdef, self.placements, self.tx, self.task = plan, graphdef, placements, tx, task
         self.dtype, self.remat, self.grad_accum, self.clip, self.stack = dtype, remat, grad_accum, clip, stack
-        self.layer_graphdef, self.offload = layer_graphdef, offload
+        self.layer_graphdef, self.offload, self.remat_layers = layer_graphdef, offload, remat_layers
         # the optimizer state in pinned host memory between updates: moved in for the update, out after it
         self.offload_optimizer = "optimizer" in offloaded(offload)
         # the weights, their gradients and the optimizer state in pinned host memory: each layer's weights
@@ -171,6 +172,7 @@ class TrainStep:
             stage,
             self.remat,
             self.offload,
+            self.remat_layers,
         )
         carry = task.embed(model, inputs, plan, self.dtype)
         carry = layers(carry, lambda block, carry: task.layer(block, carry, inputs, plan))
@@ -207,7 +209,14 @@ class TrainStep:
 
         def stage_fn(chunk: Any, carry: Any, mb: Any):
             layers = Layers(
-                self.layer_graphdef, chunk, None, self.placements[self.stack], stage, self.remat, self.offload
+                self.layer_graphdef,
+                chunk,
+                None,
+                self.placements[self.stack],
+                stage,
+                self.remat,
+                self.offload,
+                self.remat_layers,
             )
             return layers(carry, lambda block, carry: task.layer(block, carry, mb, plan))
 
@@ -375,6 +384,7 @@ def value_and_grad(
     remat: str = "none",
     offload: str = "none",
     grad_accum: int = 1,
+    remat_layers: int = 1,
 ) -> tuple[jax.Array, dict]:
     """(loss, grads) of `objective` for an nnx `model` on `plan`, through the train step's own path (one
     shard_map, the plan's ZeRO stage): loss fp32 scalar, grads a nested dict like `nnx.to_pure_dict`.
@@ -391,6 +401,7 @@ def value_and_grad(
         remat=remat,
         offload=offload,
         grad_accum=grad_accum,
+        remat_layers=remat_layers,
         stack=model.STACK,
         layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
     )

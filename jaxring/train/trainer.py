@@ -68,6 +68,7 @@ class Trainer:
             self.task.objective,
             dtype=self.dtype,
             remat=spec.memory.remat,
+            remat_layers=spec.memory.remat_layers,
             offload=spec.memory.offload,
             grad_accum=spec.training.grad_accum,
             clip=spec.optimizer.clip,
