@@ -201,5 +201,27 @@ def test_recompute_blocks_give_the_same_loss_and_gradients(name, offload):
 def test_recompute_blocks_need_full_remat_and_a_divisor_of_the_layers():
     with pytest.raises(ValueError, match=r"--remat-layers 2 recomputes blocks .* needs --remat full"):
         RunSpec.of(remat="selective", remat_layers=2).validate()
-    with pytest.raises(ValueError, match=r"--remat-layers 3 .* a divisor of the 2 layers"):
+    with pytest.raises(ValueError, match=r"--remat-layers 3 must divide the 2 layers a stack scans \(e.g. 2\)"):
         _loss_and_grads(dict(devices=1, remat="full", remat_layers=3))
+
+
+@pytest.mark.slow  # a deviceless compile, about 15 s; skips without the compile-only CUDA plugin
+@pytest.mark.skipif(not gpu.available()[0], reason="deviceless GPU compile unavailable (see jaxring/analysis/gpu.py)")
+def test_llama3_8b_at_655360_tokens_fits_one_h100(capsys):
+    """Issue 35's command: the planner turns to the weights in host memory and recompute blocks of 2 layers;
+    the program compiled for one H100 fits its device (estimate within 10%) and the host's 256 GiB."""
+    import re
+
+    import train as cli
+
+    args = ["--preset", "llama3-8b", "--seq-len", "655360", "--batch-size", "1", "--plan", "auto"]
+    assert cli.main([*args, "--compile-for", "h100x1"]) == 0
+    verdict = capsys.readouterr().out.strip().splitlines()[-1]
+    numbers = re.match(
+        r"fits: compiled ([\d.]+) GiB per device, estimate ([\d.]+) GiB, budget 67.1 GiB; host memory ([\d.]+) GiB "
+        r"per device, estimate [\d.]+ GiB, budget 256.0 GiB",
+        verdict,
+    )
+    assert numbers, verdict
+    compiled, estimate, host = map(float, numbers.groups())
+    assert compiled <= 67.1 and abs(estimate / compiled - 1) <= 0.1 and host <= 256, verdict

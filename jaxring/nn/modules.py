@@ -349,10 +349,11 @@ def offloaded(offload: str) -> frozenset[str]:
     return parts | {"optimizer"} if "weights" in parts else parts
 
 
-REMAT_LAYERS_RULE = (
-    "--remat-layers {k} recomputes blocks of {k} layers from their inputs: it needs --remat full (got --remat "
-    "{remat}) and a divisor of the {layers} layers a stack scans"
-)
+REMAT_LAYERS_RULE = {
+    "remat": "--remat-layers {k} recomputes blocks of {k} layers from their inputs: it needs --remat full (got "
+    "--remat {remat})",
+    "layers": "--remat-layers {k} must divide the {layers} layers a stack scans (e.g. {divisor})",
+}
 
 
 def remat_policy(remat: str, zero_stage: int = 0, offload: str = "none") -> Callable[..., bool]:
@@ -440,8 +441,11 @@ class Layers:
             xs = jnp.arange(num_layers)
         k = self.remat_layers
         if k > 1:
-            if self.remat != "full" or num_layers % k:
-                raise ValueError(REMAT_LAYERS_RULE.format(k=k, remat=self.remat, layers=num_layers))
+            if self.remat != "full":
+                raise ValueError(REMAT_LAYERS_RULE["remat"].format(k=k, remat=self.remat))
+            if num_layers % k:
+                divisor = max(d for d in range(1, k) if num_layers % d == 0)
+                raise ValueError(REMAT_LAYERS_RULE["layers"].format(k=k, layers=num_layers, divisor=divisor))
             one = jax.checkpoint(body, policy=remat_policy("full", self.stage), prevent_cse=False)
 
             def body(carry: Any, block: Any) -> tuple[Any, None]:  # k layers, each keeping its input alone
