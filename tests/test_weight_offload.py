@@ -56,19 +56,31 @@ def _two_updates(settings: dict, offload: str):
     return jax.tree.map(np.asarray, (params, opt_state, metrics)), kinds
 
 
-@pytest.mark.parametrize("name", ["one device", "ring sp8, zero 3"])
+UPDATE_CASES = {
+    "one device": CASES["one device"],
+    "ring sp8, zero 3": CASES["ring sp8, zero 3"],
+    # the tensor methods whose head is split over tp and whose final norm is not (typed apart in the update)
+    "megatron tp2 x ring sp4, zero 3": PLANS["megatron tp2 x ring sp4"] | dict(zero=3),
+    "optimus tp4 x dp2, zero 3": PLANS["optimus tp4 dp2"] | dict(zero=3),
+}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("optimus") else n for n in UPDATE_CASES]
+)
 def test_the_same_updates_with_the_state_in_host_memory(name):
-    """Two AdamW steps (clipped at norm 0.5) give the same weights, moments, count and metrics (1e-6 of the
-    largest entry), and every array of the state stays in pinned host memory."""
-    want, kinds = _two_updates(CASES[name], "none")
+    """Two AdamW steps (clipped at norm 0.5) give the same weights, moments, count and metrics (fp32, relative
+    2-norm 1e-6), and every array of the state stays in pinned host memory."""
+    want, kinds = _two_updates(UPDATE_CASES[name], "none")
     assert kinds == {"device"}, kinds
-    got, kinds = _two_updates(CASES[name], "weights")
+    got, kinds = _two_updates(UPDATE_CASES[name], "weights")
     assert kinds == {"pinned_host"}, kinds
 
-    def close(path, a, b):
+    def close(path, a, b):  # relative in the 2-norm, as the gradients (Megatron's reduce-scatter sums in another
+        # order: 2.1e-6 of the largest entry in the max norm after two steps); a wrong update is off by O(lr)
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        scale = max(np.abs(b).max(), 1e-30)
-        assert np.abs(a - b).max() <= 1e-6 * scale, (jax.tree_util.keystr(path), np.abs(a - b).max() / scale)
+        error = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+        assert error <= 1e-6, (jax.tree_util.keystr(path), error)
 
     jax.tree_util.tree_map_with_path(close, got, want)
 

@@ -113,9 +113,11 @@ def streamed_update(
     stored = (pick(p_leaves, at_p[STACKED]), pick(s_leaves, at_s[STACKED]))
     stack_p, stack_s = lax.fori_loop(0, layers, layer, stored)
     top = (pick(p_leaves, at_p[WHOLE]), pick(g_leaves, at_p[WHOLE]), pick(s_leaves, at_s[WHOLE]))
-    # a barrier: the step's forward moved these weights to the device already, and XLA would keep that copy
-    # (the embedding's and the head's, 4 GiB for Llama-3-8B) through the layers' backward for this update
-    top = lax.optimization_barrier(top)
+    # a barrier per weight and its gradient: the step's forward moved these weights to the device already, and
+    # XLA would keep that copy (the embedding's and the head's, 4 GiB for Llama-3-8B) through the layers'
+    # backward for this update (one barrier for all would type every output as varying where any input does)
+    top_p, top_g = zip(*(lax.optimization_barrier(pair) for pair in zip(top[0], top[1]))) if top[0] else ((), ())
+    top = (list(top_p), list(top_g), top[2])
     top_p, top_s = _host(update(WHOLE, *_device(top)))
 
     new_p, new_s = list(p_leaves), list(s_leaves)
