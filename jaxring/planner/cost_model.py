@@ -552,9 +552,9 @@ LAYER_WORKING_SHARE = {"none": 0.75, "selective": 0.75, "full": 0.75}
 # deviceless H100 compiles of Llama-3-8B with the loss and MLP tiled (4096) and the layer inputs offloaded:
 # one GPU with the weights offloaded, 655,360 tokens, 70.3 -> 44.9 GiB (5.1 arrays); ring sp8 at 2,818,048,
 # 65.5 -> 53.8 GiB (4.4); Ulysses sp8 at 4,325,376, 66.5 -> 48.6 GiB (4.4); METP tp8 at 4,194,304, 61.6 ->
-# 54.0 GiB (a smaller unit for its recomputed stream: 2 fits its compiles at 4.2M to 6.0M tokens within 7%)
+# 54.0 GiB (its recomputed stream: 2.5 fits its compiles at 4.2M to 7.3M tokens within 8%)
 TILED_COPIES_GONE = 5
-TILED_COPIES_GONE_RECOMPUTED = 2
+TILED_COPIES_GONE_RECOMPUTED = 2.5
 
 # A pipeline tick holds, beside the residual slots (`peak_in_flight` micro-batch-chunks, the interpreter's
 # buffer), two more chunks' residuals: the slot it reads, sliced out of the buffer before the stage's switch
