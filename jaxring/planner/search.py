@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from jaxring.nn import OFFLOAD_PARTS, REMAT
+from jaxring.nn import OFFLOAD_PARTS, REMAT, offloaded
 from jaxring.parallel.catalog import (
     all_options,
     pipeline_schedule,
@@ -39,6 +39,7 @@ from jaxring.planner import cost_model as cost
 from jaxring.planner.cluster import Cluster
 from jaxring.planner.params import param_leaves
 from jaxring.planner.space import Candidate, Workload
+from jaxring.run.checks import OFFLOAD_WITH_PP, WEIGHTS_OFFLOAD_RULES
 
 if TYPE_CHECKING:
     from jaxring.parallel.plan import ParallelPlan
@@ -336,6 +337,20 @@ def evaluate(
     return Evaluated(c, w, mem, time, transfers, mem.total <= cluster.usable_memory and mem.host <= cluster.host_memory)
 
 
+def _weights_offload_rule(c: Candidate, w: Workload) -> str | None:
+    """The train step's refusal of a held --offload with the weights (`WEIGHTS_OFFLOAD_RULES`, pp > 1), or None."""
+    if "weights" not in offloaded(c.offload):
+        return None
+    if c.pp > 1:
+        return OFFLOAD_WITH_PP.format(offload=c.offload, pp=c.pp)
+    if c.steps(w) > 1:
+        return WEIGHTS_OFFLOAD_RULES["grad_accum"].format(offload=c.offload, grad_accum=c.steps(w))
+    replicas = [a for a, n in (("dp", c.dp), ("sp", c.sp), ("ep", c.ep)) if n > 1]
+    if replicas and c.zero in (1, 2):
+        return WEIGHTS_OFFLOAD_RULES["zero"].format(offload=c.offload, zero=c.zero, axes=", ".join(replicas))
+    return None
+
+
 def _pipeline_rule(c: Candidate, w: Workload):
     """A key for the pipeline rules ParallelPlan enforces (fewer micro-batches than stages, ZeRO-2 with pp, the
     schedule's own check of its micro-batches), so the search asks the library once per rule."""
@@ -489,6 +504,10 @@ def _search(w: Workload, cluster: Cluster, only: dict, memory: dict, level: str 
         ):
             continue
         considered += 1
+        refused = _weights_offload_rule(c, w)
+        if refused is not None:
+            reject(c, ValueError(refused))
+            continue
         quick = _pipeline_rule(c, w)
         if quick is not None and quick in seen_rules:  # the library's pipeline rules, known to fail
             rejected[seen_rules[quick]].count += 1
