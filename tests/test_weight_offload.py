@@ -5,6 +5,8 @@ step (fp32, 1e-6), on one device and under ZeRO 0 and 3 with sequence and tensor
 in host memory and resumes bit-exactly; what it does not compose with is one line; compiled for one H100 the
 weights are host arguments and the device keeps none of the stack."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,11 @@ from test_memory_techniques import BATCH, CFG, PLANS, SEQ, _assert_same, _batch,
 
 import jaxring
 from jaxring.analysis import gpu
+from jaxring.aot.train_step import compile_train_step
 from jaxring.models import gpt
+from jaxring.planner.cluster import Cluster
+from jaxring.planner.fit import workload_of
+from jaxring.planner.search import search
 from jaxring.run.spec import RunSpec
 from jaxring.train.loop import train
 
@@ -164,8 +170,6 @@ def test_compiled_for_one_h100_the_weights_are_host_arguments():
     """The compiled step of an 8-layer GPT on one H100: weights and moments are host arguments (4Ψ fp32 less the
     gradients, which are host temporaries), and the device holds less than one tenth of the stack's weights
     beside the run with them on the device."""
-    from jaxring.aot.train_step import compile_train_step
-
     cfg = gpt.GPTConfig(vocab_size=256, num_layers=8, hidden=512, num_heads=4, ffn=2048)
     plan = jaxring.make_plan(gpu.gpu_devices("h100", 1))
     kw = dict(batch=1, seq_len=256, remat="full")
@@ -184,10 +188,6 @@ def test_compiled_for_one_h100_the_weights_are_host_arguments():
 def test_the_planner_turns_to_weight_offload_on_one_h100():
     """Llama-3-8B at 524,288 tokens on one H100: nothing fits until the weights leave the device; the planner's
     plan offloads them with the layer inputs, and prices the host link in the step time."""
-    from jaxring.planner.cluster import Cluster
-    from jaxring.planner.fit import workload_of
-    from jaxring.planner.search import search
-
     w = workload_of(RunSpec.of(preset="llama3-8b", seq_len=524288, batch_size=1))
     best = search(w, Cluster.of("h100", 1)).best
     assert (best.candidate.offload, best.candidate.remat) == ("layer_inputs+weights", "full")
@@ -222,9 +222,7 @@ def test_recompute_blocks_need_full_remat_and_a_divisor_of_the_layers():
 def test_llama3_8b_at_655360_tokens_fits_one_h100(capsys):
     """Issue 35's command: the planner turns to the weights in host memory and recompute blocks of 2 layers;
     the program compiled for one H100 fits its device (estimate within 10%) and the host's 256 GiB."""
-    import re
-
-    import train as cli
+    import train as cli  # the repository's train.py, here: its name would shadow jaxring.train.loop's train above
 
     args = ["--preset", "llama3-8b", "--seq-len", "655360", "--batch-size", "1", "--plan", "auto"]
     assert cli.main([*args, "--compile-for", "h100x1"]) == 0
