@@ -136,6 +136,7 @@ FAMILY = ModelFamily(
         conditioning=("adaLN", "t_embed", "y_embed"),
         boundary_rows=1,
         rotary_fp32=False,
+        tiled_block=False,  # its blocks tile the MLP only
         batch_bytes=lambda config, rows, tokens: rows * (config.image_size**2 * config.channels * 4 + 4),
     ),
 )

@@ -25,6 +25,7 @@ from jaxring.kernels.layer_math import ACTIVATIONS
 from jaxring.kernels.rope import ROPE_SCALINGS, Rope
 from jaxring.nn import MLP, NORMS, Attention, Embed, Layers, MoE, stack, token_cross_entropy
 from jaxring.nn.moe import MoEConfig, moe_ffn
+from jaxring.nn.tiled_block import runs_tiled, tiled_block
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.run.task import Objective
 
@@ -335,7 +336,11 @@ class Block(nnx.Module):
 
     def __call__(self, x, positions, plan: ParallelPlan, segment_ids=None):
         """x -> x (dense MLP), or -> (x, MoE statistics) (mixture of experts). positions: RoPE positions
-        (each packed document's restart at 0); segment_ids: each token's document, or None (see Attention)."""
+        (each packed document's restart at 0); segment_ids: each token's document, or None (see Attention).
+        With --mlp-tile and per-token projections the whole block but attention's core runs in tiles
+        (`jaxring.nn.tiled_block`)."""
+        if runs_tiled(plan, x, not isinstance(self.mlp, MoE)):
+            return tiled_block(x, positions, plan, self.ln1, self.attn, self.ln2, self.mlp, segment_ids)
         x = x + self.attn(self.ln1(x, plan), positions, plan, segment_ids)
         if not isinstance(self.mlp, MoE):
             return x + self.mlp(self.ln2(x, plan), plan)

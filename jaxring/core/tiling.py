@@ -79,7 +79,7 @@ def _tiled_fwd(fn: Callable[..., Any], parts: tuple[jax.Array, ...], consts: tup
 
 def _tiled_bwd(fn: Callable[..., Any], residuals: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]], g: Any):
     """Per tile: its forward again and its VJP; d(consts) summed over the tiles (the first tile's seeds the
-    sum, so it has the type the VJP gives), d(parts) written in place into one stacked buffer per part. The
+    sum, so it has the type the VJP gives; the sum is fp32, cast back at the end), d(parts) written in place into one stacked buffer per part. The
     tiles are read where they lie (a dynamic index of the stacked inputs and cotangents): no copy of the
     tiles after the first, nor of the stacked gradients, beside them."""
     parts, consts = residuals
@@ -108,9 +108,11 @@ def _tiled_bwd(fn: Callable[..., Any], residuals: tuple[tuple[jax.Array, ...], t
         acc, out = carry
         d_parts, d_c = tile_vjp(i)
         out = jax.tree.map(lambda o, d: lax.dynamic_update_index_in_dim(o, d, i, 0), out, d_parts)
-        return jax.tree.map(jnp.add, acc, d_c), out
+        return jax.tree.map(lambda a, d: a + _fp32(d), acc, d_c), out
 
-    d_consts, d_diff = lax.fori_loop(1, tiles, step, (d_consts, jax.tree.map(stacked, d_first)))
+    sums = jax.tree.map(_fp32, d_consts)
+    sums, d_diff = lax.fori_loop(1, tiles, step, (sums, jax.tree.map(stacked, d_first)))
+    d_consts = jax.tree.map(lambda total, d: total.astype(d.dtype) if _differentiable(d) else total, sums, d_consts)
     d_parts = [None] * len(parts)
     for k, d in zip(diff, d_diff, strict=True):
         d_parts[k] = d
@@ -118,3 +120,9 @@ def _tiled_bwd(fn: Callable[..., Any], residuals: tuple[tuple[jax.Array, ...], t
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+def _fp32(d: jax.Array) -> jax.Array:
+    """A weight gradient as the tiles' sum accumulates it: in fp32 (a bf16 weight's tiles are not rounded to
+    bf16 at every addition); an integer const's float0 cotangent as it is."""
+    return d.astype(jnp.float32) if _differentiable(d) else d

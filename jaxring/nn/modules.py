@@ -147,10 +147,13 @@ class Attention(nnx.Module):
             x,
             self.weights(x.dtype),
             positions,
-            AttentionLayer(
-                self.num_heads, self.num_kv_heads, self.head_dim, self.causal, self.rope, self.window, self.norm_eps
-            ),
+            self.layer(),
             segment_ids,
+        )
+
+    def layer(self) -> AttentionLayer:
+        return AttentionLayer(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.causal, self.rope, self.window, self.norm_eps
         )
 
     def kv(self, x: jax.Array, positions: jax.Array, plan: ParallelPlan) -> tuple[jax.Array, jax.Array]:

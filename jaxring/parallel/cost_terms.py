@@ -108,6 +108,8 @@ class WorkloadTerms:
                                   conditioning path on per-sequence vectors: "adaLN", "t_embed", "y_embed")
     boundary_rows                 per-sequence [hidden] rows that cross a pipeline stage with the residual stream
     rotary_fp32                   a layer keeps fp32 rotary halves of q and k (else in the activation dtype)
+    tiled_block                   with --mlp-tile the whole block but attention's core runs in tiles where the
+                                  tensor method allows (`jaxring.nn.tiled_block`: a GPT's blocks)
     batch_bytes                   (config, rows, tokens per device) -> bytes of one device's stored batch
                                   (default: tokens, targets and positions, int32; packed documents add their
                                   segment ids and loss mask)
@@ -118,6 +120,7 @@ class WorkloadTerms:
     conditioning: tuple[str, ...] = ()
     boundary_rows: int = 0
     rotary_fp32: bool = True
+    tiled_block: bool = True
     batch_bytes: Callable | None = None
 
     def stored_batch(self, config: object, rows: int, tokens: int, documents: bool = False) -> float:

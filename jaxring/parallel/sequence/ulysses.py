@@ -24,38 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxring.kernels.block_compute import local_attention
+from jaxring.kernels.block_compute import get_block_ops, local_attention
 from jaxring.kernels.blockwise import BlockOps
 from jaxring.kernels.layout import gathered_positions, natural_order
 from jaxring.kernels.masking import check_qkv
 from jaxring.kernels.window_work import layout_window_share
 from jaxring.parallel.cost_terms import F32, AttentionCost, AttentionShape, Transfer, segment_once
-from jaxring.parallel.registry import SequenceStrategy
-
-
-def check_heads_split(q_heads: int, degree: int, what: str = "sp") -> None:
-    if q_heads % degree:
-        raise ValueError(
-            f"query heads {q_heads} are not divisible by the Ulysses degree {what} = {degree}: "
-            f"each device takes query heads / {what} of them"
-        )
-
-
-def repeat_kv_for_split(k: jax.Array, degree: int) -> jax.Array:
-    """Repeats each K/V head so the head count becomes lcm(kv_heads, degree) (unchanged when divisible)."""
-    kv_heads = k.shape[2]
-    factor = math.lcm(kv_heads, degree) // kv_heads
-    return k if factor == 1 else jnp.repeat(k, factor, axis=2)
-
-
-def seq_to_heads(x: jax.Array, axis_name: str | tuple[str, ...]) -> jax.Array:
-    """[b, n, h, d] sequence shard -> [b, n*P, h/P, d] head shard (one all-to-all)."""
-    return lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
-
-
-def heads_to_seq(x: jax.Array, axis_name: str | tuple[str, ...]) -> jax.Array:
-    """Inverse of `seq_to_heads`."""
-    return lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
+from jaxring.parallel.registry import Option, SequenceStrategy
+from jaxring.parallel.sequence.head_exchange import check_heads_split, heads_to_seq, repeat_kv_for_split, seq_to_heads
+from jaxring.parallel.sequence.ulysses_chunked import check_chunk_count, check_head_chunks, chunked_ulysses_core
 
 
 def ulysses_attention(
@@ -70,18 +47,39 @@ def ulysses_attention(
     sm_scale: float | None = None,
     block_ops: str | BlockOps = "auto",
     window: int | None = None,
+    head_chunks: int = 1,
 ) -> jax.Array:
     """Ulysses attention inside `shard_map`, sequence already in `layout`; shapes as `ring_attention`
-    (window: the sliding window, see `ring_attention`)."""
+    (window: the sliding window, see `ring_attention`). head_chunks > 1: the attention runs a chunk of each
+    device's heads at a time (UPipe, `ulysses_chunked.py`), with the per-block compute of `block_ops`."""
     check_qkv(q, k, v)
     p = lax.axis_size(axis_name)
     check_heads_split(q.shape[2], p)
     n = q.shape[1]
-    k, v = repeat_kv_for_split(k, p), repeat_kv_for_split(v, p)
     positions = gathered_positions(layout, 0, p, p, n)  # every rank's tokens, in rank order
     seg = None if segment_ids is None else lax.all_gather(segment_ids, axis_name, axis=1, tiled=True)
-    q, k, v = (seq_to_heads(x, axis_name) for x in (q, k, v))
     order = None if window is None else natural_order(layout, n * p, p)
+    if head_chunks > 1:
+        check_head_chunks(head_chunks, q.shape[2], k.shape[2], p)
+        if order is not None:  # the window's band: the gathered sequence in natural order
+            seg = None if seg is None else seg[:, order]
+            positions = jnp.arange(n * p, dtype=jnp.int32)
+        return chunked_ulysses_core(
+            q,
+            k,
+            v,
+            seg,
+            positions,
+            axis_name=axis_name,
+            chunks=head_chunks,
+            ops=get_block_ops(block_ops),
+            causal=causal,
+            sm_scale=q.shape[-1] ** -0.5 if sm_scale is None else sm_scale,
+            window=window,
+            order=order,
+        )
+    k, v = repeat_kv_for_split(k, p), repeat_kv_for_split(v, p)
+    q, k, v = (seq_to_heads(x, axis_name) for x in (q, k, v))
     if order is not None:  # the window's keys: one band of tiles
         q, k, v = (x[:, order] for x in (q, k, v))
         seg = None if seg is None else seg[:, order]
@@ -145,8 +143,8 @@ def ulysses_cost(s: AttentionShape, options: dict) -> AttentionCost:
 
 
 def _check_heads(q_heads: int, kv_heads: int, sp: int, options: dict) -> None:
-    del kv_heads, options
     check_heads_split(q_heads, sp)
+    check_head_chunks(options.get("head_chunks", 1), q_heads, kv_heads, sp)
 
 
 STRATEGY = SequenceStrategy(
@@ -156,4 +154,12 @@ STRATEGY = SequenceStrategy(
     default_layout="contiguous",
     check_heads=_check_heads,
     cost=ulysses_cost,
+    options=(
+        Option(
+            "head_chunks",
+            "G: attention runs a 1/G chunk of each device's query heads at a time (UPipe); 1: all at once",
+            check_chunk_count,
+            default=1,
+        ),
+    ),
 )

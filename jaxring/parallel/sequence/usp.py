@@ -27,8 +27,8 @@ from jaxring.kernels.layout import RankTokens
 from jaxring.kernels.masking import check_qkv
 from jaxring.parallel.cost_terms import F32, AttentionCost, AttentionShape, Transfer, segment_once, segment_ring
 from jaxring.parallel.registry import Option, SequenceStrategy
+from jaxring.parallel.sequence.head_exchange import check_heads_split, heads_to_seq, repeat_kv_for_split, seq_to_heads
 from jaxring.parallel.sequence.ring import q_tiles, ring_attention, ring_window_share
-from jaxring.parallel.sequence.ulysses import check_heads_split, heads_to_seq, repeat_kv_for_split, seq_to_heads
 
 USP_AXES = ("usp_ring", "usp_ulysses")
 

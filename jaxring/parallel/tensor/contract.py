@@ -96,6 +96,9 @@ class TensorMethod(HasOptions):
     runs_moe = True  # runs mixture-of-experts FFNs (its experts' FFN split as its MLP)
     whole_hidden = True  # each token's hidden vector is whole on a device (no hidden-dim split of activations)
     decodes = True  # `jaxring.nn.inference` decodes with it (heads over tp as Megatron's, or nothing split)
+    # its attention is `attention_qkv`, `plan.attend`, `attention_out` with no collective in the projections,
+    # so a tiled layer (`jaxring.nn.tiled_layer`) can run them a tile of tokens at a time
+    tiles_projections = True
     axes: tuple[str, ...] = ()  # the mesh axes the method splits tensors over (tp, or a view of it)
 
     # --- mesh view and checks
@@ -188,10 +191,24 @@ class TensorMethod(HasOptions):
         token's document (0: padding), attention stays inside it. The causal mask and a sliding window W (query
         i sees keys i - W < j <= i; None: unlimited) follow the tokens' order in the row (the plan's layout).
         Returns [b, s_act, h]."""
+        q, k, v = self.attention_qkv(plan, x, w, positions, layer)
+        out = plan.attend(q, k, v, causal=layer.causal, window=layer.window, segment_ids=segment_ids)
+        return self.attention_out(plan, out, w)
+
+    def attention_qkv(
+        self, plan: ParallelPlan, x: jax.Array, w: dict, positions: jax.Array, layer: AttentionLayer
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The per-token first half of `attention` (methods with `tiles_projections`): x [b, n, hidden] ->
+        q [b, n, hq, d], k, v [b, n, hkv, d] after the QK-norm and RoPE at positions int [b, n]."""
+        del plan
         q, k, v = (add_bias(x @ w[f"w{n}"], w.get(f"b{n}")) for n in "qkv")
         q, k, v = split_heads(q, k, v, layer.head_dim)
         q, k = qk_norm_rope(q, k, w, positions, layer.rope, eps=layer.norm_eps)
-        out = plan.attend(q, k, v, causal=layer.causal, window=layer.window, segment_ids=segment_ids)
+        return q, k, v
+
+    def attention_out(self, plan: ParallelPlan, out: jax.Array, w: dict) -> jax.Array:
+        """The per-token last half of `attention`: out [b, n, hq, d] -> [b, n, hidden] (wo, bo)."""
+        del plan
         return add_bias(merge_heads(out) @ w["wo"], w.get("bo"))
 
     def mlp(self, plan: ParallelPlan, x: jax.Array, w: dict, *, activation: str) -> jax.Array:

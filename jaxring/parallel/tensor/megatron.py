@@ -57,6 +57,7 @@ class Megatron(TensorMethod):
     """
 
     name = "megatron"
+    tiles_projections = False  # its projections gather or scatter over tp
     axes = ("tp",)
     summary = "Megatron TP+SP: column/row linears, heads over tp, sequence over tp in the norm regions"
 

@@ -66,6 +66,7 @@ class METP(TensorMethod):
     The embedding and LM head stay replicated (the paper distributes only the blocks)."""
 
     name = "metp"
+    tiles_projections = False  # its projections gather or scatter over tp
     runs_moe = False
     decodes = False
     axes = ("tp",)

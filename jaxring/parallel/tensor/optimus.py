@@ -68,6 +68,7 @@ class Optimus(TensorMethod):
     (batch over the data axes and the grid rows, hidden over the columns); weights in q×q blocks."""
 
     name = "optimus"
+    tiles_projections = False  # its projections gather or scatter over tp
     runs_moe = False
     decodes = False
     whole_hidden = False

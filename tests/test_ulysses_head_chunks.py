@@ -1,0 +1,87 @@
+"""Ulysses with attention chunked over heads (UPipe, `jaxring/parallel/sequence/ulysses_chunked.py`): the output
+and every gradient equal `jax.nn.dot_product_attention`'s (an independent oracle) with GQA, packed documents,
+a sliding window and the zig-zag layout, on sp8 and dp2 x sp4; the model's loss and gradients equal plain
+Ulysses'; the chunk rules are one line each."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, qkv
+from test_memory_techniques import _assert_same, _loss_and_grads
+
+import jaxring
+
+
+def _oracle_mask(seq: int, segments: np.ndarray | None, window: int | None) -> jax.Array:
+    i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
+    mask = j <= i
+    if window is not None:
+        mask &= i - j < window
+    mask = np.broadcast_to(mask, (1, 1, seq, seq))
+    if segments is not None:
+        mask = mask & (segments[:, None, :, None] == segments[:, None, None, :]) & (segments[:, None, :, None] > 0)
+    return jnp.asarray(mask)
+
+
+CASES = {
+    # mesh, q heads, kv heads, chunks, documents, window, layout
+    "sp8 gqa 2 chunks": (dict(sp=8), 16, 4, 2, False, None, None),
+    "sp8 4 chunks, one kv head each": (dict(sp=8), 32, 4, 4, False, None, None),
+    "dp2 x sp4 documents": (dict(dp=2, sp=4), 8, 2, 2, True, None, None),
+    "sp8 window zigzag": (dict(sp=8), 16, 8, 2, False, 40, "zigzag"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_output_and_gradients_equal_the_oracle(case):
+    axes, hq, hkv, chunks, documents, window, layout = CASES[case]
+    mesh = jaxring.make_mesh(**axes)
+    batch, seq = 2, 128
+    q, k, v, dout = qkv(3, batch, seq, hq, hkv, 8)
+    segments = np.repeat(np.array([[1, 2, 3, 0], [1, 1, 2, 2]]), seq // 4, axis=1) if documents else None
+    mask = _oracle_mask(seq, segments, window)
+
+    def chunked(q, k, v):
+        kw = dict(segment_ids=None if segments is None else jnp.asarray(segments, jnp.int32), window=window)
+        return jaxring.sharded_attention(
+            q, k, v, mesh=mesh, strategy="ulysses", layout=layout, head_chunks=chunks, **kw
+        )
+
+    def oracle(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, mask=mask)
+
+    # padding rows (segment 0) attend nothing here, and everything in the oracle: neither is compared
+    keep = 1.0 if segments is None else jnp.asarray(segments > 0, jnp.float32)[:, :, None, None]
+
+    def with_grads(fn):
+        out, vjp = jax.vjp(jax.jit(fn), q, k, v)
+        return out * keep, *vjp(dout * keep)
+
+    got, want = with_grads(chunked), with_grads(oracle)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert_close(a, b, 2e-5, f"{case}: {name}")
+
+
+def test_the_model_matches_plain_ulysses_with_zero3():
+    settings = dict(dp=2, sp=4, attention="ulysses", zero=3, remat="full", mlp_tile=4)
+    base = _loss_and_grads(settings, cfg=_CFG)
+    _assert_same(_loss_and_grads(settings | dict(head_chunks=2), cfg=_CFG), base)
+
+
+_CFG = dict(num_heads=8, num_kv_heads=2)
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,chunks,message",
+    [
+        (16, 4, 3, "head_chunks 3 does not divide the 4 K/V heads"),
+        (16, 8, 4, "head_chunks 4 leaves 4 query heads a chunk, not divisible by the Ulysses degree sp = 8"),
+        (16, 8, 0, "head_chunks 0 must be a positive integer"),
+    ],
+)
+def test_chunk_rules_are_one_line(hq, hkv, chunks, message):
+    mesh = jaxring.make_mesh(sp=8)
+    q, k, v, _ = qkv(0, 1, 64, hq, hkv, 8)
+    with pytest.raises(ValueError, match=message):
+        jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="ulysses", head_chunks=chunks)
