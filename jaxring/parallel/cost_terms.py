@@ -247,6 +247,8 @@ class AttentionCost:
     extra_attention attention FLOPs it spends beyond the model's, as a multiple of them (RSA's causal half)
     window_share    the share of its attention FLOPs it still computes under the shape's sliding window (the
                     rings skip steps wholly outside it, the local kernels tiles; default 1: no credit claimed)
+    peak_in_core    a layer's backward peaks inside the core (head-sharded copies of the whole sequence: Ulysses,
+                    USP), where fewer of the per-token arrays a tiled block removes would have been live
     """
 
     transfers: tuple[Transfer, ...] = ()
@@ -259,6 +261,7 @@ class AttentionCost:
     tile_heads: int | None = None
     extra_attention: float = 0.0
     window_share: float = 1.0
+    peak_in_core: bool = False
 
     def kept(self, remat: str) -> float:
         """Bytes kept per layer for the backward under `remat` ("none", "selective", "full")."""

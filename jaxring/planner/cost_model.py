@@ -559,13 +559,14 @@ TILED_COPIES_GONE_RECOMPUTED = 2.5
 # With per-token projections (`TensorMethod.tiles_projections`) and a dense FFN the tiles take the whole block
 # but attention's core (`jaxring.nn.tiled_block`): the normed inputs, the projections' outputs and the
 # attention residual live a tile at a time. What that took off one layer's backward beyond the MLP's tiles,
-# in [b, n, h] arrays of the activation dtype, on the deviceless H100 compiles of Llama-3-8B (tiles of 4096,
-# the rows of benchmarks/results/longest_sequence.json at their longest before it): ring sp8 "all" 2.2 and
-# "all + weights" 2.1; Ulysses sp8 "all" 1.8, "all + weights" 1.1 (at 8,388,608 tokens 1.9); USP "all +
-# weights" 1.0. With recompute blocks (--remat-layers 2) less: Ulysses 0.8, one GPU 1.0 at 819,200 tokens and
-# 0.7 at 655,360. The spread is XLA's packing of the buffers.
+# in [b, n, h] arrays of the activation dtype, on the deviceless H100 and H200 compiles of Llama-3-8B (tiles of
+# 4096, benchmarks/results/longest_sequence.json): the values that keep every probe of the rerun rows within
+# 10% of the compiled bytes: ring and one GPU 1.5-2.6 (1.7 taken); Ulysses and USP, whose backward peaks in the
+# core (`AttentionCost.peak_in_core`), 0.4-1.3 (1.0); with recompute blocks (--remat-layers 2) -0.0-0.8 over all
+# (0.5). The spread is XLA's packing of the buffers.
 TILED_BLOCK_GONE = 1.7
-TILED_BLOCK_GONE_IN_BLOCKS = 0.85
+TILED_BLOCK_GONE_CORE_PEAK = 1.0
+TILED_BLOCK_GONE_IN_BLOCKS = 0.5
 
 # A pipeline tick holds, beside the residual slots (`peak_in_flight` micro-batch-chunks, the interpreter's
 # buffer), two more chunks' residuals: the slot it reads, sliced out of the buffer before the stage's switch
@@ -695,7 +696,10 @@ def memory(
     if c.mlp_tile is not None and c.mlp_tile < x.n:
         copies = TILED_COPIES_GONE_RECOMPUTED if s.method.recomputes_forward else TILED_COPIES_GONE
         if w.terms.tiled_block and s.method.tiles_projections and w.moe is None:
-            copies += TILED_BLOCK_GONE if blocks == 1 else TILED_BLOCK_GONE_IN_BLOCKS
+            if blocks > 1:
+                copies += TILED_BLOCK_GONE_IN_BLOCKS
+            else:
+                copies += TILED_BLOCK_GONE_CORE_PEAK if s.core.peak_in_core else TILED_BLOCK_GONE
         working -= copies * x.b * x.n_act * s.model.hidden * em
     # the step's batch as stored (the family's: tokens, targets, positions int32, packed documents' segment ids
     # and loss mask; a DiT's images and labels)

@@ -136,6 +136,7 @@ def ulysses_cost(s: AttentionShape, options: dict) -> AttentionCost:
         block_k=s.seq_len,
         tile_heads=max(1, s.heads // P),
         window_share=layout_window_share("contiguous", 1, s.seq_len, s.window, s.cpu, s.d) if s.window else 1.0,
+        peak_in_core=True,
     )
 
 

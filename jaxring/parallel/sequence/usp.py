@@ -118,6 +118,7 @@ def usp_cost(s: AttentionShape, options: dict) -> AttentionCost:
         saved=(r if s.cpu else 1) * q_tiles(s.n * U, s.cpu) * (q32 + s.rows_bytes()) + q32 + 2 * kv32,
         working=4 * s.kv_bytes(s.em) + 4 * kv32 + q32,
         window_share=ring_window_share(s.layout, r, s.n * U, s.window) if s.window and r > 1 else 1.0,
+        peak_in_core=True,
     )
 
 
