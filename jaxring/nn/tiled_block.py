@@ -14,17 +14,12 @@ and the FFN is dense; `--mlp-tile` sets the tile.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
+from flax import nnx
 
 from jaxring.core.tiling import over_tiles
-
-if TYPE_CHECKING:
-    from flax import nnx
-
-    from jaxring.nn.modules import MLP, Attention
-    from jaxring.parallel.plan import ParallelPlan
+from jaxring.nn.modules import MLP, Attention
+from jaxring.parallel.plan import ParallelPlan
 
 __all__ = ["runs_tiled", "tiled_block"]
 
