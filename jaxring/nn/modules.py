@@ -304,7 +304,7 @@ def token_cross_entropy(x: jax.Array, w: jax.Array, targets: jax.Array, plan: Pa
     vocab], or the embedding table [vocab, hidden] when `tied`. Under Megatron and Optimus the logits stay
     split over the vocabulary; with `plan.loss_tile` the logits exist one tile of rows at a time."""
     method, tiles = plan.tensor, plan.loss_tiles(x)
-    if tiles == 1:
+    if tiles == 1 or method.tiles_loss_itself(plan):
         return method.cross_entropy(plan, x, w, targets, tied=tied)
     losses = over_tiles(
         lambda x, t: method.cross_entropy(plan, x, w, t, tied=tied),

@@ -159,6 +159,7 @@ class ModelShape:
     em: int  # bytes per activation element in memory
     cpu: bool  # priced for XLA:CPU (the tests' simulated devices): jnp block ops, fp32 collectives
     segments: bool = False  # packed documents: int32 segment ids [b, n] travel where a method moves K/V
+    vocab_split: bool = False  # the embedding and head split over the tensor axes by vocab rows (METP's ring)
 
     @property
     def n(self) -> int:

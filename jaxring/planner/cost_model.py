@@ -142,6 +142,7 @@ def shapes(w: Workload, c: Candidate, plan: ParallelPlan | None = None, cpu: boo
         em=em,
         cpu=cpu,
         segments=w.documents,
+        vocab_split=plan.tensor_options.get("vocab_split", "none") != "none",
     )
     method = plan.tensor
     if not method.has_cost():
@@ -712,6 +713,8 @@ def memory(
         # the deviceless H100 compile of GPT-7B at 262,144 tokens shows, benchmarks/results/memory_techniques.json)
         rows_at_once = x.n if c.loss_tile is None else min(c.loss_tile, x.n)
         head = x.b * rows_at_once * x.vocab * (em + F32) + head_grads
+        if s.model.vocab_split:  # the vocab ring's ΔX, summed in fp32 over the blocks (`vocab_ring`)
+            head += x.b * x.n_act * x.h_act * F32
     return Memory(params, optimizer, grads, activations, working, update, other, host, head, s.core.forward)
 
 

@@ -234,6 +234,11 @@ class TensorMethod(HasOptions):
         logits = (x @ head.astype(x.dtype)).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
+    def tiles_loss_itself(self, plan: ParallelPlan) -> bool:
+        """Whether `cross_entropy` cuts the rows into the plan's loss tiles itself (False: the caller runs it a
+        tile at a time, `jaxring.nn.modules.token_cross_entropy`)."""
+        return False
+
     def local_rows(self, plan: ParallelPlan, seq_len: int) -> int:
         """Tokens of the residual stream on a device: the rows a tiled MLP or loss cuts (seq / sp here)."""
         return seq_len // plan.sp

@@ -2,7 +2,9 @@
 layer functions of `metp_layers.py` (the module docstring there has the algorithms and their bytes).
 
 The sequence is split over tp (activations [b, s/p, h] never move); the FFN's weight blocks go round a ring and
-the attention broadcasts each head group's weights and rings K/V. The embedding and LM head stay replicated.
+the attention broadcasts each head group's weights and rings K/V. The embedding and LM head stay replicated, as
+in the paper, or with `--vocab-split ring` are split over tp by vocab rows and go round a ring too
+(`vocab_ring.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring.core.mesh import spec_entry
 from jaxring.parallel.cost_terms import F32, AttentionCost, LocalDims, ModelShape, Transfer, tree_rounds
+from jaxring.parallel.registry import Option
 from jaxring.parallel.tensor.contract import (
     AttentionLayer,
     ParamInfo,
@@ -26,6 +29,7 @@ from jaxring.parallel.tensor.contract import (
 )
 from jaxring.parallel.tensor.metp_layers import metp_attention, metp_mlp
 from jaxring.parallel.tensor.splits import check_divisible, check_kv_heads, own_kv_head
+from jaxring.parallel.tensor.vocab_ring import ring_cross_entropy, ring_embed
 
 if TYPE_CHECKING:
     from jaxring.parallel.plan import ParallelPlan
@@ -56,6 +60,35 @@ def _token_id_transfers(m: ModelShape, x: LocalDims) -> list[Transfer]:
     return out
 
 
+VOCAB_SPLITS = ("none", "ring")
+
+
+def check_vocab_split(value: str, tp: int) -> None:
+    if value not in VOCAB_SPLITS:
+        raise ValueError(f"--vocab-split {value!r} must be one of {', '.join(VOCAB_SPLITS)}")
+
+
+def _vocab_ring_transfers(m: ModelShape) -> list[Transfer]:
+    """`vocab_ring.py`'s bytes (its module docstring): v = V·h/p a block; the embedding (p-1)·v forward and
+    (p-1)·v fp32 backward, the head (p-1)·v forward, (p-1)·v and p·v fp32 backward (a tied table: both)."""
+    p = m.tp
+    v = m.vocab * m.hidden // p
+    return [
+        Transfer(
+            "vocab ring: embedding blocks forward, fp32 gradients backward",
+            ("tp",),
+            (p - 1) * v * (m.e + F32),
+            2 * (p - 1),
+        ),
+        Transfer(
+            "vocab ring: head blocks forward and backward, fp32 gradients backward",
+            ("tp",),
+            2 * (p - 1) * v * m.e + p * v * F32,
+            3 * p - 2,
+        ),
+    ]
+
+
 # [b, n/p, h/p] fp32 blocks of the head-group loop live at the compiled CPU step's layer-backward peak (27 in
 # the live ranges of dp2 x METP tp4, remat full, 2 and 4 layers; `METP.layer_working`)
 CPU_GROUP_LOOP_BLOCKS = 27
@@ -76,6 +109,21 @@ class METP(TensorMethod):
         "METP already splits the sequence over tp (its K/V ring runs over tp); "
         "use megatron for tensor × sequence parallelism"
     )
+    options = (
+        Option(
+            "vocab_split",
+            "ring: the embedding and LM head split over tp by vocab rows, their blocks on a ring; none: replicated",
+            check_vocab_split,
+            default="none",
+            type=str,
+            choices=VOCAB_SPLITS,
+            search=lambda tp: VOCAB_SPLITS,
+        ),
+    )
+
+    @staticmethod
+    def vocab_ring(plan: ParallelPlan) -> bool:
+        return plan.tensor_options.get("vocab_split") == "ring"
 
     def check_model(
         self, plan: ParallelPlan, *, num_heads: int, num_kv_heads: int, hidden: int, ffn: int, vocab: int | None
@@ -83,6 +131,8 @@ class METP(TensorMethod):
         tp = plan.tp
         check_kv_heads(num_heads, num_kv_heads, tp, "METP, one head group per rank,")
         check_divisible("ffn", ffn, tp, "tp", " (each rank holds ffn/tp columns of W_in)")
+        if vocab is not None and self.vocab_ring(plan):
+            check_divisible("vocab", vocab, tp, "tp", " (--vocab-split ring splits the table by vocab rows over tp)")
 
     def check_seq(self, plan: ParallelPlan, seq_len: int) -> None:
         check_divisible("seq", seq_len, plan.tp, "tp", " (METP splits the sequence over tp)")
@@ -103,9 +153,35 @@ class METP(TensorMethod):
         def axis(name: str | None) -> str | None:
             if name == "kv_heads":  # fewer K/V heads than tp: replicated, each rank reads its own
                 return "tp" if info.heads is not None and info.heads % plan.tp == 0 else None
+            if name == "vocab":
+                return "tp" if self.vocab_ring(plan) else None
             return "tp" if name in ("heads", "mlp") else None
 
         return tuple(axis(a) for a in info.logical_axes)
+
+    def embed(
+        self,
+        plan: ParallelPlan,
+        tokens: jax.Array,
+        table: jax.Array,
+        positions: jax.Array | None = None,
+        pos_table: jax.Array | None = None,
+    ) -> jax.Array:
+        if not self.vocab_ring(plan):
+            return super().embed(plan, tokens, table, positions, pos_table)
+        x = ring_embed(tokens, table, "tp")  # table: this rank's vocab rows [V/p, h]
+        return x if pos_table is None else x + jnp.take(pos_table, positions, axis=0)
+
+    def cross_entropy(
+        self, plan: ParallelPlan, x: jax.Array, w: jax.Array, targets: jax.Array, *, tied: bool
+    ) -> jax.Array:
+        if not self.vocab_ring(plan):
+            return super().cross_entropy(plan, x, w, targets, tied=tied)
+        head = w.T if tied else w  # this rank's vocab columns [h, V/p]
+        return ring_cross_entropy(x, head.astype(x.dtype), targets, "tp", plan.loss_tiles(x))
+
+    def tiles_loss_itself(self, plan: ParallelPlan) -> bool:
+        return self.vocab_ring(plan)  # the row tiles inside the ring (a block goes round once, not per tile)
 
     def attention(
         self,
@@ -150,7 +226,8 @@ class METP(TensorMethod):
 
     def local_dims(self, m: ModelShape) -> LocalDims:
         n = m.n // m.tp  # the device's s/p tokens, for the attention too
-        return LocalDims(m.b, n, n, m.hidden, m.heads, m.kv_heads, m.ffn // m.tp, m.vocab, token_split=m.tp)
+        vocab = m.vocab // m.tp if m.vocab is not None and m.vocab_split else m.vocab  # one block's logits
+        return LocalDims(m.b, n, n, m.hidden, m.heads, m.kv_heads, m.ffn // m.tp, vocab, token_split=m.tp)
 
     def layer_transfers(self, m: ModelShape, x: LocalDims) -> list[Transfer]:
         """FFN: (3p-2)/p·(k1k2 + k2n) (Algorithms 1-2 with the extra gradient hop: p-1 weight hops forward,
@@ -188,8 +265,12 @@ class METP(TensorMethod):
         ]
 
     def head_transfers(self, m: ModelShape, x: LocalDims) -> list[Transfer]:
-        """The embedding and head stay replicated; the final layer's modulation gradients are summed."""
-        return modulation_gradients(m.final_modulation, m, x, "DiT final layer's modulation gradients (shift, scale)")
+        """The embedding and head replicated (nothing moves) or on their vocab rings; the final layer's
+        modulation gradients are summed."""
+        ring = _vocab_ring_transfers(m) if m.vocab is not None and m.vocab_split and m.tp > 1 else []
+        return ring + modulation_gradients(
+            m.final_modulation, m, x, "DiT final layer's modulation gradients (shift, scale)"
+        )
 
     def attention_core_cost(self, m: ModelShape, x: LocalDims) -> AttentionCost:
         """METP's own attention (no sequence strategy): it keeps A_i (activation dtype) and its lse (fp32) of

@@ -1,0 +1,156 @@
+"""The embedding and LM head split over the vocabulary on a ring (`jaxring.parallel.tensor.vocab_ring`): the
+lookup and the per-token cross-entropy, forward and every gradient, against the whole-table jnp computation
+(jnp.take, optax's cross-entropy), on dp2 x tp4 and tp8, with row tiles; the bytes the rings move, read from
+the compiled program. fp32 (XLA:CPU would widen bf16 collectives)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_close
+from jax.sharding import PartitionSpec as P
+
+import jaxring
+from jaxring.analysis.compiled import collective_traffic
+from jaxring.parallel.tensor.vocab_ring import ring_cross_entropy, ring_embed
+
+B, S, H, V = 2, 32, 16, 48
+MESHES = {4: dict(dp=2, tp=4), 8: dict(tp=8)}
+RTOL = 1e-5
+
+
+def normal(seed, shape, scale=1.0):
+    return jnp.asarray(scale * np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def ids(seed, shape):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, V, shape), jnp.int32)
+
+
+def sharded(mesh, fn, in_specs, out_specs):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+@pytest.mark.parametrize("p", [4, 8])
+def test_ring_embedding_is_the_lookup_with_its_gradient(p):
+    mesh = jaxring.make_mesh(**MESHES[p])
+    data = "dp" if "dp" in MESHES[p] else None
+    tokens, table, dx = ids(0, (B, S)), normal(1, (V, H)), normal(2, (B, S, H))
+
+    def ring(table):
+        run = sharded(mesh, lambda t, e: ring_embed(t, e, "tp"), (P(data, "tp"), P("tp", None)), P(data, "tp", None))
+        return run(tokens, table)
+
+    got, vjp = jax.vjp(ring, table)
+    want, vjp_want = jax.vjp(lambda table: jnp.take(table, tokens, axis=0), table)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # adds of exact zeros: the lookup itself
+    assert_close(vjp(dx)[0], vjp_want(dx)[0], RTOL, "dtable")
+
+
+@pytest.mark.parametrize("p,tiles", [(4, 1), (4, 4), (8, 2)])
+def test_ring_cross_entropy_is_the_whole_heads_with_its_gradients(p, tiles):
+    mesh = jaxring.make_mesh(**MESHES[p])
+    data = "dp" if "dp" in MESHES[p] else None
+    x, w, targets = normal(3, (B, S, H)), normal(4, (H, V), H**-0.5) * 4, ids(5, (B, S))
+    dloss = normal(6, (B, S))
+
+    def ring(x, w):
+        fn = lambda x, w, t: ring_cross_entropy(x, w, t, "tp", tiles)
+        run = sharded(mesh, fn, (P(data, "tp", None), P(None, "tp"), P(data, "tp")), P(data, "tp"))
+        return run(x, w, targets)
+
+    def whole(x, w):
+        return optax.softmax_cross_entropy_with_integer_labels(x @ w, targets)
+
+    got, vjp = jax.vjp(ring, x, w)
+    want, vjp_want = jax.vjp(whole, x, w)
+    assert_close(got, want, RTOL, "loss")
+    for name, g, r in zip(("dx", "dw"), vjp(dloss), vjp_want(dloss)):
+        assert_close(g, r, RTOL, name)
+
+
+def test_the_rings_move_blocks_not_tables():
+    """Per device at p = 8 (the module docstring): embedding (p-1) blocks forward and (p-1) fp32 accumulators
+    backward; head (p-1) blocks forward, (p-1) blocks and p fp32 gradients backward. No all-gather: no device
+    holds the whole table."""
+    p, mesh = 8, jaxring.make_mesh(tp=8)
+    tokens, targets, x = ids(0, (B, S)), ids(5, (B, S)), normal(3, (B, S, H))
+    table, w = normal(1, (V, H)), normal(4, (H, V))
+    block = V // p * H * 4
+
+    def step(table, w):
+        def local(t, e, x, w, y):
+            return jnp.sum(ring_embed(t, e, "tp")) + jnp.sum(ring_cross_entropy(x, w, y, "tp"))
+
+        spec = (P(None, "tp"), P("tp", None), P(None, "tp", None), P(None, "tp"), P(None, "tp"))
+        loss = jax.shard_map(lambda *a: jax.lax.psum(local(*a), "tp"), mesh=mesh, in_specs=spec, out_specs=P())
+        return jax.value_and_grad(loss, argnums=(1, 3))(tokens, table, x, w, targets)
+
+    compiled = jax.jit(step).lower(table, w).compile()
+    traffic = collective_traffic(compiled.as_text(), jax.device_count())[0]
+    assert traffic["all-gather"] == 0 and traffic["all-reduce"] == 2 * (p - 1) / p * 4, traffic  # the loss' psum
+    assert traffic["collective-permute"] == (p - 1) * block * 2 + (p - 1) * block + (2 * p - 1) * block, traffic
+
+
+def test_tiles_must_divide_the_rows():
+    with pytest.raises(ValueError, match="3 loss tiles must divide the 32 rows"):
+        ring_cross_entropy(jnp.zeros((1, 32, 4)), jnp.zeros((4, 8)), jnp.zeros((1, 32), jnp.int32), "tp", 3)
+
+
+# ---------------------------------------------------------------------------------------- in the model
+
+METP = dict(dp=2, tp=4, tensor_parallel="metp")
+
+
+@pytest.mark.parametrize(
+    "name,settings,cfg",
+    [
+        ("untied, ZeRO-3, loss tiles", dict(zero=3, loss_tile=2), {}),
+        ("tied, weights offloaded", dict(zero=3, remat="full", offload="layer_inputs+weights"), {"tie_embeddings": True}),
+    ],
+)
+def test_the_model_gives_the_replicated_tables_loss_and_gradients(name, settings, cfg):
+    """The GPT under METP tp4 x dp2 with --vocab-split ring: the loss and every gradient of the run with the
+    tables replicated (fp32, relative 2-norm 1e-6); the tables are stored split over tp."""
+    from test_memory_techniques import _assert_same, _loss_and_grads
+
+    ring = _loss_and_grads(METP | settings | dict(vocab_split="ring"), cfg)
+    _assert_same(ring, _loss_and_grads(METP | settings, cfg))
+
+
+def test_the_tables_are_stored_split_over_tp():
+    from flax import nnx
+
+    from jaxring.models import gpt
+    from jaxring.nn import param_shardings
+
+    model = gpt.GPT(gpt.GPTConfig(vocab_size=64, num_layers=1, hidden=32, num_heads=4, ffn=64), rngs=nnx.Rngs(0))
+    for split, table_spec in (("ring", ("tp", None)), ("none", (None, None))):
+        plan = jaxring.make_plan(jax.devices(), **METP, vocab_split=split)
+        shardings = param_shardings(nnx.state(model, nnx.Param), plan)
+        assert tuple(shardings["embed"]["table"].spec)[:2] == table_spec, (split, shardings["embed"]["table"])
+
+
+def test_a_vocabulary_tp_does_not_divide_is_one_line():
+    from flax import nnx
+
+    from jaxring.models import gpt
+
+    cfg = gpt.GPTConfig(vocab_size=66, num_layers=1, hidden=32, num_heads=4, ffn=64)
+    plan = jaxring.make_plan(jax.devices(), **METP, vocab_split="ring")
+    with pytest.raises(ValueError, match=r"vocab.*66.*tp.*--vocab-split ring"):
+        gpt.check_plan(cfg, plan, 4, 64)
+
+
+def test_train_py_resumes_bit_exactly(tmp_path):
+    """train.py under METP with --vocab-split ring: saved at step 2 and resumed, the same losses as the
+    uninterrupted run (the tables' checkpointed shards are tp's vocab blocks)."""
+    from test_weight_offload import RUN, _losses
+
+    run = RUN.updated(sp=1, tp=4, dp=2, tensor_parallel="metp", offload="none", vocab_split="ring")
+    full = _losses(run)
+    ckpt = str(tmp_path / "ckpt")
+    first = _losses(run.updated(steps=2, checkpoint_dir=ckpt))
+    resumed = _losses(run.updated(checkpoint_dir=ckpt, resume=True))
+    np.testing.assert_array_equal(first + resumed, full)
