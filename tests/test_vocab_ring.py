@@ -107,7 +107,11 @@ METP = dict(dp=2, tp=4, tensor_parallel="metp")
     "name,settings,cfg",
     [
         ("untied, ZeRO-3, loss tiles", dict(zero=3, loss_tile=2), {}),
-        ("tied, weights offloaded", dict(zero=3, remat="full", offload="layer_inputs+weights"), {"tie_embeddings": True}),
+        (
+            "tied, weights offloaded",
+            dict(zero=3, remat="full", offload="layer_inputs+weights"),
+            {"tie_embeddings": True},
+        ),
     ],
 )
 def test_the_model_gives_the_replicated_tables_loss_and_gradients(name, settings, cfg):
@@ -133,7 +137,6 @@ def test_the_tables_are_stored_split_over_tp():
 
 
 def test_a_vocabulary_tp_does_not_divide_is_one_line():
-    from flax import nnx
 
     from jaxring.models import gpt
 
