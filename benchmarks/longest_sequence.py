@@ -64,6 +64,8 @@ PLANS_8 = {
     "usp sp8": dict(sp=8, attention="usp", ulysses_size=2, zero=3),
     "megatron tp8": dict(tp=8, tensor_parallel="megatron"),
     "metp tp8": dict(tp=8, tensor_parallel="metp"),
+    # the embedding and LM head split over tp by vocab rows, their blocks on a ring (--vocab-split ring)
+    "metp tp8, vocab ring": dict(tp=8, tensor_parallel="metp", vocab_split="ring"),
     "auto": None,
 }
 PLANS_1 = {"one gpu": {}, "auto": None}
