@@ -36,8 +36,9 @@ LONGER = (4718592, 5242880, 6291456)  # the auto pick at 4.5M, 5M and 6M tokens:
 
 
 def measure(settings: dict, seq_len: int, target: str) -> dict:
-    """The compiled and estimated bytes per device of the run `settings` at `seq_len` on 8 GPUs of `target`."""
-    from jaxring.aot.train_step import compile_train_step
+    """The compiled and estimated bytes per device of the run `settings` at `seq_len` on 8 GPUs of `target`:
+    the step `train.py --compile-for` lowers (`jaxring.aot.compile_for.lowered_step`)."""
+    from jaxring.aot.compile_for import lowered_step
     from jaxring.planner import cost_model as cost
     from jaxring.planner.fit import candidate_of, workload_of
     from jaxring.planner.params import param_leaves
@@ -45,23 +46,12 @@ def measure(settings: dict, seq_len: int, target: str) -> dict:
 
     devices = gpu.gpu_devices(target, 8)
     spec = RunSpec.of(seq_len=seq_len, **settings).resolved(len(devices))
-    spec.validate()
-    spec = dataclasses.replace(spec, parallel=dataclasses.replace(spec.parallel, block_ops="pallas"))
-    w, c = workload_of(spec), candidate_of(spec)
-    plan = spec.plan(devices)
+    pallas = dataclasses.replace(spec, parallel=dataclasses.replace(spec.parallel, block_ops="pallas"))
+    w, c = workload_of(pallas), candidate_of(pallas)
     estimate = cost.memory(w, c, param_leaves(w.model, w.config, c.check(w)), cpu=False)
     start = time.perf_counter()
-    compiled = compile_train_step(
-        w.model,
-        w.config,
-        plan,
-        batch=spec.training.batch_size,
-        seq_len=w.seq_len,
-        precision=spec.compute_precision,
-        remat=spec.memory.remat,
-        offload=spec.memory.offload,
-        clip=spec.optimizer.clip,
-    )
+    lowered, _, _ = lowered_step(spec, devices)
+    compiled = lowered.compile()
     seconds = time.perf_counter() - start
     m = compiled.memory_analysis()
     device = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
@@ -75,6 +65,14 @@ def measure(settings: dict, seq_len: int, target: str) -> dict:
         "temp_gib": m.temp_size_in_bytes / GIB,
         "host_argument_gib": m.host_argument_size_in_bytes / GIB,
         "host_temp_gib": m.host_temp_size_in_bytes / GIB,
+        "host_gib": (
+            m.host_argument_size_in_bytes
+            + m.host_output_size_in_bytes
+            + m.host_temp_size_in_bytes
+            - m.host_alias_size_in_bytes
+        )
+        / GIB,
+        "host_estimate_gib": estimate.host / GIB,
         "estimate_parts_gib": {k: round(v / GIB, 3) for k, v in estimate.as_dict().items()},
         "compile_s": round(seconds, 1),
     }
