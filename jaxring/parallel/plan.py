@@ -397,7 +397,8 @@ class ParallelPlan:
             opts = ", ".join(f"{k}={v}" for k, v in self.strategy_options.items())
             parts.append(f"attention={self.attention}" + (f" ({opts})" if opts else ""))
         if self.tensor_parallel:
-            parts.append(f"tensor={self.tensor_parallel}")
+            opts = ", ".join(f"{k}={v}" for k, v in self.tensor_options.items())
+            parts.append(f"tensor={self.tensor_parallel}" + (f" ({opts})" if opts else ""))
         if self.zero_stage:
             parts.append(f"zero={self.zero_stage}")
         if self.pp > 1:
