@@ -553,7 +553,7 @@ def plot(record: dict, path: str) -> None:
                     ys.append(r["longest"])
             if xs:
                 ax.bar(xs, ys, width, label=plan, color=f"C{j}")
-        ax.set_xticks(range(len(TECHNIQUES)), list(TECHNIQUES))
+        ax.set_xticks(range(len(TECHNIQUES)), list(TECHNIQUES), rotation=30, ha="right")
         ax.set_yscale("log", base=2)
         ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_tokens))
         ax.set_title(f"Llama-3-8B on {target}")
