@@ -196,11 +196,11 @@ def _ring_cross_entropy_bwd(axis_name: str, tiles: int, residuals: tuple, dloss:
             logits = _logits(x_t, held)
             probs = jnp.exp(logits - _tile(lse, t, size)[..., None])
             onehot = jax.nn.one_hot(_tile(local, t, size), cols, dtype=jnp.float32) * _tile(mine, t, size)[..., None]
-            dt = (probs - onehot) * _tile(dloss, t, size)[..., None]  # ΔT, fp32 [b, size, V/p]
-            dx_t = _tile(dx, t, size) + jnp.einsum(
-                "brc,hc->brh", dt.astype(held.dtype), held, preferred_element_type=jnp.float32
-            )
-            dw = dw + jnp.einsum("brh,brc->hc", x_t, dt.astype(x.dtype), preferred_element_type=jnp.float32)
+            # ΔT [b, size, V/p], formed in the compute dtype in one pass (the operand of both products, as
+            # the untiled head's backward casts it): beside the fp32 logits no other block-wide array
+            dt = ((probs - onehot) * _tile(dloss, t, size)[..., None]).astype(x.dtype)
+            dx_t = _tile(dx, t, size) + jnp.einsum("brc,hc->brh", dt, held, preferred_element_type=jnp.float32)
+            dw = dw + jnp.einsum("brh,brc->hc", x_t, dt, preferred_element_type=jnp.float32)
             return lax.dynamic_update_slice_in_dim(dx, dx_t, t * size, axis=1), dw
 
         dx, dw = lax.fori_loop(0, tiles, tile, (dx, dw))
