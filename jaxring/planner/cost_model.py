@@ -62,6 +62,7 @@ from jaxring.parallel.cost_terms import (
 )
 from jaxring.parallel.pipeline import lower, make_schedule, peak_in_flight, simulate
 from jaxring.parallel.pipeline.schedules import BW, B, F, W
+from jaxring.parallel.tensor.vocab_ring import RING_LOSS_ROWS
 from jaxring.planner.space import Candidate, Workload
 
 if TYPE_CHECKING:
@@ -724,6 +725,8 @@ def memory(
         # and the softmax in fp32 (their gradient takes the logits' place: 6 bytes an element in bf16, as
         # the deviceless H100 compile of GPT-7B at 262,144 tokens shows, benchmarks/results/memory_techniques.json)
         rows_at_once = x.n if c.loss_tile is None else min(c.loss_tile, x.n)
+        if s.model.vocab_split and c.loss_tile is None:  # the vocab ring tiles its loss itself
+            rows_at_once = min(RING_LOSS_ROWS, x.n)
         head = x.b * rows_at_once * x.vocab * (em + F32) + head_grads
         if s.model.vocab_split:  # the vocab ring's ΔX, summed in fp32 over the blocks (`vocab_ring`)
             head += x.b * x.n_act * x.h_act * F32

@@ -29,7 +29,7 @@ from jaxring.parallel.tensor.contract import (
 )
 from jaxring.parallel.tensor.metp_layers import metp_attention, metp_mlp
 from jaxring.parallel.tensor.splits import check_divisible, check_kv_heads, own_kv_head
-from jaxring.parallel.tensor.vocab_ring import ring_cross_entropy, ring_embed
+from jaxring.parallel.tensor.vocab_ring import ring_cross_entropy, ring_embed, ring_loss_tiles
 
 if TYPE_CHECKING:
     from jaxring.parallel.plan import ParallelPlan
@@ -178,7 +178,8 @@ class METP(TensorMethod):
         if not self.vocab_ring(plan):
             return super().cross_entropy(plan, x, w, targets, tied=tied)
         head = w.T if tied else w  # this rank's vocab columns [h, V/p]
-        return ring_cross_entropy(x, head.astype(x.dtype), targets, "tp", plan.loss_tiles(x))
+        tiles = ring_loss_tiles(x.shape[1], plan.loss_tile, plan.loss_tiles(x))
+        return ring_cross_entropy(x, head.astype(x.dtype), targets, "tp", tiles)
 
     def tiles_loss_itself(self, plan: ParallelPlan) -> bool:
         return self.vocab_ring(plan)  # the row tiles inside the ring (a block goes round once, not per tile)

@@ -14,7 +14,8 @@ Embedding (`ring_embed`), each token's row lies in exactly one block:
   ΔE^(j) += scatter-add of ΔX's rows of the tokens in block j.
 
 LM head and cross-entropy (`ring_cross_entropy`), the online logsumexp of flash attention over the vocab blocks,
-one tile of rows at a time (`tiles`, the plan's --loss-tile) so that a logits block is [b, n/tiles, V/p]:
+one tile of rows at a time (`tiles`: the plan's --loss-tile, else tiles of at most RING_LOSS_ROWS rows) so that a
+logits block is [b, n/tiles, V/p]:
 
     for j in 0 .. p-1:  T = X W^(j) (fp32);  m, Z <- max, Σexp online;  l_t += T[target] if it is in block j
     loss = log Z + m - l_t
@@ -54,6 +55,14 @@ def _in_block(ids: jax.Array, owner: jax.Array, rows: int) -> tuple[jax.Array, j
 
 # Rows of ΔX scattered into the table's gradient at once in the embedding's backward
 EMBED_CHUNK_ROWS = 8192
+# Rows of a logits block at once when the run sets no --loss-tile: the ring's loss is tiled by design
+RING_LOSS_ROWS = 4096
+
+
+def ring_loss_tiles(rows: int, loss_tile: int | None, tiles: int) -> int:
+    """Row tiles of the ring's loss over a device's `rows`: the plan's `tiles` of --loss-tile when it is set,
+    else tiles of at most RING_LOSS_ROWS rows (the same per-row sums: only the memory changes)."""
+    return tiles if loss_tile is not None else rows // _divisor_at_most(rows, RING_LOSS_ROWS)
 
 
 def _divisor_at_most(n: int, limit: int) -> int:
