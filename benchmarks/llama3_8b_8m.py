@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless GPU compiles need the CPU platform selected
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling llama3_8b_4m.py, however it is run
 
 from llama3_8b_4m import GIB, measure
 
