@@ -34,6 +34,13 @@ def vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
     return vary(x, varying_axes(like))
 
 
+def sum_like(g: jax.Array, like: jax.Array) -> jax.Array:
+    """g summed over the axes it varies over and `like` does not: a custom VJP's gradient of a weight replicated
+    over the data axes (the psum of its per-shard gradients), typed as the weight."""
+    extra = tuple(sorted(varying_axes(g) - varying_axes(like)))
+    return lax.psum(g, extra) if extra else g
+
+
 def common_vma(*xs: jax.Array) -> tuple[jax.Array, ...]:
     """Every array of the pytree(s) cast to the union of their varying axes (None leaves stay None)."""
     axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(xs)))

@@ -83,7 +83,7 @@ from jaxring.core.collectives import (
     tree_reduce,
     waits_for,
 )
-from jaxring.core.vma import vary_like, varying_axes
+from jaxring.core.vma import sum_like, vary_like
 from jaxring.kernels.block_compute import get_block_ops
 from jaxring.kernels.blockwise import BlockOps, with_window
 from jaxring.kernels.layer_math import add_bias, check_activation, head_norm
@@ -106,13 +106,6 @@ def _mm(x: jax.Array, w: jax.Array):
     """
     out = jnp.einsum("zmk,zkn->zmn", x.reshape(1, -1, x.shape[-1]), w[None], preferred_element_type=jnp.float32)
     return out.reshape(*x.shape[:-1], w.shape[-1])
-
-
-def _sum_to(g: jax.Array, like: jax.Array):
-    """A weight's gradient summed over the axes it varies over and the weight does not (the data axes:
-    a weight replicated over dp/fsdp gets the psum of its per-shard gradients)."""
-    extra = tuple(sorted(varying_axes(g) - varying_axes(like)))
-    return lax.psum(g, extra) if extra else g
 
 
 def _row_sum(dy: jax.Array):
@@ -288,9 +281,9 @@ def _metp_bwd(f: Callable[..., jax.Array], axis_name: str, residuals: tuple, do:
     )
     blocks = (tuple(b_.T for b_ in bs), biases, c.T)
     da, (dbs, dbiases, dc) = ring_steps(step, init, blocks, p, send)
-    dbs = tuple(_sum_to(db, b_).astype(b_.dtype) for db, b_ in zip(dbs, bs))
-    dbiases = tuple(_sum_to(g, beta).astype(beta.dtype) for g, beta in zip(dbiases, biases))
-    return da.astype(a.dtype), dbs, dbiases, _sum_to(dc, c).astype(c.dtype)
+    dbs = tuple(sum_like(db, b_).astype(b_.dtype) for db, b_ in zip(dbs, bs))
+    dbiases = tuple(sum_like(g, beta).astype(beta.dtype) for g, beta in zip(dbiases, biases))
+    return da.astype(a.dtype), dbs, dbiases, sum_like(dc, c).astype(c.dtype)
 
 
 _metp.defvjp(_metp_fwd, _metp_bwd)
@@ -782,7 +775,7 @@ def _mha_bwd(cfg: _MhaConfig, residuals: tuple, do: jax.Array):
     b, n, _ = x.shape
     flat = lambda g: g.astype(x.dtype).reshape(b, n, -1)
     # the QK-norm scales as varying copies: their vjp is then this rank's share (an invariant scale's vjp
-    # would already be psummed over tp, and _sum_to below sums the shares once)
+    # would already be psummed over tp, and sum_like below sums the shares once)
     q_norm, k_norm = jax.tree.map(lambda t: vary_like(t, x), norms) if norms else (None, None)
     post = lambda t, scale: _heads(t, scale, tokens.rope, cfg)
 
@@ -823,7 +816,7 @@ def _mha_bwd(cfg: _MhaConfig, residuals: tuple, do: jax.Array):
     init = (stacks, blocks, jax.tree.map(zeros, (weights, biases)), jax.tree.map(zeros, norms))
     dqkv, wqkv, (dw, db), dn = _outer_steps(head_group, init, (weights, biases), cfg.axis_name, reverse=True)
     dx = _grouped_projection(dqkv, wqkv, x.dtype, cfg.projection_rows)
-    grads = lambda gs, ws: tuple(_sum_to(g, w).astype(w.dtype) for g, w in zip(gs, ws))
+    grads = lambda gs, ws: tuple(sum_like(g, w).astype(w.dtype) for g, w in zip(gs, ws))
     return dx, grads(dw, weights), grads(db, biases), grads(dn, norms), None
 
 

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxring.core.collectives import BACKWARD, FORWARD, ring_steps, send_to_next
-from jaxring.core.vma import vary_like, varying_axes
+from jaxring.core.vma import sum_like, vary_like
 
 
 def _in_block(ids: jax.Array, owner: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
@@ -68,12 +68,6 @@ def ring_loss_tiles(rows: int, loss_tile: int | None, tiles: int) -> int:
 def _divisor_at_most(n: int, limit: int) -> int:
     """The largest divisor of n not above limit."""
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
-
-
-def _sum_to(g: jax.Array, like: jax.Array) -> jax.Array:
-    """A block's gradient summed over the axes it varies over and the block does not (the data axes)."""
-    extra = tuple(sorted(varying_axes(g) - varying_axes(like)))
-    return lax.psum(g, extra) if extra else g
 
 
 # ---------------------------------------------------------------------------------------- the embedding
@@ -121,7 +115,7 @@ def _ring_embed_bwd(axis_name: str, residuals: tuple, dx: jax.Array) -> tuple:
         acc = add_rows(acc, (rank + 1 + j) % p)
         if j < p - 1:
             acc = send_to_next(acc, axis_name, shift=BACKWARD)
-    return None, _sum_to(acc, block).astype(block.dtype)  # None: the tokens are integers
+    return None, sum_like(acc, block).astype(block.dtype)  # None: the tokens are integers
 
 
 _ring_embed.defvjp(_ring_embed_fwd, _ring_embed_bwd)
@@ -222,7 +216,7 @@ def _ring_cross_entropy_bwd(axis_name: str, tiles: int, residuals: tuple, dloss:
     dx = vary_like(vary_like(jnp.zeros(x.shape, jnp.float32), x), w)
     dw = vary_like(vary_like(jnp.zeros(w.shape, jnp.float32), w), x)
     dx, dw = ring_steps(step_and_pass, (dx, dw), w, p, send)
-    return dx.astype(x.dtype), _sum_to(dw, w).astype(w.dtype), None
+    return dx.astype(x.dtype), sum_like(dw, w).astype(w.dtype), None
 
 
 _ring_cross_entropy.defvjp(_ring_cross_entropy_fwd, _ring_cross_entropy_bwd)
