@@ -24,6 +24,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless GPU compiles need th
 
 from jaxring.analysis import gpu
 from jaxring.analysis.records import benchmark_record, save_record
+from jaxring.aot.compile_for import lowered_step
+from jaxring.planner import cost_model as cost
+from jaxring.planner.cluster import Cluster
+from jaxring.planner.fit import candidate_of, workload_of
+from jaxring.planner.params import param_leaves
+from jaxring.run.spec import RunSpec
 
 GIB = 2**30
 BASE = dict(preset="llama3-8b", batch_size=1, tp=8, tensor_parallel="metp", remat="full", loss_tile=4096, mlp_tile=4096)
@@ -38,11 +44,6 @@ LONGER = (4718592, 5242880, 6291456)  # the auto pick at 4.5M, 5M and 6M tokens:
 def measure(settings: dict, seq_len: int, target: str) -> dict:
     """The compiled and estimated bytes per device of the run `settings` at `seq_len` on 8 GPUs of `target`:
     the step `train.py --compile-for` lowers (`jaxring.aot.compile_for.lowered_step`)."""
-    from jaxring.aot.compile_for import lowered_step
-    from jaxring.planner import cost_model as cost
-    from jaxring.planner.fit import candidate_of, workload_of
-    from jaxring.planner.params import param_leaves
-    from jaxring.run.spec import RunSpec
 
     devices = gpu.gpu_devices(target, 8)
     spec = RunSpec.of(seq_len=seq_len, **settings).resolved(len(devices))
@@ -85,7 +86,6 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/llama3_8b_4m.json")
     parser.add_argument("--no-longer", dest="longer", action="store_false", help="skip the 4.5M, 5M and 6M rows")
     args = parser.parse_args()
-    from jaxring.planner.cluster import Cluster
 
     budget = Cluster.of(args.target, 1).usable_memory / GIB
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -24,6 +24,7 @@ from llama3_8b_4m import GIB, measure
 
 from jaxring.analysis import gpu
 from jaxring.analysis.records import benchmark_record, save_record
+from jaxring.planner.cluster import Cluster
 
 SEQ = 8388608
 HOST_BUDGET_GIB = 256.0  # a DGX H100 node's host memory per GPU (`jaxring.aot.compile_for.TARGETS`)
@@ -44,7 +45,6 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/llama3_8b_8m.json")
     parser.add_argument("--rows", nargs="*", help="only the rows whose name contains one of these")
     args = parser.parse_args()
-    from jaxring.planner.cluster import Cluster
 
     budget = Cluster.of("h100", 1).usable_memory / GIB
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

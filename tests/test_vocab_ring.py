@@ -8,11 +8,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from helpers import assert_close
 from jax.sharding import PartitionSpec as P
+from test_memory_techniques import _assert_same, _loss_and_grads
+from test_weight_offload import RUN, _losses
 
 import jaxring
 from jaxring.analysis.compiled import collective_traffic
+from jaxring.models import gpt
+from jaxring.nn import param_shardings
 from jaxring.parallel.tensor.vocab_ring import ring_cross_entropy, ring_embed
 
 B, S, H, V = 2, 32, 16, 48
@@ -117,18 +122,12 @@ METP = dict(dp=2, tp=4, tensor_parallel="metp")
 def test_the_model_gives_the_replicated_tables_loss_and_gradients(name, settings, cfg):
     """The GPT under METP tp4 x dp2 with --vocab-split ring: the loss and every gradient of the run with the
     tables replicated (fp32, relative 2-norm 1e-6); the tables are stored split over tp."""
-    from test_memory_techniques import _assert_same, _loss_and_grads
 
     ring = _loss_and_grads(METP | settings | dict(vocab_split="ring"), cfg)
     _assert_same(ring, _loss_and_grads(METP | settings, cfg))
 
 
 def test_the_tables_are_stored_split_over_tp():
-    from flax import nnx
-
-    from jaxring.models import gpt
-    from jaxring.nn import param_shardings
-
     model = gpt.GPT(gpt.GPTConfig(vocab_size=64, num_layers=1, hidden=32, num_heads=4, ffn=64), rngs=nnx.Rngs(0))
     for split, table_spec in (("ring", ("tp", None)), ("none", (None, None))):
         plan = jaxring.make_plan(jax.devices(), **METP, vocab_split=split)
@@ -137,9 +136,6 @@ def test_the_tables_are_stored_split_over_tp():
 
 
 def test_a_vocabulary_tp_does_not_divide_is_one_line():
-
-    from jaxring.models import gpt
-
     cfg = gpt.GPTConfig(vocab_size=66, num_layers=1, hidden=32, num_heads=4, ffn=64)
     plan = jaxring.make_plan(jax.devices(), **METP, vocab_split="ring")
     with pytest.raises(ValueError, match=r"vocab.*66.*tp.*--vocab-split ring"):
@@ -149,7 +145,6 @@ def test_a_vocabulary_tp_does_not_divide_is_one_line():
 def test_train_py_resumes_bit_exactly(tmp_path):
     """train.py under METP with --vocab-split ring: saved at step 2 and resumed, the same losses as the
     uninterrupted run (the tables' checkpointed shards are tp's vocab blocks)."""
-    from test_weight_offload import RUN, _losses
 
     run = RUN.updated(sp=1, tp=4, dp=2, tensor_parallel="metp", offload="none", vocab_split="ring")
     full = _losses(run)
