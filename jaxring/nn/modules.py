@@ -40,8 +40,12 @@ from jaxring.parallel.plan import ParallelPlan
 from jaxring.parallel.tensor.contract import KEPT_RESIDUAL, MATMUL_OUTPUT, AttentionLayer, ParamInfo
 
 REMAT = ("none", "selective", "full")
-# The name of a layer's input in the layer stack (`Layers`): host offload keeps it in host memory.
+# The name of a layer's input in the layer stack (`Layers`): host offload keeps it in host memory. With
+# recompute blocks (--remat-layers k) this names a block's input, and the layers inside the block name theirs
+# INNER_LAYER_INPUT: offloaded only while the block's backward recomputes it (a distinct name, so the block's
+# own forward keeps none of them).
 LAYER_INPUT = "jaxring_layer_input"
+INNER_LAYER_INPUT = "jaxring_inner_layer_input"
 STACKED = "stacked"  # metadata flag of parameters with a leading layer dim
 
 
@@ -359,7 +363,9 @@ REMAT_LAYERS_RULE = {
 }
 
 
-def remat_policy(remat: str, zero_stage: int = 0, offload: str = "none") -> Callable[..., bool]:
+def remat_policy(
+    remat: str, zero_stage: int = 0, offload: str = "none", name: str = LAYER_INPUT
+) -> Callable[..., bool]:
     """The jax.checkpoint policy of one layer for remat none/selective/full: none saves everything it computes,
     selective only the weight matmuls' outputs (dots without batch dims, and those computed inside a custom_vjp,
     named `MATMUL_OUTPUT`) and the residuals custom VJPs name `KEPT_RESIDUAL`, full nothing. In every mode the weights as the layer reads them
@@ -368,7 +374,8 @@ def remat_policy(remat: str, zero_stage: int = 0, offload: str = "none") -> Call
 
     offload "layer_inputs" (or with "+optimizer", "+weights"; with remat full): each layer's input, named `LAYER_INPUT` by `Layers`, is the one
     value kept, and it is kept in host memory ("pinned_host") between the forward and the backward [ALST];
-    XLA moves it out after the layer's forward and back before its backward."""
+    XLA moves it out after the layer's forward and back before its backward. name: the checkpoint name of
+    the value offloaded (INNER_LAYER_INPUT for the layers inside a recompute block)."""
     if remat not in REMAT:
         raise ValueError(f"unknown remat {remat!r}; expected one of {', '.join(REMAT)}")
     if "layer_inputs" in offloaded(offload):
@@ -376,7 +383,7 @@ def remat_policy(remat: str, zero_stage: int = 0, offload: str = "none") -> Call
             raise ValueError(f"offload {offload!r} needs remat 'full' (it keeps the layer inputs only), got {remat!r}")
         host = jax.checkpoint_policies.save_and_offload_only_these_names(
             names_which_can_be_saved=[],
-            names_which_can_be_offloaded=[LAYER_INPUT],
+            names_which_can_be_offloaded=[name],
             offload_src="device",
             offload_dst="pinned_host",
         )
@@ -398,7 +405,8 @@ class Layers:
     placements: their stacked Placements; stage: the ZeRO stage; remat: none/selective/full per layer.
     remat_layers: with remat full, layers per recompute block (Megatron's uniform --recompute-num-layers): the
     stack is scanned a block at a time, a block keeps (or offloads) only its input, and its backward recomputes
-    its layers' forward keeping each layer's input on the device (one more forward per layer).
+    its layers' forward keeping each layer's input (on the device, or with offload "layer_inputs" in host
+    memory until that layer's backward): one more forward per layer.
     """
 
     graphdef: object
@@ -449,7 +457,15 @@ class Layers:
             if num_layers % k:
                 divisor = max(d for d in range(1, k) if num_layers % d == 0)
                 raise ValueError(REMAT_LAYERS_RULE["layers"].format(k=k, layers=num_layers, divisor=divisor))
-            one = jax.checkpoint(body, policy=remat_policy("full", self.stage), prevent_cse=False)
+            one = body
+            if "layer_inputs" in offloaded(self.offload):
+                # the block's backward recomputes its layers' forward: their inputs go to host memory then,
+                # and come back one at a time for each layer's backward (so the device holds one, not k)
+                def one(carry: Any, x: Any, layer: Callable = body) -> tuple[Any, None]:
+                    return layer(jax.tree.map(lambda a: checkpoint_name(a, INNER_LAYER_INPUT), carry), x)
+
+            inner = remat_policy("full", self.stage, self.offload, name=INNER_LAYER_INPUT)
+            one = jax.checkpoint(one, policy=inner, prevent_cse=False)
 
             def body(carry: Any, block: Any) -> tuple[Any, None]:  # k layers, each keeping its input alone
                 if "weights" in offloaded(self.offload):  # the block's weights moved in at once (their
