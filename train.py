@@ -32,9 +32,11 @@ import os
 import sys
 
 from jaxring.aot.compile_for import check_target, compile_for
+from jaxring.aot.margin import apply_auto_plan_at_the_margin
 from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 from jaxring.core.stop_signals import exit_code
 from jaxring.planner.auto import apply_auto_plan
+from jaxring.planner.search import NoPlanError
 from jaxring.run.cli import EXIT_USER_ERROR, parse_command_line
 from jaxring.train.guard import Diverged
 from jaxring.train.loop import prepare, train
@@ -86,7 +88,13 @@ def run(spec, *, print_config: bool = False) -> int:
     start_processes(spec.cluster, shared_settings(spec))  # checks that every process has the same settings
     devices = use_cpu_devices_if_no_accelerator(spec.cluster.cpu_devices)
     if spec.parallel.plan == "auto":
-        spec = apply_auto_plan(spec, devices, log=(lambda *a: None) if print_config else print)
+        log = (lambda *a: None) if print_config else print
+        try:
+            spec = apply_auto_plan(spec, devices, log=log)
+        except NoPlanError as refused:
+            if devices[0].platform == "cpu":  # simulated devices: the estimate is the host's check
+                raise
+            spec = apply_auto_plan_at_the_margin(spec, devices, refused, log=log)
     if print_config:
         resolved = prepare(spec, len(devices))
         resolved.output.out_dir = spec.output.out_dir  # as given: a fresh run directory each time, unless named

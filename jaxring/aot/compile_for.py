@@ -14,7 +14,8 @@ it, the host memory per device (what --offload keeps there: the compiled program
 estimate's) against the target's host budget: `HOST_GIB_PER_GPU` (a DGX node's share), or --host-memory-gib over
 the target's GPUs; a plan whose estimate exceeds it is refused before compiling.
 Exit 0 when it fits, 3 when not. With --plan auto, the planner's ranked plans for the target are compiled in
-order until one fits (at most `TRIES`).
+order until one fits (at most `TRIES`); when none fits by the estimate, the plans estimated within
+`ESTIMATE_MARGIN` above the budget are compiled, least first (the estimate's error is within that margin).
 
 Needs the compile-only CUDA plugin (`pip install "jax[cuda12]"`, the `gpu-compile` extra, in its own venv):
 without it the flag is refused in one line (exit 2).
@@ -35,7 +36,7 @@ from jaxring.planner.auto import held_settings
 from jaxring.planner.cluster import Cluster
 from jaxring.planner.fit import DoesNotFit, candidate_of, workload_of
 from jaxring.planner.params import param_leaves
-from jaxring.planner.search import search
+from jaxring.planner.search import ESTIMATE_MARGIN, NoPlanError, Result, margin_search, search
 
 if TYPE_CHECKING:
     from jaxring.run.spec import RunSpec
@@ -175,9 +176,21 @@ def ranked_specs(spec: RunSpec, gpu: str, count: int, tries: int = TRIES, hold: 
     specs."""
     cluster = Cluster.of(gpu, count, host_memory=host_budget_bytes(spec, count))
     result = search(workload_of(spec), cluster, only=held_settings(spec) | (hold or {}))
+    return _as_specs(spec, result, result.ranked[:tries])
+
+
+def margin_specs(spec: RunSpec, gpu: str, count: int, tries: int = TRIES) -> list[RunSpec]:
+    """--plan auto when no plan fits by the estimate: the plans estimated within ESTIMATE_MARGIN above the
+    device budget (and within the host's), least device memory first; NoPlanError when there are none."""
+    cluster = Cluster.of(gpu, count, host_memory=host_budget_bytes(spec, count))
+    result = margin_search(workload_of(spec), cluster, only=held_settings(spec))
+    return _as_specs(spec, result, result.ranked[:tries])
+
+
+def _as_specs(spec: RunSpec, result: Result, ranked: list) -> list[RunSpec]:
     parallel = dataclasses.replace(spec.parallel, options={}, plan="manual")
     base = dataclasses.replace(spec, parallel=parallel)
-    return [base.updated(**ev.candidate.settings(result.workload)) for ev in result.ranked[:tries]]
+    return [base.updated(**ev.candidate.settings(result.workload)) for ev in ranked]
 
 
 def compile_for(spec: RunSpec, target: str, log: Callable[[str], None] = print) -> int:
@@ -188,7 +201,20 @@ def compile_for(spec: RunSpec, target: str, log: Callable[[str], None] = print) 
     devices = gpu.gpu_devices(gpu_name, count)
     budget, host_budget = budget_bytes(spec, gpu_name), host_budget_bytes(spec, count)
     auto = spec.parallel.plan == "auto"
-    specs = ranked_specs(spec, gpu_name, count) if auto else [spec]
+    specs = [spec]
+    if auto:
+        try:
+            specs = ranked_specs(spec, gpu_name, count)
+        except NoPlanError as refused:
+            try:
+                specs = margin_specs(spec, gpu_name, count)
+            except NoPlanError:
+                raise refused from None
+            log(
+                f"--compile-for {target}: {refused}; the estimate is within {ESTIMATE_MARGIN - 1:.0%} of the "
+                f"compiled bytes, so the {len(specs)} plans estimated least within that above the budget are "
+                f"compiled: the compiler decides"
+            )
     verdict = None
     for i, candidate in enumerate(specs, 1):
         which = f"plan {i} of the planner's ranking: " if auto else ""
