@@ -2,7 +2,7 @@
 # jaxring's checks on one real NVIDIA GPU, as one short script (a lent GPU machine is held by the minute).
 #
 #   bash benchmarks/gpu_session.sh [SECTION ...]      # sections: env kernels flash flash-gqa train train-no-offload
-#                                                     #           weights weights-no-offload mfu
+#                                                     #           weights weights-no-offload weights-blocks mfu
 #
 # With no SECTION it runs env kernels flash flash-gqa (the cuDNN session of issue 34; at most 200 + 120 + 120 +
 # 60 s, under 10 minutes); the training and MFU sections run when named.
@@ -22,7 +22,9 @@
 #            kernel, jaxring's cuDNN block compute ("jaxring-cudnn") and cuDNN called directly
 #   flash-gqa  the same with GQA, 32 query heads over 8 K/V heads (hidden 4096), added to the same JSON
 #   weights  one GPU, 4 of Llama-3-8B's layers at 262,144 tokens with the weights, gradients and AdamW state
-#            in host memory (--offload layer_inputs+weights); weights-no-offload: the same with them on the device
+#            in host memory (--offload layer_inputs+weights); weights-no-offload: the same with them on the device;
+#            weights-blocks: the same offload with recompute blocks of 2 layers (--remat-layers 2: the blocks' inputs
+#            and, in a block's backward, its layers' in host memory)
 #   mfu      benchmarks/train_step.py --gpu-mfu: gpt2-124m and 1b at 8K tokens, tokens/s and MFU
 set -u
 OUT=${OUT:-benchmarks/results/gpu_session}
@@ -62,19 +64,21 @@ import jaxring, jaxring.models.gpt; print(\"jaxring imports\")'"
             --batch-size 1 --precision bf16 --remat full --loss-tile 4096 --mlp-tile 4096 --offload none --steps 4 \
             --log-every 1 --sample-tokens 0 --no-eval-at-end --out-dir "$OUT/train-no-offload"
         ;;
-    weights | weights-no-offload)
+    weights | weights-no-offload | weights-blocks)
         # issue 35: one GPU, a 4-layer Llama-3-8B-shaped model at 262,144 tokens with the fp32 weights, their
         # gradients and the AdamW state in host memory (--offload layer_inputs+weights), against the same run
         # with them on the device (--offload layer_inputs); peak device memory and step time in the metrics,
         # the process's peak resident host memory from /usr/bin/time -v (pinned buffers included)
         offload=layer_inputs+weights
         [ "$s" = weights-no-offload ] && offload=layer_inputs
+        blocks=1
+        [ "$s" = weights-blocks ] && blocks=2
         timed=()
         [ -x /usr/bin/time ] && timed=(/usr/bin/time -v)
         run "$s" 240 "${timed[@]}" "$PY" train.py --preset llama3-8b --override num_layers=4 --seq-len 262144 \
-            --batch-size 1 --precision bf16 --remat full --loss-tile 4096 --mlp-tile 4096 --offload "$offload" \
-            --steps 3 --log-every 1 --sample-tokens 0 --no-eval-at-end --metrics-file "$OUT/$s/metrics.jsonl" \
-            --out-dir "$OUT/$s"
+            --batch-size 1 --precision bf16 --remat full --remat-layers "$blocks" --loss-tile 4096 --mlp-tile 4096 \
+            --offload "$offload" --steps 3 --log-every 1 --sample-tokens 0 --no-eval-at-end \
+            --metrics-file "$OUT/$s/metrics.jsonl" --out-dir "$OUT/$s"
         ;;
     flash)
         run flash 120 "$PY" benchmarks/flash_attention.py --seqs 8192 32768 --head-dims 128 \
@@ -87,6 +91,6 @@ import jaxring, jaxring.models.gpt; print(\"jaxring imports\")'"
     mfu)
         run mfu 180 "$PY" benchmarks/train_step.py --gpu-mfu --steps 5 --out "$OUT/train_step_gpu.json"
         ;;
-    *) echo "unknown section $s (env kernels flash flash-gqa train train-no-offload weights weights-no-offload mfu)" | tee -a "$LOG" ;;
+    *) echo "unknown section $s (env kernels flash flash-gqa train train-no-offload weights weights-no-offload weights-blocks mfu)" | tee -a "$LOG" ;;
     esac
 done
