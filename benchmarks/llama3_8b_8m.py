@@ -30,13 +30,17 @@ SEQ = 8388608
 HOST_BUDGET_GIB = 256.0  # a DGX H100 node's host memory per GPU (`jaxring.aot.compile_for.TARGETS`)
 TILES = dict(preset="llama3-8b", batch_size=1, remat="full", loss_tile=4096, mlp_tile=4096)
 ULYSSES = TILES | dict(sp=8, attention="ulysses", zero=3, offload="layer_inputs+weights")
+METP = TILES | dict(tp=8, tensor_parallel="metp", vocab_split="ring", offload="layer_inputs+weights")
 ROWS = {
     "ulysses sp8, tiled block, weights offloaded": ULYSSES,
     "the same, UPipe head chunks 2": ULYSSES | dict(head_chunks=2),
     "the same, UPipe head chunks 4": ULYSSES | dict(head_chunks=4),
     "the same, recompute blocks of 2": ULYSSES | dict(remat_layers=2),
-    "metp tp8, vocab ring, weights offloaded": TILES
-    | dict(tp=8, tensor_parallel="metp", vocab_split="ring", offload="layer_inputs+weights"),
+    "the same, recompute blocks of 4": ULYSSES | dict(remat_layers=4),
+    "ulysses sp8, vocab ring, tiled block, weights offloaded, blocks of 4": ULYSSES
+    | dict(vocab_split="ring", remat_layers=4),
+    "metp tp8, vocab ring, weights offloaded": METP,
+    "metp tp8, vocab ring, weights offloaded, recompute blocks of 2": METP | dict(remat_layers=2),
 }
 
 

@@ -7,22 +7,26 @@ from __future__ import annotations
 import pytest
 
 from jaxring.aot import margin
+from jaxring.planner.auto import held_settings
 from jaxring.planner.cluster import Cluster
 from jaxring.planner.fit import candidate_of, workload_of
 from jaxring.planner.search import ESTIMATE_MARGIN, NoPlanError, margin_search, search
 from jaxring.run.spec import RunSpec
 
-SPEC = RunSpec.of(preset="llama3-8b", seq_len=8388608, batch_size=1, plan="auto")
+# the tables replicated (held): nothing fits by the estimate (the vocabulary split over sp does)
+SPEC = RunSpec.of(preset="llama3-8b", seq_len=8388608, batch_size=1, plan="auto", vocab_split="none")
+HELD = held_settings(SPEC)
 H100X8 = Cluster.of("h100", 8, host_memory=256 * 2**30)
 
 
 def test_margin_search_holds_the_plans_estimated_just_above_the_budget():
-    """Llama-3-8B at 8,388,608 tokens on 8 × H100: nothing fits by the estimate; the margin's plans are each
-    estimated within 10% above the usable memory and within the host's, least first."""
+    """Llama-3-8B at 8,388,608 tokens on 8 × H100, the tables replicated: nothing fits by the estimate; the
+    margin's plans are each estimated within 10% above the usable memory and within the host's, least first."""
     w = workload_of(SPEC)
+    assert HELD == {"vocab_split": "none"}
     with pytest.raises(NoPlanError, match="no plan fits in memory"):
-        search(w, H100X8)
-    result = margin_search(w, H100X8)
+        search(w, H100X8, only=HELD)
+    result = margin_search(w, H100X8, only=HELD)
     totals = [ev.memory.total for ev in result.ranked]
     assert totals and totals == sorted(totals)
     usable = H100X8.usable_memory
@@ -36,7 +40,7 @@ def test_the_first_plan_whose_compiled_bytes_fit_is_run(monkeypatch, fitting):
     """The plans are compiled in the margin's order until one fits the usable memory; when none does, the
     search's own one-line refusal stands."""
     monkeypatch.setattr(margin, "cluster_of", lambda devices: H100X8)
-    ranked = margin_search(workload_of(SPEC), H100X8).ranked
+    ranked = margin_search(workload_of(SPEC), H100X8, only=HELD).ranked
     compiled = []
 
     def peak(w, candidate, devices):

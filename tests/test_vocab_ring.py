@@ -1,7 +1,8 @@
 """The embedding and LM head split over the vocabulary on a ring (`jaxring.parallel.tensor.vocab_ring`): the
 lookup and the per-token cross-entropy, forward and every gradient, against the whole-table jnp computation
 (jnp.take, optax's cross-entropy), on dp2 x tp4 and tp8, with row tiles; the bytes the rings move, read from
-the compiled program. fp32 (XLA:CPU would widen bf16 collectives)."""
+the compiled program; in the model under METP (over tp) and the sequence strategies (over sp: ring, Ulysses,
+USP's two axes), against the replicated tables. fp32 (XLA:CPU would widen bf16 collectives)."""
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ import jaxring
 from jaxring.analysis.compiled import collective_traffic
 from jaxring.models import gpt
 from jaxring.nn import param_shardings
+from jaxring.nn.inference import check_decodable
 from jaxring.parallel.tensor.vocab_ring import ring_cross_entropy, ring_embed
 
 B, S, H, V = 2, 32, 16, 48
@@ -127,26 +129,77 @@ def test_the_model_gives_the_replicated_tables_loss_and_gradients(name, settings
     _assert_same(ring, _loss_and_grads(METP | settings, cfg))
 
 
-def test_the_tables_are_stored_split_over_tp():
+# with no tensor parallelism the ring runs over the sequence strategy's axes (USP: its two views of sp)
+SEQUENCE_PLANS = {
+    "ring zigzag sp8": dict(sp=8, attention="ring", layout="zigzag"),
+    "ulysses sp4 dp2": dict(dp=2, sp=4, attention="ulysses"),
+    "usp sp4 (2 x 2) dp2": dict(dp=2, sp=4, attention="usp", ulysses_size=2),
+}
+
+
+@pytest.mark.parametrize(
+    "name,settings,cfg",
+    [
+        ("ring zigzag sp8", dict(zero=3, loss_tile=2), {}),
+        ("ulysses sp4 dp2", dict(zero=3, remat="full", offload="layer_inputs+weights"), {"tie_embeddings": True}),
+        ("usp sp4 (2 x 2) dp2", dict(zero=1, mlp_tile=2), {}),
+    ],
+)
+def test_the_sequence_strategies_give_the_replicated_tables_loss_and_gradients(name, settings, cfg):
+    """--vocab-split ring with no tensor parallelism: the tables split over sp, their blocks on a ring there;
+    the loss and every gradient of the run with them replicated (fp32, relative 2-norm 1e-6)."""
+    plan = SEQUENCE_PLANS[name] | settings
+    _assert_same(_loss_and_grads(plan | dict(vocab_split="ring"), cfg), _loss_and_grads(plan, cfg))
+
+
+@pytest.mark.parametrize(
+    "settings,split_spec",
+    [(METP, "tp"), (SEQUENCE_PLANS["ulysses sp4 dp2"], "sp"), (SEQUENCE_PLANS["usp sp4 (2 x 2) dp2"], None)],
+)
+def test_the_tables_are_stored_split_over_the_ring(settings, split_spec):
     model = gpt.GPT(gpt.GPTConfig(vocab_size=64, num_layers=1, hidden=32, num_heads=4, ffn=64), rngs=nnx.Rngs(0))
-    for split, table_spec in (("ring", ("tp", None)), ("none", (None, None))):
-        plan = jaxring.make_plan(jax.devices(), **METP, vocab_split=split)
+    for split in ("ring", "none"):
+        plan = jaxring.make_plan(jax.devices(), **settings, vocab_split=split)
+        want = plan.seq_axis if split_spec is None else split_spec  # USP: its view's two axes
         shardings = param_shardings(nnx.state(model, nnx.Param), plan)
-        assert tuple(shardings["embed"]["table"].spec)[:2] == table_spec, (split, shardings["embed"]["table"])
+        assert tuple(shardings["embed"]["table"].spec)[:1] == ((want,) if split == "ring" else (None,)), (
+            split,
+            shardings["embed"]["table"],
+        )
 
 
-def test_a_vocabulary_tp_does_not_divide_is_one_line():
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        (METP, r"vocab 66 is not divisible by tp = 4 \(--vocab-split ring"),
+        (SEQUENCE_PLANS["ulysses sp4 dp2"], r"vocab 66 is not divisible by sp = 4 \(--vocab-split ring"),
+        (dict(dp=8), r"--vocab-split ring splits the tables over sp: it needs sp > 1 \(got 1\)"),
+    ],
+)
+def test_a_vocabulary_the_ring_does_not_divide_is_one_line(settings, message):
     cfg = gpt.GPTConfig(vocab_size=66, num_layers=1, hidden=32, num_heads=4, ffn=64)
-    plan = jaxring.make_plan(jax.devices(), **METP, vocab_split="ring")
-    with pytest.raises(ValueError, match=r"vocab.*66.*tp.*--vocab-split ring"):
+    plan = jaxring.make_plan(jax.devices(), **settings, vocab_split="ring")
+    with pytest.raises(ValueError, match=message):
         gpt.check_plan(cfg, plan, 4, 64)
 
 
-def test_train_py_resumes_bit_exactly(tmp_path):
-    """train.py under METP with --vocab-split ring: saved at step 2 and resumed, the same losses as the
-    uninterrupted run (the tables' checkpointed shards are tp's vocab blocks)."""
+def test_decoding_needs_the_tables_whole():
+    with pytest.raises(ValueError, match="generate reads the embedding and LM head whole"):
+        check_decodable(jaxring.make_plan(jax.devices(), **SEQUENCE_PLANS["ulysses sp4 dp2"], vocab_split="ring"))
 
-    run = RUN.updated(sp=1, tp=4, dp=2, tensor_parallel="metp", offload="none", vocab_split="ring")
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        dict(sp=1, tp=4, dp=2, tensor_parallel="metp"),
+        pytest.param(dict(sp=4, dp=2, attention="ulysses"), marks=pytest.mark.slow),
+    ],
+)
+def test_train_py_resumes_bit_exactly(tmp_path, plan):
+    """train.py with --vocab-split ring (METP over tp; Ulysses over sp): saved at step 2 and resumed, the same
+    losses as the uninterrupted run (the tables' checkpointed shards are the ring's vocab blocks)."""
+
+    run = RUN.updated(**plan, offload="none", vocab_split="ring")
     full = _losses(run)
     ckpt = str(tmp_path / "ckpt")
     first = _losses(run.updated(steps=2, checkpoint_dir=ckpt))

@@ -399,6 +399,8 @@ class ParallelPlan:
         if self.tensor_parallel:
             opts = ", ".join(f"{k}={v}" for k, v in self.tensor_options.items())
             parts.append(f"tensor={self.tensor_parallel}" + (f" ({opts})" if opts else ""))
+        elif self.tensor_options.get("vocab_split", "none") != "none":  # no tensor method: the tables over sp
+            parts.append(f"vocab_split={self.tensor_options['vocab_split']}")
         if self.zero_stage:
             parts.append(f"zero={self.zero_stage}")
         if self.pp > 1:

@@ -144,6 +144,7 @@ def shapes(w: Workload, c: Candidate, plan: ParallelPlan | None = None, cpu: boo
         cpu=cpu,
         segments=w.documents,
         vocab_split=plan.tensor_options.get("vocab_split", "none") != "none",
+        seq_axes=plan.seq_axes,
     )
     method = plan.tensor
     if not method.has_cost():

@@ -37,10 +37,16 @@ from jaxring.parallel.tensor.splits import own_kv_head
 
 
 def check_decodable(plan: ParallelPlan) -> None:
-    """Raises (one line) on a plan the KV-cache decoder cannot run: a pipeline, or a tensor method that does not
-    declare `decodes` (the heads split over tp as Megatron's, or nothing split)."""
+    """Raises (one line) on a plan the KV-cache decoder cannot run: a pipeline, the tables split over the
+    vocabulary, or a tensor method that does not declare `decodes` (the heads split over tp as Megatron's, or
+    nothing split)."""
     if plan.pp > 1:
         raise ValueError(f"generate runs without a pipeline (pp = {plan.pp}); use a plan with pp = 1")
+    if plan.tensor_options.get("vocab_split", "none") != "none":
+        raise ValueError(
+            "generate reads the embedding and LM head whole: decode with a plan of --vocab-split none (the weights "
+            "load into any plan)"
+        )
     if not plan.tensor.decodes:
         decoding = ", ".join(name for name, method in tensor_methods().items() if method.decodes)
         raise ValueError(

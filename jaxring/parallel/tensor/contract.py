@@ -37,6 +37,7 @@ from jaxring.core.mesh import spec_entry
 from jaxring.kernels.layer_math import activate, add_bias, layer_norm, merge_heads, qk_norm_rope, rms_norm, split_heads
 from jaxring.parallel.cost_terms import F32, AttentionCost, LocalDims, ModelShape, Transfer
 from jaxring.parallel.registry import HasOptions
+from jaxring.parallel.tensor.vocab_split import VocabSplit, vocab_ring_transfers
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -307,4 +308,29 @@ def modulation_gradients(
     return [Transfer(what, axes, vectors * 2 * (p - 1) / p * x.b * m.hidden * F32, 1)]
 
 
-NONE = TensorMethod()  # no tensor parallelism
+class NoTensorParallel(VocabSplit, TensorMethod):
+    """No tensor parallelism ("none"): the base's layers, and with `--vocab-split ring` the embedding and LM
+    head split by vocab rows over the sequence strategy's axes, their blocks on a ring there (`vocab_split.py`)."""
+
+    def vocab_axes(self, plan: ParallelPlan) -> tuple[str, ...]:
+        return plan.seq_axes
+
+    def check_model(
+        self, plan: ParallelPlan, *, num_heads: int, num_kv_heads: int, hidden: int, ffn: int, vocab: int | None
+    ) -> None:
+        self.check_vocab(plan, vocab, plan.sp, "sp")
+
+    def param_spec(self, plan: ParallelPlan, info: ParamInfo) -> tuple:
+        return tuple(self.vocab_axis(plan) if a == "vocab" else None for a in info.logical_axes)
+
+    def local_dims(self, m: ModelShape) -> LocalDims:
+        vocab = m.vocab // m.sp if m.vocab is not None and m.vocab_split else m.vocab  # one block's logits
+        return LocalDims(m.b, m.n, m.n, m.hidden, m.heads, m.kv_heads, m.ffn, vocab)
+
+    def head_transfers(self, m: ModelShape, x: LocalDims) -> list[Transfer]:
+        if m.vocab is None or not m.vocab_split or m.sp == 1:
+            return []
+        return vocab_ring_transfers(m, m.sp, m.seq_axes)
+
+
+NONE = NoTensorParallel()  # no tensor parallelism

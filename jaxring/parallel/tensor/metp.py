@@ -19,7 +19,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring.core.mesh import spec_entry
 from jaxring.parallel.cost_terms import F32, AttentionCost, LocalDims, ModelShape, Transfer, tree_rounds
-from jaxring.parallel.registry import Option
 from jaxring.parallel.tensor.contract import (
     AttentionLayer,
     ParamInfo,
@@ -29,7 +28,7 @@ from jaxring.parallel.tensor.contract import (
 )
 from jaxring.parallel.tensor.metp_layers import metp_attention, metp_mlp
 from jaxring.parallel.tensor.splits import check_divisible, check_kv_heads, own_kv_head
-from jaxring.parallel.tensor.vocab_ring import ring_cross_entropy, ring_embed, ring_loss_tiles
+from jaxring.parallel.tensor.vocab_split import VocabSplit, vocab_ring_transfers
 
 if TYPE_CHECKING:
     from jaxring.parallel.plan import ParallelPlan
@@ -60,41 +59,12 @@ def _token_id_transfers(m: ModelShape, x: LocalDims) -> list[Transfer]:
     return out
 
 
-VOCAB_SPLITS = ("none", "ring")
-
-
-def check_vocab_split(value: str, tp: int) -> None:
-    if value not in VOCAB_SPLITS:
-        raise ValueError(f"--vocab-split {value!r} must be one of {', '.join(VOCAB_SPLITS)}")
-
-
-def _vocab_ring_transfers(m: ModelShape) -> list[Transfer]:
-    """`vocab_ring.py`'s bytes (its module docstring): v = V·h/p a block; the embedding (p-1)·v forward and
-    (p-1)·v fp32 backward, the head (p-1)·v forward, (p-1)·v and p·v fp32 backward (a tied table: both)."""
-    p = m.tp
-    v = m.vocab * m.hidden // p
-    return [
-        Transfer(
-            "vocab ring: embedding blocks forward, fp32 gradients backward",
-            ("tp",),
-            (p - 1) * v * (m.e + F32),
-            2 * (p - 1),
-        ),
-        Transfer(
-            "vocab ring: head blocks forward and backward, fp32 gradients backward",
-            ("tp",),
-            2 * (p - 1) * v * m.e + p * v * F32,
-            3 * p - 2,
-        ),
-    ]
-
-
 # [b, n/p, h/p] fp32 blocks of the head-group loop live at the compiled CPU step's layer-backward peak (27 in
 # the live ranges of dp2 x METP tp4, remat full, 2 and 4 layers; `METP.layer_working`)
 CPU_GROUP_LOOP_BLOCKS = 27
 
 
-class METP(TensorMethod):
+class METP(VocabSplit, TensorMethod):
     """METP over `tp`: the sequence split over tp (activations [b, s/p, h] never move), weights circulate.
     The embedding and LM head stay replicated (the paper distributes only the blocks)."""
 
@@ -109,21 +79,9 @@ class METP(TensorMethod):
         "METP already splits the sequence over tp (its K/V ring runs over tp); "
         "use megatron for tensor × sequence parallelism"
     )
-    options = (
-        Option(
-            "vocab_split",
-            "ring: the embedding and LM head split over tp by vocab rows, their blocks on a ring; none: replicated",
-            check_vocab_split,
-            default="none",
-            type=str,
-            choices=VOCAB_SPLITS,
-            search=lambda tp: VOCAB_SPLITS,
-        ),
-    )
 
-    @staticmethod
-    def vocab_ring(plan: ParallelPlan) -> bool:
-        return plan.tensor_options.get("vocab_split") == "ring"
+    def vocab_axes(self, plan: ParallelPlan) -> tuple[str, ...]:
+        return ("tp",)
 
     def check_model(
         self, plan: ParallelPlan, *, num_heads: int, num_kv_heads: int, hidden: int, ffn: int, vocab: int | None
@@ -131,8 +89,7 @@ class METP(TensorMethod):
         tp = plan.tp
         check_kv_heads(num_heads, num_kv_heads, tp, "METP, one head group per rank,")
         check_divisible("ffn", ffn, tp, "tp", " (each rank holds ffn/tp columns of W_in)")
-        if vocab is not None and self.vocab_ring(plan):
-            check_divisible("vocab", vocab, tp, "tp", " (--vocab-split ring splits the table by vocab rows over tp)")
+        self.check_vocab(plan, vocab, tp, "tp")
 
     def check_seq(self, plan: ParallelPlan, seq_len: int) -> None:
         check_divisible("seq", seq_len, plan.tp, "tp", " (METP splits the sequence over tp)")
@@ -154,35 +111,10 @@ class METP(TensorMethod):
             if name == "kv_heads":  # fewer K/V heads than tp: replicated, each rank reads its own
                 return "tp" if info.heads is not None and info.heads % plan.tp == 0 else None
             if name == "vocab":
-                return "tp" if self.vocab_ring(plan) else None
+                return self.vocab_axis(plan)
             return "tp" if name in ("heads", "mlp") else None
 
         return tuple(axis(a) for a in info.logical_axes)
-
-    def embed(
-        self,
-        plan: ParallelPlan,
-        tokens: jax.Array,
-        table: jax.Array,
-        positions: jax.Array | None = None,
-        pos_table: jax.Array | None = None,
-    ) -> jax.Array:
-        if not self.vocab_ring(plan):
-            return super().embed(plan, tokens, table, positions, pos_table)
-        x = ring_embed(tokens, table, "tp")  # table: this rank's vocab rows [V/p, h]
-        return x if pos_table is None else x + jnp.take(pos_table, positions, axis=0)
-
-    def cross_entropy(
-        self, plan: ParallelPlan, x: jax.Array, w: jax.Array, targets: jax.Array, *, tied: bool
-    ) -> jax.Array:
-        if not self.vocab_ring(plan):
-            return super().cross_entropy(plan, x, w, targets, tied=tied)
-        head = w.T if tied else w  # this rank's vocab columns [h, V/p]
-        tiles = ring_loss_tiles(x.shape[1], plan.loss_tile, plan.loss_tiles(x))
-        return ring_cross_entropy(x, head.astype(x.dtype), targets, "tp", tiles)
-
-    def tiles_loss_itself(self, plan: ParallelPlan) -> bool:
-        return self.vocab_ring(plan)  # the row tiles inside the ring (a block goes round once, not per tile)
 
     def attention(
         self,
@@ -268,7 +200,7 @@ class METP(TensorMethod):
     def head_transfers(self, m: ModelShape, x: LocalDims) -> list[Transfer]:
         """The embedding and head replicated (nothing moves) or on their vocab rings; the final layer's
         modulation gradients are summed."""
-        ring = _vocab_ring_transfers(m) if m.vocab is not None and m.vocab_split and m.tp > 1 else []
+        ring = vocab_ring_transfers(m, m.tp, ("tp",)) if m.vocab is not None and m.vocab_split and m.tp > 1 else []
         return ring + modulation_gradients(
             m.final_modulation, m, x, "DiT final layer's modulation gradients (shift, scale)"
         )

@@ -1,5 +1,6 @@
 """The embedding and the LM head split over the vocabulary, their blocks on a ring: for layouts that split the
-sequence over the same axis as the vocabulary (METP over tp, `--vocab-split ring`).
+sequence over the same axes as the vocabulary (`--vocab-split ring`, `vocab_split.py`: METP over tp, the
+sequence strategies over sp).
 
 Rank r keeps the vocab rows [r·V/p, (r+1)·V/p) of the table [V, h] (and the same columns of the head [h, V]) and
 its own tokens [b, n]. The tokens stay; the vocab blocks go round the ring, so no device ever holds a whole
@@ -73,7 +74,7 @@ def _divisor_at_most(n: int, limit: int) -> int:
 # ---------------------------------------------------------------------------------------- the embedding
 
 
-def ring_embed(tokens: jax.Array, block: jax.Array, axis_name: str) -> jax.Array:
+def ring_embed(tokens: jax.Array, block: jax.Array, axis_name: str | tuple[str, ...]) -> jax.Array:
     """tokens int [b, n] (this rank's), block [V/p, h] (this rank's vocab rows) -> x [b, n, h] in block's dtype."""
     return _ring_embed(tokens, block, axis_name)
 
@@ -124,7 +125,9 @@ _ring_embed.defvjp(_ring_embed_fwd, _ring_embed_bwd)
 # ---------------------------------------------------------------------------------------- the head's loss
 
 
-def ring_cross_entropy(x: jax.Array, w: jax.Array, targets: jax.Array, axis_name: str, tiles: int = 1) -> jax.Array:
+def ring_cross_entropy(
+    x: jax.Array, w: jax.Array, targets: jax.Array, axis_name: str | tuple[str, ...], tiles: int = 1
+) -> jax.Array:
     """Per-token loss fp32 [b, n] of logits x @ [the whole head]: x [b, n, h] (this rank's rows), w [h, V/p] (this
     rank's vocab columns), targets int [b, n] in [0, V). tiles: row tiles of the logits (n % tiles == 0)."""
     if x.shape[1] % tiles:
