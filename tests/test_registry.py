@@ -109,7 +109,9 @@ def test_the_new_strategy_is_a_flag_a_yaml_key_a_plan_and_trains(mine, tmp_path)
     argv = ["--sp", "8", "--attention", "mine", "--chunks", "4", *FLAGS]
     assert train.main([*argv, "--metrics-file", str(flags_metrics), "--out-dir", str(tmp_path / "a")]) == 0
     written = RunSpec.load(tmp_path / "a" / "run.yaml")
-    assert written.parallel.attention == "mine" and written.parallel.options == {"chunks": 4}
+    # the resolved run names every option of its entries: the strategy's and the tensor method's ("none")
+    assert written.parallel.attention == "mine"
+    assert written.parallel.options == {"chunks": 4, "vocab_split": "none"}
 
     config = tmp_path / "run.yaml"
     config.write_text(written.updated(metrics_file=str(yaml_metrics), out_dir=str(tmp_path / "b")).to_yaml())

@@ -619,6 +619,7 @@ def memory(
     remat, x, em = c.remat, s.local, s.model.em
     params = optimizer = grads = update = 0.0
     layer_grad = head_grads = 0.0  # one layer's gradient; the gradients formed by the head's backward
+    layer_stored = 0.0  # one layer's fp32 weights as a device stores them (its ZeRO-3 shard)
     top = 0.0  # the fp32 bytes of the weights outside the layer stack, as a device holds them in the step
     top_grads = 0.0  # their gradients as stored (ZeRO-2/3: the device's shard)
     for leaf in leaves:
@@ -635,6 +636,7 @@ def memory(
         update += {0: (2 if cpu else 4) * psi, 1: psi + 4 * psi / R, 2: psi + 4 * psi / R, 3: 4 * psi / R}[stage]
         if leaf.stacked:
             layer_grad += psi / max(s.layers, 1)
+            layer_stored += psi / (R if stage == 3 else 1) / max(s.layers, 1)
         else:  # its gradient, and under ZeRO-3 its gathered weights
             top += psi
             top_grads += psi / (R if stage >= 2 else 1)
@@ -674,10 +676,11 @@ def memory(
         # and the embedding's backward to the update on the device: the deviceless H100 compiles of
         # Llama-3-8B, one GPU 115.7 GiB of state = 4Ψ less them, 8 GPUs with ZeRO-3 14.5 GiB)
         host += params + stored_grads - top_grads
-        # with recompute blocks a block's layers' weights move in at once, and their gradients out at once
-        # (one H100, 655,360 tokens: blocks of 4 compile to 3.2 GiB more than blocks of 2, 2 x 2 layers' 0.81)
-        in_flight = c.remat_layers if remat == "full" else 1
-        params, grads = top, 2 * in_flight * layer_grad
+        # with recompute blocks a block's layers' stored weights move in at once, and their gradients out at
+        # once (one H100, 655,360 tokens: blocks of 4 compile to 3.2 GiB more than blocks of 2, 2 x 2 layers'
+        # 0.81; with ZeRO-3 a layer's shard)
+        blocks_in = c.remat_layers if remat == "full" else 1
+        params, grads = top, 2 * layer_grad + 2 * (blocks_in - 1) * layer_stored
         head_grads = top
         update = OFFLOADED_UPDATE_IN_FLIGHT * top
     blocks = c.remat_layers if remat == "full" else 1  # layers per recompute block: one input kept per block
