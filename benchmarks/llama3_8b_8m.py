@@ -1,13 +1,15 @@
-"""Llama-3-8B at 8,388,608 tokens on 8 x H100 (deviceless compile): the plans that come closest, per device the
-compiled and estimated device bytes and the host bytes against the 256 GiB a GPU of a DGX node has.
+"""Llama-3-8B at 8,388,608 tokens on 8 x H100 (deviceless compile): the plans that fit and those that come close;
+per device the compiled and estimated device bytes, and the host bytes against the 256 GiB a GPU of a DGX
+node has.
 
     python benchmarks/llama3_8b_8m.py                    # -> benchmarks/results/llama3_8b_8m.json
     python benchmarks/llama3_8b_8m.py --rows "ulysses"   # the rows whose name contains "ulysses"
 
 At this length the 32 layers' checkpointed inputs alone are 32 x 8 GiB = 256 GiB of host memory a device with
-any plan (the sequence is split 8 ways either way), so a plan that offloads them all is host-bound here; the
-rows show how far each technique gets on the device and on the host. Each row is compiled as
-`train.py --compile-for h100x8` compiles it (`llama3_8b_4m.measure`).
+any plan (the sequence is split 8 ways either way), so a plan that offloads them all is host-bound here.
+Recompute blocks of K layers keep 32/K block inputs, and while a block's backward runs its K layers' inputs,
+in host memory too (32/K + K inputs: 12 at K = 4); the vocabulary split over sp takes the fp32 tables off the
+device. Each row is compiled as `train.py --compile-for h100x8` compiles it (`llama3_8b_4m.measure`).
 """
 
 from __future__ import annotations
