@@ -220,7 +220,7 @@ def test_recompute_blocks_need_full_remat_and_a_divisor_of_the_layers():
 @pytest.mark.slow  # a deviceless compile, about 15 s; skips without the compile-only CUDA plugin
 @pytest.mark.skipif(not gpu.available()[0], reason="deviceless GPU compile unavailable (see jaxring/analysis/gpu.py)")
 def test_llama3_8b_at_655360_tokens_fits_one_h100(capsys):
-    """Issue 35's command: the planner turns to the weights in host memory and recompute blocks of 2 layers;
+    """Issue 35's command: the planner turns to the weights in host memory and recompute blocks of √L = 4 layers;
     the program compiled for one H100 fits its device (estimate within 10%) and the host's 256 GiB."""
     import train as cli  # the repository's train.py, here: its name would shadow jaxring.train.loop's train above
 

@@ -565,8 +565,9 @@ TILED_COPIES_GONE_RECOMPUTED = 2.5
 # in [b, n, h] arrays of the activation dtype, on the deviceless H100 and H200 compiles of Llama-3-8B (tiles of
 # 4096, benchmarks/results/longest_sequence.json): the values that keep every probe of the rerun rows within
 # 10% of the compiled bytes: ring and one GPU 1.5-2.6 (1.7 taken); Ulysses and USP, whose backward peaks in the
-# core (`AttentionCost.peak_in_core`), 0.4-1.3 (1.0); with recompute blocks (--remat-layers 2) -0.0-0.8 over all
-# (0.5). The spread is XLA's packing of the buffers.
+# core (`AttentionCost.peak_in_core`), 0.4-1.3 (1.0); with recompute blocks (--remat-layers 2) keeping their
+# layers' inputs on the device -0.0-0.8 over all (0.5; offloaded, a block's backward holds one layer's input
+# and the values without blocks apply). The spread is XLA's packing of the buffers.
 TILED_BLOCK_GONE = 1.7
 TILED_BLOCK_GONE_CORE_PEAK = 1.0
 TILED_BLOCK_GONE_IN_BLOCKS = 0.5
