@@ -11,13 +11,15 @@ technique):
 
   targets     h100x8, h200x8, h100x1 (`jaxring.aot.compile_for.TARGETS`); the budget per device is the
               planner's usable memory (what `train.py --compile-for` checks against)
-  plans       ring zigzag sp8, ulysses sp8, usp sp8 (ring 4 x ulysses 2), megatron tp8, metp tp8, and `auto`:
-              at each length, the plan `train.py --plan auto` picks (the planner's best that its estimate
-              fits); on one GPU: one gpu, auto
+  plans       ring zigzag sp8, ulysses sp8, ulysses sp8 with the vocabulary split (--vocab-split ring), usp sp8
+              (ring 4 x ulysses 2), megatron tp8, metp tp8 and with the vocabulary split, and `auto`: at each
+              length, the plan `train.py --plan auto` picks (the planner's best that its estimate fits); on
+              one GPU: one gpu, auto
   techniques  none; loss tile (--loss-tile); mlp tile (--mlp-tile); offload (--offload layer_inputs); all;
               all + optimizer (--offload layer_inputs+optimizer: the AdamW state in host memory too); all +
               weights (--offload layer_inputs+weights: the fp32 weights and gradients as well); all + weights,
-              blocks (and --remat-layers 2: recompute blocks of two layers, half the layer inputs kept)
+              blocks (and --remat-layers 4: recompute blocks of four layers, the planner's √L; a block's
+              layers' inputs go to host memory in its backward)
 
 How a row is found, cheapest first:
   1. bisection on the planner's memory ESTIMATE (`jaxring.planner.cost_model.memory`, no compile) to --unit tokens:
@@ -61,6 +63,8 @@ BASE = dict(model="gpt", batch_size=1, precision="bf16", remat="full")
 PLANS_8 = {
     "ring zigzag sp8": dict(sp=8, attention="ring", layout="zigzag", zero=3),
     "ulysses sp8": dict(sp=8, attention="ulysses", zero=3),
+    # the embedding and LM head split over sp by vocab rows, their blocks on the sequence ring
+    "ulysses sp8, vocab ring": dict(sp=8, attention="ulysses", zero=3, vocab_split="ring"),
     "usp sp8": dict(sp=8, attention="usp", ulysses_size=2, zero=3),
     "megatron tp8": dict(tp=8, tensor_parallel="megatron"),
     "metp tp8": dict(tp=8, tensor_parallel="metp"),
@@ -80,8 +84,9 @@ TECHNIQUES = {
     # and the fp32 weights and their gradients too, streamed to the device layer by layer (--offload
     # layer_inputs+weights)
     "all + weights": dict(loss_tile=TILE, mlp_tile=TILE, offload="layer_inputs+weights"),
-    # and recompute blocks of 2 layers (--remat-layers 2): half the layer inputs in host memory
-    "all + weights, blocks": dict(loss_tile=TILE, mlp_tile=TILE, offload="layer_inputs+weights", remat_layers=2),
+    # and recompute blocks of 4 layers (--remat-layers 4, the planner's √L blocks for 32 layers): 8 block inputs in
+    # host memory, and a block's 4 layers' while its backward runs
+    "all + weights, blocks": dict(loss_tile=TILE, mlp_tile=TILE, offload="layer_inputs+weights", remat_layers=4),
 }
 
 

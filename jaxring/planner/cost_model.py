@@ -728,7 +728,7 @@ def memory(
             else:
                 copies += TILED_BLOCK_GONE_CORE_PEAK if s.core.peak_in_core else TILED_BLOCK_GONE
         working -= copies * x.b * x.n_act * s.model.hidden * em
-    if "weights" in parts and not cpu and blocks_on_device == 1 and x.n > x.n_act:
+    if "weights" in parts and not cpu and blocks == 1 and x.n > x.n_act:  # (a block's weights move in at once)
         working -= OFFLOADED_WEIGHTS_GATHERS_GONE * x.b * x.n * s.model.hidden * em
     # the step's batch as stored (the family's: tokens, targets, positions int32, packed documents' segment ids
     # and loss mask; a DiT's images and labels)
