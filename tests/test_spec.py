@@ -119,3 +119,11 @@ def test_spec_of_takes_flat_names_and_refuses_unknown_ones():
     with pytest.raises(ValueError, match=re.escape("unknown setting 'stepz' (did you mean 'steps'?)")):
         RunSpec.of(stepz=3)
     assert dataclasses.replace(spec.training, steps=9).steps == 9
+
+
+def test_tp_without_a_method_resolves_megatrons_options():
+    """tp > 1 with no --tensor-parallel is Megatron: the resolved options are its (none) and the strategy's, not
+    the "none" method's vocab_split (which Megatron's plan would refuse)."""
+    spec = RunSpec.of(tp=2, sp=4).resolved(8)
+    assert "vocab_split" not in spec.parallel.options, spec.parallel.options
+    assert spec.plan(jax.devices()).tensor_parallel == "megatron"

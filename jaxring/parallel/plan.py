@@ -56,6 +56,10 @@ if TYPE_CHECKING:
 ZERO_STAGES = (0, 1, 2, 3)
 
 
+# the tensor method over tp > 1 when none is named
+DEFAULT_TENSOR_PARALLEL = "megatron"
+
+
 class ParallelPlan:
     """How a model runs on `mesh` (a mesh from `jaxring.make_mesh`); immutable."""
 
@@ -85,7 +89,7 @@ class ParallelPlan:
         if self.sp == 1 and attention != "dense":
             raise ValueError(f"attention {attention!r} splits the sequence over sp, but sp = 1")
         if self.tp > 1 and tensor_parallel is None:
-            tensor_parallel = "megatron"
+            tensor_parallel = DEFAULT_TENSOR_PARALLEL
         self.tensor_parallel = tensor_parallel
         method = tensor_method(tensor_parallel)
         if tensor_parallel is not None and self.tp == 1:

@@ -24,7 +24,7 @@ import yaml
 
 from jaxring.core.suggest import nearest
 from jaxring.parallel.catalog import resolve_options, sequence_strategy
-from jaxring.parallel.plan import ParallelPlan
+from jaxring.parallel.plan import DEFAULT_TENSOR_PARALLEL, ParallelPlan
 from jaxring.run.checks import check_batch_split, check_degrees, check_spec
 from jaxring.run.make_plan import make_plan
 from jaxring.run.schema import (
@@ -200,7 +200,7 @@ class RunSpec:
             p.zero = 3 if p.fsdp > 1 else 0
         p.options = resolve_options(
             p.attention,
-            p.tensor_parallel if p.tp > 1 else None,
+            (p.tensor_parallel or DEFAULT_TENSOR_PARALLEL) if p.tp > 1 else None,
             p.pipeline_schedule,
             p.options,
             sp=p.sp,
