@@ -192,6 +192,7 @@ def test_decoding_needs_the_tables_whole():
     "plan",
     [
         dict(sp=1, tp=4, dp=2, tensor_parallel="metp"),
+        # the same checkpoint path as METP's, the tables split over sp instead (about 40 s)
         pytest.param(dict(sp=4, dp=2, attention="ulysses"), marks=pytest.mark.slow),
     ],
 )

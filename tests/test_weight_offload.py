@@ -16,6 +16,7 @@ from flax import nnx
 from test_memory_techniques import BATCH, CFG, PLANS, SEQ, _assert_same, _batch, _loss_and_grads, _train_step
 
 import jaxring
+import train as cli  # the repository's train.py (as `cli`: jaxring.train.loop's `train` is imported below)
 from jaxring.analysis import gpu
 from jaxring.aot.train_step import compile_train_step
 from jaxring.models import gpt
@@ -222,8 +223,6 @@ def test_recompute_blocks_need_full_remat_and_a_divisor_of_the_layers():
 def test_llama3_8b_at_655360_tokens_fits_one_h100(capsys):
     """Issue 35's command: the planner turns to the weights in host memory and recompute blocks of √L = 4 layers;
     the program compiled for one H100 fits its device (estimate within 10%) and the host's 256 GiB."""
-    import train as cli  # the repository's train.py, here: its name would shadow jaxring.train.loop's train above
-
     args = ["--preset", "llama3-8b", "--seq-len", "655360", "--batch-size", "1", "--plan", "auto"]
     assert cli.main([*args, "--compile-for", "h100x1"]) == 0
     verdict = capsys.readouterr().out.strip().splitlines()[-1]
@@ -245,8 +244,6 @@ def test_llama3_8b_at_8388608_tokens_fits_eight_h100(capsys, vocab_split):
     layers' inputs go to host memory too) fits the device (estimate within 10%) and the host's 256 GiB. With the
     tables held replicated nothing fits by the estimate, so the plans estimated within 10% above the budget are
     compiled, and one fits."""
-    import train as cli
-
     args = ["--preset", "llama3-8b", "--seq-len", "8388608", "--batch-size", "1", "--plan", "auto"]
     args += [] if vocab_split is None else ["--vocab-split", vocab_split]
     assert cli.main([*args, "--compile-for", "h100x8"]) == 0
