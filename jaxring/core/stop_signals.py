@@ -12,7 +12,9 @@ Two ways to receive them (training has a third, after its step: `jaxring.train.s
         print(stop_message(e), file=sys.stderr); return exit_code(e)
 
 Handlers are installed only in the main thread (elsewhere Python cannot: then nothing is received) and the
-previous ones come back on exit.
+previous ones come back on exit. Python runs them when the main thread next executes bytecode: a C call in
+progress (a jitted batch, or a sleep when one of XLA's threads took the process's signal) finishes first. So
+the signal ends a command between its batches; training's `GracefulStop` adds a thread that acts at once.
 """
 
 from __future__ import annotations
