@@ -1,7 +1,8 @@
 """Ulysses with attention chunked over heads (UPipe, `jaxring/parallel/sequence/ulysses_chunked.py`): the output
 and every gradient equal `jax.nn.dot_product_attention`'s (an independent oracle) with GQA, packed documents,
 a sliding window and the zig-zag layout, on sp8 and dp2 x sp4; the model's loss and gradients equal plain
-Ulysses'; the chunk rules are one line each."""
+Ulysses'; in bf16 the chunks' results stay bf16 (the block ops write the inputs' dtype: a chunk is a whole
+attention, nothing is summed over blocks); the chunk rules are one line each."""
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ from helpers import assert_close, qkv
 from test_memory_techniques import _assert_same, _loss_and_grads
 
 import jaxring
+from jaxring.kernels.block_compute import get_block_ops
 
 
 def _oracle_mask(seq: int, segments: np.ndarray | None, window: int | None) -> jax.Array:
@@ -85,3 +87,40 @@ def test_chunk_rules_are_one_line(hq, hkv, chunks, message):
     q, k, v, _ = qkv(0, 1, 64, hq, hkv, 8)
     with pytest.raises(ValueError, match=message):
         jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="ulysses", head_chunks=chunks)
+
+
+@pytest.mark.parametrize("impl", ["jnp", "pallas_interpret", "cudnn_reference"])
+def test_block_ops_write_the_asked_dtype(impl):
+    """dtype=bf16: out, dq, dk, dv are the fp32 results rounded once (the same values, half the bytes)."""
+    ops = get_block_ops(impl)
+    q, k, v, dout = qkv(4, 2, 64, 4, 2, 16, jnp.bfloat16)
+    pos = jnp.arange(64, dtype=jnp.int32)
+    kw = dict(causal=True, sm_scale=0.25)
+    (out32, lse), (out16, lse16) = (ops.forward(q, k, v, pos, pos, None, None, **kw, dtype=t) for t in (F32, BF16))
+    delta = jnp.sum(dout.astype(F32) * out32, axis=-1)
+    grads32, grads16 = (
+        ops.backward(q, k, v, dout, lse, delta, pos, pos, None, None, **kw, dtype=t) for t in (F32, BF16)
+    )
+    assert out32.dtype == F32 and out16.dtype == BF16 and lse16.dtype == F32
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out16, *grads16), (out32, *grads32), strict=True):
+        assert a.dtype == BF16, name
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b.astype(BF16), np.float32), err_msg=name)
+
+
+def test_bf16_chunks_equal_plain_ulysses_in_bf16():
+    """sp8, 2 chunks with GQA (K/V repeated within a chunk): bf16 output and gradients, within bf16 rounding of
+    plain Ulysses' (both from the same fp32 accumulation)."""
+    mesh = jaxring.make_mesh(sp=8)
+    q, k, v, dout = qkv(5, 2, 128, 16, 4, 8, jnp.bfloat16)
+
+    def run(chunks):
+        fn = lambda q, k, v: jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="ulysses", head_chunks=chunks)
+        out, vjp = jax.vjp(jax.jit(fn), q, k, v)
+        return out, *vjp(dout)
+
+    for name, a, b in zip(("out", "dq", "dk", "dv"), run(2), run(1), strict=True):
+        assert a.dtype == BF16, name
+        assert_close(a, b, 2e-2, name)
+
+
+F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)

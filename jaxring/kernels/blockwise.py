@@ -2,17 +2,20 @@
 
 Every distributed strategy calls a `BlockOps` pair on one (Q block, K/V block):
 
-  forward(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, *, causal, sm_scale[, window])
-      -> out fp32 [b, nq, hq, d] (normalised over this block's keys), lse fp32 [b, nq, hq]
+  forward(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, *, causal, sm_scale[, window],
+          dtype=fp32)
+      -> out [b, nq, hq, d] in dtype (normalised over this block's keys), lse fp32 [b, nq, hq]
   backward(q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-           *, causal, sm_scale[, window])
-      -> dq fp32 [b, nq, hq, d], dk fp32 [b, nk, hkv, d], dv fp32 [b, nk, hkv, d]
+           *, causal, sm_scale[, window], dtype=fp32)
+      -> dq [b, nq, hq, d], dk [b, nk, hkv, d], dv [b, nk, hkv, d], in dtype
 
 where `lse` and `delta = rowsum(dout * out)` are the *global* (whole-row) values, so the block's
 probabilities exp(s - lse) are exactly the global ones and the block gradients simply add up.
 Positions are int [n]; segment ids int [b, n] or None (0 = padding). K/V keep their own head count (GQA);
 they are never repeated. `window` (a sliding window W, with causal: query i sees keys i - W < j <= i) is
 passed only when one is set (`with_window`), so a BlockOps without it still serves unwindowed attention.
+`dtype` is fp32 where the results of several blocks are summed (a ring); a caller whose block is the whole
+attention (UPipe's head chunks) passes the inputs' dtype, and the kernels write it directly (half the bytes).
 
 The jnp pair is the Pallas kernel's algorithm (`flash_kernels.py`) written with lax loops, so memory is
 linear in the block length (no [nq, nk] score matrix) and hidden tiles cost nothing:
@@ -184,12 +187,13 @@ def block_forward(
     kv_tile: int = FORWARD_TILE,
     into: tuple[jax.Array, jax.Array] | None = None,
     window: int | None = None,
+    dtype: jax.typing.DTypeLike = jnp.float32,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of one Q block over one K/V block; see the module docstring for shapes.
 
     into: optional running (out, lse) fp32 of the same queries over other keys; the online softmax then
     continues from it and the result is their merge (`merge_partials(*into, *this block)`), with no
-    separate merge pass.
+    separate merge pass. dtype: out's when `into` is None (each tile is written in it).
     """
     _check_positions(q, k, q_positions, kv_positions)
     b, nq, hq, d = q.shape
@@ -236,17 +240,22 @@ def block_forward(
             )
         else:  # continue from the running result: acc = out, m = lse, l = 1 (l = 0 on rows seen empty)
             lse_in = jnp.transpose(_slice(lse, rows, tq).reshape(b, tq, hkv, g), (0, 2, 3, 1))
-            init = (_heads_major(_slice(out, rows, tq), hkv), lse_in, jnp.where(jnp.isneginf(lse_in), 0.0, 1.0))
+            init = (
+                _heads_major(_slice(out, rows, tq).astype(jnp.float32), hkv),
+                lse_in,
+                jnp.where(jnp.isneginf(lse_in), 0.0, 1.0),
+            )
         acc, m, l = _three_loops(ranges[i], kv_tile_body, _varying(inputs, init))
         empty = l == 0.0
         o = acc / jnp.where(empty, 1.0, l)[..., None]
         lse_i = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
         o = jnp.transpose(o, (0, 3, 1, 2, 4)).reshape(b, tq, hq, d)
         lse_i = jnp.transpose(lse_i, (0, 3, 1, 2)).reshape(b, tq, hq)
-        return lax.dynamic_update_slice_in_dim(out, o, rows, 1), lax.dynamic_update_slice_in_dim(lse, lse_i, rows, 1)
+        out = lax.dynamic_update_slice_in_dim(out, o.astype(out.dtype), rows, 1)
+        return out, lax.dynamic_update_slice_in_dim(lse, lse_i, rows, 1)
 
     if into is None:
-        into = (jnp.zeros((b, nq, hq, d), jnp.float32), jnp.full((b, nq, hq), -jnp.inf, jnp.float32))
+        into = (jnp.zeros((b, nq, hq, d), dtype), jnp.full((b, nq, hq), -jnp.inf, jnp.float32))
     return lax.fori_loop(0, nq // tq, q_tile_body, _varying(inputs, into))
 
 
@@ -268,10 +277,13 @@ def block_backward(
     kv_tile: int = BACKWARD_TILE,
     into: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     window: int | None = None,
+    dtype: jax.typing.DTypeLike = jnp.float32,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Gradients of one (Q block, K/V block) pair given the global lse and delta; fp32 results.
+    """Gradients of one (Q block, K/V block) pair given the global lse and delta, in `dtype` (dq written in it
+    tile by tile; dk and dv summed over the Q tiles in fp32, then cast).
 
-    into: optional fp32 (dq, dk, dv) accumulators; this pair's gradients are added to them in place.
+    into: optional fp32 (dq, dk, dv) accumulators; this pair's gradients are added to them in place (`dtype`
+    is then theirs).
     """
     _check_positions(q, k, q_positions, kv_positions)
     b, nq, hq, d = q.shape
@@ -324,15 +336,17 @@ def block_backward(
         dq_i = jnp.transpose(dq_i * sm_scale, (0, 3, 1, 2, 4)).reshape(b, tq, hq, d)
         if into is not None:
             dq_i = _slice(dq, rows, tq) + dq_i
-        return lax.dynamic_update_slice_in_dim(dq, dq_i, rows, 1), dk, dv
+        return lax.dynamic_update_slice_in_dim(dq, dq_i.astype(dq.dtype), rows, 1), dk, dv
 
-    if into is None:
-        into = (
-            jnp.zeros((b, nq, hq, d), jnp.float32),
-            jnp.zeros((b, nk, hkv, d), jnp.float32),
-            jnp.zeros((b, nk, hkv, d), jnp.float32),
-        )
-    return lax.fori_loop(0, nq // tq, q_tile_body, _varying(inputs, into))
+    if into is not None:
+        return lax.fori_loop(0, nq // tq, q_tile_body, _varying(inputs, into))
+    zeros = (
+        jnp.zeros((b, nq, hq, d), dtype),
+        jnp.zeros((b, nk, hkv, d), jnp.float32),
+        jnp.zeros((b, nk, hkv, d), jnp.float32),
+    )
+    dq, dk, dv = lax.fori_loop(0, nq // tq, q_tile_body, _varying(inputs, zeros))
+    return dq, dk.astype(dtype), dv.astype(dtype)
 
 
 JNP_BLOCK_OPS = BlockOps("jnp", block_forward, block_backward, accumulates=True)

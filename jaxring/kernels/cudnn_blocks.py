@@ -342,11 +342,26 @@ def _chunks(x: jax.Array, c: int, axis: int = 1) -> list[jax.Array]:
 
 
 def cudnn_forward(
+    calls: CudnnCalls, fallback: BlockOps, *args: Array | None, dtype: jnp.dtype = jnp.float32, **kw: object
+) -> tuple[Array, Array]:
+    """BlockOps forward (blockwise.py's interface) through cuDNN: out [b, nq, hq, d] in dtype, lse fp32 [b, nq, hq]."""
+    out, lse = _forward_fp32(calls, fallback, *args, **kw)
+    return out.astype(dtype), lse
+
+
+def cudnn_backward(
+    calls: CudnnCalls, fallback: BlockOps, *args: Array | None, dtype: jnp.dtype = jnp.float32, **kw: object
+) -> tuple[Array, Array, Array]:
+    """BlockOps backward through cuDNN given the global lse and delta: dq, dk, dv in dtype."""
+    return tuple(g.astype(dtype) for g in _backward_fp32(calls, fallback, *args, **kw))
+
+
+def _forward_fp32(
     calls: CudnnCalls, fallback: BlockOps, q: Array, k: Array, v: Array, q_positions: Array, kv_positions: Array,
     q_segment_ids: Array | None = None, kv_segment_ids: Array | None = None,
     *, causal: bool, sm_scale: float, window: int | None = None,
 ) -> tuple[Array, Array]:  # fmt: skip
-    """BlockOps forward (blockwise.py's interface) through cuDNN: out fp32 [b, nq, hq, d], lse fp32 [b, nq, hq]."""
+    """`cudnn_forward` with out in fp32."""
     kw = dict(causal=causal, sm_scale=sm_scale, window=window)
     if not supported(calls, q, k, q_segment_ids, kv_segment_ids):
         return _fallback_forward(fallback, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, **kw)
@@ -370,12 +385,12 @@ def cudnn_forward(
     return lax.cond(one_call, lambda: _varying_all(inputs, whole()), lambda: _varying_all(inputs, chunked()))
 
 
-def cudnn_backward(
+def _backward_fp32(
     calls: CudnnCalls, fallback: BlockOps, q: Array, k: Array, v: Array, dout: Array, lse: Array, delta: Array,
     q_positions: Array, kv_positions: Array, q_segment_ids: Array | None = None, kv_segment_ids: Array | None = None,
     *, causal: bool, sm_scale: float, window: int | None = None,
 ) -> tuple[Array, Array, Array]:  # fmt: skip
-    """BlockOps backward through cuDNN given the global lse and delta: fp32 dq, dk, dv."""
+    """`cudnn_backward` with fp32 gradients."""
     kw = dict(causal=causal, sm_scale=sm_scale, window=window)
     args = (q, k, v, dout, lse, delta)
     if not supported(calls, q, k, q_segment_ids, kv_segment_ids):

@@ -320,9 +320,10 @@ def flash_attention(
 # ----------------------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def _block_forward_jit(
     cfg: Config,
+    dtype: jnp.dtype,
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
@@ -331,12 +332,13 @@ def _block_forward_jit(
     q_segment_ids: jax.Array | None,
     kv_segment_ids: jax.Array | None,
 ):
-    return _forward(cfg, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, jnp.float32)
+    return _forward(cfg, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, dtype)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def _block_backward_jit(
     cfg: Config,
+    dtype: jnp.dtype,
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
@@ -349,7 +351,7 @@ def _block_backward_jit(
     kv_segment_ids: jax.Array | None,
 ):
     return _backward(
-        cfg, q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids, kv_segment_ids, (jnp.float32,) * 3
+        cfg, q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids, kv_segment_ids, (dtype,) * 3
     )
 
 
@@ -370,15 +372,17 @@ def flash_block_forward(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    dtype: jax.typing.DTypeLike = jnp.float32,
 ) -> tuple[jax.Array, jax.Array]:
     """BlockOps forward: attention of one Q block over one K/V block.
 
-    Returns out fp32 [b, nq, hq, d] (normalised over this block's keys) and lse fp32 [b, nq, hq] (-inf on
+    Returns out [b, nq, hq, d] in `dtype` (normalised over this block's keys) and lse fp32 [b, nq, hq] (-inf on
     rows that see none of this block's keys). Positions int [n] (or [b, n]); segment ids [b, n] or None.
     """
     _check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     cfg = make_config(causal, sm_scale, q.shape[3], implementation, block_q, block_k, num_warps, num_stages, window)
-    return _block_forward_jit(cfg, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    dtype = jnp.dtype(dtype)
+    return _block_forward_jit(cfg, dtype, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
 
 
 def flash_block_backward(
@@ -401,8 +405,9 @@ def flash_block_backward(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    dtype: jax.typing.DTypeLike = jnp.float32,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """BlockOps backward: fp32 (dq, dk, dv) of one (Q block, K/V block) pair.
+    """BlockOps backward: (dq, dk, dv) of one (Q block, K/V block) pair, in `dtype` (fp32 accumulation).
 
     lse and delta = rowsum(dout * out) are the *global* per-row values [b, nq, hq] (over all K/V blocks), so
     this block's probabilities are the global ones and the gradients of all blocks simply add up.
@@ -414,7 +419,10 @@ def flash_block_backward(
         if x.shape != want:
             raise ValueError(f"{name} has shape {x.shape}; expected {want}")
     cfg = make_config(causal, sm_scale, q.shape[3], implementation, block_q, block_k, num_warps, num_stages, window)
-    return _block_backward_jit(cfg, q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    dtype = jnp.dtype(dtype)
+    return _block_backward_jit(
+        cfg, dtype, q, k, v, dout, lse, delta, q_positions, kv_positions, q_segment_ids, kv_segment_ids
+    )
 
 
 def flash_block_ops(interpret: bool = False, **kernel_options) -> BlockOps:

@@ -80,7 +80,7 @@ def chunked_ulysses_core(
     p = lax.axis_size(axis_name)
     ops = with_window(ops, window)
     inverse = None if order is None else np.argsort(order)
-    kw = dict(causal=causal, sm_scale=sm_scale)
+    kw = dict(causal=causal, sm_scale=sm_scale, dtype=q.dtype)  # a chunk is a whole attention: no fp32 sums
     hq, hkv = q.shape[2] // chunks, k.shape[2] // chunks  # a chunk's query and K/V heads
     repeat = math.lcm(hkv, p) // hkv  # K/V heads repeated within a chunk to a multiple of P
 
@@ -102,7 +102,7 @@ def chunked_ulysses_core(
     def forward(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, positions: jax.Array) -> tuple:
         def chunk(g: jax.Array | int) -> tuple[jax.Array, jax.Array]:  # chunk g's out (sequence shard), lse
             out_g, lse_g = ops.forward(*chunk_inputs(q, k, v, g), positions, positions, seg, seg, **kw)
-            return to_seq(out_g.astype(q.dtype)), lse_g
+            return to_seq(out_g), lse_g
 
         def body(g: jax.Array, carry: tuple) -> tuple:
             out, lse = carry
@@ -121,8 +121,8 @@ def chunked_ulysses_core(
         q, k, v, seg, positions, out, lse = res
         delta = jnp.sum(dout.astype(F32) * out.astype(F32), axis=-1, keepdims=True)  # [b, n, H, 1]
 
-        def unrepeat(d: jax.Array) -> jax.Array:  # [b, n, hkv·repeat, d] fp32 -> [b, n, hkv, d] in k's dtype
-            return d.reshape(*d.shape[:2], hkv, repeat, d.shape[-1]).sum(3).astype(k.dtype)
+        def unrepeat(d: jax.Array) -> jax.Array:  # [b, n, hkv·repeat, d] -> [b, n, hkv, d] (summed in fp32)
+            return d.reshape(*d.shape[:2], hkv, repeat, d.shape[-1]).sum(3, dtype=F32).astype(k.dtype)
 
         def chunk(g: jax.Array | int) -> tuple:  # chunk g's dq, dk, dv (sequence shards)
             q_g, k_g, v_g = chunk_inputs(q, k, v, g)
@@ -130,7 +130,7 @@ def chunked_ulysses_core(
             delta_g = to_heads(_heads(delta, g * hq, hq))[..., 0]
             lse_g = lax.dynamic_index_in_dim(lse, g, axis=0, keepdims=False)
             dq_g, dk_g, dv_g = ops.backward(q_g, k_g, v_g, dout_g, lse_g, delta_g, positions, positions, seg, seg, **kw)
-            return to_seq(dq_g.astype(q.dtype)), unrepeat(to_seq(dk_g)), unrepeat(to_seq(dv_g))
+            return to_seq(dq_g), unrepeat(to_seq(dk_g)), unrepeat(to_seq(dv_g))
 
         def put(grads: tuple, parts: tuple, g: jax.Array | int) -> tuple:
             return tuple(
