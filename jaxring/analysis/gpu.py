@@ -304,7 +304,9 @@ def compile_for_gpu(
     own_dir = dump_dir is None
     dump_dir = tempfile.mkdtemp(prefix="jaxring_gpu_") if own_dir else dump_dir
     try:
-        options = {"xla_dump_to": dump_dir, **(compiler_options or {})}
+        # XLA's default backend level (3), as a real GPU build has it: an XLA_FLAGS level (the tests set 0 for
+        # XLA:CPU's compile time) would change the kernels' PTX (-O0: 243 registers, serialized wgmma)
+        options = {"xla_dump_to": dump_dir, "xla_backend_optimization_level": 3, **(compiler_options or {})}
         start = time.perf_counter()
         compiled = lowered.compile(compiler_options=options)
         seconds = time.perf_counter() - start
