@@ -105,6 +105,13 @@ BYTES_CASES = {
     ),
     "experts": ("gpt", MOE, 8, Candidate(dp=2, ep=4, micro_batch=1)),
     "biases and qk-norm, zero3": ("gpt", BIASED, 8, Candidate(dp=2, sp=4, attention="ulysses", zero=3, micro_batch=4)),
+    # UPipe's head chunks: each chunk repeats its one K/V head to sp = 4; the backward sends q, k, v again
+    "ulysses head chunks, gqa": (
+        "gpt",
+        FEW_KV,
+        8,
+        Candidate.of(dp=2, sp=4, attention="ulysses", head_chunks=2, micro_batch=4),
+    ),
     "kv heads < tp, ring x megatron": (
         "gpt",
         FEW_KV,

@@ -9,10 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_close, qkv
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from test_memory_techniques import _assert_same, _loss_and_grads
 
 import jaxring
 from jaxring.kernels.block_compute import get_block_ops
+from jaxring.nn.tiled_block import head_chunk_weights
+from jaxring.parallel.sequence.ulysses import ulysses_untied_attention
 
 
 def _oracle_mask(seq: int, segments: np.ndarray | None, window: int | None) -> jax.Array:
@@ -124,3 +128,69 @@ def test_bf16_chunks_equal_plain_ulysses_in_bf16():
 
 
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+
+
+UNTIED = {
+    # mesh (dp, sp), q heads, kv heads, chunks, documents, window
+    "sp8 gqa 2 chunks": ((1, 8), 16, 4, 2, False, None),
+    "sp8 4 chunks, one kv head each": ((1, 8), 32, 4, 4, False, None),
+    "dp2 x sp4 documents": ((2, 4), 8, 2, 2, True, None),
+    "sp8 window": ((1, 8), 16, 8, 2, False, 40),
+}
+
+
+@pytest.mark.parametrize("case", list(UNTIED))
+def test_untied_chunks_equal_the_oracle(case):
+    """UPipe with the projections inside each chunk (`ulysses_untied_attention`): out = attention(x Wq, x Wk,
+    x Wv) and the gradients of x, Wq, Wk, Wv equal `jax.nn.dot_product_attention`'s on the whole projections."""
+    (dp, sp), hq, hkv, chunks, documents, window = UNTIED[case]
+    mesh = Mesh(np.array(jax.devices()[: dp * sp]).reshape(dp, sp), ("dp", "sp"))
+    batch, seq, hidden, d = 2, 128, 16, 8
+    keys = jax.random.split(jax.random.PRNGKey(7), 5)
+    x = jax.random.normal(keys[0], (batch, seq, hidden), jnp.float32)
+    wq, wk, wv = (jax.random.normal(k, (hidden, h * d), jnp.float32) / 4 for k, h in zip(keys[1:4], (hq, hkv, hkv)))
+    dout = jax.random.normal(keys[4], (batch, seq, hq, d), jnp.float32)
+    segments = np.repeat(np.array([[1, 2, 3, 0], [1, 1, 2, 2]]), seq // 4, axis=1) if documents else None
+    seg = None if segments is None else jnp.asarray(segments, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+
+    def projections(x, w):
+        return tuple((x @ w[n]).reshape(*x.shape[:2], -1, d) for n in ("wq", "wk", "wv"))
+
+    def untied(x, wq, wk, wv):
+        def local(x, wq, wk, wv, pos, *seg):
+            project = lambda x, pos, g: projections(x, head_chunk_weights(dict(wq=wq, wk=wk, wv=wv), g, chunks, d))
+            kw = dict(heads=hq, kv_heads=hkv, head_dim=d, head_chunks=chunks, window=window, block_ops="jnp")
+            return ulysses_untied_attention(project, x, pos, *(seg or (None,)), axis_name="sp", **kw)
+
+        rows = P("dp", "sp")
+        specs = (P("dp", "sp", None), P(), P(), P(), rows) + ((rows,) if documents else ())
+        fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P("dp", "sp", None, None))
+        return fn(x, wq, wk, wv, positions, *(() if seg is None else (seg,)))
+
+    def oracle(x, wq, wk, wv):
+        q, k, v = projections(x, dict(wq=wq, wk=wk, wv=wv))
+        return jax.nn.dot_product_attention(q, k, v, mask=_oracle_mask(seq, segments, window))
+
+    keep = 1.0 if segments is None else jnp.asarray(segments > 0, jnp.float32)[:, :, None, None]
+
+    def with_grads(fn):
+        out, vjp = jax.vjp(jax.jit(fn), x, wq, wk, wv)
+        return out * keep, *vjp(dout * keep)
+
+    for name, a, b in zip(("out", "dx", "dwq", "dwk", "dwv"), with_grads(untied), with_grads(oracle), strict=True):
+        assert_close(a, b, 2e-5, f"{case}: {name}")
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [dict(num_heads=16, num_kv_heads=4), dict(num_heads=8, num_kv_heads=2, qkv_bias=True, qk_norm=True)],
+    ids=["4 chunks", "2 chunks, qkv bias, qk-norm"],
+)
+def test_the_untied_model_matches_plain_ulysses(cfg):
+    """The tiled block's projections inside the chunks (the model path of UPipe): loss and every gradient equal
+    plain Ulysses' on dp2 x sp4 with ZeRO-3, layer inputs offloaded."""
+    chunks = cfg["num_kv_heads"]
+    settings = dict(dp=2, sp=4, attention="ulysses", zero=3, remat="full", offload="layer_inputs", mlp_tile=4)
+    base = _loss_and_grads(settings, cfg=cfg)
+    _assert_same(_loss_and_grads(settings | dict(head_chunks=chunks), cfg=cfg), base)

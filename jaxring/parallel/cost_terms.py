@@ -208,6 +208,9 @@ class AttentionShape:
     segments: bool = False
     window: int | None = None  # a sliding window W (causal): query i sees keys i - W < j <= i
     layout: str = "contiguous"  # the data-side token layout over the strategy's view
+    # the tiled block (`jaxring.nn.tiled_block`) runs the layer: a strategy that `projects` gets the q/k/v
+    # projections inside its head chunks
+    tiled_block: bool = False
 
     @property
     def sp(self) -> int:

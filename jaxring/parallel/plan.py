@@ -313,6 +313,52 @@ class ParallelPlan:
             **windowed,
         )
 
+    @property
+    def attends_projected(self) -> bool:
+        """Whether the sequence strategy runs the attention layer's q/k/v projections itself, a chunk of heads at
+        a time (`attend_projected`; UPipe's head chunks under Ulysses)."""
+        s = self.strategy
+        return self.sp > 1 and s.projects is not None and s.projects(self.strategy_options)
+
+    @property
+    def head_chunks(self) -> int:
+        """G, the head chunks `attend_projected` calls `project` for (1 unless `attends_projected`)."""
+        return self.strategy_options.get("head_chunks", 1) if self.attends_projected else 1
+
+    def attend_projected(
+        self,
+        project: Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]],
+        x: jax.Array,
+        rope_positions: jax.Array,
+        *,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        causal: bool,
+        window: int | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """`attend` of the q, k, v that project(x, rope_positions, g) makes for head chunk g (q [b, n, heads/G,
+        head_dim], k, v [b, n, kv_heads/G, head_dim]); x [b, n, hidden] local. Returns out [b, n, heads,
+        head_dim]. Only when `attends_projected`."""
+        check_window(window, causal)
+        windowed = {} if window is None else {"window": window}
+        return self.strategy.attend_projected(
+            project,
+            x,
+            rope_positions,
+            segment_ids,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            axis_name=self.seq_axes,
+            layout=self.seq_layout(causal),
+            causal=causal,
+            block_ops=self.block_ops,
+            **self.strategy_options,
+            **windowed,
+        )
+
     # ------------------------------------------------------------------ checks
     def check_batch(self, batch: int, what: str = "batch size") -> None:
         split = self.tensor.batch_split(self)

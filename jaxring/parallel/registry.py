@@ -129,6 +129,9 @@ class SequenceStrategy(HasOptions):
     name: str
     summary: str
     attend: Callable | None = None  # None: "dense" (no sequence parallelism)
+    # (options) -> True when `attend_projected` should run the layer's projections inside the strategy
+    projects: Callable[[dict], bool] | None = None
+    attend_projected: Callable | None = None  # (project, x, rope_positions, segment_ids, *, heads, ...) -> out
     default_layout: str = "zigzag"  # for causal attention
     layouts: tuple[str, ...] = ("contiguous", "zigzag", "striped")
     view: Callable[[Mesh, dict, str], tuple[Mesh, tuple[str, ...]]] | None = None

@@ -153,6 +153,9 @@ def shapes(w: Workload, c: Candidate, plan: ParallelPlan | None = None, cpu: boo
             f"must define layer_transfers and the other cost methods, see jaxring/parallel/tensor/contract.py)"
         )
     x = method.local_dims(m)
+    tiled_block = (
+        terms.tiled_block and method.tiles_projections and w.moe is None and c.mlp_tile is not None and c.mlp_tile < x.n
+    )
     mesh = plan.run_mesh
     sizes = {a: mesh.shape[a] for a in mesh.axis_names}
     shape = AttentionShape(
@@ -170,6 +173,7 @@ def shapes(w: Workload, c: Candidate, plan: ParallelPlan | None = None, cpu: boo
         segments=w.documents,
         window=getattr(cfg, "sliding_window", None) if w.causal else None,
         layout=plan.seq_layout(w.causal) if plan.seq_axes else "contiguous",
+        tiled_block=tiled_block,
     )
     core = method.attention_core_cost(m, x)
     if core is None:
