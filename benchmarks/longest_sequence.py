@@ -11,7 +11,8 @@ technique):
 
   targets     h100x8, h200x8, h100x1 (`jaxring.aot.compile_for.TARGETS`); the budget per device is the
               planner's usable memory (what `train.py --compile-for` checks against)
-  plans       ring zigzag sp8, ulysses sp8, ulysses sp8 with the vocabulary split (--vocab-split ring), usp sp8
+  plans       ring zigzag sp8, ulysses sp8, ulysses sp8 with the vocabulary split (--vocab-split ring) and with
+              UPipe's head chunks too (--head-chunks 4: the rows "all", "all + weights" and its blocks), usp sp8
               (ring 4 x ulysses 2), megatron tp8, metp tp8 and with the vocabulary split, and `auto`: at each
               length, the plan `train.py --plan auto` picks (the planner's best that its estimate fits); on
               one GPU: one gpu, auto
@@ -65,6 +66,9 @@ PLANS_8 = {
     "ulysses sp8": dict(sp=8, attention="ulysses", zero=3),
     # the embedding and LM head split over sp by vocab rows, their blocks on the sequence ring
     "ulysses sp8, vocab ring": dict(sp=8, attention="ulysses", zero=3, vocab_split="ring"),
+    # and UPipe's untied head chunks (--head-chunks 4: q, k, v made a quarter of the heads at a time; they pay
+    # with the tiled block, so only its rows with the MLP tile are run)
+    "ulysses sp8, vocab ring, upipe 4": dict(sp=8, attention="ulysses", zero=3, vocab_split="ring", head_chunks=4),
     "usp sp8": dict(sp=8, attention="usp", ulysses_size=2, zero=3),
     "megatron tp8": dict(tp=8, tensor_parallel="megatron"),
     "metp tp8": dict(tp=8, tensor_parallel="metp"),
@@ -131,7 +135,20 @@ class Row:
 
 def all_rows(targets=TARGETS) -> list[Row]:
     """Every row, target by target (the order a run takes)."""
-    return [Row(t, p, tech) for t in targets for p in (PLANS_1 if t.endswith("x1") else PLANS_8) for tech in TECHNIQUES]
+    return [
+        Row(t, p, tech)
+        for t in targets
+        for p in (PLANS_1 if t.endswith("x1") else PLANS_8)
+        for tech in TECHNIQUES
+        if _runs(p, tech)
+    ]
+
+
+def _runs(plan: str, technique: str) -> bool:
+    """Head chunks pay only in the tiled block (an MLP tile, with the projections inside the chunks): a plan
+    with them runs the techniques that tile, "all" and after."""
+    chunked = (PLANS_8.get(plan) or {}).get("head_chunks", 1) > 1
+    return not chunked or technique.startswith("all")
 
 
 def selected(rows: list[Row], patterns: list[str] | None) -> list[Row]:

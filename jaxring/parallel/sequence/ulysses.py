@@ -238,6 +238,9 @@ STRATEGY = SequenceStrategy(
             "G: attention runs a 1/G chunk of each device's query heads at a time (UPipe); 1: all at once",
             check_chunk_count,
             default=1,
+            # the planner's: chunks cost transfers (K/V repeated per chunk, q, k, v sent again backward), so a
+            # plan takes them where nothing without them fits (their projections inside: the tiled block)
+            search=lambda sp: (1, 2, 4),
         ),
     ),
 )
