@@ -41,6 +41,7 @@ ROWS = {
     "the same, recompute blocks of 4": ULYSSES | dict(remat_layers=4),
     "ulysses sp8, vocab ring, tiled block, weights offloaded, blocks of 4": ULYSSES
     | dict(vocab_split="ring", remat_layers=4),
+    "the same, and UPipe head chunks 4": ULYSSES | dict(vocab_split="ring", remat_layers=4, head_chunks=4),
     "metp tp8, vocab ring, weights offloaded": METP,
     "metp tp8, vocab ring, weights offloaded, recompute blocks of 2": METP | dict(remat_layers=2),
 }
