@@ -228,7 +228,8 @@ LLAMA_4M = ["--preset", "llama3-8b", "--seq-len", "4194304", "--batch-size", "1"
 
 def test_the_search_turns_to_the_memory_techniques_when_nothing_fits_without_them():
     """Llama-3-8B (bf16 by default) at 7,340,032 tokens on 8 H100s: no plan fits as it is; the search tries the
-    tiles, then the layer inputs in host memory, then the optimizer state too, and its best plan uses them all.
+    tiles, then the layer inputs in host memory, then the optimizer state too, and with UPipe's head chunks held
+    at 1 its best plan uses them all (with them searched, Ulysses' chunks of 4 fit with the layer inputs alone).
     Held memory settings are kept: with --offload none nothing fits, in one line."""
     from jaxring.planner.cluster import Cluster
     from jaxring.planner.fit import workload_of
@@ -239,8 +240,10 @@ def test_the_search_turns_to_the_memory_techniques_when_nothing_fits_without_the
     assert spec.compute_precision == "bf16" and RunSpec.of(preset="tiny-llama3").compute_precision == "fp32"
     assert RunSpec.of(preset="llama3-8b", precision="fp32").compute_precision == "fp32"
     w = workload_of(spec)
-    best = search(w, Cluster.of("h100", 8)).best.candidate
+    best = search(w, Cluster.of("h100", 8), only={"head_chunks": 1}).best.candidate
     assert (best.loss_tile, best.mlp_tile, best.offload, best.remat) == (4096, 4096, "layer_inputs+optimizer", "full")
+    best = search(w, Cluster.of("h100", 8)).best.candidate
+    assert (best.offload, best.attention, dict(best.options).get("head_chunks")) == ("layer_inputs", "ulysses", 4)
     with pytest.raises(NoPlanError, match="no plan fits in memory"):
         search(w, Cluster.of("h100", 8), only={"offload": "none"})
 

@@ -13,17 +13,18 @@ from jaxring.planner.fit import candidate_of, workload_of
 from jaxring.planner.search import ESTIMATE_MARGIN, NoPlanError, margin_search, search
 from jaxring.run.spec import RunSpec
 
-# the tables replicated (held): nothing fits by the estimate (the vocabulary split over sp does)
-SPEC = RunSpec.of(preset="llama3-8b", seq_len=8388608, batch_size=1, plan="auto", vocab_split="none")
+# UPipe's head chunks held off: at 8,650,752 tokens nothing fits by the estimate (head chunks of 4 do), and three
+# plans are estimated within 10% above the budget
+SPEC = RunSpec.of(preset="llama3-8b", seq_len=8650752, batch_size=1, plan="auto", head_chunks=1)
 HELD = held_settings(SPEC)
 H100X8 = Cluster.of("h100", 8, host_memory=256 * 2**30)
 
 
 def test_margin_search_holds_the_plans_estimated_just_above_the_budget():
-    """Llama-3-8B at 8,388,608 tokens on 8 × H100, the tables replicated: nothing fits by the estimate; the
+    """Llama-3-8B at 8,650,752 tokens on 8 × H100, no head chunks: nothing fits by the estimate; the
     margin's plans are each estimated within 10% above the usable memory and within the host's, least first."""
     w = workload_of(SPEC)
-    assert HELD == {"vocab_split": "none"}
+    assert HELD == {"head_chunks": 1}
     with pytest.raises(NoPlanError, match="no plan fits in memory"):
         search(w, H100X8, only=HELD)
     result = margin_search(w, H100X8, only=HELD)
