@@ -39,6 +39,8 @@ ROWS = {
     "the same, UPipe head chunks 4": ULYSSES | dict(head_chunks=4),
     "the same, recompute blocks of 2": ULYSSES | dict(remat_layers=2),
     "the same, recompute blocks of 4": ULYSSES | dict(remat_layers=4),
+    "the same, and UPipe head chunks 2 (--plan auto with --vocab-split none)": ULYSSES
+    | dict(remat_layers=4, head_chunks=2),
     "ulysses sp8, vocab ring, tiled block, weights offloaded, blocks of 4": ULYSSES
     | dict(vocab_split="ring", remat_layers=4),
     "the same, and UPipe head chunks 4": ULYSSES | dict(vocab_split="ring", remat_layers=4, head_chunks=4),

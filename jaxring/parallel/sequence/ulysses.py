@@ -171,7 +171,7 @@ GPU_GRADIENT_COPIES = 2
 # UPipe's head chunks G with the projections inside them (the tiled block): one chunk's head-sharded gradients
 # at a time (the working above / G), beside the chunks' results assembled into whole arrays, this many
 # head-sharded q's bytes. Fitted on the deviceless H100 compiles of Llama-3-8B, sp8, tiles of 4096, weights and
-# layer inputs offloaded (benchmarks/results/llama3_8b_8m.json): G = 1, 2, 4 compile 54.7, 51.0, 44.7 GiB at
+# layer inputs offloaded (benchmarks/results/upipe_chunks.json): G = 1, 2, 4 compile 54.7, 51.0, 44.7 GiB at
 # 6,291,456 tokens and 65.0, 66.4, 58.3 at 8,388,608; with 0.5 the estimate is within 5% of each chunked row
 # (without the projections inside, the chunks lower nothing: G is priced as 1)
 UNTIED_CHUNKS_ASSEMBLY = 0.5
