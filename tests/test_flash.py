@@ -12,7 +12,7 @@ from helpers import assert_close
 from jax.sharding import PartitionSpec as P
 
 from jaxring import attention_reference, merge_partials
-from jaxring.kernels import flash_kernels, flash_tiles
+from jaxring.kernels import flash_tiles
 from jaxring.kernels.blockwise import BlockOps
 from jaxring.kernels.flash import flash_attention, flash_block_backward, flash_block_forward, flash_block_ops
 
@@ -269,8 +269,8 @@ def test_block_entry_points_sum_to_reference():
 
 def test_block_forward_inside_shard_map():
     # Each of 2 devices holds one Q block and the whole K/V; positions come from the device index.
-    # The interpreter needs check_vma=False (JAX 0.10 interprets kernels without vma types); the compiled
-    # kernel declares its outputs' varying axes and also lowers with check_vma=True (see the GPU test below).
+    # The interpreter needs check_vma=False (it interprets kernels without vma types); the compiled kernel
+    # declares its outputs' varying axes and also lowers with check_vma=True (see the GPU test below).
     q, k, v, dout, _ = make_inputs(9, 2, 64, 64, 2, 2, 16)
     mesh = jax.make_mesh((2,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
     ref_out, ref_lse = attention_reference(q, k, v, causal=True)
@@ -294,16 +294,12 @@ def test_block_forward_inside_shard_map():
     for name, g, g_r in zip("qkv", (dq, dk, dv), vjp(dout)):
         assert_close(g, g_r, 2e-4, "d" + name)
 
-    if flash_kernels.JAX_VERSION < (0, 11):  # the interpreter cannot type-check varying axes: a clear error
-        strict = jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(seq, seq, seq, seq, P(), P()),
-            out_specs=(seq, seq, seq, P(), P()),
-            check_vma=True,
-        )
-        with pytest.raises(ValueError, match="pass check_vma=False"):
-            jax.jit(strict)(q, dout, ref_lse, delta, k, v)
+    # the interpreter cannot type-check varying axes (jax 0.11.2, 0.12.1): with check_vma=True, a clear error
+    strict = jax.shard_map(
+        local, mesh=mesh, in_specs=(seq, seq, seq, seq, P(), P()), out_specs=(seq, seq, seq, P(), P()), check_vma=True
+    )
+    with pytest.raises(ValueError, match="pass check_vma=False"):
+        jax.jit(strict)(q, dout, ref_lse, delta, k, v)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -334,8 +330,10 @@ def test_jnp_implementation_and_auto_on_cpu():
 @pytest.mark.parametrize("window", [None, 37], ids=["causal", "window"])
 def test_kernels_lower_to_triton_for_gpu(window):
     """The compiled path lowers to Triton IR for CUDA from a CPU-only machine (no GPU needed to trace),
-    inside shard_map with check_vma=True too: catches ops the Triton lowering rejects."""
-    mesh = jax.make_mesh((2,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    inside shard_map with check_vma=True too: catches ops the Triton lowering rejects. The mesh is abstract,
+    of H100s: Pallas' Triton lowering (jax 0.11, 0.12) reads the GPU it compiles for from the mesh."""
+    h100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", None, "gpu")
+    mesh = jax.sharding.AbstractMesh((2,), ("sp",), (jax.sharding.AxisType.Auto,), abstract_device=h100)
     x = jax.ShapeDtypeStruct((2, 200, 4, 80), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 200, 2, 80), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((2, 200), jnp.int32)

@@ -1,13 +1,13 @@
 """Every use of JAX's private APIs (`jax._src`, `jaxlib` internals, private attributes, `jax.extend.core`'s
 jaxpr types) in jaxring, each behind a small named function, so a JAX upgrade is checked in this one file.
 
-Each function says what it does and the JAX versions it was checked on. A function that may be missing on
+Each function says what it does and the JAX versions it was checked on: every one on both ends of the supported
+range (pyproject.toml), jax 0.11.2 (the lent GPU machines') and 0.12.1 (the newest the registry serves). A function that may be missing on
 another JAX raises ImportError or AttributeError from JAX itself; where jaxring has a fallback, a `has_...`
 function says whether the private API is there.
 
 Sections (one per area; add new uses to the matching one, or a new section):
   collectives      lowering of collective primitives (jaxring/core/collectives.py)
-  varying types    shard_map's varying-axes (check_vma) collectives (jaxring/core/vma.py)
   jaxprs           tracing, dead-code elimination and partial evaluation of jaxprs (jaxring/parallel/pipeline/)
   backends         JAX's backends and XLA's HLO cost analysis (jaxring/analysis/gpu.py)
   memory kinds     host-memory arguments of a deviceless GPU program (jaxring/aot/train_step.py)
@@ -23,7 +23,6 @@ from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 
 __all__ = [
     "ClosedJaxpr",
-    "all_gather_invariant",
     "backends_started",
     "close_jaxpr",
     "cudnn_attention_backward",
@@ -32,7 +31,6 @@ __all__ = [
     "dce_jaxpr",
     "eval_closed_jaxpr",
     "executable_cost_analysis",
-    "has_all_gather_invariant",
     "has_cudnn_attention",
     "hlo_cost_analysis",
     "is_literal",
@@ -49,7 +47,7 @@ def register_cpu_ppermute_lowering_with_own_channels() -> bool:
     """Registers, for the CPU platform, a lowering of `lax.ppermute` that gives every collective-permute a
     channel id of its own (JAX gives all of them channel 1 inside shard_map). Returns False, changing nothing,
     when JAX's internals moved (jax._src.interpreters.mlir, jax._src.lax.parallel's
-    `_pcollectives_lowering_common`). Checked on jax 0.10.2. Used by `jaxring.core.collectives`."""
+    `_pcollectives_lowering_common`). Checked on jax 0.11.2 and 0.12.1. Used by `jaxring.core.collectives`."""
     try:
         from jax._src.interpreters import mlir
         from jax._src.lax import parallel
@@ -71,50 +69,29 @@ def register_cpu_ppermute_lowering_with_own_channels() -> bool:
     return True
 
 
-# ------------------------------------------------------------------------------------------- varying types
-
-
-def has_all_gather_invariant() -> bool:
-    """Whether this JAX has `all_gather_invariant` (checked on jax 0.10.2, where it is private)."""
-    try:
-        from jax._src.lax.parallel import all_gather_invariant  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def all_gather_invariant(x: jax.Array, axes: str | tuple[str, ...], axis: int) -> jax.Array:
-    """Tiled all-gather of x's pieces along `axis` over the mesh `axes`, typed invariant (replicated) over them
-    under check_vma, so its transpose is a slice rather than a psum_scatter. `jax._src.lax.parallel.
-    all_gather_invariant(..., tiled=True)`; checked on jax 0.10.2."""
-    from jax._src.lax.parallel import all_gather_invariant as gather
-
-    return gather(x, axes, axis=axis, tiled=True)
-
-
 # ------------------------------------------------------------------------------------------------- jaxprs
 
 
 def close_jaxpr(jaxpr: Any, consts: list) -> ClosedJaxpr:
     """A `ClosedJaxpr` of an open jaxpr and its constants (`jax.extend.core.ClosedJaxpr`; checked on jax
-    0.10.2)."""
+    0.11.2 and 0.12.1)."""
     return ClosedJaxpr(jaxpr, consts)
 
 
 def eval_closed_jaxpr(closed: ClosedJaxpr, args: list) -> list:
     """The outputs of a closed jaxpr at `args`, traced into the current trace (`jax.extend.core.jaxpr_as_fun`;
-    checked on jax 0.10.2)."""
+    checked on jax 0.11.2 and 0.12.1)."""
     return jaxpr_as_fun(closed)(*args)
 
 
 def is_literal(var: Any) -> bool:
-    """Whether a jaxpr variable is a literal constant (`jax.extend.core.Literal`; checked on jax 0.10.2)."""
+    """Whether a jaxpr variable is a literal constant (`jax.extend.core.Literal`; checked on jax 0.11.2 and 0.12.1)."""
     return isinstance(var, Literal)
 
 
 def dce_jaxpr(jaxpr: Any, used_outputs: list[bool], instantiate: bool = False) -> tuple[Any, list[bool]]:
     """Dead-code elimination of an open jaxpr: (the jaxpr computing only `used_outputs`, which of its inputs
-    that reads). `jax._src.interpreters.partial_eval.dce_jaxpr`; checked on jax 0.10.2."""
+    that reads). `jax._src.interpreters.partial_eval.dce_jaxpr`; checked on jax 0.11.2 and 0.12.1."""
     from jax._src.interpreters import partial_eval as pe
 
     return pe.dce_jaxpr(jaxpr, list(used_outputs), instantiate=instantiate)
@@ -124,7 +101,7 @@ def partial_eval_jaxpr(closed: ClosedJaxpr, unknowns: list[bool], instantiate: b
     """Splits a closed jaxpr by which inputs are unknown (the machinery of `jax.linearize`): (known jaxpr:
     known inputs -> known outputs + residuals, unknown jaxpr: residuals + unknown inputs -> unknown outputs,
     which outputs are unknown, the residuals' avals). `jax._src.interpreters.partial_eval.partial_eval_jaxpr_nounits`;
-    checked on jax 0.10.2."""
+    checked on jax 0.11.2 and 0.12.1."""
     from jax._src.interpreters import partial_eval as pe
 
     return pe.partial_eval_jaxpr_nounits(closed, unknowns, instantiate=instantiate)
@@ -135,7 +112,7 @@ def partial_eval_jaxpr(closed: ClosedJaxpr, unknowns: list[bool], instantiate: b
 
 def backends_started() -> bool:
     """Whether JAX has already initialised its backends (after which `jax_platforms` no longer takes effect).
-    Reads the private `jax._src.xla_bridge._backends`; checked on jax 0.10.2."""
+    Reads the private `jax._src.xla_bridge._backends`; checked on jax 0.11.2 and 0.12.1."""
     from jax._src import xla_bridge
 
     return bool(getattr(xla_bridge, "_backends", None))
@@ -144,7 +121,7 @@ def backends_started() -> bool:
 def hlo_cost_analysis(hlo_text: str) -> dict[str, float]:
     """XLA's HloCostAnalysis (flops, transcendentals, bytes accessed, ...) of an HLO module given as text, run
     by the host's CPU client. `jaxlib._hlo.hlo_module_from_text` and `jax._src.lib._jax.hlo_module_cost_analysis`;
-    checked on jax 0.10.2."""
+    checked on jax 0.11.2 and 0.12.1."""
     import jaxlib._hlo as hlo_lib
     from jax._src import xla_bridge
     from jax._src.lib import _jax
@@ -155,7 +132,7 @@ def hlo_cost_analysis(hlo_text: str) -> dict[str, float]:
 def executable_cost_analysis(compiled: jax.stages.Compiled) -> list[dict[str, float]]:
     """XLA's HloCostAnalysis of each HLO module of a compiled program (`jax.stages.Compiled`), run by the host's
     CPU client. `Compiled.runtime_executable()` and `jax._src.lib._jax.hlo_module_cost_analysis`; checked on jax
-    0.10.2."""
+    0.11.2 and 0.12.1."""
     from jax._src import xla_bridge
     from jax._src.lib import _jax
 
@@ -174,7 +151,7 @@ def place_in_host_memory(lowered: jax.stages.Lowered, arguments: set[int], resul
     memory_kind="pinned_host" is dropped there and the arguments would be typed device. The lowered module
     gets the `mhlo.memory_kind = "pinned_host"` attribute that jit gives such arguments on real devices.
     Uses the lowering's `kept_var_idx` (arguments jit dropped as unused) and mutates `compiler_ir()`, which
-    `Lowered.compile` compiles. Checked on jax 0.10.2."""
+    `Lowered.compile` compiles. Checked on jax 0.11.2 and 0.12.1."""
     from jax._src.lib.mlir import ir
 
     module = lowered.compiler_ir("stablehlo")
@@ -199,9 +176,9 @@ def place_in_host_memory(lowered: jax.stages.Lowered, arguments: set[int], resul
 # ------------------------------------------------------------------------------------------------- cudnn
 # cuDNN's fused attention through `jax._src.cudnn.fused_attention_stablehlo`'s two wrapper primitives (the
 # public `jax.nn.dot_product_attention(implementation="cudnn")` returns no softmax stats and has no backward
-# that takes another output's stats). Checked on jax 0.10.2 (signatures read from its source; not run on a
-# GPU in that session). Whether jax 0.11 keeps these names and parameters is open: the GPU machine had 0.11.2.
-# The call contract, mirrored by `kernels/cudnn_contract.py` on CPU:
+# that takes another output's stats). Read from the source of jax 0.11.2 and 0.12.1 (0.12 added the flex
+# attention `score_mod`: a parameter, None here, and `score_mod_args` operands, none here); run on a GPU only
+# by benchmarks/gpu_session.sh. The call contract, mirrored by `kernels/cudnn_contract.py` on CPU:
 #   forward(query, key, value, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets, page_table_k, page_table_v,
 #           *, scale, seed, dropout_rate, variadic_args, mask_type, layout, sliding_window_length, is_training)
 #     -> (out [B, T, N, H] in the inputs' dtype, stats fp32 [B, N, T]) when is_training
@@ -209,48 +186,46 @@ def place_in_host_memory(lowered: jax.stages.Lowered, arguments: set[int], resul
 #     -> (dq, dk, dv) in the inputs' dtypes
 # Unused operands are empty arrays (jnp.zeros(0)), as the public wrapper passes them.
 
+_CUDNN_OPERANDS = ["query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets"]
+_CUDNN_OPERANDS += ["page_table_k", "page_table_v"]
+_CUDNN_PARAMS = ["scale", "seed", "dropout_rate", "variadic_args", "mask_type", "layout", "sliding_window_length"]
 
-# the forward's operands and parameters on jax 0.10.2 (older JAX had six operands: no offsets, no page tables)
-_CUDNN_FORWARD_SIGNATURE = [
-    "query",
-    "key",
-    "value",
-    "bias",
-    "q_seqlen",
-    "kv_seqlen",
-    "q_offsets",
-    "kv_offsets",
-    "page_table_k",
-    "page_table_v",
-    "scale",
-    "seed",
-    "dropout_rate",
-    "variadic_args",
-    "mask_type",
-    "layout",
-    "sliding_window_length",
-    "is_training",
-]
+# the forward implementation's parameters, by the JAX versions that have them
+_CUDNN_FORWARD_SIGNATURES = {
+    "0.11": _CUDNN_OPERANDS + _CUDNN_PARAMS + ["is_training"],
+    "0.12": _CUDNN_OPERANDS + ["score_mod_args"] + _CUDNN_PARAMS + ["score_mod", "is_training"],
+}
 
 
-def has_cudnn_attention() -> bool:
-    """Whether this JAX has cuDNN's fused attention primitives with the call contract checked on jax 0.10.2
-    (the names, and the forward implementation's parameter list, which older JAX versions lack)."""
+def _cudnn_signature() -> str | None:
+    """Which of `_CUDNN_FORWARD_SIGNATURES` this JAX has ("0.11", "0.12"), or None."""
     import inspect
 
     try:
         from jax._src.cudnn import fused_attention_stablehlo as fa
     except ImportError:
-        return False
+        return None
     needed = ("_dot_product_attention_fwd_p_wrapper", "_dot_product_attention_bwd_p_wrapper", "MaskType")
-    if not all(hasattr(fa, name) for name in needed):
-        return False
     impl = getattr(fa, "_dot_product_attention_fwd_impl", None)
-    return impl is not None and list(inspect.signature(impl).parameters) == _CUDNN_FORWARD_SIGNATURE
+    if impl is None or not all(hasattr(fa, name) for name in needed):
+        return None
+    parameters = list(inspect.signature(impl).parameters)
+    return next((name for name, sig in _CUDNN_FORWARD_SIGNATURES.items() if sig == parameters), None)
+
+
+def has_cudnn_attention() -> bool:
+    """Whether this JAX has cuDNN's fused attention primitives with one of the call contracts checked (jax 0.11.2,
+    0.12.1)."""
+    return _cudnn_signature() is not None
+
+
+def _cudnn_extra_params() -> dict[str, Any]:
+    """The parameters jax 0.12 added to both primitives (`score_mod=None`: no flex-attention score function)."""
+    return {"score_mod": None} if _cudnn_signature() == "0.12" else {}
 
 
 def cudnn_mask_types() -> dict[str, Any]:
-    """{"none", "padding", "causal", "padding_causal"} -> the private `MaskType` members (jax 0.10.2)."""
+    """{"none", "padding", "causal", "padding_causal"} -> the private `MaskType` members (jax 0.11.2, 0.12.1)."""
     from jax._src.cudnn.fused_attention_stablehlo import MaskType
 
     return {
@@ -262,16 +237,18 @@ def cudnn_mask_types() -> dict[str, Any]:
 
 
 def cudnn_attention_forward(*operands: jax.Array, **params: Any) -> tuple[jax.Array, jax.Array]:
-    """Binds `_dot_product_attention_fwd_p_wrapper` (jax 0.10.2) with is_training=True: (out, stats)."""
+    """Binds `_dot_product_attention_fwd_p_wrapper` (jax 0.11.2, 0.12.1) with is_training=True: (out, stats)."""
     from jax._src.cudnn.fused_attention_stablehlo import _dot_product_attention_fwd_p_wrapper
 
-    out, stats = _dot_product_attention_fwd_p_wrapper.bind(*operands, **params, is_training=True)
+    out, stats = _dot_product_attention_fwd_p_wrapper.bind(
+        *operands, **params, **_cudnn_extra_params(), is_training=True
+    )
     return out, stats
 
 
 def cudnn_attention_backward(*operands: jax.Array, **params: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Binds `_dot_product_attention_bwd_p_wrapper` (jax 0.10.2): (dq, dk, dv) (no bias, so no dbias)."""
+    """Binds `_dot_product_attention_bwd_p_wrapper` (jax 0.11.2, 0.12.1): (dq, dk, dv) (no bias, so no dbias)."""
     from jax._src.cudnn.fused_attention_stablehlo import _dot_product_attention_bwd_p_wrapper
 
-    dq, dk, dv = _dot_product_attention_bwd_p_wrapper.bind(*operands, **params)
+    dq, dk, dv = _dot_product_attention_bwd_p_wrapper.bind(*operands, **params, **_cudnn_extra_params())
     return dq, dk, dv

@@ -6,14 +6,10 @@ axes, which is how a weight replicated over the data axes gets its summed gradie
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import jax
-import jax.numpy as jnp
 from jax import lax
-
-from jaxring.core import compat
 
 
 def varying_axes(x: jax.typing.ArrayLike) -> frozenset:
@@ -49,11 +45,5 @@ def common_vma(*xs: jax.Array) -> tuple[jax.Array, ...]:
 
 def gather_invariant(x: jax.Array, axes: str | tuple[str, ...], axis: int) -> jax.Array:
     """All-gather of x's pieces along `axis` over the mesh `axes`, typed replicated over them (its transpose is
-    a slice: the caller's cotangent is already the same everywhere). Falls back to a zero-padded psum (twice
-    the bytes, same value) on a jax without `all_gather_invariant`."""
-    if compat.has_all_gather_invariant():
-        return compat.all_gather_invariant(x, axes, axis)
-    n = math.prod(lax.axis_size(a) for a in (axes if isinstance(axes, tuple) else (axes,)))
-    full = jnp.zeros(x.shape[:axis] + (x.shape[axis] * n,) + x.shape[axis + 1 :], x.dtype)
-    start = lax.axis_index(axes) * x.shape[axis]
-    return lax.psum(lax.dynamic_update_slice_in_dim(full, x, start, axis), axes)
+    a slice: the caller's cotangent is already the same everywhere)."""
+    return lax.all_gather(x, axes, axis=axis, tiled=True, to="invarying")

@@ -23,9 +23,7 @@ vma), so "pallas_interpret" inside shard_map needs check_vma=False; it raises a 
 from __future__ import annotations
 
 import functools
-import inspect
 import math
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,13 +33,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxring.core.vma import vary, varying_axes
+from jaxring.core.vma import common_vma, varying_axes
 from jaxring.kernels.flash_tiles import Config, Tiles, tile_loop_ranges
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
-_CompilerParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
+_CompilerParams = plgpu.CompilerParams
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -49,31 +47,21 @@ _CompilerParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompiler
 # ----------------------------------------------------------------------------------------------------------
 
 
-def common_vma(*xs, interpret: bool = False) -> list[jax.Array | None]:
-    """Casts every array to the union of their varying mesh axes (a no-op outside shard_map)."""
+def _check_interpretable(*xs: jax.Array | None, interpret: bool) -> None:
+    """The Pallas interpreter (jax 0.11.2 and 0.12.1) cannot type-check varying mesh axes: inside a shard_map
+    with check_vma=True it fails deep in a dynamic_slice; say so in one line instead."""
     axes = frozenset().union(*(varying_axes(x) for x in xs if x is not None))
-    if axes and interpret and JAX_VERSION < (0, 11):
+    if axes and interpret:
         raise ValueError(
-            f"implementation='pallas_interpret' inside jax.shard_map with check_vma=True (inputs "
-            f"vary over mesh axes {sorted(axes)}) is not supported by the Pallas interpreter of "
-            f"jax {jax.__version__}; pass check_vma=False to shard_map, or use 'pallas' (GPU) or "
-            f"'jnp'"
+            f"implementation='pallas_interpret' inside jax.shard_map with check_vma=True (inputs vary over mesh "
+            f"axes {sorted(axes)}) is not supported by the Pallas interpreter of jax {jax.__version__}; pass "
+            f"check_vma=False to shard_map, or use 'pallas' (GPU) or 'jnp'"
         )
-    return [None if x is None else vary(x, axes) for x in xs]
-
-
-JAX_VERSION = tuple(int(x) for x in re.findall(r"\d+", jax.__version__)[:2])
-_SDS_PARAMS = inspect.signature(jax.ShapeDtypeStruct.__init__).parameters
 
 
 def _out_struct(shape: tuple[int, ...], dtype: jax.typing.DTypeLike, like: jax.Array):
-    """ShapeDtypeStruct carrying `like`'s varying mesh axes (jax 0.10: manual_axis_type; other versions: vma)."""
-    aval = jax.typeof(like)
-    if "manual_axis_type" in _SDS_PARAMS and getattr(aval, "manual_axis_type", None) is not None:
-        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=aval.manual_axis_type)
-    if "vma" in _SDS_PARAMS and getattr(aval, "vma", None):
-        return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)
-    return jax.ShapeDtypeStruct(shape, dtype)
+    """ShapeDtypeStruct carrying `like`'s varying mesh axes (its `manual_axis_type`; None outside shard_map)."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=getattr(jax.typeof(like), "manual_axis_type", None))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -241,9 +229,8 @@ def pallas_forward(
     ranges = tile_loop_ranges(
         cfg.causal, qpos, kpos, qseg, kseg, b, nq, nk, layout["kv_len"], t.block_q, t.block_k, cfg.window
     )  # [b, nq/bq, 4]
-    q, k, v, qpos, kpos, qseg, kseg, ranges = common_vma(
-        q, k, v, qpos, kpos, qseg, kseg, ranges, interpret=cfg.implementation == "pallas_interpret"
-    )
+    _check_interpretable(q, k, v, qpos, kpos, qseg, kseg, interpret=cfg.implementation == "pallas_interpret")
+    q, k, v, qpos, kpos, qseg, kseg, ranges = common_vma(q, k, v, qpos, kpos, qseg, kseg, ranges)
     nqb = nq // t.block_q
     seg = qseg is not None
     index_mask_len = layout["kv_len"] if nk > layout["kv_len"] and not (cfg.causal or seg) else None
@@ -446,9 +433,8 @@ def pallas_backward(
     seg = qseg is not None
     interpret = cfg.implementation == "pallas_interpret"
     index_mask_len = layout["kv_len"] if nk > layout["kv_len"] and not (cfg.causal or seg) else None
-    (q, k, v, do, lse, delta, qpos, kpos, qseg, kseg) = common_vma(
-        q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, interpret=interpret
-    )
+    _check_interpretable(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, interpret=interpret)
+    (q, k, v, do, lse, delta, qpos, kpos, qseg, kseg) = common_vma(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg)
 
     # dK/dV: grid over (k block, batch, kv head); loops over q blocks of the group's query heads.
     t = tiles["dkv"]
