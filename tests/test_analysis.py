@@ -2,12 +2,13 @@
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxring
 from jaxring.analysis import compile_stats
-from jaxring.analysis.compiled import branch_runs
+from jaxring.analysis.compiled import branch_runs, replica_groups
 
 
 def test_counts_each_kind_and_loop_iterations():
@@ -129,3 +130,18 @@ def test_a_pipeline_counts_the_stage_branches_each_device_runs():
     compiled = jax.jit(run).lower(w, jax.ShapeDtypeStruct((m, 1, 32, 16), jnp.float32)).compile()
     activation = 8 * 16 * 4
     assert axis_traffic(compiled.as_text(), mesh) == {("pp",): 2 * m * activation, ("sp",): 2 * m * activation + 6}
+
+
+def test_replica_groups_in_each_of_xlas_forms():
+    """Listed, iota (with a transpose) and, since jax 0.11's XLA, mesh axes: the same groups of a 2 x 4 mesh."""
+    over_b = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    over_a = [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert replica_groups("x, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}", 8) == over_b
+    assert replica_groups("x, replica_groups=[2,4]<=[8], dimensions={0}", 8) == over_b
+    assert replica_groups("x, replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add", 8) == over_a
+    assert replica_groups("x, replica_groups=mesh['a'=2,'b'=4] {'b'}, dimensions={0}", 8) == over_b
+    assert replica_groups("x, replica_groups=mesh['a'=2,'b'=4] {'a'}, to_apply=%add", 8) == over_a
+    assert replica_groups("x, replica_groups=mesh['a'=2,'b'=4] {'a','b'}, to_apply=%add", 8) == [list(range(8))]
+    assert replica_groups("x, replica_groups={}, to_apply=%add", 8) == [list(range(8))]
+    with pytest.raises(ValueError, match="do not name axes of a mesh of 4 devices"):
+        replica_groups("x, replica_groups=mesh['a'=2,'b'=4] {'b'}", 4)

@@ -13,34 +13,15 @@ compares the two on compiled train steps (`jaxring.aot.train_step`).
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxring.analysis.compiled import collective_ops, received_factor
+from jaxring.analysis.compiled import collective_ops, received_factor, replica_groups
 
 _PAIRS = re.compile(r"source_target_pairs=\{(.*?)\}\}")
-_GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
-
-
-def _groups(line: str, num_devices: int) -> list[list[int]]:
-    """The replica groups of a collective's HLO line (iota or listed form; none listed: every device)."""
-    if m := _GROUPS_IOTA.search(line):
-        shape = [int(x) for x in m.group(1).split(",")]
-        dims = [int(x) for x in m.group(2).split(",")]
-        ids = np.arange(math.prod(dims)).reshape(dims)
-        if m.group(3):
-            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-        return ids.reshape(shape[0], -1).tolist()
-    if m := _GROUPS_LIST.search(line):
-        groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
-        if groups and any(groups):
-            return groups
-    return [list(range(num_devices))]
 
 
 def _axes_spanned(
@@ -68,7 +49,7 @@ def axis_traffic(hlo_text: str, mesh: Mesh, *, skip_scalars: bool = True) -> dic
                 axes |= set(_axes_spanned((a, b), coords, names))
             key, g = tuple(n for n in names if n in axes), 2
         else:
-            groups = _groups(line, mesh.devices.size)
+            groups = replica_groups(line, mesh.devices.size)
             g = len(groups[0])
             key = tuple(n for n in names if any(n in _axes_spanned(gr, coords, names) for gr in groups))
         if not key:

@@ -40,6 +40,7 @@ from fractions import Fraction
 from typing import Any
 
 import jax
+import numpy as np
 
 KINDS = ("collective-permute", "all-gather", "reduce-scatter", "all-to-all", "all-reduce")
 _DTYPE_BYTES = {
@@ -63,8 +64,12 @@ _DTYPE_BYTES = {
 }
 _OP = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(KINDS) + r")(-start)?\(")
 _ARRAY = re.compile(r"([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
-_GROUPS_LIST = re.compile(r"replica_groups=\{(\{[0-9,]*\})")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=")
+_GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+# XLA of jax 0.11 and 0.12: the mesh's axes and sizes, and the axes the op spans, e.g.
+# replica_groups=mesh['dp'=2,'sp'=4] {'sp'} (device i of the HLO is the mesh's i-th in row-major order)
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
 
 
 def shape_bytes(shape_text: str) -> int:
@@ -102,12 +107,36 @@ def _async_result_bytes(kind: str, shape_text: str) -> int:
     return shape_bytes(elements[1] if len(elements) > 1 else elements[0])
 
 
-def _group_size(line: str, num_devices: int) -> int:
-    if m := _GROUPS_LIST.search(line):
-        return len([x for x in m.group(1).strip("{}").split(",") if x])
+def replica_groups(line: str, num_devices: int) -> list[list[int]]:
+    """The replica groups (device indices) of a collective's HLO line, in any of XLA's forms: listed
+    ({{0,1},{2,3}}), iota ([2,2]<=[4], with a transpose T(1,0)) or mesh axes (mesh['a'=2,'b'=2] {'b'}); none
+    given: every device."""
+    if m := _GROUPS_MESH.search(line):
+        axes = [(name, int(size)) for name, size in _MESH_AXIS.findall(m.group(1))]
+        spanned = set(re.findall(r"'([^']+)'", m.group(2)))
+        names = [name for name, _ in axes]
+        if not spanned <= set(names) or math.prod(size for _, size in axes) != num_devices:
+            raise ValueError(f"replica groups {m.group(0)!r} do not name axes of a mesh of {num_devices} devices")
+        ids = np.arange(num_devices).reshape([size for _, size in axes])
+        order = [i for i, n in enumerate(names) if n not in spanned] + [i for i, n in enumerate(names) if n in spanned]
+        group = math.prod(size for name, size in axes if name in spanned)
+        return ids.transpose(order).reshape(-1, group).tolist()
     if m := _GROUPS_IOTA.search(line):
-        return int(m.group(1).split(",")[-1])
-    return num_devices
+        shape = [int(x) for x in m.group(1).split(",")]
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape(shape[0], -1).tolist()
+    if m := _GROUPS_LIST.search(line):
+        groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+        if groups and any(groups):
+            return groups
+    return [list(range(num_devices))]
+
+
+def _group_size(line: str, num_devices: int) -> int:
+    return len(replica_groups(line, num_devices)[0])
 
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ")
