@@ -130,19 +130,38 @@ def _fwd_bwd(local):
 @needs_plugin
 @pytest.mark.parametrize("head_dim,kv_heads", [(64, 8), (128, 8), (128, 2)], ids=["d64", "d128", "d128-gqa"])
 def test_flash_kernels_compile_without_spills_or_serialized_wgmma(head_dim, kv_heads):
+    """The three kernels compile for sm_90a with XLA failing the compile on any register spill. Where XLA dumps
+    their PTX (jax 0.10's), ptxas's registers and wgmma notes are checked too; XLA of jax 0.11 and 0.12 dumps
+    none for Triton kernels, so there the spill check is XLA's (shown to fire by the test below)."""
     from jaxring.kernels.flash import flash_attention
 
     mesh = Mesh(np.array(gpu.gpu_devices("h200", 1)), ("x",))
     q = gpu.abstract((1, 4096, 8, head_dim), jnp.bfloat16, mesh)
     kv = gpu.abstract((1, 4096, kv_heads, head_dim), jnp.bfloat16, mesh)
     local = lambda q, k, v: flash_attention(q, k, v, causal=True, implementation="pallas")
-    report = gpu.compile_for_gpu(jax.jit(_fwd_bwd(local)), q, kv, kv, q, ptxas="jaxring_")
+    report = gpu.compile_for_gpu(jax.jit(_fwd_bwd(local)), q, kv, kv, q, ptxas="jaxring_", fail_on_spills=True)
     kernels = {k.name: k for k in report.custom_kernels()}
     assert set(kernels) == {"jaxring_flash_fwd", "jaxring_flash_dkv", "jaxring_flash_dq"}
     for k in kernels.values():
-        assert k.spills == 0, (k.name, k.spill_stores, k.spill_loads, k.registers)
-        assert not k.wgmma_serialized, (k.name, k.ptxas_notes)
-        assert k.registers <= 255 and k.shared_memory > 0 and k.threads[0] in (128, 256)
+        assert k.shared_memory > 0 and k.threads[0] in (128, 256), k
+        if k.registers is not None:  # the PTX was dumped and read by ptxas
+            assert k.spills == 0, (k.name, k.spill_stores, k.spill_loads, k.registers)
+            assert not k.wgmma_serialized, (k.name, k.ptxas_notes)
+            assert k.registers <= 255
+
+
+@needs_plugin
+def test_a_kernel_that_spills_fails_the_spill_checked_compile():
+    """fp32 at head dim 256 in 64 x 64 tiles needs more than 255 registers a thread: compiled with
+    fail_on_spills the compile fails, without it it compiles (so the check above can fail)."""
+    from jaxring.kernels.flash import flash_attention
+
+    mesh = Mesh(np.array(gpu.gpu_devices("h100", 1)), ("x",))
+    q = gpu.abstract((1, 1024, 2, 256), jnp.float32, mesh)
+    local = lambda q: flash_attention(q, q, q, causal=True, implementation="pallas", block_q=64, block_k=64)
+    assert gpu.compile_for_gpu(jax.jit(local), q, ptxas=False).custom_kernels()
+    with pytest.raises(Exception, match="register spilling"):
+        gpu.compile_for_gpu(jax.jit(local), q, ptxas=False, fail_on_spills=True)
 
 
 def _strategy(name, devices):

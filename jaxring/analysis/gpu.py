@@ -32,6 +32,7 @@ Target configs (XLA's GpuTargetConfigProto, `gpu_targets/*.txtpb`, from openxla/
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -134,6 +135,19 @@ def gpu_devices(target: str = DEFAULT_TARGET, num_devices: int = 8) -> list:
     if not isinstance(num_devices, int) or num_devices < 1:
         raise ValueError(f"num_devices={num_devices!r} must be a positive integer")
     return list(_topology(target, num_devices).devices)
+
+
+def lowering_for(device: Any) -> contextlib.AbstractContextManager:
+    """The context in which `jax.jit(f).lower(...)` lowers for `device`'s GPU (an abstract GPU of a topology).
+
+    Pallas' Triton lowering reads the GPU it compiles for from the context's abstract mesh, else from JAX's
+    default device (jax 0.11.2, 0.12.x), which in a deviceless compile is the host's CPU ("No supported GPU
+    devices found"). An empty abstract mesh naming the device's kind is all it needs; nothing else reads it. A
+    device that is not a GPU gets a context that changes nothing."""
+    if getattr(device, "platform", None) != "gpu":
+        return contextlib.nullcontext()
+    kind = jax.sharding.AbstractDevice(device.device_kind, getattr(device, "core_count", None), "gpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=kind))
 
 
 def gpu_mesh(axes: dict[str, int], target: str = DEFAULT_TARGET) -> Mesh:
@@ -282,31 +296,39 @@ def compile_for_gpu(
     ptxas: bool | str = True,
     dump_dir: str | None = None,
     compiler_options: dict | None = None,
+    fail_on_spills: bool = False,
     **kwargs: Any,
 ) -> GpuCompileReport:
     """Compiles `fn(*args, **kwargs)` for the GPUs its arguments are sharded on, and reports on it.
 
-    fn: a `jax.jit`-ed function, a plain function (jitted here), or a `Lowered` (then no args). Its abstract
-      args (`abstract(...)`) carry shardings over a mesh of `gpu_devices(target, N)`.
+    fn: a `jax.jit`-ed function, a plain function (jitted here), or a `Lowered` (then no args; lowered inside
+      `lowering_for(device)` if it holds Pallas kernels). Its abstract args (`abstract(...)`) carry shardings
+      over a mesh of `gpu_devices(target, N)`.
     target: "h100"/"h200"; default: read from the devices (only used for labels).
     ptxas: True runs ptxas on every kernel's PTX; a string runs it on kernels whose name matches this regex;
       False skips it.
     dump_dir: where XLA dumps the module (default: a temporary directory, removed afterwards).
     compiler_options: extra XLA debug options for this compile (e.g. {"xla_gpu_enable_latency_hiding_scheduler":
       True}).
+    fail_on_spills: make a kernel's register spill a compile error (XLA's own check, as ptxas compiles the PTX).
+      XLA of jax 0.11 and 0.12 dumps no PTX of the Pallas (Triton) kernels, so `ptxas` finds none to read there
+      (their registers and wgmma notes stay None) and this is how a spill shows.
     """
     import time
 
     lowered = fn if hasattr(fn, "compile") and not args and not kwargs and hasattr(fn, "as_text") else None
     if lowered is None:
         jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-        lowered = jitted.lower(*args, **kwargs)
+        with lowering_for(_device_of_args(args, kwargs)):
+            lowered = jitted.lower(*args, **kwargs)
     own_dir = dump_dir is None
     dump_dir = tempfile.mkdtemp(prefix="jaxring_gpu_") if own_dir else dump_dir
     try:
         # XLA's default backend level (3), as a real GPU build has it: an XLA_FLAGS level (the tests set 0 for
         # XLA:CPU's compile time) would change the kernels' PTX (-O0: 243 registers, serialized wgmma)
         options = {"xla_dump_to": dump_dir, "xla_backend_optimization_level": 3, **(compiler_options or {})}
+        if fail_on_spills:
+            options["xla_gpu_fail_ptx_compilation_on_register_spilling"] = True
         start = time.perf_counter()
         compiled = lowered.compile(compiler_options=options)
         seconds = time.perf_counter() - start
@@ -341,6 +363,15 @@ def compile_for_gpu(
         seconds,
         entry_collectives(hlo),
     )
+
+
+def _device_of_args(args: tuple, kwargs: dict) -> Any:
+    """A device the abstract arguments are sharded over (None if none is)."""
+    for leaf in jax.tree.leaves((args, kwargs)):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None and getattr(sharding, "device_set", None):
+            return next(iter(sharding.device_set))
+    return None
 
 
 def _devices_of(compiled: jax.stages.Compiled) -> list:

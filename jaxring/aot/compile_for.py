@@ -95,8 +95,8 @@ def require_plugin(target: str) -> None:
     ok, why = gpu.available()
     if not ok:
         raise ValueError(
-            f"--compile-for {target} compiles for a GPU without one, which this environment cannot: {why} (e.g. "
-            f'pip install "jax[cuda12]=={jax.__version__}" nvidia-cuda-nvcc-cu12 in its own venv)'
+            f"--compile-for {target} compiles for a GPU without one, which this environment cannot: {why} (its own venv: "
+            f"VENV=.venv-gpu bash tools/setup.sh gpu-compile, then run with .venv-gpu/bin/python)"
         )
 
 

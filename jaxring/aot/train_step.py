@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxring.analysis import gpu
 from jaxring.core.compat import place_in_host_memory
 from jaxring.core.precision import compute_dtype
 from jaxring.nn import offloaded, param_placements
@@ -98,7 +99,8 @@ def lower_train_step(model_kind: str, config: Any, plan: ParallelPlan, **kwargs)
     offloaded on abstract GPUs (which list no host memory), its arguments and results are marked as pinned host
     memory in the lowered program, as jit marks them on real devices."""
     fn, args = build_train_step(model_kind, config, plan, **kwargs)
-    lowered = fn.lower(*args)
+    with gpu.lowering_for(plan.run_mesh.devices.flat[0]):
+        lowered = fn.lower(*args)
     abstract = not _lists_host_memory(plan.run_mesh.devices.flat[0])
     parts = offloaded(kwargs.get("offload", "none"))
     if "optimizer" in parts and abstract:
