@@ -1,5 +1,5 @@
 """Every command README.md shows runs and exits 0: the shell commands of its ```bash blocks (`pip install` and
-`pytest` aside), shortened, and `--help` of every benchmark script it names.
+the set-up, `tools/setup.sh`, and `pytest` aside), shortened, and `--help` of every benchmark script it names.
 
 The commands run in README order in one working directory, as a reader would type them (`--config run.yaml`
 reads the file the `--print-config ... > run.yaml` before it wrote; `--resume` continues the checkpoint the
@@ -39,14 +39,17 @@ SLOW_REASON = "repeats a code path the default README commands cover (a compile 
 
 def readme_commands(text: str) -> list[str]:
     """The commands of the ```bash blocks: continuation lines joined, comments dropped, whitespace collapsed;
-    `pip install` and `pytest` left out."""
+    `pip install`, the set-up (`bash tools/setup.sh ...`) and `pytest` left out."""
     commands = []
     for block in re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M):
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
             if (
-                not words or words[:2] == ["pip", "install"] or "pytest" in words
-            ):  # the test command (this test runs inside it)
+                not words
+                or words[:2] == ["pip", "install"]
+                or words[:2] == ["bash", "tools/setup.sh"]
+                or "pytest" in words
+            ):  # the set-up (CI runs it first) and the test command (this test runs inside it)
                 continue
             commands.append(shlex.join(words))
     return commands
@@ -268,12 +271,45 @@ def test_benchmarks_the_readme_names_show_their_help():
 
 
 def test_notebooks_extra_installs_jupyterlab():
-    """`pip install -e ".[notebooks]"` (README's notebook set-up) brings JupyterLab and a kernel."""
+    """`bash tools/setup.sh notebooks` (README's notebook set-up: the `notebooks` extra) brings JupyterLab and a
+    kernel."""
     import tomllib
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     names = {re.split(r"[<>=\[; ]", r, maxsplit=1)[0].lower() for r in extras["notebooks"]}
     assert {"jupyterlab", "ipykernel", "matplotlib"} <= names, names
+
+
+def test_setup_is_the_readme_setup_and_ci_runs_it():
+    """README's set-up is `bash tools/setup.sh`, and `.ci/run` runs that same script (then the test command)."""
+    assert "bash tools/setup.sh && . .venv/bin/activate" in README.read_text()
+    assert "bash tools/setup.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+FAKE_OLD_PYTHON = """#!/bin/sh
+case "$*" in *platform*) echo 3.11.7 ;; *) exit 1 ;; esac
+"""
+
+
+@pytest.mark.parametrize("given", [None, "fake"], ids=["search", "PYTHON="])
+def test_setup_without_a_new_enough_python_says_so_in_one_line(tmp_path, given):
+    """With only a Python 3.11 about (no pyenv), tools/setup.sh makes nothing and says, in one line, what it found
+    and what it needs; a PYTHON= that is too old is named. (The search's success is CI's own set-up.)"""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("python3", "python"):
+        (bin_dir / name).write_text(FAKE_OLD_PYTHON)
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "VENV": str(tmp_path / "venv")}
+    if given:
+        env["PYTHON"] = str(bin_dir / "python3")
+    result = subprocess.run(
+        ["bash", str(ROOT / "tools" / "setup.sh")], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1 and not (tmp_path / "venv").exists(), result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Python >= 3.12" in lines[0], lines
+    assert ("python3 is 3.11.7" if given is None else f"PYTHON={env.get('PYTHON')}") in lines[0], lines
 
 
 # (flags, the one line's text, the flags with its suggestion applied)

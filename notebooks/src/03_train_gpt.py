@@ -24,14 +24,15 @@
 # them is used); on a runtime with a single GPU all the runs use that one device.
 
 # %%
-# On Colab: install jaxring (with JAX's CUDA wheels on a GPU runtime). Locally: pip install -e ".[notebooks]".
+# On Colab: install jaxring beside the runtime's own jax and its GPU or TPU plugin (kept as they are).
+# Locally: bash tools/setup.sh notebooks.
 import os
 import shutil
 import sys
 
 if "google.colab" in sys.modules:
-    extra = "[cuda12]" if shutil.which("nvidia-smi") else ""
-    # %pip install -q "jaxring{extra} @ git+https://github.com/jaxring/jaxring"
+    # %pip install -q "jaxring @ git+https://github.com/jaxring/jaxring"
+    pass
 
 # FAST=1 (set by the tests) keeps every size small; leave it unset to see realistic sizes.
 FAST = os.environ.get("JAXRING_NOTEBOOK_FAST", "0") == "1"

@@ -21,7 +21,8 @@
 # Nothing here needs a GPU: the planner predicts, and the checks compile (never run) the step.
 
 # %%
-# On Colab: install jaxring. Locally: pip install -e ".[notebooks]".
+# On Colab: install jaxring beside the runtime's own jax and its GPU or TPU plugin (kept as they are).
+# Locally: bash tools/setup.sh notebooks.
 import os
 import sys
 
