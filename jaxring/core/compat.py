@@ -315,12 +315,14 @@ def tokamax_mosaic_attention(config: Any = None) -> Any:
     return PallasMosaicGpuFlashAttention(config=config)
 
 
-def tokamax_xla_attention() -> Any:
+def tokamax_xla_attention(with_vjp: bool = False) -> Any:
     """tokamax's XLA attention op (`base.DotProductAttention`, tokamax 0.0.17; runs on CPU). Its forward returns
-    the same residuals as the Mosaic GPU op; it has no `.vjp` that takes them (XLA autodiff recomputes)."""
-    from tokamax._src.ops.attention.base import DotProductAttention
+    the same residuals as the Mosaic GPU op. It has no `.vjp` (XLA autodiff) unless `with_vjp`: then tokamax's
+    XLA backward op (`base.DotProductAttentionVjp`), which takes residuals and an output but recomputes the
+    softmax instead of reading them (tests show so)."""
+    from tokamax._src.ops.attention.base import DotProductAttention, DotProductAttentionVjp
 
-    return DotProductAttention()
+    return DotProductAttention(vjp=DotProductAttentionVjp() if with_vjp else None)
 
 
 def _tokamax_mask(k_start: Any, k_end: Any) -> Any:
