@@ -15,16 +15,17 @@ import numpy as np
 import pytest
 from helpers import assert_close, check, qkv, with_reference
 
-pytest.importorskip("tokamax", reason="the optional tokamax package is not installed (pip install 'jaxring[tokamax]')")
-
 import jaxring
+from jaxring.analysis import gpu
 from jaxring.core import compat
 from jaxring.kernels import tokamax_contract
 from jaxring.kernels.block_compute import get_block_ops
+from jaxring.kernels.flash import flash_block_ops
 from jaxring.kernels.merge import merge_partials
 from jaxring.kernels.reference import attention_reference
 from jaxring.kernels.tokamax_blocks import (
     FALLBACK,
+    MOSAIC_CALLS,
     RANGES,
     REFERENCE_CALLS,
     SKIP,
@@ -32,6 +33,11 @@ from jaxring.kernels.tokamax_blocks import (
     block_class,
     delta_output,
     key_ranges,
+    tokamax_block_ops,
+)
+
+tokamax = pytest.importorskip(
+    "tokamax", reason="the optional tokamax package is not installed (pip install 'jaxring[tokamax]')"
 )
 
 SCALE = 0.3
@@ -192,3 +198,30 @@ def test_ring_matches_reference(layout):
         )
 
     check(*with_reference(fn, q, k, v, dout, causal=True), 2e-4)
+
+
+@pytest.mark.skipif(not gpu.available()[0], reason="needs the gpu-compile extra (CUDA plugin and ptxas)")
+def test_deviceless_h100_compile_has_mosaic_kernels():
+    """block_ops "tokamax" compiles for an H100 with no GPU (bf16 1 x 4096 x 8 x 128 causal, GQA 8:2, forward and
+    backward): tokamax's Mosaic GPU kernels (two forwards, WHOLE and RANGES; their dq and dk/dv kernels) beside
+    the Pallas fallback's Triton ones; dk/dv come back with the K/V heads (GQA not repeated)."""
+    devices = gpu.gpu_devices("h100", 1)
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+    x = lambda heads: gpu.abstract((1, 4096, heads, 128), jnp.bfloat16, mesh)
+    ops = tokamax_block_ops(MOSAIC_CALLS, flash_block_ops())  # get_block_ops("tokamax") wants a real NVIDIA GPU
+
+    def block(q, k, v, do):
+        pos = jnp.arange(4096, dtype=jnp.int32)
+        out, lse = ops.forward(q, k, v, pos, pos, causal=True, sm_scale=128**-0.5)
+        delta = jnp.sum(do.astype(jnp.float32) * out, -1)
+        return out, ops.backward(q, k, v, do, lse, delta, pos, pos, causal=True, sm_scale=128**-0.5)
+
+    # tokamax picks its kernels by the default device's compute capability; cross_compile lifts its device check
+    with tokamax.config.cross_compile(True), jax.default_device(devices[0]):
+        lowered = jax.jit(block).lower(x(8), x(2), x(2), x(8))
+    text = lowered.compile().as_text()
+    calls = [line for line in text.splitlines() if 'custom_call_target="mosaic_gpu_v2"' in line]
+    assert len(calls) == 6, len(calls)
+    assert sum("flash_attention_sm90" in line for line in calls) == 2
+    assert sum("(bf16[4096,2,128]{2,1,0}, bf16[4096,2,128]{2,1,0}) custom-call" in line for line in calls) == 2
+    assert 'custom_call_target="__gpu$xla.gpu.triton"' in text
