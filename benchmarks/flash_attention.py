@@ -1,9 +1,10 @@
 """Single-device attention kernels: TFLOP/s of forward and forward+backward, bf16.
 
-Compares jaxring's Pallas flash kernel ("jaxring") and jaxring's cuDNN block compute ("jaxring-cudnn": the
-BlockOps of kernels/cudnn_blocks.py through block_attention, as Ulysses and dense attention call it) with
-`jax.nn.dot_product_attention` (cuDNN "cudnn" and XLA) and JAX's own Pallas `mha`
-(jax.experimental.pallas.ops.gpu.attention). Shapes follow the FlashAttention papers' benchmark: batch * seq =
+Compares jaxring's Pallas flash kernel ("jaxring") and jaxring's cuDNN and tokamax block computes ("jaxring-cudnn",
+"jaxring-tokamax": the BlockOps of kernels/cudnn_blocks.py and kernels/tokamax_blocks.py through block_attention,
+as Ulysses and dense attention call them) with `jax.nn.dot_product_attention` (cuDNN "cudnn" and XLA), JAX's own
+Pallas `mha` (jax.experimental.pallas.ops.gpu.attention) and the optional tokamax package's Mosaic GPU attention
+called directly ("tokamax": `tokamax.dot_product_attention(implementation="mosaic")`). Shapes follow the FlashAttention papers' benchmark: batch * seq =
 16k tokens, hidden = heads * head_dim = 2048 (--tokens, --hidden); --kv-heads N adds GQA rows (K/V with N heads,
 e.g. --hidden 4096 --head-dims 128 --kv-heads 8: 32 query heads over 8).
 
@@ -39,7 +40,8 @@ from jaxring.kernels.flash import default_block_config, flash_attention
 
 TOKENS = 16384
 HIDDEN = 2048
-IMPLS = ("jaxring", "jaxring-cudnn", "cudnn", "xla", "pallas_mha")
+IMPLS = ("jaxring", "jaxring-cudnn", "jaxring-tokamax", "cudnn", "xla", "pallas_mha", "tokamax")
+OURS = ("jaxring", "jaxring-cudnn", "jaxring-tokamax")  # the rows checked against a reference (accuracy)
 
 
 def attention_fn(impl: str, causal: bool, head_dim: int, jaxring_impl: str, cudnn_block_ops: str = "cudnn"):
@@ -49,12 +51,20 @@ def attention_fn(impl: str, causal: bool, head_dim: int, jaxring_impl: str, cudn
         return lambda q, k, v: flash_attention(q, k, v, causal=causal, sm_scale=scale, implementation=jaxring_impl)
     if impl == "jaxring-cudnn":
         return lambda q, k, v: local_attention(cudnn_block_ops, q, k, v, causal=causal, sm_scale=scale)
+    if impl == "jaxring-tokamax":
+        return lambda q, k, v: local_attention("tokamax", q, k, v, causal=causal, sm_scale=scale)
     if impl in ("cudnn", "xla"):
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=scale, implementation=impl)
     if impl == "pallas_mha":
         from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
         return lambda q, k, v: pallas_attention.mha(q, k, v, None, sm_scale=scale, causal=causal)
+    if impl == "tokamax":  # the optional package; an ImportError is recorded as this row's error
+        import tokamax
+
+        return lambda q, k, v: tokamax.dot_product_attention(
+            q, k, v, scale=scale, is_causal=causal, implementation="mosaic"
+        )
     raise ValueError(f"unknown implementation {impl!r}")
 
 
@@ -110,7 +120,7 @@ def accuracy_check(fns, args, ours_name="jaxring"):
     except Exception as e:
         return {"error": f"{ours_name}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
     errors = {}
-    for ref_name in (n for n in ("cudnn", "xla", "pallas_mha", "jaxring") if n in fns and n != ours_name):
+    for ref_name in (n for n in ("cudnn", "xla", "pallas_mha", "tokamax", "jaxring") if n in fns and n != ours_name):
         try:
             ref = run(ref_name)
         except Exception as e:
@@ -310,7 +320,7 @@ def main(argv=None):
                         f"fwd+bwd {fmt(row.get('fwd_bwd_tflops'), row.get('fwd_bwd_error'))} TFLOP/s",
                         flush=True,
                     )
-                for ours_name in (n for n in ("jaxring", "jaxring-cudnn") if n in fns):
+                for ours_name in (n for n in OURS if n in fns):
                     if seq != min(args.seqs) or len(fns) < 2:
                         break
                     check = accuracy_check(fns, qkvd, ours_name)
@@ -340,8 +350,9 @@ def _key(row: dict) -> tuple:
 
 
 def summarize(record):
-    """Per (seq, head_dim, causal, heads, kv_heads): jaxring fwd / matmul peak, jaxring fwd+bwd / cuDNN fwd+bwd
-    and jaxring-cudnn fwd+bwd / cuDNN fwd+bwd (the block decomposition's overhead over one direct call)."""
+    """Per (seq, head_dim, causal, heads, kv_heads): jaxring fwd / matmul peak, jaxring fwd+bwd / cuDNN fwd+bwd,
+    jaxring-cudnn fwd+bwd / cuDNN fwd+bwd and jaxring-tokamax fwd+bwd / tokamax fwd+bwd (the block
+    decompositions' overhead over one direct call)."""
     peak = (record.get("matmul_peak") or {}).get("tflops")
     by_key = {}
     for r in record["results"]:
@@ -351,6 +362,8 @@ def summarize(record):
         ours, cudnn = rows.get("jaxring", {}), rows.get("cudnn", {})
         fwd, fb, cudnn_fb = ours.get("fwd_tflops"), ours.get("fwd_bwd_tflops"), cudnn.get("fwd_bwd_tflops")
         blocks_fb = rows.get("jaxring-cudnn", {}).get("fwd_bwd_tflops")
+        tok_blocks_fb = rows.get("jaxring-tokamax", {}).get("fwd_bwd_tflops")
+        tok_fb = rows.get("tokamax", {}).get("fwd_bwd_tflops")
         summary.append(
             {
                 "seq": seq,
@@ -360,6 +373,10 @@ def summarize(record):
                 "kv_heads": kv_heads,
                 "jaxring_cudnn_fwd_bwd_tflops": blocks_fb,
                 "jaxring_cudnn_over_cudnn_fwd_bwd": None if not (blocks_fb and cudnn_fb) else blocks_fb / cudnn_fb,
+                "jaxring_tokamax_fwd_bwd_tflops": tok_blocks_fb,
+                "jaxring_tokamax_over_tokamax_fwd_bwd": None
+                if not (tok_blocks_fb and tok_fb)
+                else tok_blocks_fb / tok_fb,
                 "jaxring_fwd_tflops": fwd,
                 "jaxring_fwd_bwd_tflops": fb,
                 "cudnn_fwd_bwd_tflops": cudnn_fb,

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # jaxring's checks on one real NVIDIA GPU, as one short script (a lent GPU machine is held by the minute).
 #
-#   bash benchmarks/gpu_session.sh [SECTION ...]      # sections: env kernels flash flash-gqa train train-no-offload
-#                                                     #           weights weights-no-offload weights-blocks mfu
+#   bash benchmarks/gpu_session.sh [SECTION ...]      # sections: env kernels flash flash-gqa tokamax train
+#                                                     #           train-no-offload weights weights-no-offload
+#                                                     #           weights-blocks mfu
 #
-# With no SECTION it runs env kernels flash flash-gqa (the cuDNN session of issue 34; at most 200 + 120 + 120 +
-# 60 s, under 10 minutes); the training and MFU sections run when named.
+# With no SECTION it runs env kernels flash flash-gqa tokamax (the cuDNN session of issue 34 and the tokamax
+# rows; at most 60 + 200 + 120 + 120 + 90 s = 590 s, under 10 minutes); the training and MFU sections run when
+# named.
 #
 # Runs from the repository root with the machine's own JAX (its CUDA plugin) and jaxring installed there
 # (`pip install --no-deps -e .`: train.py finds the model families through the package's entry points). Each
@@ -14,13 +16,20 @@
 #   env      nvidia-smi, Python and package versions
 #   kernels  tests/test_gpu_kernels.py: the compiled Pallas flash kernel and the cuDNN block compute (block_ops
 #            "cudnn": zig-zag/striped block positions, GQA, a window, documents falling back) against the dense
-#            reference, forward and dq/dk/dv
+#            reference, forward and dq/dk/dv (the tokamax cases run in the tokamax section)
 #   train    python train.py on the GPU: Llama-3-8B's layer shape (4 of its 32 layers, its 128K vocabulary),
 #            64K tokens, bf16, remat full, tiled loss and MLP, layer inputs offloaded to host memory; the
 #            metrics (peak device memory, step time) beside the estimate train.py prints
 #   flash    benchmarks/flash_attention.py at head dim 128, 8K and 32K tokens, causal and full: jaxring's Pallas
 #            kernel, jaxring's cuDNN block compute ("jaxring-cudnn") and cuDNN called directly
 #   flash-gqa  the same with GQA, 32 query heads over 8 K/V heads (hidden 4096), added to the same JSON
+#   tokamax  the optional tokamax package (0.0.17; installed first from .whl/tokamax/*.whl if that folder is there:
+#            `pip download tokamax==0.0.17 qwix xprof ... -d .whl/tokamax` here, about 40 MB, carried to the machine,
+#            which reaches no index): tests/test_gpu_kernels.py's tokamax cases with ring-block positions and a
+#            window (block_ops "tokamax": the Mosaic GPU kernels given the global lse and the stand-in output; 50 s)
+#            and flash_attention.py's rows "jaxring-tokamax" (the block compute), "tokamax"
+#            (tokamax.dot_product_attention called directly) and "jaxring" at 8K, d 128, GQA 32:8, causal and full
+#            (40 s), added to the same JSON; skipped in one line where tokamax does not import
 #   weights  one GPU, 4 of Llama-3-8B's layers at 262,144 tokens with the weights, gradients and AdamW state
 #            in host memory (--offload layer_inputs+weights); weights-no-offload: the same with them on the device;
 #            weights-blocks: the same offload with recompute blocks of 2 layers (--remat-layers 2: the blocks' inputs
@@ -41,7 +50,7 @@ run() {  # run NAME SECONDS COMMAND...: one section, its output appended to the 
     echo "=== $name: exit $? after $((SECONDS - start)) s" | tee -a "$LOG"
 }
 
-sections=${*:-env kernels flash flash-gqa}
+sections=${*:-env kernels flash flash-gqa tokamax}
 for s in $sections; do
     case $s in
     env)
@@ -52,7 +61,7 @@ print(sys.version.split()[0], \"jax\", jax.__version__, \"jaxlib\", jaxlib.__ver
 import jaxring, jaxring.models.gpt; print(\"jaxring imports\")'"
         ;;
     kernels)
-        run kernels 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py
+        run kernels 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -k "not tokamax"
         ;;
     train)
         run train 170 "$PY" train.py --preset llama3-8b --override num_layers=4 --seq-len 65536 --batch-size 1 \
@@ -88,9 +97,22 @@ import jaxring, jaxring.models.gpt; print(\"jaxring imports\")'"
         run flash-gqa 120 "$PY" benchmarks/flash_attention.py --seqs 8192 32768 --head-dims 128 --hidden 4096 \
             --kv-heads 8 --impls jaxring jaxring-cudnn cudnn --runs 5 --merge --out "$OUT/flash_attention.json"
         ;;
+    tokamax)
+        if [ -d .whl/tokamax ]; then
+            "$PY" -m pip install -q --no-deps --no-index .whl/tokamax/*.whl >>"$LOG" 2>&1
+        fi
+        if ! "$PY" -c "import tokamax" >>"$LOG" 2>&1; then
+            echo "=== tokamax: skipped (tokamax does not import; see the log)" | tee -a "$LOG"
+            continue
+        fi
+        run tokamax-kernels 50 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py \
+            -k "tokamax and (zigzag or striped or window)"
+        run tokamax-flash 40 "$PY" benchmarks/flash_attention.py --seqs 8192 --head-dims 128 --hidden 4096 \
+            --kv-heads 8 --impls jaxring jaxring-tokamax tokamax --runs 5 --merge --out "$OUT/flash_attention.json"
+        ;;
     mfu)
         run mfu 180 "$PY" benchmarks/train_step.py --gpu-mfu --steps 5 --out "$OUT/train_step_gpu.json"
         ;;
-    *) echo "unknown section $s (env kernels flash flash-gqa train train-no-offload weights weights-no-offload weights-blocks mfu)" | tee -a "$LOG" ;;
+    *) echo "unknown section $s (env kernels flash flash-gqa tokamax train train-no-offload weights weights-no-offload weights-blocks mfu)" | tee -a "$LOG" ;;
     esac
 done

@@ -1,5 +1,6 @@
-"""The compiled Pallas flash kernel and the cuDNN block compute on a real GPU against the dense reference: out,
-lse and dq/dk/dv (cuDNN: out and dq/dk/dv, through `block_attention`, with zig-zag and striped block positions).
+"""The compiled Pallas flash kernel and the cuDNN and tokamax block computes on a real GPU against the dense
+reference: out, lse and dq/dk/dv (cuDNN, tokamax: out and dq/dk/dv, through `block_attention`, with zig-zag and
+striped block positions; tokamax only where the optional package is installed and the GPU is sm90 or sm100).
 
 Skipped where JAX has no GPU backend (CI, and the CPU tests, which check the same kernels through the Pallas
 interpreter in test_flash.py). On a GPU machine: `JAX_PLATFORMS= python -m pytest tests/test_gpu_kernels.py`.
@@ -19,6 +20,8 @@ from jaxring.kernels.block_compute import get_block_ops, nvidia_gpu
 from jaxring.kernels.cudnn_blocks import FALLBACK, planned_classes
 from jaxring.kernels.flash import flash_attention
 from jaxring.kernels.layout import layout_positions
+from jaxring.kernels.tokamax_blocks import FALLBACK as TOKAMAX_FALLBACK
+from jaxring.kernels.tokamax_blocks import block_class
 
 
 def _gpu():
@@ -129,6 +132,33 @@ CUDNN = nvidia_gpu() if GPU is not None else False
 def test_cudnn_blocks_match_reference(name, seq, q_heads, kv_heads, head_dim, causal, window, documents, blocks):
     """bf16 through cuDNN (block_ops "cudnn"): the block decomposition, the stats conversion and the backward
     from the global lse and the stand-in output O' (rowsum(dO O') = delta), against the fp32 reference."""
+    no_fallback = lambda qp, kp: FALLBACK not in planned_classes(qp, kp, causal=causal)
+    _blocks_match_reference(
+        "cudnn", no_fallback, name, seq, q_heads, kv_heads, head_dim, causal, window, documents, blocks
+    )
+
+
+TOKAMAX = CUDNN and compat.has_tokamax_attention() and float(getattr(GPU, "compute_capability", 0)) >= 9
+
+
+@pytest.mark.skipif(not TOKAMAX, reason="needs the optional tokamax package and an sm90/sm100 NVIDIA GPU")
+@pytest.mark.parametrize(
+    "name,seq,q_heads,kv_heads,head_dim,causal,window,documents,blocks",
+    [pytest.param(*c, id=c[0]) for c in CUDNN_CASES],
+)
+def test_tokamax_blocks_match_reference(name, seq, q_heads, kv_heads, head_dim, causal, window, documents, blocks):
+    """bf16 through tokamax's Mosaic GPU kernels (block_ops "tokamax"): the key ranges, (max, sum) -> lse, and the
+    backward from the global lse as (lse, 1) and the stand-in output O' in fp32, against the fp32 reference."""
+    no_fallback = lambda qp, kp: int(block_class(qp, kp, causal=causal, window=window)) != TOKAMAX_FALLBACK
+    _blocks_match_reference(
+        "tokamax", no_fallback, name, seq, q_heads, kv_heads, head_dim, causal, window, documents, blocks
+    )
+
+
+def _blocks_match_reference(
+    block_ops, no_fallback, name, seq, q_heads, kv_heads, head_dim, causal, window, documents, blocks
+):
+    """One CUDNN_CASES case through `block_attention` with the named block compute vs the fp32 reference."""
     q, k, v, dout, _ = _inputs(len(name), 2, seq, q_heads, kv_heads, head_dim, jnp.bfloat16)
     options = dict(causal=causal, window=window)
     if blocks == "natural":
@@ -136,14 +166,14 @@ def test_cudnn_blocks_match_reference(name, seq, q_heads, kv_heads, head_dim, ca
     else:
         layout, ranks, qr, kr = blocks
         qp, kp = (layout_positions(layout, r, ranks, seq) for r in (qr, kr))
-        assert FALLBACK not in planned_classes(qp, kp, causal=causal)
+        assert no_fallback(qp, kp)
         options.update(q_positions=qp, kv_positions=kp)
     if documents:
         ids = np.ones((2, seq), np.int32)
         ids[0, seq // 3 :] = 2
         ids[0, -50:] = 0
         options["segment_ids"] = jax.device_put(jnp.asarray(ids), GPU)
-    ops = get_block_ops("cudnn")
+    ops = get_block_ops(block_ops)
 
     def loss(fn, q, k, v):
         out = fn(q, k, v)

@@ -12,6 +12,8 @@ Sections (one per area; add new uses to the matching one, or a new section):
   backends         JAX's backends and XLA's HLO cost analysis (jaxring/analysis/gpu.py)
   memory kinds     host-memory arguments of a deviceless GPU program (jaxring/aot/train_step.py)
   cudnn            cuDNN's fused attention primitives, forward with stats and backward (kernels/cudnn_blocks.py)
+  tokamax          the optional tokamax package's attention ops: forward with residuals, backward taking them
+                   (kernels/tokamax_blocks.py)
 """
 
 from __future__ import annotations
@@ -32,11 +34,16 @@ __all__ = [
     "eval_closed_jaxpr",
     "executable_cost_analysis",
     "has_cudnn_attention",
+    "has_tokamax_attention",
     "hlo_cost_analysis",
     "is_literal",
     "partial_eval_jaxpr",
     "place_in_host_memory",
     "register_cpu_ppermute_lowering_with_own_channels",
+    "tokamax_attention_backward",
+    "tokamax_attention_forward",
+    "tokamax_mosaic_attention",
+    "tokamax_xla_attention",
 ]
 
 
@@ -252,3 +259,89 @@ def cudnn_attention_backward(*operands: jax.Array, **params: Any) -> tuple[jax.A
 
     dq, dk, dv = _dot_product_attention_bwd_p_wrapper.bind(*operands, **params, **_cudnn_extra_params())
     return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------------------------ tokamax
+# The optional `tokamax` package (Apache-2.0; `pip install jaxring[tokamax]`), read and run on tokamax 0.0.17
+# with jax 0.12.1 (CPU: its XLA op; the Mosaic GPU op compiled deviceless for an H100 with jax 0.12.0). Its public
+# `tokamax.dot_product_attention` returns the output only, and its public GPU alias
+# `tokamax.ops.gpu.PallasMosaicFlashAttention` does not import without `jax_triton` (not a tokamax dependency),
+# so the op classes come from their private modules (`tokamax._src.ops.attention`). The ops' own contract (the
+# `Op` base class, `tokamax.Op`): `op(q, k, v, ..., return_residuals=True)` -> (out, (max, sum)); `op.vjp(residuals,
+# out, dout, *bound args)` -> {"q": dq, "k": dk, "v": dv, ...}. The Mosaic GPU backward reads the residuals and
+# D = rowsum(out * dout) (both given); tokamax's XLA backward recomputes the softmax and ignores them.
+
+
+def has_tokamax_attention() -> bool:
+    """Whether tokamax is installed with the attention modules and names read on 0.0.17."""
+    try:
+        from tokamax._src.ops.attention import base, pallas_mosaic_gpu
+    except ImportError:
+        return False
+    return all(hasattr(base, n) for n in ("Mask", "DotProductAttention")) and hasattr(
+        pallas_mosaic_gpu, "PallasMosaicGpuFlashAttention"
+    )
+
+
+def tokamax_mosaic_attention(config: Any = None) -> Any:
+    """tokamax's Mosaic GPU flash attention op (`pallas_mosaic_gpu.PallasMosaicGpuFlashAttention`, tokamax 0.0.17;
+    sm80 forward only, sm90 and sm100 forward and backward), with its backward op as `.vjp`. `config`: a kernel
+    config (None: tokamax's heuristics for the device)."""
+    from tokamax._src.ops.attention.pallas_mosaic_gpu import PallasMosaicGpuFlashAttention
+
+    return PallasMosaicGpuFlashAttention(config=config)
+
+
+def tokamax_xla_attention(with_vjp: bool = False) -> Any:
+    """tokamax's XLA attention op (`base.DotProductAttention`, tokamax 0.0.17; runs on CPU). Its forward returns
+    the same residuals as the Mosaic GPU op. It has no `.vjp` (XLA autodiff) unless `with_vjp`: then tokamax's
+    XLA backward op (`base.DotProductAttentionVjp`), which takes residuals and an output but recomputes the
+    softmax instead of reading them (tests show so)."""
+    from tokamax._src.ops.attention.base import DotProductAttention, DotProductAttentionVjp
+
+    return DotProductAttention(vjp=DotProductAttentionVjp() if with_vjp else None)
+
+
+def _tokamax_mask(k_start: Any, k_end: Any) -> Any:
+    """tokamax's `base.Mask` keeping keys k_start <= j < k_end per query row (None when neither bound is set)."""
+    from tokamax._src.ops.attention.base import Mask
+
+    return None if k_start is None and k_end is None else Mask(k_start=k_start, k_end=k_end)
+
+
+def tokamax_attention_forward(
+    op: Any, q: jax.Array, k: jax.Array, v: jax.Array, *, k_start: Any, k_end: Any, sm_scale: float
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(out like q, max fp32 [b, hq, nq], sum fp32 [b, hq, nq]) of tokamax's attention op `op` with the key
+    range mask: query i sees keys k_start[..., i] <= j < k_end[..., i] (int [1, 1, nq], or None: no bound).
+
+    max is the row's largest scaled score and sum = Σ exp(s - max), natural log (read on tokamax 0.0.17: the
+    Mosaic sm90 kernel stores its base-2 running max times ln 2), so lse = max + log(sum)."""
+    mask = _tokamax_mask(k_start, k_end)
+    out, (m, s) = op(q, k, v, logits_scale=float(sm_scale), mask=mask, return_residuals=True)
+    return out, m, s
+
+
+def tokamax_attention_backward(
+    op: Any,
+    m: jax.Array,
+    s: jax.Array,
+    out: jax.Array,
+    dout: jax.Array,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    k_start: Any,
+    k_end: Any,
+    sm_scale: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(dq, dk, dv) from `op.vjp` (tokamax 0.0.17's Mosaic GPU backward) given the residuals (m, s) [b, hq, nq]
+    and an output: P = exp(scale q k^T - m) / s and D = rowsum(out * dout), both read as given."""
+    if op.vjp is None:
+        raise NotImplementedError(f"{type(op).__name__} has no backward that takes residuals")
+    ba = op.bind(q, k, v, logits_scale=float(sm_scale), mask=_tokamax_mask(k_start, k_end))  # canonical arguments
+    kwargs = dict(ba.kwargs)
+    kwargs.pop("return_residuals", None)
+    grads = op.vjp((m, s), out, dout, *ba.args, **kwargs)
+    return grads["q"], grads["k"], grads["v"]

@@ -1,5 +1,6 @@
-"""The per-block compute by name: the jnp tiles (`blockwise.py`, CPU), the Pallas flash kernels (`flash.py`, GPU)
-or cuDNN's fused attention (`cudnn_blocks.py`, NVIDIA GPU; its jnp stand-in on CPU).
+"""The per-block compute by name: the jnp tiles (`blockwise.py`, CPU), the Pallas flash kernels (`flash.py`, GPU),
+cuDNN's fused attention (`cudnn_blocks.py`, NVIDIA GPU; its jnp stand-in on CPU) or the optional tokamax package's
+Mosaic GPU attention (`tokamax_blocks.py`, sm90/sm100; tokamax's XLA forward and a jnp backward on CPU).
 
 Every distributed strategy takes `block_ops=` as a name or a `BlockOps` pair (the interface documented in
 `blockwise.py`) and resolves it here, above the implementations.
@@ -14,9 +15,11 @@ from jaxring.kernels.block_attention import block_attention
 from jaxring.kernels.blockwise import JNP_BLOCK_OPS, BlockOps
 from jaxring.kernels.cudnn_blocks import REAL_CALLS, REFERENCE_CALLS, cudnn_block_ops
 from jaxring.kernels.flash import flash_attention, flash_block_ops
+from jaxring.kernels.tokamax_blocks import MOSAIC_CALLS, tokamax_block_ops
+from jaxring.kernels.tokamax_blocks import REFERENCE_CALLS as TOKAMAX_REFERENCE_CALLS
 
 # the per-block computes by name ("auto": pallas on GPU, jnp elsewhere; see CUDNN_IS_AUTO)
-BLOCK_OPS = ("auto", "jnp", "pallas", "pallas_interpret", "cudnn", "cudnn_reference")
+BLOCK_OPS = ("auto", "jnp", "pallas", "pallas_interpret", "cudnn", "cudnn_reference", "tokamax", "tokamax_reference")
 
 # "auto" turns to cuDNN on NVIDIA GPUs once benchmarks/gpu_session.sh has run the cuDNN path on a real one
 # (tests/test_gpu_kernels.py and the flash benchmark): until then it is checked on CPU (the stand-in) and in the
@@ -42,6 +45,20 @@ def check_cudnn_available() -> None:
         )
 
 
+def check_tokamax_available(name: str = "tokamax") -> None:
+    """Raises (one line) unless block_ops `name` can run here: tokamax installed with the names jaxring uses and,
+    for "tokamax", an NVIDIA GPU (its Mosaic GPU backward needs sm90 or sm100)."""
+    if not compat.has_tokamax_attention():
+        raise ValueError(
+            f"block_ops {name!r} needs the optional tokamax package (pip install 'jaxring[tokamax]'; checked on 0.0.17)"
+        )
+    if name == "tokamax" and not nvidia_gpu():
+        raise ValueError(
+            f"block_ops 'tokamax' needs an NVIDIA GPU (the default backend is {jax.default_backend()!r}); "
+            f"use 'tokamax_reference' for its CPU stand-in"
+        )
+
+
 def resolve_name(impl: str) -> str:
     """The concrete name "auto" stands for here (other names as given)."""
     if impl != "auto":
@@ -57,7 +74,10 @@ def get_block_ops(impl: str | BlockOps = "auto") -> BlockOps:
     "jnp" (`blockwise.py`), "pallas" (the compiled flash kernel, GPU), "pallas_interpret" (the same kernel run
     by the Pallas interpreter, for CPU tests), "cudnn" (cuDNN's fused attention, NVIDIA GPU only; blocks its
     masks cannot express go to the Pallas kernel), "cudnn_reference" (the same decomposition over a jnp
-    stand-in with cuDNN's call contract, falling back to the jnp pair: CPU tests); "auto" is "pallas" on GPU
+    stand-in with cuDNN's call contract, falling back to the jnp pair: CPU tests), "tokamax" (the optional tokamax
+    package's Mosaic GPU attention, sm90/sm100; blocks its key ranges cannot express go to the Pallas kernel),
+    "tokamax_reference" (the same decomposition over tokamax's XLA forward and a jnp stand-in of its backward,
+    falling back to the jnp pair: CPU tests); "auto" is "pallas" on GPU
     ("cudnn" on an NVIDIA GPU whose JAX has the primitives once `CUDNN_IS_AUTO`) and "jnp" elsewhere.
     """
     if isinstance(impl, BlockOps):
@@ -72,6 +92,11 @@ def get_block_ops(impl: str | BlockOps = "auto") -> BlockOps:
         return cudnn_block_ops(REAL_CALLS, flash_block_ops())
     if impl == "cudnn_reference":
         return cudnn_block_ops(REFERENCE_CALLS, JNP_BLOCK_OPS)
+    if impl in ("tokamax", "tokamax_reference"):
+        check_tokamax_available(impl)
+        if impl == "tokamax":
+            return tokamax_block_ops(MOSAIC_CALLS, flash_block_ops())
+        return tokamax_block_ops(TOKAMAX_REFERENCE_CALLS, JNP_BLOCK_OPS)
     raise ValueError(f"unknown block implementation {impl!r}; expected one of {', '.join(BLOCK_OPS)} or a BlockOps")
 
 

@@ -181,7 +181,8 @@ def _call_backward(
     return tuple(g.astype(jnp.float32) for g in grads)
 
 
-def _varying_all(inputs: tuple, tree: object) -> object:
+def varying_all(inputs: tuple, tree: object) -> object:
+    """`tree` typed as varying over every mesh axis any of `inputs` varies over (lax.switch branches must agree)."""
     axes = frozenset().union(*(varying_axes(x) for x in inputs if x is not None))
     return jax.tree.map(lambda x: vary(x, axes), tree)
 
@@ -229,7 +230,7 @@ def _pair_forward(
     )
     inputs = (q, k, v, q_pos, kv_pos)
     cls = classify(q_pos, kv_pos, causal=causal, window=window)
-    return lax.switch(cls, [lambda b=b: _varying_all(inputs, b()) for b in branches])
+    return lax.switch(cls, [lambda b=b: varying_all(inputs, b()) for b in branches])
 
 
 def _pair_backward(
@@ -271,7 +272,7 @@ def _pair_backward(
     )
     inputs = (*args, q_pos, kv_pos)
     cls = classify(q_pos, kv_pos, causal=causal, window=window)
-    return lax.switch(cls, [lambda b=b: _varying_all(inputs, b()) for b in branches])
+    return lax.switch(cls, [lambda b=b: varying_all(inputs, b()) for b in branches])
 
 
 def _window_kw(window: int | None) -> dict:
@@ -382,7 +383,7 @@ def _forward_fp32(
 
     inputs = (q, k, v, q_positions, kv_positions)
     one_call = classify(q_positions, kv_positions, causal=causal, window=window) != FALLBACK
-    return lax.cond(one_call, lambda: _varying_all(inputs, whole()), lambda: _varying_all(inputs, chunked()))
+    return lax.cond(one_call, lambda: varying_all(inputs, whole()), lambda: varying_all(inputs, chunked()))
 
 
 def _backward_fp32(
@@ -418,7 +419,7 @@ def _backward_fp32(
 
     inputs = (*args, q_positions, kv_positions)
     one_call = classify(q_positions, kv_positions, causal=causal, window=window) != FALLBACK
-    return lax.cond(one_call, lambda: _varying_all(inputs, whole()), lambda: _varying_all(inputs, chunked()))
+    return lax.cond(one_call, lambda: varying_all(inputs, whole()), lambda: varying_all(inputs, chunked()))
 
 
 def cudnn_block_ops(calls: CudnnCalls, fallback: BlockOps) -> BlockOps:
