@@ -317,8 +317,11 @@ def test_compiled_memory_grows_with_m_only_for_gpipe():
     gpipe_growth = temp[("gpipe", 8)] - temp[("gpipe", 4)]
     # residuals of 4 more micro-batches: per micro-batch at least the MLP's hidden activation
     assert gpipe_growth > 4 * BATCH * SEQ * 4 * HIDDEN * 4
-    assert temp[("1f1b", 8)] == temp[("1f1b", 4)]
-    assert temp[("zero-bubble", 8)] == temp[("zero-bubble", 4)]
+    # 1f1b and zero-bubble: not one micro-batch's hidden activation more (XLA:CPU of jax 0.11+ adds 8 bytes of
+    # scalars at m = 8 to 1f1b; jax 0.10's added none)
+    one_residual = BATCH * SEQ * HIDDEN * 4
+    assert abs(temp[("1f1b", 8)] - temp[("1f1b", 4)]) < one_residual, temp
+    assert abs(temp[("zero-bubble", 8)] - temp[("zero-bubble", 4)]) < one_residual, temp
     assert temp[("1f1b", 8)] < temp[("gpipe", 8)] and temp[("zero-bubble", 8)] < temp[("gpipe", 8)]
 
 

@@ -138,6 +138,12 @@ BYTES_CASES = {
 _SLOW_BYTES_CASES = ("ring, sliding window", "pipeline 1f1b x ring")
 
 
+# What XLA:CPU moves beyond the formulas, by case: one f32[64, 32] block more in Optimus's backward (the tree
+# broadcast's transposed ppermute of the embedding's gradient, sent as two permutes of its two summands by
+# XLA:CPU of jax 0.11.2 and 0.12.1; as one by jax 0.10's)
+COMPILER_EXTRA_BYTES = {"optimus": {("tpr",): 64 * 32 * 4}}
+
+
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=[pytest.mark.slow] if n in _SLOW_BYTES_CASES else []) for n in BYTES_CASES]
 )
@@ -145,7 +151,10 @@ def test_predicted_bytes_per_axis_equal_the_compiled_step(name):
     model, config, batch, c = BYTES_CASES[name]
     w = _workload(model, config, batch)
     measured = _measured_bytes(_compile(w, c), c, w)
-    assert _predicted_bytes(w, c) == measured, name
+    expected = dict(_predicted_bytes(w, c))
+    for axes, extra in COMPILER_EXTRA_BYTES.get(name, {}).items():
+        expected[axes] += extra
+    assert expected == measured, name
 
 
 # packed documents: the int32 segment ids travel with K/V (rings, all-gathers, the init map); every layer reads

@@ -527,16 +527,18 @@ def _mlp_saved(w: Workload, s: Shapes) -> float:
     return 6 * x.b * x.n * x.ffn * em
 
 
-def _attention_working(s: Shapes) -> float:
+def _attention_working(s: Shapes, recomputes_forward: bool) -> float:
     """The attention core's transient buffers during one layer's backward (its entry's, the tensor method's
-    and, on CPU, the jnp block ops' score tiles: S and P of one forward tile, or S/P, dP, dS of a backward
-    tile)."""
+    and, on CPU, the jnp block ops' score tiles: S/P, dP, dS of a backward tile, or, where the backward runs the
+    layer's forward again (remat), S and P of one forward tile if larger). Without remat XLA:CPU of jax 0.11.2
+    and 0.12.1 holds no forward tile in the backward (jax 0.10's did: allgather sp8 at 4,096 tokens and
+    WallFacer sp8 c2 compiled 2.4 MB, one [8, 256, 256] tile, below jax 0.10's)."""
     core, x = s.core, s.local
     out = core.working + s.method.layer_working(s.model, x)
     if s.model.cpu:
         block_q, block_k = core.block_q or x.n, core.block_k or x.n
         heads = core.tile_heads or x.heads
-        fwd = 2 * tile_size(block_q, FORWARD_TILE) * tile_size(block_k, FORWARD_TILE)
+        fwd = 2 * tile_size(block_q, FORWARD_TILE) * tile_size(block_k, FORWARD_TILE) if recomputes_forward else 0
         bwd = 3 * tile_size(block_q, BACKWARD_TILE) * tile_size(block_k, BACKWARD_TILE)
         out += x.b * heads * max(fwd, bwd) * F32
     return out
@@ -722,7 +724,7 @@ def memory(
         layer += RECOMPUTED_UNTILED_MLP * x.b * x.n * s.model.ffn * em
     elif not cpu and w.moe is None:
         layer += (UNTILED_MLP_GPU - 6) * x.b * x.n * x.ffn * em  # of the 6 arrays _mlp_saved counts
-    working = LAYER_WORKING_SHARE[remat] * layer + _attention_working(s)
+    working = LAYER_WORKING_SHARE[remat] * layer + _attention_working(s, remat != "none")
     working += (blocks_on_device - 1) * x.b * x.n_act * s.model.hidden * em  # a block's other layers' inputs
     if c.mlp_tile is not None and c.mlp_tile < x.n:
         copies = TILED_COPIES_GONE_RECOMPUTED if s.method.recomputes_forward else TILED_COPIES_GONE

@@ -229,13 +229,14 @@ _rsa.defvjp(_rsa_fwd, _rsa_bwd)
 
 
 def _cpu_hoisted_score_rows(s: AttentionShape) -> float:
-    """Score-row-sized arrays XLA:CPU materialises once, outside the layer scan, and keeps through the forward
-    (measured on the compiled step, `*-live-range.txt` at its peak): the zeros the rows start from, and with a
-    mask the -inf it writes and the mask itself (1 byte an element)."""
+    """Score-row-sized arrays XLA:CPU materialises once, outside the layer scan, and keeps through the forward:
+    with a mask, the -inf it writes and the mask itself (1 byte an element). jax 0.10's XLA:CPU also kept the
+    zeros the rows start from (`*-live-range.txt` at its peak); 0.11.2's and 0.12.1's compiled step (GPT sp8,
+    causal) holds 18.1 MB less, one score-row array (16.8 MB) and change."""
     if not s.cpu:
         return 0.0
     masked = s.causal or s.segments or s.window is not None
-    return 1.0 + (1.0 + 1 / F32 if masked else 0.0)
+    return 1.0 + 1 / F32 if masked else 0.0
 
 
 def rsa_cost(s: AttentionShape, options: dict) -> AttentionCost:
