@@ -57,7 +57,7 @@ Array = jax.Array
 SKIP, WHOLE, CAUSAL, SHIFTED, FALLBACK = range(5)
 CLASS_NAMES = ("skip", "whole", "causal", "shifted", "fallback")
 CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-MAX_HEAD_DIM = 256  # Hopper and later (128 before): check_is_flash_attention of jax 0.10.2
+MAX_HEAD_DIM = 256  # Hopper and later (128 before): check_is_flash_attention of jax 0.11.2 and 0.12.1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """cuDNN's fused-attention call contract, and a dense jnp stand-in with exactly that contract (for CPU tests).
 
 The real calls are `compat.cudnn_attention_forward` / `cudnn_attention_backward` (JAX's private wrapper
-primitives of `jax._src.cudnn.fused_attention_stablehlo`, read on jax 0.10.2). The contract:
+primitives of `jax._src.cudnn.fused_attention_stablehlo`, read on jax 0.11.2 and 0.12.1). The contract:
 
   forward(query, key, value, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets, page_table_k, page_table_v,
           *, scale, seed, dropout_rate, variadic_args, mask_type, layout, sliding_window_length)

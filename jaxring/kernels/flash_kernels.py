@@ -16,7 +16,7 @@ band of tiles near the diagonal and adds `i - j < W` to the masked tiles' mask. 
 
 Inside `jax.shard_map` the compiled kernels work with check_vma=False and with check_vma=True: the inputs are
 cast to a common set of varying mesh axes (`lax.pcast`) and the pallas_call outputs are declared with it.
-The Pallas *interpreter* of JAX 0.10 cannot run under check_vma=True (it type-checks the kernel body without
+The Pallas *interpreter* (jax 0.11.2, 0.12.1) cannot run under check_vma=True (it type-checks the kernel body without
 vma), so "pallas_interpret" inside shard_map needs check_vma=False; it raises a clear error otherwise.
 """
 

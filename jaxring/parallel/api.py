@@ -134,7 +134,7 @@ def sharded_attention(
     seg_spec = P(spec_entry(data_axes), spec_entry(seq_axes))
     specs = (x_spec,) * 3 + ((seg_spec,) if segment_ids is not None else ())
     args = (q, k, v) + ((segment_ids,) if segment_ids is not None else ())
-    # The Pallas interpreter of JAX 0.10 cannot type-check varying mesh axes (see flash.py).
+    # The Pallas interpreter (jax 0.11.2, 0.12.1) cannot type-check varying mesh axes (see flash.py).
     check_vma = get_block_ops(block_ops).name != "pallas_interpret"
     return run_local(
         _local,

@@ -136,7 +136,7 @@ def attention_block(
     x_spec = P(data_axes or None, "tp", None)
     pos_spec = P(data_axes or None, "tp")
     specs = (x_spec, _COLUMN, _COLUMN, _COLUMN, _ROW, pos_spec)
-    # The Pallas interpreter of JAX 0.10 cannot type-check varying mesh axes (see flash.py).
+    # The Pallas interpreter (jax 0.11.2, 0.12.1) cannot type-check varying mesh axes (see flash.py).
     check_vma = get_block_ops(block_ops).name != "pallas_interpret"
     return run_local(
         metp_attention,
