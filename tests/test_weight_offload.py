@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file
 from test_memory_techniques import BATCH, CFG, PLANS, SEQ, _assert_same, _batch, _loss_and_grads, _train_step
 
 import jaxring
@@ -123,6 +124,33 @@ RUN = RunSpec.of(
     zero=3,
     offload="weights",
 )
+
+
+def test_the_end_of_the_run_evaluates_samples_and_exports_with_the_weights_offloaded(tmp_path):
+    """With --offload weights the run's end (the held-out loss, the sample, --export-hf) takes the trained
+    weights from host memory: the sample is written, and the exported checkpoint and held-out loss equal those
+    of the run with the weights on the device (1e-6: the two programs round differently)."""
+    exported, lines = {}, {}
+    for offload in ("weights", "none"):
+        said = []
+        spec = RUN.updated(
+            preset="tiny-llama3",
+            steps=2,
+            offload=offload,
+            eval_at_end=True,
+            sample_tokens=8,
+            out_dir=str(tmp_path / f"run-{offload}"),
+            export_hf=str(tmp_path / f"hf-{offload}"),
+        )
+        train(spec, log=said.append)
+        lines[offload] = said
+        exported[offload] = load_file(str(next((tmp_path / f"hf-{offload}").glob("*.safetensors"))))
+    assert any("--- sample ---" in line for line in lines["weights"]), lines["weights"]
+    held_out = {k: next(line for line in v if "held-out loss" in line) for k, v in lines.items()}
+    assert held_out["weights"] == held_out["none"], held_out
+    assert sorted(exported["weights"]) == sorted(exported["none"])
+    for name, tensor in exported["weights"].items():
+        np.testing.assert_allclose(tensor, exported["none"][name], atol=1e-6, err_msg=name)
 
 
 def _losses(spec: RunSpec) -> list[float]:

@@ -125,7 +125,14 @@ class Trainer:
         return float(self._eval(self.params, self.task.batch(0, val=True), self.key(2**31 - 1)))
 
     def model(self) -> nnx.Module:
-        return nnx.merge(self.graphdef, self.state()["params"])
+        """The trained model for what runs after training (sampling, evaluation, export), its weights in device
+        memory: with --offload weights they live in host memory, which the jitted sampling and export programs,
+        sharded for the device, do not take."""
+        params = self.state()["params"]
+        if any(a.sharding.memory_kind == "pinned_host" for a in jax.tree.leaves(params)):
+            device = jax.tree.map(lambda a: a.sharding.with_memory_kind("device"), params)
+            params = jax.jit(lambda p: p, out_shardings=device)(params)  # one copy in (XLA:CPU's device_put can't)
+        return nnx.merge(self.graphdef, params)
 
     # --- checkpoints
     def state(self) -> dict:
