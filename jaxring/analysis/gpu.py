@@ -97,7 +97,7 @@ def available() -> tuple[bool, str]:
     if not _cuda_plugin_installed():
         return False, (
             "the compile-only CUDA plugin (jax-cuda12-plugin) is not installed: "
-            'pip install -e ".[gpu-compile]" in a separate venv'
+            "install the gpu-compile extra in a venv of its own (VENV=.venv-gpu bash tools/setup.sh gpu-compile)"
         )
     platforms = jax.config.jax_platforms
     if platforms not in ("cpu", None, ""):

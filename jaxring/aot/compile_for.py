@@ -94,10 +94,7 @@ def require_plugin(target: str) -> None:
     """ValueError (one line: what to install) unless deviceless GPU compilation works in this environment."""
     ok, why = gpu.available()
     if not ok:
-        raise ValueError(
-            f"--compile-for {target} compiles for a GPU without one, which this environment cannot: {why} (its own venv: "
-            f"VENV=.venv-gpu bash tools/setup.sh gpu-compile, then run with .venv-gpu/bin/python)"
-        )
+        raise ValueError(f"--compile-for {target} compiles for a GPU without one, which this environment cannot: {why}")
 
 
 def budget_bytes(spec: RunSpec, gpu: str) -> float:

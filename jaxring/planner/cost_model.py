@@ -629,6 +629,7 @@ def memory(
     layer_stored = 0.0  # one layer's fp32 weights as a device stores them (its ZeRO-3 shard)
     top = 0.0  # the fp32 bytes of the weights outside the layer stack, as a device holds them in the step
     top_grads = 0.0  # their gradients as stored (ZeRO-2/3: the device's shard)
+    top_moments = 0.0  # their AdamW moments as stored (ZeRO-1..3: the device's shard)
     for leaf in leaves:
         R = math.prod(s.replica[a] for a in leaf.replica) if leaf.replica else 1
         stage = c.zero if leaf.zero_sharded and R > 1 else 0
@@ -646,6 +647,7 @@ def memory(
             layer_stored += psi / (R if stage == 3 else 1) / max(s.layers, 1)
         else:  # its gradient, and under ZeRO-3 its gathered weights
             top += psi
+            top_moments += 2 * psi / (R if stage >= 1 else 1)
             top_grads += psi / (R if stage >= 2 else 1)
             head_grads += psi / (R if stage >= 2 else 1) + (psi / F32 * em if stage == 3 else 0)
     if s.steps > 1 and c.pp == 1:
@@ -690,6 +692,14 @@ def memory(
         params, grads = top, 2 * layer_grad + 2 * (blocks_in - 1) * layer_stored
         head_grads = top
         update = OFFLOADED_UPDATE_IN_FLIGHT * top
+        # On one device XLA of jax 0.11.2 and 0.12.x brings the outside weights' AdamW moments in before the
+        # layers' backward, not after it (jax 0.10's schedule), so they sit beside it: the deviceless H100 compile
+        # of Llama-3-8B on one GPU, blocks of 4, holds 7.84 GiB more (the embedding's and the head's moments) at
+        # 327,680 and at 655,360 tokens alike (43.3 -> 51.1 GiB at 655,360), nothing more at 16,384 (the update
+        # is the peak there). Eight GPUs under ZeRO-3 show no such growth (Ulysses sp8 with the vocabulary ring
+        # at 8,388,608 tokens: 65.0 GiB on both)
+        if c.devices == 1:
+            grads += top_moments
     blocks = c.remat_layers if remat == "full" else 1  # layers per recompute block: one input kept per block
     if "layer_inputs" in parts and not cpu:
         # each block's checkpointed input lives in pinned host memory between the forward and the backward
