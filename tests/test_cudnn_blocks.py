@@ -101,6 +101,22 @@ def test_mask_values_are_the_private_ones():
     assert types["padding_causal"].value == cc.PADDING_CAUSAL
 
 
+def test_the_private_primitives_take_jaxrings_operands():
+    """cuDNN's forward and backward primitives, in this jax's call contract (0.11's; 0.12's adds score_mod), take
+    the operands and parameters jaxring binds: lowered for CUDA on a CPU (no GPU needed) they become cuDNN's
+    fused-attention custom calls (a parameter missing or extra fails the lowering)."""
+    if not compat.has_cudnn_attention():
+        pytest.skip("this jax has no cuDNN attention primitives")
+    q = jax.ShapeDtypeStruct((1, 128, 4, 64), jnp.bfloat16)
+
+    def forward_backward(q, do):
+        out, stats = REAL_CALLS.forward(q, q, q, *_unused(q.dtype), **_params(cc.CAUSAL))
+        return REAL_CALLS.backward(q, q, q, *_unused(q.dtype), stats, out, do, **_params(cc.CAUSAL))
+
+    text = jax.jit(forward_backward).trace(q, q).lower(lowering_platforms=("cuda",)).as_text()
+    assert "@__cudnn$fmhaSoftmax(" in text and "@__cudnn$fmhaSoftmaxBackward(" in text
+
+
 def test_stand_in_output_rowsum():
     """O' (in bf16) has rowsum(dO ∘ O') = delta to far better than bf16's own rounding."""
     _, _, _, do = qkv(3, 2, 32, 4, 4, 64, jnp.bfloat16)
