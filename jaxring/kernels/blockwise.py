@@ -70,6 +70,20 @@ class BlockOps:
     accumulates: bool = False
 
 
+def in_callers_dtype(name: str, forward_fp32: Callable, backward_fp32: Callable) -> BlockOps:
+    """A BlockOps of a pair that computes in fp32 (a library kernel's decomposition: cuDNN's, tokamax's): out and
+    dq, dk, dv cast to the caller's `dtype=` (fp32 by default), lse kept fp32."""
+
+    def forward(*args: Any, dtype: jnp.dtype = jnp.float32, **kw: Any) -> tuple[jax.Array, jax.Array]:
+        out, lse = forward_fp32(*args, **kw)
+        return out.astype(dtype), lse
+
+    def backward(*args: Any, dtype: jnp.dtype = jnp.float32, **kw: Any) -> tuple[jax.Array, ...]:
+        return tuple(g.astype(dtype) for g in backward_fp32(*args, **kw))
+
+    return BlockOps(name, forward, backward)
+
+
 def with_window(ops: BlockOps, window: int | None) -> BlockOps:
     """`ops` with the sliding window bound into both functions (`ops` itself when window is None)."""
     if window is None:

@@ -49,7 +49,7 @@ from jax import lax
 from jaxring.core import compat
 from jaxring.core.vma import vary, varying_axes
 from jaxring.kernels import cudnn_contract
-from jaxring.kernels.blockwise import BlockOps
+from jaxring.kernels.blockwise import BlockOps, in_callers_dtype
 from jaxring.kernels.masking import may_see, sees_all
 from jaxring.kernels.merge import merge_partials
 
@@ -342,27 +342,12 @@ def _chunks(x: jax.Array, c: int, axis: int = 1) -> list[jax.Array]:
     return [lax.slice_in_dim(x, i, i + c, axis=axis) for i in range(0, x.shape[axis], c)]
 
 
-def cudnn_forward(
-    calls: CudnnCalls, fallback: BlockOps, *args: Array | None, dtype: jnp.dtype = jnp.float32, **kw: object
-) -> tuple[Array, Array]:
-    """BlockOps forward (blockwise.py's interface) through cuDNN: out [b, nq, hq, d] in dtype, lse fp32 [b, nq, hq]."""
-    out, lse = _forward_fp32(calls, fallback, *args, **kw)
-    return out.astype(dtype), lse
-
-
-def cudnn_backward(
-    calls: CudnnCalls, fallback: BlockOps, *args: Array | None, dtype: jnp.dtype = jnp.float32, **kw: object
-) -> tuple[Array, Array, Array]:
-    """BlockOps backward through cuDNN given the global lse and delta: dq, dk, dv in dtype."""
-    return tuple(g.astype(dtype) for g in _backward_fp32(calls, fallback, *args, **kw))
-
-
 def _forward_fp32(
     calls: CudnnCalls, fallback: BlockOps, q: Array, k: Array, v: Array, q_positions: Array, kv_positions: Array,
     q_segment_ids: Array | None = None, kv_segment_ids: Array | None = None,
     *, causal: bool, sm_scale: float, window: int | None = None,
 ) -> tuple[Array, Array]:  # fmt: skip
-    """`cudnn_forward` with out in fp32."""
+    """BlockOps forward (blockwise.py's interface) through cuDNN, out in fp32: out [b, nq, hq, d], lse fp32 [b, nq, hq]."""
     kw = dict(causal=causal, sm_scale=sm_scale, window=window)
     if not supported(calls, q, k, q_segment_ids, kv_segment_ids):
         return _fallback_forward(fallback, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, **kw)
@@ -391,7 +376,7 @@ def _backward_fp32(
     q_positions: Array, kv_positions: Array, q_segment_ids: Array | None = None, kv_segment_ids: Array | None = None,
     *, causal: bool, sm_scale: float, window: int | None = None,
 ) -> tuple[Array, Array, Array]:  # fmt: skip
-    """`cudnn_backward` with fp32 gradients."""
+    """BlockOps backward through cuDNN given the global lse and delta: fp32 dq, dk, dv."""
     kw = dict(causal=causal, sm_scale=sm_scale, window=window)
     args = (q, k, v, dout, lse, delta)
     if not supported(calls, q, k, q_segment_ids, kv_segment_ids):
@@ -425,15 +410,15 @@ def _backward_fp32(
 def cudnn_block_ops(calls: CudnnCalls, fallback: BlockOps) -> BlockOps:
     """cuDNN (`calls`: REAL_CALLS or the stand-in REFERENCE_CALLS) as a BlockOps pair; `fallback` computes the
     blocks and chunk pairs cuDNN's masks cannot express."""
-    return BlockOps(
+    return in_callers_dtype(
         calls.name,
-        functools.partial(cudnn_forward, calls, fallback),
-        functools.partial(cudnn_backward, calls, fallback),
+        functools.partial(_forward_fp32, calls, fallback),
+        functools.partial(_backward_fp32, calls, fallback),
     )
 
 
 def planned_classes(q_positions: Array, kv_positions: Array, *, causal: bool, window: int | None = None) -> list[int]:
-    """The classes `cudnn_forward` runs for a block with these (concrete) positions: the whole block's, or
+    """The classes the cudnn forward runs for a block with these (concrete) positions: the whole block's, or
     failing that (FALLBACK) each chunk pair's. For tests and reports of what falls back."""
     whole = int(classify(q_positions, kv_positions, causal=causal, window=window))
     c = chunk_size(q_positions.shape[0], kv_positions.shape[0])

@@ -43,7 +43,7 @@ from jax import lax
 
 from jaxring.core import compat
 from jaxring.kernels import tokamax_contract
-from jaxring.kernels.blockwise import BlockOps
+from jaxring.kernels.blockwise import BlockOps, in_callers_dtype
 from jaxring.kernels.cudnn_blocks import SKIP, WHOLE, classify, varying_all
 
 Array = jax.Array
@@ -191,7 +191,7 @@ def _forward_fp32(
     q_segment_ids: Array | None = None, kv_segment_ids: Array | None = None,
     *, causal: bool, sm_scale: float, window: int | None = None,
 ) -> tuple[Array, Array]:  # fmt: skip
-    """`tokamax_forward` with out in fp32."""
+    """BlockOps forward (blockwise.py's interface) through tokamax, out in fp32: out [b, nq, hq, d], lse fp32 [b, nq, hq]."""
     kw = dict(causal=causal, sm_scale=sm_scale, **_window_kw(window))
     pos = (q_positions, kv_positions)
     if not supported(calls, q, k, q_segment_ids, kv_segment_ids):
@@ -217,7 +217,7 @@ def _backward_fp32(
     q_positions: Array, kv_positions: Array, q_segment_ids: Array | None = None, kv_segment_ids: Array | None = None,
     *, causal: bool, sm_scale: float, window: int | None = None,
 ) -> tuple[Array, Array, Array]:  # fmt: skip
-    """`tokamax_backward` with fp32 gradients."""
+    """BlockOps backward through tokamax given the global lse and delta: fp32 dq, dk, dv."""
     kw = dict(causal=causal, sm_scale=sm_scale, **_window_kw(window))
     args, pos = (q, k, v, dout, lse, delta), (q_positions, kv_positions)
     if not supported(calls, q, k, q_segment_ids, kv_segment_ids):
@@ -238,26 +238,11 @@ def _backward_fp32(
     return lax.switch(cls, [lambda b=b: varying_all(inputs, b()) for b in branches])
 
 
-def tokamax_forward(
-    calls: TokamaxCalls, fallback: BlockOps, *args: Array | None, dtype: jnp.dtype = jnp.float32, **kw: object
-) -> tuple[Array, Array]:
-    """BlockOps forward (blockwise.py's interface) through tokamax: out [b, nq, hq, d] in dtype, lse fp32 [b, nq, hq]."""
-    out, lse = _forward_fp32(calls, fallback, *args, **kw)
-    return out.astype(dtype), lse
-
-
-def tokamax_backward(
-    calls: TokamaxCalls, fallback: BlockOps, *args: Array | None, dtype: jnp.dtype = jnp.float32, **kw: object
-) -> tuple[Array, Array, Array]:
-    """BlockOps backward through tokamax given the global lse and delta: dq, dk, dv in dtype."""
-    return tuple(g.astype(dtype) for g in _backward_fp32(calls, fallback, *args, **kw))
-
-
 def tokamax_block_ops(calls: TokamaxCalls, fallback: BlockOps) -> BlockOps:
     """tokamax (`calls`: MOSAIC_CALLS or the CPU REFERENCE_CALLS) as a BlockOps pair; `fallback` computes the
     blocks tokamax's key ranges cannot express (module docstring)."""
-    return BlockOps(
+    return in_callers_dtype(
         calls.name,
-        functools.partial(tokamax_forward, calls, fallback),
-        functools.partial(tokamax_backward, calls, fallback),
+        functools.partial(_forward_fp32, calls, fallback),
+        functools.partial(_backward_fp32, calls, fallback),
     )
