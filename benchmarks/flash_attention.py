@@ -4,7 +4,8 @@ Compares jaxring's Pallas flash kernel ("jaxring") and jaxring's cuDNN and tokam
 "jaxring-tokamax": the BlockOps of kernels/cudnn_blocks.py and kernels/tokamax_blocks.py through block_attention,
 as Ulysses and dense attention call them) with `jax.nn.dot_product_attention` (cuDNN "cudnn" and XLA), JAX's own
 Pallas `mha` (jax.experimental.pallas.ops.gpu.attention) and the optional tokamax package's Mosaic GPU attention
-called directly ("tokamax": `tokamax.dot_product_attention(implementation="mosaic")`). Shapes follow the FlashAttention papers' benchmark: batch * seq =
+called directly ("tokamax": `tokamax.dot_product_attention(implementation="mosaic")`); on a TPU, jaxring's TPU block
+compute ("jaxring-tpu": kernels/tpu_blocks.py through block_attention) with JAX's splash attention ("splash"). Shapes follow the FlashAttention papers' benchmark: batch * seq =
 16k tokens, hidden = heads * head_dim = 2048 (--tokens, --hidden); --kv-heads N adds GQA rows (K/V with N heads,
 e.g. --hidden 4096 --head-dims 128 --kv-heads 8: 32 query heads over 8).
 
@@ -40,8 +41,18 @@ from jaxring.kernels.flash import default_block_config, flash_attention
 
 TOKENS = 16384
 HIDDEN = 2048
-IMPLS = ("jaxring", "jaxring-cudnn", "jaxring-tokamax", "cudnn", "xla", "pallas_mha", "tokamax")
-OURS = ("jaxring", "jaxring-cudnn", "jaxring-tokamax")  # the rows checked against a reference (accuracy)
+IMPLS = (
+    "jaxring",
+    "jaxring-cudnn",
+    "jaxring-tokamax",
+    "jaxring-tpu",
+    "cudnn",
+    "xla",
+    "pallas_mha",
+    "tokamax",
+    "splash",
+)
+OURS = ("jaxring", "jaxring-cudnn", "jaxring-tokamax", "jaxring-tpu")  # the rows checked against a reference (accuracy)
 
 
 def attention_fn(impl: str, causal: bool, head_dim: int, jaxring_impl: str, cudnn_block_ops: str = "cudnn"):
@@ -53,6 +64,10 @@ def attention_fn(impl: str, causal: bool, head_dim: int, jaxring_impl: str, cudn
         return lambda q, k, v: local_attention(cudnn_block_ops, q, k, v, causal=causal, sm_scale=scale)
     if impl == "jaxring-tokamax":
         return lambda q, k, v: local_attention("tokamax", q, k, v, causal=causal, sm_scale=scale)
+    if impl == "jaxring-tpu":  # the TPU block compute (kernels/tpu_blocks.py), as Ulysses and dense attention call it
+        return lambda q, k, v: local_attention("pallas_tpu", q, k, v, causal=causal, sm_scale=scale)
+    if impl == "splash":  # JAX's splash attention (TPU), heads-major; GQA through its K/V heads
+        return lambda q, k, v: splash_attention(q, k, v, causal=causal, scale=scale)
     if impl in ("cudnn", "xla"):
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=scale, implementation=impl)
     if impl == "pallas_mha":
@@ -66,6 +81,19 @@ def attention_fn(impl: str, causal: bool, head_dim: int, jaxring_impl: str, cudn
             q, k, v, scale=scale, is_causal=causal, implementation="mosaic"
         )
     raise ValueError(f"unknown implementation {impl!r}")
+
+
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, scale: float) -> jax.Array:
+    """JAX's splash attention kernel on [batch, seq, heads, head_dim] inputs (the TPU baseline)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    seq, heads = q.shape[1], q.shape[2]
+    one = masks.CausalMask((seq, seq)) if causal else masks.FullMask((seq, seq))
+    kernel = splash.make_splash_mha(masks.MultiHeadMask([one] * heads), head_shards=1, q_seq_shards=1)
+    heads_major = lambda x: jnp.swapaxes(x, 1, 2)
+    out = jax.vmap(kernel)(heads_major(q * scale), heads_major(k), heads_major(v))
+    return heads_major(out)
 
 
 def forward_and_backward(fn):

@@ -1,6 +1,7 @@
 """The per-block compute by name: the jnp tiles (`blockwise.py`, CPU), the Pallas flash kernels (`flash.py`, GPU),
 cuDNN's fused attention (`cudnn_blocks.py`, NVIDIA GPU; its jnp stand-in on CPU) or the optional tokamax package's
-Mosaic GPU attention (`tokamax_blocks.py`, sm90/sm100; tokamax's XLA forward and a jnp backward on CPU).
+Mosaic GPU attention (`tokamax_blocks.py`, sm90/sm100; tokamax's XLA forward and a jnp backward on CPU), or
+jaxring's Pallas TPU kernels (`tpu_blocks.py`, TPU; TPU interpret mode on CPU).
 
 Every distributed strategy takes `block_ops=` as a name or a `BlockOps` pair (the interface documented in
 `blockwise.py`) and resolves it here, above the implementations.
@@ -17,9 +18,13 @@ from jaxring.kernels.cudnn_blocks import REAL_CALLS, REFERENCE_CALLS, cudnn_bloc
 from jaxring.kernels.flash import flash_attention, flash_block_ops
 from jaxring.kernels.tokamax_blocks import MOSAIC_CALLS, tokamax_block_ops
 from jaxring.kernels.tokamax_blocks import REFERENCE_CALLS as TOKAMAX_REFERENCE_CALLS
+from jaxring.kernels.tpu_blocks import tpu_block_ops
 
-# the per-block computes by name ("auto": pallas on GPU, jnp elsewhere; see CUDNN_IS_AUTO)
-BLOCK_OPS = ("auto", "jnp", "pallas", "pallas_interpret", "cudnn", "cudnn_reference", "tokamax", "tokamax_reference")
+# the per-block computes by name ("auto": pallas on GPU, pallas_tpu on TPU, jnp elsewhere; see CUDNN_IS_AUTO)
+BLOCK_OPS = (
+    "auto", "jnp", "pallas", "pallas_interpret", "cudnn", "cudnn_reference", "tokamax", "tokamax_reference",
+    "pallas_tpu", "pallas_tpu_interpret",
+)  # fmt: skip
 
 # "auto" turns to cuDNN on NVIDIA GPUs once benchmarks/gpu_session.sh has run the cuDNN path on a real one
 # (tests/test_gpu_kernels.py and the flash benchmark): until then it is checked on CPU (the stand-in) and in the
@@ -63,6 +68,8 @@ def resolve_name(impl: str) -> str:
     """The concrete name "auto" stands for here (other names as given)."""
     if impl != "auto":
         return impl
+    if jax.default_backend() == "tpu":
+        return "pallas_tpu"
     if jax.default_backend() != "gpu":
         return "jnp"
     return "cudnn" if CUDNN_IS_AUTO and nvidia_gpu() and compat.has_cudnn_attention() else "pallas"
@@ -77,8 +84,10 @@ def get_block_ops(impl: str | BlockOps = "auto") -> BlockOps:
     stand-in with cuDNN's call contract, falling back to the jnp pair: CPU tests), "tokamax" (the optional tokamax
     package's Mosaic GPU attention, sm90/sm100; blocks its key ranges cannot express go to the Pallas kernel),
     "tokamax_reference" (the same decomposition over tokamax's XLA forward and a jnp stand-in of its backward,
-    falling back to the jnp pair: CPU tests); "auto" is "pallas" on GPU
-    ("cudnn" on an NVIDIA GPU whose JAX has the primitives once `CUDNN_IS_AUTO`) and "jnp" elsewhere.
+    falling back to the jnp pair: CPU tests), "pallas_tpu" (jaxring's Pallas TPU kernels, every block of every
+    layout) and "pallas_tpu_interpret" (the same in TPU interpret mode, CPU tests); "auto" is "pallas" on GPU
+    ("cudnn" on an NVIDIA GPU whose JAX has the primitives once `CUDNN_IS_AUTO`), "pallas_tpu" on TPU and
+    "jnp" elsewhere.
     """
     if isinstance(impl, BlockOps):
         return impl
@@ -97,6 +106,10 @@ def get_block_ops(impl: str | BlockOps = "auto") -> BlockOps:
         if impl == "tokamax":
             return tokamax_block_ops(MOSAIC_CALLS, flash_block_ops())
         return tokamax_block_ops(TOKAMAX_REFERENCE_CALLS, JNP_BLOCK_OPS)
+    if impl == "pallas_tpu_interpret":
+        return tpu_block_ops(interpret=True)
+    if impl == "pallas_tpu":
+        return tpu_block_ops()
     raise ValueError(f"unknown block implementation {impl!r}; expected one of {', '.join(BLOCK_OPS)} or a BlockOps")
 
 
