@@ -13,8 +13,8 @@ Every setting is a flag (below, with its default) and a key of the run's YAML (`
 each run writes its resolved settings to OUT_DIR/run.yaml. Without an accelerator, --cpu-devices N simulated
 CPU devices are used (default 8). With no mesh flag the whole machine is one sequence-parallel ring.
 
-`--compile-for h100x8` (h200x8, h100x1, h200x1) compiles the run's step for that machine with no GPU (needs
-jax[cuda12]) and exits: its last line `fits: compiled X GiB per device, estimate Y GiB, budget Z GiB; host memory
+`--compile-for h100x8` (h200x8, h100x1, h200x1; TPU slices v5e-8, v5p-8, v5p-128, v6e-8, tpu7x-8, ...) compiles
+the run's step for that machine with no GPU or TPU (needs jax[cuda12], or libtpu: the tpu-compile extra) and exits: its last line `fits: compiled X GiB per device, estimate Y GiB, budget Z GiB; host memory
 ...` (exit 0) or `does not fit: ...` (exit 3); with --plan auto, the planner's best plan for that machine that fits.
 
 Exit codes: 0 done; 2 a bad flag, config, data file, checkpoint or multi-host set-up (one line on stderr;
@@ -74,10 +74,10 @@ def _one_line(e: BaseException) -> str:
 
 
 def compile_only(spec, target: str) -> int:
-    """--compile-for TARGET: the run's step compiled for a GPU machine without one; 0 fits, 3 does not."""
+    """--compile-for TARGET: the run's step compiled for a GPU machine or TPU slice without one; 0 fits, 3 does not."""
     spec.validate()
     check_target(target)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless: the CUDA plugin's device check needs the CPU platform
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless: the CUDA plugin and libtpu need the CPU platform
     return compile_for(spec, target)
 
 

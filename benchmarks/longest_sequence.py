@@ -57,7 +57,10 @@ GIB = 2**30
 PRESET = "llama3-8b"
 TILE = 4096  # tokens per tile of the loss and of the MLP
 TARGETS = ("h100x8", "h200x8", "h100x1")
-UNIT = {8: 65536, 1: 16384}  # bisection resolution (tokens) by device count
+# TPU slices (`jaxring.analysis.tpu.TARGETS`, the tpu-compile extra): the planner's plan (auto) only, with the
+# block compute of `jaxring.analysis.tpu.BLOCK_OPS`; no roofline (it reads GPU kernels)
+TPU_TARGETS = ("v5p-8", "v5p-128", "v6e-8")
+UNIT = {64: 262144, 8: 65536, 4: 32768, 1: 16384}  # bisection resolution (tokens) by device count
 MAX_SEQ = 2**28  # the estimate bisection's ceiling
 BASE = dict(model="gpt", batch_size=1, precision="bf16", remat="full")
 # plan -> run-spec settings; None: the planner's choice (train.py --plan auto)
@@ -108,10 +111,19 @@ class Row:
 
     @property
     def devices(self) -> int:
+        if self.target in TPU_TARGETS:
+            from jaxring.aot.compile_for import check_target
+
+            return check_target(self.target)[1]
         return 1 if self.target.endswith("x1") else 8
 
     @property
     def gpu(self) -> str:
+        """The planner's device (a GPU, or a TPU of a slice target)."""
+        if self.target in TPU_TARGETS:
+            from jaxring.aot.compile_for import check_target
+
+            return check_target(self.target)[0]
         return self.target.split("x")[0]
 
     @property
@@ -123,7 +135,7 @@ class Row:
     def settings(self, seq: int, preset: str = PRESET) -> dict:
         """The run spec's flat settings of this row at `seq` tokens (plan auto: the plan left to the planner)."""
         plans = PLANS_1 if self.devices == 1 else PLANS_8
-        plan = plans[self.plan]
+        plan = None if self.target in TPU_TARGETS else plans[self.plan]
         return {
             **BASE,
             "preset": preset,
@@ -138,7 +150,7 @@ def all_rows(targets=TARGETS) -> list[Row]:
     return [
         Row(t, p, tech)
         for t in targets
-        for p in (PLANS_1 if t.endswith("x1") else PLANS_8)
+        for p in (("auto",) if t in TPU_TARGETS else PLANS_1 if t.endswith("x1") else PLANS_8)
         for tech in TECHNIQUES
         if _runs(p, tech)
     ]
@@ -242,7 +254,8 @@ def estimate_bytes(row: Row, seq: int, preset: str = PRESET) -> tuple[float, dic
     spec = RunSpec.of(**row.settings(seq, preset))
     if spec.parallel.plan == "auto":
         try:
-            result = search(workload_of(spec), Cluster.of(row.gpu, row.devices), only=held_settings(spec) | row.held)
+            cluster = Cluster.of(row.gpu, row.devices, host_memory=host_budget_bytes(row))
+            result = search(workload_of(spec), cluster, only=held_settings(spec) | row.held)
         except NoPlanError:  # "no plan fits in memory ...": the least any plan needs is above the budget
             return math.inf, {}, 0.0
         if not result.ranked:
@@ -274,12 +287,14 @@ def compile_probe(row: Row, seq: int, preset: str = PRESET) -> dict:
         from jaxring.planner.search import NoPlanError
 
         try:
-            ranked = ranked_specs(spec, row.gpu, row.devices, tries=1, hold=row.held)
+            ranked = ranked_specs(spec, row.gpu, row.devices, tries=1, hold=row.held, target=row.target)
         except NoPlanError as e:
             raise NoPlan(str(e).splitlines()[0]) from e
         if not ranked:
             raise NoPlan(f"the planner finds no plan for {seq} tokens on {row.target}")
         spec = ranked[0]
+    if row.target in TPU_TARGETS:
+        return _tpu_probe(row, spec, seq)
     devices = gpu.gpu_devices(row.gpu, row.devices)
     lowered, estimate, plan = lowered_step(spec, devices)
     report = gpu.compile_for_gpu(lowered, ptxas=False)
@@ -300,6 +315,28 @@ def compile_probe(row: Row, seq: int, preset: str = PRESET) -> dict:
     }
 
 
+def _tpu_probe(row: Row, spec, seq: int) -> dict:
+    """compile_probe for a TPU slice: the estimate, the compiled bytes and the Mosaic calls (no roofline)."""
+    from jaxring.analysis import tpu
+    from jaxring.aot.compile_for import lowered_step
+
+    lowered, estimate, plan = lowered_step(spec, tpu.tpu_devices(row.target))
+    report = tpu.compile_for_tpu(lowered, target=row.target)
+    return {
+        "seq": seq,
+        "plan": plan,
+        "estimate_gib": estimate / GIB,
+        "compiled_gib": report.peak_bytes / GIB,
+        "estimate_over_compiled": estimate / report.peak_bytes,
+        "host_gib": report.memory["host"] / GIB,
+        "compile_s": round(report.compile_seconds, 1),
+        "block_ops": tpu.BLOCK_OPS,
+        "mosaic_calls": report.mosaic_calls,
+        "step_s": None,
+        "tokens_per_s_per_gpu": None,
+    }
+
+
 def budget_bytes(row: Row) -> float:
     """The usable memory per device that `train.py --compile-for` checks against."""
     from jaxring.planner.cluster import Cluster
@@ -307,10 +344,14 @@ def budget_bytes(row: Row) -> float:
     return Cluster.of(row.gpu, 1).usable_memory
 
 
-def host_budget_bytes() -> float:
-    """The host memory per GPU that `train.py --compile-for` checks --offload against (a DGX node's share)."""
+def host_budget_bytes(row: Row | None = None) -> float:
+    """The host memory per device that `train.py --compile-for` checks --offload against (a DGX node's share;
+    a TPU slice's VM memory over its devices)."""
+    from jaxring.analysis import tpu
     from jaxring.aot.compile_for import HOST_GIB_PER_GPU
 
+    if row is not None and row.target in TPU_TARGETS:
+        return tpu.TARGETS[row.target].host_gib_per_device * GIB
     return HOST_GIB_PER_GPU * GIB
 
 
@@ -325,7 +366,7 @@ def measure_row(
     """The row's record: the estimate's longest length, the compiles that confirm it, the roofline there. A
     length fits when its device bytes are within `budget` and its host bytes within `host` (per device)."""
     budget = budget_bytes(row) if budget is None else budget
-    host = host_budget_bytes() if host is None else host
+    host = host_budget_bytes(row) if host is None else host
     unit = unit or UNIT[row.devices]
     start = time.time()
     out = {"key": row.key, "target": row.target, "plan": row.plan, "technique": row.technique}
@@ -435,7 +476,7 @@ def run(rows: list[Row], record: dict, path: str, *, redo: bool = False, log=pri
 def summary(record: dict) -> dict:
     """Per target: the longest row, and the estimate / compiled range over every compile of its rows."""
     out = {}
-    for target in TARGETS:
+    for target in (*TARGETS, *TPU_TARGETS):
         rows = [r for r in record["results"] if r["target"] == target]
         if not rows:
             continue
@@ -452,7 +493,7 @@ def summary(record: dict) -> dict:
 
 
 def _order(key: str) -> int:
-    keys = [r.key for r in all_rows()]
+    keys = [r.key for r in all_rows((*TARGETS, *TPU_TARGETS))]
     return keys.index(key) if key in keys else len(keys)
 
 
@@ -592,7 +633,7 @@ def plot(record: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--targets", nargs="*", default=list(TARGETS), choices=TARGETS)
+    parser.add_argument("--targets", nargs="*", default=list(TARGETS), choices=(*TARGETS, *TPU_TARGETS))
     parser.add_argument("--rows", nargs="*", default=None, help='substrings of "plan: technique" (default: all)')
     parser.add_argument("--redo", action="store_true", help="recompute rows the results already hold")
     parser.add_argument(
@@ -614,12 +655,23 @@ def main(argv: list[str] | None = None) -> int:
         plot(record, args.plot)
         print(f"wrote {args.plot}")
         return 0
-    from jaxring.analysis import gpu
+    from jaxring.analysis import gpu, tpu
 
-    ok, why = gpu.available()
+    on_tpu = all(t in TPU_TARGETS for t in args.targets)
+    ok, why = tpu.available() if on_tpu else gpu.available()
     if not ok:
-        sys.exit(f"cannot compile for GPU here: {why}")
+        sys.exit(f"cannot compile for {'TPU' if on_tpu else 'GPU'} here: {why}")
     fresh = header(sys.argv[1:] if argv is None else argv)
+    if on_tpu:
+        from importlib.metadata import version
+
+        fresh.update(
+            device="deviceless compile for each row's Cloud TPU slice (libtpu topologies: v5p-8 = 4 chips "
+            "v5p:2x2x1, v5p-128 = 64 chips v5p:4x4x4, v6e-8 = 8 chips v6e:2x4), on a CPU host",
+            libtpu=version("libtpu"),
+            jax_cuda12_plugin=None,
+        )
+        fresh["config"]["block_ops"] = tpu.BLOCK_OPS
     if record is None:
         record = fresh
     else:

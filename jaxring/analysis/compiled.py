@@ -209,6 +209,50 @@ def _declares_runs(name: str, comps: dict[str, list[str]]) -> bool:
     return _calls_any(name, comps, lambda line: bool(_OP.search(line)) and _declared_share(line) is not None)
 
 
+def _defined(name: str, lines: list[str]) -> str | None:
+    """The instruction line that defines %name among `lines`."""
+    return next((x for x in lines if re.match(rf"\s*(?:ROOT )?%{re.escape(name)} = ", x)), None)
+
+
+def _constant(name: str, lines: list[str]) -> int | None:
+    """The integer a scalar %name holds when it is a constant (through copies), else None."""
+    for _ in range(8):
+        line = _defined(name, lines)
+        if line is None:
+            return None
+        if m := re.search(r"\bconstant\((-?\d+)\)", line):
+            return int(m.group(1))
+        if not (m := re.search(r"\bcopy\(%([\w.\-]+)\)", line)):
+            return None
+        name = m.group(1)
+    return None
+
+
+def _counted_trip(line: str, caller: list[str], comps: dict[str, list[str]]):
+    """The trip count of a `while` whose HLO states none (XLA:TPU's): a counter in tuple element i, started at a
+    constant K and compared `< N` with a constant in the condition, runs N - K times (as `fori_loop` and `scan`
+    lower). A match object's stand-in (`.group(1)`), or None."""
+    cond = re.search(r"condition=%([\w.\-]+)", line)
+    init = re.search(r"\bwhile\(%([\w.\-]+)\)", line)
+    lines = comps.get(cond.group(1), []) if cond else []
+    root = next((x for x in lines if x.lstrip().startswith("ROOT")), "")
+    cmp = re.search(r"compare\(%([\w.\-]+), %([\w.\-]+)\), direction=LT", root)
+    if not (cmp and init):
+        return None
+    gte = _defined(cmp.group(1), lines) or ""
+    index = re.search(r"get-tuple-element\(.*\), index=(\d+)", gte)
+    limit = _constant(cmp.group(2), lines)
+    tuple_line = _defined(init.group(1), caller) or ""
+    operands = re.search(r"\btuple\((.*?)\)(?:, |$)", tuple_line)
+    if not (index and limit is not None and operands):
+        return None
+    names = re.findall(r"%([\w.\-]+)", re.sub(r"/\*index=\d+\*/", "", operands.group(1)))
+    start = _constant(names[int(index.group(1))], caller) if int(index.group(1)) < len(names) else None
+    if start is None:
+        return None
+    return re.match(r"(\d+)", str(max(limit - start, 0)))
+
+
 def computation_runs(
     comps: dict[str, list[str]], entry: str, *, one_branch: bool = False, devices: int = 1
 ) -> dict[str, int]:
@@ -222,7 +266,7 @@ def computation_runs(
         runs[name] = runs.get(name, 0) + times
         for line in comps.get(name, []):
             if m := _WHILE.search(line):
-                trip = _TRIP.search(line)
+                trip = _TRIP.search(line) or _counted_trip(line, comps.get(name, []), comps)
                 if trip is None:
                     if _has_collectives(m.group(1), comps):
                         raise ValueError(f"while loop {m.group(1)} has no known trip count; its traffic is unknown")

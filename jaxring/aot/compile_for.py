@@ -1,4 +1,4 @@
-"""`train.py ... --compile-for TARGET`: will this run fit on that machine? Compiled for it, with no GPU.
+"""`train.py ... --compile-for TARGET`: will this run fit on that machine? Compiled for it, with no GPU or TPU.
 
     python train.py --preset 7b --seq-len 262144 --sp 8 --remat full --compile-for h100x8
     ...
@@ -19,6 +19,12 @@ order until one fits (at most `TRIES`); when none fits by the estimate, the plan
 
 Needs the compile-only CUDA plugin (`pip install "jax[cuda12]"`, the `gpu-compile` extra, in its own venv):
 without it the flag is refused in one line (exit 2).
+
+TPU targets (`jaxring.analysis.tpu.TARGETS`, Cloud TPU's slice names: v5e-8, v5p-8 (4 chips), v5p-128 (64),
+v6e-8, tpu7x-8, ...) compile the same step for libtpu's topology of that slice (the `tpu-compile` extra), with
+the attention's block compute `jaxring.analysis.tpu.BLOCK_OPS` (the Pallas TPU kernel); the log says how many
+Mosaic kernel calls the compiled step holds. The host budget per device is the slice's VM memory over its
+devices; the estimate is the planner's for that TPU.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from jaxring.analysis import gpu
+from jaxring.analysis import gpu, tpu
 from jaxring.aot.train_step import lower_train_step
 from jaxring.planner import cost_model
 from jaxring.planner.auto import held_settings
@@ -83,18 +89,42 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.1f}" if n >= GIB else f"{n / GIB:.3f}"
 
 
+def is_tpu(target: str) -> bool:
+    return target in tpu.TARGETS
+
+
 def check_target(target: str) -> tuple[str, int]:
-    """(gpu, devices) of a target name; ValueError naming the known targets."""
+    """(the planner's device, devices) of a target name; ValueError naming the known targets."""
+    if is_tpu(target):
+        t = tpu.TARGETS[target]
+        return t.device, t.devices
     if target not in TARGETS:
-        raise ValueError(f"--compile-for {target!r} is not a known target; expected one of {', '.join(TARGETS)}")
+        known = ", ".join([*TARGETS, *tpu.TARGETS])
+        raise ValueError(f"--compile-for {target!r} is not a known target; expected one of {known}")
     return TARGETS[target]
 
 
 def require_plugin(target: str) -> None:
-    """ValueError (one line: what to install) unless deviceless GPU compilation works in this environment."""
-    ok, why = gpu.available()
+    """ValueError (one line: what to install) unless deviceless compilation for `target` works here."""
+    ok, why = tpu.available() if is_tpu(target) else gpu.available()
     if not ok:
-        raise ValueError(f"--compile-for {target} compiles for a GPU without one, which this environment cannot: {why}")
+        what = "a TPU" if is_tpu(target) else "a GPU"
+        raise ValueError(
+            f"--compile-for {target} compiles for {what} without one, which this environment cannot: {why}"
+        )
+
+
+def target_devices(target: str) -> list:
+    """The abstract devices of a target (a GPU node or a TPU slice)."""
+    if is_tpu(target):
+        return tpu.tpu_devices(target)
+    name, count = check_target(target)
+    return gpu.gpu_devices(name, count)
+
+
+def block_ops_for(devices: list) -> str:
+    """The attention's block compute on a target's devices: the flash kernels (GPU), Pallas TPU (TPU)."""
+    return tpu.BLOCK_OPS if devices[0].platform == "tpu" else "pallas"
 
 
 def budget_bytes(spec: RunSpec, gpu: str) -> float:
@@ -104,10 +134,13 @@ def budget_bytes(spec: RunSpec, gpu: str) -> float:
     return Cluster.of(gpu, 1).usable_memory
 
 
-def host_budget_bytes(spec: RunSpec, count: int) -> float:
-    """Host memory per GPU of a target: --host-memory-gib over its `count` GPUs, else `HOST_GIB_PER_GPU`."""
+def host_budget_bytes(spec: RunSpec, count: int, target: str | None = None) -> float:
+    """Host memory per device of a target: --host-memory-gib over its `count` devices, else `HOST_GIB_PER_GPU`
+    (a TPU slice: its VM's memory over its devices)."""
     if spec.memory.host_memory_gib is not None:
         return spec.memory.host_memory_gib * GIB / count
+    if target is not None and is_tpu(target):
+        return tpu.TARGETS[target].host_gib_per_device * GIB
     return HOST_GIB_PER_GPU * GIB
 
 
@@ -120,10 +153,10 @@ def estimated_memory(spec: RunSpec, count: int) -> cost_model.Memory:
 
 def lowered_step(spec: RunSpec, devices: list) -> tuple[jax.stages.Lowered, float, str]:
     """(the lowered train step, its estimated bytes per device, the plan) of the resolved run on `devices`
-    (abstract GPUs), with the flash kernels; nothing is allocated."""
+    (abstract GPUs or TPUs), with the flash kernels (`block_ops_for`); nothing is allocated."""
     spec = spec.resolved(len(devices))
     spec.validate()
-    spec = dataclasses.replace(spec, parallel=dataclasses.replace(spec.parallel, block_ops="pallas"))
+    spec = dataclasses.replace(spec, parallel=dataclasses.replace(spec.parallel, block_ops=block_ops_for(devices)))
     w, c = workload_of(spec), candidate_of(spec)
     plan = spec.plan(devices)
     t = spec.training
@@ -146,11 +179,14 @@ def lowered_step(spec: RunSpec, devices: list) -> tuple[jax.stages.Lowered, floa
     return lowered, float(estimate), plan.describe()
 
 
-def _compile(spec: RunSpec, devices: list) -> tuple[float, float, float, str]:
+def _compile(spec: RunSpec, devices: list, log: Callable[[str], None] = print) -> tuple[float, float, float, str]:
     """(compiled device bytes, estimated bytes, compiled host bytes, the plan) of the resolved run's step on the
-    abstract GPUs."""
+    abstract devices; on TPUs it logs the Mosaic kernel calls of the compiled step."""
     lowered, estimate, plan = lowered_step(spec, devices)
-    m = lowered.compile().memory_analysis()
+    compiled = lowered.compile()
+    if devices[0].platform == "tpu":
+        log(tpu_kernel_line(compiled.as_text()))
+    m = compiled.memory_analysis()
     peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
     host = (
         m.host_argument_size_in_bytes
@@ -168,18 +204,33 @@ def _compile(spec: RunSpec, devices: list) -> tuple[float, float, float, str]:
     return float(peak), estimate, float(host), f"{plan}; {settings}"
 
 
-def ranked_specs(spec: RunSpec, gpu: str, count: int, tries: int = TRIES, hold: dict | None = None) -> list[RunSpec]:
+def tpu_kernel_line(hlo: str) -> str:
+    """Whether the compiled TPU step runs the attention in the Pallas TPU kernel (its Mosaic calls)."""
+    calls = tpu.mosaic_calls(hlo)
+    if tpu.BLOCK_OPS != "pallas_tpu":
+        return f"TPU block compute: {tpu.BLOCK_OPS} (the Pallas TPU kernel is not used); {calls} Mosaic calls"
+    if not calls:
+        return "TPU block compute: pallas_tpu, but the compiled step holds no Mosaic call (tpu_custom_call)"
+    return (
+        f"TPU block compute: pallas_tpu, {calls} Mosaic kernel calls (tpu_custom_call) in the compiled step; "
+        f"no jnp fallback (block_ops pallas_tpu has none)"
+    )
+
+
+def ranked_specs(
+    spec: RunSpec, gpu: str, count: int, tries: int = TRIES, hold: dict | None = None, target: str | None = None
+) -> list[RunSpec]:
     """--plan auto: the planner's best plans for the target (settings the user gave held, and `hold`), as run
     specs."""
-    cluster = Cluster.of(gpu, count, host_memory=host_budget_bytes(spec, count))
+    cluster = Cluster.of(gpu, count, host_memory=host_budget_bytes(spec, count, target))
     result = search(workload_of(spec), cluster, only=held_settings(spec) | (hold or {}))
     return _as_specs(spec, result, result.ranked[:tries])
 
 
-def margin_specs(spec: RunSpec, gpu: str, count: int, tries: int = TRIES) -> list[RunSpec]:
+def margin_specs(spec: RunSpec, gpu: str, count: int, tries: int = TRIES, target: str | None = None) -> list[RunSpec]:
     """--plan auto when no plan fits by the estimate: the plans estimated within ESTIMATE_MARGIN above the
     device budget (and within the host's), least device memory first; NoPlanError when there are none."""
-    cluster = Cluster.of(gpu, count, host_memory=host_budget_bytes(spec, count))
+    cluster = Cluster.of(gpu, count, host_memory=host_budget_bytes(spec, count, target))
     result = margin_search(workload_of(spec), cluster, only=held_settings(spec))
     return _as_specs(spec, result, result.ranked[:tries])
 
@@ -195,16 +246,16 @@ def compile_for(spec: RunSpec, target: str, log: Callable[[str], None] = print) 
     Raises ValueError (one line) for a bad target, a missing plugin or a plan the model refuses."""
     gpu_name, count = check_target(target)
     require_plugin(target)
-    devices = gpu.gpu_devices(gpu_name, count)
-    budget, host_budget = budget_bytes(spec, gpu_name), host_budget_bytes(spec, count)
+    devices = target_devices(target)
+    budget, host_budget = budget_bytes(spec, gpu_name), host_budget_bytes(spec, count, target)
     auto = spec.parallel.plan == "auto"
     specs = [spec]
     if auto:
         try:
-            specs = ranked_specs(spec, gpu_name, count)
+            specs = ranked_specs(spec, gpu_name, count, target=target)
         except NoPlanError as refused:
             try:
-                specs = margin_specs(spec, gpu_name, count)
+                specs = margin_specs(spec, gpu_name, count, target=target)
             except NoPlanError:
                 raise refused from None
             log(
@@ -220,13 +271,13 @@ def compile_for(spec: RunSpec, target: str, log: Callable[[str], None] = print) 
             line = (
                 f"--compile-for {target}: {which}--offload {candidate.memory.offload} keeps an estimated "
                 f"{_gib(host_estimate)} GiB per device in host memory, above the target's {_gib(host_budget)} GiB "
-                f"per GPU ({_host_source(spec, count)})"
+                f"per device ({_host_source(spec, count, target)})"
             )
             if not auto:
                 raise DoesNotFit(f"{line}; offload less, or give --host-memory-gib for a larger host")
             log(line)
             continue
-        compiled, estimate, host, plan = _compile(candidate, devices)
+        compiled, estimate, host, plan = _compile(candidate, devices, log)
         verdict = Verdict(plan, compiled, estimate, budget, host, host_estimate, host_budget)
         log(f"--compile-for {target}: {which}{plan}: {verdict.line()}")
         if verdict.fits:
@@ -237,7 +288,9 @@ def compile_for(spec: RunSpec, target: str, log: Callable[[str], None] = print) 
     return 0 if verdict.fits else EXIT_DOES_NOT_FIT
 
 
-def _host_source(spec: RunSpec, count: int) -> str:
+def _host_source(spec: RunSpec, count: int, target: str | None = None) -> str:
     if spec.memory.host_memory_gib is not None:
-        return f"--host-memory-gib {spec.memory.host_memory_gib:g} over {count} GPUs"
+        return f"--host-memory-gib {spec.memory.host_memory_gib:g} over {count} devices"
+    if target is not None and is_tpu(target):
+        return f"{target}'s VM memory over its devices; --host-memory-gib sets the target's"
     return f"{HOST_GIB_PER_GPU} GiB per GPU, a DGX node's 2 TiB over 8; --host-memory-gib sets the target's"

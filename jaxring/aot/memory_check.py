@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import jax
 
-from jaxring.analysis import gpu
+from jaxring.analysis import gpu, tpu
 from jaxring.aot.train_step import compile_train_step
 from jaxring.planner.search import Result
 from jaxring.planner.space import Candidate, Workload
@@ -37,7 +37,10 @@ def compiled_peak(
     """Per-device peak bytes of the compiled step of `c` for `w`: on the GPU topology `target` ("h100",
     "h200"), or on `devices` (default: the first c.devices of jax.devices())."""
     block_ops = "auto"
-    if target is not None:
+    if target is not None and target in tpu.TARGETS:
+        devices = tpu.tpu_devices(target)
+        block_ops = tpu.BLOCK_OPS
+    elif target is not None:
         devices = gpu.gpu_devices(target, c.devices)
         block_ops = "pallas"
     elif devices is None:
@@ -68,6 +71,15 @@ def compile_check(result: Result, device: str, top: int) -> str:
     output ("" when none): the target that stood in for the device, or why the check was skipped."""
     if device == "cpu":
         target = None
+    elif device.startswith("tpu"):  # the Cloud TPU slice of this device and size
+        count = result.ranked[0].candidate.devices if result.ranked else 0
+        slices = [n for n, t in tpu.TARGETS.items() if t.device == device and t.devices == count]
+        if not slices:
+            return f"compile check skipped: no TPU target of {device} with {count} devices"
+        ok, why = tpu.available()
+        if not ok:
+            return f"compile check skipped: {why}"
+        target = slices[0]
     else:
         target = GPU_TARGETS[device]
         ok, why = gpu_target_available()
@@ -75,6 +87,6 @@ def compile_check(result: Result, device: str, top: int) -> str:
             return f"compile check skipped: {why}"
     for ev in result.ranked[:top]:
         ev.compiled_memory = compiled_peak(result.workload, ev.candidate, target=target)
-    if target is not None and target != device:
+    if target is not None and target != device and target not in tpu.TARGETS:
         return f"compiled for the {target} target (no {device} target config ships with jaxring)"
     return ""

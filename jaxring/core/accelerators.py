@@ -32,6 +32,13 @@ class DeviceSpec:
     nic_bytes_per_s: float | None = None  # default inter-node bandwidth per device and direction
     kinds: tuple[str, ...] = ()  # substrings of jax's `device_kind` that name this device
     fp32_matmuls: str = "tf32"  # the dtype whose peak an fp32 run's matmuls reach (TPUs: bf16 passes)
+    torus_dims: int | None = None  # TPUs: the ICI torus' dimensions (2 or 3); each chip has 2 links per dimension
+    devices_per_chip: int = 1  # JAX devices per chip (TPU7x: 2)
+
+    @property
+    def ici_links(self) -> int | None:
+        """ICI links per chip (TPUs), None elsewhere."""
+        return None if self.torus_dims is None else 2 * self.torus_dims
 
     def peak_flops(self, precision: str) -> float:
         """Dense peak FLOP/s of a run at `precision` ("bf16" or "fp32", jaxring.core.precision's names)."""
@@ -51,9 +58,61 @@ DEVICES = {
     "a100-40gb": DeviceSpec("NVIDIA A100 SXM 40GB", _AMPERE_FLOPS, 1.555e12, 40 * 10**9, 300e9, 25e9, kinds=("A100",)),
     "l4": DeviceSpec("NVIDIA L4", {"bf16": 121e12, "tf32": 60e12}, 300e9, 24 * 10**9, kinds=("L4",)),
     "a10": DeviceSpec("NVIDIA A10", {"bf16": 125e12, "tf32": 62e12}, 600e9, 24 * 10**9, kinds=("A10",)),
-    "tpu-v5p": DeviceSpec("TPU v5p", {"bf16": 459e12}, 2.765e12, 95 * 10**9, kinds=("TPU v5p",), fp32_matmuls="bf16"),
-    "tpu-v5e": DeviceSpec("TPU v5e", {"bf16": 197e12}, 819e9, 16 * 10**9, kinds=("TPU v5 lite",), fp32_matmuls="bf16"),
-    "tpu-v4": DeviceSpec("TPU v4", {"bf16": 275e12}, 1.2e12, 32 * 10**9, kinds=("TPU v4",), fp32_matmuls="bf16"),
+    # TPUs, per JAX device (a chip; a TPU7x chip shows as two devices, one per TensorCore die, each given half
+    # the chip's figures). Memory in GiB as Cloud TPU states it; link_bytes_per_s is one ICI link's one-way
+    # bandwidth (what a ring step to a torus neighbour gets), nic_bytes_per_s the data-centre network per chip.
+    # Sources: Cloud TPU's system-architecture pages (v5e, v5p, v6e: peak bf16, HBM, ICI per chip, DCN) and, for
+    # the one-way per-link ICI figures, the JAX scaling book's TPU table (v5e 4.5e10, v5p and v6e 9e10 B/s);
+    # TPU7x (Ironwood): Google's announcement (192 GiB HBM at 7.37 TB/s, 4,614 FP8 TFLOP/s = 2,307 bf16, ICI
+    # 1.2 TB/s bidirectional per chip: 100 GB/s one way on each of 6 links).
+    "tpu-v5e": DeviceSpec(
+        "TPU v5e",
+        {"bf16": 197e12},
+        819e9,
+        16 * 2**30,
+        45e9,
+        25e9 / 8,
+        kinds=("TPU v5 lite", "TPU v5e"),
+        fp32_matmuls="bf16",
+        torus_dims=2,
+    ),
+    "tpu-v5p": DeviceSpec(
+        "TPU v5p",
+        {"bf16": 459e12},
+        2.765e12,
+        95 * 2**30,
+        90e9,
+        50e9 / 8,
+        kinds=("TPU v5p", "TPU v5"),
+        fp32_matmuls="bf16",
+        torus_dims=3,
+    ),
+    "tpu-v6e": DeviceSpec(
+        "TPU v6e",
+        {"bf16": 918e12},
+        1.64e12,
+        32 * 2**30,
+        90e9,
+        100e9 / 8,
+        kinds=("TPU v6 lite", "TPU v6e"),
+        fp32_matmuls="bf16",
+        torus_dims=2,
+    ),
+    "tpu7x": DeviceSpec(
+        "TPU7x (one of a chip's two devices)",
+        {"bf16": 2307e12 / 2},
+        7.37e12 / 2,
+        96 * 2**30,
+        100e9,
+        None,
+        kinds=("TPU7x",),
+        fp32_matmuls="bf16",
+        torus_dims=3,
+        devices_per_chip=2,
+    ),
+    "tpu-v4": DeviceSpec(
+        "TPU v4", {"bf16": 275e12}, 1.2e12, 32 * 2**30, 45e9, kinds=("TPU v4",), fp32_matmuls="bf16", torus_dims=3
+    ),
     # simulated CPU devices (tests, the planner without an accelerator): nominal figures; no device_kind matches
     "cpu": DeviceSpec("simulated CPU device", {"bf16": 50e9}, 20e9, 4 * 10**9, 10e9, 10e9),
 }

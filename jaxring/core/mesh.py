@@ -7,7 +7,10 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxring.core.torus import is_tpu_grid, torus_ring
 
 # tp innermost (neighbouring devices, fastest links), then sp, then ep; data axes outermost.
 MESH_AXES = ("dp", "pp", "fsdp", "ep", "sp", "tp")
@@ -26,7 +29,9 @@ def make_mesh(
     devices: Sequence[jax.Device] | None = None,
     axis_types: str = "auto",
 ) -> Mesh:
-    """A mesh with all six axes (size-1 axes included, so every PartitionSpec can name them).
+    """A mesh with all six axes (size-1 axes included, so every PartitionSpec can name them). Devices are
+    ordered by `jax.make_mesh` (torus-aware on TPUs), except one axis over all of a TPU slice: along a closed
+    path of the torus (`jaxring.core.torus`: one ICI hop per ring step, which jax's order misses on 2x4 grids).
 
     Args:
       dp, fsdp, pp, tp, sp, ep: degrees; their product must equal the number of devices.
@@ -50,7 +55,14 @@ def make_mesh(
     if axis_types not in kinds:
         raise ValueError(f"axis_types {axis_types!r} must be 'auto' or 'explicit'")
     shape = tuple(degrees[a] for a in MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(kinds[axis_types],) * len(MESH_AXES), devices=devices)
+    types = (kinds[axis_types],) * len(MESH_AXES)
+    if is_tpu_grid(devices) and sum(s > 1 for s in shape) == 1:  # one ring over the whole slice: along the torus
+        return Mesh(np.array(torus_ring(devices), dtype=object).reshape(shape), MESH_AXES, axis_types=types)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
+    except NotImplementedError:  # a TPU axis that is no product of whole torus axes (sp8 on 4x4x4): split them
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        return Mesh(grid, MESH_AXES, axis_types=types)
 
 
 def mesh_axis_size(mesh: Mesh, axis: str) -> int:

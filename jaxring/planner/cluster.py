@@ -1,6 +1,7 @@
 """The cluster a plan runs on: the device (peak FLOP/s, HBM, memory), how many share a node, the links.
 
     cluster = Cluster.of("h200", devices=64)                       # 8 per node, NVLink + 8×400 Gb/s IB
+    cluster = Cluster.of("tpu-v5p", devices=64)                    # one ICI slice: a ring step on one link
     cluster = Cluster.of("a100-40gb", devices=32, devices_per_node=8, inter_bw=100e9 / 8 / 8)
 
 Bandwidths are bytes per second per device and direction: what one device can receive while all of them
@@ -37,6 +38,25 @@ class Device:
     # to and from its host's pinned memory, per direction (what --offload moves): PCIe Gen5 x16 is 64 GB/s
     # nominal for an H100/H200 SXM, Gen4 x16 32 GB/s for an A100; pinned copies reach about 80% of it
     host_bytes_per_s: float = 50e9
+    # TPUs: every device of a slice is on the ICI torus (one "node"); nvlink_bytes_per_s is one ICI link's
+    # one-way bandwidth, what a ring along a torus axis gets per step
+    ici: bool = False
+
+
+def _tpu(name: str) -> Device:
+    """A TPU of `jaxring.core.accelerators` as a planner device: the host link is PCIe, about 15 GB/s per chip
+    (the JAX scaling book's figure for v5e/v6e hosts; taken for every TPU here)."""
+    p = PEAKS[name]
+    return Device(
+        p.name,
+        p.flops_per_s["bf16"],
+        p.hbm_bytes_per_s,
+        p.memory_bytes,
+        p.link_bytes_per_s,
+        p.nic_bytes_per_s or p.link_bytes_per_s,
+        15e9,
+        ici=True,
+    )
 
 
 DEVICES = {
@@ -59,6 +79,7 @@ DEVICES = {
     # NVIDIA's A100 SXM datasheet: 312 TFLOP/s dense bf16, HBM2 1.555 / HBM2e 2.039 TB/s, NVLink 3 600 GB/s
     "a100-40gb": Device("NVIDIA A100 SXM 40GB", 312e12, 1.555e12, 40 * 10**9, 300e9, 25e9, 25e9),
     "a100-80gb": Device("NVIDIA A100 SXM 80GB", 312e12, 2.039e12, 80 * 10**9, 300e9, 25e9, 25e9),
+    **{name: _tpu(name) for name in ("tpu-v5e", "tpu-v5p", "tpu-v6e", "tpu7x")},
     # simulated CPU devices (tests, train.py --plan auto without an accelerator): nominal figures
     "cpu": Device("simulated CPU device", 50e9, 20e9, 4 * 10**9, 10e9, 10e9, 10e9),
 }
@@ -95,7 +116,9 @@ class Cluster:
             raise ValueError(f"unknown device {device!r}; expected one of {', '.join(DEVICES)}")
         if not _is_int(devices) or devices < 1:
             raise ValueError(f"devices {devices!r} must be a positive integer")
-        per_node = min(devices, 8) if devices_per_node is None else devices_per_node
+        spec = DEVICES[device]
+        default_per_node = devices if spec.ici else min(devices, 8)  # a TPU slice: one ICI domain
+        per_node = default_per_node if devices_per_node is None else devices_per_node
         if not _is_int(per_node) or per_node < 1:
             raise ValueError(f"devices per node {per_node!r} must be a positive integer")
         if devices > per_node and devices % per_node:
@@ -106,7 +129,6 @@ class Cluster:
         for name, value in (("efficiency", efficiency), ("memory fraction", memory_fraction)):
             if not _is_number(value) or not 0 < value <= 1:
                 raise ValueError(f"{name} {value!r} must be a number in (0, 1]")
-        spec = DEVICES[device]
         if memory_bytes is not None:
             if not _is_number(memory_bytes) or not math.isfinite(memory_bytes) or memory_bytes <= 0:
                 raise ValueError(f"memory bytes {memory_bytes!r} must be a finite number > 0")

@@ -63,8 +63,9 @@ def build_parser(prog: str = "train.py", description: str | None = None) -> argp
     g.add_argument(
         "--compile-for",
         metavar="TARGET",
-        help="compile the run's step for a GPU machine without one (h100x8, h200x8, h100x1, h200x1; needs "
-        "jax[cuda12]) and exit: 0 fits, 3 does not fit",
+        help="compile the run's step for a GPU machine or TPU slice without one (h100x8, h200x8, h100x1, h200x1; "
+        "needs jax[cuda12]; v5e-8, v5p-8, v5p-128, v6e-8, tpu7x-8, ...; needs the tpu-compile extra) and exit: "
+        "0 fits, 3 does not fit",
     )
     defaults = RunSpec()
     for section, cls in SECTIONS.items():
