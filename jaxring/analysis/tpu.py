@@ -38,8 +38,8 @@ from jaxring.core import compat
 
 __all__ = ["BLOCK_OPS", "TARGETS", "TpuCompileReport", "TpuTarget", "abstract", "available", "compile_for_tpu"]
 
-# The attention's per-block compute on a TPU target: the Pallas TPU (Mosaic) kernel
-BLOCK_OPS = "jnp"
+# The attention's per-block compute on a TPU target: jaxring's Pallas TPU (Mosaic) kernels (kernels/tpu_blocks.py)
+BLOCK_OPS = "pallas_tpu"
 MOSAIC_CALL = "tpu_custom_call"  # the custom-call target of a Mosaic kernel in the compiled HLO
 
 

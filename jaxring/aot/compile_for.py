@@ -207,8 +207,6 @@ def _compile(spec: RunSpec, devices: list, log: Callable[[str], None] = print) -
 def tpu_kernel_line(hlo: str) -> str:
     """Whether the compiled TPU step runs the attention in the Pallas TPU kernel (its Mosaic calls)."""
     calls = tpu.mosaic_calls(hlo)
-    if tpu.BLOCK_OPS != "pallas_tpu":
-        return f"TPU block compute: {tpu.BLOCK_OPS} (the Pallas TPU kernel is not used); {calls} Mosaic calls"
     if not calls:
         return "TPU block compute: pallas_tpu, but the compiled step holds no Mosaic call (tpu_custom_call)"
     return (

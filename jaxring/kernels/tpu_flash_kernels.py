@@ -53,7 +53,8 @@ def _out_struct(shape: tuple[int, ...], dtype: jax.typing.DTypeLike, like: jax.A
 
 def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
     """a·b contracting a's axis contract[0] with b's contract[1], fp32 accumulation (full precision for fp32)."""
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    # explicit both ways: Mosaic refuses a bf16 matmul at HIGHEST, which jax_default_matmul_precision may ask for
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
     dims = (((contract[0],), (contract[1],)), ((), ()))
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
