@@ -62,12 +62,21 @@ class BlockOps:
 
     accumulates: forward and backward also take `into=` (the running (out, lse), or (dq, dk, dv)) and
     return it updated, saving the ring a merge or an add pass per step (the jnp pair does).
+    lockstep: every device must make the same calls (Pallas' TPU interpret mode synchronises all devices at each
+    kernel call), so callers compute a hidden block (it adds nothing) instead of skipping it (`unless_hidden`).
     """
 
     name: str
     forward: Callable
     backward: Callable
     accumulates: bool = False
+    lockstep: bool = False
+
+
+def unless_hidden(lockstep: bool, visible: jax.Array, compute: Callable[[], Any], skip: Callable[[], Any]) -> Any:
+    """`lax.cond(visible, compute, skip)`: a hidden block skipped; for lockstep block ops (BlockOps.lockstep)
+    compute() on every device (a hidden block's result equals skip()'s)."""
+    return compute() if lockstep else lax.cond(visible, compute, skip)
 
 
 def in_callers_dtype(name: str, forward_fp32: Callable, backward_fp32: Callable) -> BlockOps:
@@ -88,11 +97,11 @@ def with_window(ops: BlockOps, window: int | None) -> BlockOps:
     """`ops` with the sliding window bound into both functions (`ops` itself when window is None)."""
     if window is None:
         return ops
-    return BlockOps(
-        f"{ops.name}, window {window}",
-        functools.partial(ops.forward, window=window),
-        functools.partial(ops.backward, window=window),
-        ops.accumulates,
+    return dataclasses.replace(
+        ops,
+        name=f"{ops.name}, window {window}",
+        forward=functools.partial(ops.forward, window=window),
+        backward=functools.partial(ops.backward, window=window),
     )
 
 

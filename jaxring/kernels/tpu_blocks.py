@@ -144,4 +144,5 @@ def tpu_block_ops(interpret: bool = False) -> BlockOps:
         "pallas_tpu_interpret" if interpret else "pallas_tpu",
         functools.partial(tpu_block_forward, interpret=interpret),
         functools.partial(tpu_block_backward, interpret=interpret),
+        lockstep=interpret,  # TPU interpret mode synchronises every device at each kernel call
     )

@@ -56,7 +56,7 @@ from jax import lax
 from jaxring.core.collectives import BACKWARD, ring_steps, ring_steps_accumulating, send_to_next
 from jaxring.core.vma import vary_like
 from jaxring.kernels.block_compute import get_block_ops
-from jaxring.kernels.blockwise import FORWARD_TILE, BlockOps, tile_size, with_window
+from jaxring.kernels.blockwise import FORWARD_TILE, BlockOps, tile_size, unless_hidden, with_window
 from jaxring.kernels.layout import RankTokens
 from jaxring.kernels.masking import check_qkv, check_window, positions_may_meet, segments_may_meet
 from jaxring.kernels.merge import empty_partial
@@ -200,7 +200,7 @@ def attend_step(
     visible = step_visible(q_pos, kv_pos, q_seg, kv_seg, parts=parts, causal=causal, window=window)
     if visible is None:
         return compute(), None
-    return lax.cond(visible, compute, lambda: acc), visible
+    return unless_hidden(ops.lockstep, visible, compute, lambda: acc), visible
 
 
 def grads_step(
@@ -240,8 +240,8 @@ def grads_step(
     zeros = tuple(jnp.zeros_like(x, jnp.float32) for x in (q, k, v))
     if ops.accumulates:  # added in place: the running sums pass through the cond
         grads = tuple(z if g is None else g for g, z in zip(grads, zeros))
-        return lax.cond(visible, block, lambda g: g, grads)
-    own = lax.cond(visible, lambda: block((None, None, None)), lambda: zeros)
+        return unless_hidden(ops.lockstep, visible, lambda: block(grads), lambda: grads)
+    own = unless_hidden(ops.lockstep, visible, lambda: block((None, None, None)), lambda: zeros)
     return tuple(x if acc is None else acc + x for acc, x in zip(grads, own))
 
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxring.kernels.blockwise import BlockOps, tile_visible
+from jaxring.kernels.blockwise import BlockOps, tile_visible, unless_hidden
 from jaxring.kernels.merge import empty_partial, merge_partials
 
 
@@ -28,13 +28,20 @@ def split_runs(x: jax.Array | None, parts: int, axis: int) -> list[jax.Array | N
 
 
 def when_visible(
-    causal: bool, q_pos: jax.Array, kv_pos: jax.Array, compute: Callable[[], Any], skip: Callable[[], Any]
+    causal: bool,
+    q_pos: jax.Array,
+    kv_pos: jax.Array,
+    compute: Callable[[], Any],
+    skip: Callable[[], Any],
+    *,
+    lockstep: bool = False,
 ) -> tuple[Any, bool | jax.Array]:
-    """Runs `compute` unless the causal mask hides the whole (Q, K/V) pair: (result, computed?)."""
+    """Runs `compute` unless the causal mask hides the whole (Q, K/V) pair: (result, computed?). Lockstep block
+    ops (`BlockOps.lockstep`) compute every pair."""
     if not causal:
         return compute(), True
     visible = tile_visible(q_pos, kv_pos, causal=True)
-    return lax.cond(visible, compute, skip), visible
+    return unless_hidden(lockstep, visible, compute, skip), visible
 
 
 def pair_work(q_pos: jax.Array, kv_pos: jax.Array, computed: bool | jax.Array) -> jax.Array:
@@ -80,6 +87,7 @@ def attend_block(
             kv_pos,
             lambda: ops.forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal=causal, sm_scale=sm_scale, into=acc),
             lambda: acc,
+            lockstep=ops.lockstep,
         )[0]
     part, _ = when_visible(
         causal,
@@ -87,6 +95,7 @@ def attend_block(
         kv_pos,
         lambda: ops.forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal=causal, sm_scale=sm_scale),
         lambda: empty_partial(q),
+        lockstep=ops.lockstep,
     )
     return merge_partials(*acc, *part)
 
@@ -125,6 +134,7 @@ def add_block_grads(
                 q, k, v, dout, lse, delta, q_pos, kv_pos, q_seg, kv_seg, causal=causal, sm_scale=sm_scale, into=into
             ),
             lambda: into,
+            lockstep=ops.lockstep,
         )[0]
     zeros = lambda: (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
     (dq_j, dk_j, dv_j), _ = when_visible(
@@ -133,6 +143,7 @@ def add_block_grads(
         kv_pos,
         lambda: ops.backward(q, k, v, dout, lse, delta, q_pos, kv_pos, q_seg, kv_seg, causal=causal, sm_scale=sm_scale),
         zeros,
+        lockstep=ops.lockstep,
     )
     add = lambda acc, x: x if acc is None else acc + x
     return add(dq, dq_j), add(dk, dk_j), add(dv, dv_j)

@@ -85,7 +85,7 @@ from jaxring.core.collectives import (
 )
 from jaxring.core.vma import sum_like, vary_like
 from jaxring.kernels.block_compute import get_block_ops
-from jaxring.kernels.blockwise import BlockOps, with_window
+from jaxring.kernels.blockwise import BlockOps, unless_hidden, with_window
 from jaxring.kernels.layer_math import add_bias, check_activation, head_norm
 from jaxring.kernels.masking import check_window, positions_may_meet, segments_may_meet
 from jaxring.kernels.merge import empty_partial, merge_partials
@@ -579,11 +579,11 @@ def _when_visible(
     """`schedule.when_visible`, also skipping a block wholly outside every query's window (by position bounds)
     or sharing no segment with the queries (by segment-id bounds: packed documents are numbered in order)."""
     if cfg.window is None and q_seg is None:
-        return when_visible(cfg.causal, q_pos, kv_pos, compute, skip)
+        return when_visible(cfg.causal, q_pos, kv_pos, compute, skip, lockstep=cfg.ops.lockstep)
     visible = positions_may_meet(q_pos, kv_pos, causal=cfg.causal, window=cfg.window)
     if q_seg is not None:
         visible = visible & segments_may_meet(q_seg, kv_seg)
-    return lax.cond(visible, compute, skip), visible
+    return unless_hidden(cfg.ops.lockstep, visible, compute, skip), visible
 
 
 def _inner_forward(q: jax.Array, k: jax.Array, v: jax.Array, tokens: _Tokens, cfg: _MhaConfig):
