@@ -1,0 +1,80 @@
+"""Faults found by a probe of every command (issue 46): each ends in one line naming the value and the rule, with
+no traceback; and a trained model is never lost to a failure after the last step.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_faults import _cli
+from test_reliability import SMALL_FLAGS, _env
+
+from jaxring.data.__main__ import main as data_main
+from jaxring.data.prepare import prepare
+from jaxring.data.sources import load_tokens
+from jaxring.data.token_data import open_token_data
+from jaxring.planner.__main__ import main as planner_main
+from jaxring.run.schema import DataSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 240  # seconds any child process of these tests may run
+
+
+def _command(args, timeout=TIMEOUT, **kw):
+    """A command in a child process (killed at the timeout): CompletedProcess."""
+    return subprocess.run(
+        [sys.executable, *args], env=kw.pop("env", _env()), capture_output=True, text=True, timeout=timeout, **kw
+    )
+
+
+def _one_line(err: str) -> str:
+    """stderr that is one `error: ...` line and no traceback: that line."""
+    assert "Traceback" not in err and err.count("\n") == 1, err[-3000:]
+    assert err.startswith("error: "), err
+    return err.strip()
+
+
+# ---- data: text named .bin, a store without its meta.json, the field flag, files prepare leaves out ----------
+
+
+def test_a_text_file_named_bin_is_refused(tmp_path):
+    """ASCII read as uint16 stays below 32,383, inside GPT-2's vocabulary: it used to train on it silently."""
+    path = tmp_path / "notes.bin"
+    path.write_text("the quick brown fox jumps over the lazy dog\n" * 500)
+    with pytest.raises(ValueError, match=r"holds text, not uint16 token ids .*give the text a \.txt name"):
+        load_tokens(path)
+
+
+def test_a_store_without_meta_json_is_a_damaged_store(tmp_path, capsys):
+    (tmp_path / "in.txt").write_text("a document\n")
+    prepare(tmp_path / "in.txt", tmp_path / "store", progress=False)
+    (tmp_path / "store" / "meta.json").unlink()
+    want = f"error: directory '{tmp_path / 'store'}' is a damaged store: it holds tokens.bin and offsets.npy but no"
+    code, err = _cli([*SMALL_FLAGS, "--cpu-devices", "1", "--steps", "1", "--data", str(tmp_path / "store")], capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith(want), err
+    assert "prepare it again" in err[0]
+    with pytest.raises(ValueError, match="is a damaged store"):  # jaxring.eval perplexity --data opens it so too
+        open_token_data(DataSettings(data=str(tmp_path / "store")))
+
+
+def test_train_py_names_its_own_text_field_flag(tmp_path, capsys):
+    (tmp_path / "docs.jsonl").write_text('{"content": "abc"}\n')
+    code, err = _cli(
+        [*SMALL_FLAGS, "--cpu-devices", "1", "--steps", "1", "--data", str(tmp_path / "docs.jsonl")], capsys
+    )
+    assert code == 2 and len(err) == 1, err
+    assert err[0].endswith("has no 'text' field (its keys: 'content'); name the text field with --text-field"), err
+    assert data_main(["prepare", str(tmp_path / "docs.jsonl"), str(tmp_path / "st"), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip().endswith("name the text field with --field")
+
+
+def test_prepare_says_which_files_it_skipped_and_why(tmp_path, capsys):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("a document\n")
+    (tmp_path / "in" / "ids.bin").write_bytes(b"\0\1" * 8)
+    (tmp_path / "in" / "x.dat").write_bytes(b"\0")
+    assert data_main(["prepare", str(tmp_path / "in"), str(tmp_path / "st"), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "2 files skipped (ids.bin, x.dat): only .txt/.py/.md/.jsonl/.parquet files are read as documents" in err
+    assert "a .bin is token ids" in err
