@@ -78,3 +78,16 @@ def test_prepare_says_which_files_it_skipped_and_why(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "2 files skipped (ids.bin, x.dat): only .txt/.py/.md/.jsonl/.parquet files are read as documents" in err
     assert "a .bin is token ids" in err
+
+
+@pytest.mark.parametrize(
+    "devices, seq_len, nearest",
+    [(8, 100003, "--seq-len 100,000 or 100,016 (multiples of 16)"), (3, 131072, "--seq-len 131,070 or 131,076")],
+)
+def test_the_planner_names_the_sequence_lengths_divisibility(devices, seq_len, nearest, capsys):
+    """It named the most common refusal (the pipeline's micro-batches; --vocab-split), a consequence."""
+    argv = ["--preset", "7b", "--seq-len", str(seq_len), "--global-batch", "1", "--devices", str(devices)]
+    assert planner_main([*argv, "--device", "h100"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert f"the one that binds: the sequence length {seq_len:,} does not divide over the devices" in line
+    assert nearest in line and "micro-batch" not in line and "vocab" not in line
