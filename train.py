@@ -37,6 +37,7 @@ from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 from jaxring.core.stop_signals import exit_code
 from jaxring.planner.auto import apply_auto_plan
 from jaxring.planner.search import NoPlanError
+from jaxring.run.checks import check_block_ops
 from jaxring.run.cli import EXIT_USER_ERROR, parse_command_line
 from jaxring.train.guard import Diverged
 from jaxring.train.loop import prepare, train
@@ -87,6 +88,7 @@ def run(spec, *, print_config: bool = False) -> int:
     spec.validate()  # every setting's rule, before any process or device starts
     start_processes(spec.cluster, shared_settings(spec))  # checks that every process has the same settings
     devices = use_cpu_devices_if_no_accelerator(spec.cluster.cpu_devices)
+    check_block_ops(spec.parallel.block_ops, devices[0].platform)
     if spec.parallel.plan == "auto":
         log = (lambda *a: None) if print_config else print
         try:

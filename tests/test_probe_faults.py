@@ -91,3 +91,14 @@ def test_the_planner_names_the_sequence_lengths_divisibility(devices, seq_len, n
     line = _one_line(capsys.readouterr().err)
     assert f"the one that binds: the sequence length {seq_len:,} does not divide over the devices" in line
     assert nearest in line and "micro-batch" not in line and "vocab" not in line
+
+
+def test_block_ops_pallas_on_cpu_is_refused_up_front(capsys):
+    """It ended after the build and compile with JAX's 'Only interpret mode is supported on CPU backend'."""
+    code, err = _cli([*SMALL_FLAGS, "--cpu-devices", "1", "--steps", "1", "--block-ops", "pallas"], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert (
+        err[0].startswith("error: --block-ops pallas compiles the Pallas kernel for a GPU")
+        and "Traceback" not in err[0]
+    )
+    assert "use --block-ops jnp, or pallas_interpret" in err[0]

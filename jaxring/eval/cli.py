@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 from jaxring.core.stop_signals import exit_code, stop_message, stops_on_signals
 from jaxring.eval import loading, needle, output_files, perplexity, plots
+from jaxring.run.checks import check_block_ops
 from jaxring.run.cli import EXIT_USER_ERROR, parse_command_line
 from jaxring.run.spec import RunSpec
 from jaxring.run.task import model_family
@@ -124,6 +125,7 @@ def _run(args: argparse.Namespace, spec: RunSpec) -> int:
     output_files.check_output_dir(args.out, "--out")  # before scoring, not after it
     plots.check_available()
     devices = use_cpu_devices_if_no_accelerator(spec.cluster.cpu_devices)  # as train.py: --cpu-devices
+    check_block_ops(spec.parallel.block_ops, devices[0].platform)
     spec = spec.resolved(len(devices))
     plan = spec.plan(devices)
     overrides = dict(model_family(args.model).parse_override(item) for item in args.override)
