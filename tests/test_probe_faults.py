@@ -102,3 +102,41 @@ def test_block_ops_pallas_on_cpu_is_refused_up_front(capsys):
         and "Traceback" not in err[0]
     )
     assert "use --block-ops jnp, or pallas_interpret" in err[0]
+
+
+# ---- checkpoints: a full disk ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("long", [False, True], ids=["oserror", "tensorstore-words"])
+def test_a_full_disk_during_a_save_names_the_cause_the_intact_step_and_the_resume(tmp_path, monkeypatch, long):
+    """The line was cut at 240 characters before its cause when the error was tensorstore's (a long path first),
+    and said neither which step was left intact nor how to go on."""
+    import errno
+
+    import jax.numpy as jnp
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler
+
+    from jaxring.train.checkpoint import Checkpointer, CheckpointSaveError
+
+    ck = Checkpointer(tmp_path / "ck")
+    state = {"w": jnp.ones(4)}
+    ck.save(1, state, metadata={})
+    ck.wait()
+
+    async def full(self, item, directory):
+        if long:
+            raise ValueError(
+                f'INTERNAL: Error writing local file "{"x/" * 150}f": [OS error 28: No space left on device]'
+            )
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(json_checkpoint_handler.JsonCheckpointHandler, "_save_fn", full)
+    with pytest.raises(CheckpointSaveError) as failed:
+        ck.save(2, {"w": jnp.zeros(4)}, metadata={})
+        ck.wait()
+    message = str(failed.value)
+    assert message.startswith(f"saving checkpoint step 2 to '{tmp_path / 'ck'}' failed: [Errno 28] No space left on")
+    assert message.endswith("(the disk is full; step 1 in it is intact: free space and continue from it with --resume)")
+    assert "\n" not in message
+    ck.close()
+    assert Checkpointer(tmp_path / "ck").all_steps() == [1]
