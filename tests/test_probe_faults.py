@@ -140,3 +140,53 @@ def test_a_full_disk_during_a_save_names_the_cause_the_intact_step_and_the_resum
     assert "\n" not in message
     ck.close()
     assert Checkpointer(tmp_path / "ck").all_steps() == [1]
+
+
+# ---- read-only output directories (as root no directory is read-only to us: the write is made to fail) ---------
+
+
+def _read_only_under(monkeypatch, root: Path):
+    """Creating a directory or writing a file under `root` fails as on a read-only mount."""
+    import errno
+    import os
+
+    def refuse(path):
+        if str(path).startswith(str(root)):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    real_makedirs, real_mkdir, real_open = os.makedirs, Path.mkdir, os.open
+
+    def makedirs(path, *a, **k):
+        refuse(path)
+        return real_makedirs(path, *a, **k)
+
+    def mkdir(self, *a, **k):
+        refuse(self)
+        return real_mkdir(self, *a, **k)
+
+    def open_(path, *a, **k):
+        refuse(path)
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(os, "makedirs", makedirs)
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    monkeypatch.setattr(os, "open", open_)
+
+
+def test_a_read_only_out_dir_names_the_flag(tmp_path, capsys, monkeypatch):
+    _read_only_under(monkeypatch, tmp_path / "ro")
+    out = tmp_path / "ro" / "run"
+    code, err = _cli([*SMALL_FLAGS, "--cpu-devices", "1", "--steps", "1", "--out-dir", str(out)], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0] == (
+        f"error: --out-dir '{out}' cannot be written (Read-only file system): give --out-dir a writable directory"
+    )
+
+
+def test_prepare_into_a_read_only_directory_names_it(tmp_path, capsys, monkeypatch):
+    (tmp_path / "in.txt").write_text("a document\n")
+    _read_only_under(monkeypatch, tmp_path / "ro")
+    out = tmp_path / "ro" / "store"
+    assert data_main(["prepare", str(tmp_path / "in.txt"), str(out), "--no-progress"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line == f"error: OUT_DIR '{out}' cannot be written (Read-only file system): give a writable one"

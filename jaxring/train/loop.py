@@ -141,6 +141,7 @@ def train(
     handlers alone).
     """
     devices = list(jax.devices() if devices is None else devices)
+    out_dir_given = spec.output.out_dir is not None
     spec = prepare(spec, len(devices))
     if guard is None:
         g = spec.guard
@@ -164,8 +165,7 @@ def train(
                 trainer = Trainer(spec, devices)
             _check_validation_data(trainer)
             if is_main:
-                os.makedirs(spec.output.out_dir, exist_ok=True)
-                spec.save(os.path.join(spec.output.out_dir, RUN_FILE))
+                _write_run_file(spec, out_dir_given)
             if c.resume:
                 _resume(spec, trainer, ckpt, guard, say)
             if trainer.step_count >= spec.training.steps:
@@ -196,6 +196,22 @@ def train(
         say(f"sampling from the trained model ({spec.output.sample_tokens} tokens/images)...")
         trainer.task.finish(trainer.model(), say, spec.output.out_dir)
     return history
+
+
+def _write_run_file(spec: RunSpec, out_dir_given: bool) -> None:
+    """OUT_DIR/run.yaml; an OSError (a read-only filesystem, a full disk) names the flag that chose OUT_DIR."""
+    out = spec.output.out_dir
+    try:
+        os.makedirs(out, exist_ok=True)
+        spec.save(os.path.join(out, RUN_FILE))
+    except OSError as e:
+        if out_dir_given:
+            role = f"--out-dir {out!r}"
+        elif spec.checkpoint.checkpoint_dir:
+            role = f"the run's output directory {out!r} (--checkpoint-dir's, as no --out-dir is given)"
+        else:
+            role = f"the run's output directory {out!r} (none given: {RUNS_DIR}/DATE-TIME)"
+        raise OSError(f"{role} cannot be written ({e.strerror or e}): give --out-dir a writable directory") from None
 
 
 def _check_validation_data(trainer: Trainer) -> None:
