@@ -29,7 +29,19 @@ launch, no flags are needed (jax.distributed finds them; see examples/slurm.sh).
 from __future__ import annotations
 
 import os
+import signal
 import sys
+
+if __name__ == "__main__":  # a stop signal while jax imports ends the command at once, in one line (see below)
+
+    def _exit_at_once(signum: int, frame: object) -> None:
+        os.write(
+            2, ("interrupted\n" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}\n").encode()
+        )
+        os._exit(128 + signum)
+
+    for _s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(_s, _exit_at_once)
 
 from jaxring.aot.compile_for import check_target, compile_for
 from jaxring.aot.margin import apply_auto_plan_at_the_margin

@@ -190,3 +190,37 @@ def test_prepare_into_a_read_only_directory_names_it(tmp_path, capsys, monkeypat
     assert data_main(["prepare", str(tmp_path / "in.txt"), str(out), "--no-progress"]) == 2
     line = _one_line(capsys.readouterr().err)
     assert line == f"error: OUT_DIR '{out}' cannot be written (Read-only file system): give a writable one"
+
+
+# ---- Ctrl-C while a command starts ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [str(ROOT / "train.py"), "--steps", "1"],
+        ["-m", "jaxring.planner", "--preset", "7b", "--seq-len", "4096", "--devices", "8", "--device", "h100"],
+        ["-m", "jaxring.data", "prepare", "IN", "OUT"],
+        ["-m", "jaxring.eval", "needle", "CKPT", "--lengths", "64"],
+        ["-m", "jaxring.models.hf", "export", "CKPT", "OUT"],
+    ],
+    ids=["train.py", "planner", "data", "eval", "hf"],
+)
+def test_ctrl_c_while_jax_imports_stops_the_command_in_one_line(tmp_path, args):
+    """A KeyboardInterrupt raised while jax imports could land in jax's gc callback, which swallowed it
+    ("Exception ignored in: <function _xla_gc_callback>") and the command ran to completion."""
+    import signal
+    import time
+
+    args = [str(tmp_path / a) if a in ("IN", "OUT", "CKPT") else a for a in args]
+    child = subprocess.Popen(
+        [sys.executable, *args], env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    time.sleep(0.5)  # (importing jax takes seconds)
+    child.send_signal(signal.SIGINT)
+    try:
+        _, err = child.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        raise
+    assert child.returncode == 130 and err == "interrupted\n", err[-2000:]
