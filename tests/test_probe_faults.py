@@ -224,3 +224,21 @@ def test_ctrl_c_while_jax_imports_stops_the_command_in_one_line(tmp_path, args):
         child.kill()
         raise
     assert child.returncode == 130 and err == "interrupted\n", err[-2000:]
+
+
+# ---- contradictions ----------------------------------------------------------------------------------------
+
+
+def test_a_warmup_longer_than_the_run_is_named_before_the_first_step():
+    """--warmup 5 --steps 2 was accepted without a word: the learning rate never reached --lr."""
+    from test_faults import _run
+
+    history, lines = _run(steps=2, warmup=5, eval_every=4)
+    first_step = next(i for i, line in enumerate(lines) if str(line).startswith("step 1:"))
+    warnings = [str(line) for line in lines[:first_step] if str(line).startswith("warning: ")]
+    assert warnings == [
+        "warning: --warmup 5 is longer than the whole run (--steps 2): the learning rate rises for every step and "
+        "never reaches --lr 0.003 (lower --warmup)",
+        "warning: --eval-every 4 is beyond --steps 2: no held-out loss is logged during the run",
+    ]
+    assert len(history) == 2

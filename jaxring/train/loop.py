@@ -175,6 +175,8 @@ def train(
                 )
                 return []
             _describe(spec, trainer, say, estimate)
+            for line in contradictions(spec):
+                say(f"warning: {line}")
             history = _run(spec, trainer, ckpt, guard, stop, say, is_main)
             if stop.requested():
                 _stop_on_signal(stop, trainer, ckpt, guard, say)
@@ -196,6 +198,20 @@ def train(
         say(f"sampling from the trained model ({spec.output.sample_tokens} tokens/images)...")
         trainer.task.finish(trainer.model(), say, spec.output.out_dir)
     return history
+
+
+def contradictions(spec: RunSpec) -> list[str]:
+    """Settings that each pass their rule but contradict the run's length, one line each (said before step 1)."""
+    steps, lines = spec.training.steps, []
+    warmup, every = spec.optimizer.warmup, spec.output.eval_every
+    if warmup > steps:
+        lines.append(
+            f"--warmup {warmup} is longer than the whole run (--steps {steps}): the learning rate rises for every "
+            f"step and never reaches --lr {spec.optimizer.lr:g} (lower --warmup)"
+        )
+    if every and every > steps:
+        lines.append(f"--eval-every {every} is beyond --steps {steps}: no held-out loss is logged during the run")
+    return lines
 
 
 def _write_run_file(spec: RunSpec, out_dir_given: bool) -> None:
