@@ -242,3 +242,57 @@ def test_a_warmup_longer_than_the_run_is_named_before_the_first_step():
         "warning: --eval-every 4 is beyond --steps 2: no held-out loss is logged during the run",
     ]
     assert len(history) == 2
+
+
+# ---- item 2: what fails after the last step never loses the trained state -------------------------------------
+
+
+def _fail_after_training(monkeypatch, stage):
+    """The stage of the run's end that fails: the export, the held-out loss or the sample."""
+    from jaxring.models.gpt_train import GPTTask
+    from jaxring.train.trainer import Trainer
+
+    def boom(*args, **kwargs):
+        raise RuntimeError(f"injected failure in the {stage}")
+
+    target = {"export": (GPTTask, "export"), "eval": (Trainer, "val_loss"), "sample": (GPTTask, "finish")}[stage]
+    monkeypatch.setattr(*target, boom)
+
+
+@pytest.mark.parametrize("stage", ["export", "eval", "sample"])
+@pytest.mark.parametrize("checkpoint_dir", [False, True], ids=["no-checkpoint-dir", "checkpoint-dir"])
+def test_a_failure_after_the_last_step_keeps_the_trained_state(tmp_path, monkeypatch, stage, checkpoint_dir):
+    import jax
+    import numpy as np
+
+    from jaxring.train import loop
+    from jaxring.train.checkpoint import Checkpointer
+
+    trainers = []
+
+    class Recorded(loop.Trainer):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            trainers.append(self)
+
+    monkeypatch.setattr(loop, "Trainer", Recorded)
+    _fail_after_training(monkeypatch, stage)
+    from test_faults import BASE
+
+    changes = {"steps": 2, "out_dir": str(tmp_path / "run"), "sample_tokens": 4, "eval_at_end": True}
+    if checkpoint_dir:
+        changes["checkpoint_dir"] = str(tmp_path / "ck")
+    spec = BASE.updated(**changes)
+    with pytest.raises(loop.AfterTraining) as failed:
+        loop.train(spec, devices=jax.devices()[:1], log=lambda *a: None, signals=())
+    where = tmp_path / "ck" if checkpoint_dir else tmp_path / "run" / loop.FINAL_STATE_DIR
+    message = str(failed.value)
+    assert message.startswith(f"injected failure in the {stage}; the trained state (step 2) is saved in '{where}'")
+    assert f"--checkpoint-dir {where} --resume" in message and f"jaxring.models.hf export {where} DIR" in message
+    assert "\n" not in message
+    trained = trainers[0].state()["params"]
+    restored = Recorded(spec.updated(checkpoint_dir=str(where)), jax.devices()[:1])
+    restored.restore(Checkpointer(where))
+    assert restored.step_count == 2
+    for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(restored.state()["params"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
