@@ -296,3 +296,26 @@ def test_a_failure_after_the_last_step_keeps_the_trained_state(tmp_path, monkeyp
     assert restored.step_count == 2
     for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(restored.state()["params"]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ---- item 3: an evaluation's context that cannot fit stops before compiling ------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command, flag",
+    [(["needle", "--lengths", "100000000"], "--lengths"), (["perplexity", "--seq-len", "100000000"], "--seq-len")],
+)
+def test_an_eval_context_that_cannot_fit_is_refused_naming_the_one_that_fits(tmp_path, capsys, command, flag):
+    """It compiled (for minutes) and then ran out of memory; now the planner's estimate of the forward pass."""
+    import re
+
+    from jaxring.eval.cli import main as eval_main
+
+    argv = [command[0], str(ROOT / "tests" / "fixtures" / "hf" / "llama"), *command[1:], "--out", str(tmp_path)]
+    assert eval_main([*argv, "--no-progress", "--host-memory-gib", "16"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith(f"error: {flag} 100000000: a forward pass of ")
+    assert "GiB per device, above the 2.0 GiB of host memory each of 8 simulated CPU devices has" in line
+    longest = int(re.search(r"the longest that fits is about ([\d,]+) tokens", line)[1].replace(",", ""))
+    assert 0 < longest < 100_000_000 and longest % 16 == 0
+    assert not list(tmp_path.iterdir())  # nothing written
