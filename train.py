@@ -29,7 +29,19 @@ launch, no flags are needed (jax.distributed finds them; see examples/slurm.sh).
 from __future__ import annotations
 
 import os
+import signal
 import sys
+
+if __name__ == "__main__":  # a stop signal while jax imports ends the command at once, in one line (see below)
+
+    def _exit_at_once(signum: int, frame: object) -> None:
+        os.write(
+            2, ("interrupted\n" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}\n").encode()
+        )
+        os._exit(128 + signum)
+
+    for _s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(_s, _exit_at_once)
 
 from jaxring.aot.compile_for import check_target, compile_for
 from jaxring.aot.margin import apply_auto_plan_at_the_margin
@@ -37,6 +49,7 @@ from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 from jaxring.core.stop_signals import exit_code
 from jaxring.planner.auto import apply_auto_plan
 from jaxring.planner.search import NoPlanError
+from jaxring.run.checks import check_block_ops
 from jaxring.run.cli import EXIT_USER_ERROR, parse_command_line
 from jaxring.train.guard import Diverged
 from jaxring.train.loop import prepare, train
@@ -87,6 +100,7 @@ def run(spec, *, print_config: bool = False) -> int:
     spec.validate()  # every setting's rule, before any process or device starts
     start_processes(spec.cluster, shared_settings(spec))  # checks that every process has the same settings
     devices = use_cpu_devices_if_no_accelerator(spec.cluster.cpu_devices)
+    check_block_ops(spec.parallel.block_ops, devices[0].platform)
     if spec.parallel.plan == "auto":
         log = (lambda *a: None) if print_config else print
         try:

@@ -1,5 +1,12 @@
 """jaxring: sequence- and tensor-parallel Transformer training in JAX, built from shard_map rings."""
 
+import sys
+
+if sys.argv[:1] == ["-m"]:  # `python -m jaxring.<command>` is starting: a stop signal ends it at once, also while
+    from jaxring.core.stop_signals import exit_on_stop_signals  # jax imports (stdlib only; see the module)
+
+    exit_on_stop_signals()
+
 from jaxring import analysis
 from jaxring.core.mesh import MESH_AXES, factored_mesh, make_mesh
 from jaxring.kernels import (

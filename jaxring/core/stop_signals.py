@@ -20,11 +20,20 @@ the signal ends a command between its batches; training's `GracefulStop` adds a 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
 
-__all__ = ["SIGNALS", "Interrupted", "StopSignals", "exit_code", "stop_message", "stops_on_signals"]
+__all__ = [
+    "SIGNALS",
+    "Interrupted",
+    "StopSignals",
+    "exit_code",
+    "exit_on_stop_signals",
+    "stop_message",
+    "stops_on_signals",
+]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -51,6 +60,23 @@ def stop_message(e: KeyboardInterrupt, what: str = "") -> str:
     signum = getattr(e, "signum", signal.SIGINT)
     head = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
     return head + what
+
+
+def _exit_at_once(signum: int, frame: object) -> None:
+    """One line, then exit 128 + N: nothing to clean up. Raising KeyboardInterrupt instead could land in one of
+    jax's gc callbacks, which swallows it ("Exception ignored in: <function _xla_gc_callback>") and runs on."""
+    os.write(2, (stop_message(Interrupted(signum)) + "\n").encode())
+    os._exit(128 + signum)
+
+
+def exit_on_stop_signals() -> None:
+    """A command's first handlers, installed before jax imports (jaxring/__init__ for `python -m jaxring.*`,
+    train.py itself): SIGINT, SIGTERM or SIGHUP end the process at once, in one line. The command's own
+    handlers (`StopSignals`, `stops_on_signals`, training's stop) replace them where there is work to finish
+    and put them back after."""
+    if threading.current_thread() is threading.main_thread():
+        for s in SIGNALS:
+            signal.signal(s, _exit_at_once)
 
 
 def _raise(signum: int, frame: object) -> None:

@@ -11,12 +11,13 @@ ends the preparation or the wait within a second (`jaxring.core.stop_signals.Int
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 from jaxring.core.stop_signals import StopSignals
-from jaxring.data.inputs import input_files
+from jaxring.data.inputs import describe_skipped, input_files, skipped_files
 from jaxring.data.prepare import check_out_dir, fingerprint, locked, write_store
 from jaxring.data.store import DocumentStore, bundled_store, is_store
 from jaxring.data.tokenizer import BYTES, Tokenizer, load_tokenizer
@@ -73,12 +74,14 @@ def open_store(
                 return store
             if log is not None:
                 log(f"preparing {path} into {cache} (tokenizer {tok.describe()}; once, until the input changes)")
+                if skipped_files(path):
+                    log(f"{path}: {describe_skipped(path)}")
             check_out_dir(cache, tok)
             write_store(cache, tok, path, files, field, workers, False, stop, created)
     except BaseException as e:
         with contextlib.suppress(OSError):
             cache.parent.rmdir()  # PATH.jaxring-cache/ when this run made it and left nothing in it
-        if not isinstance(e, PermissionError):
+        if not (isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)):
             raise
         raise ValueError(
             f"--data {path!r}: cannot write its cache {str(cache)!r} ({e.strerror}); prepare it elsewhere with "

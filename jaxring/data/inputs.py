@@ -22,10 +22,32 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["INPUT_SUFFIXES", "check_regular_file", "input_files", "read_documents"]
+from jaxring.data.store import META, OFFSETS, TOKENS
+
+__all__ = [
+    "INPUT_SUFFIXES",
+    "MissingField",
+    "check_regular_file",
+    "describe_skipped",
+    "input_files",
+    "read_documents",
+    "skipped_files",
+]
 
 TEXT_SUFFIXES = (".txt", ".py", ".md")
 INPUT_SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet")
+
+
+class MissingField(ValueError):
+    """A record without the text field; the message ends naming the flag that sets it (`with_flag`): --field
+    (python -m jaxring.data prepare) unless the command's own is another (train.py's --text-field)."""
+
+    def __init__(self, head: str, flag: str = "--field"):
+        super().__init__(f"{head} {flag}")
+        self.head = head
+
+    def with_flag(self, flag: str) -> MissingField:
+        return MissingField(self.head, flag)
 
 
 def _kind(mode: int) -> str:
@@ -64,12 +86,45 @@ def input_files(path: str | os.PathLike) -> list[Path]:
             raise ValueError(f"input {str(path)!r} is a token file (.bin), not text: train.py --data reads it as is")
         check_regular_file(p)
         return [p]
+    parts = [name for name in (TOKENS, OFFSETS) if (p / name).is_file()]
+    if parts and not (p / META).is_file():  # a store's files without the meta.json written last
+        raise ValueError(
+            f"directory {str(path)!r} is a damaged store: it holds {' and '.join(parts)} but no {META}; prepare it "
+            f"again (python -m jaxring.data prepare INPUT {path})"
+        )
     files = sorted(q for q in p.rglob("*") if q.suffix.lower() in INPUT_SUFFIXES and not q.is_dir())
     for q in files:
         check_regular_file(q)
     if not files:
-        raise FileNotFoundError(f"directory {str(path)!r} holds no {'/'.join(INPUT_SUFFIXES)} files")
+        raise FileNotFoundError(f"directory {str(path)!r} holds no {'/'.join(INPUT_SUFFIXES)} files{_skipped(p)}")
     return files
+
+
+def skipped_files(path: str | os.PathLike) -> list[Path]:
+    """The files of directory `path` that `input_files` leaves out (not .txt/.py/.md/.jsonl/.parquet), sorted."""
+    p = Path(path)
+    if not p.is_dir():
+        return []
+    return sorted(
+        q for q in p.rglob("*") if q.is_file() and q.suffix.lower() not in INPUT_SUFFIXES and not q.name.startswith(".")
+    )
+
+
+def _skipped(path: Path) -> str:
+    """' (it holds ...)' naming the files left out and why, or ''."""
+    skipped = skipped_files(path)
+    return f"; {describe_skipped(path, skipped)}" if skipped else ""
+
+
+def describe_skipped(path: str | os.PathLike, skipped: list[Path] | None = None) -> str:
+    """'N files that are no input, skipped: a.bin, b.dat (...)' for directory `path`'s left-out files."""
+    p = Path(path)
+    skipped = skipped_files(p) if skipped is None else skipped
+    names = ", ".join(str(q.relative_to(p)) for q in skipped[:3]) + (", ..." if len(skipped) > 3 else "")
+    why = f"only {'/'.join(INPUT_SUFFIXES)} files are read as documents"
+    if any(q.suffix == ".bin" for q in skipped):
+        why += "; a .bin is token ids: train.py --data FILE.bin reads one as it is"
+    return f"{len(skipped)} file{'s' if len(skipped) != 1 else ''} skipped ({names}): {why}"
 
 
 def _utf8(data: bytes, where: str) -> str:
@@ -109,7 +164,7 @@ def _read_jsonl(f: Path, field: str, alone: bool, counts: dict) -> Iterator[tupl
                 raise ValueError(f"{where} is a JSON {type(record).__name__}, not an object with a {field!r} field")
             if field not in record:
                 keys = ", ".join(map(repr, list(record)[:6])) or "none"
-                raise ValueError(f"{where} has no {field!r} field (its keys: {keys}); name the text field with --field")
+                raise MissingField(f"{where} has no {field!r} field (its keys: {keys}); name the text field with")
             text = record[field]
             if not isinstance(text, str):
                 raise ValueError(f"{where}: field {field!r} is a {type(text).__name__}, not a string")
@@ -131,7 +186,7 @@ def _read_parquet(f: Path, field: str, counts: dict) -> Iterator[tuple[str, int]
         raise ValueError(f"{str(f)!r} is not a readable parquet file ({' '.join(str(e).split())})") from None
     names = table.schema_arrow.names
     if field not in names:
-        raise ValueError(f"{str(f)!r} has no column {field!r} (its columns: {', '.join(names)}); name it with --field")
+        raise MissingField(f"{str(f)!r} has no column {field!r} (its columns: {', '.join(names)}); name it with")
     kind = table.schema_arrow.field(field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise ValueError(f"{str(f)!r}: column {field!r} holds {kind}, not strings")

@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from jaxring.core.stop_signals import StopSignals
 from jaxring.data.checksums import VERIFIED, file_checksum
-from jaxring.data.inputs import input_files, read_documents
+from jaxring.data.inputs import describe_skipped, input_files, read_documents, skipped_files
 from jaxring.data.store import META, OFFSETS, TOKENIZER, TOKENS, DocumentStore, is_store, store_meta, token_dtype
 from jaxring.data.tokenizer import BYTES, Tokenizer, load_tokenizer
 
@@ -243,10 +243,21 @@ def prepare(
         raise ValueError(f"--workers {workers!r} must be a positive integer")
     out = Path(out_dir)
     files = input_files(input)  # checks the input before anything is written
+    if log is not None and skipped_files(input):
+        log(f"{input}: {describe_skipped(input)}")
     check_out_dir(out, tok)
-    with StopSignals() as stop, locked(out, stop, log) as created:
-        check_out_dir(out, tok)  # again: another process may have written it meanwhile
-        write_store(out, tok, input, files, field, workers, progress, stop, created)
+    try:
+        with StopSignals() as stop, locked(out, stop, log) as created:
+            check_out_dir(out, tok)  # again: another process may have written it meanwhile
+            write_store(out, tok, input, files, field, workers, progress, stop, created)
+    except StoreWriteError:
+        raise
+    except OSError as e:  # OUT_DIR or its lock cannot be created (a read-only filesystem)
+        if not str(e.filename or "").startswith(str(out)):
+            raise
+        raise StoreWriteError(
+            e.errno or errno.EIO, f"OUT_DIR {str(out)!r} cannot be written ({e.strerror or e}): give a writable one"
+        ) from None
     return DocumentStore.open(out)
 
 

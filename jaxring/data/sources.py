@@ -265,10 +265,34 @@ def _bin_vocab(path: Path, tokens: np.ndarray, stated: int | None, chunk: int = 
     return vocab
 
 
+TEXT_SAMPLE_BYTES = 1 << 16  # a .bin's first bytes read to tell text from token ids
+
+
+def _looks_like_text(data: bytes) -> bool:
+    """UTF-8 text without control bytes (but tab, newline, carriage return). uint16 GPT-2 ids hold a NUL or
+    another control byte within a few tokens (every id below 256 and most high bytes are one), so a token
+    file's first 64 KiB are never text; ASCII text read as uint16 stays below 32,383, inside GPT-2's vocabulary,
+    which the vocabulary check therefore admits."""
+    if not data or any(b < 0x20 and b not in (9, 10, 13) for b in data) or b"\x7f" in data:
+        return False
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.start >= len(data) - 3  # only a character cut at the sample's end
+    return True
+
+
 def _check_bin(path: Path) -> None:
     size = path.stat().st_size
     if size == 0:
         raise ValueError(f"token file {str(path)!r} is empty (0 bytes): no tokens to train on")
+    with open(path, "rb") as f:
+        head = f.read(TEXT_SAMPLE_BYTES)
+    if _looks_like_text(head):
+        raise ValueError(
+            f"token file {str(path)!r} holds text, not uint16 token ids (its first {len(head):,} bytes are UTF-8 "
+            f"text): a .bin is read as token ids; give the text a .txt name to train on it (tokenized on first use)"
+        )
     if size % 2:
         raise ValueError(f"{str(path)!r} has {size} bytes, not a whole number of uint16 tokens")
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxring.data.cache import open_store
+from jaxring.data.inputs import MissingField
 from jaxring.data.loader import PackedBatches, WindowBatches, split_documents
 from jaxring.data.sources import TokenBatches, TokenSource, load_tokens
 from jaxring.data.store import DocumentStore
@@ -113,10 +114,13 @@ def open_token_data(
             load_tokens(settings.data, split="train", vocab_size=bin_vocab_size),
             load_tokens(settings.data, split="val", vocab_size=bin_vocab_size),
         )
-    train = open_store(settings.data, settings.tokenizer, settings.text_field, log=log)
-    val = train
-    if settings.val_data is not None:
-        if is_token_file(settings.val_data):
-            raise ValueError(f"--val-data {settings.val_data!r} is a token file (.bin); give documents")
-        val = open_store(settings.val_data, _tokenizer_spec(train), settings.text_field, log=log)
+    try:
+        train = open_store(settings.data, settings.tokenizer, settings.text_field, log=log)
+        val = train
+        if settings.val_data is not None:
+            if is_token_file(settings.val_data):
+                raise ValueError(f"--val-data {settings.val_data!r} is a token file (.bin); give documents")
+            val = open_store(settings.val_data, _tokenizer_spec(train), settings.text_field, log=log)
+    except MissingField as e:  # the run's flag, not prepare's --field
+        raise e.with_flag("--text-field") from None
     return TokenData(train, val, settings.packing, settings.val_fraction)

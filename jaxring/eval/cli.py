@@ -26,6 +26,8 @@ from tqdm.auto import tqdm
 from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 from jaxring.core.stop_signals import exit_code, stop_message, stops_on_signals
 from jaxring.eval import loading, needle, output_files, perplexity, plots
+from jaxring.eval.fits import check_context_fits
+from jaxring.run.checks import check_block_ops
 from jaxring.run.cli import EXIT_USER_ERROR, parse_command_line
 from jaxring.run.spec import RunSpec
 from jaxring.run.task import model_family
@@ -124,12 +126,19 @@ def _run(args: argparse.Namespace, spec: RunSpec) -> int:
     output_files.check_output_dir(args.out, "--out")  # before scoring, not after it
     plots.check_available()
     devices = use_cpu_devices_if_no_accelerator(spec.cluster.cpu_devices)  # as train.py: --cpu-devices
+    check_block_ops(spec.parallel.block_ops, devices[0].platform)
     spec = spec.resolved(len(devices))
     plan = spec.plan(devices)
     overrides = dict(model_family(args.model).parse_override(item) for item in args.override)
     loaded = loading.load_model(
         args.checkpoint, plan, family=args.model, overrides=overrides, tokenizer=args.tokenizer, step=args.step
     )
+    if args.command == "perplexity":  # before compiling: the planner's estimate of the forward pass
+        check_context_fits(spec, devices, loaded, seq_len=args.seq_len, batch=args.batch_size, flag="--seq-len")
+    else:
+        batch = args.batch_size or len(args.depths) * args.samples
+        for length in sorted(args.lengths, reverse=True):
+            check_context_fits(spec, devices, loaded, seq_len=length, batch=batch, flag="--lengths")
     if args.command == "perplexity":
         bar = lambda rows: tqdm(rows, total=args.batches, desc="perplexity", unit="batch", disable=not args.progress)
         result = perplexity.evaluate(

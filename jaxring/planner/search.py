@@ -600,8 +600,31 @@ def _tightest(
             f"{biggest} {parts[biggest] / 2**30:.1f} GiB), above the {cluster.usable_memory / 2**30:.1f} GiB usable "
             f"(more devices, a shorter sequence or a smaller batch)"
         )
+    refusal = f"no valid plan for {where}: every one of the {considered} candidates breaks a rule"
+    seq = _sequence_divisibility(w, rejected)
+    if seq is not None:  # the workload's own rule: the plans that split the sequence all break it
+        return f"{refusal}; the one that binds: {seq}"
     top = max(rejected.values(), key=lambda r: r.count)
+    return f"{refusal}; the most common: {top.detail}"
+
+
+def _sequence_divisibility(w: Workload, rejected: dict[str, Rejection]) -> str | None:
+    """When plans were refused for the sequence length's divisibility: that rule, and the lengths nearest the
+    given one that the largest split takes. The most common refusal (micro-batches of a pipeline, a vocabulary
+    split) is then only a consequence: without a split sequence, the model fits nowhere."""
+    seq_len = getattr(w, "seq_len", None)
+    if not seq_len:
+        return None
+    rules = [r.detail for r in rejected.values() if r.detail.startswith(f"seq {seq_len} is not divisible by")]
+    if not rules:
+        return None
+    divisors = [int(m) for rule in rules for m in re.findall(r"= (\d+)", rule)]
+    if not divisors:
+        return None
+    d = max(divisors)
+    below, above = seq_len // d * d, (seq_len // d + 1) * d
+    nearest = f"--seq-len {below:,} or {above:,}" if below else f"--seq-len {above:,}"
+    named = "; ".join(sorted(set(rules), key=rules.index)[:2])
     return (
-        f"no valid plan for {where}: every one of the {considered} candidates breaks a rule; the most common: "
-        f"{top.detail}"
+        f"the sequence length {seq_len:,} does not divide over the devices ({named}): e.g. {nearest} (multiples of {d})"
     )

@@ -29,6 +29,7 @@ __all__ = [
     "WEIGHTS_OFFLOAD_RULES",
     "batch_parts",
     "check_batch_split",
+    "check_block_ops",
     "check_degrees",
     "check_spec",
 ]
@@ -53,6 +54,16 @@ OFFLOAD_WITH_PP = (
 
 
 # ------------------------------------------------------------------------------------------ the whole spec
+
+
+def check_block_ops(block_ops: str, platform: str) -> None:
+    """--block-ops pallas compiles the Pallas kernel for a GPU: on CPU devices it would fail only when the step
+    compiles (JAX's "Only interpret mode is supported on CPU backend"), so it is refused before anything is built."""
+    if block_ops == "pallas" and platform == "cpu":
+        raise ValueError(
+            "--block-ops pallas compiles the Pallas kernel for a GPU, and this run's devices are CPUs: on a CPU use "
+            "--block-ops jnp, or pallas_interpret (the same kernel, interpreted: slow)"
+        )
 
 
 def check_spec(spec: RunSpec) -> None:

@@ -230,6 +230,14 @@ def _root_cause(e: BaseException) -> BaseException:
     return e
 
 
+def _disk_full(e: BaseException) -> bool:
+    """ENOSPC, as an OSError or in the words of tensorstore's error (a ValueError naming the file first)."""
+    if isinstance(e, OSError):
+        return e.errno == errno.ENOSPC
+    text = str(e)
+    return "No space left on device" in text or "OS error 28" in text or "errno 28" in text.lower()
+
+
 def _one_line(e: BaseException, limit: int = 240) -> str:
     """An exception as one short line: its root cause's message (orbax wraps tensorstore's precise one, e.g.
     "OUT_OF_RANGE: ... byte range [0, 15253) is not valid for value of size 1000", in a vaguer one)."""
@@ -412,13 +420,23 @@ class Checkpointer:
         """Records a failed save in one line (its temporary directory is removed on close, once orbax's
         threads are done with it)."""
         reason, root = _one_line(e), _root_cause(e)
-        if isinstance(root, OSError) and root.errno == errno.ENOSPC:
-            reason += " (the disk is full: free space, or point --checkpoint-dir elsewhere)"
+        if _disk_full(root):
+            if not isinstance(root, OSError):  # tensorstore's own words, long: the cause stated whole
+                reason = f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}"
+            reason += f" (the disk is full; {self._intact_before(step)})"
         elif isinstance(root, OSError) and root.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             reason += " (the directory does not take writes)"
         self._failed_step = step
         self._saving = None
         self._failed = f"saving checkpoint step {step} to {str(self.directory)!r} failed: {reason}"
+
+    def _intact_before(self, step: int) -> str:
+        """Which step a failed save of `step` leaves intact, and how to go on from it."""
+        with contextlib.suppress(Exception):
+            earlier = [s for s in self.all_steps() if s < step]
+            if earlier:
+                return f"step {earlier[-1]} in it is intact: free space and continue from it with --resume"
+        return "no earlier step was saved: free space, or point --checkpoint-dir elsewhere, and run again"
 
     def _remove_temporary(self, step: int) -> None:
         if not is_primary() or not self.directory.is_dir():

@@ -42,6 +42,7 @@ from typing import Any
 
 import jax
 
+from jaxring.core.stop_signals import Interrupted, stop_message, stops_on_signals
 from jaxring.planner.fit import check_fits
 from jaxring.run.spec import RunSpec
 from jaxring.train.checkpoint import Checkpointer, NonFiniteStateError
@@ -141,6 +142,8 @@ def train(
     handlers alone).
     """
     devices = list(jax.devices() if devices is None else devices)
+    signals = tuple(signals)
+    out_dir_given = spec.output.out_dir is not None
     spec = prepare(spec, len(devices))
     if guard is None:
         g = spec.guard
@@ -164,8 +167,7 @@ def train(
                 trainer = Trainer(spec, devices)
             _check_validation_data(trainer)
             if is_main:
-                os.makedirs(spec.output.out_dir, exist_ok=True)
-                spec.save(os.path.join(spec.output.out_dir, RUN_FILE))
+                _write_run_file(spec, out_dir_given)
             if c.resume:
                 _resume(spec, trainer, ckpt, guard, say)
             if trainer.step_count >= spec.training.steps:
@@ -175,6 +177,8 @@ def train(
                 )
                 return []
             _describe(spec, trainer, say, estimate)
+            for line in contradictions(spec):
+                say(f"warning: {line}")
             history = _run(spec, trainer, ckpt, guard, stop, say, is_main)
             if stop.requested():
                 _stop_on_signal(stop, trainer, ckpt, guard, say)
@@ -183,19 +187,107 @@ def train(
         finally:
             if ckpt is not None:
                 ckpt.close()  # waits for pending saves, also when stopping on an error
-    # a task's own export of the trained model (gpt: --export-hf), before the held-out loss and the sample (which
-    # can fail: out of memory) so that the trained model is written first
+    try:
+        with stops_on_signals() if signals else contextlib.nullcontext():  # a stop raises: the state is kept first
+            _after_training(spec, trainer, history, say, is_main, len(devices))
+    except (Exception, KeyboardInterrupt) as e:
+        if not history:
+            raise
+        kept = _keep_trained_state(spec, trainer, ckpt, guard, say, str(e))
+        if isinstance(e, KeyboardInterrupt):
+            raise Interrupted(
+                getattr(e, "signum", signal.SIGINT), f"{stop_message(e)} after training; {kept}"
+            ) from None
+        raise AfterTraining(f"{_first_line(e, limit=400)}; {kept}" if kept else _first_line(e, limit=400)) from None
+    return history
+
+
+class AfterTraining(OSError):
+    """What runs after the last step (export, held-out loss, sample) failed; the trained state was kept first and
+    the one-line message says where and how to go on from it."""
+
+
+def _after_training(
+    spec: RunSpec, trainer: Trainer, history: list, say: Callable[..., object], is_main: bool, devices: int
+) -> None:
+    """The task's export (gpt: --export-hf), the held-out loss, the sample. The export goes first, so that the
+    trained model is written before what can fail (out of memory)."""
     export = getattr(trainer.task, "export", None)
     if is_main and history and export is not None:
         export(trainer.model(), say)
     if history and spec.output.eval_at_end:
         say("evaluating the held-out loss...")
-        with _reporting_out_of_memory(spec, "evaluating the held-out loss", len(devices)):
+        with _reporting_out_of_memory(spec, "evaluating the held-out loss", devices):
             say(f"final loss {history[-1]['loss']:.4f}; held-out loss {trainer.val_loss():.4f}")
     if is_main and spec.output.sample_tokens:
         say(f"sampling from the trained model ({spec.output.sample_tokens} tokens/images)...")
         trainer.task.finish(trainer.model(), say, spec.output.out_dir)
-    return history
+
+
+FINAL_STATE_DIR = "final-checkpoint"  # OUT_DIR/final-checkpoint: the trained state of a run with no --checkpoint-dir
+
+
+def _keep_trained_state(
+    spec: RunSpec,
+    trainer: Trainer,
+    ckpt: Checkpointer | None,
+    guard: DivergenceGuard,
+    say: Callable[..., object],
+    failure: str,
+) -> str:
+    """After a failure past the last step: the trained state saved (the final checkpoint with --checkpoint-dir,
+    else OUT_DIR/final-checkpoint) and a clause naming where it is and the commands that continue or export it
+    ("" when the failure's own message says so already)."""
+    if ckpt is not None:
+        where = str(ckpt.directory)
+        if where in failure or spec.checkpoint.checkpoint_dir in failure:
+            return ""
+    else:
+        where = os.path.join(os.path.abspath(spec.output.out_dir), FINAL_STATE_DIR)
+        try:
+            final = Checkpointer(where, lock=True, report=say)
+            try:
+                _save(final, trainer, guard)
+            finally:
+                final.close()
+        except (Exception, KeyboardInterrupt) as e:
+            return f"saving the trained state to {where!r} failed too ({_first_line(e)}): it is lost"
+    run_file = os.path.join(spec.output.out_dir, RUN_FILE)
+    return (
+        f"the trained state (step {trainer.step_count}) is saved in {where!r}: continue it with python train.py "
+        f"--config {run_file} --checkpoint-dir {where} --resume --steps N, or export it with "
+        f"python -m jaxring.models.hf export {where} DIR"
+    )
+
+
+def contradictions(spec: RunSpec) -> list[str]:
+    """Settings that each pass their rule but contradict the run's length, one line each (said before step 1)."""
+    steps, lines = spec.training.steps, []
+    warmup, every = spec.optimizer.warmup, spec.output.eval_every
+    if warmup > steps:
+        lines.append(
+            f"--warmup {warmup} is longer than the whole run (--steps {steps}): the learning rate rises for every "
+            f"step and never reaches --lr {spec.optimizer.lr:g} (lower --warmup)"
+        )
+    if every and every > steps:
+        lines.append(f"--eval-every {every} is beyond --steps {steps}: no held-out loss is logged during the run")
+    return lines
+
+
+def _write_run_file(spec: RunSpec, out_dir_given: bool) -> None:
+    """OUT_DIR/run.yaml; an OSError (a read-only filesystem, a full disk) names the flag that chose OUT_DIR."""
+    out = spec.output.out_dir
+    try:
+        os.makedirs(out, exist_ok=True)
+        spec.save(os.path.join(out, RUN_FILE))
+    except OSError as e:
+        if out_dir_given:
+            role = f"--out-dir {out!r}"
+        elif spec.checkpoint.checkpoint_dir:
+            role = f"the run's output directory {out!r} (--checkpoint-dir's, as no --out-dir is given)"
+        else:
+            role = f"the run's output directory {out!r} (none given: {RUNS_DIR}/DATE-TIME)"
+        raise OSError(f"{role} cannot be written ({e.strerror or e}): give --out-dir a writable directory") from None
 
 
 def _check_validation_data(trainer: Trainer) -> None:
