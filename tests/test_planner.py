@@ -11,6 +11,7 @@ Table 1). Impossible requests: one line naming the tightest constraint.
 import dataclasses
 import json
 import math
+from types import SimpleNamespace
 
 import jax
 import pytest
@@ -21,6 +22,7 @@ from jaxring.models import dit, gpt
 from jaxring.planner import Cluster, NoPlanError, Workload, search
 from jaxring.planner import cost_model as cost
 from jaxring.planner.__main__ import main as planner_main
+from jaxring.planner.auto import device_kind
 from jaxring.planner.params import param_leaves
 from jaxring.planner.space import Candidate
 
@@ -536,3 +538,20 @@ def test_predicted_bytes_with_packed_documents_on_the_gpu_target(name):
     predicted = cost.bytes_by_axes(cost.traffic(w, c, leaves, cpu=False))
     assert set(predicted) == set(measured), name
     assert all(0 <= measured[k] - round(v) <= slack for k, v in predicted.items()), (name, predicted, measured)
+
+
+@pytest.mark.parametrize(
+    "kind,platform,name",
+    [
+        ("TPU v5 lite", "tpu", "tpu-v5e"),
+        ("TPU v5", "tpu", "tpu-v5p"),
+        ("TPU v6 lite", "tpu", "tpu-v6e"),
+        ("TPU7x", "tpu", "tpu7x"),
+        ("NVIDIA H100 80GB HBM3", "gpu", "h100"),
+        ("NVIDIA A100-SXM4-40GB", "gpu", "a100-40gb"),
+        ("cpu", "cpu", "cpu"),
+    ],
+)
+def test_plan_auto_knows_the_device_it_runs_on(kind, platform, name):
+    """--plan auto on a TPU VM or a GPU prices the devices by their device_kind (a TPU was priced as a CPU)."""
+    assert device_kind([SimpleNamespace(device_kind=kind, platform=platform)]) == name

@@ -93,15 +93,16 @@ def test_the_planner_names_the_sequence_lengths_divisibility(devices, seq_len, n
     assert nearest in line and "micro-batch" not in line and "vocab" not in line
 
 
-def test_block_ops_pallas_on_cpu_is_refused_up_front(capsys):
+@pytest.mark.parametrize("block_ops,accelerator", [("pallas", "a GPU"), ("pallas_tpu", "a TPU")])
+def test_block_ops_pallas_on_cpu_is_refused_up_front(capsys, block_ops, accelerator):
     """It ended after the build and compile with JAX's 'Only interpret mode is supported on CPU backend'."""
-    code, err = _cli([*SMALL_FLAGS, "--cpu-devices", "1", "--steps", "1", "--block-ops", "pallas"], capsys)
+    code, err = _cli([*SMALL_FLAGS, "--cpu-devices", "1", "--steps", "1", "--block-ops", block_ops], capsys)
     assert code == 2 and len(err) == 1, err
     assert (
-        err[0].startswith("error: --block-ops pallas compiles the Pallas kernel for a GPU")
+        err[0].startswith(f"error: --block-ops {block_ops} compiles Pallas kernels for {accelerator}")
         and "Traceback" not in err[0]
     )
-    assert "use --block-ops jnp, or pallas_interpret" in err[0]
+    assert f"use --block-ops auto (or jnp), or {block_ops}_interpret" in err[0]
 
 
 # ---- checkpoints: a full disk ----------------------------------------------------------------------------------

@@ -14,7 +14,9 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from jaxring.planner.cluster import Cluster
+from jaxring.core.accelerators import DEVICES as ACCELERATORS
+from jaxring.core.accelerators import device_spec_of
+from jaxring.planner.cluster import DEVICES, Cluster
 from jaxring.planner.fit import workload_of
 from jaxring.planner.search import Result, search
 
@@ -28,15 +30,10 @@ _HELD = ("dp", "pp", "tp", "sp", "ep", "attention", "layout", "tensor_parallel",
 
 
 def device_kind(devices: Sequence[jax.Device]) -> str:
-    kind = str(getattr(devices[0], "device_kind", "")).lower()
-    if getattr(devices[0], "platform", "") == "gpu":
-        if "h200" in kind:
-            return "h200"
-        if "h100" in kind:
-            return "h100"
-        if "a100" in kind:
-            return "a100-80gb" if "80" in kind else "a100-40gb"
-    return "cpu"
+    """The planner's name of the devices (`cluster.DEVICES`: an NVIDIA GPU or a TPU by its device_kind), else "cpu"."""
+    spec = device_spec_of(devices[0]) if getattr(devices[0], "platform", "cpu") != "cpu" else None
+    name = next((n for n, s in ACCELERATORS.items() if s is spec), None)
+    return name if name in DEVICES else "cpu"
 
 
 def cluster_of(devices: Sequence[jax.Device]) -> Cluster:

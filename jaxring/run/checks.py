@@ -56,14 +56,24 @@ OFFLOAD_WITH_PP = (
 # ------------------------------------------------------------------------------------------ the whole spec
 
 
+# the block computes whose kernels compile for one accelerator: the platform, and what to use elsewhere
+KERNEL_PLATFORMS = {
+    "pallas": ("gpu", "a GPU", "pallas_interpret (the same kernel, interpreted: slow)"),
+    "pallas_tpu": ("tpu", "a TPU", "pallas_tpu_interpret (the same kernels in TPU interpret mode: slow)"),
+}
+
+
 def check_block_ops(block_ops: str, platform: str) -> None:
-    """--block-ops pallas compiles the Pallas kernel for a GPU: on CPU devices it would fail only when the step
-    compiles (JAX's "Only interpret mode is supported on CPU backend"), so it is refused before anything is built."""
-    if block_ops == "pallas" and platform == "cpu":
-        raise ValueError(
-            "--block-ops pallas compiles the Pallas kernel for a GPU, and this run's devices are CPUs: on a CPU use "
-            "--block-ops jnp, or pallas_interpret (the same kernel, interpreted: slow)"
-        )
+    """--block-ops pallas (pallas_tpu) compiles the Pallas kernels for a GPU (a TPU): on other devices it would fail
+    only when the step compiles (JAX's "Only interpret mode is supported on CPU backend"), so it is refused before
+    anything is built."""
+    if block_ops not in KERNEL_PLATFORMS or KERNEL_PLATFORMS[block_ops][0] == platform:
+        return
+    _, accelerator, interpreted = KERNEL_PLATFORMS[block_ops]
+    raise ValueError(
+        f"--block-ops {block_ops} compiles Pallas kernels for {accelerator}, and this run's devices are "
+        f"{platform.upper()}s: use --block-ops auto (or jnp), or {interpreted}"
+    )
 
 
 def check_spec(spec: RunSpec) -> None:

@@ -147,8 +147,8 @@ class TrainingSettings:
     grad_accum: int = setting(1, "micro-steps accumulated per update (pp = 1)", rule="int>=1")
     precision: str | None = setting(
         None,
-        "compute dtype (default: bf16 for the full-size Llama presets, fp32 otherwise); weights and optimizer "
-        "state stay fp32",
+        "compute dtype (default: bf16 for the full-size Llama presets and on a TPU, fp32 otherwise); weights and "
+        "optimizer state stay fp32",
         choices=tuple(PRECISIONS),
     )
 

@@ -179,12 +179,13 @@ class RunSpec:
 
     @property
     def compute_precision(self) -> str:
-        """--precision, else the model's default: bf16 for the full-size Llama presets (llama3-8b, ...: the
-        long-context figures assume it), fp32 for every other model and the tiny test twins."""
+        """--precision, else the default: bf16 for the full-size Llama presets (llama3-8b, ...: the long-context
+        figures assume it) and for every model on a TPU (its matrix units' type), fp32 for every other model and
+        the tiny test twins."""
         if self.training.precision is not None:
             return self.training.precision
         llama = self.model.model == "gpt" and (self.model.preset or "").startswith("llama")
-        return "bf16" if llama else "fp32"
+        return "bf16" if llama or jax.default_backend() == "tpu" else "fp32"
 
     def resolved(self, device_count: int) -> RunSpec:
         """The spec with what defaults derive filled in: mesh degrees, the strategy, its options' defaults.

@@ -6,8 +6,9 @@
 # **zig-zag layout** balances causal attention across devices.
 #
 # It runs on any runtime: on a CPU-only machine JAX simulates 8 devices (they share the host's cores, so
-# they show *what* is computed and communicated, not the speed of real accelerators); on a GPU runtime it
-# uses the GPU(s) it finds, unchanged.
+# they show *what* is computed and communicated, not the speed of real accelerators); on a GPU or a TPU
+# runtime (Colab's included) it uses the chips it finds, unchanged, and the attention's per-block compute is
+# chosen for them (`block_ops="auto"`: jaxring's Pallas kernels on a GPU, its Pallas TPU kernels on a TPU).
 
 # %%
 # On Colab: install jaxring beside the runtime's own jax and its GPU or TPU plugin (kept as they are).
@@ -24,11 +25,12 @@ FAST = os.environ.get("JAXRING_NOTEBOOK_FAST", "0") == "1"
 
 import jaxring
 from jaxring.core.device_setup import describe_devices, use_cpu_devices_if_no_accelerator
+from jaxring.kernels.block_compute import resolve_name
 
 # The accelerators if there are any, else 8 simulated CPU devices. This must run before anything asks JAX
 # for its devices (afterwards the CPU device count is fixed).
 devices = use_cpu_devices_if_no_accelerator(8)
-print("devices:", describe_devices(devices), "| FAST mode" if FAST else "")
+print("devices:", describe_devices(devices), "| block compute:", resolve_name("auto"), "| FAST mode" if FAST else "")
 
 # %% [markdown]
 # ## 1. A device mesh

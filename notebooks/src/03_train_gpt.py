@@ -21,7 +21,9 @@
 # by one `lax.scan`, so the step compiles once whatever the depth.
 #
 # On a CPU-only machine JAX simulates 8 devices. With fewer devices the meshes shrink (a power of two of
-# them is used); on a runtime with a single GPU all the runs use that one device.
+# them is used); on a runtime with a single GPU all the runs use that one device. On a TPU runtime (a TPU VM
+# or Colab's) the runs use its chips, in bf16, with jaxring's Pallas TPU kernels as the attention's block
+# compute (both chosen by default there).
 
 # %%
 # On Colab: install jaxring beside the runtime's own jax and its GPU or TPU plugin (kept as they are).
