@@ -1,5 +1,6 @@
 """The TPU flash kernels (`tpu_flash_kernels.py`) as a `BlockOps` pair: block_ops "pallas_tpu" (Mosaic, TPU)
-and "pallas_tpu_interpret" (the same kernels in Pallas' TPU interpret mode, for CPU tests).
+and "pallas_tpu_interpret" (the same kernels interpreted on CPU, for tests: Pallas' TPU interpret mode inside
+shard_map, its HLO interpreter elsewhere; `tpu_flash_kernels._interpreter`).
 
 Every block of every layout goes to the kernels — ring contiguous, zig-zag and striped, Ulysses, USP,
 WallFacer, the all-gather and dense attention, decoding — since they mask by positions and segment ids:
@@ -144,5 +145,5 @@ def tpu_block_ops(interpret: bool = False) -> BlockOps:
         "pallas_tpu_interpret" if interpret else "pallas_tpu",
         functools.partial(tpu_block_forward, interpret=interpret),
         functools.partial(tpu_block_backward, interpret=interpret),
-        lockstep=interpret,  # TPU interpret mode synchronises every device at each kernel call
+        lockstep=interpret,  # TPU interpret mode (inside shard_map) synchronises every device at each kernel call
     )

@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxring.core.vma import common_vma
+from jaxring.core.vma import common_vma, varying_axes
 
 LANES, SUBLANES = 128, 8
 Ref = jax.Ref
@@ -49,6 +49,16 @@ RANGE_FIELDS = 4  # lo, full_lo, full_hi, hi
 def _out_struct(shape: tuple[int, ...], dtype: jax.typing.DTypeLike, like: jax.Array) -> jax.ShapeDtypeStruct:
     """A pallas_call output typed with `like`'s varying mesh axes (inside shard_map with check_vma=True)."""
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=getattr(jax.typeof(like), "manual_axis_type", None))
+
+
+def _interpreter(interpret: bool, *xs: jax.Array | None) -> bool | pltpu.InterpretParams:
+    """pallas_call's `interpret`: False (Mosaic), else Pallas' TPU interpret mode where the inputs vary over mesh
+    axes (inside shard_map with check_vma: the HLO interpreter cannot type it), else the HLO interpreter (no
+    effects, so it also runs under jax.checkpoint's AD, and no barrier across devices)."""
+    if not interpret:
+        return False
+    axes = frozenset().union(*(varying_axes(x) for x in xs if x is not None))
+    return pltpu.InterpretParams() if axes else True
 
 
 def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
@@ -229,7 +239,7 @@ def forward(
         ),
         out_shape=[_out_struct(q.shape, out_dtype, q), _out_struct((b, hq, 1, nq), jnp.float32, q)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=_interpreter(interpret, q),
         name="jaxring_tpu_flash_fwd",
     )(ranges.reshape(-1), q, k, v, *(x for x in info if x is not None))
 
@@ -358,7 +368,7 @@ def backward(
     )
     params = dict(has=has, causal=causal, window=window, sm_scale=sm_scale)
     mosaic = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
-    interpret_params = pltpu.InterpretParams() if interpret else False
+    interpret_params = _interpreter(interpret, q)
     extra = [x for x in info if x is not None]
 
     # dQ: grid (b, hq, Q tile, K tile)
