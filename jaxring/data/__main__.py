@@ -16,9 +16,15 @@ from jaxring.core.stop_signals import Interrupted
 from jaxring.data.prepare import prepare
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxring.data", description=__doc__.split("\n\n")[1])
-    commands = parser.add_subparsers(dest="command", required=True)
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        """One line (not the usage block), exit code 2, as every jaxring command."""
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m jaxring.data", description=__doc__.split("\n\n")[1])
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = commands.add_parser("prepare", help="tokenize documents into a store")
     p.add_argument("input", help="a text file, a directory of .txt/.py/.md/.jsonl/.parquet files, .jsonl or .parquet")
     p.add_argument("out_dir", help="the store's directory (new, or a store made with the same tokenizer)")
@@ -29,7 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="tokenizing processes")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         store = prepare(
             args.input,

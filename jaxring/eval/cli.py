@@ -50,6 +50,16 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: expected a positive integer")
+    return value
+
+
 def _floats(text: str) -> list[float]:
     try:
         return [float(v) for v in text.split(",") if v.strip()]
@@ -77,17 +87,19 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
         s.add_argument("--debug", action="store_true", help="show the traceback of an error")
         if name == "perplexity":
-            s.add_argument("--seq-len", type=int, required=True, help="tokens per row (the context evaluated)")
+            s.add_argument("--seq-len", type=_positive, required=True, help="tokens per row (the context evaluated)")
             s.add_argument("--data", help="a store, text/.jsonl file or directory (default: the bundled corpus)")
-            s.add_argument("--batch-size", type=int, default=1, help="rows per forward pass (default: 1)")
-            s.add_argument("--batches", type=int, default=4, help="forward passes (default: 4)")
-            s.add_argument("--first-bucket", type=int, help="end of the first bucket (default: seq_len/8, <= 256)")
+            s.add_argument("--batch-size", type=_positive, default=1, help="rows per forward pass (default: 1)")
+            s.add_argument("--batches", type=_positive, default=4, help="forward passes (default: 4)")
+            s.add_argument(
+                "--first-bucket", type=_positive, help="end of the first bucket (default: seq_len/8, <= 256)"
+            )
         else:
             s.add_argument("--lengths", type=_ints, required=True, help="context lengths, e.g. 1024,2048,4096")
             s.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="in [0, 1]")
-            s.add_argument("--samples", type=int, default=2, help="pass keys per cell (default: 2)")
+            s.add_argument("--samples", type=_positive, default=2, help="pass keys per cell (default: 2)")
             s.add_argument("--seed", type=int, default=0, help="seed of the pass keys (default: 0)")
-            s.add_argument("--batch-size", type=int, help="sequences per forward pass (default: a length's all)")
+            s.add_argument("--batch-size", type=_positive, help="sequences per forward pass (default: a length's all)")
     return p
 
 

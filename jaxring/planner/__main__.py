@@ -61,7 +61,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USER_ERROR, f"error: {message} (see python -m jaxring.planner --help)\n")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m jaxring.planner", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -124,7 +124,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "gpu-compile extra; simulated CPU devices for --device cpu) and show compiled memory",
     )
     g.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

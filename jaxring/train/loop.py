@@ -162,6 +162,8 @@ def train(
                     f"--checkpoint-dir {c.checkpoint_dir!r} already holds checkpoints (steps {ckpt.all_steps()}); "
                     f"pass --resume to continue from them, or use another directory"
                 )
+            if is_main and spec.output.profile:  # said now, not by the profiler at the profiled step (a traceback)
+                _make_profile_dir(spec.output.profile)
             estimate = estimated_memory_bytes(spec, devices)  # a run that cannot fit stops here, in one line
             with _reporting_out_of_memory(spec, "building the model and optimizer state", len(devices)):
                 trainer = Trainer(spec, devices)
@@ -288,6 +290,15 @@ def _write_run_file(spec: RunSpec, out_dir_given: bool) -> None:
         else:
             role = f"the run's output directory {out!r} (none given: {RUNS_DIR}/DATE-TIME)"
         raise OSError(f"{role} cannot be written ({e.strerror or e}): give --out-dir a writable directory") from None
+
+
+def _make_profile_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise OSError(
+            f"--profile {path!r} cannot be written ({e.strerror or e}): give --profile a writable directory"
+        ) from None
 
 
 def _check_validation_data(trainer: Trainer) -> None:
