@@ -13,6 +13,11 @@ import os
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
+# XLA:CPU aborts a collective whose devices have not all arrived within 40 s; the TPU kernels' tests run them in
+# Pallas' TPU interpret mode (Python callbacks per grid step, a barrier over the devices per kernel call), where
+# a device starved of the 2 CI cores can lag that long: give it 300 s (a real deadlock still ends)
+if "xla_cpu_collective_call_terminate_timeout_seconds" not in _flags:
+    _flags += " --xla_cpu_collective_call_terminate_timeout_seconds=300"
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
