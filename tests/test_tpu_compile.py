@@ -20,10 +20,12 @@ import jaxring
 from jaxring.analysis import tpu
 from jaxring.analysis.compiled import collective_traffic
 from jaxring.core.accelerators import DEVICES
+from jaxring.core.collectives import tree_rounds
 from jaxring.core.torus import ring_hops, torus_ring
 from jaxring.parallel.sequence.ring import ring_attention
 from jaxring.parallel.sequence.ulysses import ulysses_attention
 from jaxring.parallel.sequence.wallfacer import WF_AXES, wallfacer_attention, wallfacer_mesh
+from jaxring.parallel.tensor import metp_api
 
 AVAILABLE, WHY = tpu.available()
 needs_libtpu = pytest.mark.skipif(not AVAILABLE, reason=f"deviceless TPU compile unavailable: {WHY}")
@@ -167,3 +169,37 @@ def test_a_missing_libtpu_is_one_line(monkeypatch, capsys):
     assert cli.main(["--preset", "tiny", "--sp", "8", "--compile-for", "v6e-8"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and 'pip install -e ".[tpu-compile]"' in err
+
+
+def _tp_mesh():
+    return jaxring.make_mesh(tp=8, devices=tpu.tpu_devices("v5e-8"))
+
+
+def _compiled_bytes(fn, *args):
+    """Bytes moved per collective kind and Mosaic calls of jit(fn) compiled for the v5e-8 slice."""
+    report = tpu.compile_for_tpu(jax.jit(fn), *args, target="v5e-8")
+    return collective_traffic(report.hlo, 8)[0], report.mosaic_calls
+
+
+@needs_libtpu
+def test_metp_attention_on_a_tpu_slice_moves_the_papers_bytes():
+    """METP's two-level attention, tp = 8, causal, fp32, with the TPU kernels as its inner ring's block compute:
+    the forward's permutes are p broadcasts x ceil(log2 p) rounds of each rank's weight slices plus, per head
+    group, p-1 hops of its K and V blocks and their int32 positions (tests/test_metp.py's `mha_bytes`)."""
+    p, b, s, h, heads, d = 8, 1, 2048, 1024, 8, 128
+    mesh = _tp_mesh()
+    x = tpu.abstract((b, s, h), jnp.float32, mesh, P())
+    pos = tpu.abstract((b, s), jnp.int32, mesh, P())
+    shapes = {"wq": (h, heads * d), "wk": (h, heads * d), "wv": (h, heads * d), "wo": (heads * d, h)}
+    w = {n: tpu.abstract(shape, jnp.float32, mesh, P()) for n, shape in shapes.items()}
+    attend = lambda x, w, pos: metp_api.attention_block(
+        x, w, pos, mesh=mesh, num_heads=heads, num_kv_heads=heads, block_ops=tpu.BLOCK_OPS
+    )
+    moved, calls = _compiled_bytes(attend, x, w, pos)
+    weights = (h * 3 * heads * d + heads * d * h) // p
+    kv, positions = b * (s // p) * (heads // p) * d, b * (s // p)
+    assert (
+        moved["collective-permute"]
+        == 4 * (p * tree_rounds(p) * weights + p * (p - 1) * 2 * kv) + 4 * p * (p - 1) * positions
+    )
+    _kernel_present(calls)
