@@ -328,6 +328,9 @@ def _tpu_probe(row: Row, spec, seq: int) -> dict:
         "estimate_gib": estimate / GIB,
         "compiled_gib": report.peak_bytes / GIB,
         "estimate_over_compiled": estimate / report.peak_bytes,
+        # XLA:TPU's own peak, what its compile-time HBM check reads (below compiled_gib: `tpu.memory_of`)
+        "xla_peak_gib": report.xla_peak_bytes / GIB,
+        "estimate_over_xla_peak": estimate / report.xla_peak_bytes if report.xla_peak_bytes else None,
         "host_gib": report.memory["host"] / GIB,
         "compile_s": round(report.compile_seconds, 1),
         "block_ops": tpu.BLOCK_OPS,
@@ -411,6 +414,7 @@ def measure_row(
             f"  {row.key}: {seq} tokens: compiled {p['compiled_gib']:.2f} GiB, estimate {p['estimate_gib']:.2f} "
             f"GiB (x{p['estimate_over_compiled']:.3f}), budget {budget / GIB:.1f} GiB, host "
             f"{p.get('host_gib', 0):.1f} GiB of {host / GIB:.0f}, {p['compile_s']:.0f} s"
+            + (f"; XLA:TPU's peak {p['xla_peak_gib']:.2f} GiB" if p.get("xla_peak_gib") is not None else "")
         )
         return p["compiled_gib"] * GIB <= budget and p.get("host_gib", 0) * GIB <= host
 
@@ -438,8 +442,12 @@ def measure_row(
             estimate_over_compiled=at["estimate_over_compiled"],
             step_s=at["step_s"],
             tokens_per_s_per_gpu=at["tokens_per_s_per_gpu"],
-            roofline=at["roofline"],
+            roofline=at.get("roofline"),  # none on a TPU slice
         )
+    peaks = [p for p in probes.values() if p.get("xla_peak_gib") is not None]
+    if peaks:  # a TPU slice: the longest compile whose XLA:TPU peak (its compile-time HBM check's) fits as well
+        fitting = [p["seq"] for p in peaks if p["xla_peak_gib"] * GIB <= budget and p.get("host_gib", 0) * GIB <= host]
+        out["longest_by_xla_peak"] = max(fitting, default=0)
     out["search_s"] = round(time.time() - start, 1)
     return out
 
