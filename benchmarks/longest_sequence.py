@@ -587,7 +587,45 @@ def table(record: dict) -> str:
                 )
                 lines.append(f"| {row.plan} | {row.technique} | 0 | {r.get('estimate_longest', 0):,} | {at} | | |")
         lines.append("")
+    tpu_rows = [by_key[r.key] for r in all_rows(TPU_TARGETS) if r.key in by_key]
+    if tpu_rows:
+        lines += [
+            "**TPU slices**, plan auto (compiled: arguments + outputs + temporaries - aliased; XLA:TPU's peak: "
+            "`peak_memory_in_bytes`, what its compile-time HBM check reads)",
+            "",
+            "| target | technique | plan at the longest | longest (compiled) | longest by XLA:TPU's peak | estimate's "
+            "longest | compiled GiB | XLA:TPU's peak GiB | estimate GiB | budget GiB | compile s |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in tpu_rows:
+            at = next((p for p in r.get("probes", []) if p["seq"] == r.get("longest")), None)
+            cells = (
+                [f"{at['compiled_gib']:.1f}", _gib(at.get("xla_peak_gib")), f"{at['estimate_gib']:.1f}"]
+                if at
+                else ["", "", ""]
+            )
+            longest = f"{r.get('longest') or 0:,}" + ("" if r.get("bracketed") or not r.get("longest") else " (≥)")
+            seconds = "/".join(f"{p['compile_s']:.0f}" for p in r.get("probes", []) if "refused" not in p)
+            lines.append(
+                f"| {r['target']} | {r['technique']} | {r.get('plan_at_longest') or r.get('error', '')[:60]} | "
+                f"{longest} | {_by_peak(r)} | {r.get('estimate_longest', 0):,} | "
+                f"{' | '.join(cells)} | {r['budget_gib']:.1f} | {seconds} |"
+            )
+        lines.append("")
     return "\n".join(lines)
+
+
+def _gib(v: float | None) -> str:
+    return "" if v is None else f"{v:.1f}"
+
+
+def _by_peak(r: dict) -> str:
+    """A TPU row's longest length by XLA:TPU's peak, "(≥)" when no longer compile's peak was over the budget."""
+    n = r.get("longest_by_xla_peak")
+    if n is None:
+        return ""
+    over = any(p["seq"] > n and p.get("xla_peak_gib", 0) > r["budget_gib"] for p in r.get("probes", []))
+    return f"{n:,}" + ("" if over else " (≥)")
 
 
 def _host(r: dict) -> str:
@@ -611,6 +649,8 @@ def plot(record: dict, path: str) -> None:
 
     by_key = {r["key"]: r for r in record["results"]}
     targets = [t for t in TARGETS if any(by_key.get(r.key, {}).get("longest") for r in all_rows((t,)))]
+    if not targets:  # TPU rows only (no GPU target to draw)
+        return
     fig, axes = plt.subplots(1, len(targets), figsize=(5.5 * len(targets), 4.2), squeeze=False, sharey=True)
     for ax, target in zip(axes[0], targets):
         plans = list(PLANS_1 if target.endswith("x1") else PLANS_8)
