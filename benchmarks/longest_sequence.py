@@ -523,6 +523,7 @@ def header(command: list[str]) -> dict:
     here = os.path.dirname(os.path.abspath(__file__))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here)
     record.update(
+        date=time.strftime("%Y-%m-%d", time.gmtime()),
         commit=commit.stdout.strip(),
         command=" ".join(["python", "benchmarks/longest_sequence.py", *command]),
         device="deviceless compile for each row's target (XLA GpuTargetConfigProto: 8 x H100 SXM, 8 x H200, "
@@ -591,14 +592,17 @@ def table(record: dict) -> str:
     if tpu_rows:
         lines += [
             "**TPU slices**, plan auto (compiled: arguments + outputs + temporaries - aliased; XLA:TPU's peak: "
-            "`peak_memory_in_bytes`, what its compile-time HBM check reads)",
+            "`peak_memory_in_bytes`, what its compile-time HBM check reads; the plan and GiB at the longest, or "
+            "where none fits by the compiled bytes at the peak's longest)",
             "",
-            "| target | technique | plan at the longest | longest (compiled) | longest by XLA:TPU's peak | estimate's "
+            "| target | technique | plan | longest (compiled) | longest by XLA:TPU's peak | estimate's "
             "longest | compiled GiB | XLA:TPU's peak GiB | estimate GiB | budget GiB | compile s |",
             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in tpu_rows:
-            at = next((p for p in r.get("probes", []) if p["seq"] == r.get("longest")), None)
+            # the figures at the longest length, or (none fitting by the allocated bytes) at the peak's longest
+            seq = r.get("longest") or r.get("longest_by_xla_peak")
+            at = next((p for p in r.get("probes", []) if p["seq"] == seq and "refused" not in p), None)
             cells = (
                 [f"{at['compiled_gib']:.1f}", _gib(at.get("xla_peak_gib")), f"{at['estimate_gib']:.1f}"]
                 if at
@@ -607,7 +611,7 @@ def table(record: dict) -> str:
             longest = f"{r.get('longest') or 0:,}" + ("" if r.get("bracketed") or not r.get("longest") else " (≥)")
             seconds = "/".join(f"{p['compile_s']:.0f}" for p in r.get("probes", []) if "refused" not in p)
             lines.append(
-                f"| {r['target']} | {r['technique']} | {r.get('plan_at_longest') or r.get('error', '')[:60]} | "
+                f"| {r['target']} | {r['technique']} | {at['plan'] if at else r.get('error', '')[:60]} | "
                 f"{longest} | {_by_peak(r)} | {r.get('estimate_longest', 0):,} | "
                 f"{' | '.join(cells)} | {r['budget_gib']:.1f} | {seconds} |"
             )
