@@ -329,7 +329,7 @@ def _tpu_probe(row: Row, spec, seq: int) -> dict:
         "compiled_gib": report.peak_bytes / GIB,
         "estimate_over_compiled": estimate / report.peak_bytes,
         # XLA:TPU's own peak, what its compile-time HBM check reads (below compiled_gib: `tpu.memory_of`)
-        "xla_peak_gib": report.xla_peak_bytes / GIB,
+        "xla_peak_gib": None if report.xla_peak_bytes is None else report.xla_peak_bytes / GIB,
         "estimate_over_xla_peak": estimate / report.xla_peak_bytes if report.xla_peak_bytes else None,
         "host_gib": report.memory["host"] / GIB,
         "compile_s": round(report.compile_seconds, 1),

@@ -170,6 +170,8 @@ def test_the_compile_time_hbm_check_reads_xla_peak_not_argument_plus_temp():
     hbm = 31.24 * 2**30
     assert report.xla_peak_bytes < hbm < report.peak_bytes
     assert report.memory["peak"] >= report.memory["argument"]
+    offloaded = dataclasses.replace(report, memory={**report.memory, "host": 2**30})
+    assert offloaded.xla_peak_bytes is None  # with host offload the peak counts host memory too
 
 
 @needs_libtpu
