@@ -328,6 +328,9 @@ def _tpu_probe(row: Row, spec, seq: int) -> dict:
         "estimate_gib": estimate / GIB,
         "compiled_gib": report.peak_bytes / GIB,
         "estimate_over_compiled": estimate / report.peak_bytes,
+        # XLA:TPU's own peak, what its compile-time HBM check reads (below compiled_gib: `tpu.memory_of`)
+        "xla_peak_gib": None if report.xla_peak_bytes is None else report.xla_peak_bytes / GIB,
+        "estimate_over_xla_peak": estimate / report.xla_peak_bytes if report.xla_peak_bytes else None,
         "host_gib": report.memory["host"] / GIB,
         "compile_s": round(report.compile_seconds, 1),
         "block_ops": tpu.BLOCK_OPS,
@@ -411,6 +414,7 @@ def measure_row(
             f"  {row.key}: {seq} tokens: compiled {p['compiled_gib']:.2f} GiB, estimate {p['estimate_gib']:.2f} "
             f"GiB (x{p['estimate_over_compiled']:.3f}), budget {budget / GIB:.1f} GiB, host "
             f"{p.get('host_gib', 0):.1f} GiB of {host / GIB:.0f}, {p['compile_s']:.0f} s"
+            + (f"; XLA:TPU's peak {p['xla_peak_gib']:.2f} GiB" if p.get("xla_peak_gib") is not None else "")
         )
         return p["compiled_gib"] * GIB <= budget and p.get("host_gib", 0) * GIB <= host
 
@@ -438,8 +442,12 @@ def measure_row(
             estimate_over_compiled=at["estimate_over_compiled"],
             step_s=at["step_s"],
             tokens_per_s_per_gpu=at["tokens_per_s_per_gpu"],
-            roofline=at["roofline"],
+            roofline=at.get("roofline"),  # none on a TPU slice
         )
+    peaks = [p for p in probes.values() if p.get("xla_peak_gib") is not None]
+    if peaks:  # a TPU slice: the longest compile whose XLA:TPU peak (its compile-time HBM check's) fits as well
+        fitting = [p["seq"] for p in peaks if p["xla_peak_gib"] * GIB <= budget and p.get("host_gib", 0) * GIB <= host]
+        out["longest_by_xla_peak"] = max(fitting, default=0)
     out["search_s"] = round(time.time() - start, 1)
     return out
 
@@ -515,6 +523,7 @@ def header(command: list[str]) -> dict:
     here = os.path.dirname(os.path.abspath(__file__))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here)
     record.update(
+        date=time.strftime("%Y-%m-%d", time.gmtime()),
         commit=commit.stdout.strip(),
         command=" ".join(["python", "benchmarks/longest_sequence.py", *command]),
         device="deviceless compile for each row's target (XLA GpuTargetConfigProto: 8 x H100 SXM, 8 x H200, "
@@ -579,7 +588,48 @@ def table(record: dict) -> str:
                 )
                 lines.append(f"| {row.plan} | {row.technique} | 0 | {r.get('estimate_longest', 0):,} | {at} | | |")
         lines.append("")
+    tpu_rows = [by_key[r.key] for r in all_rows(TPU_TARGETS) if r.key in by_key]
+    if tpu_rows:
+        lines += [
+            "**TPU slices**, plan auto (compiled: arguments + outputs + temporaries - aliased; XLA:TPU's peak: "
+            "`peak_memory_in_bytes`, what its compile-time HBM check reads; the plan and GiB at the longest, or "
+            "where none fits by the compiled bytes at the peak's longest)",
+            "",
+            "| target | technique | plan | longest (compiled) | longest by XLA:TPU's peak | estimate's "
+            "longest | compiled GiB | XLA:TPU's peak GiB | estimate GiB | budget GiB | compile s |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in tpu_rows:
+            # the figures at the longest length, or (none fitting by the allocated bytes) at the peak's longest
+            seq = r.get("longest") or r.get("longest_by_xla_peak")
+            at = next((p for p in r.get("probes", []) if p["seq"] == seq and "refused" not in p), None)
+            cells = (
+                [f"{at['compiled_gib']:.1f}", _gib(at.get("xla_peak_gib")), f"{at['estimate_gib']:.1f}"]
+                if at
+                else ["", "", ""]
+            )
+            longest = f"{r.get('longest') or 0:,}" + ("" if r.get("bracketed") or not r.get("longest") else " (≥)")
+            seconds = "/".join(f"{p['compile_s']:.0f}" for p in r.get("probes", []) if "refused" not in p)
+            lines.append(
+                f"| {r['target']} | {r['technique']} | {at['plan'] if at else r.get('error', '')[:60]} | "
+                f"{longest} | {_by_peak(r)} | {r.get('estimate_longest', 0):,} | "
+                f"{' | '.join(cells)} | {r['budget_gib']:.1f} | {seconds} |"
+            )
+        lines.append("")
     return "\n".join(lines)
+
+
+def _gib(v: float | None) -> str:
+    return "" if v is None else f"{v:.1f}"
+
+
+def _by_peak(r: dict) -> str:
+    """A TPU row's longest length by XLA:TPU's peak, "(≥)" when no longer compile's peak was over the budget."""
+    n = r.get("longest_by_xla_peak")
+    if n is None:
+        return ""
+    over = any(p["seq"] > n and p.get("xla_peak_gib", 0) > r["budget_gib"] for p in r.get("probes", []))
+    return f"{n:,}" + ("" if over else " (≥)")
 
 
 def _host(r: dict) -> str:
@@ -603,6 +653,8 @@ def plot(record: dict, path: str) -> None:
 
     by_key = {r["key"]: r for r in record["results"]}
     targets = [t for t in TARGETS if any(by_key.get(r.key, {}).get("longest") for r in all_rows((t,)))]
+    if not targets:  # TPU rows only (no GPU target to draw)
+        return
     fig, axes = plt.subplots(1, len(targets), figsize=(5.5 * len(targets), 4.2), squeeze=False, sharey=True)
     for ax, target in zip(axes[0], targets):
         plans = list(PLANS_1 if target.endswith("x1") else PLANS_8)

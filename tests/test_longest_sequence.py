@@ -120,6 +120,36 @@ def test_rows_are_measured_recorded_and_skipped_on_a_rerun(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
+def test_a_tpu_row_has_no_roofline_and_keeps_the_longest_by_xlas_peak(tmp_path):
+    """A TPU slice's probes carry no roofline and XLA:TPU's own peak beside the allocated bytes: the row is
+    recorded, with the longest length whose peak fits as well as the longest whose allocated bytes do."""
+    row, unit = ls.Row("v6e-8", "auto", "none"), 1024
+
+    def estimate(row, seq):
+        return seq / (6 * unit) * ls.GIB, {}, 0.0
+
+    def compile_one(row, seq):
+        gib = 1.2 * seq / (6 * unit)  # allocated: 20% over the estimate; XLA's peak: the estimate's
+        return {
+            "seq": seq,
+            "plan": "tp=8, tensor=metp",
+            "estimate_gib": gib / 1.2,
+            "compiled_gib": gib,
+            "estimate_over_compiled": 1 / 1.2,
+            "xla_peak_gib": gib / 1.2,
+            "host_gib": 0.0,
+            "compile_s": 0.0,
+            "step_s": None,
+            "tokens_per_s_per_gpu": None,
+        }
+
+    r = ls.measure_row(row, estimate=estimate, compile_one=compile_one, budget=ls.GIB, unit=unit, log=lambda s: None)
+    assert "error" not in r and r["roofline"] is None and r["plan_at_longest"] == "tp=8, tensor=metp"
+    assert r["longest"] == 5 * unit and r["longest_by_xla_peak"] == 6 * unit
+    assert "| v6e-8 | none | tp=8, tensor=metp | 5,120 | 6,144 (≥) |" in ls.table({"results": [r]})
+    ls.plot({"results": [r]}, str(tmp_path / "p.png"))  # no GPU target: nothing to draw, no error
+
+
 def test_a_plan_that_cannot_run_is_recorded_as_refused():
     row = ls.Row("h100x8", "ulysses sp8", "none")
 

@@ -152,6 +152,31 @@ def test_wallfacer_on_a_tpu_slice_moves_a_team_sized_share_of_the_ring():
 
 
 @needs_libtpu
+def test_the_compile_time_hbm_check_reads_xla_peak_not_argument_plus_temp():
+    """XLA:TPU's `temp` is above its buffer assignment's temporaries; the compiler's own HBM check (E1000) reads
+    `peak_memory_in_bytes`: a program whose argument + temp is over a v6e chip's 31.24 GiB, its peak under,
+    compiles (`tpu.memory_of`)."""
+    mesh = jax.sharding.Mesh(tpu.tpu_devices("v6e-8"), ("x",))
+    layers, hidden, n = 32, 2048, 196608  # a layer scan's stack of 32 bf16 [n, 2048] inputs, n per device
+
+    def loss(w, x):
+        def body(h, wl):
+            return jax.checkpoint(lambda h, wl: jnp.tanh(h @ wl.astype(jnp.bfloat16)) + h)(h, wl), None
+
+        h, _ = jax.lax.scan(body, x, w)
+        return jnp.sum(h.astype(jnp.float32) ** 2)
+
+    w = tpu.abstract((layers, hidden, hidden), jnp.float32, mesh, P())
+    x = tpu.abstract((8 * n, hidden), jnp.bfloat16, mesh, P("x"))
+    report = tpu.compile_for_tpu(jax.jit(lambda w, x: w - 0.1 * jax.grad(loss)(w, x), donate_argnums=0), w, x)
+    hbm = 31.24 * 2**30
+    assert report.xla_peak_bytes < hbm < report.peak_bytes
+    assert report.memory["peak"] >= report.memory["argument"]
+    offloaded = dataclasses.replace(report, memory={**report.memory, "host": 2**30})
+    assert offloaded.xla_peak_bytes is None  # with host offload the peak counts host memory too
+
+
+@needs_libtpu
 def test_train_py_compiles_for_a_tpu_slice(capsys):
     import train as cli  # the repository's train.py
 
