@@ -126,31 +126,57 @@ RUN = RunSpec.of(
 )
 
 
+def _end_of_run(tmp_path, name: str, **settings) -> tuple[list[str], dict]:
+    """(the log lines, the exported tensors) of a 2-step tiny-llama3 run with the held-out loss, a sample and
+    --export-hf at its end."""
+    said = []
+    spec = RUN.updated(
+        preset="tiny-llama3",
+        steps=2,
+        eval_at_end=True,
+        sample_tokens=8,
+        out_dir=str(tmp_path / f"run-{name}"),
+        export_hf=str(tmp_path / f"hf-{name}"),
+        **settings,
+    )
+    train(spec, log=said.append)
+    return said, load_file(str(next((tmp_path / f"hf-{name}").glob("*.safetensors"))))
+
+
+def _same_end(tmp_path, offload: str, **plan) -> None:
+    """The end of the run with `offload` equals the same plan's with nothing offloaded: the sample written, the
+    held-out loss the same line, the exported checkpoint equal (1e-6: the two programs round differently)."""
+    (lines, exported), (lines_r, exported_r) = (
+        _end_of_run(tmp_path, name, offload=o, **plan) for name, o in (("offloaded", offload), ("on-device", "none"))
+    )
+    assert any("--- sample ---" in line for line in lines), lines
+    held_out = [next(line for line in x if "held-out loss" in line) for x in (lines, lines_r)]
+    assert held_out[0] == held_out[1], held_out
+    assert sorted(exported) == sorted(exported_r)
+    for name, tensor in exported.items():
+        np.testing.assert_allclose(tensor, exported_r[name], atol=1e-6, err_msg=name)
+
+
 def test_the_end_of_the_run_evaluates_samples_and_exports_with_the_weights_offloaded(tmp_path):
     """With --offload weights the run's end (the held-out loss, the sample, --export-hf) takes the trained
-    weights from host memory: the sample is written, and the exported checkpoint and held-out loss equal those
-    of the run with the weights on the device (1e-6: the two programs round differently)."""
-    exported, lines = {}, {}
-    for offload in ("weights", "none"):
-        said = []
-        spec = RUN.updated(
-            preset="tiny-llama3",
-            steps=2,
-            offload=offload,
-            eval_at_end=True,
-            sample_tokens=8,
-            out_dir=str(tmp_path / f"run-{offload}"),
-            export_hf=str(tmp_path / f"hf-{offload}"),
-        )
-        train(spec, log=said.append)
-        lines[offload] = said
-        exported[offload] = load_file(str(next((tmp_path / f"hf-{offload}").glob("*.safetensors"))))
-    assert any("--- sample ---" in line for line in lines["weights"]), lines["weights"]
-    held_out = {k: next(line for line in v if "held-out loss" in line) for k, v in lines.items()}
-    assert held_out["weights"] == held_out["none"], held_out
-    assert sorted(exported["weights"]) == sorted(exported["none"])
-    for name, tensor in exported["weights"].items():
-        np.testing.assert_allclose(tensor, exported["none"][name], atol=1e-6, err_msg=name)
+    weights from host memory (sp8, ZeRO-3)."""
+    _same_end(tmp_path, "weights")
+
+
+@pytest.mark.parametrize(
+    "offload,plan",
+    [
+        ("layer_inputs+weights", dict(remat="full", sp=4, tp=2, zero=None, tensor_parallel="megatron")),
+        ("layer_inputs+optimizer", dict(remat="full", dp=2, sp=4, zero=1)),
+        pytest.param("optimizer", dict(sp=8, zero=2), marks=pytest.mark.slow),
+        pytest.param("weights", dict(dp=2, tp=4, sp=1, zero=None, tensor_parallel="metp"), marks=pytest.mark.slow),
+        pytest.param("layer_inputs", dict(remat="full", sp=8, zero=0), marks=pytest.mark.slow),
+    ],
+    ids=["inputs+weights-megatron", "inputs+optimizer-zero1", "optimizer-zero2", "weights-metp", "inputs-zero0"],
+)
+def test_the_end_of_the_run_on_every_memory_placement(tmp_path, offload, plan):
+    """Every --offload part with ZeRO stages and tensor methods: the run's end equals the run without offload."""
+    _same_end(tmp_path, offload, **plan)
 
 
 def _losses(spec: RunSpec) -> list[float]:
