@@ -16,7 +16,9 @@ output under a regular file fails with ENOTDIR for root too. Everything runs in 
 from __future__ import annotations
 
 import argparse
+import builtins
 import dataclasses
+import errno
 import os
 import random
 import shutil
@@ -28,14 +30,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from flax import nnx
 from test_probe_faults import _read_only_under
 from test_reliability import CLI, SMALL_FLAGS, _env
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from jaxring.data import __main__ as data_cli
+from jaxring.data.prepare import prepare
 from jaxring.eval import cli as eval_cli
-from jaxring.models import hf_export
+from jaxring.models import gpt, hf_export
 from jaxring.planner import __main__ as planner_cli
 from jaxring.run import cli as run_cli
+from jaxring.train.checkpoint import Checkpointer
 
 ROOT = Path(__file__).resolve().parents[1]
 HF_FIXTURE = ROOT / "tests" / "fixtures" / "hf" / "llama"
@@ -57,7 +63,6 @@ def _jsonl(path: Path) -> Path:
 
 def _store(path: Path) -> Path:
     """A store of the word tokenizer's 64 ids: data that fits the HF fixture's vocabulary of 128 (--init-from)."""
-    from jaxring.data.prepare import prepare
 
     text = path.parent / f"{path.name}.txt"
     text.write_text("".join(" ".join(f"w{(i * j) % 60 + 2}" for j in range(40)) + "\n" for i in range(64)))
@@ -71,7 +76,6 @@ def _hf(path: Path) -> Path:
 
 
 def _tokenizer(path: Path) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{f"w{i}": i for i in range(2, 64)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
@@ -87,10 +91,6 @@ def _yaml(path: Path) -> Path:
 
 def _checkpoint(path: Path) -> Path:
     """A jaxring checkpoint of a one-layer tiny-llama3 (its parameters only, as the exporter reads them)."""
-    from flax import nnx
-
-    from jaxring.models import gpt
-    from jaxring.train.checkpoint import Checkpointer
 
     config = gpt.get_config("tiny-llama3", vocab_size=384, num_layers=1)
     params = nnx.to_pure_dict(nnx.state(gpt.GPT(config, rngs=nnx.Rngs(0))))
@@ -318,8 +318,6 @@ def _fill(command: Command, tmp: Path, **replace: str) -> list[str]:
 def _read_only(monkeypatch, root: Path) -> None:
     """Under `root`, directories cannot be created nor files opened for writing (tests/test_probe_faults.py's
     fault, and Python's open too)."""
-    import builtins
-    import errno
 
     _read_only_under(monkeypatch, root)
     real_open = builtins.open

@@ -2,20 +2,34 @@
 no traceback; and a trained model is never lost to a failure after the last step.
 """
 
+import errno
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
-from test_faults import _cli
+from orbax.checkpoint._src.handlers import json_checkpoint_handler
+from test_faults import BASE, _cli, _run
 from test_reliability import SMALL_FLAGS, _env
 
 from jaxring.data.__main__ import main as data_main
 from jaxring.data.prepare import prepare
 from jaxring.data.sources import load_tokens
 from jaxring.data.token_data import open_token_data
+from jaxring.eval.cli import main as eval_main
+from jaxring.models.gpt_train import GPTTask
 from jaxring.planner.__main__ import main as planner_main
 from jaxring.run.schema import DataSettings
+from jaxring.train import loop
+from jaxring.train.checkpoint import Checkpointer, CheckpointSaveError
+from jaxring.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 240  # seconds any child process of these tests may run
@@ -112,12 +126,6 @@ def test_block_ops_pallas_on_cpu_is_refused_up_front(capsys, block_ops, accelera
 def test_a_full_disk_during_a_save_names_the_cause_the_intact_step_and_the_resume(tmp_path, monkeypatch, long):
     """The line was cut at 240 characters before its cause when the error was tensorstore's (a long path first),
     and said neither which step was left intact nor how to go on."""
-    import errno
-
-    import jax.numpy as jnp
-    from orbax.checkpoint._src.handlers import json_checkpoint_handler
-
-    from jaxring.train.checkpoint import Checkpointer, CheckpointSaveError
 
     ck = Checkpointer(tmp_path / "ck")
     state = {"w": jnp.ones(4)}
@@ -148,8 +156,6 @@ def test_a_full_disk_during_a_save_names_the_cause_the_intact_step_and_the_resum
 
 def _read_only_under(monkeypatch, root: Path):
     """Creating a directory or writing a file under `root` fails as on a read-only mount."""
-    import errno
-    import os
 
     def refuse(path):
         if str(path).startswith(str(root)):
@@ -210,8 +216,6 @@ def test_prepare_into_a_read_only_directory_names_it(tmp_path, capsys, monkeypat
 def test_ctrl_c_while_jax_imports_stops_the_command_in_one_line(tmp_path, args):
     """A KeyboardInterrupt raised while jax imports could land in jax's gc callback, which swallowed it
     ("Exception ignored in: <function _xla_gc_callback>") and the command ran to completion."""
-    import signal
-    import time
 
     args = [str(tmp_path / a) if a in ("IN", "OUT", "CKPT") else a for a in args]
     child = subprocess.Popen(
@@ -232,7 +236,6 @@ def test_ctrl_c_while_jax_imports_stops_the_command_in_one_line(tmp_path, args):
 
 def test_a_warmup_longer_than_the_run_is_named_before_the_first_step():
     """--warmup 5 --steps 2 was accepted without a word: the learning rate never reached --lr."""
-    from test_faults import _run
 
     history, lines = _run(steps=2, warmup=5, eval_every=4)
     first_step = next(i for i, line in enumerate(lines) if str(line).startswith("step 1:"))
@@ -250,8 +253,6 @@ def test_a_warmup_longer_than_the_run_is_named_before_the_first_step():
 
 def _fail_after_training(monkeypatch, stage):
     """The stage of the run's end that fails: the export, the held-out loss or the sample."""
-    from jaxring.models.gpt_train import GPTTask
-    from jaxring.train.trainer import Trainer
 
     def boom(*args, **kwargs):
         raise RuntimeError(f"injected failure in the {stage}")
@@ -263,11 +264,6 @@ def _fail_after_training(monkeypatch, stage):
 @pytest.mark.parametrize("stage", ["export", "eval", "sample"])
 @pytest.mark.parametrize("checkpoint_dir", [False, True], ids=["no-checkpoint-dir", "checkpoint-dir"])
 def test_a_failure_after_the_last_step_keeps_the_trained_state(tmp_path, monkeypatch, stage, checkpoint_dir):
-    import jax
-    import numpy as np
-
-    from jaxring.train import loop
-    from jaxring.train.checkpoint import Checkpointer
 
     trainers = []
 
@@ -278,7 +274,6 @@ def test_a_failure_after_the_last_step_keeps_the_trained_state(tmp_path, monkeyp
 
     monkeypatch.setattr(loop, "Trainer", Recorded)
     _fail_after_training(monkeypatch, stage)
-    from test_faults import BASE
 
     changes = {"steps": 2, "out_dir": str(tmp_path / "run"), "sample_tokens": 4, "eval_at_end": True}
     if checkpoint_dir:
@@ -308,10 +303,6 @@ def test_a_failure_after_the_last_step_keeps_the_trained_state(tmp_path, monkeyp
 )
 def test_an_eval_context_that_cannot_fit_is_refused_naming_the_one_that_fits(tmp_path, capsys, command, flag):
     """It compiled (for minutes) and then ran out of memory; now the planner's estimate of the forward pass."""
-    import re
-
-    from jaxring.eval.cli import main as eval_main
-
     argv = [command[0], str(ROOT / "tests" / "fixtures" / "hf" / "llama"), *command[1:], "--out", str(tmp_path)]
     assert eval_main([*argv, "--no-progress", "--host-memory-gib", "16"]) == 2
     line = _one_line(capsys.readouterr().err)
@@ -321,3 +312,16 @@ def test_an_eval_context_that_cannot_fit_is_refused_naming_the_one_that_fits(tmp
     longest = int(re.search(r"the longest that fits is about ([\d,]+) tokens", line)[1].replace(",", ""))
     assert 0 < longest < 100_000_000 and longest % 2 == 0
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize(
+    "flags,named",
+    [(["--offload", "weights"], "--offload weights"), (["--remat", "full", "--remat-layers", "2"], "--remat-layers 2")],
+)
+def test_eval_refuses_training_only_memory_flags(tmp_path, capsys, flags, named):
+    """jaxring.eval accepted --offload weights and --remat-layers and ignored them: refused in one line."""
+    code = eval_main(
+        ["needle", str(ROOT / "tests/fixtures/hf/llama"), "--lengths", "64", *flags, "--out", str(tmp_path)]
+    )
+    line = _one_line(capsys.readouterr().err)
+    assert code == 2 and line.startswith(f"error: {named}") and "forward passes only" in line

@@ -131,8 +131,25 @@ def _check_no_pipeline(spec: RunSpec) -> None:
         )
 
 
+def _check_no_training_memory_flags(spec: RunSpec) -> None:
+    """--offload and --remat-layers place what a training step keeps for its backward and its optimizer;
+    evaluation runs forward passes only, so they are refused rather than silently ignored."""
+    memory = spec.memory
+    if memory.offload != "none":
+        raise ValueError(
+            f"--offload {memory.offload}: evaluation runs forward passes only (no layer inputs kept for a backward, "
+            f"no optimizer state), so there is nothing to offload; drop --offload"
+        )
+    if memory.remat_layers > 1:
+        raise ValueError(
+            f"--remat-layers {memory.remat_layers}: evaluation runs forward passes only (nothing is recomputed); "
+            f"drop --remat-layers"
+        )
+
+
 def _run(args: argparse.Namespace, spec: RunSpec) -> int:
     _check_no_pipeline(spec)
+    _check_no_training_memory_flags(spec)
     if args.command == "needle":  # said before anything loads
         needle.check_depths(args.depths)
     output_files.check_output_dir(args.out, "--out")  # before scoring, not after it
