@@ -26,6 +26,15 @@ def assert_close(actual, expected, rtol, name=""):
     assert err <= rtol * scale, f"{name}: max error {err:.3g} > {rtol} * {scale:.3g}"
 
 
+def relative_error(x, ref) -> float:
+    """max |x - ref| / max |ref| over ref's finite entries (the -inf/NaN pattern must match)."""
+    x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
+    finite = np.isfinite(ref)
+    assert np.array_equal(finite, np.isfinite(x)), "-inf/NaN pattern differs"
+    scale = max(float(np.abs(ref[finite]).max()), 1e-6)
+    return float(np.abs(x[finite] - ref[finite]).max()) / scale
+
+
 def value_and_grads(fn, q, k, v, dout):
     """fn's output and its (dq, dk, dv) for cotangent dout."""
     out, vjp = jax.vjp(fn, q, k, v)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import relative_error
 
 from jaxring import attention_reference
 from jaxring.core import compat
@@ -38,14 +39,6 @@ pytestmark = pytest.mark.skipif(GPU is None, reason="needs a GPU (run with JAX_P
 # Triton dots may use TF32 on fp32 inputs, accumulating in fp32; bf16 inputs are compared against the fp32
 # reference of the same bf16 values
 TOLERANCE = {jnp.float32: 5e-3, jnp.bfloat16: 2e-2}
-
-
-def _relative_error(x, ref):
-    x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
-    finite = np.isfinite(ref)
-    assert np.array_equal(finite, np.isfinite(x)), "-inf/NaN pattern differs"
-    scale = max(float(np.abs(ref[finite]).max()), 1e-6)
-    return float(np.abs(x[finite] - ref[finite]).max()) / scale
 
 
 def _inputs(seed, batch, seq, q_heads, kv_heads, head_dim, dtype):
@@ -102,8 +95,8 @@ def test_compiled_kernel_matches_reference(name, seq, q_heads, kv_heads, head_di
         q, k, v
     )
     assert out.dtype == dtype and out.devices() == {GPU}
-    errors = {"out": _relative_error(out, out_r), "lse": _relative_error(lse, lse_r)}
-    errors.update({f"d{n}": _relative_error(g, g_r) for n, g, g_r in zip("qkv", grads, grads_r, strict=True)})
+    errors = {"out": relative_error(out, out_r), "lse": relative_error(lse, lse_r)}
+    errors.update({f"d{n}": relative_error(g, g_r) for n, g, g_r in zip("qkv", grads, grads_r, strict=True)})
     tolerance = TOLERANCE[dtype]
     assert all(e < tolerance for e in errors.values()), f"{name} {jnp.dtype(dtype).name}: {errors} > {tolerance}"
 
@@ -185,6 +178,6 @@ def _blocks_match_reference(
     grad = lambda f: jax.jit(jax.value_and_grad(lambda *a: loss(f, *a), (0, 1, 2), has_aux=True))
     (_, out), grads = grad(lambda q, k, v: block_attention(ops, q, k, v, **options))(q, k, v)
     (_, out_r), grads_r = grad(reference)(q, k, v)
-    errors = {"out": _relative_error(out, out_r)}
-    errors.update({f"d{n}": _relative_error(g, g_r) for n, g, g_r in zip("qkv", grads, grads_r, strict=True)})
+    errors = {"out": relative_error(out, out_r)}
+    errors.update({f"d{n}": relative_error(g, g_r) for n, g, g_r in zip("qkv", grads, grads_r, strict=True)})
     assert all(e < TOLERANCE[jnp.bfloat16] for e in errors.values()), f"{name}: {errors}"

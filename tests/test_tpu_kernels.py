@@ -9,8 +9,8 @@ compile for v5e, v5p, v6e and TPU7x without a TPU in test_tpu_compile.py). On a 
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from helpers import relative_error
 from test_tpu_blocks import BLOCKS, SCALE, _segments
 
 import jaxring
@@ -30,14 +30,6 @@ pytestmark = pytest.mark.skipif(not TPUS, reason="needs a TPU (run with JAX_PLAT
 # max |error| / max |reference|: the reference's fp32 dots at full precision; the kernel's fp32 dots at
 # HIGHEST, bf16 inputs compared against the fp32 reference of the same bf16 values
 TOLERANCE = {jnp.float32: 5e-3, jnp.bfloat16: 3e-2}
-
-
-def _relative_error(x, ref):
-    x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
-    finite = np.isfinite(ref)
-    assert np.array_equal(finite, np.isfinite(x)), "-inf/NaN pattern differs"
-    scale = max(float(np.abs(ref[finite]).max()), 1e-6)
-    return float(np.abs(x[finite] - ref[finite]).max()) / scale
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
@@ -68,10 +60,10 @@ def test_block_matches_reference(name, dtype):
     delta = jnp.sum(f32(do) * out_r, axis=-1)
     grads = jax.jit(lambda *a: ops.backward(*a, qp, kp, q_seg, kv_seg, **kw))(q, k, v, do, lse_r, delta)
     tol = TOLERANCE[dtype]
-    assert _relative_error(out, out_r) < tol
-    assert _relative_error(lse, lse_r) < tol
+    assert relative_error(out, out_r) < tol
+    assert relative_error(lse, lse_r) < tol
     for g, g_r in zip(grads, vjp((f32(do), jnp.zeros_like(lse_r)))):
-        assert _relative_error(g, g_r) < tol
+        assert relative_error(g, g_r) < tol
 
 
 def test_ring_on_every_chip():
@@ -87,6 +79,6 @@ def test_ring_on_every_chip():
     out, vjp = jax.vjp(fn, q, k, v)
     f32 = lambda x: x.astype(jnp.float32)
     out_r, vjp_r = jax.vjp(lambda q, k, v: attention_reference(q, k, v, causal=True)[0], f32(q), f32(k), f32(v))
-    assert _relative_error(out, out_r) < 3e-2
+    assert relative_error(out, out_r) < 3e-2
     for g, g_r in zip(vjp(do), vjp_r(f32(do))):
-        assert _relative_error(g, g_r) < 3e-2
+        assert relative_error(g, g_r) < 3e-2
