@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxring.analysis.records import save_record
 from jaxring.core.timing import median_seconds
 from jaxring.kernels.block_compute import local_attention
 from jaxring.kernels.flash import default_block_config, flash_attention
@@ -283,10 +284,8 @@ def main(argv=None):
         record["matmul_peak"] = old.get("matmul_peak")
 
     def save():
-        os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
         record["summary"] = summarize(record)
-        with open(out_path, "w") as f:
-            json.dump(record, f, indent=1)
+        save_record(record, out_path)
 
     peak = matmul_peak(args.matmul_n, args.warmup, args.runs)
     if peak["tflops"] is not None or record["matmul_peak"] is None:

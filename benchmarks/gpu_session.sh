@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_session.sh [SECTION ...]      # sections: env kernels flash flash-gqa tokamax train
 #                                                     #           train-no-offload weights weights-no-offload
 #                                                     #           weights-blocks mfu
+#   JAXRING_COMMIT=$(git rev-parse --short=12 HEAD) bash benchmarks/gpu_session.sh   # a copy without .git: stamps the records
 #
 # With no SECTION it runs env kernels flash flash-gqa tokamax (the cuDNN session of issue 34 and the tokamax
 # rows; at most 60 + 200 + 120 + 120 + 90 s = 590 s, under 10 minutes); the training and MFU sections run when

@@ -181,6 +181,8 @@ def run(processes: int, dtype: str, path: str | None, out: str) -> dict:
     import jax
     import safetensors
 
+    from jaxring.analysis.records import save_record
+
     cfg = config()
     tmp = None
     if path is None:
@@ -240,12 +242,8 @@ def run(processes: int, dtype: str, path: str | None, out: str) -> dict:
             "safetensors": safetensors.__version__,
             "numpy": np.__version__,
         },
-        "date": time.strftime("%Y-%m-%d"),
     }
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
+    save_record(result, out)
     return result
 
 

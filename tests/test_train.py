@@ -312,8 +312,8 @@ def test_selective_remat_keeps_metp_residuals_and_nothing_inside_its_rings():
     """METP dp2 x tp4: its attention's custom VJP keeps X_i, A_i and the lse (Algorithm 6). Under selective remat the
     layer keeps those (named) rather than running METP's forward ring again in the backward, as full remat
     does (more ring bytes), and keeps none of the products inside METP's loops (its dots carry a unit batch
-    dim). Before, selective kept those products and still ran the rings again (benchmarks/remat_memory.py,
-    results/remat_memory_before_fixes.json)."""
+    dim). Before a fix, selective kept those products and still ran the rings again (benchmarks/remat_memory.py
+    measures it)."""
     from jaxring.analysis.compiled import collective_traffic
 
     compiled = _remat_step_programs(dict(dp=2, tp=4), tensor_parallel="metp", attention="dense")
