@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_session.sh [SECTION ...]      # sections: env kernels flash flash-gqa tokamax train
 #                                                     #           train-no-offload weights weights-no-offload
 #                                                     #           weights-blocks mfu
-#   JAXRING_COMMIT=$(git rev-parse --short=12 HEAD) bash benchmarks/gpu_session.sh   # a copy without .git: stamps the records
+#   JAXRING_COMMIT=abc123def456 bash benchmarks/gpu_session.sh   # on a copy without .git: the commit it was copied
+#                                                     # from (git rev-parse --short=12 HEAD there) stamps the records
 #
 # With no SECTION it runs env kernels flash flash-gqa tokamax (the cuDNN session of issue 34 and the tokamax
 # rows; at most 60 + 200 + 120 + 120 + 90 s = 590 s, under 10 minutes); the training and MFU sections run when

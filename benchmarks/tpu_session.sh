@@ -3,7 +3,8 @@
 # settle (the TPU kernels run by Mosaic, their speed, a training run using every chip).
 #
 #   bash benchmarks/tpu_session.sh [SECTION ...]      # sections: env kernels flash flash-gqa train
-#   JAXRING_COMMIT=$(git rev-parse --short=12 HEAD) bash benchmarks/tpu_session.sh   # a copy without .git: stamps the records
+#   JAXRING_COMMIT=abc123def456 bash benchmarks/tpu_session.sh   # on a copy without .git: the commit it was copied
+#                                                     # from (git rev-parse --short=12 HEAD there) stamps the records
 #
 # With no SECTION it runs all of them (at most 60 + 180 + 120 + 120 + 180 s = 660 s, about ten minutes).
 # Runs from the repository root with jax[tpu] installed (`JAX=0.12.0 bash tools/setup.sh dev,tpu-compile` on
