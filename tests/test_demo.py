@@ -1,6 +1,6 @@
 """`python -m jaxring.demo` at small shapes: 0 when ring attention agrees with dense attention (forward and
-dq/dk/dv), 1 when it does not, 2 with one line for a bad flag. (tests/test_readme.py runs it as the README
-shows it.)"""
+dq/dk/dv), 1 when it does not, 2 with one line for a bad flag. (tests/test_readme.py runs it as
+docs/training.md shows it.)"""
 
 import jaxring
 from jaxring import demo

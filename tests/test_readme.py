@@ -1,19 +1,24 @@
-"""Every command README.md shows runs and exits 0: the shell commands of its ```bash blocks (`pip install` and
-the set-up, `tools/setup.sh`, and `pytest` aside), shortened, and `--help` of every benchmark script it names.
+"""Every command README.md and docs/*.md show runs and exits 0: the shell commands of their ```bash blocks,
+shortened, and `--help` of every benchmark script they name. The commands not run are reported as skipped, each
+with its reason (SKIPPED): the set-up (`pip install`, `bash tools/setup.sh`: CI runs it first), the test command
+(`pytest`: this test runs inside it), and the commands of ```sh blocks (written down for hardware the tests do not
+have, e.g. Llama-3.1-8B on 8 GPUs; the page says so above the block).
 
-The commands run in README order in one working directory, as a reader would type them (`--config run.yaml`
+Each page's commands run in page order in one working directory of the page's own, as a reader would type them (`--config run.yaml`
 reads the file the `--print-config ... > run.yaml` before it wrote; `--resume` continues the checkpoint the
 command before it saved). Each runs in a child process with a fresh shell's environment (no XLA device flags,
 no JAX platform: `clean_environment`), so it sets up its own devices as it would for a reader; each is shortened
 only in sizes: `python train.py` with its steps cut to two (four after a resume), a smaller model, no sample or
 held-out loss, and its outputs in a temporary directory; `python -m jaxring.demo` at a short sequence; `python -m jaxring.data prepare` with one worker, on
-a `corpus.jsonl` and a `path/to/tokenizer.json` this file writes first (the reader's own files in the README);
+a `corpus.jsonl` and a `path/to/tokenizer.json` this file writes first (the reader's own files in the docs);
 `python -m jaxring.planner` as shown (it runs nothing); `python -m jaxring.eval` on one 64-token batch or one
-96-token needle length; `python -m jaxring.models.hf export` on the newest step (the shortened run saved only its last).
-A README command this file does not know how to run is a failure, so a new kind of command gets a runner here.
+96-token needle length; `python -m jaxring.models.hf export` on the newest step (the shortened run saved only its last);
+`python benchmarks/tables.py --check` as shown (it reads the recorded results and writes nothing).
+A command this file does not know how to run is a failure, so a new kind of command gets a runner here.
 
 Every command runs in the default (CI) run: the ten training commands that repeat a code path the others cover
 took 75 s together on an idle 2-core machine (SLOW stays empty; a command put in it runs only with -m slow).
+The docs hold the README's former commands, none added but `benchmarks/tables.py --check` (under a second).
 """
 
 from __future__ import annotations
@@ -31,43 +36,85 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [README, *DOCS]  # the front door, then the docs it links to
 
-# exact README commands (after joining continuation lines and dropping comments) that run only with -m slow
+# exact commands of README or docs (after joining continuation lines and dropping comments) that run only with -m slow
 SLOW: set[str] = set()
 SLOW_REASON = "repeats a code path the default README commands cover (a compile each, ~10 s on 2 cores)"
+
+
+SETUP_REASON = "the set-up: CI runs it before the tests"
+TEST_COMMAND_REASON = "the test command: this test runs inside it"
+SH_BLOCK_REASON = "a ```sh block: written down for hardware the tests do not have (the page says which)"
+
+
+def block_commands(text: str, language: str = "bash") -> list[str]:
+    """The commands of the ```LANGUAGE blocks: continuation lines joined, comments dropped, whitespace
+    collapsed."""
+    commands = []
+    for block in re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.S | re.M):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words:
+                commands.append(shlex.join(words))
+    return commands
+
+
+def skip_reason(command: str) -> str | None:
+    """Why a ```bash command is not run here (None: it runs)."""
+    words = shlex.split(command)
+    if words[:2] == ["pip", "install"] or words[:2] == ["bash", "tools/setup.sh"]:
+        return SETUP_REASON
+    if "pytest" in words:
+        return TEST_COMMAND_REASON
+    return None
 
 
 def readme_commands(text: str) -> list[str]:
     """The commands of the ```bash blocks: continuation lines joined, comments dropped, whitespace collapsed;
     `pip install`, the set-up (`bash tools/setup.sh ...`) and `pytest` left out."""
-    commands = []
-    for block in re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M):
-        for line in block.replace("\\\n", " ").splitlines():
-            words = shlex.split(line, comments=True)
-            if (
-                not words
-                or words[:2] == ["pip", "install"]
-                or words[:2] == ["bash", "tools/setup.sh"]
-                or "pytest" in words
-            ):  # the set-up (CI runs it first) and the test command (this test runs inside it)
-                continue
-            commands.append(shlex.join(words))
-    return commands
+    return [c for c in block_commands(text) if skip_reason(c) is None]
+
+
+def skipped_commands(text: str) -> list[tuple[str, str]]:
+    """(command, reason) of every command shown but not run: the set-up and test commands of the ```bash
+    blocks, and every command of the ```sh blocks."""
+    shown = [(c, skip_reason(c)) for c in block_commands(text)]
+    return [(c, r) for c, r in shown if r is not None] + [(c, SH_BLOCK_REASON) for c in block_commands(text, "sh")]
 
 
 def benchmark_scripts(text: str) -> list[str]:
-    """The benchmark scripts the README names (`python benchmarks/NAME.py`), in order, once each."""
+    """The benchmark scripts a page names (`python benchmarks/NAME.py`), in order, once each."""
     return list(dict.fromkeys(re.findall(r"python (benchmarks/\w+\.py)", text)))
 
 
-COMMANDS = readme_commands(README.read_text())
+def _name(page: pathlib.Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+PAGE_COMMANDS = {_name(page): readme_commands(page.read_text()) for page in PAGES}
+COMMANDS = [c for commands in PAGE_COMMANDS.values() for c in commands]  # README's, then each page's
+ALL_TEXT = "\n".join(page.read_text() for page in PAGES)
 
 
 def test_readme_shows_commands():
     """The extraction finds the main job and the strategies (it would pass vacuously otherwise)."""
+    assert "python train.py" in PAGE_COMMANDS["README.md"]  # the main job, at the front door
     assert "python train.py" in COMMANDS
     assert any("--print-config" in c for c in COMMANDS) and any("--config" in c for c in COMMANDS)
     assert len(COMMANDS) >= 10, COMMANDS
+    assert len(DOCS) >= 5 and PAGE_COMMANDS["docs/training.md"], DOCS  # the pages the README commands moved to
+
+
+def test_skipped_commands_are_the_setup_the_tests_and_sh_blocks():
+    text = "```bash\npip install -e .\npython -m pytest -q\npython a.py\n```\n```sh\npython big.py --gpus 8\n```\n"
+    assert skipped_commands(text) == [
+        ("pip install -e .", SETUP_REASON),
+        ("python -m pytest -q", TEST_COMMAND_REASON),
+        ("python big.py --gpus 8", SH_BLOCK_REASON),
+    ]
+    assert readme_commands(text) == ["python a.py"]
 
 
 def test_extraction_joins_lines_and_drops_comments():
@@ -131,7 +178,7 @@ def hf_export_shortened(argv: list[str]) -> list[str]:
     return argv
 
 
-# the files a README command takes from the reader (its placeholders), made in the working directory first
+# the files a page's command takes from the reader (its placeholders), made in the working directory first
 CORPUS_JSONL = "corpus.jsonl"
 TOKENIZER_JSON = "path/to/tokenizer.json"
 
@@ -156,19 +203,36 @@ def write_reader_files(root: pathlib.Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    """One working directory for the README's commands, in order (they build on each other's files), holding
-    the files the reader brings (write_reader_files)."""
-    root = tmp_path_factory.mktemp("readme")
-    write_reader_files(root)
-    return root
+def workdirs(tmp_path_factory):
+    """One working directory per page, for its commands in order (they build on each other's files), holding
+    the files the reader brings (write_reader_files); made when the page's first command runs."""
+    made: dict[str, pathlib.Path] = {}
+
+    def workdir(page: str) -> pathlib.Path:
+        if page not in made:
+            made[page] = tmp_path_factory.mktemp(pathlib.Path(page).stem)
+            write_reader_files(made[page])
+        return made[page]
+
+    return workdir
 
 
 def _params():
     out = []
-    for i, command in enumerate(COMMANDS):
-        marks = [pytest.mark.slow(reason=SLOW_REASON)] if command in SLOW else []
-        out.append(pytest.param(i, command, marks=marks, id=command.removeprefix("python ")[:90]))
+    for page, commands in PAGE_COMMANDS.items():
+        for i, command in enumerate(commands):
+            marks = [pytest.mark.slow(reason=SLOW_REASON)] if command in SLOW else []
+            ident = f"{page}: {command.removeprefix('python ')}"[:100]
+            out.append(pytest.param(page, i, command, marks=marks, id=ident))
+    return out
+
+
+def _skipped_params():
+    out = []
+    for page in PAGES:
+        for command, reason in skipped_commands(page.read_text()):
+            ident = f"{_name(page)}: {command}"[:100]
+            out.append(pytest.param(command, marks=pytest.mark.skip(reason=reason), id=ident))
     return out
 
 
@@ -199,13 +263,16 @@ def child_argv(words: list[str], workdir: pathlib.Path, index: int) -> list[str]
         return ["-m", module, *hf_export_shortened(args)]
     if module == "jaxring.planner":
         return ["-m", module, *args]
-    pytest.fail(f"tests/test_readme.py does not know how to run the README command {shlex.join(words)!r}: teach it")
+    if words[:2] == ["python", "benchmarks/tables.py"] and words[2:] == ["--check"]:  # reads, writes nothing
+        return [str(ROOT / words[1]), *words[2:]]
+    pytest.fail(f"tests/test_readme.py does not know how to run the docs' command {shlex.join(words)!r}: teach it")
 
 
-@pytest.mark.parametrize("index,command", _params())
-def test_readme_command_runs(index, command, workdir):
+@pytest.mark.parametrize("page,index,command", _params())
+def test_readme_command_runs(page, index, command, workdirs):
     """The command runs as a reader types it: `python ...` in a child process, in the working directory of the
-    README's earlier commands, with a fresh shell's environment."""
+    page's earlier commands, with a fresh shell's environment."""
+    workdir = workdirs(page)
     words = shlex.split(command)
     redirect = None
     if ">" in words:  # `... > FILE`: the command's stdout goes to FILE
@@ -214,16 +281,21 @@ def test_readme_command_runs(index, command, workdir):
     argv = child_argv(words, workdir, index)
     if "--config" in argv:
         path = _flag(argv, "--config", "")
-        assert (workdir / path).is_file(), f"{path} is written by a README command before this one"
+        assert (workdir / path).is_file(), f"{path} is written by a {page} command before this one"
     if "--resume" in argv:
         ckpt = _flag(argv, "--checkpoint-dir", "")
-        assert (workdir / ckpt).is_dir(), f"{ckpt}/ is written by a README command before this one"
+        assert (workdir / ckpt).is_dir(), f"{ckpt}/ is written by a {page} command before this one"
     result = subprocess.run(
         [sys.executable, *argv], cwd=workdir, env=clean_environment(), capture_output=True, text=True, timeout=900
     )
     assert result.returncode == 0, f"{command!r} exited with {result.returncode}:\n{result.stderr[-3000:]}"
     if redirect is not None:
         (workdir / redirect).write_text(result.stdout)
+
+
+@pytest.mark.parametrize("command", _skipped_params())
+def test_shown_command_not_run(command):
+    """A command shown but not run here: reported as skipped with its reason (never reached)."""
 
 
 def _exit_code(main, argv) -> int:
@@ -234,22 +306,22 @@ def _exit_code(main, argv) -> int:
 
 
 def test_train_help_lists_every_flag_the_readme_uses(capsys):
-    """Each `--flag` of a README train.py command is one train.py accepts (`--help` lists it)."""
+    """Each `--flag` of a README or docs train.py command is one train.py accepts (`--help` lists it)."""
     code = _exit_code(_train_module().main, ["--help"])
     shown = capsys.readouterr().out
     assert code == 0
     used = {w for c in COMMANDS if c.startswith("python train.py") for w in shlex.split(c) if w.startswith("--")}
     missing = sorted(flag for flag in used if not re.search(rf"{re.escape(flag)}\b", shown))
-    assert not missing, f"README uses flags train.py --help does not list: {missing}"
+    assert not missing, f"README or docs use flags train.py --help does not list: {missing}"
 
 
 def test_benchmarks_the_readme_names_show_their_help():
-    """`python benchmarks/NAME.py --help` exits 0 for every script the README names (one interpreter for all:
+    """`python benchmarks/NAME.py --help` exits 0 for every script README or docs name (one interpreter for all:
     each script's imports and argument parser run; nothing is benchmarked)."""
-    scripts = benchmark_scripts(README.read_text())
+    scripts = benchmark_scripts(ALL_TEXT)
     assert len(scripts) >= 5, scripts
     missing = [s for s in scripts if not (ROOT / s).is_file()]
-    assert not missing, f"README names benchmark scripts that do not exist: {missing}"
+    assert not missing, f"README or docs name benchmark scripts that do not exist: {missing}"
     program = (
         "import contextlib, io, runpy, sys\n"
         "for path in sys.argv[1:]:\n"
@@ -351,3 +423,34 @@ def test_first_run_mistakes_name_a_setting_that_works(flags, message, fixed, tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert main(["--print-config", *fixed, "--out-dir", str(tmp_path)]) == 0, capsys.readouterr().err
+
+
+def test_readme_is_a_front_door_linking_every_page():
+    """README.md stays short (≤ 250 lines) and links every page of docs/."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 250, len(text.splitlines())
+    unlinked = [p.name for p in DOCS if f"(docs/{p.name}" not in text]
+    assert not unlinked, f"README.md does not link {unlinked}"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_pages_resolve():
+    """Every relative link of README and docs names a file that exists, and a heading of it after `#`."""
+    broken = []
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if "://" in target:
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{_name(page)}: {target}")
+            elif anchor and file.suffix == ".md":
+                headings = re.findall(r"^#+ (.*)$", file.read_text(), flags=re.M)
+                if anchor not in {_anchor(h) for h in headings}:
+                    broken.append(f"{_name(page)}: {target}")
+    assert not broken, broken

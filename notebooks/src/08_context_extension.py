@@ -15,7 +15,7 @@
 # 3. evaluate both models at 2,048 tokens on the same 8-device ring plan with `jaxring.eval`: loss by
 #    position bucket, and a pass-key heatmap over context lengths × needle depths.
 #
-# The same commands scale to Llama-3.1-8B on 8 GPUs (README, "Extending a model's context"). The data is the
+# The same commands scale to Llama-3.1-8B on 8 GPUs (docs/context_extension.md). The data is the
 # bundled corpus (the Python standard library's source files, one document each, many longer than 2,048
 # bytes), so nothing is downloaded. The numbers printed are whatever this run gets; at this size do not
 # expect the model to find pass keys.
@@ -172,7 +172,7 @@ plt.show()
 # the extended model's loss in the buckets past 256 should be lower than the base model's. Pass-key retrieval
 # needs a model that has learnt to copy from far back, which a model this small trained this briefly on
 # source code has not: zeros in both heatmaps are the honest outcome here, and the same evaluation on a real
-# model (README) is where it becomes informative.
+# model (docs/context_extension.md) is where it becomes informative.
 
 # %%
 before, after = ppl.values()

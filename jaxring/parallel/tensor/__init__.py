@@ -1,4 +1,4 @@
-"""Tensor-parallel methods: Megatron TP+SP, Optimus 2D SUMMA and METP (see the bibliography in README.md).
+"""Tensor-parallel methods: Megatron TP+SP, Optimus 2D SUMMA and METP (see the bibliography in REFERENCES.md).
 
 `contract.py` is the typed contract every method fulfils (`TensorMethod`, and "none": no tensor parallelism);
 `splits.py` the size checks and K/V-head split they share. Each method has three files, one concern each:
