@@ -43,6 +43,7 @@ from jaxring.run.schema import (
     check_setting,
     flat_index,
     option_names,
+    parsed_setting,
     setting_fields,
 )
 from jaxring.run.task import model_family
@@ -79,7 +80,7 @@ class RunSpec:
         options = dict(sections["parallel"].options)
         for name, value in settings.items():
             if name in index:
-                setattr(sections[index[name]], name, value)
+                setattr(sections[index[name]], name, parsed_setting(SECTIONS[index[name]], name, value))
             elif name in option_names():
                 options[name] = value
             else:
@@ -231,9 +232,11 @@ class RunSpec:
 
 
 def _plain(value: Any):
-    """YAML-safe: tuples as lists, mappings as dicts."""
+    """YAML-safe: tuples as lists, mappings as dicts, a typed setting (e.g. `Offload`) as its text form."""
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
-    return value
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)

@@ -343,7 +343,7 @@ def _describe(spec: RunSpec, trainer: Trainer, say: Callable[..., object], estim
         + "".join(
             f", {name} {value}"
             for name, value in (("loss tile", m.loss_tile), ("mlp tile", m.mlp_tile), ("offload", m.offload))
-            if value not in (None, "none")
+            if value is not None and str(value) != "none"
         )
     )
     say(
