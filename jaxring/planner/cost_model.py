@@ -142,7 +142,7 @@ def shapes(w: Workload, c: Candidate, plan: ParallelPlan | None = None, cpu: boo
         em=em,
         cpu=cpu,
         segments=w.documents,
-        vocab_split=plan.tensor_options.get("vocab_split", "none") != "none",
+        vocab_ring=plan.tensor.splits_vocab(plan),
         seq_axes=plan.seq_axes,
     )
     method = plan.tensor
@@ -755,10 +755,10 @@ def memory(
         # and the softmax in fp32 (their gradient takes the logits' place: 6 bytes an element in bf16, as
         # the deviceless H100 compile of GPT-7B at 262,144 tokens shows, benchmarks/results/memory_techniques.json)
         rows_at_once = x.n if c.loss_tile is None else min(c.loss_tile, x.n)
-        if s.model.vocab_split and c.loss_tile is None:  # the vocab ring tiles its loss itself
+        if s.model.vocab_ring and c.loss_tile is None:  # the vocab ring tiles its loss itself
             rows_at_once = min(RING_LOSS_ROWS, x.n)
         head = x.b * rows_at_once * x.vocab * (em + F32) + head_grads
-        if s.model.vocab_split:  # the vocab ring's ΔX, summed in fp32 over the blocks (`vocab_ring`)
+        if s.model.vocab_ring:  # the vocab ring's ΔX, summed in fp32 over the blocks (`vocab_ring`)
             head += x.b * x.n_act * x.h_act * F32
     return Memory(params, optimizer, grads, activations, working, update, other, host, head, s.core.forward)
 

@@ -276,8 +276,8 @@ class Candidate:
             parts.append(self.attention + opts(entries[0]))
         if self.tensor_parallel:
             parts.append(self.tensor_parallel + opts(entries[1]))
-        elif given.get("vocab_split", "none") != "none":  # no tensor method: the tables split over sp
-            parts.append(f"vocab_split={given['vocab_split']}")
+        elif changed := entries[1].changed_options(given):  # no tensor method: its options (over sp)
+            parts.append(",".join(f"{k}={v}" for k, v in changed.items()))
         if self.zero:
             parts.append(f"zero{self.zero}")
         if self.pp > 1:
