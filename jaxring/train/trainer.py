@@ -108,7 +108,7 @@ class Trainer:
             self.params, self.opt_state, batch, self.key(self.step_count), limit
         )
         self.step_count += 1
-        return {**out, "progress": getattr(self.task, "progress", ())}
+        return {**out, "progress": self.task.progress}
 
     def lower_step(self) -> jax.stages.Lowered:
         """The jitted update lowered on the current state and the first batch (what `step` runs: benchmarks
