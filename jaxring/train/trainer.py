@@ -48,10 +48,10 @@ class Trainer:
     program over the whole mesh: `jaxring.train.step.TrainStep`)."""
 
     def __init__(self, spec: RunSpec, devices: Sequence[jax.Device] | None = None):
-        """spec: the run (resolved and validated here for the devices); devices: default `jax.devices()`."""
+        """spec: the run (resolved and validated for the devices here, unless `prepare` did); devices: default
+        `jax.devices()`."""
         devices = list(jax.devices() if devices is None else devices)
         spec = spec.resolved(len(devices))
-        spec.validate()
         self.spec = spec
         self.plan = spec.plan(devices)
         self.task = model_family(spec.model.model).task(spec, self.plan)
