@@ -21,12 +21,12 @@ from jaxring.data.sources import ImageBatches, load_images
 from jaxring.models import dit
 from jaxring.parallel.cost_terms import WorkloadTerms
 from jaxring.parallel.plan import ParallelPlan
-from jaxring.run.task import ModelFamily
+from jaxring.run.task import ModelFamily, Task
 
 SAMPLES_FILE = "samples.png"
 
 
-class DiTTask:
+class DiTTask(Task):
     """Rectified flow on labelled images; the images split over the data axes."""
 
     def __init__(self, spec, plan: ParallelPlan):

@@ -26,7 +26,7 @@ from jaxring.data.tokenizer import load_tokenizer
 from jaxring.models import gpt, gpt_eval, hf
 from jaxring.models.generate import generate
 from jaxring.parallel.plan import ParallelPlan
-from jaxring.run.task import ModelFamily
+from jaxring.run.task import ModelFamily, Task
 
 DEFAULT_SEQ_LEN = 256
 
@@ -56,7 +56,7 @@ def _nearest_seq_len(plan: ParallelPlan, seq_len: int) -> int:
     raise AssertionError(f"no sequence length near {seq_len} splits over {plan.describe()}")
 
 
-class GPTTask:
+class GPTTask(Task):
     """Next-token prediction on packed documents (or a .bin's windows), laid out by the plan on the data side.
 
     Batches follow `jaxring.data.packing`'s convention ("tokens", "targets", "segment_ids", "positions" within

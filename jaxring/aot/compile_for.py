@@ -154,8 +154,7 @@ def estimated_memory(spec: RunSpec, count: int) -> cost_model.Memory:
 def lowered_step(spec: RunSpec, devices: list) -> tuple[jax.stages.Lowered, float, str]:
     """(the lowered train step, its estimated bytes per device, the plan) of the resolved run on `devices`
     (abstract GPUs or TPUs), with the flash kernels (`block_ops_for`); nothing is allocated."""
-    spec = spec.resolved(len(devices))
-    spec.validate()
+    spec = spec.resolved(len(devices))  # validated there
     spec = dataclasses.replace(spec, parallel=dataclasses.replace(spec.parallel, block_ops=block_ops_for(devices)))
     w, c = workload_of(spec), candidate_of(spec)
     plan = spec.plan(devices)

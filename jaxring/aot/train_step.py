@@ -22,7 +22,7 @@ from flax import nnx
 from jaxring.analysis import gpu
 from jaxring.core.compat import place_in_host_memory
 from jaxring.core.precision import compute_dtype
-from jaxring.nn import offloaded, param_placements
+from jaxring.nn import NO_OFFLOAD, Offload, param_placements
 from jaxring.run.task import model_family
 from jaxring.train.step import TrainStep
 
@@ -46,7 +46,7 @@ def build_train_step(
     precision: str = "bf16",
     remat: str = "full",
     remat_layers: int = 1,
-    offload: str = "none",
+    offload: Offload | str = NO_OFFLOAD,
     clip: float | None = 1.0,
     documents: bool = False,
 ) -> tuple[Callable[..., Any], tuple]:
@@ -102,11 +102,11 @@ def lower_train_step(model_kind: str, config: Any, plan: ParallelPlan, **kwargs)
     with gpu.lowering_for(plan.run_mesh.devices.flat[0]):
         lowered = fn.lower(*args)
     abstract = not _lists_host_memory(plan.run_mesh.devices.flat[0])
-    parts = offloaded(kwargs.get("offload", "none"))
-    if "optimizer" in parts and abstract:
+    offload = Offload.parse(kwargs.get("offload", NO_OFFLOAD))
+    if offload.optimizer and abstract:
         first = len(jax.tree.leaves(args[0]))  # (params, opt_state, ...) in, (params, opt_state, metrics) out
         state = set(range(first, first + len(jax.tree.leaves(args[1]))))
-        if "weights" in parts:
+        if offload.weights:
             state |= set(range(first))
         place_in_host_memory(lowered, state, state)
     return lowered

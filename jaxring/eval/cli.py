@@ -135,7 +135,7 @@ def _check_no_training_memory_flags(spec: RunSpec) -> None:
     """--offload and --remat-layers place what a training step keeps for its backward and its optimizer;
     evaluation runs forward passes only, so they are refused rather than silently ignored."""
     memory = spec.memory
-    if memory.offload != "none":
+    if memory.offload:
         raise ValueError(
             f"--offload {memory.offload}: evaluation runs forward passes only (no layer inputs kept for a backward, "
             f"no optimizer state), so there is nothing to offload; drop --offload"

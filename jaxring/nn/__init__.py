@@ -10,8 +10,6 @@ from jaxring.nn.modules import (
     BIAS,
     MLP,
     NORMS,
-    OFFLOAD,
-    OFFLOAD_PARTS,
     REMAT,
     STACKED,
     Attention,
@@ -22,7 +20,6 @@ from jaxring.nn.modules import (
     RMSNorm,
     bias_param,
     constant,
-    offloaded,
     param,
     param_placements,
     param_shardings,
@@ -31,11 +28,13 @@ from jaxring.nn.modules import (
     token_cross_entropy,
     weight_specs,
 )
+from jaxring.nn.offload import NO_OFFLOAD, OFFLOAD, OFFLOAD_PARTS, Offload
 
 __all__ = [
     "BIAS",
     "MLP",
     "NORMS",
+    "NO_OFFLOAD",
     "OFFLOAD",
     "OFFLOAD_PARTS",
     "REMAT",
@@ -45,10 +44,10 @@ __all__ = [
     "LayerNorm",
     "Layers",
     "MoE",
+    "Offload",
     "RMSNorm",
     "bias_param",
     "constant",
-    "offloaded",
     "param",
     "param_placements",
     "param_shardings",

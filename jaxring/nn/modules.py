@@ -35,6 +35,7 @@ from jaxring.kernels.layer_math import check_activation
 from jaxring.kernels.rope import Rope, as_rope
 from jaxring.nn import inference
 from jaxring.nn import moe as moe_lib
+from jaxring.nn.offload import NO_OFFLOAD, Offload
 from jaxring.parallel import zero
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.parallel.tensor.contract import KEPT_RESIDUAL, MATMUL_OUTPUT, AttentionLayer, ParamInfo
@@ -338,24 +339,6 @@ def stack(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: n
     return layers
 
 
-# What host offload moves to pinned host memory: the layers' checkpointed inputs (between forward and
-# backward), the optimizer state (between updates), the weights (the fp32 master weights, their gradients and
-# the optimizer state: each layer's weights reach the device just before the layer runs, its gradient leaves
-# as the backward produces it, and the update streams the state through the device layer by layer), joined
-# by "+" in this order ("weights" already holds the optimizer state).
-OFFLOAD_PARTS = ("layer_inputs", "optimizer", "weights")
-OFFLOAD = ("none", "layer_inputs", "optimizer", "layer_inputs+optimizer", "weights", "layer_inputs+weights")
-
-
-def offloaded(offload: str) -> frozenset[str]:
-    """The parts an --offload value moves to host memory (OFFLOAD_PARTS; "weights" takes the optimizer state
-    with them): e.g. "layer_inputs+weights" -> {"layer_inputs", "optimizer", "weights"}."""
-    if offload not in OFFLOAD:
-        raise ValueError(f"unknown offload {offload!r}; expected one of {', '.join(OFFLOAD)}")
-    parts = frozenset() if offload == "none" else frozenset(offload.split("+"))
-    return parts | {"optimizer"} if "weights" in parts else parts
-
-
 REMAT_LAYERS_RULE = {
     "remat": "--remat-layers {k} recomputes blocks of {k} layers from their inputs: it needs --remat full (got "
     "--remat {remat})",
@@ -364,7 +347,7 @@ REMAT_LAYERS_RULE = {
 
 
 def remat_policy(
-    remat: str, zero_stage: int = 0, offload: str = "none", name: str = LAYER_INPUT
+    remat: str, zero_stage: int = 0, offload: Offload = NO_OFFLOAD, name: str = LAYER_INPUT
 ) -> Callable[..., bool]:
     """The jax.checkpoint policy of one layer for remat none/selective/full: none saves everything it computes,
     selective only the weight matmuls' outputs (dots without batch dims, and those computed inside a custom_vjp,
@@ -372,15 +355,17 @@ def remat_policy(
     are never saved for the backward (`zero.no_weights_saved`): ZeRO-3 gathers them again, the others slice
     them again from the stack.
 
-    offload "layer_inputs" (or with "+optimizer", "+weights"; with remat full): each layer's input, named `LAYER_INPUT` by `Layers`, is the one
-    value kept, and it is kept in host memory ("pinned_host") between the forward and the backward [ALST];
-    XLA moves it out after the layer's forward and back before its backward. name: the checkpoint name of
-    the value offloaded (INNER_LAYER_INPUT for the layers inside a recompute block)."""
+    offload.layer_inputs (--offload layer_inputs, alone or with optimizer or weights; with remat full): each
+    layer's input, named `LAYER_INPUT` by `Layers`, is the one value kept, and it is kept in host memory
+    ("pinned_host") between the forward and the backward [ALST]; XLA moves it out after the layer's forward
+    and back before its backward. name: the checkpoint name of the value offloaded (INNER_LAYER_INPUT for the layers inside a recompute block)."""
     if remat not in REMAT:
         raise ValueError(f"unknown remat {remat!r}; expected one of {', '.join(REMAT)}")
-    if "layer_inputs" in offloaded(offload):
+    if offload.layer_inputs:
         if remat != "full":
-            raise ValueError(f"offload {offload!r} needs remat 'full' (it keeps the layer inputs only), got {remat!r}")
+            raise ValueError(
+                f"offload {str(offload)!r} needs remat 'full' (it keeps the layer inputs only), got {remat!r}"
+            )
         host = jax.checkpoint_policies.save_and_offload_only_these_names(
             names_which_can_be_saved=[],
             names_which_can_be_offloaded=[name],
@@ -405,7 +390,7 @@ class Layers:
     placements: their stacked Placements; stage: the ZeRO stage; remat: none/selective/full per layer.
     remat_layers: with remat full, layers per recompute block (Megatron's uniform --recompute-num-layers): the
     stack is scanned a block at a time, a block keeps (or offloads) only its input, and its backward recomputes
-    its layers' forward keeping each layer's input (on the device, or with offload "layer_inputs" in host
+    its layers' forward keeping each layer's input (on the device, or with offload.layer_inputs in host
     memory until that layer's backward): one more forward per layer.
     """
 
@@ -415,7 +400,7 @@ class Layers:
     placements: object
     stage: int = 0
     remat: str = "none"
-    offload: str = "none"
+    offload: Offload = NO_OFFLOAD
     remat_layers: int = 1
 
     def __call__(self, carry: Any, call: Callable[[nnx.Module, Any], Any]) -> Any:
@@ -439,7 +424,7 @@ class Layers:
             )
             return call(nnx.merge(self.graphdef, weights), carry), None
 
-        if "weights" in offloaded(self.offload):
+        if self.offload.weights:
             # the stored weights live in host memory: the scan walks them as its xs, and each layer's reach the
             # device just before the layer runs (again in its backward: never saved); its gradient, the
             # transfer's transpose, goes back to host memory as the backward produces it
@@ -458,7 +443,7 @@ class Layers:
                 divisor = max(d for d in range(1, k) if num_layers % d == 0)
                 raise ValueError(REMAT_LAYERS_RULE["layers"].format(k=k, layers=num_layers, divisor=divisor))
             one = body
-            if "layer_inputs" in offloaded(self.offload):
+            if self.offload.layer_inputs:
                 # the block's backward recomputes its layers' forward: their inputs go to host memory then,
                 # and come back one at a time for each layer's backward (so the device holds one, not k)
                 def one(carry: Any, x: Any, layer: Callable = body) -> tuple[Any, None]:
@@ -468,12 +453,12 @@ class Layers:
             one = jax.checkpoint(one, policy=inner, prevent_cse=False)
 
             def body(carry: Any, block: Any) -> tuple[Any, None]:  # k layers, each keeping its input alone
-                if "weights" in offloaded(self.offload):  # the block's weights moved in at once (their
+                if self.offload.weights:  # the block's weights moved in at once (their
                     block = jax.device_put(block, jax.memory.Space.Device)  # gradients out at once)
                 return lax.scan(one, carry, block)[0], None
 
             xs = jax.tree.map(lambda a: a.reshape((num_layers // k, k) + a.shape[1:]), xs)
-        if "layer_inputs" in offloaded(self.offload):
+        if self.offload.layer_inputs:
             layer = body
 
             def body(carry: Any, x: Any) -> tuple[Any, None]:

@@ -5,7 +5,7 @@ from the MLP to the whole layer but attention's core).
     out     = attention(q, k, v)                                           # the plan's sequence strategy
     y       = over_tiles((x, out) -> h + mlp(norm2(h)), h = x + out @ Wo)  # residuals: x, out
 
-With UPipe's head chunks (Ulysses `head_chunks` G > 1) the first line runs inside the strategy, a chunk of
+With UPipe's head chunks (G > 1 under Ulysses: `ParallelPlan.projected_chunks`) the first line runs inside the strategy, a chunk of
 heads at a time (`ParallelPlan.attend_projected`): q, k, v and their gradients are never whole.
 
 Only x, q, k, v and out exist for the whole sequence (plus their gradients in the backward): the normed
@@ -51,7 +51,7 @@ def tiled_block(
         heads, kv_heads = (w[n].shape[1] // layer.head_dim for n in ("wq", "wk"))
 
         def project(x: jax.Array, pos: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-            w_g = head_chunk_weights(w, g, plan.head_chunks, layer.head_dim)
+            w_g = head_chunk_weights(w, g, plan.projected_chunks, layer.head_dim)
             return over_tiles(
                 lambda x, pos: method.attention_qkv(plan, norm1(x, plan), w_g, pos, layer), tiles, (x, pos)
             )

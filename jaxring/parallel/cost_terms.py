@@ -159,7 +159,7 @@ class ModelShape:
     em: int  # bytes per activation element in memory
     cpu: bool  # priced for XLA:CPU (the tests' simulated devices): jnp block ops, fp32 collectives
     segments: bool = False  # packed documents: int32 segment ids [b, n] travel where a method moves K/V
-    vocab_split: bool = False  # the embedding and head split by vocab rows, their blocks on a ring (--vocab-split)
+    vocab_ring: bool = False  # the embedding and head split by vocab rows, their blocks on a ring (`splits_vocab`)
     seq_axes: tuple[str, ...] = ("sp",)  # the run-mesh axes that split the sequence (a strategy's view of sp)
 
     @property

@@ -321,9 +321,11 @@ class ParallelPlan:
         return self.sp > 1 and s.projects is not None and s.projects(self.strategy_options)
 
     @property
-    def head_chunks(self) -> int:
-        """G, the head chunks `attend_projected` calls `project` for (1 unless `attends_projected`)."""
-        return self.strategy_options.get("head_chunks", 1) if self.attends_projected else 1
+    def projected_chunks(self) -> int:
+        """G, the head chunks `attend_projected` calls `project` for (1 unless `attends_projected`): the
+        strategy's `projected_chunks` of its options."""
+        chunks = self.strategy.projected_chunks
+        return chunks(self.strategy_options) if self.attends_projected and chunks is not None else 1
 
     def attend_projected(
         self,
@@ -449,8 +451,8 @@ class ParallelPlan:
         if self.tensor_parallel:
             opts = ", ".join(f"{k}={v}" for k, v in self.tensor_options.items())
             parts.append(f"tensor={self.tensor_parallel}" + (f" ({opts})" if opts else ""))
-        elif self.tensor_options.get("vocab_split", "none") != "none":  # no tensor method: the tables over sp
-            parts.append(f"vocab_split={self.tensor_options['vocab_split']}")
+        elif changed := self.tensor.changed_options(self.tensor_options):  # no tensor method: its options (sp's)
+            parts.append(", ".join(f"{k}={v}" for k, v in changed.items()))
         if self.zero_stage:
             parts.append(f"zero={self.zero_stage}")
         if self.pp > 1:

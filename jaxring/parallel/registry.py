@@ -109,6 +109,11 @@ class HasOptions:
             options[o.name] = value
         return options
 
+    def changed_options(self, given: dict) -> dict:
+        """The entry's options in `given` whose values differ from their defaults, in the entry's order (what a
+        plan's description shows)."""
+        return {o.name: given[o.name] for o in self.options if given.get(o.name, o.default) != o.default}
+
     def option_grid(self, degree: int) -> list[dict]:
         """Every combination of the values the planner tries for this entry's options at `degree`."""
         grid = [{}]
@@ -132,6 +137,8 @@ class SequenceStrategy(HasOptions):
     # (options) -> True when `attend_projected` should run the layer's projections inside the strategy
     projects: Callable[[dict], bool] | None = None
     attend_projected: Callable | None = None  # (project, x, rope_positions, segment_ids, *, heads, ...) -> out
+    # (options) -> G, the chunks of heads `attend_projected` calls `project` for (None: 1)
+    projected_chunks: Callable[[dict], int] | None = None
     default_layout: str = "zigzag"  # for causal attention
     layouts: tuple[str, ...] = ("contiguous", "zigzag", "striped")
     view: Callable[[Mesh, dict, str], tuple[Mesh, tuple[str, ...]]] | None = None

@@ -53,7 +53,7 @@ def held_settings(spec: RunSpec) -> dict:
     for name in ("loss_tile", "mlp_tile"):
         if getattr(spec.memory, name) is not None:
             held[name] = getattr(spec.memory, name)
-    if spec.memory.offload != "none":
+    if spec.memory.offload:
         held["offload"] = spec.memory.offload
     if spec.memory.remat_layers != 1:
         held["remat_layers"] = spec.memory.remat_layers

@@ -50,7 +50,6 @@ from typing import TYPE_CHECKING
 
 from jaxring.core.precision import BYTES_PER_ELEMENT as DTYPE_BYTES
 from jaxring.kernels.blockwise import BACKWARD_TILE, FORWARD_TILE, tile_size
-from jaxring.nn import offloaded
 from jaxring.parallel.cost_terms import (
     F32,
     AttentionCost,
@@ -143,7 +142,7 @@ def shapes(w: Workload, c: Candidate, plan: ParallelPlan | None = None, cpu: boo
         em=em,
         cpu=cpu,
         segments=w.documents,
-        vocab_split=plan.tensor_options.get("vocab_split", "none") != "none",
+        vocab_ring=plan.tensor.splits_vocab(plan),
         seq_axes=plan.seq_axes,
     )
     method = plan.tensor
@@ -665,7 +664,7 @@ def memory(
         grads += 2 * layer_grad / F32 * em  # one layer's weights gathered (forward and backward)
     per_layer = saved_per_layer(w, s, remat, c.mlp_tile)
     host = 0.0
-    parts = offloaded(c.offload)
+    parts = c.offload.parts
     if "optimizer" in parts and not cpu:
         # the AdamW moments live in pinned host memory between updates (the deviceless H100 compile of
         # Llama-3-8B at 4M tokens, METP tp8: device arguments 21.5 -> 7.2 GiB, host arguments 14.3 GiB); the
@@ -756,10 +755,10 @@ def memory(
         # and the softmax in fp32 (their gradient takes the logits' place: 6 bytes an element in bf16, as
         # the deviceless H100 compile of GPT-7B at 262,144 tokens shows, benchmarks/results/memory_techniques.json)
         rows_at_once = x.n if c.loss_tile is None else min(c.loss_tile, x.n)
-        if s.model.vocab_split and c.loss_tile is None:  # the vocab ring tiles its loss itself
+        if s.model.vocab_ring and c.loss_tile is None:  # the vocab ring tiles its loss itself
             rows_at_once = min(RING_LOSS_ROWS, x.n)
         head = x.b * rows_at_once * x.vocab * (em + F32) + head_grads
-        if s.model.vocab_split:  # the vocab ring's ΔX, summed in fp32 over the blocks (`vocab_ring`)
+        if s.model.vocab_ring:  # the vocab ring's ΔX, summed in fp32 over the blocks (`vocab_ring`)
             head += x.b * x.n_act * x.h_act * F32
     return Memory(params, optimizer, grads, activations, working, update, other, host, head, s.core.forward)
 
@@ -881,10 +880,10 @@ def step_time(
     for k, v in step_comm.items():
         comm[k] = comm.get(k, 0.0) + v
     offload = 0.0
-    if c.offload != "none" and not cluster.cpu:
+    if c.offload and not cluster.cpu:
         layers_s, update_s = host_transfer_seconds(w, c, s, updated * F32, cluster.device.host_bytes_per_s)
         offload = max(0.0, layers_s - compute) + update_s
-        if "weights" in offloaded(c.offload):
+        if c.offload.weights:
             optimizer = 0.0  # streamed: the host link, not HBM, bounds it (update_s)
     return StepTime(compute, comm, hidden, bubble, optimizer, offload)
 
@@ -900,7 +899,7 @@ def host_transfer_seconds(w: Workload, c: Candidate, s: Shapes, weights: float, 
     weights       each layer's fp32 weights in for its forward and again for its backward, its gradient out;
                   the update reads weights, gradients (twice: the norm first) and moments, writes weights and
                   moments"""
-    parts = offloaded(c.offload)
+    parts = c.offload.parts
     to_device = from_device = update_in = update_out = 0.0
     if "layer_inputs" in parts:
         # the blocks' inputs, and with recompute blocks every layer's again in its block's backward

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import jax
 
 from jaxring.core.host import machine_memory_bytes
+from jaxring.nn import Offload
 from jaxring.planner import cost_model
 from jaxring.planner.cost_model import Memory
 from jaxring.planner.params import param_leaves
@@ -133,11 +134,11 @@ def _remedies(spec: RunSpec, c: Candidate, w: Workload) -> list[tuple[str, Candi
     if tile is not None and c.mlp_tile is None:
         c = dataclasses.replace(c, mlp_tile=tile)
         out.append((f"--mlp-tile {tile}", c))
-    if c.offload == "none" and c.pp == 1:
-        c = dataclasses.replace(c, offload="layer_inputs")
+    if not c.offload and c.pp == 1:
+        c = dataclasses.replace(c, offload=Offload(layer_inputs=True))
         out.append(("--offload layer_inputs", c))
-    if c.offload in ("none", "layer_inputs"):
-        c = dataclasses.replace(c, offload="optimizer" if c.offload == "none" else "layer_inputs+optimizer")
+    if not (c.offload.parts - {"layer_inputs"}):
+        c = dataclasses.replace(c, offload=dataclasses.replace(c.offload, optimizer=True))
         out.append((f"--offload {c.offload}", c))
     return out
 

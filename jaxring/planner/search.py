@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from jaxring.nn import OFFLOAD_PARTS, REMAT, offloaded
+from jaxring.nn import REMAT, Offload
 from jaxring.parallel.catalog import (
     all_options,
     pipeline_schedule,
@@ -339,7 +339,7 @@ def evaluate(
 
 def _weights_offload_rule(c: Candidate, w: Workload) -> str | None:
     """The train step's refusal of a held --offload with the weights (`WEIGHTS_OFFLOAD_RULES`, pp > 1), or None."""
-    if "weights" not in offloaded(c.offload):
+    if not c.offload.weights:
         return None
     if c.pp > 1:
         return OFFLOAD_WITH_PP.format(offload=c.offload, pp=c.pp)
@@ -437,7 +437,7 @@ def with_memory_techniques(c: Candidate, w: Workload, level: str) -> Candidate:
     if "weights" in parts:
         parts.discard("optimizer")
     blocks = recompute_block(w.config.num_layers // c.pp) if "blocks" in parts and c.remat == "full" else 1
-    offload = "+".join(p for p in OFFLOAD_PARTS if p in parts) or "none"
+    offload = Offload(**{p: True for p in parts - {"blocks"}})
     vocab = getattr(w.config, "vocab_size", None)
     return dataclasses.replace(
         c, loss_tile=tile if vocab else None, mlp_tile=tile, offload=offload, remat_layers=blocks

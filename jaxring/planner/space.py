@@ -24,6 +24,7 @@ from jax.sharding import AxisType, Mesh
 
 from jaxring.core.mesh import MESH_AXES, make_mesh
 from jaxring.core.precision import PRECISIONS
+from jaxring.nn import NO_OFFLOAD, Offload
 from jaxring.parallel.catalog import pipeline_schedule, sequence_strategy, tensor_method
 from jaxring.parallel.cost_terms import WorkloadTerms
 from jaxring.parallel.plan import ParallelPlan
@@ -150,13 +151,14 @@ class Candidate:
     remat_layers: int = 1  # layers per recompute block (remat full)
     loss_tile: int | None = None  # the run spec's memory settings (tokens per tile of the loss, of the MLP)
     mlp_tile: int | None = None
-    offload: str = "none"
+    offload: Offload = NO_OFFLOAD  # a text form (--offload's) is parsed
     micro_batch: int = 1  # sequences per data replica in one micro-step (pp = 1) or micro-batch (pp > 1)
     options: tuple = ()  # the chosen entries' options: (name, value) pairs, sorted by name (a dict is taken)
 
     def __post_init__(self):
         options = self.options.items() if isinstance(self.options, dict) else self.options
         object.__setattr__(self, "options", tuple(sorted((k, v) for k, v in options if v is not None)))
+        object.__setattr__(self, "offload", Offload.parse(self.offload))
 
     @classmethod
     def of(cls, **settings) -> Candidate:
@@ -274,8 +276,8 @@ class Candidate:
             parts.append(self.attention + opts(entries[0]))
         if self.tensor_parallel:
             parts.append(self.tensor_parallel + opts(entries[1]))
-        elif given.get("vocab_split", "none") != "none":  # no tensor method: the tables split over sp
-            parts.append(f"vocab_split={given['vocab_split']}")
+        elif changed := entries[1].changed_options(given):  # no tensor method: its options (over sp)
+            parts.append(",".join(f"{k}={v}" for k, v in changed.items()))
         if self.zero:
             parts.append(f"zero{self.zero}")
         if self.pp > 1:
@@ -285,7 +287,7 @@ class Candidate:
         if self.remat_layers > 1:
             parts.append(f"remat_layers={self.remat_layers}")
         parts += [f"{n}={v}" for n, v in (("loss_tile", self.loss_tile), ("mlp_tile", self.mlp_tile)) if v]
-        if self.offload != "none":
+        if self.offload:
             parts.append(f"offload={self.offload}")
         parts.append(f"mb={self.micro_batch}")
         return " ".join(parts)
@@ -301,7 +303,7 @@ _FLAG_DEFAULTS = {
     "fsdp": 1,
     "zero": 0,
     "remat": "none",
-    "offload": "none",
+    "offload": NO_OFFLOAD,
     "remat_layers": 1,
 }
 

@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from jaxring.core.mesh import DATA_AXES
-from jaxring.nn import offloaded
 from jaxring.parallel.catalog import pipeline_schedule, pipeline_schedules
 from jaxring.run.schema import DEGREES, ParallelSettings, TrainingSettings
 from jaxring.run.task import model_family
@@ -132,7 +131,7 @@ def _check_memory(spec: RunSpec) -> None:
     t, m = spec.training, spec.memory
     if t.batch_size % t.grad_accum:
         raise ValueError(f"--batch-size {t.batch_size} is not divisible by --grad-accum {t.grad_accum}")
-    layer_inputs = "layer_inputs" in offloaded(m.offload)
+    layer_inputs = m.offload.layer_inputs
     if layer_inputs and m.remat != "full":
         raise ValueError(
             f"--offload {m.offload} keeps each layer's input in host memory and recomputes the rest: "
@@ -144,9 +143,9 @@ def _check_memory(spec: RunSpec) -> None:
             f"(got --remat {m.remat})"
         )
     pp = spec.parallel.degrees()["pp"]
-    if pp > 1 and offloaded(m.offload) - {"optimizer"}:
+    if pp > 1 and m.offload.beyond_optimizer:
         raise ValueError(OFFLOAD_WITH_PP.format(offload=m.offload, pp=pp))
-    if "weights" in offloaded(m.offload) and t.grad_accum > 1:
+    if m.offload.weights and t.grad_accum > 1:
         raise ValueError(WEIGHTS_OFFLOAD_RULES["grad_accum"].format(offload=m.offload, grad_accum=t.grad_accum))
     if pp > 1 and t.grad_accum > 1:
         raise ValueError(

@@ -90,7 +90,8 @@ def build_parser(prog: str = "train.py", description: str | None = None) -> argp
             if dict in accepted:
                 g.add_argument(flag, action="append", metavar=meta.get("metavar") or "NAME=VALUE", **kw)
                 continue
-            kind = next(t for t in (int, float, str) if t in accepted)
+            # a typed setting (one with `parse`) is given as its text; the spec parses it
+            kind = str if meta.get("parse") else next(t for t in (int, float, str) if t in accepted)
             choices = setting_choices(meta)
             if choices is not None:
                 kw["choices"] = choices

@@ -28,7 +28,7 @@ from jaxring.core.suggest import nearest
 from jaxring.data.packing import PACKINGS
 from jaxring.kernels.block_compute import BLOCK_OPS
 from jaxring.kernels.layout import LAYOUTS
-from jaxring.nn import OFFLOAD, REMAT
+from jaxring.nn import NO_OFFLOAD, OFFLOAD, REMAT, Offload
 from jaxring.parallel.catalog import all_options, pipeline_schedules, sequence_strategies, tensor_methods
 from jaxring.parallel.registry import Option
 from jaxring.run.task import model_families
@@ -54,6 +54,7 @@ __all__ = [
     "flag_name",
     "flat_index",
     "option_names",
+    "parsed_setting",
     "registered_options",
     "setting",
     "setting_choices",
@@ -80,11 +81,22 @@ def setting(
     flag: str | None = None,
     metavar: str | None = None,
     entries: Callable[[], dict] | None = None,
+    parse: Callable[[str], Any] | None = None,
 ) -> Any:
     """A dataclass field that is a run setting: its default, its help, its rule (see RULE_TEXT) or choices
-    (a tuple, or a function returning one: registries fill in late), its flag if not --NAME-WITH-DASHES, and
-    `entries`: a function returning {name: registry entry} whose summaries the help lists."""
-    meta = {"help": help, "rule": rule, "choices": choices, "flag": flag, "metavar": metavar, "entries": entries}
+    (a tuple, or a function returning one: registries fill in late), its flag if not --NAME-WITH-DASHES,
+    `entries`: a function returning {name: registry entry} whose summaries the help lists, and `parse`: for a
+    typed setting, the one function from its text form (one of its choices) to its value (whose str() is
+    that text again: the YAML form)."""
+    meta = {
+        "help": help,
+        "rule": rule,
+        "choices": choices,
+        "flag": flag,
+        "metavar": metavar,
+        "entries": entries,
+        "parse": parse,
+    }
     if isinstance(default, (dict, list)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -176,14 +188,15 @@ class MemorySettings:
     mlp_tile: int | None = setting(
         None, "tokens per tile of the MLP ([tokens, ffn] never whole; default: untiled)", rule="int>=1"
     )
-    offload: str = setting(
-        "none",
+    offload: Offload = setting(
+        NO_OFFLOAD,
         "host offload: none; layer_inputs (each layer's checkpointed input lives in host memory between the "
         "forward and the backward; with --remat full); optimizer (the AdamW state lives in host memory between "
         "updates); weights (the fp32 weights, their gradients and the AdamW state live in host memory: each "
         "layer's weights reach the device as the layer runs, its gradient leaves as it is formed, the update "
         "streams layer by layer; pp = 1, ZeRO stage 0 or 3); layer_inputs+optimizer, layer_inputs+weights (both)",
         choices=OFFLOAD,
+        parse=Offload.parse,
     )
     device_memory_gib: float | None = setting(
         None,
@@ -463,6 +476,16 @@ def setting_choices(meta: Mapping[str, Any]) -> tuple | None:
     return choices() if callable(choices) else choices
 
 
+def parsed_setting(section: type, name: str, value: object) -> object:
+    """A typed setting's value from its text form where that is one of its choices (the setting's `parse`);
+    any other value as it is (a bad one is `check_setting`'s one-line error)."""
+    meta = setting_fields(section)[name].metadata
+    parse = meta.get("parse")
+    if parse is None or not isinstance(value, str) or value not in (setting_choices(meta) or ()):
+        return value
+    return parse(value)
+
+
 def check_setting(section: type, name: str, value: object) -> None:
     """One setting's type, rule and choices; ValueError naming the flag, the value and the rule."""
     f = setting_fields(section)[name]
@@ -471,6 +494,8 @@ def check_setting(section: type, name: str, value: object) -> None:
     if value is None:
         if not optional:
             raise ValueError(f"{label} cannot be null")
+        return
+    if f.metadata.get("parse") is not None and isinstance(value, accepted):  # a typed value: parsed already
         return
     choices = setting_choices(f.metadata)
     if choices is not None:

@@ -43,6 +43,7 @@ from jaxring.run.schema import (
     check_setting,
     flat_index,
     option_names,
+    parsed_setting,
     setting_fields,
 )
 from jaxring.run.task import model_family
@@ -64,6 +65,8 @@ class RunSpec:
     output: OutputSettings = dataclasses.field(default_factory=OutputSettings)
     guard: GuardSettings = dataclasses.field(default_factory=GuardSettings)
     cluster: ClusterSettings = dataclasses.field(default_factory=ClusterSettings)
+    # the device count `resolved` resolved and validated it for (None: not yet; a changed copy is not)
+    resolved_for: int | None = dataclasses.field(default=None, compare=False, repr=False)
 
     # ---------------------------------------------------------------- flat names
     @classmethod
@@ -79,7 +82,7 @@ class RunSpec:
         options = dict(sections["parallel"].options)
         for name, value in settings.items():
             if name in index:
-                setattr(sections[index[name]], name, value)
+                setattr(sections[index[name]], name, parsed_setting(SECTIONS[index[name]], name, value))
             elif name in option_names():
                 options[name] = value
             else:
@@ -188,9 +191,13 @@ class RunSpec:
         return "bf16" if llama or jax.default_backend() == "tpu" else "fp32"
 
     def resolved(self, device_count: int) -> RunSpec:
-        """The spec with what defaults derive filled in: mesh degrees, the strategy, its options' defaults.
-        Degrees that do not multiply to `device_count`, micro-batches that do not suit pp, and a batch that
-        does not split over the data axes and micro-batches are one-line errors naming a setting that works."""
+        """The spec with what defaults derive filled in: mesh degrees, the strategy, its options' defaults,
+        then validated (`validate`): the one place a run is resolved and checked, marked `resolved_for` so
+        that the loop and the `Trainer` take it as it is. Degrees that do not multiply to `device_count`,
+        micro-batches that do not suit pp, and a batch that does not split over the data axes and
+        micro-batches are one-line errors naming a setting that works."""
+        if self.resolved_for == device_count:
+            return self
         p = dataclasses.replace(self.parallel, **self.parallel.degrees(device_count))
         check_degrees(p, device_count, self.training)
         check_batch_split(p, self.training)
@@ -209,7 +216,9 @@ class RunSpec:
             pp=p.pp,
         )
         training = dataclasses.replace(self.training, precision=self.compute_precision)
-        return dataclasses.replace(self, parallel=p, training=training)
+        spec = dataclasses.replace(self, parallel=p, training=training)
+        spec.validate()
+        return dataclasses.replace(spec, resolved_for=device_count)
 
     def plan(self, devices: Sequence[jax.Device] | None = None) -> ParallelPlan:
         """The ParallelPlan the run's parallel settings name (see `make_plan`)."""
@@ -231,9 +240,11 @@ class RunSpec:
 
 
 def _plain(value: Any):
-    """YAML-safe: tuples as lists, mappings as dicts."""
+    """YAML-safe: tuples as lists, mappings as dicts, a typed setting (e.g. `Offload`) as its text form."""
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
-    return value
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)

@@ -30,7 +30,7 @@ import types
 import typing
 from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -77,8 +77,9 @@ class Objective:
         raise NotImplementedError
 
 
-class Task(Protocol):
-    """A training run's model and data, as the loop (`jaxring.train`) drives it.
+class Task:
+    """A training run's model and data, as the loop (`jaxring.train`) drives it: a family's task subclasses it
+    and implements the required methods; the optional hooks have defaults that do nothing.
 
     config: the model's config; objective: its `Objective`; progress: metric names for the progress bar;
     source_name: what the data is (shown in the run's header).
@@ -86,21 +87,46 @@ class Task(Protocol):
 
     config: Any
     objective: Objective
-    progress: tuple[str, ...]
-    source_name: str
+    progress: tuple[str, ...] = ()
+    source_name: str = ""
 
-    def model(self, seed: int) -> Any: ...  # the nnx model (the same for a seed on any mesh), with a STACK attribute
+    # ---------------------------------------------------------------- required
+    def model(self, seed: int) -> Any:
+        """The nnx model (the same for a seed on any mesh), with a STACK attribute."""
+        raise NotImplementedError
 
-    def batch(self, step: int, val: bool = False) -> dict: ...  # global arrays for `step` (a pure function of it)
+    def batch(self, step: int, val: bool = False) -> dict:
+        """Global arrays for `step` (a pure function of it)."""
+        raise NotImplementedError
 
     @property
-    def tokens_per_step(self) -> int: ...
+    def tokens_per_step(self) -> int:
+        raise NotImplementedError
 
-    def flops_per_step(self) -> float: ...
+    def flops_per_step(self) -> float:
+        raise NotImplementedError
 
-    def metadata(self) -> dict: ...  # what a checkpoint must match to be restored (the model's config)
+    def metadata(self) -> dict:
+        """What a checkpoint must match to be restored (the model's config)."""
+        raise NotImplementedError
 
-    def finish(self, model: Any, log: Callable[[str], None], out_dir: str) -> dict: ...  # samples after training
+    def finish(self, model: Any, log: Callable[[str], None], out_dir: str) -> dict:
+        """Samples after training."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- optional hooks
+    def export(self, model: Any, log: Callable[[str], None]) -> None:
+        """Writes the trained model where the run asks (gpt: --export-hf); default: nothing."""
+
+    def check_validation_data(self) -> None:
+        """Raises (one line) on held-out data the model cannot read, before the first step; default: nothing."""
+
+    def data_state(self) -> dict | None:
+        """The data loader's position, kept in a checkpoint's metadata (JSON); default: None (none kept)."""
+        return None
+
+    def restore_data_state(self, state: dict | None, step: int, log: Callable[[str], None]) -> None:
+        """Continues the data loader from a checkpoint's `data_state` at `step`; default: nothing."""
 
 
 @dataclasses.dataclass(frozen=True)

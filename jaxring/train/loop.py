@@ -214,9 +214,8 @@ def _after_training(
 ) -> None:
     """The task's export (gpt: --export-hf), the held-out loss, the sample. The export goes first, so that the
     trained model is written before what can fail (out of memory)."""
-    export = getattr(trainer.task, "export", None)
-    if is_main and history and export is not None:
-        export(trainer.model(), say)
+    if is_main and history:
+        trainer.task.export(trainer.model(), say)
     if history and spec.output.eval_at_end:
         say("evaluating the held-out loss...")
         with _reporting_out_of_memory(spec, "evaluating the held-out loss", devices):
@@ -304,9 +303,7 @@ def _make_profile_dir(path: str) -> None:
 def _check_validation_data(trainer: Trainer) -> None:
     """The held-out batches' token ids checked against the vocabulary before the first step (a bad id
     would otherwise surface only at the end, after the whole run)."""
-    check = getattr(trainer.task, "check_validation_data", None)
-    if check is not None:
-        check()
+    trainer.task.check_validation_data()
 
 
 def _fresh_run_dir() -> str:
@@ -322,8 +319,7 @@ def prepare(spec: RunSpec, device_count: int) -> RunSpec:
     """The spec resolved for `device_count` devices and validated, with its output directory (OUT_DIR: as
     given, else the checkpoint directory, else runs/DATE-TIME) filled in (metrics go to OUT_DIR/metrics.jsonl unless
     --metrics-file says otherwise)."""
-    spec = spec.resolved(device_count)
-    spec.validate()
+    spec = spec.resolved(device_count)  # validated there
     out = spec.output
     out_dir = out.out_dir or spec.checkpoint.checkpoint_dir or _fresh_run_dir()
     return dataclasses.replace(spec, output=dataclasses.replace(out, out_dir=out_dir))
@@ -343,7 +339,7 @@ def _describe(spec: RunSpec, trainer: Trainer, say: Callable[..., object], estim
         + "".join(
             f", {name} {value}"
             for name, value in (("loss tile", m.loss_tile), ("mlp tile", m.mlp_tile), ("offload", m.offload))
-            if value not in (None, "none")
+            if value is not None and str(value) != "none"
         )
     )
     say(
@@ -494,19 +490,16 @@ def _drop_metrics_after(spec: RunSpec, step: int, say: Callable[..., object]) ->
             say(f"dropped {dropped} rows after step {step} from {spec.output.metrics_path()} (those steps run again)")
 
 
-# ---- the data loader's position (jaxring.data): a JSON dict in the checkpoint's metadata, under "data". A task
-# that keeps one has data_state() -> dict | None and restore_data_state(state, step, log) (models/gpt_train.py).
+# ---- the data loader's position (jaxring.data): a JSON dict in the checkpoint's metadata, under "data" (the
+# task's `data_state` / `restore_data_state` hooks; models/gpt_train.py keeps one).
 
 
 def _data_state(trainer: Trainer):
-    get = getattr(trainer.task, "data_state", None)
-    return None if get is None else get()
+    return trainer.task.data_state()
 
 
 def _restore_data_state(trainer: Trainer, state: dict | None, step: int, say: Callable[..., object]):
-    restore = getattr(trainer.task, "restore_data_state", None)
-    if restore is not None:
-        restore(state, step, say)
+    trainer.task.restore_data_state(state, step, say)
 
 
 def _warn_schedule(spec: RunSpec, saved: dict, step: int, say: Callable[..., object]):

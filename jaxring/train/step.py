@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring.core.vma import vary, vary_like, varying_axes
-from jaxring.nn import Layers, offloaded, param_placements
+from jaxring.nn import NO_OFFLOAD, Layers, Offload, param_placements
 from jaxring.parallel import zero
 from jaxring.parallel.pipeline import pipeline_loss_and_grads
 from jaxring.run.checks import OFFLOAD_WITH_PP, WEIGHTS_OFFLOAD_RULES
@@ -91,7 +91,7 @@ class TrainStep:
         *,
         dtype: jax.typing.DTypeLike = jnp.float32,
         remat: str = "none",
-        offload: str = "none",
+        offload: Offload | str = NO_OFFLOAD,
         grad_accum: int = 1,
         clip: float | None = 1.0,
         stack: str = "blocks",
@@ -100,14 +100,15 @@ class TrainStep:
     ):
         self.plan, self.graphdef, self.placements, self.tx, self.task = plan, graphdef, placements, tx, task
         self.dtype, self.remat, self.grad_accum, self.clip, self.stack = dtype, remat, grad_accum, clip, stack
+        offload = Offload.parse(offload)
         self.layer_graphdef, self.offload, self.remat_layers = layer_graphdef, offload, remat_layers
         # the optimizer state in pinned host memory between updates: moved in for the update, out after it
-        self.offload_optimizer = "optimizer" in offloaded(offload)
+        self.offload_optimizer = offload.optimizer
         # the weights, their gradients and the optimizer state in pinned host memory: each layer's weights
         # moved in for its forward and again for its backward, its gradient out as soon as it is formed, the
         # update streamed through the device layer by layer (`jaxring.train.streamed_update`)
-        self.offload_weights = "weights" in offloaded(offload)
-        if offloaded(offload) - {"optimizer"} and plan.pp > 1:
+        self.offload_weights = offload.weights
+        if offload.beyond_optimizer and plan.pp > 1:
             raise ValueError(OFFLOAD_WITH_PP.format(offload=offload, pp=plan.pp))
         self.stage = plan.zero_stage
         is_pl = lambda x: isinstance(x, zero.Placement)
@@ -382,7 +383,7 @@ def value_and_grad(
     *,
     dtype: jax.typing.DTypeLike = jnp.float32,
     remat: str = "none",
-    offload: str = "none",
+    offload: Offload | str = NO_OFFLOAD,
     grad_accum: int = 1,
     remat_layers: int = 1,
 ) -> tuple[jax.Array, dict]:

@@ -48,10 +48,10 @@ class Trainer:
     program over the whole mesh: `jaxring.train.step.TrainStep`)."""
 
     def __init__(self, spec: RunSpec, devices: Sequence[jax.Device] | None = None):
-        """spec: the run (resolved and validated here for the devices); devices: default `jax.devices()`."""
+        """spec: the run (resolved and validated for the devices here, unless `prepare` did); devices: default
+        `jax.devices()`."""
         devices = list(jax.devices() if devices is None else devices)
         spec = spec.resolved(len(devices))
-        spec.validate()
         self.spec = spec
         self.plan = spec.plan(devices)
         self.task = model_family(spec.model.model).task(spec, self.plan)
@@ -108,7 +108,7 @@ class Trainer:
             self.params, self.opt_state, batch, self.key(self.step_count), limit
         )
         self.step_count += 1
-        return {**out, "progress": getattr(self.task, "progress", ())}
+        return {**out, "progress": self.task.progress}
 
     def lower_step(self) -> jax.stages.Lowered:
         """The jitted update lowered on the current state and the first batch (what `step` runs: benchmarks

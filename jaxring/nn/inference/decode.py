@@ -42,11 +42,7 @@ def check_decodable(plan: ParallelPlan) -> None:
     nothing split)."""
     if plan.pp > 1:
         raise ValueError(f"generate runs without a pipeline (pp = {plan.pp}); use a plan with pp = 1")
-    if plan.tensor_options.get("vocab_split", "none") != "none":
-        raise ValueError(
-            "generate reads the embedding and LM head whole: decode with a plan of --vocab-split none (the weights "
-            "load into any plan)"
-        )
+    plan.tensor.check_whole_tables(plan, "generate")
     if not plan.tensor.decodes:
         decoding = ", ".join(name for name, method in tensor_methods().items() if method.decodes)
         raise ValueError(

@@ -229,6 +229,7 @@ STRATEGY = SequenceStrategy(
     attend=ulysses_attention,
     projects=lambda options: options.get("head_chunks", 1) > 1,  # UPipe: each chunk's projections inside it
     attend_projected=ulysses_untied_attention,
+    projected_chunks=lambda options: options.get("head_chunks", 1),
     default_layout="contiguous",
     check_heads=_check_heads,
     cost=ulysses_cost,

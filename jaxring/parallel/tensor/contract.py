@@ -270,6 +270,14 @@ class TensorMethod(HasOptions):
         """Whether the method runs on tp devices (the planner searches the degrees it accepts)."""
         return (tp > 1) == bool(self.axes)
 
+    def splits_vocab(self, plan: ParallelPlan) -> bool:
+        """Whether the plan's options split the embedding and LM head by vocab rows (`VocabSplit`)."""
+        return False
+
+    def check_whole_tables(self, plan: ParallelPlan, user: str) -> None:
+        """Raises (one line) where `user` (e.g. "generate") needs the embedding and LM head whole and the plan
+        splits them (`VocabSplit`); nothing otherwise."""
+
     def has_cost(self) -> bool:
         """Whether the method prices its own traffic (a method over tensor axes must override
         `layer_transfers`; the base's "nothing moves" is only right for "none")."""
@@ -324,11 +332,11 @@ class NoTensorParallel(VocabSplit, TensorMethod):
         return tuple(self.vocab_axis(plan) if a == "vocab" else None for a in info.logical_axes)
 
     def local_dims(self, m: ModelShape) -> LocalDims:
-        vocab = m.vocab // m.sp if m.vocab is not None and m.vocab_split else m.vocab  # one block's logits
+        vocab = m.vocab // m.sp if m.vocab is not None and m.vocab_ring else m.vocab  # one block's logits
         return LocalDims(m.b, m.n, m.n, m.hidden, m.heads, m.kv_heads, m.ffn, vocab)
 
     def head_transfers(self, m: ModelShape, x: LocalDims) -> list[Transfer]:
-        if m.vocab is None or not m.vocab_split or m.sp == 1:
+        if m.vocab is None or not m.vocab_ring or m.sp == 1:
             return []
         return vocab_ring_transfers(m, m.sp, m.seq_axes)
 

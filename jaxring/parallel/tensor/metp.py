@@ -159,7 +159,7 @@ class METP(VocabSplit, TensorMethod):
 
     def local_dims(self, m: ModelShape) -> LocalDims:
         n = m.n // m.tp  # the device's s/p tokens, for the attention too
-        vocab = m.vocab // m.tp if m.vocab is not None and m.vocab_split else m.vocab  # one block's logits
+        vocab = m.vocab // m.tp if m.vocab is not None and m.vocab_ring else m.vocab  # one block's logits
         return LocalDims(m.b, n, n, m.hidden, m.heads, m.kv_heads, m.ffn // m.tp, vocab, token_split=m.tp)
 
     def layer_transfers(self, m: ModelShape, x: LocalDims) -> list[Transfer]:
@@ -200,7 +200,7 @@ class METP(VocabSplit, TensorMethod):
     def head_transfers(self, m: ModelShape, x: LocalDims) -> list[Transfer]:
         """The embedding and head replicated (nothing moves) or on their vocab rings; the final layer's
         modulation gradients are summed."""
-        ring = vocab_ring_transfers(m, m.tp, ("tp",)) if m.vocab is not None and m.vocab_split and m.tp > 1 else []
+        ring = vocab_ring_transfers(m, m.tp, ("tp",)) if m.vocab is not None and m.vocab_ring and m.tp > 1 else []
         return ring + modulation_gradients(
             m.final_modulation, m, x, "DiT final layer's modulation gradients (shift, scale)"
         )

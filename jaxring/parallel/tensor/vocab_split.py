@@ -83,6 +83,16 @@ class VocabSplit:
     def vocab_ring(plan: ParallelPlan) -> bool:
         return plan.tensor_options.get("vocab_split") == "ring"
 
+    def splits_vocab(self, plan: ParallelPlan) -> bool:
+        return self.vocab_ring(plan)
+
+    def check_whole_tables(self, plan: ParallelPlan, user: str) -> None:
+        if self.vocab_ring(plan):
+            raise ValueError(
+                f"{user} reads the embedding and LM head whole: decode with a plan of --vocab-split none (the "
+                "weights load into any plan)"
+            )
+
     def vocab_axis(self, plan: ParallelPlan) -> str | tuple[str, ...] | None:
         """The PartitionSpec entry of a table's vocab dim (None: replicated)."""
         return spec_entry(self.vocab_axes(plan)) if self.vocab_ring(plan) else None

@@ -1,0 +1,115 @@
+"""docs/adding-an-option.md, followed as written: a strategy option added in its strategy's own file (here, in
+process: a copy of the ring entry with one more Option) and a typed memory option (--offload: its own file
+`jaxring/nn/offload.py`, one field of `MemorySettings`) reach the command line, the YAML form, `make_plan`, the
+strategy itself and the planner's candidates with no generic file edited. Fast: no step is compiled.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxring
+from jaxring.nn import Offload
+from jaxring.parallel.catalog import sequence_strategies, sequence_strategy
+from jaxring.parallel.registry import Option
+from jaxring.parallel.registry import registered as registered_entry
+from jaxring.planner.space import Candidate
+from jaxring.run.cli import build_parser, parse_command_line
+from jaxring.run.spec import RunSpec
+
+# ------------------------------------------------------------------------------------------ a strategy option
+
+SEEN = []  # the option's values as the strategy's attend received them
+
+
+def _check_passes(passes: int, sp: int) -> None:
+    """The option's rule: one line naming the value and the rule."""
+    if isinstance(passes, bool) or not isinstance(passes, int) or not 1 <= passes <= sp:
+        raise ValueError(f"--toy-passes {passes!r} must be an integer in [1, sp = {sp}]")
+
+
+TOY_PASSES = Option(
+    "toy_passes", "passes over the ring (a test's option)", _check_passes, default=1, search=lambda sp: (1, 2)
+)
+
+
+def _attend(q, k, v, segment_ids=None, *, toy_passes, **kw):
+    SEEN.append(toy_passes)
+    return sequence_strategy("ring").attend(q, k, v, segment_ids, **kw)
+
+
+# the strategy's own file: its entry, with the new Option among its options
+TOY = dataclasses.replace(
+    sequence_strategy("ring"), name="toyring", attend=_attend, options=(*sequence_strategy("ring").options, TOY_PASSES)
+)
+
+
+@pytest.fixture
+def toy():
+    with registered_entry(TOY) as entry:
+        yield entry
+    assert "toyring" not in sequence_strategies()
+
+
+def test_a_strategy_option_is_a_flag_a_yaml_key_a_plan_keyword_and_a_candidate_setting(toy):
+    help_text = " ".join(build_parser().format_help().split())
+    assert "--toy-passes TOY_PASSES toyring: passes over the ring (a test's option) (default: 1)" in help_text
+
+    flags, _ = parse_command_line(["--sp", "8", "--attention", "toyring", "--toy-passes", "2"])
+    from_yaml = RunSpec.from_yaml("parallel:\n  sp: 8\n  attention: toyring\n  toy_passes: 2\n")
+    assert flags.parallel.options == from_yaml.parallel.options == {"toy_passes": 2}
+    resolved = from_yaml.resolved(device_count=8)
+    assert resolved.parallel.options["toy_passes"] == 2
+    assert "toy_passes: 2" in resolved.to_yaml()
+    with pytest.raises(ValueError, match=r"--toy-passes 9 must be an integer in \[1, sp = 8\]"):
+        RunSpec.of(sp=8, attention="toyring", toy_passes=9).resolved(device_count=8)
+
+    plan = jaxring.make_plan(sp=8, attention="toyring", toy_passes=2)
+    assert plan.strategy_options["toy_passes"] == 2 and "toy_passes=2" in plan.describe()
+    assert resolved.plan().strategy_options == plan.strategy_options
+
+    # the strategy receives it (traced, not compiled)
+    SEEN.clear()
+    q = jnp.zeros((1, 64, 2, 8))
+    attend = lambda q: jaxring.sharded_attention(q, q, q, mesh=plan.mesh, strategy="toyring", toy_passes=2)
+    jax.eval_shape(attend, q)
+    assert SEEN and set(SEEN) == {2}
+
+    # the planner: the values it searches, a candidate's settings, flags and description
+    assert {g["toy_passes"] for g in toy.option_grid(8)} == {1, 2}
+    c = Candidate(sp=8, attention="toyring", options={"toy_passes": 2})
+    assert c.settings()["toy_passes"] == 2
+    assert c.train_flags()[-2:] == ["--toy-passes", "2"]
+    assert "toy_passes=2" in c.describe()
+    assert RunSpec.of(**c.settings()).parallel.options["toy_passes"] == 2
+
+
+# ------------------------------------------------------------------------------------------ a memory option
+
+
+@pytest.mark.parametrize("text", ["none", "layer_inputs", "optimizer", "layer_inputs+optimizer", "weights"])
+def test_a_typed_memory_option_is_parsed_once_and_written_as_its_text(text):
+    value = Offload.parse(text)
+    assert str(value) == text and Offload.parse(value) is value
+    flags, _ = parse_command_line(["--offload", text])
+    from_yaml = RunSpec.from_yaml(f"memory:\n  offload: {text}\n")
+    assert flags.memory.offload == from_yaml.memory.offload == value  # typed from the first read
+    assert isinstance(flags.memory.offload, Offload)
+    assert f"offload: {text}" in flags.to_yaml()  # run.yaml keeps the flag's text
+    c = Candidate(sp=8, attention="ring", offload=value)
+    assert c.offload == value and c.settings()["offload"] == value
+    assert ("--offload" in c.train_flags()) == bool(value)
+    assert RunSpec.of(**c.settings()).memory.offload == value
+
+
+def test_the_memory_option_parts_and_its_one_line_error():
+    both = Offload.parse("layer_inputs+weights")
+    assert (both.layer_inputs, both.optimizer, both.weights) == (True, True, True)  # the weights take the state
+    assert both.parts == {"layer_inputs", "optimizer", "weights"} and both.beyond_optimizer
+    assert not Offload.parse("optimizer").beyond_optimizer and not Offload.parse("none")
+    with pytest.raises(ValueError, match=r"--offload 'weight' is not one of none, layer_inputs, .*"):
+        Offload.parse("weight")
+    with pytest.raises(ValueError, match=r"--offload 'weight' is not one of none, layer_inputs, .*did you mean"):
+        RunSpec.of(offload="weight").validate()  # the spec's own one-line check, as before
