@@ -36,8 +36,6 @@ from jaxring.models.hf.config import (
     hf_name,
 )
 
-# ---------------------------------------------------------------------------------------- save
-
 
 def size_bytes(size) -> int:
     """Bytes of a shard size: an int, or text such as '5GB', '500MB', '2GiB' (max_shard_size's forms)."""
