@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxring.core.mesh import make_mesh
 from jaxring.data.hosts import global_array, host_rows, to_one_device
-from jaxring.data.sources import ImageBatches, load_images
+from jaxring.data.image_sources import ImageBatches, load_images
 from jaxring.models import dit
 from jaxring.parallel.cost_terms import WorkloadTerms
 from jaxring.parallel.plan import ParallelPlan

@@ -19,9 +19,9 @@ from flax import nnx
 from jaxring.core.mesh import make_mesh
 from jaxring.data.hosts import global_array, host_rows, to_one_device
 from jaxring.data.loader import StepBatches
-from jaxring.data.sources import TokenSource
 from jaxring.data.store import DocumentStore
 from jaxring.data.token_data import is_token_file, open_token_data
+from jaxring.data.token_sources import TokenSource
 from jaxring.data.tokenizer import load_tokenizer
 from jaxring.models import gpt, gpt_eval, hf
 from jaxring.models.generate import generate
@@ -320,7 +320,7 @@ def _check_overrides_fit_the_data(overrides: dict, source, seq_len: int) -> None
 
 def _stated_vocab(spec, overrides: dict) -> int | None:
     """The vocabulary a .bin's token ids are read with: --override vocab_size, else --init-from's, else None
-    (GPT-2's, `jaxring.data.sources`)."""
+    (GPT-2's, `jaxring.data.token_sources`)."""
     if isinstance(overrides.get("vocab_size"), int):
         return overrides["vocab_size"]
     if spec.model.init_from is not None and is_token_file(spec.data.data):

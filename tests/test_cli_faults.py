@@ -38,7 +38,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from jaxring.data import __main__ as data_cli
 from jaxring.data.prepare import prepare
 from jaxring.eval import cli as eval_cli
-from jaxring.models import gpt, hf_export
+from jaxring.models import gpt
+from jaxring.models.hf import cli as hf_export
 from jaxring.planner import __main__ as planner_cli
 from jaxring.run import cli as run_cli
 from jaxring.train.checkpoint import Checkpointer
@@ -282,7 +283,6 @@ NOT_IN_THE_TABLE = {
 # commands the table leaves out: why
 COMMANDS_NOT_IN_THE_TABLE = {
     "-m jaxring.demo": "a timing demo of ring attention: no path flags, no files (issue 46 lists five commands)",
-    "-m jaxring.models.hf_export": "the module behind -m jaxring.models.hf, which is a row",
 }
 # a flag reads or writes a path when it is positional, or a word of its name or its metavar is one of these
 PATH_WORDS = {"dir", "file", "path", "out", "data", "config", "from", "hf", "tokenizer", "profile", "tensorboard"}

@@ -15,7 +15,14 @@ import jaxring
 from jaxring.analysis import gpu
 from jaxring.core import compat
 from jaxring.kernels import cudnn_contract as cc
-from jaxring.kernels.block_compute import get_block_ops, local_attention, resolve_name
+from jaxring.kernels.block_compute import (
+    AUTO_BLOCK_OPS,
+    BLOCK_OPS,
+    auto_block_ops,
+    get_block_ops,
+    local_attention,
+    resolve_name,
+)
 from jaxring.kernels.cudnn_blocks import (
     CLASS_NAMES,
     FALLBACK,
@@ -163,6 +170,20 @@ def test_names():
     assert "\n" not in str(err.value)
 
 
+def test_auto_is_stated_per_backend(monkeypatch):
+    """What "auto" means is one table (AUTO_BLOCK_OPS) read by one function: Pallas on GPU, Pallas TPU on TPU,
+    jnp on CPU and on a backend the table does not name; a "cudnn" entry off an NVIDIA GPU is "pallas"."""
+    assert {b: auto_block_ops(b) for b in ("gpu", "tpu", "cpu", "metal")} == {
+        "gpu": "pallas",
+        "tpu": "pallas_tpu",
+        "cpu": "jnp",
+        "metal": "jnp",
+    }
+    assert set(AUTO_BLOCK_OPS.values()) <= set(BLOCK_OPS) - {"auto"}
+    monkeypatch.setitem(AUTO_BLOCK_OPS, "gpu", "cudnn")
+    assert auto_block_ops("gpu") == "pallas"  # this CPU is no NVIDIA GPU
+
+
 def test_train_cudnn_on_cpu_is_one_line(capsys, tmp_path):
     """train.py --block-ops cudnn without an NVIDIA GPU: exit 2 and one line, before any step."""
     try:
@@ -271,5 +292,5 @@ def test_planner_prices_the_block_compute():
     _, attention, _ = cost.compute_flops(w, c, c.remat, s)
     seconds = attention / (cluster.device.flops * cluster.efficiency)
     assert times["pallas"] - times["cudnn"] == pytest.approx(seconds * (1 / 0.385 - 1), rel=1e-9)
-    assert times["auto"] == times["pallas"]  # (until cuDNN has run on a GPU: block_compute.CUDNN_IS_AUTO)
+    assert times["auto"] == times["pallas"]  # (until cuDNN has run on a GPU: block_compute.AUTO_BLOCK_OPS)
     assert block_compute_speed("pallas", cpu=True) == block_compute_speed("cudnn", cpu=False) == 1.0

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxring.data.sources import STDLIB_FILES, ImageBatches, TokenBatches, load_images, load_tokens, stdlib_files
+from jaxring.data.image_sources import ImageBatches, load_images
+from jaxring.data.token_sources import STDLIB_FILES, TokenBatches, load_tokens, stdlib_files
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,8 @@ from jaxring.data.cache import open_store
 from jaxring.data.checksums import VERIFIED
 from jaxring.data.loader import PackedBatches, split_documents
 from jaxring.data.prepare import LOCK, StoreWriteError, prepare
-from jaxring.data.sources import load_tokens
 from jaxring.data.store import DocumentStore
+from jaxring.data.token_sources import load_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 120  # seconds any child process of these tests may run

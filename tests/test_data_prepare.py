@@ -122,7 +122,7 @@ def test_data_cache_beside_a_text_input(tmp_path):
 
 def test_bundled_store_is_the_stdlib_files_as_documents():
     store = bundled_store()
-    from jaxring.data.sources import STDLIB_FILES, stdlib_files
+    from jaxring.data.token_sources import STDLIB_FILES, stdlib_files
 
     assert 40 <= store.num_docs <= len(STDLIB_FILES) and store.vocab_size == 257
     first = store.tokenizer.decode(store.document(0))

@@ -24,13 +24,8 @@ from test_reliability import CLI, SMALL_FLAGS, _env, steps_in
 from test_train import BASE
 
 from jaxring.train import loop
-from jaxring.train.checkpoint import (
-    LOCK_FILE,
-    CheckpointDirectoryInUse,
-    Checkpointer,
-    CheckpointSaveError,
-    DamagedCheckpointError,
-)
+from jaxring.train.checkpoint import Checkpointer, CheckpointSaveError, DamagedCheckpointError
+from jaxring.train.directory_lock import LOCK_FILE, CheckpointDirectoryInUse
 from jaxring.train.guard import DivergenceGuard
 from jaxring.train.multihost import (
     MultiHostError,

@@ -211,7 +211,7 @@ def test_metp_inner_ring_transfers_span_the_block_compute_forward_and_backward()
     """METP attention (Algorithms 3-6) on 8 H200s with the flash kernel: in each head group's inner ring,
     forward and backward, every hop (K, V, positions; in the backward with the previous block's fp32 ΔK/ΔV,
     one hop behind) is one transfer started before the block kernels and waited for after them."""
-    from jaxring.parallel.tensor.metp_layers import metp_attention
+    from jaxring.parallel.tensor.metp_mha import metp_attention
 
     p, hidden, heads, head_dim, local_seq = 8, 1024, 8, 128, 2048  # one head per group
     mesh = Mesh(np.array(gpu.gpu_devices("h200", p)), ("tp",))

@@ -14,6 +14,7 @@ import pytest
 
 import jaxring
 from jaxring.models import gpt, hf
+from jaxring.models.hf import load as hf_load
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.train.step import value_and_grad
 
@@ -190,7 +191,7 @@ def test_sharded_load_reads_runs_of_rows_and_keeps_no_file_mapped(monkeypatch):
             closed.append(1)
             return self.handle.__exit__(*exc)
 
-    monkeypatch.setattr(hf, "READ_BYTES", 1024)
+    monkeypatch.setattr(hf_load, "READ_BYTES", 1024)
     monkeypatch.setattr("safetensors.safe_open", Counted)
     sharded, _ = hf.load_pretrained(src, plan_of(devices=8, dp=8, zero=3))
     tensors = len(hf.CheckpointFiles(src).weight_map)

@@ -11,7 +11,8 @@ from flax import nnx
 
 import jaxring
 from jaxring.eval.loading import load_model
-from jaxring.models import hf, hf_export
+from jaxring.models import hf
+from jaxring.models.hf import cli as hf_export
 from jaxring.parallel.plan import ParallelPlan
 
 

@@ -19,7 +19,7 @@ import jaxring
 from jaxring.analysis import compile_stats
 from jaxring.analysis.compiled import collective_traffic
 from jaxring.core.collectives import tree_rounds
-from jaxring.parallel.tensor import megatron_api, metp_api, metp_layers
+from jaxring.parallel.tensor import megatron_api, metp_api, metp_mha, metp_ring
 
 RTOL = 2e-4
 MESHES = {2: dict(dp=2, fsdp=2, tp=2), 4: dict(dp=2, tp=4), 8: dict(tp=8)}  # p = tp; batch over dp/fsdp
@@ -141,7 +141,7 @@ def test_mlp_forward_memory_does_not_grow_with_width():
     mesh = mesh_of(p)
     specs = (P(None, "tp", None), P(None, "tp"), P("tp", None))
     plain_ring = jax.shard_map(
-        lambda x, w_in, w_out: metp_layers.metp_forward(x, (w_in,), (), w_out, metp_layers.gelu, "tp"),
+        lambda x, w_in, w_out: metp_ring.metp_forward(x, (w_in,), (), w_out, metp_ring.gelu, "tp"),
         mesh=mesh,
         in_specs=specs,
         out_specs=specs[0],
@@ -417,7 +417,7 @@ def test_param_specs():
 def test_attention_projections_in_row_chunks_match_reference(monkeypatch):
     """O_i and ΔX_i summed over the head groups chunk by chunk of rows (`PROJECTION_ROWS`; here 4 rows, so
     several chunks a device) equal the reference, forward and gradients (p = 4, causal)."""
-    monkeypatch.setattr(metp_layers, "PROJECTION_ROWS", 4)
+    monkeypatch.setattr(metp_mha, "PROJECTION_ROWS", 4)
     x, dy, pos = normal(11, (B, S, H)), normal(12, (B, S, H)), positions_of(B, S)
     cfg = mha_config(4, True)
     params = attn_params(13, H, HEADS, cfg["num_kv_heads"], HEAD_DIM)

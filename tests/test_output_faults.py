@@ -25,7 +25,8 @@ from test_reliability import CLI, _env
 from jaxring.core.stop_signals import Interrupted
 from jaxring.eval import cli as eval_cli
 from jaxring.eval import loading, output_files, perplexity
-from jaxring.models import gpt, hf, hf_export
+from jaxring.models import gpt, hf
+from jaxring.models.hf import cli as hf_export
 from jaxring.train import checksum
 from jaxring.train.checkpoint import Checkpointer
 

@@ -21,8 +21,8 @@ from test_reliability import SMALL_FLAGS, _env
 
 from jaxring.data.__main__ import main as data_main
 from jaxring.data.prepare import prepare
-from jaxring.data.sources import load_tokens
 from jaxring.data.token_data import open_token_data
+from jaxring.data.token_sources import load_tokens
 from jaxring.eval.cli import main as eval_main
 from jaxring.models.gpt_train import GPTTask
 from jaxring.planner.__main__ import main as planner_main

@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxring.analysis.compiled import CompiledStats, collective_traffic
-from jaxring.analysis.gpu import flash_flops
+from jaxring.analysis.hlo_cost import flash_flops
 from jaxring.core.accelerators import DeviceSpec, device_spec
 
 

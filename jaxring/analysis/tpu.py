@@ -33,7 +33,7 @@ from typing import Any
 
 import jax
 
-from jaxring.analysis.gpu import abstract, use_deviceless
+from jaxring.analysis.deviceless import abstract, use_deviceless
 from jaxring.core import compat
 
 __all__ = ["BLOCK_OPS", "TARGETS", "TpuCompileReport", "TpuTarget", "abstract", "available", "compile_for_tpu"]

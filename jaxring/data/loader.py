@@ -16,7 +16,7 @@ checkpoint saves it (see the GPT task's `data_state`).
 
 `StepBatches` gives batch(step) over such a dataset: sequential steps come from a prefetching iterator
 (grain's ThreadPrefetchIterDataset keeps the consumer's state), any other step seeks (planning only).
-`WindowBatches` puts the nanoGPT ``.bin`` random windows (`sources.TokenBatches`) behind the same interface.
+`WindowBatches` puts the nanoGPT ``.bin`` random windows (`token_sources.TokenBatches`) behind the same interface.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ import grain
 import numpy as np
 
 from jaxring.data.packing import PACKINGS, assemble_row, check_batch, plan_drop, plan_split
-from jaxring.data.sources import TokenBatches, check_hosts, check_seed_step
+from jaxring.data.source_checks import check_hosts, check_seed_step
 from jaxring.data.store import DocumentStore
+from jaxring.data.token_sources import TokenBatches
 
 __all__ = ["PackedBatches", "StepBatches", "WindowBatches", "held_out", "split_documents"]
 
@@ -253,7 +254,7 @@ class PackedBatchIterator(grain.DatasetIterator):
 
 
 class WindowBatches(grain.IterDataset):
-    """`sources.TokenBatches` (random windows of a token stream, no documents) as a packed-batch dataset:
+    """`token_sources.TokenBatches` (random windows of a token stream, no documents) as a packed-batch dataset:
     one segment per row, positions 0..L-1, every target counted. State: the step (batches are a pure
     function of (seed, step))."""
 

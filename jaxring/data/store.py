@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxring.data.checksums import verify
-from jaxring.data.sources import STDLIB_FILES, TEXT_SUFFIXES
+from jaxring.data.token_sources import STDLIB_FILES, TEXT_SUFFIXES
 from jaxring.data.tokenizer import BYTES, Tokenizer, load_tokenizer
 
 __all__ = ["FORMAT_VERSION", "DocumentStore", "bundled_store", "is_store", "store_meta", "token_dtype"]
@@ -206,7 +206,7 @@ def _read_offsets(path: Path, meta: dict) -> np.ndarray:
 
 
 def bundled_store(tokenizer: str | None = None) -> DocumentStore:
-    """The bundled corpus: the Python standard library's own files (`sources.STDLIB_FILES`, in that fixed
+    """The bundled corpus: the Python standard library's own files (`token_sources.STDLIB_FILES`, in that fixed
     order, those this Python has), one document per file, in memory."""
     root = Path(sysconfig.get_paths()["stdlib"])
     texts = [(root / n).read_text("utf-8") for n in STDLIB_FILES if (root / n).is_file()]

@@ -7,7 +7,7 @@ packed batches of its train and val splits.
 
 Sources: a document store, or an input `cache.open_store` prepares (packed documents, `loader.PackedBatches`);
 a nanoGPT ``.bin`` (or a directory holding train.bin): random windows of one token stream, no documents
-(`loader.WindowBatches` over `sources.TokenBatches`). Validation: --val-data (all its documents, with the
+(`loader.WindowBatches` over `token_sources.TokenBatches`). Validation: --val-data (all its documents, with the
 same tokenizer), else the --val-fraction share of --data's documents (`loader.split_documents`).
 """
 
@@ -22,8 +22,8 @@ from typing import Any
 from jaxring.data.cache import open_store
 from jaxring.data.inputs import MissingField
 from jaxring.data.loader import PackedBatches, WindowBatches, split_documents
-from jaxring.data.sources import TokenBatches, TokenSource, load_tokens
 from jaxring.data.store import DocumentStore
+from jaxring.data.token_sources import TokenBatches, TokenSource, load_tokens
 
 __all__ = ["TokenData", "is_token_file", "open_token_data"]
 
@@ -103,7 +103,7 @@ def open_token_data(
     settings: Any, log: Callable[[str], None] | None = None, bin_vocab_size: int | None = None
 ) -> TokenData:
     """The data `settings` (a `spec.DataSettings`) names; text inputs are prepared on first use (`log` says so).
-    bin_vocab_size: a .bin's vocabulary as the user stated it (None: GPT-2's, `sources.load_tokens`)."""
+    bin_vocab_size: a .bin's vocabulary as the user stated it (None: GPT-2's, `token_sources.load_tokens`)."""
     if is_token_file(settings.data):
         if settings.tokenizer not in (None, "bytes") or settings.val_data is not None:
             raise ValueError(

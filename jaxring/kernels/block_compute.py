@@ -20,16 +20,17 @@ from jaxring.kernels.tokamax_blocks import MOSAIC_CALLS, tokamax_block_ops
 from jaxring.kernels.tokamax_blocks import REFERENCE_CALLS as TOKAMAX_REFERENCE_CALLS
 from jaxring.kernels.tpu_blocks import tpu_block_ops
 
-# the per-block computes by name ("auto": pallas on GPU, pallas_tpu on TPU, jnp elsewhere; see CUDNN_IS_AUTO)
+# the per-block computes by name ("auto": the backend's entry of AUTO_BLOCK_OPS, `auto_block_ops`)
 BLOCK_OPS = (
     "auto", "jnp", "pallas", "pallas_interpret", "cudnn", "cudnn_reference", "tokamax", "tokamax_reference",
     "pallas_tpu", "pallas_tpu_interpret",
 )  # fmt: skip
 
-# "auto" turns to cuDNN on NVIDIA GPUs once benchmarks/gpu_session.sh has run the cuDNN path on a real one
-# (tests/test_gpu_kernels.py and the flash benchmark): until then it is checked on CPU (the stand-in) and in the
-# deviceless H100 compile only, so the default stays the Pallas kernel that has run on an H100.
-CUDNN_IS_AUTO = False
+# What "auto" (the default of `block_ops=` and --block-ops) means, by JAX backend; any other backend: "jnp".
+# The GPU entry is the Pallas kernel, which has run on an H100; cuDNN ("cudnn") becomes it once
+# benchmarks/gpu_session.sh has run the cuDNN path on a real GPU (tests/test_gpu_kernels.py and the flash
+# benchmark): until then cuDNN is checked on CPU (its stand-in) and in the deviceless H100 compile only.
+AUTO_BLOCK_OPS = {"gpu": "pallas", "tpu": "pallas_tpu", "cpu": "jnp"}
 
 
 def nvidia_gpu() -> bool:
@@ -64,15 +65,20 @@ def check_tokamax_available(name: str = "tokamax") -> None:
         )
 
 
+def auto_block_ops(backend: str | None = None) -> str:
+    """The block compute "auto" stands for on `backend` (default: JAX's default backend): its AUTO_BLOCK_OPS
+    entry, "jnp" for a backend without one. A "cudnn" entry runs only on an NVIDIA GPU whose JAX has the
+    primitives; elsewhere (ROCm, an older JAX) it is "pallas"."""
+    backend = backend or jax.default_backend()
+    name = AUTO_BLOCK_OPS.get(backend, "jnp")
+    if name == "cudnn" and not (nvidia_gpu() and compat.has_cudnn_attention()):
+        return "pallas"
+    return name
+
+
 def resolve_name(impl: str) -> str:
-    """The concrete name "auto" stands for here (other names as given)."""
-    if impl != "auto":
-        return impl
-    if jax.default_backend() == "tpu":
-        return "pallas_tpu"
-    if jax.default_backend() != "gpu":
-        return "jnp"
-    return "cudnn" if CUDNN_IS_AUTO and nvidia_gpu() and compat.has_cudnn_attention() else "pallas"
+    """The concrete name "auto" stands for here (`auto_block_ops`; other names as given)."""
+    return auto_block_ops() if impl == "auto" else impl
 
 
 def get_block_ops(impl: str | BlockOps = "auto") -> BlockOps:
@@ -85,9 +91,8 @@ def get_block_ops(impl: str | BlockOps = "auto") -> BlockOps:
     package's Mosaic GPU attention, sm90/sm100; blocks its key ranges cannot express go to the Pallas kernel),
     "tokamax_reference" (the same decomposition over tokamax's XLA forward and a jnp stand-in of its backward,
     falling back to the jnp pair: CPU tests), "pallas_tpu" (jaxring's Pallas TPU kernels, every block of every
-    layout) and "pallas_tpu_interpret" (the same in TPU interpret mode, CPU tests); "auto" is "pallas" on GPU
-    ("cudnn" on an NVIDIA GPU whose JAX has the primitives once `CUDNN_IS_AUTO`), "pallas_tpu" on TPU and
-    "jnp" elsewhere.
+    layout) and "pallas_tpu_interpret" (the same in TPU interpret mode, CPU tests); "auto" is the backend's
+    entry of AUTO_BLOCK_OPS ("pallas" on GPU, "pallas_tpu" on TPU, "jnp" elsewhere: `auto_block_ops`).
     """
     if isinstance(impl, BlockOps):
         return impl

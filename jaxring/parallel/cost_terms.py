@@ -30,7 +30,7 @@ F32 = 4
 # one H100 (benchmarks/results/flash_attention_nvidia_h100_80gb_hbm3.json; jax 0.11.2, bf16, head dim 128,
 # batch 2 x 16 heads): the Pallas kernel ("jaxring") ran 173/470, 207/549, 216/534 and 215/556 TFLOP/s against
 # cuDNN's at 8K causal, 8K full, 32K causal and 32K full: 0.37-0.40, priced at their mean 0.385. On a GPU
-# "auto" is "pallas" until cuDNN has run on one (block_compute.CUDNN_IS_AUTO). The jnp pair and the interpreters
+# "auto" is "pallas" until cuDNN has run on one (block_compute.AUTO_BLOCK_OPS). The jnp pair and the interpreters
 # are CPU paths: not priced.
 BLOCK_COMPUTE_SPEED = {"auto": 0.385, "cudnn": 1.0, "pallas": 0.385}
 

@@ -22,7 +22,7 @@ line, the unfinished temporary directory is removed, and orbax's own log lines a
 Checkpointer is open (its error tracebacks would repeat ours hundreds of times). Opened with ``lock=True``
 (training), the directory is created and tried for writing at once, and a lock file ``jaxring.lock``
 (``{"pid", "host", "since"}``) keeps a second run from mixing its steps into it; the lock of a process that
-is gone (same host, pid not alive) is taken over.
+is gone (same host, pid not alive) is taken over (`directory_lock.py`; orbax's noise: `orbax_quiet.py`).
 """
 
 from __future__ import annotations
@@ -32,12 +32,8 @@ import errno
 import gc
 import hashlib
 import json
-import logging
 import os
 import shutil
-import socket
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,7 +42,9 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxring.train import checksum
+from jaxring.train.directory_lock import DirectoryLock
 from jaxring.train.multihost import all_processes_agree, is_primary, sync_processes
+from jaxring.train.orbax_quiet import OrbaxQuiet, join_orbax_threads, orbax_logs_quiet
 
 
 class DamagedCheckpointError(ValueError):
@@ -61,165 +59,12 @@ class CheckpointSaveError(OSError):
     """A save could not be written (full disk, read-only or vanished directory); the message is one line."""
 
 
-class CheckpointDirectoryInUse(ValueError):
-    """Another live run holds the checkpoint directory's lock."""
-
-
 METADATA_SUM = "__metadata_sha256__"  # the metadata item's checksum, an entry of the checksums item
-LOCK_FILE = "jaxring.lock"
 
 
 def _metadata_sum(metadata: dict) -> str:
     """SHA-256 of the metadata's canonical JSON (sorted keys), as saved and as read back."""
     return hashlib.sha256(json.dumps(metadata, sort_keys=True).encode()).hexdigest()
-
-
-class _Noise:
-    """Orbax's noise off while a Checkpointer is open, put back on close (nothing process-wide is left
-    changed behind the caller's back):
-
-    * its (absl) log lines below CRITICAL: a failed background save logs the same traceback from several
-      threads; the Checkpointer reports the failure itself, in one line;
-    * two kinds of unraisable error, both left behind when orbax gives up reading a damaged step (which the
-      Checkpointer reports in one line): tensorstore still completes the step's other pending reads and calls
-      back into orbax's already closed asyncio loop ("RuntimeError: Event loop is closed", a traceback per
-      array), and orbax's abandoned read coroutines, when collected, raise their own read errors ("Exception
-      ignored in: <coroutine object _read_array_index_and_device_put>", a 60-line TensorStore spec each).
-      Every other unraisable error goes to the hook that was there before.
-    """
-
-    def __init__(self):
-        self.logger = logging.getLogger("absl")
-        self.level = self.logger.level
-        self.logger.setLevel(logging.CRITICAL)
-        self.previous_hook = sys.unraisablehook
-        previous = self.previous_hook
-
-        def hook(unraisable: Any) -> None:
-            e = unraisable.exc_value
-            if isinstance(e, RuntimeError) and str(e) == "Event loop is closed":
-                return
-            if _is_orbax_coroutine(unraisable.object):
-                return
-            previous(unraisable)
-
-        self.hook = hook
-        sys.unraisablehook = hook
-        # the abandoned reads that finish later are logged by asyncio instead ("Task exception was never
-        # retrieved", with orbax's coroutine named in the message)
-        self.asyncio_logger = logging.getLogger("asyncio")
-        self.asyncio_logger.addFilter(_drop_abandoned_orbax_tasks)
-
-    def restore(self) -> None:
-        self.asyncio_logger.removeFilter(_drop_abandoned_orbax_tasks)
-        self.logger.setLevel(self.level)
-        if sys.unraisablehook is self.hook:  # (another hook installed since stays)
-            sys.unraisablehook = self.previous_hook
-
-
-# what names an orbax read in asyncio's report of an abandoned task or future (its coroutine, or its error)
-ORBAX_READ_MARKS = (f"{os.sep}orbax{os.sep}", "TensorStore", "OCDBT")
-
-
-def _drop_abandoned_orbax_tasks(record: logging.LogRecord) -> bool:
-    """False (drop) for asyncio's report of an orbax read whose exception nobody retrieved ("Task", "Future" or
-    "_GatheringFuture exception was never retrieved")."""
-    message = record.getMessage()
-    return not ("exception was never retrieved" in message and any(m in message for m in ORBAX_READ_MARKS))
-
-
-def _is_orbax_coroutine(obj: Any) -> bool:
-    """Whether `obj` is a coroutine of orbax's own code (one it abandoned when a read failed)."""
-    code = getattr(obj, "cr_code", None)
-    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
-
-
-def _join_orbax_threads(timeout_s: float = 60.0) -> None:
-    """Waits (up to `timeout_s` in all) for orbax's background save threads still running."""
-    import threading
-
-    deadline = time.monotonic() + timeout_s
-    for t in threading.enumerate():
-        if t is not threading.current_thread() and type(t).__module__.startswith("orbax"):
-            t.join(max(deadline - time.monotonic(), 0))
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
-
-
-class DirectoryLock:
-    """``<directory>/jaxring.lock`` held by one live run: {"pid", "host", "since"}, created atomically.
-
-    A second run refuses in one line naming the holder; a lock left by a process that is gone (this host,
-    pid not alive) is taken over with a warning through `report`. Released (deleted) by `release`.
-    """
-
-    def __init__(self, directory: Path, report: Callable[[str], None] = print):
-        self.path = Path(directory) / LOCK_FILE
-        self.held = False
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                holder = self._holder()
-                if holder is not None and not self._stale(holder):
-                    raise CheckpointDirectoryInUse(
-                        f"checkpoint directory {str(directory)!r} is in use by another run (pid {holder.get('pid')} "
-                        f"on {holder.get('host')}, since {holder.get('since')}); use another --checkpoint-dir, or "
-                        f"delete {str(self.path)!r} if that run is gone"
-                    ) from None
-                what = "an unreadable lock" if holder is None else f"the lock of pid {holder.get('pid')}, which is gone"
-                report(f"warning: {str(directory)!r}: taking over {what}")
-                with contextlib.suppress(FileNotFoundError):
-                    self.path.unlink()
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self.held = True
-            return
-        raise CheckpointDirectoryInUse(f"could not take the lock {str(self.path)!r} (another run keeps taking it)")
-
-    def _holder(self) -> dict | None:
-        try:
-            holder = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None
-        return holder if isinstance(holder, dict) else None
-
-    @staticmethod
-    def _stale(holder: dict) -> bool:
-        pid = holder.get("pid")
-        if holder.get("host") != socket.gethostname():
-            return False  # another host's process: cannot tell, so it holds
-        return not (isinstance(pid, int) and pid > 0 and _pid_alive(pid))
-
-    def release(self) -> None:
-        if self.held:
-            holder = self._holder()
-            if holder is not None and holder.get("pid") == os.getpid():
-                with contextlib.suppress(FileNotFoundError):
-                    self.path.unlink()
-            self.held = False
-
-
-@contextlib.contextmanager
-def _orbax_logs_quiet():
-    """Orbax's own (absl) log lines off, except CRITICAL, for the duration."""
-    logger = logging.getLogger("absl")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def _root_cause(e: BaseException) -> BaseException:
@@ -312,7 +157,7 @@ class Checkpointer:
             "metadata": ocp.JsonCheckpointHandler(),
             "checksums": ocp.JsonCheckpointHandler(),
         }
-        self._noise = _Noise()  # a junk step directory is reported on restore, not here
+        self._noise = OrbaxQuiet()  # a junk step directory is reported on restore, not here
         self._closed = False
         self._failed = self._failed_step = None
         self._saving = None  # the step whose save may still be in flight
@@ -464,7 +309,7 @@ class Checkpointer:
             if self._failed is not None:
                 with contextlib.suppress(Exception):
                     self._manager.wait_until_finished()
-                _join_orbax_threads()  # a failed save's other writes go on after orbax reports the failure
+                join_orbax_threads()  # a failed save's other writes go on after orbax reports the failure
             with contextlib.suppress(Exception):
                 self._manager.close()
             if self._failed_step is not None:
@@ -570,7 +415,7 @@ class Checkpointer:
             error = None
         except Exception as e:
             restored, error = None, e
-            gc.collect()  # orbax's abandoned reads are finalised now, while `_Noise` keeps them quiet
+            gc.collect()  # orbax's abandoned reads are finalised now, while `OrbaxQuiet` keeps them quiet
         if not all_processes_agree(error is None):
             detail = _one_line(error) if error is not None else "another process could not read its shards"
             raise DamagedCheckpointError(f"{where}: cannot read its arrays ({detail})") from error
@@ -610,7 +455,7 @@ class Checkpointer:
         damaged = []
         for step in reversed(steps):
             try:
-                with _orbax_logs_quiet():  # its warnings about the damage would repeat ours
+                with orbax_logs_quiet():  # its warnings about the damage would repeat ours
                     result = restore_step(step)
             except DamagedCheckpointError as e:
                 damaged.append(step)

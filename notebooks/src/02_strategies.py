@@ -617,7 +617,7 @@ plt.show()
 # the output gradient and (recomputing, as Megatron-LM does) the input again and reduce-scatters the input
 # gradient: five transitions of `(p − 1)/p · bsh` elements per device (METP's Table 1). The attention block
 # moves the same five plus its token positions (int32, `(p − 1)/p · bs`). We read the MLP block's bytes from
-# the program checked in 4.1, and the layer's from 4.2; the METP row uses the count in `metp_layers.py`'s docstring
+# the program checked in 4.1, and the layer's from 4.2; the METP row uses the counts in the docstrings of `metp_ring.py` and `metp_mha.py`
 # (the paper's `24(p−1)/p · h²` for the FFN and `12 log₂p · h² + 6(p−1)/p · bsh` for attention, plus the
 # gradients' extra hop home and the token positions that travel with K/V).
 

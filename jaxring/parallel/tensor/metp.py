@@ -1,5 +1,5 @@
 """METP as a tensor method [METP] (REFERENCES.md): its layouts, checks and cost model (Tables 1-2), with the
-layer functions of `metp_layers.py` (the module docstring there has the algorithms and their bytes).
+layer functions of `metp_ring.py` (the FFN) and `metp_mha.py` (attention) (their docstrings have the algorithms and their bytes).
 
 The sequence is split over tp (activations [b, s/p, h] never move); the FFN's weight blocks go round a ring and
 the attention broadcasts each head group's weights and rings K/V. The embedding and LM head stay replicated, as
@@ -26,7 +26,8 @@ from jaxring.parallel.tensor.contract import (
     attention_extras,
     modulation_gradients,
 )
-from jaxring.parallel.tensor.metp_layers import metp_attention, metp_mlp
+from jaxring.parallel.tensor.metp_mha import metp_attention
+from jaxring.parallel.tensor.metp_ring import metp_mlp
 from jaxring.parallel.tensor.splits import check_divisible, check_kv_heads, own_kv_head
 from jaxring.parallel.tensor.vocab_split import VocabSplit, vocab_ring_transfers
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
 
 def _token_id_transfers(m: ModelShape, x: LocalDims) -> list[Transfer]:
-    """The int32 [b, s/p] token arrays that ride the inner K/V ring with their block (`metp_layers`'s
+    """The int32 [b, s/p] token arrays that ride the inner K/V ring with their block (`metp_mha`'s
     inner ring, forward and backward): the tokens' order in the row when causal, their segment ids with packed documents;
     p-1 hops per head group forward and again backward. Every group and layer sends the same arrays forward:
     XLA:CPU hoists those p-1 hops out of both loops (once per micro-step) and keeps the backward's p(p-1) in
@@ -209,7 +210,7 @@ class METP(VocabSplit, TensorMethod):
         """METP's own attention (no sequence strategy): it keeps A_i (activation dtype) and its lse (fp32) of
         every head group (Table 2: 2bsh/p) and works on one head group at a time (its K/V ring is in
         `layer_transfers`); its backward keeps every group's ΔQ, ΔK, ΔV (activation dtype) for ΔX_i after the
-        loop (`metp_layers`, summed chunk by chunk) beside one group's Q, K, V and fp32 ΔQ, ΔK, ΔV."""
+        loop (`metp_mha`, summed chunk by chunk) beside one group's Q, K, V and fp32 ΔQ, ΔK, ΔV."""
         qkv = x.b * x.n * (x.heads + 2 * x.kv_heads) * m.head_dim
         return AttentionCost(
             saved=x.b * x.n * x.heads * (m.head_dim * m.em + F32),

@@ -1,6 +1,6 @@
 """METP on global arrays: each entry point checks its arguments, places them (batch over dp/fsdp, the sequence
 over tp, weights by columns or rows over tp: head group j on rank j) and runs the layer functions of
-`metp_layers.py` in its own shard_map (`jaxring.core.sharded.run_local`).
+`metp_ring.py` and `metp_mha.py` in its own shard_map (`jaxring.core.sharded.run_local`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from jaxring.kernels.block_compute import get_block_ops
 from jaxring.kernels.blockwise import BlockOps
 from jaxring.kernels.layer_math import check_activation
 from jaxring.kernels.masking import check_window
-from jaxring.parallel.tensor.metp_layers import metp_attention, metp_mlp
+from jaxring.parallel.tensor.metp_mha import metp_attention
+from jaxring.parallel.tensor.metp_ring import metp_mlp
 from jaxring.parallel.tensor.splits import check_data_split, check_divisible, unusable_mesh_axes
 
 if TYPE_CHECKING:

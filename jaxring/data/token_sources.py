@@ -1,4 +1,4 @@
-"""Host-side training data: token windows for GPT, labelled images for DiT (numpy only, no JAX).
+"""Host-side training data for GPT: token streams and random windows of them (numpy only, no JAX).
 
 Every batch is a pure function of (seed, step): resuming at step k gives exactly the batches an
 uninterrupted run would have seen. On a multi-host run each host asks for its own rows of the global
@@ -14,10 +14,7 @@ Token sources (``load_tokens``):
     non-token bytes read as uint16 reach 65535); val = ``val.bin`` beside it if present, else the last 10%.
     An even number of bytes. No tokenizer is bundled: ``decode`` writes the ids as text.
 
-Image sources (``load_images``):
-  * ``None``: scikit-learn's bundled 8×8 digits (1797 images, 1 channel, 10 classes).
-  * a folder of png/jpg images, one class per subfolder (or a single class 0), as RGB.
-  Every 10th image is the held-out "val" split when a split is asked for.
+Images for DiT: `image_sources.py`; the checks both share: `source_checks.py`.
 """
 
 from __future__ import annotations
@@ -27,15 +24,14 @@ import os
 import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from jaxring.data.source_checks import check_hosts, check_regular, check_seed_step, check_split
+
 GPT2_VOCAB = 50257
 TEXT_SUFFIXES = (".txt", ".py", ".md")
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 VAL_FRACTION = 0.1
-SPLITS = ("train", "val")
 
 # The bundled corpus: standard-library modules by path, in a FIXED order (never re-sorted, so the
 # held-out files stay the same whichever ones a given Python lacks). Entry i is "val" when i % 10 == 9.
@@ -116,14 +112,9 @@ STDLIB_VAL_EVERY = 10
 
 def stdlib_files(split: str) -> list[str]:
     """The bundled corpus's file names in `split` (fixed order; before skipping missing files)."""
-    _check_split(split)
+    check_split(split)
     held_out = [i % STDLIB_VAL_EVERY == STDLIB_VAL_EVERY - 1 for i in range(len(STDLIB_FILES))]
     return [name for name, val in zip(STDLIB_FILES, held_out) if val == (split == "val")]
-
-
-# ----------------------------------------------------------------------------------------------------
-# Tokens
-# ----------------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,33 +159,6 @@ class TokenSource:
         if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
             raise ValueError(f"ids must be in [0, {self.vocab_size}), got range [{ids.min()}, {ids.max()}]")
         return ids
-
-
-def check_regular(path: Path, what: str) -> None:
-    """Only regular files (and directories, of which only the regular files are read) are data: a FIFO would
-    block the read for ever, a device such as /dev/zero never ends. ValueError in one line otherwise."""
-    if path.is_dir() or path.is_file():  # (is_file: a regular file, through symlinks)
-        return
-    import stat
-
-    mode = path.stat().st_mode
-    kind = (
-        "a named pipe (FIFO)"
-        if stat.S_ISFIFO(mode)
-        else "a character device"
-        if stat.S_ISCHR(mode)
-        else "a block device"
-        if stat.S_ISBLK(mode)
-        else "a socket"
-        if stat.S_ISSOCK(mode)
-        else "not a regular file"
-    )
-    raise ValueError(f"{what} {str(path)!r} is {kind}: give a regular file or a directory of them")
-
-
-def _check_split(split: float) -> None:
-    if split not in SPLITS:
-        raise ValueError(f"split {split!r} must be one of {SPLITS}")
 
 
 def _file_separator(name: str) -> bytes:
@@ -326,7 +290,7 @@ def load_tokens(path: str | os.PathLike | None, *, split: str = "train", vocab_s
     Returns:
       a TokenSource; ``len(source)`` tokens in ``source.tokens``.
     """
-    _check_split(split)
+    check_split(split)
     if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):
         raise ValueError(f"vocab_size {vocab_size!r} must be a positive integer")
     if path is None:
@@ -346,30 +310,6 @@ def load_tokens(path: str | os.PathLike | None, *, split: str = "train", vocab_s
     if vocab_size not in (None, 256):
         raise ValueError(f"vocab_size {vocab_size} given for byte-level text {str(path)!r}, whose vocab is 256")
     return _load_text(p, split)
-
-
-def check_hosts(batch_size: int, process_index: int, process_count: int) -> int:
-    """The rows each host reads (batch_size / process_count); ValueError (one line) for a bad split."""
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size {batch_size!r} must be a positive integer")
-    if not isinstance(process_count, int) or process_count < 1:
-        raise ValueError(f"process_count {process_count!r} must be a positive integer")
-    if not isinstance(process_index, int) or not 0 <= process_index < process_count:
-        raise ValueError(f"process_index {process_index!r} must be in [0, process_count={process_count})")
-    if batch_size % process_count:
-        raise ValueError(
-            f"batch_size {batch_size} is not divisible by process_count {process_count}: "
-            f"each host takes batch_size / process_count rows"
-        )
-    return batch_size // process_count
-
-
-def check_seed_step(seed: int, step: int) -> None:
-    """ValueError (one line) unless the seed and the step are non-negative integers."""
-    if not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"seed {seed!r} must be a non-negative integer")
-    if not isinstance(step, (int, np.integer)) or step < 0:
-        raise ValueError(f"step {step!r} must be a non-negative integer")
 
 
 class TokenBatches:
@@ -420,167 +360,3 @@ class TokenBatches:
                 f"{self.source.vocab_size}; pass load_tokens(..., vocab_size=) large enough"
             )
         return rows
-
-
-# ----------------------------------------------------------------------------------------------------
-# Images
-# ----------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ImageSource:
-    """images: float32 [N, image_size, image_size, channels] in [-1, 1]; labels: int32 [N]."""
-
-    images: np.ndarray
-    labels: np.ndarray
-    num_classes: int
-    name: str
-    class_names: tuple[str, ...] = ()
-
-    def __len__(self) -> int:
-        return int(self.images.shape[0])
-
-
-def _resize(img: Any, image_size: int) -> Any:
-    from PIL import Image
-
-    return img.resize((image_size, image_size), Image.Resampling.BILINEAR)
-
-
-def _load_digits(image_size: int) -> ImageSource:
-    from PIL import Image
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    raw = digits.images.astype(np.float32) / 16.0  # [1797, 8, 8] in [0, 1]
-    out = np.stack([np.asarray(_resize(Image.fromarray(x), image_size)) for x in raw])
-    images = np.clip(out * 2.0 - 1.0, -1.0, 1.0)[..., None].astype(np.float32)
-    return ImageSource(images, digits.target.astype(np.int32), 10, "sklearn-digits", tuple(str(i) for i in range(10)))
-
-
-def _image_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-
-
-def _load_rgb(path: Path, image_size: int) -> np.ndarray:
-    """Centre-cropped to a square, resized (bilinear), RGB, in [-1, 1]."""
-    from PIL import Image
-
-    try:
-        with Image.open(path) as img:
-            img = img.convert("RGB")
-            w, h = img.size
-            side = min(w, h)
-            img = img.crop(((w - side) // 2, (h - side) // 2, (w - side) // 2 + side, (h - side) // 2 + side))
-            arr = np.asarray(_resize(img, image_size), np.float32)
-    except Exception as e:
-        reason = " ".join(str(e).split()) or type(e).__name__
-        raise ValueError(f"image {str(path)!r} cannot be read ({reason}); remove or replace it") from None
-    return arr / 127.5 - 1.0
-
-
-def _load_folder(folder: Path, image_size: int) -> ImageSource:
-    accepted = "/".join(IMAGE_SUFFIXES)
-    subdirs = sorted(p for p in folder.iterdir() if p.is_dir() and _image_files(p))
-    if subdirs:
-        loose = [p.name for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES]
-        if loose:
-            raise ValueError(
-                f"image folder {str(folder)!r} mixes class subfolders with loose images "
-                f"({loose[0]!r}, ...): put every image in a class subfolder, or use no subfolders"
-            )
-        classes = [(c.name, _image_files(c)) for c in subdirs]
-    else:
-        classes = [("0", _image_files(folder))]
-    if not classes[0][1]:
-        raise FileNotFoundError(f"image folder {str(folder)!r} holds no {accepted} images")
-    images, labels = [], []
-    for label, (_, files) in enumerate(classes):
-        images += [_load_rgb(f, image_size) for f in files]
-        labels += [label] * len(files)
-    return ImageSource(
-        np.stack(images).astype(np.float32),
-        np.array(labels, np.int32),
-        len(classes),
-        folder.name,
-        tuple(c for c, _ in classes),
-    )
-
-
-IMAGE_VAL_EVERY = 10  # image i is held out ("val") when i % 10 == 9, in the source's fixed order
-
-
-def _image_split(source: ImageSource, split: str) -> ImageSource:
-    held_out = np.arange(len(source)) % IMAGE_VAL_EVERY == IMAGE_VAL_EVERY - 1
-    keep = held_out if split == "val" else ~held_out
-    if not keep.any():
-        raise ValueError(
-            f"image source {source.name} has {len(source)} images: too few for a {split!r} split "
-            f"(every {IMAGE_VAL_EVERY}th image is held out)"
-        )
-    return dataclasses.replace(
-        source, images=source.images[keep], labels=source.labels[keep], name=f"{source.name}[{split}]"
-    )
-
-
-def load_images(path: str | os.PathLike | None, *, image_size: int, split: str | None = None) -> ImageSource:
-    """Labelled images [N, image_size, image_size, channels] in [-1, 1].
-
-    path None: scikit-learn's digits (1 channel, 10 classes) resized with Pillow (bilinear). A folder:
-    png/jpg images, RGB (3 channels), centre-cropped to a square and resized; the class is the subfolder
-    name (sorted subfolder names get labels 0, 1, ...) or a single class 0 without subfolders. Everything
-    is loaded into host memory. split: None (every image), "train" or "val" (every 10th image, in the
-    source's fixed order, is held out).
-    """
-    if not isinstance(image_size, int) or image_size < 1:
-        raise ValueError(f"image_size {image_size!r} must be a positive integer")
-    if split is not None:
-        _check_split(split)
-    if path is None:
-        source = _load_digits(image_size)
-    else:
-        folder = Path(path)
-        if folder.exists():
-            check_regular(folder, "image folder")
-        if not folder.is_dir():
-            raise FileNotFoundError(
-                f"image folder {str(path)!r} does not exist or is not a directory; accepted: "
-                f"None (scikit-learn's digits) or a folder of {'/'.join(IMAGE_SUFFIXES)} "
-                f"images (one subfolder per class, or none)"
-            )
-        source = _load_folder(folder, image_size)
-    return source if split is None else _image_split(source, split)
-
-
-class ImageBatches:
-    """(images, labels) batches, a pure function of (seed, step): epochs of shuffled images.
-
-    Global sample i = step * batch_size + r is image ``perm_e[i % N]`` of epoch e = i // N, with
-    ``perm_e = np.random.default_rng([seed, e]).permutation(N)``: every image once per epoch. Host
-    ``process_index`` returns only its rows of the global batch.
-    """
-
-    def __init__(
-        self, source: ImageSource, *, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1
-    ):
-        self.local_batch_size = check_hosts(batch_size, process_index, process_count)
-        check_seed_step(seed, 0)
-        if len(source) < 1:
-            raise ValueError(f"image source {source.name} is empty")
-        self.source, self.batch_size, self.seed = source, batch_size, seed
-        self.process_index, self.process_count = process_index, process_count
-
-    def indices(self, step: int) -> np.ndarray:
-        """[local_batch_size] int64: this host's image indices at `step`."""
-        check_seed_step(self.seed, step)
-        n = len(self.source)
-        first = step * self.batch_size + self.process_index * self.local_batch_size
-        i = np.arange(first, first + self.local_batch_size)
-        epochs, pos = i // n, i % n
-        perms = {e: np.random.default_rng([self.seed, int(e)]).permutation(n) for e in np.unique(epochs)}
-        return np.array([perms[e][p] for e, p in zip(epochs, pos)], np.int64)
-
-    def get(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """(float32 [local, size, size, channels], int32 [local]) with local = batch_size / process_count."""
-        idx = self.indices(step)
-        return self.source.images[idx], self.source.labels[idx]

@@ -132,7 +132,3 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER_ERROR  # as train.py reports an OSError
     print(f"exported {args.checkpoint} step {step} to {args.out} ({', '.join(files)})")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
