@@ -268,8 +268,8 @@ def compile_for(spec: RunSpec, target: str, log: Callable[[str], None] = print) 
     verdict = None
     for i, candidate in enumerate(specs, 1):
         which = f"plan {i} of the planner's ranking: " if auto else ""
-        estimate = estimated_memory(candidate, count)
-        host_estimate = estimate.host
+        estimated = estimated_memory(candidate, count)
+        host_estimate = estimated.host
         # refused before compiling: a ranked plan above the host's budget; a manual plan only far above a budget
         host_refused = decide(host_estimate, host_budget, compiler_decides=not auto) == "refuse"
         if host_refused:
@@ -283,9 +283,9 @@ def compile_for(spec: RunSpec, target: str, log: Callable[[str], None] = print) 
                 raise DoesNotFit(f"{line}; offload less, or give --host-memory-gib for a larger host")
             log(line)
             continue
-        if not auto and decide(estimate.total, budget, compiler_decides=True) == "refuse":
+        if not auto and decide(estimated.total, budget, compiler_decides=True) == "refuse":
             raise DoesNotFit(
-                f"--compile-for {target}: estimated {_gib(estimate.total)} GiB per device, more than "
+                f"--compile-for {target}: estimated {_gib(estimated.total)} GiB per device, more than "
                 f"{FAR_BEYOND:g}x the budget of {_gib(budget)} GiB (the estimate is at most "
                 f"{RECORDED_ERROR[1]:g}x the compiled bytes on record), so it is not compiled; use --remat full, "
                 f"tiles, --offload, more devices or a shorter --seq-len"

@@ -421,8 +421,8 @@ class Memory:
     peaks: the backward (every saved activation and the largest of its phases: the layers', with the gradient
     buffers and one layer's working set, the head's before it, with its logits and the gradients formed by
     then, and the last layer's forward before that, with the attention core's `forward`) and the update
-    (gradients, their reduction, the new moments: 16 bytes a parameter at ZeRO-0, measured on the compiled GPU
-    program). `host`: what host offload keeps in host memory (not in the total)."""
+    (gradients, their reduction, the new moments: the calibration's `update_peak_zero0` fp32 copies of the
+    weights at ZeRO-0). `host`: what host offload keeps in host memory (not in the total)."""
 
     params: float
     optimizer: float
