@@ -44,6 +44,7 @@ if __name__ == "__main__":  # a stop signal while jax imports ends the command a
         signal.signal(_s, _exit_at_once)
 
 from jaxring.aot.compile_for import check_target, compile_for
+from jaxring.aot.fits import check_compiled_fits
 from jaxring.aot.margin import apply_auto_plan_at_the_margin
 from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
 from jaxring.core.stop_signals import exit_code
@@ -114,6 +115,8 @@ def run(spec, *, print_config: bool = False) -> int:
         resolved.output.out_dir = spec.output.out_dir  # as given: a fresh run directory each time, unless named
         print(resolved.to_yaml(), end="")
         return 0
+    if devices[0].platform != "cpu":  # accelerators: a run estimated above the budget is compiled, which decides
+        check_compiled_fits(spec, devices)
     train(spec, devices=devices)
     return 0
 

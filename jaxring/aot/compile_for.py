@@ -12,7 +12,10 @@ output + temp - alias bytes of `memory_analysis()`) and the planner's estimate (
 with the budget: --device-memory-gib, else the device's memory times the planner's usable fraction (0.9). Beside
 it, the host memory per device (what --offload keeps there: the compiled program's host bytes, and the
 estimate's) against the target's host budget: `HOST_GIB_PER_GPU` (a DGX node's share), or --host-memory-gib over
-the target's GPUs; a plan whose estimate exceeds it is refused before compiling.
+the target's GPUs. The compiled program decides: a manual plan is refused before compiling only when its estimate
+is more than `jaxring.planner.fit.FAR_BEYOND` times a budget (device or host); otherwise it is compiled and the
+verdict is the compiled bytes', whatever the estimate says. A ranked plan (--plan auto) estimated above the
+host's budget is skipped.
 Exit 0 when it fits, 3 when not. With --plan auto, the planner's ranked plans for the target are compiled in
 order until one fits (at most `TRIES`); when none fits by the estimate, the plans estimated within
 `ESTIMATE_MARGIN` above the budget are compiled, least first (the estimate's error is within that margin).
@@ -36,11 +39,12 @@ from typing import TYPE_CHECKING
 import jax
 
 from jaxring.analysis import gpu, tpu
+from jaxring.aot.memory_check import peak_bytes
 from jaxring.aot.train_step import lower_train_step
 from jaxring.planner import cost_model
 from jaxring.planner.auto import held_settings
 from jaxring.planner.cluster import Cluster
-from jaxring.planner.fit import DoesNotFit, candidate_of, workload_of
+from jaxring.planner.fit import FAR_BEYOND, RECORDED_ERROR, DoesNotFit, candidate_of, decide, workload_of
 from jaxring.planner.params import param_leaves
 from jaxring.planner.search import ESTIMATE_MARGIN, NoPlanError, Result, margin_search, search
 
@@ -186,7 +190,7 @@ def _compile(spec: RunSpec, devices: list, log: Callable[[str], None] = print) -
     if devices[0].platform == "tpu":
         log(tpu_kernel_line(compiled.as_text()))
     m = compiled.memory_analysis()
-    peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    peak = peak_bytes(m)
     host = (
         m.host_argument_size_in_bytes
         + m.host_output_size_in_bytes
@@ -263,17 +267,28 @@ def compile_for(spec: RunSpec, target: str, log: Callable[[str], None] = print) 
     verdict = None
     for i, candidate in enumerate(specs, 1):
         which = f"plan {i} of the planner's ranking: " if auto else ""
-        host_estimate = estimated_memory(candidate, count).host
-        if host_estimate > host_budget:  # refused before compiling
+        estimated = estimated_memory(candidate, count)
+        host_estimate = estimated.host
+        # refused before compiling: a ranked plan above the host's budget; a manual plan only far above a budget
+        host_refused = decide(host_estimate, host_budget, compiler_decides=not auto) == "refuse"
+        if host_refused:
+            above = "above" if auto else f"more than {FAR_BEYOND:g}x"
             line = (
                 f"--compile-for {target}: {which}--offload {candidate.memory.offload} keeps an estimated "
-                f"{_gib(host_estimate)} GiB per device in host memory, above the target's {_gib(host_budget)} GiB "
+                f"{_gib(host_estimate)} GiB per device in host memory, {above} the target's {_gib(host_budget)} GiB "
                 f"per device ({_host_source(spec, count, target)})"
             )
             if not auto:
                 raise DoesNotFit(f"{line}; offload less, or give --host-memory-gib for a larger host")
             log(line)
             continue
+        if not auto and decide(estimated.total, budget, compiler_decides=True) == "refuse":
+            raise DoesNotFit(
+                f"--compile-for {target}: estimated {_gib(estimated.total)} GiB per device, more than "
+                f"{FAR_BEYOND:g}x the budget of {_gib(budget)} GiB (the estimate is at most "
+                f"{RECORDED_ERROR[1]:g}x the compiled bytes on record), so it is not compiled; use --remat full, "
+                f"tiles, --offload, more devices or a shorter --seq-len"
+            )
         compiled, estimate, host, plan = _compile(candidate, devices, log)
         verdict = Verdict(plan, compiled, estimate, budget, host, host_estimate, host_budget)
         log(f"--compile-for {target}: {which}{plan}: {verdict.line()}")

@@ -2,6 +2,7 @@
 
     peak = compiled_peak(workload, candidate, target="h200")     # deviceless GPU compile (gpu-compile extra)
     peak = compiled_peak(workload, candidate)                    # this process's devices (e.g. simulated CPUs)
+    peak = compiled_bytes_on(spec, devices)                      # a run specification's step on its devices
     note = compile_check(result, "h200", top=3)  # `python -m jaxring.planner --compile-check 3`: fills the
                                                  # top plans' `compiled_memory`, returns a note (or "")
 
@@ -14,13 +15,18 @@ CPU path, as a deviceless compile runs on the CPU platform). Peak = arguments + 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 
 from jaxring.analysis import gpu, tpu
 from jaxring.aot.train_step import compile_train_step
+from jaxring.planner.fit import workload_of
 from jaxring.planner.search import Result
 from jaxring.planner.space import Candidate, Workload
+
+if TYPE_CHECKING:
+    from jaxring.run.spec import RunSpec
 
 # the planner's device: the GPU target config it is compiled for (no A100 target config ships with jaxring)
 GPU_TARGETS = {"h100": "h100", "h200": "h200", "a100-40gb": "h100", "a100-80gb": "h100"}
@@ -61,8 +67,34 @@ def compiled_peak(
         grad_accum=c.steps(w) if c.pp == 1 else 1,
         documents=w.documents,
     )
-    m = compiled.memory_analysis()
+    return peak_bytes(compiled.memory_analysis())
+
+
+def peak_bytes(m: object) -> float:
+    """Device bytes of a `memory_analysis()` (jax.stages.CompiledMemoryStats): arguments + outputs + temporaries - aliased."""
     return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def compiled_bytes_on(spec: RunSpec, devices: Sequence[jax.Device]) -> float:
+    """Peak bytes per device of the (unresolved) run's train step compiled on `devices` with its own plan,
+    block compute, remat, offload, tiles, accumulation and clipping; nothing is allocated."""
+    spec = spec.resolved(len(devices))
+    w, t, ms = workload_of(spec), spec.training, spec.memory
+    compiled = compile_train_step(
+        w.model,
+        w.config,
+        spec.plan(list(devices)),
+        batch=t.batch_size,
+        seq_len=w.seq_len,
+        precision=spec.compute_precision,
+        remat=ms.remat,
+        remat_layers=ms.remat_layers,
+        offload=ms.offload,
+        grad_accum=t.grad_accum,
+        clip=spec.optimizer.clip,
+        documents=w.documents,
+    )
+    return peak_bytes(compiled.memory_analysis())
 
 
 def compile_check(result: Result, device: str, top: int) -> str:

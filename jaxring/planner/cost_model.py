@@ -31,13 +31,17 @@ saved activations, one layer's backward working set) and the update's. A layer s
 stream and norms (8 arrays [b, n_act, h] in fp32 and 4 of statistics), a K/V projection, the fp32 rotary
 halves of q and k, the attention core's residuals (its entry's `saved`) and 6 FFN-wide arrays; with selective
 remat its input and the weight matmuls' outputs; with full remat its input only. A pipeline stage keeps the
-residuals of the micro-batch-chunks its schedule holds at once, two more in the tick that runs (the slot it
-reads and its switch's own; `PIPELINE_TICK_CHUNKS`), its inboxes, and the switch's chunk gradients.
+residuals of the micro-batch-chunks its schedule holds at once, more in the tick that runs (the slot it reads
+and its switch's own: `pipeline_tick_chunks`), its inboxes, and the switch's chunk gradients.
+
+Fitted terms (how many arrays XLA keeps live where the structure alone cannot say) are data, per target and
+XLA version: `jaxring.planner.calibration` (jaxring/planner/calibrations/*.json, refitted by
+benchmarks/refit_calibration.py); docs/memory-model.md tells how each was fitted.
 
 Step time = compute (model FLOPs + recomputation, at a stated efficiency of peak) + exposed communication
 (bytes / link bandwidth + latency per message; the ring-family P2P of the attention loops overlaps the
-attention compute, as the GPU compile shows (`benchmarks/results/gpu_compile.json`); every other collective is
-exposed) + the pipeline bubble + the optimizer update (HBM-bound).
+attention compute, as the GPU compile shows; every other collective is exposed; launch overhead: the
+calibrated kernels per layer times the overhead of one) + the pipeline bubble + the optimizer update (HBM-bound).
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from jaxring.parallel.cost_terms import (
 from jaxring.parallel.pipeline import lower, make_schedule, peak_in_flight, simulate
 from jaxring.parallel.pipeline.schedules import BW, B, F, W
 from jaxring.parallel.tensor.vocab_ring import RING_LOSS_ROWS
+from jaxring.planner.calibration import calibration
 from jaxring.planner.space import Candidate, Workload
 
 if TYPE_CHECKING:
@@ -415,8 +420,8 @@ class Memory:
     peaks: the backward (every saved activation and the largest of its phases: the layers', with the gradient
     buffers and one layer's working set, the head's before it, with its logits and the gradients formed by
     then, and the last layer's forward before that, with the attention core's `forward`) and the update
-    (gradients, their reduction, the new moments: 16 bytes a parameter at ZeRO-0, measured on the compiled GPU
-    program). `host`: what host offload keeps in host memory (not in the total)."""
+    (gradients, their reduction, the new moments: the calibration's `update_peak_zero0` fp32 copies of the
+    weights at ZeRO-0). `host`: what host offload keeps in host memory (not in the total)."""
 
     params: float
     optimizer: float
@@ -453,29 +458,6 @@ class Memory:
         return {k: round(getattr(self, k)) for k in keys} | {"total": round(self.total)}
 
 
-# A method that recomputes its forward (METP) holds this many [b, n_act, h] arrays in the activation dtype in
-# one layer's backward (the layer's input and its recomputed stream, A_i, the MLP's tiles in and out): fitted on
-# the deviceless H100 compiles of Llama-3-8B at 4M to 6M tokens, METP tp8, bf16, remat full, tiles of 4096,
-# offload layer_inputs+optimizer (compiled 61.6 to 75.7 GiB per device, 10.2 GiB more per million tokens from
-# 5M on; the estimate within 5% below to 7% above: benchmarks/results/llama3_8b_4m.json)
-RECOMPUTED_STREAM = 11
-# ... and on XLA:CPU (fp32) its layer scan stacks this many: the compiled CPU step of dp2 x METP tp4 (GPT of
-# benchmarks/memory_model.py, no remat) holds 8 stacks f32[4 layers, b, n/p, h] beside A_i's at its peak, the
-# last layer's forward (with 11 the estimate was 1.23x the bytes live there, with 8 1.14x)
-RECOMPUTED_STREAM_CPU = 8
-# ... and, with the MLP untiled, one layer's backward recomputes this many [b, n, ffn] arrays of its hidden layer
-# (the device's tokens through the whole FFN, weight chunk by chunk): fitted on the deviceless H100
-# compile of the same run with the loss tiled only at 720,896 tokens (compiled 64.0 GiB, estimate 58.3 GiB
-# without them); the ring's untiled MLP adds about as much (2.3-2.6 [n, ffn] arrays, longest_sequence.json)
-RECOMPUTED_UNTILED_MLP = 3
-# ... and every other method's untiled MLP, this many of the 6 FFN-wide arrays it saves without remat, in the
-# compiled GPU step's layer backward (XLA:CPU's: all 6): fitted on the deviceless compiles of Llama-3-8B with
-# the loss tiled (so that the layers' backward is the peak), ring, Ulysses, USP and Megatron on 8 x H100 and
-# 8 x H200 (benchmarks/results/longest_sequence.json, "loss tile": with 6 the estimate was 0.99-1.11x the
-# compiled bytes, with 5 0.95-1.08x)
-UNTILED_MLP_GPU = 5
-
-
 STREAM_ARRAYS = 8  # the residual stream's and the norms' arrays [b, n_act, h] a layer saves without remat
 
 
@@ -487,7 +469,7 @@ def saved_per_layer(w: Workload, s: Shapes, remat: str, mlp_tile: int | None = N
                of statistics), a K/V projection, the fp32 rotary halves of q
                and k, the attention core's residuals (its entry's), 6 FFN-wide arrays (the playbook's
                sbh(34 + 5as/h) without scores: flash attention); a method that recomputes its forward
-               (METP) keeps RECOMPUTED_STREAM arrays [b, n_act, h] in the activation dtype and its core's
+               (METP) keeps `recomputed_stream_arrays` (calibrated) arrays [b, n_act, h] in the activation dtype and its core's
                residuals only
     selective  the layer input and the outputs of the weight matmuls the backward needs (`jax.checkpoint`'s
                dots_with_no_batch_dims_saveable keeps only residuals): q, k, v, the o projection (the residual
@@ -508,7 +490,7 @@ def saved_per_layer(w: Workload, s: Shapes, remat: str, mlp_tile: int | None = N
         ffn = b * n * h * em if tiled else (m.ffn_matrices - 1) * b * n * f * em
         return b * na * h * em + qkvo + ffn + core.kept(remat)
     if s.method.recomputes_forward:
-        arrays = RECOMPUTED_STREAM_CPU if m.cpu else RECOMPUTED_STREAM
+        arrays = calibration("cpu" if m.cpu else "gpu").recomputed_stream_arrays
         return arrays * b * na * x.h_act * em + core.kept(remat)
     stream = STREAM_ARRAYS * b * na * x.h_act * F32 + 4 * b * na * F32
     rope = b * n * (x.heads + x.kv_heads) * d * (F32 if w.terms.rotary_fp32 else em)
@@ -529,9 +511,7 @@ def _mlp_saved(w: Workload, s: Shapes) -> float:
 def _attention_working(s: Shapes, recomputes_forward: bool) -> float:
     """The attention core's transient buffers during one layer's backward (its entry's, the tensor method's
     and, on CPU, the jnp block ops' score tiles: S/P, dP, dS of a backward tile, or, where the backward runs the
-    layer's forward again (remat), S and P of one forward tile if larger). Without remat XLA:CPU of jax 0.11.2
-    and 0.12.1 holds no forward tile in the backward (jax 0.10's did: allgather sp8 at 4,096 tokens and
-    WallFacer sp8 c2 compiled 2.4 MB, one [8, 256, 256] tile, below jax 0.10's)."""
+    layer's forward again (remat), S and P of one forward tile if larger; without remat no forward tile)."""
     core, x = s.core, s.local
     out = core.working + s.method.layer_working(s.model, x)
     if s.model.cpu:
@@ -543,74 +523,6 @@ def _attention_working(s: Shapes, recomputes_forward: bool) -> float:
     return out
 
 
-# One layer's backward keeps this share of the layer's un-rematerialised residuals (`saved_per_layer(...,
-# "none")`, with a tiled MLP one tile's FFN-wide arrays) live beside the attention core's buffers: with
-# selective or full remat the recomputed forward's, without remat the residuals read and the cotangents of
-# the same sizes formed as the backward walks the layer. One share for every mode, fitted on the compiled CPU
-# step (benchmarks/results/memory_model.json): with 0.75, 31 of its 35 rows are within 10% (outside: Megatron
-# tp8 0.84; Megatron tp2 x ring with selective or full remat 1.16 and 1.23, where the recomputed MLP's arrays are
-# freed before the attention's backward; dp8 ZeRO-2 with accumulation 1.12); the DiT's top plan of
-# tests/test_planner.py is 8% over.
-LAYER_WORKING_SHARE = {"none": 0.75, "selective": 0.75, "full": 0.75}
-
-# The constants above were fitted on compiled programs whose tiled MLP's backward held copies of its [b, n, h]
-# input and cotangent (the tiles after the first, sliced out; their gradients stacked, then concatenated with
-# the first's); `jaxring.core.tiling` now reads the tiles in place and writes their gradients into one
-# buffer. What that took off one layer's backward, in [b, n, h] arrays of the activation dtype, on the
-# deviceless H100 compiles of Llama-3-8B with the loss and MLP tiled (4096) and the layer inputs offloaded:
-# one GPU with the weights offloaded, 655,360 tokens, 70.3 -> 44.9 GiB (5.1 arrays); ring sp8 at 2,818,048,
-# 65.5 -> 53.8 GiB (4.4); Ulysses sp8 at 4,325,376, 66.5 -> 48.6 GiB (4.4); METP tp8 at 4,194,304, 61.6 ->
-# 54.0 GiB (its recomputed stream: 2.5 fits its compiles at 4.2M to 7.3M tokens within 8%)
-TILED_COPIES_GONE = 5
-TILED_COPIES_GONE_RECOMPUTED = 2.5
-
-# With per-token projections (`TensorMethod.tiles_projections`) and a dense FFN the tiles take the whole block
-# but attention's core (`jaxring.nn.tiled_block`): the normed inputs, the projections' outputs and the
-# attention residual live a tile at a time. What that took off one layer's backward beyond the MLP's tiles,
-# in [b, n, h] arrays of the activation dtype, on the deviceless H100 and H200 compiles of Llama-3-8B (tiles of
-# 4096, benchmarks/results/longest_sequence.json): the values that keep every probe of the rerun rows within
-# 10% of the compiled bytes: ring and one GPU 1.5-2.6 (1.7 taken); Ulysses and USP, whose backward peaks in the
-# core (`AttentionCost.peak_in_core`), 0.4-1.3 (1.0); with recompute blocks (--remat-layers 2) keeping their
-# layers' inputs on the device -0.0-0.8 over all (0.5; offloaded, a block's backward holds one layer's input
-# and the values without blocks apply). The spread is XLA's packing of the buffers.
-TILED_BLOCK_GONE = 1.7
-TILED_BLOCK_GONE_CORE_PEAK = 1.0
-TILED_BLOCK_GONE_IN_BLOCKS = 0.5
-
-# A pipeline tick holds, beside the residual slots (`peak_in_flight` micro-batch-chunks, the interpreter's
-# buffer), two more chunks' residuals: the slot it reads, sliced out of the buffer before the stage's switch
-# (`dynamic_index_in_dim`: a conditional's operand is its own array), and one inside the switch's branch (a
-# forward's new residuals before they are written to their slot, or the backward's copy of the ones it read
-# in the layout its layer scan takes). Read from the peak's live ranges of the compiled CPU step
-# (--xla_dump_to, *-live-range.txt; GPT of benchmarks/memory_model.py, fp32): 1F1B pp2 x dp4, 2 layers a
-# stage, 4 micro-batches: 2 slots of 9.05 MiB, the read 9.05 MiB and the branch's copy 9.02 MiB at the peak
-# (a backward tick; beside them the switch's chunk gradients, 1.5 MiB, and the accumulator). pp4 x dp2, one
-# layer a stage: 4 slots of 4.54 MiB, the read 4.54 MiB and the branch's new residuals (the last stage's
-# forward and the head's backward). Not counted: the buffer assignment's fragmentation (1.5-1.8 MiB there)
-PIPELINE_TICK_CHUNKS = 2
-
-# The share of the AdamW moments on the device at once while the update streams them from and to host memory
-# (--offload optimizer): fitted on the deviceless H100 compile of Llama-3-8B on one GPU at 16K tokens
-# (benchmarks/results/longest_sequence.json, "h100x1 | one gpu | all + optimizer")
-OFFLOADED_MOMENTS_IN_FLIGHT = 0.32
-
-
-# With the weights offloaded too (--offload weights), the update's peak in units of the fp32 bytes of the weights
-# outside the stack (their weights, gradients, moments in and new weights and moments out, fused): fitted on
-# the deviceless H100 compile of Llama-3-8B on one GPU at 16K tokens, where the update is the peak
-OFFLOADED_UPDATE_IN_FLIGHT = 4.0
-
-
-# With the layers' weights streamed from host memory (--offload weights, no recompute blocks), the compiled
-# backward of a method that gathers the sequence in its tensor-parallel regions (Megatron: [b, n, h] whole beside
-# the [b, n/tp, h] stream) holds fewer of those whole-sequence arrays at its peak: XLA's schedule no longer keeps
-# a rematerialized all-gather of the stream beside the three gathered GEMM outputs (the live ranges of the
-# deviceless H100 compiles of Llama-3-8B, Megatron tp8 at 1,572,864 tokens: 65.2 GiB with the weights on the
-# device, 41.3 offloaded; the estimate had 63.9 and 57.1). Fitted on the compiled slope in tokens (1.70 against
-# the estimate's 2.35 GiB per 64K tokens) and checked on the longest-sequence rows of both targets.
-OFFLOADED_WEIGHTS_GATHERS_GONE = 1.3
-
-
 def memory(
     w: Workload,
     c: Candidate,
@@ -620,8 +532,10 @@ def memory(
     plan: ParallelPlan | None = None,
     s: Shapes | None = None,
 ) -> Memory:
-    """Per-device bytes of the step's peak (see `Memory`), with the candidate's remat, tiles and offload."""
+    """Per-device bytes of the step's peak (see `Memory`), with the candidate's remat, tiles and offload.
+    The fitted terms are `calibration(target)`'s (docs/memory-model.md tells how each was fitted)."""
     s = s if s is not None else shapes(w, c, plan, cpu)
+    k = calibration("cpu" if cpu else "gpu")
     remat, x, em = c.remat, s.local, s.model.em
     params = optimizer = grads = update = 0.0
     layer_grad = head_grads = 0.0  # one layer's gradient; the gradients formed by the head's backward
@@ -636,11 +550,8 @@ def memory(
         params += psi / (R if stage == 3 else 1)
         optimizer += 2 * psi / (R if stage >= 1 else 1)
         grads += psi / (R if stage >= 2 else 1)
-        # the update: gradients and their reduction, new weights, new moments (the playbook's 16Ψ at stage 0).
-        # Measured on the compiled GPU step (gpt-1b, dp = 8): 4Ψ, 1.40Ψ, 1.40Ψ, 0.50Ψ at stages 0-3 (stage 1
-        # reduce-scatters and updates the shard as stage 2 does); XLA:CPU writes the new weights and moments
-        # in place at stage 0 (2Ψ)
-        update += {0: (2 if cpu else 4) * psi, 1: psi + 4 * psi / R, 2: psi + 4 * psi / R, 3: 4 * psi / R}[stage]
+        # the update: gradients and their reduction, new weights, new moments (stages 1-2 update the shard)
+        update += {0: k.update_peak_zero0 * psi, 1: psi + 4 * psi / R, 2: psi + 4 * psi / R, 3: 4 * psi / R}[stage]
         if leaf.stacked:
             layer_grad += psi / max(s.layers, 1)
             layer_stored += psi / (R if stage == 3 else 1) / max(s.layers, 1)
@@ -652,10 +563,7 @@ def memory(
     if s.steps > 1 and c.pp == 1:
         head_grads += grads  # the accumulator
         grads *= 2  # the accumulator and one micro-batch's gradients
-    if c.pp > 1 or cpu:
-        # the last stage's head runs beside other micro-batches' backward; XLA:CPU allocates every gradient
-        # buffer before the head's backward (a 32-layer GPT, vocab 8,192, one device: compiled 468 MiB, the
-        # layers' gradients in the head's phase 1.00x, without them 0.91x)
+    if c.pp > 1 or cpu:  # the last stage's head beside other micro-batches'; XLA:CPU: every gradient buffer
         head_grads = grads
     stored_grads = grads
     if c.zero >= 2:
@@ -665,95 +573,65 @@ def memory(
     per_layer = saved_per_layer(w, s, remat, c.mlp_tile)
     host = 0.0
     parts = c.offload.parts
-    if "optimizer" in parts and not cpu:
-        # the AdamW moments live in pinned host memory between updates (the deviceless H100 compile of
-        # Llama-3-8B at 4M tokens, METP tp8: device arguments 21.5 -> 7.2 GiB, host arguments 14.3 GiB); the
-        # update streams them in and the new ones out, leaf by leaf: the new moments (its 2Ψ) leave its peak
-        # and OFFLOADED_MOMENTS_IN_FLIGHT of them are on the device at once (one H100, 16K tokens: the
-        # update's peak 2.64Ψ instead of 4Ψ)
+    if "optimizer" in parts and not cpu:  # the moments in host memory; the update streams a share of them
         host += optimizer
-        update += (OFFLOADED_MOMENTS_IN_FLIGHT - 1) * optimizer
+        update += (k.offloaded_moments_in_flight - 1) * optimizer
         optimizer = 0.0
-    if "weights" in parts and not cpu:
-        # the fp32 weights and their gradients live in pinned host memory too (host: 4Ψ a device with the
-        # moments); a device holds the weights outside the stack as the step reads them (fetched whole: the
-        # embedding and the head), the head's gradients in its backward (then moved out), two layers'
-        # weights and gradients in flight, and in the update the outside weights' streamed state (the
-        # layers' one layer at a time)
-        # (host: the weights and the layers' gradients as stored; the top weights' gradients go from the head's
-        # and the embedding's backward to the update on the device: the deviceless H100 compiles of
-        # Llama-3-8B, one GPU 115.7 GiB of state = 4Ψ less them, 8 GPUs with ZeRO-3 14.5 GiB)
+    if "weights" in parts and not cpu:  # weights and layer gradients in host memory; the top weights on device
         host += params + stored_grads - top_grads
-        # with recompute blocks a block's layers' stored weights move in at once, and their gradients out at
-        # once (one H100, 655,360 tokens: blocks of 4 compile to 3.2 GiB more than blocks of 2, 2 x 2 layers'
-        # 0.81; with ZeRO-3 a layer's shard)
-        blocks_in = c.remat_layers if remat == "full" else 1
+        blocks_in = c.remat_layers if remat == "full" else 1  # a recompute block's weights move in at once
         params, grads = top, 2 * layer_grad + 2 * (blocks_in - 1) * layer_stored
         head_grads = top
-        update = OFFLOADED_UPDATE_IN_FLIGHT * top
-        # On one device XLA of jax 0.11.2 and 0.12.x brings the outside weights' AdamW moments in before the
-        # layers' backward, not after it (jax 0.10's schedule), so they sit beside it: the deviceless H100 compile
-        # of Llama-3-8B on one GPU, blocks of 4, holds 7.84 GiB more (the embedding's and the head's moments) at
-        # 327,680 and at 655,360 tokens alike (43.3 -> 51.1 GiB at 655,360), nothing more at 16,384 (the update
-        # is the peak there). Eight GPUs under ZeRO-3 show no such growth (Ulysses sp8 with the vocabulary ring
-        # at 8,388,608 tokens: 65.0 GiB on both)
-        if c.devices == 1:
+        update = k.offloaded_update_in_flight * top
+        if c.devices == 1:  # one device: the top weights' moments come in before the layers' backward
             grads += top_moments
     blocks = c.remat_layers if remat == "full" else 1  # layers per recompute block: one input kept per block
-    if "layer_inputs" in parts and not cpu:
-        # each block's checkpointed input lives in pinned host memory between the forward and the backward
-        # (on CPU host and device memory are one: nothing moves)
+    if "layer_inputs" in parts and not cpu:  # each block's input in host memory (on CPU: one memory)
         inputs = x.b * x.n_act * s.model.hidden * em
         host += s.layers // blocks * inputs
         per_layer -= inputs
-        if blocks > 1:
-            # a block's backward recomputes its layers' inputs into host memory too, and brings each back for
-            # its layer's backward: the device holds one layer's as without blocks (the deviceless H100 compile
-            # of Llama-3-8B at 8,388,608 tokens, Ulysses sp8, blocks of 2: 81.6 -> 65.6 GiB, host +16 GiB)
+        if blocks > 1:  # a block's backward recomputes its layers' inputs into host memory too
             host += blocks * inputs
     # layers per block whose inputs a block's backward keeps on the device
     blocks_on_device = 1 if "layer_inputs" in parts and not cpu else blocks
     if c.pp > 1:
         info = pipeline_info(c.pipeline_schedule, c.pp, s.steps, s.schedule)
         chunk = (s.layers // info.virtual_stages) * per_layer  # one micro-batch-chunk's residuals
-        activations = (info.peak_in_flight + PIPELINE_TICK_CHUNKS) * chunk
+        activations = (info.peak_in_flight + k.pipeline_tick_chunks) * chunk
         activations += info.inbox_slots * activation_bytes(w, s, em)
         # the switch's weight gradients of the chunk it ran (fp32), beside the accumulator they are added to
         grads += (s.layers // info.virtual_stages) * layer_grad
     else:
         activations = s.layers // blocks * per_layer
-    # one layer's backward: its residuals formed again as the backward walks it, the stream in the activation
-    # dtype (what the deviceless compiles of Llama-3-8B under remat full show; the saved stack keeps fp32)
+    # one layer's backward: its residuals formed again as the backward walks it, the stream in the activation dtype
     layer = saved_per_layer(w, s, "none", c.mlp_tile)
     if not s.method.recomputes_forward:
         layer -= STREAM_ARRAYS * x.b * x.n_act * x.h_act * (F32 - em)
     if c.mlp_tile is not None and c.mlp_tile < x.n:
         layer += 6 * x.b * c.mlp_tile * x.ffn * em  # one MLP tile's FFN-wide arrays, live in its backward
     elif s.method.recomputes_forward:  # the device's tokens through the whole FFN, recomputed in the backward
-        layer += RECOMPUTED_UNTILED_MLP * x.b * x.n * s.model.ffn * em
-    elif not cpu and w.moe is None:
-        layer += (UNTILED_MLP_GPU - 6) * x.b * x.n * x.ffn * em  # of the 6 arrays _mlp_saved counts
-    working = LAYER_WORKING_SHARE[remat] * layer + _attention_working(s, remat != "none")
+        layer += k.recomputed_untiled_mlp_arrays * x.b * x.n * s.model.ffn * em
+    elif w.moe is None:  # of the 6 FFN-wide arrays _mlp_saved counts, those the backward holds
+        layer += (k.untiled_mlp_backward_arrays - 6) * x.b * x.n * x.ffn * em
+    working = k.layer_working_share[remat] * layer + _attention_working(s, remat != "none")
     working += (blocks_on_device - 1) * x.b * x.n_act * s.model.hidden * em  # a block's other layers' inputs
-    if c.mlp_tile is not None and c.mlp_tile < x.n:
-        copies = TILED_COPIES_GONE_RECOMPUTED if s.method.recomputes_forward else TILED_COPIES_GONE
+    if c.mlp_tile is not None and c.mlp_tile < x.n:  # what the tiles take off one layer's backward
+        saving = k.tiled_mlp_saving_recomputed if s.method.recomputes_forward else k.tiled_mlp_saving
         if w.terms.tiled_block and s.method.tiles_projections and w.moe is None:
             if blocks_on_device > 1:
-                copies += TILED_BLOCK_GONE_IN_BLOCKS
+                saving += k.tiled_block_saving_in_blocks
             else:
-                copies += TILED_BLOCK_GONE_CORE_PEAK if s.core.peak_in_core else TILED_BLOCK_GONE
-        working -= copies * x.b * x.n_act * s.model.hidden * em
-    if "weights" in parts and not cpu and blocks == 1 and x.n > x.n_act:  # (a block's weights move in at once)
-        working -= OFFLOADED_WEIGHTS_GATHERS_GONE * x.b * x.n * s.model.hidden * em
+                saving += k.tiled_block_saving_core_peak if s.core.peak_in_core else k.tiled_block_saving
+        working -= saving * x.b * x.n_act * s.model.hidden * em
+    if "weights" in parts and not cpu and blocks == 1 and x.n > x.n_act:  # streamed weights: fewer gathers held
+        working -= k.offloaded_weights_gathers_saving * x.b * x.n * s.model.hidden * em
     # the step's batch as stored (the family's: tokens, targets, positions int32, packed documents' segment ids
     # and loss mask; a DiT's images and labels)
     rows = w.global_batch // c.data_degree // x.batch_split
     other = w.terms.stored_batch(w.config, rows, w.seq_len // (c.sp * x.token_split), w.documents)
     head = 0.0
     if x.vocab is not None:
-        # the head's backward, before the layers': the logits (or one tile of them) in the activation dtype
-        # and the softmax in fp32 (their gradient takes the logits' place: 6 bytes an element in bf16, as
-        # the deviceless H100 compile of GPT-7B at 262,144 tokens shows, benchmarks/results/memory_techniques.json)
+        # the head's backward, before the layers': the logits (or one tile) in the activation dtype, softmax fp32
         rows_at_once = x.n if c.loss_tile is None else min(c.loss_tile, x.n)
         if s.model.vocab_ring and c.loss_tile is None:  # the vocab ring tiles its loss itself
             rows_at_once = min(RING_LOSS_ROWS, x.n)
@@ -764,11 +642,6 @@ def memory(
 
 
 # ---------------------------------------------------------------------------------------------- time
-
-# Launch and loop overhead: ~40 kernels per layer per micro-step (forward and backward) at ~5 µs each, so
-# more, smaller micro-steps cost something even when their FLOPs and bytes are the same.
-KERNELS_PER_LAYER = 40
-KERNEL_OVERHEAD_S = 5e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -842,12 +715,13 @@ def step_time(
     s = s if s is not None else shapes(w, c, plan, cluster.cpu)
     remat = c.remat
     rate = cluster.device.flops * cluster.efficiency
+    k = calibration("cpu" if cluster.cpu else "gpu")
     flops, attn_flops, ffn_flops = compute_flops(w, c, remat, s)
     attention_s = attn_flops / (rate * block_compute_speed(block_ops, cluster.cpu))
     compute = (
         (flops - attn_flops) / rate
         + attention_s
-        + c.steps(w) * (w.config.num_layers // c.pp) * KERNELS_PER_LAYER * KERNEL_OVERHEAD_S
+        + c.steps(w) * (w.config.num_layers // c.pp) * k.kernels_per_layer * k.kernel_overhead_s
     )
     layer_comm: dict = {}
     step_comm: dict = {}

@@ -18,9 +18,10 @@ Failures end in one exception, each with a one-line message (train.py turns them
 On resume, a damaged newest checkpoint is reported and the newest intact one used.
 
 Before anything is built, the planner's memory estimate of the run (`estimated_memory_bytes`) is checked
-against the device memory (--device-memory-gib, else the accelerator's): a run that cannot fit stops in one
-line (`jaxring.planner.fit.DoesNotFit`, a ValueError: exit 2) naming the estimate, the device memory and the
-setting to change. What a run reports: a header with the plan (mesh, strategies, layout, precision, remat,
+against the device memory (--device-memory-gib, else the accelerator's): a run it rules out (above the memory on
+simulated CPU devices; on accelerators more than `jaxring.planner.fit.FAR_BEYOND` times it, closer the compiled
+program decides: `jaxring.aot.fits`, asked by train.py) stops in one line (`jaxring.planner.fit.DoesNotFit`, a
+ValueError: exit 2) naming the estimate, the device memory and the setting to change. What a run reports: a header with the plan (mesh, strategies, layout, precision, remat,
 tiles, offload) and the estimated memory per device (where the planner can price the run); a
 line per checkpoint save; a line before the held-out loss and the samples. Each step's metrics row
 (metrics.jsonl; TensorBoard with --tensorboard, W&B with --wandb) has: step, wall_time (Unix seconds),
@@ -122,7 +123,7 @@ def _first_line(e: BaseException, limit: int = 160) -> str:
 def estimated_memory_bytes(spec: RunSpec, devices: Sequence[jax.Device]) -> int | None:
     """Per-device memory the run is estimated to need (the planner's `jaxring.planner.fit.check_fits`); None:
     no estimate. Raises `DoesNotFit` (a ValueError, one line: the estimate, the device memory and the setting
-    to change) when the estimate exceeds the device memory, before anything is built or compiled."""
+    to change) when the estimate rules the run out (`check_fits`), before anything is built or compiled."""
     memory = check_fits(spec, list(devices))
     return None if memory is None else round(memory.total)
 
