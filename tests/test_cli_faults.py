@@ -424,7 +424,7 @@ def test_ctrl_c_at_a_random_early_moment_is_one_line(name, tmp_path):
     if sent:
         child.send_signal(signal.SIGINT)
     try:
-        _, err = child.communicate(timeout=TIMEOUT)
+        out, err = child.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
         child.kill()
         raise
@@ -432,6 +432,8 @@ def test_ctrl_c_at_a_random_early_moment_is_one_line(name, tmp_path):
     if not sent or child.returncode == 0:
         assert child.returncode == 0, (where, err[-2000:])
         return
+    if child.returncode == -signal.SIGINT and out.strip() and not err.strip():
+        return  # it finished (its output written) and the signal met the interpreter's exit, which drops handlers
     lines = err.strip().splitlines()
     assert child.returncode == 128 + signal.SIGINT, (where, child.returncode, err[-2000:])
     # Before training starts: "interrupted ..."; once the loop runs, its graceful stop says so and ends the step.
