@@ -101,7 +101,8 @@ def _check_paths(spec: RunSpec) -> None:
         parent = os.path.dirname(os.path.abspath(metrics))
         if os.path.isdir(metrics):
             raise ValueError(f"--metrics-file {metrics!r} is a directory; give a file name")
-        if not os.path.isdir(parent) and parent != os.path.abspath(out or ckpt or parent):
+        made_by_the_run = {os.path.abspath(p) for p in (out, ckpt) if p}  # directories the run creates
+        if not os.path.isdir(parent) and parent not in made_by_the_run:
             raise ValueError(f"--metrics-file {metrics!r}: directory {parent!r} does not exist")
     for flag, path in (("--checkpoint-dir", ckpt), ("--out-dir", out)):
         if path and os.path.exists(path) and not os.path.isdir(path):
