@@ -91,13 +91,14 @@ class RunSpec:
         return RunSpec(**sections)
 
     def flat(self) -> dict:
-        """Every setting by its flat name (options included)."""
+        """Every setting by its flat name (options included), as written in YAML and JSON (a typed setting such as
+        `Offload` as its text form): what checkpoints, multi-host agreement and loggers record."""
         out = {}
         for s in SECTIONS:
             for name in setting_fields(SECTIONS[s]):
                 if name != "options":
-                    out[name] = getattr(getattr(self, s), name)
-        out.update(self.parallel.options)
+                    out[name] = _plain(getattr(getattr(self, s), name))
+        out.update({k: _plain(v) for k, v in self.parallel.options.items()})
         return out
 
     # ---------------------------------------------------------------- YAML
