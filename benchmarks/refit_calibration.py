@@ -131,6 +131,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true", help="rewrite the terms whose best value differs")
     parser.add_argument("--target", choices=sorted(GRID), action="append", help="default: every target")
+    parser.add_argument(
+        "--out", type=Path, default=CALIBRATIONS, help="--write's folder (default: the package's, %(default)s)"
+    )
     args = parser.parse_args()
     os.environ.pop(calibration.ENV, None)
     sources = {"cpu": ("memory_model.json", cpu_rows), "gpu": ("memory_techniques.json", gpu_rows)}
@@ -155,7 +158,8 @@ def main() -> int:
             fixed = [t for t in data["terms"] if t not in GRID[target]]
             print(f"{target}: left as fitted (their compiles are not recorded here): {', '.join(fixed)}")
             if args.write:
-                path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / path.name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
     return 0
 
 
