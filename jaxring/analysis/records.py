@@ -72,4 +72,4 @@ def save_record(record: dict, path: str) -> None:
     stamp(record)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(record, f, indent=1)
+        json.dump(record, f, indent=1, default=str)  # a typed setting (Offload) as its text form

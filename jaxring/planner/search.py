@@ -169,7 +169,10 @@ class Result:
 def plan_json(ev: Evaluated, w: Workload, cl: Cluster) -> dict:
     return {
         "plan": ev.candidate.describe(),
-        "settings": ev.candidate.settings(w),
+        "settings": {
+            k: v if v is None or isinstance(v, (str, int, float)) else str(v)
+            for k, v in ev.candidate.settings(w).items()
+        },
         "micro_batch": ev.candidate.micro_batch,
         "train_flags": ev.candidate.train_flags(),
         "step_s": ev.step_s,
