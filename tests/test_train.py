@@ -256,29 +256,19 @@ def _remat_step_programs(mesh_degrees, **plan_options):
 
     import jaxring
     from jaxring.models import gpt
-    from jaxring.nn import param_placements
+    from jaxring.nn import MemoryPolicy
     from jaxring.parallel.plan import ParallelPlan
     from jaxring.train.step import TrainStep
 
     model = gpt.GPT(gpt.GPTConfig(vocab_size=128, num_layers=4, hidden=32, num_heads=4, ffn=128), rngs=nnx.Rngs(0))
     plan = ParallelPlan(jaxring.make_mesh(**mesh_degrees), **{"attention": "ring", **plan_options})
     b, s = 8, 256
-    graphdef, state = nnx.split(model)
-    placements = param_placements(state, plan)
+    state = nnx.state(model)
     tokens = jnp.zeros((b, s), jnp.int32)
     batch = {"tokens": tokens, "targets": tokens, "positions": jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))}
     compiled = {}
     for remat in ("none", "selective", "full"):
-        step = TrainStep(
-            plan,
-            graphdef,
-            placements,
-            None,
-            gpt.NextTokenObjective(b, s),
-            remat=remat,
-            stack=model.STACK,
-            layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
-        )
+        step = TrainStep(plan, model, None, gpt.NextTokenObjective(b, s), memory=MemoryPolicy(remat=remat))
         params = jax.device_put(nnx.to_pure_dict(state), step.shardings(step.param_specs))
         compiled[remat] = step.build_grads().lower(params, batch, jax.random.PRNGKey(0)).compile()
     return compiled

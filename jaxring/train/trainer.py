@@ -16,7 +16,6 @@ import optax
 from flax import nnx
 
 from jaxring.core.precision import compute_dtype
-from jaxring.nn import param_placements
 from jaxring.run.spec import RunSpec
 from jaxring.run.task import model_family
 from jaxring.train.checkpoint import Checkpointer
@@ -58,23 +57,18 @@ class Trainer:
         self.dtype = compute_dtype(spec.compute_precision)
         self.tx = optimizer(spec)
         model = self.task.model(spec.training.seed)
-        self.graphdef, state = nnx.split(model)
-        self.placements = param_placements(state, self.plan)
         self.train_step = TrainStep(
             self.plan,
-            self.graphdef,
-            self.placements,
+            model,
             self.tx,
             self.task.objective,
+            memory=spec.memory.policy,
             dtype=self.dtype,
-            remat=spec.memory.remat,
-            remat_layers=spec.memory.remat_layers,
-            offload=spec.memory.offload,
             grad_accum=spec.training.grad_accum,
             clip=spec.optimizer.clip,
-            stack=model.STACK,
-            layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
         )
+        self.graphdef, self.placements = self.train_step.graphdef, self.train_step.placements
+        state = nnx.state(model)
         self.shardings = self.train_step.param_shardings()
         host_params = nnx.to_pure_dict(state)
         # interleaved pipelines keep the layer stack in pipeline order (each pp rank's chunks together);
