@@ -152,7 +152,7 @@ class Trainer:
         return {
             "model": self.task.metadata(),
             "mesh": self.plan.describe(),
-            "config": self.spec.flat(),
+            "config": self.spec.flat_plain(),
             "param_layout": PARAM_LAYOUT,
         }
 
