@@ -9,6 +9,7 @@ import pytest
 
 from jaxring.run.spec import RunSpec
 from jaxring.train.loop import Trainer, train
+from jaxring.train.loop_state import LoopState
 
 SMALL = {"num_layers": 1, "hidden": 64, "num_heads": 8, "ffn": 128}
 BASE = RunSpec.of(
@@ -105,6 +106,22 @@ def test_resume_equals_uninterrupted_and_restores_on_another_mesh(tmp_path):
     # tolerance of test_loss_parity_with_single_device (which finds dp2-sp4 and sp8 runs equal within it)
     cross = run(steps=4, dp=2, sp=4, checkpoint_dir=at_step_2, resume=True)
     np.testing.assert_allclose(cross, full[2:], rtol=1e-3)
+
+
+def test_the_loop_state_is_one_value_each_step_advances():
+    """The trainer's step count, weights and optimizer state are one `LoopState`: a step replaces it whole
+    (step + 1, the new arrays), and a checkpoint's arrays are its arrays."""
+    trainer = Trainer(BASE, jax.devices()[:1])
+    before = trainer.loop_state
+    assert (before.step, trainer.step_count) == (0, 0)
+    trainer.step()
+    after = trainer.loop_state
+    assert after is not before and after.step == trainer.step_count == 1
+    assert trainer.params is after.params and trainer.opt_state is after.opt_state
+    assert trainer.state().keys() == after.arrays().keys() == {"params", "opt_state"}
+    assert jax.tree.structure(trainer.state()) == jax.tree.structure(after.arrays())
+    with pytest.raises(ValueError, match=r"the loop's step -1 must be a non-negative integer"):
+        LoopState(-1, after.params, after.opt_state)
 
 
 def test_checkpoint_from_another_model_is_refused(tmp_path):
