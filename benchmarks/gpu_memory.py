@@ -73,7 +73,7 @@ def step_program(preset, config, seq, *, zero=3, remat="selective", target="h200
 
     import jaxring
     from jaxring.models import gpt
-    from jaxring.nn import param_placements
+    from jaxring.nn import MemoryPolicy
     from jaxring.parallel.plan import ParallelPlan
     from jaxring.run.spec import RunSpec
     from jaxring.train.step import TrainStep
@@ -91,19 +91,10 @@ def step_program(preset, config, seq, *, zero=3, remat="selective", target="h200
     cfg = gpt.get_config(preset, **overrides)
     gpt.check_plan(cfg, plan, batch, seq)
     model = nnx.eval_shape(lambda: gpt.GPT(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(model)
+    state = nnx.state(model)
     tx = optimizer(RunSpec.of(model="gpt", preset=preset, seq_len=seq, batch_size=batch, steps=1000))
-    step = TrainStep(
-        plan,
-        graphdef,
-        param_placements(state, plan),
-        tx,
-        gpt.NextTokenObjective(batch, seq),
-        dtype=jnp.bfloat16,
-        remat=remat,
-        stack=model.STACK,
-        layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
-    )
+    objective = gpt.NextTokenObjective(batch, seq)
+    step = TrainStep(plan, model, tx, objective, memory=MemoryPolicy(remat=remat), dtype=jnp.bfloat16)
     shaped = lambda tree, shardings: jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
     )

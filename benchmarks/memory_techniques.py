@@ -52,7 +52,7 @@ def step_program(cfg, seq, *, sp, target, loss_tile=None, mlp_tile=None, offload
 
     import jaxring
     from jaxring.models import gpt
-    from jaxring.nn import param_placements
+    from jaxring.nn import MemoryPolicy
     from jaxring.run.spec import RunSpec
     from jaxring.train.step import TrainStep
     from jaxring.train.trainer import optimizer
@@ -70,20 +70,10 @@ def step_program(cfg, seq, *, sp, target, loss_tile=None, mlp_tile=None, offload
     )
     gpt.check_plan(cfg, plan, 1, seq)
     model = nnx.eval_shape(lambda: gpt.GPT(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(model)
+    state = nnx.state(model)
     tx = optimizer(RunSpec.of(model="gpt", preset="7b", seq_len=seq, batch_size=1, steps=1000))
-    step = TrainStep(
-        plan,
-        graphdef,
-        param_placements(state, plan),
-        tx,
-        gpt.NextTokenObjective(1, seq),
-        dtype=jnp.bfloat16,
-        remat="full",
-        offload=offload,
-        stack=model.STACK,
-        layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
-    )
+    memory = MemoryPolicy(remat="full", offload=offload)
+    step = TrainStep(plan, model, tx, gpt.NextTokenObjective(1, seq), memory=memory, dtype=jnp.bfloat16)
     shaped = lambda tree, shardings: jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
     )

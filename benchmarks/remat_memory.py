@@ -39,7 +39,7 @@ def main():
     import jaxring
     from jaxring.analysis.compiled import collective_traffic
     from jaxring.models import gpt
-    from jaxring.nn import param_placements
+    from jaxring.nn import MemoryPolicy
     from jaxring.parallel.plan import ParallelPlan
     from jaxring.train.step import TrainStep
 
@@ -48,7 +48,7 @@ def main():
     ).stdout.strip()
     cfg = gpt.GPTConfig(vocab_size=256, num_layers=6, hidden=64, num_heads=4, ffn=256)
     model = gpt.GPT(cfg, rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(model)
+    state = nnx.state(model)
     tokens = jnp.zeros((B, S), jnp.int32)
     batch = {"tokens": tokens, "targets": tokens, "positions": jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))}
     record = benchmark_record(
@@ -59,18 +59,8 @@ def main():
     record["results"] = []
     for name, (degrees, options) in MESHES.items():
         plan = ParallelPlan(jaxring.make_mesh(**degrees, devices=devices), **options)
-        placements = param_placements(state, plan)
         for remat in ("none", "selective", "full"):
-            step = TrainStep(
-                plan,
-                graphdef,
-                placements,
-                None,
-                gpt.NextTokenObjective(B, S),
-                remat=remat,
-                stack=model.STACK,
-                layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
-            )
+            step = TrainStep(plan, model, None, gpt.NextTokenObjective(B, S), memory=MemoryPolicy(remat=remat))
             params = jax.device_put(nnx.to_pure_dict(state), step.shardings(step.param_specs))
             compiled = step.build_grads().lower(params, batch, jax.random.PRNGKey(0)).compile()
             memory = compiled.memory_analysis()

@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxring.nn import MLP, Attention, Layers, bias_param, stack, weight_specs
+from jaxring.nn import MLP, Attention, Layers, LayerScan, bias_param, stack, weight_specs
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.run.task import Objective
 
@@ -371,7 +371,9 @@ class DiT(nnx.Module):
         """Predicted velocity per patch, local [b, s, p·p·C] (activation layout)."""
         return self.final(carry["x"], carry["c"])
 
-    def velocity_tokens(self, patches, t, labels, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32):
+    def velocity_tokens(
+        self, patches, t, labels, positions, plan: ParallelPlan, layers: LayerScan, *, dtype=jnp.float32
+    ):
         """Predicted velocity per patch, local [b, s, p·p·C] (activation layout, compute dtype)."""
         carry = self.embed_patches(patches, t, labels, positions, plan, dtype)
         carry = layers(carry, lambda block, carry: self.block_step(block, carry, positions, plan))

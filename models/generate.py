@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from jaxring.core.mesh import make_mesh, spec_entry
 from jaxring.models.gpt import GPT, check_plan
-from jaxring.nn import Layers, weight_specs
+from jaxring.nn import weight_specs
 from jaxring.nn.inference import (
     cache_length,
     cache_spec,
@@ -48,6 +48,13 @@ from jaxring.nn.inference import (
     write_cache,
 )
 from jaxring.parallel.plan import ParallelPlan
+
+
+def _stacked_layers(model: nnx.Module) -> tuple[nnx.GraphDef, dict]:
+    """(one block's graph, the blocks' weights stacked [num_layers, ...] as a pure dict) of a model's stack, for
+    scanning the blocks' own decode and KV methods."""
+    graphdef, state = nnx.split(model.blocks)
+    return graphdef, nnx.to_pure_dict(state)
 
 
 class Decoder:
@@ -108,15 +115,15 @@ class Decoder:
 
         def local(params, tokens, positions):
             m = nnx.merge(graphdef, params)
-            layers = Layers.of(m.blocks)
+            layer_graphdef, stacked = _stacked_layers(m)
             carry = m.embed_tokens(tokens, positions, jnp.float32, plan=plan)
 
             def body(carry, layer_params):
-                block = nnx.merge(layers.graphdef, layer_params)
+                block = nnx.merge(layer_graphdef, layer_params)
                 kv = block.attn.kv(block.ln1(carry["x"], plan), positions, plan)
                 return GPT.block_step(block, carry, positions, plan), kv
 
-            _, (k, v) = lax.scan(body, carry, layers.diff)
+            _, (k, v) = lax.scan(body, carry, stacked)
             return k, v
 
         token = plan.token_spec()
@@ -143,14 +150,14 @@ class Decoder:
             m = nnx.merge(graphdef, params)
             pos_table = m.pos_embed[...] if cfg.positions == "learned" else None
             x = decode_embed(plan, tokens, m.embed.table[...], positions, pos_table)
-            layers = Layers.of(m.blocks)
+            layer_graphdef, stacked = _stacked_layers(m)
 
             def body(x, xs):
                 layer_params, k, v = xs
-                block = nnx.merge(layers.graphdef, layer_params)
+                block = nnx.merge(layer_graphdef, layer_params)
                 return block.decode(x, positions, (k, v), cache_positions, plan)
 
-            x, (k_new, v_new) = lax.scan(body, x, (layers.diff, k, v))  # the cache is only read here
+            x, (k_new, v_new) = lax.scan(body, x, (stacked, k, v))  # the cache is only read here
             k = write_cache(k, k_new, cache_positions, positions)  # then written once, in place (donated)
             v = write_cache(v, v_new, cache_positions, positions)
             w, tied = m.head_weight(jnp.float32)

@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxring.kernels.layer_math import ACTIVATIONS
 from jaxring.kernels.rope import ROPE_SCALINGS, Rope
-from jaxring.nn import MLP, NORMS, Attention, Embed, Layers, MoE, stack, token_cross_entropy
+from jaxring.nn import MLP, NORMS, Attention, Embed, LayerScan, MoE, stack, token_cross_entropy
 from jaxring.nn.moe import MoEConfig, moe_ffn
 from jaxring.nn.tiled_block import runs_tiled, tiled_block
 from jaxring.parallel.plan import ParallelPlan
@@ -372,7 +372,7 @@ class GPT(nnx.Module):
 
     Every compute method is *local*: it runs inside the plan's shard_map (the train step's, or
     `plan.shard_map`) on this device's shards; `layers` is the block stack as the step materializes it
-    (`jaxring.nn.Layers`; `Layers.of(model.blocks)` outside a train step).
+    (`jaxring.nn.LayerScan`: the step's `Layers` on its weights; `Layers.of(model.blocks)` outside a train step).
     """
 
     STACK = "blocks"
@@ -418,7 +418,9 @@ class GPT(nnx.Module):
         w, tied = self.head_weight(dtype)
         return token_cross_entropy(x, w, targets, plan, tied=tied)
 
-    def features(self, tokens, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32, segment_ids=None):
+    def features(
+        self, tokens, positions, plan: ParallelPlan, layers: LayerScan, *, dtype=jnp.float32, segment_ids=None
+    ):
         """Final hidden states, local [batch, seq, hidden] (activation layout)."""
         carry = self.embed_tokens(tokens, positions, dtype, plan=plan)
         carry = layers(carry, lambda block, carry: self.block_step(block, carry, positions, plan, segment_ids))
@@ -430,7 +432,7 @@ class GPT(nnx.Module):
         return w.astype(dtype), self.cfg.tie_embeddings
 
     def token_losses(
-        self, tokens, targets, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32, segment_ids=None
+        self, tokens, targets, positions, plan: ParallelPlan, layers: LayerScan, *, dtype=jnp.float32, segment_ids=None
     ):
         """Cross-entropy fp32 [batch, seq] (token layout) of predicting `targets`. positions: int32 [batch, seq],
         RoPE's (and learned positions'); with packed documents they restart at 0 in each, and segment_ids
@@ -439,7 +441,7 @@ class GPT(nnx.Module):
         carry = layers(carry, lambda block, carry: self.block_step(block, carry, positions, plan, segment_ids))
         return self.head_losses(carry, targets, plan, dtype)
 
-    def logits(self, tokens, positions, plan: ParallelPlan, layers: Layers, *, dtype=jnp.float32):
+    def logits(self, tokens, positions, plan: ParallelPlan, layers: LayerScan, *, dtype=jnp.float32):
         """fp32 [batch, seq, vocab] on a plan without tensor parallelism (generation)."""
         x = self.features(tokens, positions, plan, layers, dtype=dtype)
         w, tied = self.head_weight(dtype)

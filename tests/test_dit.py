@@ -29,7 +29,7 @@ from jaxring.models.dit import (
     unpatchify,
     weight_specs,
 )
-from jaxring.nn import Layers, remat_policy
+from jaxring.nn import Layers, MemoryPolicy, remat_policy
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.train.step import value_and_grad
 
@@ -200,7 +200,9 @@ def test_loss_and_gradients_match_reference(name, setup, reference):
     plan = ParallelPlan(jaxring.make_mesh(**mesh_kw), **plan_kw)
     model = nnx.merge(graphdef, pure)
     batch = {"images": jnp.asarray(images), "labels": jnp.asarray(labels)}
-    loss, grads = value_and_grad(model, plan, FlowMatchingObjective(CFG, BATCH), batch, KEY, remat=remat)
+    loss, grads = value_and_grad(
+        model, plan, FlowMatchingObjective(CFG, BATCH), batch, KEY, memory=MemoryPolicy(remat=remat)
+    )
     ref_loss, ref_grads = reference
     assert loss.dtype == jnp.float32 and loss.shape == ()
     assert_close(loss, ref_loss, 1e-4, "loss")

@@ -24,7 +24,7 @@ from helpers import assert_close
 from jaxring import make_plan
 from jaxring.data.packing import check_batch
 from jaxring.models.gpt import GPT, GPTConfig, NextTokenObjective
-from jaxring.nn import Layers, param_placements
+from jaxring.nn import Layers
 from jaxring.train.step import TrainStep
 
 BATCH, SEQ, VOCAB, EOS = 4, 64, 64, 63
@@ -104,16 +104,8 @@ def grads_fn(model: GPT, **settings):
     """batch -> (loss, grads) of packed batches on `make_plan(**settings)` (one compile for every batch), each
     batch laid out by the plan like the tokens: the train step's own path (`jaxring.train.step`)."""
     plan = make_plan(**settings)
-    graphdef, state = nnx.split(model)
-    step = TrainStep(
-        plan,
-        graphdef,
-        param_placements(state, plan),
-        None,
-        NextTokenObjective(BATCH, SEQ, documents=True),
-        stack=model.STACK,
-        layer_graphdef=nnx.split(model.blocks)[0],
-    )
+    state = nnx.state(model)
+    step = TrainStep(plan, model, None, NextTokenObjective(BATCH, SEQ, documents=True))
     params = jax.device_put(nnx.to_pure_dict(state), step.shardings(step.param_specs))
     run = step.build_grads()
 

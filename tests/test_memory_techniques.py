@@ -14,7 +14,7 @@ import jaxring
 from jaxring.analysis import gpu
 from jaxring.analysis.compiled import host_memory_traffic
 from jaxring.models import gpt
-from jaxring.nn import param_placements
+from jaxring.nn import MemoryPolicy
 from jaxring.train.step import TrainStep, value_and_grad
 
 CFG = gpt.GPTConfig(vocab_size=64, num_layers=2, hidden=32, num_heads=4, num_kv_heads=4, ffn=64, activation="swiglu")
@@ -66,9 +66,7 @@ def _loss_and_grads(settings: dict, cfg: dict | None = None):
         objective,
         _batch(plan),
         jax.random.PRNGKey(0),
-        remat=remat,
-        offload=offload,
-        remat_layers=remat_layers,
+        memory=MemoryPolicy(remat=remat, offload=offload, remat_layers=remat_layers),
     )
     return float(loss), jax.tree.map(np.asarray, grads)
 
@@ -121,20 +119,9 @@ def test_each_technique_alone_on_one_device():
 def _train_step(plan, tx, remat, offload, cfg, batch, seq, remat_layers=1):
     """(the TrainStep of a fresh GPT `cfg` on `plan` with optimizer `tx`, its nnx state)."""
     model = gpt.GPT(cfg, rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(model)
-    step = TrainStep(
-        plan,
-        graphdef,
-        param_placements(state, plan),
-        tx,
-        gpt.NextTokenObjective(batch, seq),
-        remat=remat,
-        offload=offload,
-        remat_layers=remat_layers,
-        stack=model.STACK,
-        layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
-    )
-    return step, state
+    memory = MemoryPolicy(remat=remat, offload=offload, remat_layers=remat_layers)
+    step = TrainStep(plan, model, tx, gpt.NextTokenObjective(batch, seq), memory=memory)
+    return step, nnx.state(model)
 
 
 def _compiled(cfg, batch, seq, devices=None, **settings):

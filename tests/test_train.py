@@ -9,6 +9,7 @@ import pytest
 
 from jaxring.run.spec import RunSpec
 from jaxring.train.loop import Trainer, train
+from jaxring.train.loop_state import LoopState
 
 SMALL = {"num_layers": 1, "hidden": 64, "num_heads": 8, "ffn": 128}
 BASE = RunSpec.of(
@@ -105,6 +106,22 @@ def test_resume_equals_uninterrupted_and_restores_on_another_mesh(tmp_path):
     # tolerance of test_loss_parity_with_single_device (which finds dp2-sp4 and sp8 runs equal within it)
     cross = run(steps=4, dp=2, sp=4, checkpoint_dir=at_step_2, resume=True)
     np.testing.assert_allclose(cross, full[2:], rtol=1e-3)
+
+
+def test_the_loop_state_is_one_value_each_step_advances():
+    """The trainer's step count, weights and optimizer state are one `LoopState`: a step replaces it whole
+    (step + 1, the new arrays), and a checkpoint's arrays are its arrays."""
+    trainer = Trainer(BASE, jax.devices()[:1])
+    before = trainer.loop_state
+    assert (before.step, trainer.step_count) == (0, 0)
+    trainer.step()
+    after = trainer.loop_state
+    assert after is not before and after.step == trainer.step_count == 1
+    assert trainer.params is after.params and trainer.opt_state is after.opt_state
+    assert trainer.state().keys() == after.arrays().keys() == {"params", "opt_state"}
+    assert jax.tree.structure(trainer.state()) == jax.tree.structure(after.arrays())
+    with pytest.raises(ValueError, match=r"the loop's step -1 must be a non-negative integer"):
+        LoopState(-1, after.params, after.opt_state)
 
 
 def test_checkpoint_from_another_model_is_refused(tmp_path):
@@ -256,29 +273,19 @@ def _remat_step_programs(mesh_degrees, **plan_options):
 
     import jaxring
     from jaxring.models import gpt
-    from jaxring.nn import param_placements
+    from jaxring.nn import MemoryPolicy
     from jaxring.parallel.plan import ParallelPlan
     from jaxring.train.step import TrainStep
 
     model = gpt.GPT(gpt.GPTConfig(vocab_size=128, num_layers=4, hidden=32, num_heads=4, ffn=128), rngs=nnx.Rngs(0))
     plan = ParallelPlan(jaxring.make_mesh(**mesh_degrees), **{"attention": "ring", **plan_options})
     b, s = 8, 256
-    graphdef, state = nnx.split(model)
-    placements = param_placements(state, plan)
+    state = nnx.state(model)
     tokens = jnp.zeros((b, s), jnp.int32)
     batch = {"tokens": tokens, "targets": tokens, "positions": jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))}
     compiled = {}
     for remat in ("none", "selective", "full"):
-        step = TrainStep(
-            plan,
-            graphdef,
-            placements,
-            None,
-            gpt.NextTokenObjective(b, s),
-            remat=remat,
-            stack=model.STACK,
-            layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
-        )
+        step = TrainStep(plan, model, None, gpt.NextTokenObjective(b, s), memory=MemoryPolicy(remat=remat))
         params = jax.device_put(nnx.to_pure_dict(state), step.shardings(step.param_specs))
         compiled[remat] = step.build_grads().lower(params, batch, jax.random.PRNGKey(0)).compile()
     return compiled

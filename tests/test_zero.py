@@ -27,19 +27,10 @@ CFG = gpt.GPTConfig(vocab_size=64, num_layers=LAYERS, hidden=64, num_heads=4, ff
 
 def _compile(stage, grad_accum=1, batch=B):
     model = gpt.GPT(CFG, rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(model)
+    state = nnx.state(model)
     plan = ParallelPlan(jaxring.make_mesh(dp=N), zero=stage)
     tx = optax.adamw(1e-3)
-    step = TrainStep(
-        plan,
-        graphdef,
-        param_placements(state, plan),
-        tx,
-        gpt.NextTokenObjective(batch, S),
-        grad_accum=grad_accum,
-        stack="blocks",
-        layer_graphdef=nnx.split(model.blocks)[0],
-    )
+    step = TrainStep(plan, model, tx, gpt.NextTokenObjective(batch, S), grad_accum=grad_accum)
     abstract = lambda tree, shardings: jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
     )

@@ -22,7 +22,7 @@ from flax import nnx
 from jaxring.analysis import gpu
 from jaxring.core.compat import place_in_host_memory
 from jaxring.core.precision import compute_dtype
-from jaxring.nn import NO_OFFLOAD, Offload, param_placements
+from jaxring.nn import NO_OFFLOAD, MemoryPolicy, Offload
 from jaxring.run.task import model_family
 from jaxring.train.step import TrainStep
 
@@ -57,24 +57,12 @@ def build_train_step(
     packed = {"documents": True} if documents else {}  # a family without documents takes no such argument
     objective = family.objective(config, batch, seq_len, **packed)
     model = nnx.eval_shape(lambda: family.build(config, nnx.Rngs(0)))
-    graphdef, state = nnx.split(model)
     tx = optax.adamw(1e-3)
+    memory = MemoryPolicy(remat=remat, remat_layers=remat_layers, offload=offload)
     step = TrainStep(
-        plan,
-        graphdef,
-        param_placements(state, plan),
-        tx,
-        objective,
-        dtype=compute_dtype(precision),
-        remat=remat,
-        remat_layers=remat_layers,
-        offload=offload,
-        grad_accum=grad_accum,
-        clip=clip,
-        stack=model.STACK,
-        layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
+        plan, model, tx, objective, memory=memory, dtype=compute_dtype(precision), grad_accum=grad_accum, clip=clip
     )
-    params = _abstract(nnx.to_pure_dict(state), step.param_shardings())
+    params = _abstract(nnx.to_pure_dict(nnx.state(model)), step.param_shardings())
     opt_specs = step.opt_state_specs(params)
     opt = _abstract(jax.eval_shape(tx.init, params), step.opt_state_shardings(opt_specs))
     data = family.abstract_batch(config, plan, batch, seq_len, **packed)

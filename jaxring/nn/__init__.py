@@ -1,21 +1,23 @@
 """Model blocks: the Flax NNX layers a model is built from (`modules.py`), mixture of experts (`moe/`) and
 KV-cache inference (`inference/`). Each layer runs the plan's tensor method and sequence strategy inside the
-train step's one shard_map; `stack`/`Layers` scan a stack of layers.
+train step's one shard_map; `stack`/`Layers` scan a stack of layers, as a
+`MemoryPolicy` says (remat, recompute blocks, offload).
 
     from jaxring import nn
     layers = nn.stack(lambda rngs: Block(cfg, plan, rngs), cfg.num_layers, rngs)
 """
 
+from jaxring.nn.memory_policy import NO_MEMORY_POLICY, REMAT, MemoryPolicy
 from jaxring.nn.modules import (
     BIAS,
     MLP,
     NORMS,
-    REMAT,
     STACKED,
     Attention,
     Embed,
     LayerNorm,
     Layers,
+    LayerScan,
     MoE,
     RMSNorm,
     bias_param,
@@ -34,6 +36,7 @@ __all__ = [
     "BIAS",
     "MLP",
     "NORMS",
+    "NO_MEMORY_POLICY",
     "NO_OFFLOAD",
     "OFFLOAD",
     "OFFLOAD_PARTS",
@@ -42,7 +45,9 @@ __all__ = [
     "Attention",
     "Embed",
     "LayerNorm",
+    "LayerScan",
     "Layers",
+    "MemoryPolicy",
     "MoE",
     "Offload",
     "RMSNorm",

@@ -35,12 +35,12 @@ from jaxring.kernels.layer_math import check_activation
 from jaxring.kernels.rope import Rope, as_rope
 from jaxring.nn import inference
 from jaxring.nn import moe as moe_lib
+from jaxring.nn.memory_policy import NO_MEMORY_POLICY, REMAT, MemoryPolicy
 from jaxring.nn.offload import NO_OFFLOAD, Offload
 from jaxring.parallel import zero
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.parallel.tensor.contract import KEPT_RESIDUAL, MATMUL_OUTPUT, AttentionLayer, ParamInfo
 
-REMAT = ("none", "selective", "full")
 # The name of a layer's input in the layer stack (`Layers`): host offload keeps it in host memory. With
 # recompute blocks (--remat-layers k) this names a block's input, and the layers inside the block name theirs
 # INNER_LAYER_INPUT: offloaded only while the block's backward recomputes it (a distinct name, so the block's
@@ -381,42 +381,51 @@ def remat_policy(
     return zero.no_weights_saved(zero_stage, base)
 
 
-@dataclasses.dataclass
-class Layers:
-    """A stacked layer stack inside the step: `layers(carry, call)` runs call(layer, carry) for every layer
-    under `lax.scan`, materializing each layer's weights from their stored form (ZeRO) inside the scan body.
+# a layer stack ready to run on its weights: (carry, call) -> carry, call(layer, carry) -> carry for every layer
+LayerScan = Callable[[Any, Callable[[nnx.Module, Any], Any]], Any]
 
-    graphdef: one layer's graph; diff/const: the stacked stored leaves (see `jaxring.parallel.zero.inputs`);
-    placements: their stacked Placements; stage: the ZeRO stage; remat: none/selective/full per layer.
-    remat_layers: with remat full, layers per recompute block (Megatron's uniform --recompute-num-layers): the
-    stack is scanned a block at a time, a block keeps (or offloads) only its input, and its backward recomputes
-    its layers' forward keeping each layer's input (on the device, or with offload.layer_inputs in host
-    memory until that layer's backward): one more forward per layer.
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Layers:
+    """A stacked layer stack inside the step, built once per step: `layers.scan(carry, call, diff, const, stage)`
+    runs call(layer, carry) for every layer under `lax.scan`, materializing each layer's weights from their
+    stored form (ZeRO) inside the scan body.
+
+    graphdef: one layer's graph; placements: the stacked weights' Placements; memory: what each layer keeps,
+    recomputes and offloads (`MemoryPolicy`). With memory.remat_layers k > 1 (remat full) the stack is scanned a
+    block of k layers at a time (Megatron's uniform --recompute-num-layers): a block keeps (or offloads) only
+    its input, and its backward recomputes its layers' forward keeping each layer's input (on the device, or
+    with offload.layer_inputs in host memory until that layer's backward): one more forward per layer.
     """
 
     graphdef: object
-    diff: object
-    const: object
     placements: object
-    stage: int = 0
-    remat: str = "none"
-    offload: Offload = NO_OFFLOAD
-    remat_layers: int = 1
+    memory: MemoryPolicy = NO_MEMORY_POLICY
 
-    def __call__(self, carry: Any, call: Callable[[nnx.Module, Any], Any]) -> Any:
+    def on(self, diff: Any, const: Any = None, stage: int = 0) -> LayerScan:
+        """The stack on these weights: (carry, call) -> carry (what a model's `features` takes)."""
+        return functools.partial(self.scan, diff=diff, const=const, stage=stage)
+
+    def scan(
+        self, carry: Any, call: Callable[[nnx.Module, Any], Any], diff: Any, const: Any = None, stage: int = 0
+    ) -> Any:
         """call(layer, carry) -> carry for every layer in order, under `lax.scan`; carry: any pytree (e.g.
-        {"x": [b, s, h] activations, plus MoE statistics or DiT's conditioning}) keeping its shapes."""
+        {"x": [b, s, h] activations, plus MoE statistics or DiT's conditioning}) keeping its shapes. diff/const:
+        the stacked stored leaves [num_layers, ...] (see `jaxring.parallel.zero.inputs`; const None: none);
+        stage: the ZeRO stage they are stored for."""
+        remat, offload = self.memory.remat, self.memory.offload
         layer_placements = jax.tree.map(_per_layer, self.placements, is_leaf=_is_placement)
-        const = self.const if self.const is not None else jax.tree.map(lambda _: None, self.diff)
-        num_layers = jax.tree.leaves(self.diff)[0].shape[0]
+        const = const if const is not None else jax.tree.map(lambda _: None, diff)
+        num_layers = jax.tree.leaves(diff)[0].shape[0]
         at = lambda tree, i: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+        stack = diff
 
         def body(carry: Any, i: jax.Array) -> tuple[Any, None]:
             # the stacks are read as constants, layer i sliced here: a layer's weights are never copied into
             # a stacked residual for the backward (the policy recomputes the slice)
-            diff, const_i = at(self.diff, i), at(const, i)
+            diff, const_i = at(stack, i), at(const, i)
             weights = jax.tree.map(
-                lambda d, c, pl: zero.materialize(self.stage, d, c, pl),
+                lambda d, c, pl: zero.materialize(stage, d, c, pl),
                 diff,
                 const_i,
                 layer_placements,
@@ -424,57 +433,58 @@ class Layers:
             )
             return call(nnx.merge(self.graphdef, weights), carry), None
 
-        if self.offload.weights:
+        if offload.weights:
             # the stored weights live in host memory: the scan walks them as its xs, and each layer's reach the
             # device just before the layer runs (again in its backward: never saved); its gradient, the
             # transfer's transpose, goes back to host memory as the backward produces it
             def body(carry: Any, stored: Any) -> tuple[Any, None]:
-                weights = jax.tree.map(lambda d, pl: zero.fetch(self.stage, d, pl), stored, layer_placements)
+                weights = jax.tree.map(lambda d, pl: zero.fetch(stage, d, pl), stored, layer_placements)
                 return call(nnx.merge(self.graphdef, weights), carry), None
 
-            xs = self.diff
+            xs = stack
         else:
             xs = jnp.arange(num_layers)
-        k = self.remat_layers
+        k = self.memory.remat_layers
         if k > 1:
-            if self.remat != "full":
-                raise ValueError(REMAT_LAYERS_RULE["remat"].format(k=k, remat=self.remat))
+            if remat != "full":
+                raise ValueError(REMAT_LAYERS_RULE["remat"].format(k=k, remat=remat))
             if num_layers % k:
                 divisor = max(d for d in range(1, k) if num_layers % d == 0)
                 raise ValueError(REMAT_LAYERS_RULE["layers"].format(k=k, layers=num_layers, divisor=divisor))
             one = body
-            if self.offload.layer_inputs:
+            if offload.layer_inputs:
                 # the block's backward recomputes its layers' forward: their inputs go to host memory then,
                 # and come back one at a time for each layer's backward (so the device holds one, not k)
                 def one(carry: Any, x: Any, layer: Callable = body) -> tuple[Any, None]:
                     return layer(jax.tree.map(lambda a: checkpoint_name(a, INNER_LAYER_INPUT), carry), x)
 
-            inner = remat_policy("full", self.stage, self.offload, name=INNER_LAYER_INPUT)
+            inner = remat_policy("full", stage, offload, name=INNER_LAYER_INPUT)
             one = jax.checkpoint(one, policy=inner, prevent_cse=False)
 
             def body(carry: Any, block: Any) -> tuple[Any, None]:  # k layers, each keeping its input alone
-                if self.offload.weights:  # the block's weights moved in at once (their
+                if offload.weights:  # the block's weights moved in at once (their
                     block = jax.device_put(block, jax.memory.Space.Device)  # gradients out at once)
                 return lax.scan(one, carry, block)[0], None
 
             xs = jax.tree.map(lambda a: a.reshape((num_layers // k, k) + a.shape[1:]), xs)
-        if self.offload.layer_inputs:
+        if offload.layer_inputs:
             layer = body
 
             def body(carry: Any, x: Any) -> tuple[Any, None]:
                 return layer(jax.tree.map(lambda a: checkpoint_name(a, LAYER_INPUT), carry), x)
 
-        body = jax.checkpoint(body, policy=remat_policy(self.remat, self.stage, self.offload), prevent_cse=False)
+        body = jax.checkpoint(body, policy=remat_policy(remat, stage, offload), prevent_cse=False)
         carry, _ = lax.scan(body, carry, xs)
         return carry
 
     @classmethod
-    def of(cls, module: nnx.Module, remat: str = "none") -> Layers:
-        """The layers of a stacked nnx module as they are (no ZeRO): for use outside a train step, e.g. on one
-        device or inside your own shard_map."""
+    def of(cls, module: nnx.Module, remat: str = "none") -> LayerScan:
+        """The layers of a stacked nnx module as they are (no ZeRO), ready to run: for use outside a train step,
+        e.g. on one device or inside your own shard_map."""
         pure = nnx.to_pure_dict(nnx.split(module)[1])
         placements = jax.tree.map(lambda x: zero.Placement((None,) * x.ndim, None, ()), pure)
-        return cls(_layer_graphdef(module), pure, None, placements, 0, remat)
+        layers = cls(graphdef=_layer_graphdef(module), placements=placements, memory=MemoryPolicy(remat=remat))
+        return layers.on(pure)
 
 
 def _layer_graphdef(module: nnx.Module):

@@ -28,7 +28,7 @@ from jaxring.core.suggest import nearest
 from jaxring.data.packing import PACKINGS
 from jaxring.kernels.block_compute import BLOCK_OPS
 from jaxring.kernels.layout import LAYOUTS
-from jaxring.nn import NO_OFFLOAD, OFFLOAD, REMAT, Offload
+from jaxring.nn import NO_OFFLOAD, OFFLOAD, REMAT, MemoryPolicy, Offload
 from jaxring.parallel.catalog import all_options, pipeline_schedules, sequence_strategies, tensor_methods
 from jaxring.parallel.registry import Option
 from jaxring.run.task import model_families
@@ -211,6 +211,12 @@ class MemorySettings:
         "machine's memory, or its container's limit)",
         rule="float>0",
     )
+
+    @property
+    def policy(self) -> MemoryPolicy:
+        """What the layer stack keeps, recomputes and offloads (remat, recompute blocks, offload), as `Layers`
+        and `TrainStep` take it; the tiles go to the plan (`RunSpec.plan`)."""
+        return MemoryPolicy(remat=self.remat, remat_layers=self.remat_layers, offload=self.offload)
 
 
 @dataclasses.dataclass

@@ -320,10 +320,11 @@ def prepare(spec: RunSpec, device_count: int) -> RunSpec:
     """The spec resolved for `device_count` devices and validated, with its output directory (OUT_DIR: as
     given, else the checkpoint directory, else runs/DATE-TIME) filled in (metrics go to OUT_DIR/metrics.jsonl unless
     --metrics-file says otherwise)."""
-    spec = spec.resolved(device_count)  # validated there
     out = spec.output
-    out_dir = out.out_dir or spec.checkpoint.checkpoint_dir or _fresh_run_dir()
-    return dataclasses.replace(spec, output=dataclasses.replace(out, out_dir=out_dir))
+    if out.out_dir is None:  # filled in before the checks, which read it (e.g. --metrics-file's directory)
+        out_dir = spec.checkpoint.checkpoint_dir or _fresh_run_dir()
+        spec = dataclasses.replace(spec, output=dataclasses.replace(out, out_dir=out_dir), resolved_for=None)
+    return spec.resolved(device_count)  # validated there
 
 
 def _describe(spec: RunSpec, trainer: Trainer, say: Callable[..., object], estimate: int | None = None):

@@ -1,6 +1,6 @@
 """The train step: one `jit` holding one `shard_map` over the plan's whole mesh (dp, fsdp, ep, sp, tp).
 
-    step = TrainStep(plan, graphdef, placements, tx, task, dtype=jnp.float32, remat="none")
+    step = TrainStep(plan, model, tx, task, memory=MemoryPolicy(remat="full"), dtype=jnp.float32)
     params, opt_state, metrics = step(params, opt_state, batch, key)
 
 Inside the shard_map every array is this device's shard; the model's layers are local functions (the plan's
@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring.core.vma import vary, vary_like, varying_axes
-from jaxring.nn import NO_OFFLOAD, Layers, Offload, param_placements
+from jaxring.nn import NO_MEMORY_POLICY, Layers, MemoryPolicy, param_placements
 from jaxring.parallel import zero
 from jaxring.parallel.pipeline import pipeline_loss_and_grads
 from jaxring.run.checks import OFFLOAD_WITH_PP, WEIGHTS_OFFLOAD_RULES
@@ -84,24 +84,23 @@ class TrainStep:
     def __init__(
         self,
         plan: ParallelPlan,
-        graphdef: nnx.GraphDef,
-        placements: Any,
+        model: nnx.Module,
         tx: optax.GradientTransformation | None,
         task: Objective,
         *,
+        memory: MemoryPolicy = NO_MEMORY_POLICY,
         dtype: jax.typing.DTypeLike = jnp.float32,
-        remat: str = "none",
-        offload: Offload | str = NO_OFFLOAD,
         grad_accum: int = 1,
         clip: float | None = 1.0,
-        stack: str = "blocks",
-        layer_graphdef: nnx.GraphDef | None = None,
-        remat_layers: int = 1,
     ):
+        """model: the nnx model (its weights may be abstract, `nnx.eval_shape`), whose `STACK` attribute names
+        its stacked layers; only its graph and its weights' placements on `plan` are kept."""
+        graphdef, state = nnx.split(model)
+        placements = param_placements(state, plan)
         self.plan, self.graphdef, self.placements, self.tx, self.task = plan, graphdef, placements, tx, task
-        self.dtype, self.remat, self.grad_accum, self.clip, self.stack = dtype, remat, grad_accum, clip, stack
-        offload = Offload.parse(offload)
-        self.layer_graphdef, self.offload, self.remat_layers = layer_graphdef, offload, remat_layers
+        self.dtype, self.memory, self.grad_accum, self.clip = dtype, memory, grad_accum, clip
+        self.stack = model.STACK
+        offload = memory.offload
         # the optimizer state in pinned host memory between updates: moved in for the update, out after it
         self.offload_optimizer = offload.optimizer
         # the weights, their gradients and the optimizer state in pinned host memory: each layer's weights
@@ -110,6 +109,10 @@ class TrainStep:
         self.offload_weights = offload.weights
         if offload.beyond_optimizer and plan.pp > 1:
             raise ValueError(OFFLOAD_WITH_PP.format(offload=offload, pp=plan.pp))
+        # the layer stack, built once: every trace of the step (update, held-out loss, pipeline stages) scans it
+        self.layers = Layers(
+            graphdef=nnx.split(getattr(model, self.stack))[0], placements=placements[self.stack], memory=memory
+        )
         self.stage = plan.zero_stage
         is_pl = lambda x: isinstance(x, zero.Placement)
         if self.offload_weights:
@@ -154,7 +157,7 @@ class TrainStep:
     # ------------------------------------------------------------------ the local loss
     def _loss(self, diff: dict, const: dict, inputs: Any, stage: int):
         """(mean-loss contribution, aux) of one micro-batch, on local shards: the objective's embed, the layer
-        stack (a scan whose layers remat by `self.remat`, `nn.remat_policy`) and head. The weights outside the
+        stack (`self.layers`: a scan whose layers remat by `self.memory`, `nn.remat_policy`) and head. The weights outside the
         stack are materialized once and held through the backward (ZeRO-3: gathered once)."""
         task, plan = self.task, self.plan
         top = {k: v for k, v in diff.items() if k != self.stack}
@@ -165,18 +168,9 @@ class TrainStep:
         else:
             weights = _map(lambda d, pl, c: zero.materialize(stage, d, c, pl), top, top_pl, top_const)
         model = nnx.merge(self.graphdef, {**weights, self.stack: diff[self.stack]})
-        layers = Layers(
-            self.layer_graphdef,
-            diff[self.stack],
-            const[self.stack],
-            self.placements[self.stack],
-            stage,
-            self.remat,
-            self.offload,
-            self.remat_layers,
-        )
         carry = task.embed(model, inputs, plan, self.dtype)
-        carry = layers(carry, lambda block, carry: task.layer(block, carry, inputs, plan))
+        layer = lambda block, carry: task.layer(block, carry, inputs, plan)
+        carry = self.layers.scan(carry, layer, diff[self.stack], const[self.stack], stage)
         loss_sum, aux = task.head(model, carry, inputs, plan, self.dtype)
         count = float(self.task.loss_count)
         aux = {k: replicated(v) for k, v in aux.items()}
@@ -209,17 +203,7 @@ class TrainStep:
             return task.embed(model_of(shared), mb, plan, self.dtype)
 
         def stage_fn(chunk: Any, carry: Any, mb: Any):
-            layers = Layers(
-                self.layer_graphdef,
-                chunk,
-                None,
-                self.placements[self.stack],
-                stage,
-                self.remat,
-                self.offload,
-                self.remat_layers,
-            )
-            return layers(carry, lambda block, carry: task.layer(block, carry, mb, plan))
+            return self.layers.scan(carry, lambda block, carry: task.layer(block, carry, mb, plan), chunk, None, stage)
 
         def loss_fn(shared: dict, carry: Any, mb: Any):
             # runs on the last stage alone (inside its switch branch): sums over the data axes, never over pp
@@ -382,30 +366,13 @@ def value_and_grad(
     key: jax.Array,
     *,
     dtype: jax.typing.DTypeLike = jnp.float32,
-    remat: str = "none",
-    offload: Offload | str = NO_OFFLOAD,
+    memory: MemoryPolicy = NO_MEMORY_POLICY,
     grad_accum: int = 1,
-    remat_layers: int = 1,
 ) -> tuple[jax.Array, dict]:
     """(loss, grads) of `objective` for an nnx `model` on `plan`, through the train step's own path (one
     shard_map, the plan's ZeRO stage): loss fp32 scalar, grads a nested dict like `nnx.to_pure_dict`.
     For tests and notebooks; training uses `TrainStep` directly."""
-    graphdef, state = nnx.split(model)
-    placements = param_placements(state, plan)
-    step = TrainStep(
-        plan,
-        graphdef,
-        placements,
-        None,
-        objective,
-        dtype=dtype,
-        remat=remat,
-        offload=offload,
-        grad_accum=grad_accum,
-        remat_layers=remat_layers,
-        stack=model.STACK,
-        layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
-    )
-    params = jax.device_put(nnx.to_pure_dict(state), step.param_shardings())
+    step = TrainStep(plan, model, None, objective, dtype=dtype, memory=memory, grad_accum=grad_accum)
+    params = jax.device_put(nnx.to_pure_dict(nnx.state(model)), step.param_shardings())
     loss, _, grads = step.build_grads()(params, batch, key)
     return loss, grads

@@ -2,10 +2,12 @@
 
 trainer = Trainer(RunSpec.of(sp=8, steps=10))
 out = trainer.step()          # {"loss", "grad_norm"}, device arrays
+trainer.loop_state            # LoopState(step=1, params, opt_state): what the loop carries
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -16,10 +18,10 @@ import optax
 from flax import nnx
 
 from jaxring.core.precision import compute_dtype
-from jaxring.nn import param_placements
 from jaxring.run.spec import RunSpec
 from jaxring.run.task import model_family
 from jaxring.train.checkpoint import Checkpointer
+from jaxring.train.loop_state import LoopState
 from jaxring.train.step import TrainStep
 
 
@@ -58,23 +60,18 @@ class Trainer:
         self.dtype = compute_dtype(spec.compute_precision)
         self.tx = optimizer(spec)
         model = self.task.model(spec.training.seed)
-        self.graphdef, state = nnx.split(model)
-        self.placements = param_placements(state, self.plan)
         self.train_step = TrainStep(
             self.plan,
-            self.graphdef,
-            self.placements,
+            model,
             self.tx,
             self.task.objective,
+            memory=spec.memory.policy,
             dtype=self.dtype,
-            remat=spec.memory.remat,
-            remat_layers=spec.memory.remat_layers,
-            offload=spec.memory.offload,
             grad_accum=spec.training.grad_accum,
             clip=spec.optimizer.clip,
-            stack=model.STACK,
-            layer_graphdef=nnx.split(getattr(model, model.STACK))[0],
         )
+        self.graphdef, self.placements = self.train_step.graphdef, self.train_step.placements
+        state = nnx.state(model)
         self.shardings = self.train_step.param_shardings()
         host_params = nnx.to_pure_dict(state)
         # interleaved pipelines keep the layer stack in pipeline order (each pp rank's chunks together);
@@ -87,13 +84,34 @@ class Trainer:
                 self.stack: jax.tree.map(lambda a: a[self.layer_order], host_params[self.stack]),
             }
         # the same seed gives the same values on any mesh: built on the host, then placed
-        self.params = jax.tree.map(lambda x, s: jax.device_put(x, s), host_params, self.shardings)
-        self.opt_specs = self.train_step.opt_state_specs(self.params)
+        params = jax.tree.map(lambda x, s: jax.device_put(x, s), host_params, self.shardings)
+        self.opt_specs = self.train_step.opt_state_specs(params)
         self.opt_shardings = self.train_step.opt_state_shardings(self.opt_specs)
-        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
+        opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
+        # what the loop carries from step to step, as one value (the step, the weights, the optimizer state)
+        self.loop_state = LoopState(0, params, opt_state)
         self._step = self.train_step.build(self.opt_specs)
         self._eval = self.train_step.build_eval()
-        self.step_count = 0
+
+    # --- the loop's state (`loop_state`), by its parts
+    @property
+    def step_count(self) -> int:
+        """The updates done."""
+        return self.loop_state.step
+
+    @property
+    def params(self) -> dict:
+        """The weights as stored between steps (the plan's layer order)."""
+        return self.loop_state.params
+
+    @params.setter
+    def params(self, params: dict) -> None:
+        self.loop_state = dataclasses.replace(self.loop_state, params=params)
+
+    @property
+    def opt_state(self) -> optax.OptState:
+        """The optimizer state as stored between steps (the plan's layer order)."""
+        return self.loop_state.opt_state
 
     # --- host side
     def key(self, step: int) -> jax.Array:
@@ -102,12 +120,11 @@ class Trainer:
     def step(self, max_loss: float | None = None) -> dict:
         """One update; returns its metrics (device scalars). The update is skipped inside the step (the state
         stays as it was, metrics["skipped"] is true) when the loss is not finite or exceeds max_loss."""
-        batch = self.task.batch(self.step_count)
+        state = self.loop_state
+        batch = self.task.batch(state.step)
         limit = jnp.float32(jnp.inf if max_loss is None else max_loss)
-        self.params, self.opt_state, out = self._step(
-            self.params, self.opt_state, batch, self.key(self.step_count), limit
-        )
-        self.step_count += 1
+        params, opt_state, out = self._step(state.params, state.opt_state, batch, self.key(state.step), limit)
+        self.loop_state = state.advanced(params, opt_state)
         return {**out, "progress": self.task.progress}
 
     def lower_step(self) -> jax.stages.Lowered:
@@ -115,11 +132,13 @@ class Trainer:
         compile it to read its memory and HLO)."""
         return self._step.lower(self.params, self.opt_state, self.task.batch(0), self.key(0), jnp.float32(jnp.inf))
 
-    def set_state(self, state: dict) -> None:
-        """Puts a state like `state()`'s back (natural layer order, e.g. restored)."""
+    def set_state(self, state: dict, step: int | None = None) -> None:
+        """Puts a state like `state()`'s back (natural layer order, e.g. restored), at `step` (default: the
+        current one)."""
         if self.layer_order is not None:
             state = self._reorder(state, self.layer_order)
-        self.params, self.opt_state = state["params"], state["opt_state"]
+        step = self.step_count if step is None else int(step)
+        self.loop_state = LoopState(step, state["params"], state["opt_state"])
 
     def val_loss(self) -> float:
         return float(self._eval(self.params, self.task.batch(0, val=True), self.key(2**31 - 1)))
@@ -137,7 +156,7 @@ class Trainer:
     # --- checkpoints
     def state(self) -> dict:
         """{"params", "opt_state"} with the layer stack in natural order (as saved in checkpoints)."""
-        state = {"params": self.params, "opt_state": self.opt_state}
+        state = self.loop_state.arrays()
         return state if self.layer_order is None else self._reorder(state, np.argsort(self.layer_order))
 
     def _reorder(self, state: dict, order: np.ndarray):
@@ -158,7 +177,7 @@ class Trainer:
         return {
             "model": self.task.metadata(),
             "mesh": self.plan.describe(),
-            "config": self.spec.flat(),
+            "config": self.spec.flat_plain(),
             "param_layout": PARAM_LAYOUT,
         }
 
@@ -173,5 +192,4 @@ class Trainer:
                 f"its optimizer state does not carry over: retrain, or restore it with jaxring 0.1"
             )
         state = ckpt.restore(step, target, expected_metadata={"model": self.task.metadata()})
-        self.set_state(state)
-        self.step_count = step
+        self.set_state(state, step)

@@ -1012,8 +1012,7 @@ ZERO_N = P
 ZERO_CFG = gpt.GPTConfig(vocab_size=256, num_layers=4, hidden=128, num_heads=4, ffn=512)
 ZERO_BATCH, ZERO_SEQ = ZERO_N, 16  # one sequence of 16 tokens per device
 zero_model = gpt.GPT(ZERO_CFG, rngs=nnx.Rngs(0))
-zero_graph, zero_state = nnx.split(zero_model)
-zero_params = nnx.to_pure_dict(zero_state)  # params["blocks"][...] stacked [4, ...]
+zero_params = nnx.to_pure_dict(nnx.state(zero_model))  # params["blocks"][...] stacked [4, ...]
 
 
 def abstract(tree, shardings):
@@ -1024,15 +1023,7 @@ def compiled_train_step(stage):
     """The train step on dp = N at this ZeRO stage, compiled for abstract inputs."""
     plan = ParallelPlan(jaxring.make_mesh(dp=ZERO_N), zero=stage)
     tx = optax.adamw(1e-3)
-    step = TrainStep(
-        plan,
-        zero_graph,
-        param_placements(zero_state, plan),
-        tx,
-        gpt.NextTokenObjective(ZERO_BATCH, ZERO_SEQ),
-        stack="blocks",
-        layer_graphdef=nnx.split(zero_model.blocks)[0],
-    )
+    step = TrainStep(plan, zero_model, tx, gpt.NextTokenObjective(ZERO_BATCH, ZERO_SEQ))
     params = abstract(zero_params, step.shardings(step.param_specs))
     opt_specs = step.opt_state_specs(params)
     opt_state = abstract(jax.eval_shape(tx.init, params), step.shardings(opt_specs))

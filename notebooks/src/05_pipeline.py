@@ -290,7 +290,6 @@ import optax
 from flax import nnx
 
 from jaxring.models import gpt
-from jaxring.nn import param_placements
 from jaxring.parallel.pipeline.traffic import stage_link_bytes
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.train.step import TrainStep
@@ -299,7 +298,7 @@ MICRO = 4  # sequences per micro-batch: one per dp replica
 SEQ = BASE.training.seq_len
 model_config = gpt.get_config("tiny", **BASE.model.overrides)
 model = gpt.GPT(model_config, rngs=nnx.Rngs(0))
-graphdef, state = nnx.split(model)
+state = nnx.state(model)
 mesh = jaxring.make_mesh(pp=2, dp=4, devices=devices)
 
 
@@ -312,15 +311,7 @@ def compiled_train_step(name, m):
     compiled for abstract inputs."""
     plan = ParallelPlan(mesh, pipeline_schedule=name, microbatches=m, **chunks(name))
     tx = optax.adamw(1e-3)
-    step = TrainStep(
-        plan,
-        graphdef,
-        param_placements(state, plan),
-        tx,
-        gpt.NextTokenObjective(m * MICRO, SEQ),
-        stack="blocks",
-        layer_graphdef=nnx.split(model.blocks)[0],
-    )
+    step = TrainStep(plan, model, tx, gpt.NextTokenObjective(m * MICRO, SEQ))
     params = abstract(nnx.to_pure_dict(state), step.shardings(step.param_specs))
     opt_specs = step.opt_state_specs(params)
     opt_state = abstract(jax.eval_shape(tx.init, params), step.shardings(opt_specs))

@@ -257,7 +257,6 @@ import optax
 from flax import nnx
 
 from jaxring.analysis.compiled import collective_traffic
-from jaxring.nn import param_placements
 from jaxring.parallel.plan import ParallelPlan
 from jaxring.train.step import TrainStep
 
@@ -275,17 +274,9 @@ def abstract(tree, shardings):
 def compiled_train_step(model_config):
     """The GPT train step on `plan`, compiled for abstract inputs."""
     model = gpt.GPT(model_config, rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(model)
+    state = nnx.state(model)
     tx = optax.adamw(1e-3)
-    step = TrainStep(
-        plan,
-        graphdef,
-        param_placements(state, plan),
-        tx,
-        gpt.NextTokenObjective(BASE.training.batch_size, BASE.training.seq_len),
-        stack="blocks",
-        layer_graphdef=nnx.split(model.blocks)[0],
-    )
+    step = TrainStep(plan, model, tx, gpt.NextTokenObjective(BASE.training.batch_size, BASE.training.seq_len))
     params = abstract(nnx.to_pure_dict(state), step.shardings(step.param_specs))
     opt_specs = step.opt_state_specs(params)
     opt_state = abstract(jax.eval_shape(tx.init, params), step.shardings(opt_specs))
