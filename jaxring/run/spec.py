@@ -101,11 +101,6 @@ class RunSpec:
         out.update({k: _plain(v) for k, v in self.parallel.options.items()})
         return out
 
-    def flat_plain(self) -> dict:
-        """`flat()` as JSON-safe values: a typed setting (e.g. `Offload`) in its text form, tuples as lists (what
-        a checkpoint's metadata records as the run's config)."""
-        return {name: _plain(value) for name, value in self.flat().items()}
-
     # ---------------------------------------------------------------- YAML
     def to_dict(self) -> dict:
         """{section: {setting: value}}, the parallel section's options as flat keys."""

@@ -177,7 +177,7 @@ class Trainer:
         return {
             "model": self.task.metadata(),
             "mesh": self.plan.describe(),
-            "config": self.spec.flat_plain(),
+            "config": self.spec.flat(),
             "param_layout": PARAM_LAYOUT,
         }
 
