@@ -66,7 +66,7 @@ def skip_reason(command: str) -> str | None:
     words = shlex.split(command)
     if words[:2] == ["pip", "install"] or words[:2] == ["bash", "tools/setup.sh"]:
         return SETUP_REASON
-    if "pytest" in words:
+    if "pytest" in words or words[:2] == ["bash", "tools/test.sh"]:
         return TEST_COMMAND_REASON
     return None
 
@@ -358,6 +358,15 @@ def test_setup_is_the_readme_setup_and_ci_runs_it():
     """README's set-up is `bash tools/setup.sh`, and `.ci/run` runs that same script (then the test command)."""
     assert "bash tools/setup.sh && . .venv/bin/activate" in README.read_text()
     assert "bash tools/setup.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_ci_runs_the_readme_test_command_first():
+    """README's test command is `bash tools/test.sh`, and `.ci/run` runs it right after the set-up."""
+    assert "```bash\nbash tools/test.sh\n```" in README.read_text()
+    lines = [line.split("#")[0].strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    commands = [line for line in lines if line]
+    setup = commands.index("bash tools/setup.sh dev && . .venv/bin/activate")
+    assert commands[setup + 1] == "bash tools/test.sh", commands
 
 
 FAKE_OLD_PYTHON = """#!/bin/sh
