@@ -145,7 +145,7 @@ def ring_rows(target, seq, heads, head_dim, devices):
 
 def metp_row(target, seq, heads, head_dim, devices):
     """METP attention fwd+bwd (tensor/metp_mha.py): its inner ring's schedule (each hop one fused transfer spanning
-    the block kernels, forward and backward; guarded by tests/test_gpu_compile.py)."""
+    the block kernels, forward and backward; guarded by tests/compiled/test_gpu_compile.py)."""
     from jaxring.parallel.tensor.metp_mha import metp_attention
 
     mesh = Mesh(np.array(gpu.gpu_devices(target, devices)), ("tp",))

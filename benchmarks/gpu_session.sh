@@ -16,7 +16,7 @@
 # section has its own time limit and goes on after a failure; logs and JSON land in $OUT (default
 # benchmarks/results/gpu_session/), copied into benchmarks/results/ by hand after review.
 #   env      nvidia-smi, Python and package versions
-#   kernels  tests/test_gpu_kernels.py: the compiled Pallas flash kernel and the cuDNN block compute (block_ops
+#   kernels  tests/device/test_gpu_kernels.py: the compiled Pallas flash kernel and the cuDNN block compute (block_ops
 #            "cudnn": zig-zag/striped block positions, GQA, a window, documents falling back) against the dense
 #            reference, forward and dq/dk/dv (the tokamax cases run in the tokamax section)
 #   train    python train.py on the GPU: Llama-3-8B's layer shape (4 of its 32 layers, its 128K vocabulary),
@@ -27,7 +27,7 @@
 #   flash-gqa  the same with GQA, 32 query heads over 8 K/V heads (hidden 4096), added to the same JSON
 #   tokamax  the optional tokamax package (0.0.17; installed first from .whl/tokamax/*.whl if that folder is there:
 #            `pip download tokamax==0.0.17 qwix xprof ... -d .whl/tokamax` here, about 40 MB, carried to the machine,
-#            which reaches no index): tests/test_gpu_kernels.py's tokamax cases with ring-block positions and a
+#            which reaches no index): tests/device/test_gpu_kernels.py's tokamax cases with ring-block positions and a
 #            window (block_ops "tokamax": the Mosaic GPU kernels given the global lse and the stand-in output; 50 s)
 #            and flash_attention.py's rows "jaxring-tokamax" (the block compute), "tokamax"
 #            (tokamax.dot_product_attention called directly) and "jaxring" at 8K, d 128, GQA 32:8, causal and full
@@ -63,7 +63,7 @@ print(sys.version.split()[0], \"jax\", jax.__version__, \"jaxlib\", jaxlib.__ver
 import jaxring, jaxring.models.gpt; print(\"jaxring imports\")'"
         ;;
     kernels)
-        run kernels 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -k "not tokamax"
+        run kernels 200 "$PY" -m pytest -q -p no:cacheprovider tests/device/test_gpu_kernels.py -k "not tokamax"
         ;;
     train)
         run train 170 "$PY" train.py --preset llama3-8b --override num_layers=4 --seq-len 65536 --batch-size 1 \
@@ -107,7 +107,7 @@ import jaxring, jaxring.models.gpt; print(\"jaxring imports\")'"
             echo "=== tokamax: skipped (tokamax does not import; see the log)" | tee -a "$LOG"
             continue
         fi
-        run tokamax-kernels 50 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py \
+        run tokamax-kernels 50 "$PY" -m pytest -q -p no:cacheprovider tests/device/test_gpu_kernels.py \
             -k "tokamax and (zigzag or striped or window)"
         run tokamax-flash 40 "$PY" benchmarks/flash_attention.py --seqs 8192 --head-dims 128 --hidden 4096 \
             --kv-heads 8 --impls jaxring jaxring-tokamax tokamax --runs 5 --merge --out "$OUT/flash_attention.json"

@@ -17,7 +17,7 @@ gradient reduction, clipping, AdamW; `jaxring.train.trainer.Trainer`), for "tiny
 top-2 of ffn 512, SwiGLU: the block benchmark's "mid" experts in a GPT; batch 16 x seq 256), fp32. Per row:
 compiled peak/temp/argument bytes per device, all-to-all bytes per device per step and the formula (per MoE
 layer: 4 exchanges of the dispatch buffer, (ep-1)/ep of it received, plus dropless's int32 counts: see
-tests/test_moe.py), compile time, median step time of --model-steps steps after one warm-up, tokens/s, and the
+tests/unit/nn/test_moe.py), compile time, median step time of --model-steps steps after one warm-up, tokens/s, and the
 first step's loss, drop rate and load imbalance. Rows carry "scope": "model" (the block rows have no "scope").
 """
 
@@ -108,7 +108,7 @@ MODELS = {  # name -> (preset, overrides, batch, seq)
 
 
 def all_to_all_formula(moe, num_layers, tokens_per_device, ep, hidden):
-    """All-to-all bytes received per device in one train step (see tests/test_moe.py::test_all_to_all_bytes)."""
+    """All-to-all bytes received per device in one train step (see tests/unit/nn/test_moe.py::test_all_to_all_bytes)."""
     if ep == 1:
         return 0
     k, e = moe.experts_per_token, moe.num_experts

@@ -4,7 +4,7 @@ bottom in a fresh kernel on 8 simulated CPU devices, as a Colab/JupyterLab user 
     python benchmarks/notebooks.py                          # all -> benchmarks/results/notebooks.json
     python benchmarks/notebooks.py --only 02_strategies     # some (a rerun keeps the other rows)
 
-The tests run the same notebooks at their FAST sizes (tests/test_notebooks.py); this measures the sizes the
+The tests run the same notebooks at their FAST sizes (tests/integration/test_notebooks.py); this measures the sizes the
 notebooks are written for. The record says how many CPUs the host has and its load average before and after
 each notebook: figures taken while something else ran are upper bounds.
 """

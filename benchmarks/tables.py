@@ -4,7 +4,7 @@
     python benchmarks/tables.py --check    # exit 1, naming each region that differs from what the results render
 
 A generated region is the text between `<!-- generated: NAME -->` and `<!-- end generated -->`; NAME is one of
-TABLES. Everything outside the regions is left as it is. tests/test_tables.py checks that the committed pages
+TABLES. Everything outside the regions is left as it is. tests/unit/analysis/test_tables.py checks that the committed pages
 equal what this renders, so a figure in the docs cannot drift from its record.
 """
 

@@ -12,7 +12,7 @@
 # goes on after a failure; logs and JSON land in $OUT (default benchmarks/results/tpu_session/), copied into
 # benchmarks/results/ by hand after review.
 #   env      the TPU devices, Python and package versions
-#   kernels  tests/test_tpu_kernels.py: the TPU flash kernels compiled by Mosaic (block_ops "pallas_tpu") against
+#   kernels  tests/device/test_tpu_kernels.py: the TPU flash kernels compiled by Mosaic (block_ops "pallas_tpu") against
 #            the dense reference, out, lse and dq/dk/dv, for a ring step's blocks in fp32 and bf16, and the
 #            zig-zag ring over every chip of the host
 #   flash    benchmarks/flash_attention.py at head dim 128, 8K and 32K tokens, causal and full: jaxring's TPU
@@ -47,7 +47,7 @@ import jaxring, jaxring.models.gpt; from jaxring.kernels.block_compute import re
 print("jaxring imports; auto block compute:", resolve_name("auto"))'
         ;;
     kernels)
-        run kernels 180 "$PY" -m pytest -q -p no:cacheprovider -n 0 tests/test_tpu_kernels.py
+        run kernels 180 "$PY" -m pytest -q -p no:cacheprovider -n 0 tests/device/test_tpu_kernels.py
         ;;
     flash)
         run flash 120 "$PY" benchmarks/flash_attention.py --seqs 8192 32768 --head-dims 128 \

@@ -6,7 +6,7 @@
 The sources are in the "percent" format that Jupytext, VS Code and PyCharm read: `# %%` starts a code cell,
 `# %% [markdown]` a Markdown cell whose lines are written as comments (`# text`, `#` for an empty line). In
 code cells a commented `# %pip ...` line is the `%pip` magic (so the source stays valid Python). Edit the
-source, run this script, and commit both; `tests/test_notebooks.py` checks that they agree.
+source, run this script, and commit both; `tests/integration/test_notebooks.py` checks that they agree.
 
 Each notebook gets an "Open in Colab" badge under its title, made from the repository URL in pyproject.toml
 (`[project.urls] Repository`); a source's `git+` install line must name that same repository.

@@ -1,14 +1,16 @@
 """Eight simulated CPU devices, set before JAX starts its backend.
 
 No persistent compilation cache: an XLA:CPU executable loaded from it deadlocked in its collective-permutes
-(tests/test_train.py's resume test: device 0 waiting at another permute than the rest, aborted by XLA's
+(tests/integration/test_train.py's resume test: device 0 waiting at another permute than the rest, aborted by XLA's
 40 s rendezvous timeout, 3 runs of 3; with the cache off it passes).
 """
 
 import os
+import sys
+from pathlib import Path
 
 # XLA's CPU backend optimisation level 0 (LLVM's, after XLA's own HLO passes, which are unchanged): compiling is
-# most of a test's time: tests/test_train.py's parity cases took 27% less CPU time with it. The HLO, buffer sizes and bytes moved that tests check
+# most of a test's time: tests/integration/test_train.py's parity cases took 27% less CPU time with it. The HLO, buffer sizes and bytes moved that tests check
 # are the same, and the results are IEEE float either way (no fast-math). XLA_FLAGS with its own level keeps it.
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_backend_optimization_level" not in _flags:
@@ -20,6 +22,16 @@ if "xla_cpu_collective_call_terminate_timeout_seconds" not in _flags:
     _flags += " --xla_cpu_collective_call_terminate_timeout_seconds=300"
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# The tests live in tiers (unit/<package>, integration, compiled, device) and import shared pieces from one
+# another by module name (`from test_reliability import CLI`): every folder of tests is on sys.path, so a
+# module is found (once, under its own name) whichever tier collects first. Module names are unique.
+TESTS = Path(__file__).resolve().parent
+for _folder in sorted({p.parent for p in TESTS.rglob("test_*.py")}, reverse=True):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
 
 import jax
 
@@ -41,3 +53,21 @@ def _runs_in_a_temporary_directory(tmp_path_factory):
     from jaxring.train import loop
 
     loop.RUNS_DIR = str(tmp_path_factory.mktemp("runs"))
+
+
+TIERS = {
+    "unit": "one package's behaviour against its oracle (tests/unit/<package>/)",
+    "integration": "commands and whole runs: train.py, README and docs commands, notebooks, faults",
+    "compiled": "deviceless GPU and TPU compiles: need the gpu-compile or tpu-compile extra, skip without it",
+    "device": "a real GPU or TPU: skip without one",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test carries its tier's marker, from its folder: `-m unit` is the fast lane, `-m compiled` the
+    compile lane."""
+    for item in items:
+        tier = item.path.resolve().relative_to(TESTS).parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: a test outside the tiers' folders ({', '.join(TIERS)})")
+        item.add_marker(tier)

@@ -1,8 +1,13 @@
-"""Shared test helpers: random inputs and a relative-error assertion."""
+"""Shared test helpers: the repository's paths, random inputs and a relative-error assertion."""
+
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository
+FIXTURES = ROOT / "tests" / "fixtures"
 
 
 def qkv(seed, batch, seq, q_heads, kv_heads, head_dim, dtype=jnp.float32):

@@ -7,7 +7,7 @@ function-level imports.
 `import-linter` (`lint-imports`, the layers contract in pyproject.toml) holds the layers; this script also sees
 the imports written inside functions (to dodge a cycle, or to keep an optional dependency lazy) and the
 `models/` folder, which installs as `jaxring.models`. Imports under `if TYPE_CHECKING:` are left out: they never
-run. `tests/test_layers.py` asserts on what it finds.
+run. `tests/integration/test_layers.py` asserts on what it finds.
 """
 
 from __future__ import annotations

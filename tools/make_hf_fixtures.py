@@ -1,4 +1,4 @@
-"""Builds the Hugging Face oracle fixtures of tests/test_hf.py: one tiny random model per family, saved with
+"""Builds the Hugging Face oracle fixtures of tests/unit/models/test_hf.py: one tiny random model per family, saved with
 transformers (config.json + model.safetensors), and its float32 logits and the gradients of the mean loss
 for one fixed batch (oracle.npz: tokens, targets, logits, and "grad/<HF tensor name>").
 

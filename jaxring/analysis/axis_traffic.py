@@ -7,7 +7,7 @@ loop bodies times their trip count, a conditional's branches as they run, the sa
 mesh axes each op's devices differ in: an all-reduce over replica groups spanning dp and sp counts under
 ("dp", "sp"); a collective-permute under the axes its source-target pairs differ in. Device index i in the HLO
 is `mesh.devices.flat[i]`. Rank-0 (scalar) arrays are left out: the loss and the norm's pieces move a few bytes.
-The planner's cost model (`jaxring.planner.cost_model.bytes_by_axes`) predicts these numbers; tests/test_planner.py
+The planner's cost model (`jaxring.planner.cost_model.bytes_by_axes`) predicts these numbers; tests/unit/planner/test_planner.py
 compares the two on compiled train steps (`jaxring.aot.train_step`).
 """
 

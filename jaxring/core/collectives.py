@@ -17,7 +17,7 @@ group's inner ring) may then run in one order on some devices and in the other o
 at a different collective for ever (notebook 02's METP attention at tp=8, seq 1024, hidden 256 aborted on
 its first run, the threads waiting at two different permutes). On CPU `prefetch_steps` therefore makes each
 step's compute wait for the transfer issued before it (`waits_for`: a data dependency, free on the wire;
-GPU/TPU programs are unchanged and keep their overlap); tests/test_cpu_collectives.py checks the compiled
+GPU/TPU programs are unchanged and keep their overlap); tests/unit/core/test_cpu_collectives.py checks the compiled
 programs for such independent pairs and runs them repeatedly.
 """
 

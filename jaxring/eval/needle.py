@@ -11,7 +11,7 @@ ones, those logits are exactly the logits at answer position k of ONE causal for
 correct answer (teacher forcing): the causal model sees the same tokens before position k either way. So,
 by induction over k, greedy decoding reproduces the answer exactly iff at every answer position the
 teacher-forced argmax is the correct token. That is what is scored here, with one sharded forward pass per
-context length on any plan (tests/test_eval.py checks it against token-by-token greedy decoding and
+context length on any plan (tests/integration/test_eval.py checks it against token-by-token greedy decoding and
 `jaxring.models.generate.generate(temperature=0)`). Ties in the logits go to the first maximum, as jnp.argmax and greedy
 decoding take them.
 """

@@ -28,7 +28,7 @@ BLOCK_OPS = (
 
 # What "auto" (the default of `block_ops=` and --block-ops) means, by JAX backend; any other backend: "jnp".
 # The GPU entry is the Pallas kernel, which has run on an H100; cuDNN ("cudnn") becomes it once
-# benchmarks/gpu_session.sh has run the cuDNN path on a real GPU (tests/test_gpu_kernels.py and the flash
+# benchmarks/gpu_session.sh has run the cuDNN path on a real GPU (tests/device/test_gpu_kernels.py and the flash
 # benchmark): until then cuDNN is checked on CPU (its stand-in) and in the deviceless H100 compile only.
 AUTO_BLOCK_OPS = {"gpu": "pallas", "tpu": "pallas_tpu", "cpu": "jnp"}
 

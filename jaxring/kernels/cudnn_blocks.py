@@ -17,7 +17,7 @@ A block is first classified whole (one cuDNN call: contiguous-layout ring steps,
 diagonal); failing that, Q and K/V are cut into chunks of c = nq/2 tokens (when nq is even and c divides nk)
 and every chunk pair is classified alone, the partial results merged (`merge_partials`) and the gradients
 summed. A zig-zag rank's two runs are exactly such chunks, so every ring step of every layout maps to cuDNN
-calls with no fallback (tests/test_cudnn_blocks.py checks the classes). What falls back, honestly:
+calls with no fallback (tests/unit/kernels/test_cudnn_blocks.py checks the classes). What falls back, honestly:
   - segment ids (packed documents, padding): the whole block, statically (cuDNN's seq lengths/offsets would
     need the per-row document boundaries as counts, which the segment-id interface does not carry);
   - a window with stride > 1 (striped) or on an off-diagonal chunk that is neither whole nor hidden;

@@ -2,7 +2,7 @@
 
 Tiles (`default_block_config`): each kernel ("fwd", "dkv", "dq") has its own (block_q, block_k, num_warps,
 num_stages), chosen per padded head dim for Hopper so that every kernel compiles for sm_90a with no register
-spills and no serialized wgmma (checked by `tests/test_gpu_compile.py` on the deviceless H200 compile).
+spills and no serialized wgmma (checked by `tests/compiled/test_gpu_compile.py` on the deviceless H200 compile).
 
 Padding (`prepare`): head_dim is zero-padded to a power of two >= 16 and sequences to a multiple of the block
 sizes (Triton tiles are powers of two); zero head columns change no score and are sliced off. Padded keys are

@@ -8,7 +8,7 @@
 
 `python -m jaxring.planner --help` is the command line. The cost model (bytes per mesh axis, memory per
 device, step time) is `jaxring/planner/cost_model.py`; its byte terms equal the compiled train step's
-(`jaxring.analysis.axis_traffic.axis_traffic`), tests/test_planner.py checks them and the memory predictions.
+(`jaxring.analysis.axis_traffic.axis_traffic`), tests/unit/planner/test_planner.py checks them and the memory predictions.
 """
 
 from jaxring.planner.cluster import DEVICES, Cluster

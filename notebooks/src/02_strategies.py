@@ -750,7 +750,7 @@ for label, fn in (("stepwise SUMMA (optimus.summa_ab)", summa_ab), ("gathered pa
     )
 
 # %% [markdown]
-# At `q = 2` a panel is only two blocks, so the difference is small here. `tests/test_optimus.py` compiles
+# At `q = 2` a panel is only two blocks, so the difference is small here. `tests/unit/parallel/test_optimus.py` compiles
 # the same pair at `q = 8` (64 simulated devices, in a subprocess): the stepwise product keeps 3.5 block
 # pairs of temporaries, the gathered panels 12, while moving 17 block pairs over its three-round trees
 # against the all-gather's 7. Optimus pays in bytes for memory that stays flat as `q` grows; METP pays in bytes (its
@@ -1188,5 +1188,5 @@ plt.show()
 # leave only `G/N` of gradient, they are mostly buffers that do not shrink with `N`: the activations, and
 # at stage 3 the weights of the layer in flight, gathered whole.
 #
-# `tests/test_zero.py` asserts these figures, and `tests/test_train.py` that every stage trains to the
+# `tests/unit/parallel/test_zero.py` asserts these figures, and `tests/integration/test_train.py` that every stage trains to the
 # same losses as one device; `03_train_gpt.ipynb` trains with ZeRO-3.

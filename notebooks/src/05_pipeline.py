@@ -197,7 +197,7 @@ for p, m in ((2, 4), (4, 8), (4, 16), (8, 32)):
 # the same seed: on one device, then with each schedule on `pp = 2 × dp = 4` (each micro-batch split over
 # 4 data-parallel replicas of each stage), and once more with 1F1B on `pp = 2 × sp = 4` (each stage's
 # sequence split over 4 devices, ring attention inside the stage). FAST mode (the test run) trains 3 steps
-# with zero-bubble only, to save compiles; `tests/test_pipeline_model.py` checks every schedule.
+# with zero-bubble only, to save compiles; `tests/integration/test_pipeline_model.py` checks every schedule.
 
 # %%
 
@@ -227,10 +227,10 @@ BASE = RunSpec.of(
     log_every=STEPS,
 )
 PIPELINE = dict(pp=2, microbatches=MICROBATCHES)
-# FAST mode trains one schedule (each run is one more compile); tests/test_pipeline_model.py trains them all
+# FAST mode trains one schedule (each run is one more compile); tests/integration/test_pipeline_model.py trains them all
 TRAINED = ("zero-bubble",) if FAST else tuple(SCHEDULES)
 RUNS = {name: (BASE.updated(dp=4, pipeline_schedule=name, **chunks(name), **PIPELINE), devices) for name in TRAINED}
-if not FAST:  # (FAST mode leaves it out to save a compile; tests/test_pipeline_model.py runs pp x sp)
+if not FAST:  # (FAST mode leaves it out to save a compile; tests/integration/test_pipeline_model.py runs pp x sp)
     RUNS["1f1b, pp × sp"] = (BASE.updated(sp=4, attention="ring", pipeline_schedule="1f1b", **PIPELINE), devices)
 
 

@@ -107,7 +107,7 @@ print(f"{STEPS} steps of {BASE.training.batch_size} sequences x {BASE.training.s
 #   routing each device's quarter of the tokens;
 # * `ep = 4 × tp = 2`: Megatron tensor parallelism for attention, and each expert's MLP split over `tp`.
 #
-# (FAST mode, the test run, trains 3 steps on the first mesh only; `tests/test_moe_model.py` checks all.)
+# (FAST mode, the test run, trains 3 steps on the first mesh only; `tests/integration/test_moe_model.py` checks all.)
 #
 # `train()` returns each step's metrics, the MoE ones included: `moe_aux_loss` (the load-balancing loss),
 # `moe_z_loss`, `load_imbalance` (the busiest expert's assignments over the mean), `drop_rate` (the
@@ -120,7 +120,7 @@ MESHES = {
     "ep=2 × sp=4": dict(ep=2, sp=4, attention="ring"),
     "ep=4 × tp=2": dict(ep=4, tp=2, tensor_parallel="megatron"),
 }
-if FAST:  # one compile per mesh: the test run keeps the first (tests/test_moe_model.py covers the others)
+if FAST:  # one compile per mesh: the test run keeps the first (tests/integration/test_moe_model.py covers the others)
     MESHES = {"ep=4 × dp=2": MESHES["ep=4 × dp=2"]}
 METRICS = ("loss", "moe_aux_loss", "moe_z_loss", "load_imbalance", "drop_rate")
 

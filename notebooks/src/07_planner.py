@@ -180,7 +180,7 @@ for remat, predicted, peak in rows:
 # Remat shrinks the saved activations as predicted (the compiled step applies the layers' checkpoint policy).
 # With full remat the prediction errs high at these tiny sizes: it counts one layer's recomputed residuals
 # and the attention core's buffers as live together, which the compiled step partly avoids; on the GPU
-# topology at real sizes the top plans' predictions are within 15% (`tests/test_planner.py`).
+# topology at real sizes the top plans' predictions are within 15% (`tests/unit/planner/test_planner.py`).
 
 # %%
 leaves = param_leaves(small.model, small.config, top_plan)
@@ -195,7 +195,7 @@ for tr in cost.traffic(small, top, leaves, cpu=True):
     print(f"  {'×'.join(tr.axes):10s} {tr.bytes:12,.0f}  {tr.what}")
 
 # %% [markdown]
-# `tests/test_planner.py` makes the same checks for every sequence strategy, tensor method, ZeRO stage,
+# `tests/unit/planner/test_planner.py` makes the same checks for every sequence strategy, tensor method, ZeRO stage,
 # a pipeline, experts and the DiT (bytes exactly equal), and for the top plans of three workloads (memory
 # within 15%). Where the compile-only CUDA plugin is installed (`pip install -e ".[gpu-compile]"` in a venv
 # of its own) the planner compiles its top plans for the real GPU topology without a GPU:

@@ -142,7 +142,7 @@ display(Image(png))
 # asks "What is the pass key? The pass key is" at the end, and scores exact match of the greedy answer,
 # for each context length. Greedy decoding reproduces the answer iff, at every answer position, the argmax
 # of one teacher-forced forward pass over prompt + answer is the answer's token, so each length costs one
-# sharded forward pass (`tests/test_eval.py` checks this against token-by-token decoding).
+# sharded forward pass (`tests/integration/test_eval.py` checks this against token-by-token decoding).
 
 # %%
 lengths = [256, 512, 1024, 2048]

@@ -22,7 +22,7 @@ K/V blocks forward), but no FLOPs (no score, exponential or matmul of that block
 Inside a computed step the block ops visit only the tiles within the window. With W <= S/P a contiguous
 rank computes at most 2 of its P steps (2 blocks instead of r+1); a zig-zag half-chunk of queries reaches
 at most 3 half-chunks, so a rank computes at most 6 of its 2P+1 run pairs: with a window the contiguous
-layout is the balanced one (tests/test_window.py counts both; `benchmarks/sliding_window.py` times them).
+layout is the balanced one (tests/unit/kernels/test_window.py counts both; `benchmarks/sliding_window.py` times them).
 
 Backward (`jax.custom_vjp`): residuals are only q, k, v, out, lse (local, no received K/V, no scores).
 K/V travel the ring again, in the opposite direction, with their dK/dV accumulators (fp32) one hop behind
@@ -36,7 +36,7 @@ K/V travel the ring again, in the opposite direction, with their dK/dV accumulat
   send the last accumulator to the previous rank (the P-th hop: home)
 
 Both sends of a step are independent of its block compute, so on a GPU each transfer spans the kernels
-(the compiled schedule is checked by tests/test_gpu_compile.py).
+(the compiled schedule is checked by tests/compiled/test_gpu_compile.py).
 
 Communication per rank: forward 2(P-1) K/V blocks; backward 2(P-1) K/V blocks + 2P fp32 dK/dV blocks
 (plus the int32 segment ids with K/V when given). The per-block compute is a `BlockOps` pair
@@ -397,7 +397,7 @@ def cpu_kept_pairs(p: int, tiles: int, causal: bool) -> int:
     the compiled CPU steps' layer-scan stacks: ring sp8 (GPT of benchmarks/memory_model.py, 2,048 tokens, one
     Q tile) f32[4,7,1,1,256,8,16] and f32[4,7,1,256,8,16], 14 pairs a layer (P = 8 counted before: the
     mlp-tile row's estimate 0.83 of the compiled step); tp2 x ring sp4 (512 rows: 2 Q tiles) f32[4,3,2,1,512,4,16]
-    and f32[4,3,1,512,4,16], 9; dp2 x ring sp4 (64 rows) 6; the non-causal DiT of tests/test_planner.py,
+    and f32[4,3,1,512,4,16], 9; dp2 x ring sp4 (64 rows) 6; the non-causal DiT of tests/unit/planner/test_planner.py,
     ring sp4, f32[2,1,4,64,8,8], 1 (P = 4 counted before: its estimate 1.14x the compiled step)."""
     return (p - 1) * (tiles + 1) if causal else tiles
 

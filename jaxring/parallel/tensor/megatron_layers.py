@@ -22,7 +22,7 @@ in elements received (b local batch):
 Memory after forward of the FFN: X_i (bsh/p) and the pre-activation Y A_i (bs·ffn/p); the activation is
 recomputed in the backward (elementwise), so at ffn = 4h that is the table's 5bsh/p (plus weight shards).
 The attention block has the same pattern (Q, K, V share one gather of X); its positions ([b, s] int32) are
-gathered once more, (p-1)/p·bs. tests/test_megatron.py asserts both totals exactly on the compiled program,
+gathered once more, (p-1)/p·bs. tests/unit/parallel/test_megatron.py asserts both totals exactly on the compiled program,
 and the saved residuals (jax.vjp) of the FFN.
 
 Everything here runs inside `jax.shard_map` with check_vma=True (the default): the varying-axes types carry

@@ -41,7 +41,7 @@ def _token_id_transfers(m: ModelShape, x: LocalDims) -> list[Transfer]:
     p-1 hops per head group forward and again backward. Every group and layer sends the same arrays forward:
     XLA:CPU hoists those p-1 hops out of both loops (once per micro-step) and keeps the backward's p(p-1) in
     each layer, and at p = 2 the backward's hop is the forward's (one ring of two: the same permutation),
-    sent once (measured on the compiled CPU step: tests/test_planner.py). The GPU ring (`fuse_sends`)
+    sent once (measured on the compiled CPU step: tests/unit/planner/test_planner.py). The GPU ring (`fuse_sends`)
     carries them in every hop's buffer: 2p(p-1) per layer."""
     p = m.tp
     ids = x.b * (m.seq_len // p) * 4 * (int(m.causal) + int(m.segments))

@@ -411,7 +411,7 @@ def _inner_backward(
     their block (`collectives.ring_steps_accumulating`), so each step's one fused transfer is issued before
     its block kernels and does not wait for them. Same sums, same hops. The CPU form stays on CPU because
     XLA:CPU gives every collective-permute the same op id, and the freer order let its in-process rendezvous
-    pair different transfers there (see tests/test_metp.py, test_attention_forward_backward_repeatable).
+    pair different transfers there (see tests/unit/parallel/test_metp.py, test_attention_forward_backward_repeatable).
     """
     p = lax.axis_size(cfg.axis_name)
     send = lambda tree: send_to_next(tree, cfg.axis_name, shift=BACKWARD, fuse=cfg.fuse)

@@ -34,7 +34,7 @@ qR·(|A| + |B|); for X [bs, h] @ W [h, 4h] that is log2(q)/q·(bsh + 4h²) = log
 term, and a layer's forward (QKV, output projection, h→4h, 4h→h) adds up to log(p)/(2√p)·(7bsh + 12h²).
 The compiled program moves a little less: round 0 of the binomial tree does not depend on the root (each
 rank sends its own block to rank + 1), so XLA computes it once for all q steps and a broadcast costs
-1 + q(R-1) blocks (reductions carry step-dependent partial sums: qR). tests/test_optimus.py asserts both.
+1 + q(R-1) blocks (reductions carry step-dependent partial sums: qR). tests/unit/parallel/test_optimus.py asserts both.
 
 Layer mapping (Fig. 4): QKV (one SUMMA on the local blocks of wq|wk|wv side by side, so x is broadcast once)
 → each device holds n/q heads of b/q whole sequences, attention is local (`flash_attention`) → output
