@@ -406,11 +406,11 @@ def _rule_key(message: str) -> str:
 # When no plan fits as it is, the search tries again with the memory techniques, cumulative, cheapest first:
 # the loss and MLP tiles, then the layer inputs in host memory (remat full, pp = 1), then the optimizer state too.
 MEMORY_LEVELS = (
-    "tiles",
-    "tiles+layer_inputs",
-    "tiles+layer_inputs+optimizer",
-    "tiles+layer_inputs+weights",
-    "tiles+layer_inputs+weights+blocks",  # recompute blocks of √L layers: fewer layer inputs kept
+    ("tiles",),
+    ("tiles", "layer_inputs"),
+    ("tiles", "layer_inputs", "optimizer"),
+    ("tiles", "layer_inputs", "weights"),
+    ("tiles", "layer_inputs", "weights", "blocks"),  # recompute blocks of √L layers: fewer layer inputs kept
 )
 TILE_ROWS = (4096, 2048, 1024, 512, 256, 128, 64)
 
@@ -423,7 +423,7 @@ def recompute_block(layers: int) -> int:
     return min(ks, key=lambda k: (layers // k + k, k)) if ks else 1
 
 
-def with_memory_techniques(c: Candidate, w: Workload, level: str) -> Candidate:
+def with_memory_techniques(c: Candidate, w: Workload, level: tuple[str, ...]) -> Candidate:
     """`c` with the memory techniques of `level` (one of MEMORY_LEVELS): tiles of the largest of TILE_ROWS
     that divides the rows on a device (untiled when none does), the layer inputs offloaded where remat is
     full and pp = 1, the optimizer state offloaded wherever asked, the weights (with it) where pp = 1 and the
@@ -431,7 +431,7 @@ def with_memory_techniques(c: Candidate, w: Workload, level: str) -> Candidate:
     blocks of `recompute_block` layers under remat full (`--remat-layers`)."""
     rows = w.seq_len // max(1, c.sp * c.tp) if w.seq_len else 0
     tile = next((t for t in TILE_ROWS if t < rows and rows % t == 0), None)
-    parts = set(level.split("+")) - {"tiles"}
+    parts = set(level) - {"tiles"}
     if c.remat != "full" or c.pp > 1:
         parts.discard("layer_inputs")
     replicated = c.dp * c.sp * c.ep > 1
@@ -498,7 +498,9 @@ def margin_search(w: Workload, cluster: Cluster, *, only: dict | None = None) ->
     return dataclasses.replace(result, cluster=cluster, ranked=ranked)
 
 
-def _search(w: Workload, cluster: Cluster, only: dict, memory: dict, level: str | None, keep: int | None) -> Result:
+def _search(
+    w: Workload, cluster: Cluster, only: dict, memory: dict, level: tuple[str, ...] | None, keep: int | None
+) -> Result:
     """`search` with the memory settings `memory` held, or the techniques of `level` on every candidate."""
     fields = {f.name for f in dataclasses.fields(Candidate)} - {"options"}
 
