@@ -332,7 +332,7 @@ def test_stepwise_summa_uses_less_memory_than_panels(meshes):
 
 MEMORY_SCRIPT = textwrap.dedent("""
     import json, sys
-    sys.path.insert(0, "tests")
+    sys.path[:0] = ["tests/unit/parallel", "tests"]  # this module, and the helpers it imports
     import jax
     import test_optimus as t
     from jaxring import make_mesh
