@@ -75,11 +75,13 @@ def _is_orbax_coroutine(obj: Any) -> bool:
 
 
 def join_orbax_threads(timeout_s: float = 60.0) -> None:
-    """Waits (up to `timeout_s` in all) for orbax's background save threads still running."""
+    """Waits (up to `timeout_s` in all) for orbax's background save threads still running. Orbax's threads
+    re-raise their own error from `join`; the caller has the save's failure already, so that is not raised again."""
     deadline = time.monotonic() + timeout_s
     for t in threading.enumerate():
         if t is not threading.current_thread() and type(t).__module__.startswith("orbax"):
-            t.join(max(deadline - time.monotonic(), 0))
+            with contextlib.suppress(Exception):
+                t.join(max(deadline - time.monotonic(), 0))
 
 
 @contextlib.contextmanager
