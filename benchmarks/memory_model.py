@@ -111,8 +111,7 @@ def measure(
         batch=w.global_batch,
         seq_len=w.seq_len,
         precision=w.precision,
-        remat=c.remat,
-        offload=c.offload,
+        memory=c.memory.policy,
         grad_accum=c.steps(w) if c.pp == 1 else 1,
     )
     seconds = time.perf_counter() - t0

@@ -49,7 +49,7 @@ def _wallfacer_best(p: int, per_node: int) -> Candidate:
 
 
 def _ring(p: int) -> Candidate:
-    return Candidate(sp=p, attention="ring", zero=2, remat="full", micro_batch=1)
+    return Candidate.of(sp=p, attention="ring", zero=2, remat="full", micro_batch=1)
 
 
 def _wallfacer_space(p: int) -> dict:
@@ -149,8 +149,8 @@ for seq in (32, 64, 128, 256):  # METP LLaMA-7B on 8 A100 80GB
             devices=8,
             per_node=8,
             inter_bw=None,
-            paper_best=Candidate(tp=8, tensor_parallel="metp", remat="full", micro_batch=1),
-            baseline=Candidate(tp=8, tensor_parallel="megatron", remat="full", micro_batch=1),
+            paper_best=Candidate.of(tp=8, tensor_parallel="metp", remat="full", micro_batch=1),
+            baseline=Candidate.of(tp=8, tensor_parallel="megatron", remat="full", micro_batch=1),
             space=METP_SPACE,
             paper_note="METP above Megatron TP+SP in MFU; 2.38-2.99x the longest sequence (Sec. 5)",
         )

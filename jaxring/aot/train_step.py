@@ -22,12 +22,16 @@ from flax import nnx
 from jaxring.analysis import gpu
 from jaxring.core.compat import place_in_host_memory
 from jaxring.core.precision import compute_dtype
-from jaxring.nn import NO_OFFLOAD, MemoryPolicy, Offload
+from jaxring.nn import MemoryPolicy
 from jaxring.run.task import model_family
 from jaxring.train.step import TrainStep
 
 if TYPE_CHECKING:
     from jaxring.parallel.plan import ParallelPlan
+
+
+# what an abstract step keeps by default: each layer's input only (the long-sequence runs' setting)
+FULL_REMAT = MemoryPolicy(remat="full")
 
 
 def _abstract(tree: Any, shardings: Any):
@@ -44,21 +48,19 @@ def build_train_step(
     seq_len: int | None = None,
     grad_accum: int = 1,
     precision: str = "bf16",
-    remat: str = "full",
-    remat_layers: int = 1,
-    offload: Offload | str = NO_OFFLOAD,
+    memory: MemoryPolicy = FULL_REMAT,
     clip: float | None = 1.0,
     documents: bool = False,
 ) -> tuple[Callable[..., Any], tuple]:
     """(step, abstract args) of the trainer's jitted update for a `config` GPT or DiT on `plan` with a global
     batch of `batch` sequences (images), without allocating anything; documents: batches of packed documents
-    (the family's objective with their segment ids, as the trainer builds it from a document store)."""
+    (the family's objective with their segment ids, as the trainer builds it from a document store); memory: what
+    the layer stack keeps, recomputes and offloads (`spec.memory.policy`; default: full remat)."""
     family = model_family(model_kind)
     packed = {"documents": True} if documents else {}  # a family without documents takes no such argument
     objective = family.objective(config, batch, seq_len, **packed)
     model = nnx.eval_shape(lambda: family.build(config, nnx.Rngs(0)))
     tx = optax.adamw(1e-3)
-    memory = MemoryPolicy(remat=remat, remat_layers=remat_layers, offload=offload)
     step = TrainStep(
         plan, model, tx, objective, memory=memory, dtype=compute_dtype(precision), grad_accum=grad_accum, clip=clip
     )
@@ -90,7 +92,7 @@ def lower_train_step(model_kind: str, config: Any, plan: ParallelPlan, **kwargs)
     with gpu.lowering_for(plan.run_mesh.devices.flat[0]):
         lowered = fn.lower(*args)
     abstract = not _lists_host_memory(plan.run_mesh.devices.flat[0])
-    offload = Offload.parse(kwargs.get("offload", NO_OFFLOAD))
+    offload = kwargs.get("memory", FULL_REMAT).offload
     if offload.optimizer and abstract:
         first = len(jax.tree.leaves(args[0]))  # (params, opt_state, ...) in, (params, opt_state, metrics) out
         state = set(range(first, first + len(jax.tree.leaves(args[1]))))

@@ -30,7 +30,9 @@ def forward_bytes(spec: RunSpec, loaded: LoadedModel, seq_len: int, batch: int, 
     """Per-device bytes of one forward pass of `batch` sequences of `seq_len` tokens; None: not priced."""
     try:
         w = Workload(loaded.family.name, loaded.config, seq_len, batch, spec.compute_precision)
-        c = dataclasses.replace(candidate_of(spec), remat="full", micro_batch=max(1, batch // spec.parallel.dp))
+        c = dataclasses.replace(candidate_of(spec), micro_batch=max(1, batch // spec.parallel.dp)).with_memory(
+            remat="full"
+        )
         plan = c.check(w)
         m = cost_model.memory(w, c, param_leaves(w.model, w.config, plan), cpu=cpu, plan=plan)
     except (ValueError, NotImplementedError, KeyError, AttributeError, TypeError):

@@ -19,6 +19,7 @@ from jaxring.core.accelerators import device_spec_of
 from jaxring.planner.cluster import DEVICES, Cluster
 from jaxring.planner.fit import workload_of
 from jaxring.planner.search import Result, search
+from jaxring.run.schema import MemorySettings
 
 if TYPE_CHECKING:
     import jax
@@ -44,19 +45,13 @@ def cluster_of(devices: Sequence[jax.Device]) -> Cluster:
 
 
 def held_settings(spec: RunSpec) -> dict:
-    """The spec's given parallel settings (and remat when not the default), held fixed in a search."""
+    """The spec's given parallel settings and its memory choices that are not the defaults (remat none, the
+    default, is searched), held fixed in a search."""
     p = spec.parallel
     held = {k: getattr(p, k) for k in _HELD if getattr(p, k) is not None}
     held.update({k: v for k, v in p.options.items() if v is not None})
-    if spec.memory.remat != "none":
-        held["remat"] = spec.memory.remat  # --remat selective/full given: held; none (the default): searched
-    for name in ("loss_tile", "mlp_tile"):
-        if getattr(spec.memory, name) is not None:
-            held[name] = getattr(spec.memory, name)
-    if spec.memory.offload:
-        held["offload"] = spec.memory.offload
-    if spec.memory.remat_layers != 1:
-        held["remat_layers"] = spec.memory.remat_layers
+    defaults = MemorySettings().choices()
+    held.update({k: v for k, v in spec.memory.choices().items() if v != defaults[k]})
     return held
 
 

@@ -158,7 +158,11 @@ def shapes(w: Workload, c: Candidate, plan: ParallelPlan | None = None, cpu: boo
         )
     x = method.local_dims(m)
     tiled_block = (
-        terms.tiled_block and method.tiles_projections and w.moe is None and c.mlp_tile is not None and c.mlp_tile < x.n
+        terms.tiled_block
+        and method.tiles_projections
+        and w.moe is None
+        and c.memory.mlp_tile is not None
+        and c.memory.mlp_tile < x.n
     )
     mesh = plan.run_mesh
     sizes = {a: mesh.shape[a] for a in mesh.axis_names}
@@ -536,7 +540,7 @@ def memory(
     The fitted terms are `calibration(target)`'s (docs/memory-model.md tells how each was fitted)."""
     s = s if s is not None else shapes(w, c, plan, cpu)
     k = calibration("cpu" if cpu else "gpu")
-    remat, x, em = c.remat, s.local, s.model.em
+    remat, x, em = c.memory.remat, s.local, s.model.em
     params = optimizer = grads = update = 0.0
     layer_grad = head_grads = 0.0  # one layer's gradient; the gradients formed by the head's backward
     layer_stored = 0.0  # one layer's fp32 weights as a device stores them (its ZeRO-3 shard)
@@ -570,22 +574,22 @@ def memory(
         grads += layer_grad  # one layer's gradient before its reduce-scatter
     if c.zero == 3:
         grads += 2 * layer_grad / F32 * em  # one layer's weights gathered (forward and backward)
-    per_layer = saved_per_layer(w, s, remat, c.mlp_tile)
+    per_layer = saved_per_layer(w, s, remat, c.memory.mlp_tile)
     host = 0.0
-    parts = c.offload.parts
+    parts = c.memory.offload.parts
     if "optimizer" in parts and not cpu:  # the moments in host memory; the update streams a share of them
         host += optimizer
         update += (k.offloaded_moments_in_flight - 1) * optimizer
         optimizer = 0.0
     if "weights" in parts and not cpu:  # weights and layer gradients in host memory; the top weights on device
         host += params + stored_grads - top_grads
-        blocks_in = c.remat_layers if remat == "full" else 1  # a recompute block's weights move in at once
+        blocks_in = c.memory.remat_layers if remat == "full" else 1  # a recompute block's weights move in at once
         params, grads = top, 2 * layer_grad + 2 * (blocks_in - 1) * layer_stored
         head_grads = top
         update = k.offloaded_update_in_flight * top
         if c.devices == 1:  # one device: the top weights' moments come in before the layers' backward
             grads += top_moments
-    blocks = c.remat_layers if remat == "full" else 1  # layers per recompute block: one input kept per block
+    blocks = c.memory.remat_layers if remat == "full" else 1  # layers per recompute block: one input kept per block
     if "layer_inputs" in parts and not cpu:  # each block's input in host memory (on CPU: one memory)
         inputs = x.b * x.n_act * s.model.hidden * em
         host += s.layers // blocks * inputs
@@ -604,18 +608,18 @@ def memory(
     else:
         activations = s.layers // blocks * per_layer
     # one layer's backward: its residuals formed again as the backward walks it, the stream in the activation dtype
-    layer = saved_per_layer(w, s, "none", c.mlp_tile)
+    layer = saved_per_layer(w, s, "none", c.memory.mlp_tile)
     if not s.method.recomputes_forward:
         layer -= STREAM_ARRAYS * x.b * x.n_act * x.h_act * (F32 - em)
-    if c.mlp_tile is not None and c.mlp_tile < x.n:
-        layer += 6 * x.b * c.mlp_tile * x.ffn * em  # one MLP tile's FFN-wide arrays, live in its backward
+    if c.memory.mlp_tile is not None and c.memory.mlp_tile < x.n:
+        layer += 6 * x.b * c.memory.mlp_tile * x.ffn * em  # one MLP tile's FFN-wide arrays, live in its backward
     elif s.method.recomputes_forward:  # the device's tokens through the whole FFN, recomputed in the backward
         layer += k.recomputed_untiled_mlp_arrays * x.b * x.n * s.model.ffn * em
     elif w.moe is None:  # of the 6 FFN-wide arrays _mlp_saved counts, those the backward holds
         layer += (k.untiled_mlp_backward_arrays - 6) * x.b * x.n * x.ffn * em
     working = k.layer_working_share[remat] * layer + _attention_working(s, remat != "none")
     working += (blocks_on_device - 1) * x.b * x.n_act * s.model.hidden * em  # a block's other layers' inputs
-    if c.mlp_tile is not None and c.mlp_tile < x.n:  # what the tiles take off one layer's backward
+    if c.memory.mlp_tile is not None and c.memory.mlp_tile < x.n:  # what the tiles take off one layer's backward
         saving = k.tiled_mlp_saving_recomputed if s.method.recomputes_forward else k.tiled_mlp_saving
         if w.terms.tiled_block and s.method.tiles_projections and w.moe is None:
             if blocks_on_device > 1:
@@ -632,8 +636,8 @@ def memory(
     head = 0.0
     if x.vocab is not None:
         # the head's backward, before the layers': the logits (or one tile) in the activation dtype, softmax fp32
-        rows_at_once = x.n if c.loss_tile is None else min(c.loss_tile, x.n)
-        if s.model.vocab_ring and c.loss_tile is None:  # the vocab ring tiles its loss itself
+        rows_at_once = x.n if c.memory.loss_tile is None else min(c.memory.loss_tile, x.n)
+        if s.model.vocab_ring and c.memory.loss_tile is None:  # the vocab ring tiles its loss itself
             rows_at_once = min(RING_LOSS_ROWS, x.n)
         head = x.b * rows_at_once * x.vocab * (em + F32) + head_grads
         if s.model.vocab_ring:  # the vocab ring's ΔX, summed in fp32 over the blocks (`vocab_ring`)
@@ -682,7 +686,7 @@ def compute_flops(w: Workload, c: Candidate, remat: str, s: Shapes) -> tuple[flo
     extra = 0.0
     if remat == "full" or s.method.recomputes_forward:
         extra += layers / 3
-        if remat == "full" and c.remat_layers > 1:  # a block's backward runs each layer's forward once more
+        if remat == "full" and c.memory.remat_layers > 1:  # a block's backward runs each layer's forward once more
             extra += layers / 3
     elif remat == "selective":
         extra += computed / 3
@@ -713,7 +717,7 @@ def step_time(
     """The step's seconds on `cluster` (see the module docstring). locality: {axes: True when intra-node}.
     block_ops: the attention's per-block compute; its FLOPs run at `block_compute_speed` of the others' rate."""
     s = s if s is not None else shapes(w, c, plan, cluster.cpu)
-    remat = c.remat
+    remat = c.memory.remat
     rate = cluster.device.flops * cluster.efficiency
     k = calibration("cpu" if cluster.cpu else "gpu")
     flops, attn_flops, ffn_flops = compute_flops(w, c, remat, s)
@@ -754,10 +758,10 @@ def step_time(
     for k, v in step_comm.items():
         comm[k] = comm.get(k, 0.0) + v
     offload = 0.0
-    if c.offload and not cluster.cpu:
+    if c.memory.offload and not cluster.cpu:
         layers_s, update_s = host_transfer_seconds(w, c, s, updated * F32, cluster.device.host_bytes_per_s)
         offload = max(0.0, layers_s - compute) + update_s
-        if c.offload.weights:
+        if c.memory.offload.weights:
             optimizer = 0.0  # streamed: the host link, not HBM, bounds it (update_s)
     return StepTime(compute, comm, hidden, bubble, optimizer, offload)
 
@@ -773,11 +777,11 @@ def host_transfer_seconds(w: Workload, c: Candidate, s: Shapes, weights: float, 
     weights       each layer's fp32 weights in for its forward and again for its backward, its gradient out;
                   the update reads weights, gradients (twice: the norm first) and moments, writes weights and
                   moments"""
-    parts = c.offload.parts
+    parts = c.memory.offload.parts
     to_device = from_device = update_in = update_out = 0.0
     if "layer_inputs" in parts:
         # the blocks' inputs, and with recompute blocks every layer's again in its block's backward
-        blocks = c.remat_layers if c.remat == "full" else 1
+        blocks = c.memory.remat_layers if c.memory.remat == "full" else 1
         moved = s.layers // blocks + (s.layers if blocks > 1 else 0)
         inputs = moved * s.local.b * s.local.n_act * s.model.hidden * s.model.em
         to_device, from_device = to_device + inputs, from_device + inputs

@@ -86,11 +86,7 @@ def candidate_of(spec: RunSpec) -> Candidate:
         zero=p.zero,
         pipeline_schedule=p.pipeline_schedule,
         microbatches=steps if p.pp > 1 else None,
-        remat=m.remat,
-        remat_layers=m.remat_layers,
-        loss_tile=m.loss_tile,
-        mlp_tile=m.mlp_tile,
-        offload=m.offload,
+        memory=m,
         micro_batch=max(1, t.batch_size // (data * steps)),
         **p.options,
     )
@@ -137,23 +133,23 @@ def _remedies(spec: RunSpec, c: Candidate, w: Workload) -> list[tuple[str, Candi
     """Setting changes to try, cumulative, in the order a user would: remat, tiles, offload (the layer inputs,
     then the optimizer state), then more sp."""
     out = []
-    if c.remat != "full":
-        c = dataclasses.replace(c, remat="full")
+    if c.memory.remat != "full":
+        c = c.with_memory(remat="full")
         out.append(("--remat full", c))
     rows = w.seq_len // max(1, c.sp)
     tile = next((d for d in (4096, 2048, 1024, 512, 256, 128, 64) if d < rows and rows % d == 0), None)
-    if tile is not None and c.loss_tile is None and getattr(w.config, "vocab_size", None):
-        c = dataclasses.replace(c, loss_tile=tile)
+    if tile is not None and c.memory.loss_tile is None and getattr(w.config, "vocab_size", None):
+        c = c.with_memory(loss_tile=tile)
         out.append((f"--loss-tile {tile}", c))
-    if tile is not None and c.mlp_tile is None:
-        c = dataclasses.replace(c, mlp_tile=tile)
+    if tile is not None and c.memory.mlp_tile is None:
+        c = c.with_memory(mlp_tile=tile)
         out.append((f"--mlp-tile {tile}", c))
-    if not c.offload and c.pp == 1:
-        c = dataclasses.replace(c, offload=Offload(layer_inputs=True))
+    if not c.memory.offload and c.pp == 1:
+        c = c.with_memory(offload=Offload(layer_inputs=True))
         out.append(("--offload layer_inputs", c))
-    if not (c.offload.parts - {"layer_inputs"}):
-        c = dataclasses.replace(c, offload=dataclasses.replace(c.offload, optimizer=True))
-        out.append((f"--offload {c.offload}", c))
+    if not (c.memory.offload.parts - {"layer_inputs"}):
+        c = c.with_memory(offload=dataclasses.replace(c.memory.offload, optimizer=True))
+        out.append((f"--offload {c.memory.offload}", c))
     return out
 
 

@@ -38,13 +38,14 @@ from jaxring.parallel.pipeline import make_schedule
 from jaxring.planner import cost_model as cost
 from jaxring.planner.cluster import Cluster
 from jaxring.planner.params import param_leaves
-from jaxring.planner.space import Candidate, Workload
+from jaxring.planner.space import MEMORY_CHOICES, Candidate, Workload
 from jaxring.run.checks import OFFLOAD_WITH_PP, WEIGHTS_OFFLOAD_RULES
 
 if TYPE_CHECKING:
     from jaxring.parallel.plan import ParallelPlan
 
-MEMORY_SETTINGS = ("loss_tile", "mlp_tile", "offload", "remat_layers")
+# the memory choices each candidate is built with (`candidates`); the others are held or set by MEMORY_LEVELS
+SEARCHED_MEMORY = ("remat",)
 
 
 class NoPlanError(ValueError):
@@ -288,10 +289,9 @@ def candidates(w: Workload, cluster: Cluster, remat_modes: Sequence[str] | None 
                                     zero=zero,
                                     pipeline_schedule=schedule,
                                     microbatches=steps if pp > 1 else None,
-                                    remat=remat,
                                     micro_batch=mb,
                                     options={**seq_options, **tensor_options, **schedule_options},
-                                )
+                                ).with_memory(remat=remat)
 
 
 # ---------------------------------------------------------------------------------------- evaluation
@@ -342,15 +342,15 @@ def evaluate(
 
 def _weights_offload_rule(c: Candidate, w: Workload) -> str | None:
     """The train step's refusal of a held --offload with the weights (`WEIGHTS_OFFLOAD_RULES`, pp > 1), or None."""
-    if not c.offload.weights:
+    if not c.memory.offload.weights:
         return None
     if c.pp > 1:
-        return OFFLOAD_WITH_PP.format(offload=c.offload, pp=c.pp)
+        return OFFLOAD_WITH_PP.format(offload=c.memory.offload, pp=c.pp)
     if c.steps(w) > 1:
-        return WEIGHTS_OFFLOAD_RULES["grad_accum"].format(offload=c.offload, grad_accum=c.steps(w))
+        return WEIGHTS_OFFLOAD_RULES["grad_accum"].format(offload=c.memory.offload, grad_accum=c.steps(w))
     replicas = [a for a, n in (("dp", c.dp), ("sp", c.sp), ("ep", c.ep)) if n > 1]
     if replicas and c.zero in (1, 2):
-        return WEIGHTS_OFFLOAD_RULES["zero"].format(offload=c.offload, zero=c.zero, axes=", ".join(replicas))
+        return WEIGHTS_OFFLOAD_RULES["zero"].format(offload=c.memory.offload, zero=c.zero, axes=", ".join(replicas))
     return None
 
 
@@ -375,7 +375,7 @@ def _pipeline_rule(c: Candidate, w: Workload):
 
 def _structure(c: Candidate) -> Candidate:
     """The candidate less its micro-batching and remat (what the library's rules see)."""
-    return dataclasses.replace(c, micro_batch=1, microbatches=None, remat="none")
+    return dataclasses.replace(c, micro_batch=1, microbatches=None).with_memory(remat="none")
 
 
 def _split(c: Candidate) -> int:
@@ -432,19 +432,17 @@ def with_memory_techniques(c: Candidate, w: Workload, level: tuple[str, ...]) ->
     rows = w.seq_len // max(1, c.sp * c.tp) if w.seq_len else 0
     tile = next((t for t in TILE_ROWS if t < rows and rows % t == 0), None)
     parts = set(level) - {"tiles"}
-    if c.remat != "full" or c.pp > 1:
+    if c.memory.remat != "full" or c.pp > 1:
         parts.discard("layer_inputs")
     replicated = c.dp * c.sp * c.ep > 1
     if "weights" in parts and (c.pp > 1 or (replicated and c.zero in (1, 2)) or c.steps(w) > 1):
         parts = parts - {"weights"} | {"optimizer"}
     if "weights" in parts:
         parts.discard("optimizer")
-    blocks = recompute_block(w.config.num_layers // c.pp) if "blocks" in parts and c.remat == "full" else 1
+    blocks = recompute_block(w.config.num_layers // c.pp) if "blocks" in parts and c.memory.remat == "full" else 1
     offload = Offload(**{p: True for p in parts - {"blocks"}})
     vocab = getattr(w.config, "vocab_size", None)
-    return dataclasses.replace(
-        c, loss_tile=tile if vocab else None, mlp_tile=tile, offload=offload, remat_layers=blocks
-    )
+    return c.with_memory(loss_tile=tile if vocab else None, mlp_tile=tile, offload=offload, remat_layers=blocks)
 
 
 def search(w: Workload, cluster: Cluster, *, only: dict | None = None, keep: int | None = None) -> Result:
@@ -459,7 +457,7 @@ def search(w: Workload, cluster: Cluster, *, only: dict | None = None, keep: int
     if cluster.devices < 1:
         raise NoPlanError(f"{cluster.devices} devices: nothing to plan")
     only = dict(only or {})
-    fields = {f.name for f in dataclasses.fields(Candidate)} - {"options"}
+    fields = set(Candidate.setting_names())
     unknown = set(only) - fields - set(all_options())
     if unknown:
         raise ValueError(
@@ -467,8 +465,8 @@ def search(w: Workload, cluster: Cluster, *, only: dict | None = None, keep: int
             f"the registry's options {', '.join(sorted(all_options()))}"
         )
 
-    # the memory section's tiles and offload are not searched: held ones apply to every candidate
-    memory = {k: only.pop(k) for k in MEMORY_SETTINGS if k in only}
+    # the memory choices other than remat are not searched: held ones apply to every candidate
+    memory = {k: only.pop(k) for k in MEMORY_CHOICES if k in only and k not in SEARCHED_MEMORY}
     try:
         return _search(w, cluster, only, memory, None, keep)
     except NoPlanError:
@@ -502,11 +500,6 @@ def _search(
     w: Workload, cluster: Cluster, only: dict, memory: dict, level: tuple[str, ...] | None, keep: int | None
 ) -> Result:
     """`search` with the memory settings `memory` held, or the techniques of `level` on every candidate."""
-    fields = {f.name for f in dataclasses.fields(Candidate)} - {"options"}
-
-    def value(c: Candidate, name: str):
-        return getattr(c, name) if name in fields else c.option(name)
-
     cache = _Cache(w, cluster)
     fits, over, rejected, considered = [], [], {}, 0
     seen_rules: dict = {}
@@ -524,11 +517,11 @@ def _search(
 
     for c in candidates(w, cluster):
         if memory:
-            c = dataclasses.replace(c, **memory)
+            c = c.with_memory(**memory)
         elif level is not None:
             c = with_memory_techniques(c, w, level)
         if only and not all(
-            value(c, k) in v if isinstance(v, (tuple, list, set, frozenset)) else value(c, k) == v
+            c.setting(k) in v if isinstance(v, (tuple, list, set, frozenset)) else c.setting(k) == v
             for k, v in only.items()
         ):
             continue

@@ -6,8 +6,8 @@
     candidate.settings(workload)             # the run specification's flat settings (train.py's flags)
 
 A candidate is what `train.py` takes as settings: mesh degrees, the sequence strategy, the tensor method, the
-ZeRO stage, the pipeline schedule, remat, the registry entries' own options (by their names) and the
-micro-batch. `plan()` builds the
+ZeRO stage, the pipeline schedule, the memory choices (the run's own `MemorySettings`: remat, tiles, offload),
+the registry entries' own options (by their names) and the micro-batch. `plan()` builds the
 `ParallelPlan` (the library's own validation: one-line ValueErrors) on stand-in devices, so a 64-device plan can
 be checked on a laptop; `check(workload)` adds the model's own rules (`models/*.check_plan`).
 """
@@ -24,10 +24,10 @@ from jax.sharding import AxisType, Mesh
 
 from jaxring.core.mesh import MESH_AXES, make_mesh
 from jaxring.core.precision import PRECISIONS
-from jaxring.nn import NO_OFFLOAD, Offload
 from jaxring.parallel.catalog import pipeline_schedule, sequence_strategy, tensor_method
 from jaxring.parallel.cost_terms import WorkloadTerms
 from jaxring.parallel.plan import ParallelPlan
+from jaxring.run.schema import MemorySettings, parsed_setting
 from jaxring.run.task import model_family
 
 if TYPE_CHECKING:
@@ -130,11 +130,17 @@ class Workload:
         return f"{self.model} {name}, {what} × {self.global_batch} per step, {self.precision}"
 
 
+# a candidate's memory choices by default: nothing recomputed, tiled or offloaded
+NO_MEMORY_CHOICES = MemorySettings()
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One plan the planner may pick: the run specification's parallel settings by their flat names (mesh
-    degrees, attention, layout, tensor_parallel, zero, pipeline_schedule, microbatches, remat), the registry
-    entries' own options as (name, value) pairs, and the micro-batch."""
+    degrees, attention, layout, tensor_parallel, zero, pipeline_schedule, microbatches), its memory choices as
+    they are (`memory`: the run's own `MemorySettings` type, budgets left out), the registry entries' own options
+    as (name, value) pairs, and the micro-batch. `Candidate.of` and `with_memory` take the memory choices by their
+    flat names (remat="full", offload="layer_inputs")."""
 
     dp: int = 1
     pp: int = 1
@@ -147,30 +153,46 @@ class Candidate:
     zero: int = 0
     pipeline_schedule: str = "1f1b"
     microbatches: int | None = None
-    remat: str = "none"
-    remat_layers: int = 1  # layers per recompute block (remat full)
-    loss_tile: int | None = None  # the run spec's memory settings (tokens per tile of the loss, of the MLP)
-    mlp_tile: int | None = None
-    offload: Offload = NO_OFFLOAD  # a text form (--offload's) is parsed
+    memory: MemorySettings = NO_MEMORY_CHOICES
     micro_batch: int = 1  # sequences per data replica in one micro-step (pp = 1) or micro-batch (pp > 1)
     options: tuple = ()  # the chosen entries' options: (name, value) pairs, sorted by name (a dict is taken)
 
     def __post_init__(self):
         options = self.options.items() if isinstance(self.options, dict) else self.options
         object.__setattr__(self, "options", tuple(sorted((k, v) for k, v in options if v is not None)))
-        object.__setattr__(self, "offload", Offload.parse(self.offload))
+        object.__setattr__(self, "memory", self.memory.choice())
 
     @classmethod
     def of(cls, **settings) -> Candidate:
-        """A candidate from flat settings: its fields, and any other name as an entry's option
-        (Candidate.of(sp=8, attention="wallfacer", team_size=2, placement="ring_inner"))."""
-        fields = {f.name for f in dataclasses.fields(cls)} - {"options"}
-        options = {k: v for k, v in settings.items() if k not in fields}
-        return cls(**{k: v for k, v in settings.items() if k in fields}, options=options)
+        """A candidate from flat settings: its fields, the memory choices, and any other name as an entry's
+        option (Candidate.of(sp=8, attention="wallfacer", team_size=2, placement="ring_inner", remat="full"))."""
+        fields = {*_FIELDS, "memory"}
+        memory = {k: v for k, v in settings.items() if k in MEMORY_CHOICES}
+        options = {k: v for k, v in settings.items() if k not in fields and k not in memory}
+        given = {k: v for k, v in settings.items() if k in fields}
+        return cls(**given, options=options).with_memory(**memory)
+
+    def with_memory(self, **choices) -> Candidate:
+        """A copy with memory choices changed by their flat names (a typed one's text form is parsed)."""
+        parsed = {k: parsed_setting(MemorySettings, k, v) for k, v in choices.items()}
+        return dataclasses.replace(self, memory=dataclasses.replace(self.memory, **parsed))
 
     def option(self, name: str, default: object = None) -> object:
         """The value of an entry's option (default when the candidate does not set it)."""
         return dict(self.options).get(name, default)
+
+    def setting(self, name: str) -> object:
+        """A setting by its flat name: a field, a memory choice or an entry's option (None when not set)."""
+        if name in _FIELDS:
+            return getattr(self, name)
+        if name in MEMORY_CHOICES:
+            return getattr(self.memory, name)
+        return self.option(name)
+
+    @staticmethod
+    def setting_names() -> tuple[str, ...]:
+        """The flat names of its fields and memory choices (the entries' options aside)."""
+        return (*_FIELDS, *MEMORY_CHOICES)
 
     @property
     def devices(self) -> int:
@@ -188,7 +210,7 @@ class Candidate:
         kw = dict(attention=self.attention, layout=self.layout, tensor_parallel=self.tensor_parallel, zero=self.zero)
         if self.pp > 1:
             kw.update(pipeline_schedule=self.pipeline_schedule, microbatches=self.microbatches)
-        kw.update({k: v for k, v in (("loss_tile", self.loss_tile), ("mlp_tile", self.mlp_tile)) if v is not None})
+        kw.update({k: v for k, v in self.memory.plan_keywords().items() if v is not None})
         return kw | dict(self._live_options())
 
     def _entries(self) -> list:
@@ -243,9 +265,8 @@ class Candidate:
         """The run specification's flat settings of this plan (`RunSpec.updated(**settings)`, `make_plan`);
         with the workload, grad_accum too (the micro-steps when pp = 1)."""
         out = {**self.mesh_degrees(), "fsdp": 1, "attention": self.attention if self.sp > 1 else None}
-        out.update(layout=self.layout, tensor_parallel=self.tensor_parallel, zero=self.zero, remat=self.remat)
-        out.update(loss_tile=self.loss_tile, mlp_tile=self.mlp_tile, offload=self.offload)
-        out.update(remat_layers=self.remat_layers)
+        out.update(layout=self.layout, tensor_parallel=self.tensor_parallel, zero=self.zero)
+        out.update(self.memory.choices())
         if self.pp > 1:
             out.update(pipeline_schedule=self.pipeline_schedule, microbatches=self.microbatches)
         out.update(self._live_options())
@@ -257,7 +278,7 @@ class Candidate:
         """The train.py flags of this plan: its settings that differ from the run specification's defaults."""
         flags = []
         for name, value in self.settings().items():
-            if value is None or value == _FLAG_DEFAULTS.get(name):
+            if value is None or value == _FLAG_DEFAULTS.get(name, NO_MEMORY_CHOICES.choices().get(name)):
                 continue
             flags += ["--" + name.replace("_", "-"), str(value)]
         return flags
@@ -282,13 +303,8 @@ class Candidate:
             parts.append(f"zero{self.zero}")
         if self.pp > 1:
             parts.append(self.pipeline_schedule + opts(entries[2], f"m={self.microbatches}"))
-        if self.remat != "none":
-            parts.append(f"remat={self.remat}")
-        if self.remat_layers > 1:
-            parts.append(f"remat_layers={self.remat_layers}")
-        parts += [f"{n}={v}" for n, v in (("loss_tile", self.loss_tile), ("mlp_tile", self.mlp_tile)) if v]
-        if self.offload:
-            parts.append(f"offload={self.offload}")
+        defaults = NO_MEMORY_CHOICES.choices()
+        parts += [f"{n}={v}" for n, v in self.memory.choices().items() if v != defaults[n]]
         parts.append(f"mb={self.micro_batch}")
         return " ".join(parts)
 
@@ -302,10 +318,11 @@ _FLAG_DEFAULTS = {
     "ep": 1,
     "fsdp": 1,
     "zero": 0,
-    "remat": "none",
-    "offload": NO_OFFLOAD,
-    "remat_layers": 1,
 }
+
+# the candidate's own fields by their flat names (memory and options aside), and the memory choices' names
+_FIELDS = tuple(f.name for f in dataclasses.fields(Candidate) if f.name not in ("memory", "options"))
+MEMORY_CHOICES = tuple(NO_MEMORY_CHOICES.choices())
 
 
 class _StandIn:

@@ -35,6 +35,7 @@ from jaxring.run.task import model_families
 
 __all__ = [
     "DEGREES",
+    "MEMORY_BUDGETS",
     "RULE_TEXT",
     "RUN_SETTINGS",
     "SECTIONS",
@@ -165,9 +166,10 @@ class TrainingSettings:
     )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class MemorySettings:
-    """What a step keeps, recomputes, tiles and offloads to fit long sequences."""
+    """What a step keeps, recomputes, tiles and offloads to fit long sequences (the plan's memory choices), and
+    the memory it may use (the budgets, MEMORY_BUDGETS). Immutable: the planner's candidates hold one."""
 
     remat: str = setting(
         "none",
@@ -212,11 +214,27 @@ class MemorySettings:
         rule="float>0",
     )
 
+    def choices(self) -> dict:
+        """{name: value} of the plan's memory choices (every setting but the budgets), in the flags' order."""
+        return {n: getattr(self, n) for n in setting_fields(MemorySettings) if n not in MEMORY_BUDGETS}
+
+    def plan_keywords(self) -> dict:
+        """The memory choices `ParallelPlan` takes (the tiles: the layers read them from the plan)."""
+        return {"loss_tile": self.loss_tile, "mlp_tile": self.mlp_tile}
+
+    def choice(self) -> MemorySettings:
+        """These settings with the budgets at their defaults: what a planner's candidate holds."""
+        return dataclasses.replace(self, **{n: None for n in MEMORY_BUDGETS})
+
     @property
     def policy(self) -> MemoryPolicy:
         """What the layer stack keeps, recomputes and offloads (remat, recompute blocks, offload), as `Layers`
         and `TrainStep` take it; the tiles go to the plan (`RunSpec.plan`)."""
         return MemoryPolicy(remat=self.remat, remat_layers=self.remat_layers, offload=self.offload)
+
+
+# the memory settings that are the run's budgets, not a choice of its plan
+MEMORY_BUDGETS = ("device_memory_gib", "host_memory_gib")
 
 
 @dataclasses.dataclass

@@ -78,17 +78,17 @@ class RunSpec:
     def updated(self, **settings) -> RunSpec:
         """A copy with the flat `settings` changed (checked by `validate`, not here)."""
         index = flat_index()
-        sections = {s: dataclasses.replace(getattr(self, s)) for s in SECTIONS}
-        options = dict(sections["parallel"].options)
+        changes = {s: {} for s in SECTIONS}
+        options = dict(self.parallel.options)
         for name, value in settings.items():
             if name in index:
-                setattr(sections[index[name]], name, parsed_setting(SECTIONS[index[name]], name, value))
+                changes[index[name]][name] = parsed_setting(SECTIONS[index[name]], name, value)
             elif name in option_names():
                 options[name] = value
             else:
                 raise ValueError(f"unknown setting {name!r}{nearest(name, list(index) + list(option_names()))}")
-        sections["parallel"].options = options
-        return RunSpec(**sections)
+        changes["parallel"]["options"] = options
+        return RunSpec(**{s: dataclasses.replace(getattr(self, s), **changes[s]) for s in SECTIONS})
 
     def flat(self) -> dict:
         """Every setting by its flat name (options included), as written in YAML and JSON (a typed setting such as
@@ -234,8 +234,7 @@ class RunSpec:
             pipeline_schedule=p.pipeline_schedule,
             microbatches=p.microbatches,
             block_ops=p.block_ops,
-            loss_tile=self.memory.loss_tile,
-            mlp_tile=self.memory.mlp_tile,
+            **self.memory.plan_keywords(),
             **p.options,
         )
 

@@ -124,7 +124,6 @@ except NoPlanError as e:
 #   counts 4 bytes per element.)
 
 # %%
-import dataclasses
 
 from jaxring.analysis.axis_traffic import axis_traffic
 from jaxring.aot.train_step import compile_train_step
@@ -153,7 +152,7 @@ def compiled_step(w, c):
         batch=w.global_batch,
         seq_len=w.seq_len,
         precision=w.precision,
-        remat=c.remat,
+        memory=c.memory.policy,
         grad_accum=c.steps(w) if c.pp == 1 else 1,
     )
 
@@ -161,7 +160,7 @@ def compiled_step(w, c):
 MB = 1e6
 rows = []
 for remat in ("none", "selective", "full"):
-    c = dataclasses.replace(top, remat=remat)
+    c = top.with_memory(remat=remat)
     plan, compiled = compiled_step(small, c)
     ma = compiled.memory_analysis()
     peak = ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes

@@ -61,7 +61,7 @@ def test_predicted_bytes_with_packed_documents_on_the_gpu_target(name):
     (c, slack), w = GPU_BYTES_CASES[name], Workload("gpt", config, 1024, 1, "fp32", documents=True)
     plan = c.check(w, devices=gpu.gpu_devices("h100", c.devices), block_ops="pallas")
     compiled = compile_train_step(
-        "gpt", config, plan, batch=1, seq_len=1024, precision="fp32", remat=c.remat, documents=True
+        "gpt", config, plan, batch=1, seq_len=1024, precision="fp32", memory=c.memory.policy, documents=True
     )
     measured = axis_traffic(compiled.as_text(), plan.run_mesh)
     leaves = param_leaves("gpt", config, c.check(w))

@@ -14,6 +14,7 @@ import train as cli
 from jaxring.analysis import gpu
 from jaxring.aot.train_step import compile_train_step
 from jaxring.models import gpt
+from jaxring.nn import MemoryPolicy
 
 
 @pytest.mark.skipif(not gpu.available()[0], reason="deviceless GPU compile unavailable (see jaxring/analysis/gpu.py)")
@@ -23,9 +24,13 @@ def test_compiled_for_one_h100_the_weights_are_host_arguments():
     beside the run with them on the device."""
     cfg = gpt.GPTConfig(vocab_size=256, num_layers=8, hidden=512, num_heads=4, ffn=2048)
     plan = jaxring.make_plan(gpu.gpu_devices("h100", 1))
-    kw = dict(batch=1, seq_len=256, remat="full")
-    on_device = compile_train_step("gpt", cfg, plan, offload="optimizer", **kw).memory_analysis()
-    on_host = compile_train_step("gpt", cfg, plan, offload="weights", **kw).memory_analysis()
+    kw = dict(batch=1, seq_len=256)
+    on_device = compile_train_step(
+        "gpt", cfg, plan, memory=MemoryPolicy(remat="full", offload="optimizer"), **kw
+    ).memory_analysis()
+    on_host = compile_train_step(
+        "gpt", cfg, plan, memory=MemoryPolicy(remat="full", offload="weights"), **kw
+    ).memory_analysis()
     weights = (
         sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: gpt.GPT(cfg, rngs=nnx.Rngs(0)))))) * 4
     )

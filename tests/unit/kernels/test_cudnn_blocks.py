@@ -267,7 +267,7 @@ def test_planner_prices_the_block_compute():
     s = cost.shapes(w, c)
     ops = ("auto", "pallas", "cudnn")
     times = {o: cost.step_time(w, c, [], cluster, {}, s=s, block_ops=o).compute for o in ops}
-    _, attention, _ = cost.compute_flops(w, c, c.remat, s)
+    _, attention, _ = cost.compute_flops(w, c, c.memory.remat, s)
     seconds = attention / (cluster.device.flops * cluster.efficiency)
     assert times["pallas"] - times["cudnn"] == pytest.approx(seconds * (1 / 0.385 - 1), rel=1e-9)
     assert times["auto"] == times["pallas"]  # (until cuDNN has run on a GPU: block_compute.AUTO_BLOCK_OPS)

@@ -64,8 +64,7 @@ def test_estimate_within_10_percent_of_the_compiled_step(name):
         batch=w.global_batch,
         seq_len=w.seq_len,
         precision="fp32",
-        remat=c.remat,
-        offload=c.offload,
+        memory=c.memory.policy,
         grad_accum=1,
     )
     m = compiled.memory_analysis()
@@ -94,7 +93,7 @@ def test_pipeline_estimate_within_10_percent_of_the_compiled_step(schedule):
     estimate = cost.memory(w, c, param_leaves(w.model, w.config, c.check(w)), cpu=True).total
     compiled = compile_train_step(
         w.model, w.config, c.check(w, devices=jax.devices()[: c.devices]), batch=w.global_batch, seq_len=w.seq_len,
-        precision="fp32", remat=c.remat, grad_accum=1,
+        precision="fp32", memory=c.memory.policy, grad_accum=1,
     )  # fmt: skip
     a = compiled.memory_analysis()
     peak = a.argument_size_in_bytes + a.output_size_in_bytes + a.temp_size_in_bytes - a.alias_size_in_bytes
@@ -111,7 +110,7 @@ def test_packed_documents_store_their_segment_ids_and_loss_mask():
         stored = cost.memory(w, c, param_leaves(w.model, w.config, c.check(w)), cpu=True).other
         compiled = compile_train_step(
             w.model, w.config, c.check(w, devices=jax.devices()[: c.devices]), batch=1, seq_len=w.seq_len,
-            precision="fp32", remat=c.remat, documents=documents,
+            precision="fp32", memory=c.memory.policy, documents=documents,
         )  # fmt: skip
         grown[documents] = (compiled.memory_analysis().argument_size_in_bytes, stored)
     compiled_growth, estimated_growth = (grown[True][i] - grown[False][i] for i in (0, 1))
@@ -243,13 +242,17 @@ def test_the_search_turns_to_the_memory_techniques_when_nothing_fits_without_the
     assert RunSpec.of(preset="llama3-8b", precision="fp32").compute_precision == "fp32"
     w = workload_of(spec)
     best = search(w, Cluster.of("h100", 8), only={"head_chunks": 1}).best.candidate
-    assert (best.loss_tile, best.mlp_tile, str(best.offload), best.remat) == (
+    assert (best.memory.loss_tile, best.memory.mlp_tile, str(best.memory.offload), best.memory.remat) == (
         4096,
         4096,
         "layer_inputs+optimizer",
         "full",
     )
     best = search(w, Cluster.of("h100", 8)).best.candidate
-    assert (str(best.offload), best.attention, dict(best.options).get("head_chunks")) == ("layer_inputs", "ulysses", 4)
+    assert (str(best.memory.offload), best.attention, dict(best.options).get("head_chunks")) == (
+        "layer_inputs",
+        "ulysses",
+        4,
+    )
     with pytest.raises(NoPlanError, match="no plan fits in memory"):
         search(w, Cluster.of("h100", 8), only={"offload": "none"})

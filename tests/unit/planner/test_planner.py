@@ -57,7 +57,7 @@ def _compile(w: Workload, c: Candidate):
             batch=w.global_batch,
             seq_len=w.seq_len,
             precision=w.precision,
-            remat=c.remat,
+            memory=c.memory.policy,
             grad_accum=c.steps(w) if c.pp == 1 else 1,
             documents=w.documents,
         )
@@ -317,7 +317,7 @@ def test_predicted_memory_with_remat_within_15_percent(top_plans, remat):
     """The top plan of the one-long-sequence case with --remat selective / full: the layers' saved residuals
     (cost.saved_per_layer) shrink as the compiled step's do, and the prediction stays within 15%."""
     w, best, none = top_plans["gpt, one sequence of 1024"]
-    c = dataclasses.replace(best.candidate, remat=remat)
+    c = best.candidate.with_memory(remat=remat)
     compiled = _compile(w, c)
     m = compiled.memory_analysis()
     peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes

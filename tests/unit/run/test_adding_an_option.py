@@ -15,8 +15,11 @@ from jaxring.nn import Offload
 from jaxring.parallel.catalog import sequence_strategies, sequence_strategy
 from jaxring.parallel.registry import Option
 from jaxring.parallel.registry import registered as registered_entry
+from jaxring.planner.auto import held_settings
+from jaxring.planner.fit import candidate_of
 from jaxring.planner.space import Candidate
 from jaxring.run.cli import build_parser, parse_command_line
+from jaxring.run.schema import MemorySettings, flag_name
 from jaxring.run.spec import RunSpec
 
 # ------------------------------------------------------------------------------------------ a strategy option
@@ -98,8 +101,8 @@ def test_a_typed_memory_option_is_parsed_once_and_written_as_its_text(text):
     assert flags.memory.offload == from_yaml.memory.offload == value  # typed from the first read
     assert isinstance(flags.memory.offload, Offload)
     assert f"offload: {text}" in flags.to_yaml()  # run.yaml keeps the flag's text
-    c = Candidate(sp=8, attention="ring", offload=value)
-    assert c.offload == value and c.settings()["offload"] == value
+    c = Candidate.of(sp=8, attention="ring", offload=text)
+    assert c.memory.offload == value and c.settings()["offload"] == value
     assert ("--offload" in c.train_flags()) == bool(value)
     assert RunSpec.of(**c.settings()).memory.offload == value
 
@@ -113,3 +116,32 @@ def test_the_memory_option_parts_and_its_one_line_error():
         Offload.parse("weight")
     with pytest.raises(ValueError, match=r"--offload 'weight' is not one of none, layer_inputs, .*did you mean"):
         RunSpec.of(offload="weight").validate()  # the spec's own one-line check, as before
+
+
+# a non-default value of each memory choice (the budgets are the run's, not a choice of its plan)
+NON_DEFAULT = {"remat": "full", "remat_layers": 2, "loss_tile": 128, "mlp_tile": 64, "offload": "layer_inputs"}
+NEEDS = {"remat_layers": {"remat": "full"}, "offload": {"remat": "full"}}  # what the option's own rule needs
+
+
+def test_every_memory_choice_reaches_the_candidate_with_no_planner_edit():
+    """The planner's candidate holds the run's own `MemorySettings` (budgets left out): a memory option added to
+    the configuration type is a candidate setting, a train.py flag of it, a part of its description and a value
+    the search holds, with no edit of the planner. NON_DEFAULT must name every choice, so a new one fails here
+    until it is given a value."""
+    defaults = MemorySettings().choices()
+    assert set(NON_DEFAULT) == set(defaults), "give the new memory choice a non-default value in NON_DEFAULT"
+    for name, text in NON_DEFAULT.items():
+        spec = RunSpec.of(sp=8, **NEEDS.get(name, {}), **{name: text})
+        value = getattr(spec.memory, name)
+        assert value != defaults[name]
+        c = candidate_of(spec.resolved(device_count=8))
+        assert c.setting(name) == value and c.memory == spec.memory.choice(), name
+        assert c.settings()[name] == value and RunSpec.of(**c.settings()).memory.choices() == spec.memory.choices()
+        flags = c.train_flags()
+        assert flags[flags.index(flag_name(name)) + 1] == str(value), (name, flags)
+        assert f"{name}={value}" in c.describe(), c.describe()
+        assert Candidate.of(sp=8, attention="ring", **NEEDS.get(name, {}), **{name: text}).memory == c.memory
+        assert held_settings(spec)[name] == value  # --plan auto holds what the user gave
+    assert Candidate.of(sp=8).memory.device_memory_gib is None
+    budgeted = candidate_of(RunSpec.of(sp=8, device_memory_gib=40.0).resolved(device_count=8))
+    assert budgeted == candidate_of(RunSpec.of(sp=8).resolved(device_count=8))  # a budget is no plan choice

@@ -219,7 +219,7 @@ def test_the_planner_turns_to_weight_offload_on_one_h100():
     plan offloads them with the layer inputs, and prices the host link in the step time."""
     w = workload_of(RunSpec.of(preset="llama3-8b", seq_len=524288, batch_size=1))
     best = search(w, Cluster.of("h100", 1)).best
-    assert (str(best.candidate.offload), best.candidate.remat) == ("layer_inputs+weights", "full")
+    assert (str(best.candidate.memory.offload), best.candidate.memory.remat) == ("layer_inputs+weights", "full")
     assert best.memory.total <= Cluster.of("h100", 1).usable_memory
     assert best.time.offload > 0
 
