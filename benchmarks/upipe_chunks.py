@@ -1,6 +1,6 @@
 """UPipe's head chunks (Ulysses `--head-chunks G`, the projections inside the chunks) on Llama-3-8B, 8 x H100
 (deviceless compile): the compiled and estimated bytes per device for G = 1, 2, 4 at two lengths, the points
-`jaxring.parallel.sequence.ulysses.UNTIED_CHUNKS_ASSEMBLY` is fitted on.
+the calibration term `ulysses.untied_chunks_assembly` (jaxring/planner/calibrations/gpu.json) is fitted on.
 
     python benchmarks/upipe_chunks.py        # -> benchmarks/results/upipe_chunks.json
 

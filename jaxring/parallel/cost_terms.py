@@ -26,19 +26,25 @@ from collections.abc import Callable
 
 F32 = 4
 
-# The attention's per-block compute speed relative to cuDNN's fused attention (forward + backward), measured on
-# one H100 (benchmarks/results/flash_attention_nvidia_h100_80gb_hbm3.json; jax 0.11.2, bf16, head dim 128,
-# batch 2 x 16 heads): the Pallas kernel ("jaxring") ran 173/470, 207/549, 216/534 and 215/556 TFLOP/s against
-# cuDNN's at 8K causal, 8K full, 32K causal and 32K full: 0.37-0.40, priced at their mean 0.385. On a GPU
-# "auto" is "pallas" until cuDNN has run on one (block_compute.AUTO_BLOCK_OPS). The jnp pair and the interpreters
-# are CPU paths: not priced.
-BLOCK_COMPUTE_SPEED = {"auto": 0.385, "cudnn": 1.0, "pallas": 0.385}
 
+@dataclasses.dataclass(frozen=True)
+class FittedTerms:
+    """A registry entry's fitted cost terms for the target priced, from the planner's calibration file (its
+    entries named "<entry>.<term>", `jaxring.planner.calibration`): `shape.fitted["backward_extra_q_arrays"]`.
+    The entry's cost model keeps the structure; the numbers fitted on recorded compiles live in the file."""
 
-def block_compute_speed(block_ops: str, cpu: bool) -> float:
-    """The attention FLOPs' speed with `block_ops` relative to the stated efficiency's (cuDNN's on a GPU, 1 on
-    CPU, where nothing was measured)."""
-    return 1.0 if cpu else BLOCK_COMPUTE_SPEED.get(block_ops, 1.0)
+    entry: str = ""
+    source: str = "no calibration"
+    values: tuple = ()  # (term, value) pairs
+
+    def __getitem__(self, term: str) -> float:
+        for name, value in self.values:
+            if name == term:
+                return value
+        raise ValueError(
+            f"calibration {self.source} has no term '{self.entry}.{term}' (the {self.entry or 'entry'}'s cost model "
+            f"reads it): add it to the file, or price the shape with the planner's calibration"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +217,7 @@ class AttentionShape:
     # the tiled block (`jaxring.nn.tiled_block`) runs the layer: a strategy that `projects` gets the q/k/v
     # projections inside its head chunks
     tiled_block: bool = False
+    fitted: FittedTerms = FittedTerms()  # the strategy's fitted terms for the target (the planner's calibration)
 
     @property
     def sp(self) -> int:

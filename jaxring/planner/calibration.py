@@ -6,7 +6,9 @@
 `cost_model.py` keeps the structure of the memory and time model; the numbers fitted on recorded compiles live
 here, each with its unit, meaning and the compiles it was fitted on (`fitted_on`). Targets: "cpu" (simulated
 CPU devices, XLA:CPU) and "gpu" (accelerators; TPU estimates use it until a TPU fit is recorded). A file's
-`by_xla_version` maps a JAX version prefix ("0.13") to the values that differ there. The files are rewritten by
+`by_xla_version` maps a JAX version prefix ("0.13") to the values that differ there. A term named
+"<entry>.<term>" is a registry entry's own (a sequence strategy's: `Calibration.fitted_terms`, read by its cost
+model as `shape.fitted[term]`). The files are rewritten by
 `benchmarks/refit_calibration.py` from recorded compiles; `docs/memory-model.md` tells how each was fitted.
 """
 
@@ -20,6 +22,8 @@ from importlib import resources
 from pathlib import Path
 
 import jax
+
+from jaxring.parallel.cost_terms import FittedTerms
 
 __all__ = ["ENV", "TARGETS", "Calibration", "calibration", "load"]
 
@@ -49,9 +53,16 @@ class Calibration:
     update_peak_zero0: float
     kernels_per_layer: int
     kernel_overhead_s: float
+    block_compute_speed: dict  # block_ops: the attention FLOPs' speed relative to the stated efficiency's
+    # the registry entries' own terms, from the file's "<entry>.<term>" names: {entry: {term: value}}
+    entry_terms: dict = dataclasses.field(default_factory=dict)
+
+    def fitted_terms(self, entry: str) -> FittedTerms:
+        """`entry`'s own terms (a sequence strategy's, read by its cost model as `shape.fitted[term]`)."""
+        return FittedTerms(entry, self.source, tuple(sorted(self.entry_terms.get(entry, {}).items())))
 
 
-TERMS = tuple(f.name for f in dataclasses.fields(Calibration) if f.name not in ("target", "source"))
+TERMS = tuple(f.name for f in dataclasses.fields(Calibration) if f.name not in ("target", "source", "entry_terms"))
 
 
 def _file(target: str, override: str | None) -> tuple[str, str]:
@@ -78,13 +89,17 @@ def load(text: str, source: str, target: str, xla_version: str) -> Calibration:
     for prefix in sorted(data.get("by_xla_version", {}), key=len):
         if xla_version == prefix or xla_version.startswith(prefix + "."):
             values.update(data["by_xla_version"][prefix])
+    entry_terms: dict = {}
+    for name in [n for n in values if "." in n]:  # a registry entry's own term, "<entry>.<term>"
+        entry, term = name.split(".", 1)
+        entry_terms.setdefault(entry, {})[term] = values.pop(name)
     missing = [t for t in TERMS if t not in values]
     unknown = [t for t in values if t not in TERMS]
     if missing or unknown:
         raise ValueError(
             f"calibration {source}: missing terms {missing}, unknown terms {unknown} (expected exactly {list(TERMS)})"
         )
-    return Calibration(target=target, source=source, **values)
+    return Calibration(target=target, source=source, entry_terms=entry_terms, **values)
 
 
 @functools.lru_cache(maxsize=16)

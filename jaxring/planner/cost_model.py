@@ -61,7 +61,6 @@ from jaxring.parallel.cost_terms import (
     LocalDims,
     ModelShape,
     Transfer,
-    block_compute_speed,
 )
 from jaxring.parallel.pipeline import lower, make_schedule, peak_in_flight, simulate
 from jaxring.parallel.pipeline.schedules import BW, B, F, W
@@ -182,6 +181,7 @@ def shapes(w: Workload, c: Candidate, plan: ParallelPlan | None = None, cpu: boo
         window=getattr(cfg, "sliding_window", None) if w.causal else None,
         layout=plan.seq_layout(w.causal) if plan.seq_axes else "contiguous",
         tiled_block=tiled_block,
+        fitted=calibration("cpu" if cpu else "gpu").fitted_terms(plan.strategy.name),
     )
     core = method.attention_core_cost(m, x)
     if core is None:
@@ -715,13 +715,14 @@ def step_time(
     block_ops: str = "auto",
 ) -> StepTime:
     """The step's seconds on `cluster` (see the module docstring). locality: {axes: True when intra-node}.
-    block_ops: the attention's per-block compute; its FLOPs run at `block_compute_speed` of the others' rate."""
+    block_ops: the attention's per-block compute; its FLOPs run at the calibration's `block_compute_speed` of the
+    others' rate."""
     s = s if s is not None else shapes(w, c, plan, cluster.cpu)
     remat = c.memory.remat
     rate = cluster.device.flops * cluster.efficiency
     k = calibration("cpu" if cluster.cpu else "gpu")
     flops, attn_flops, ffn_flops = compute_flops(w, c, remat, s)
-    attention_s = attn_flops / (rate * block_compute_speed(block_ops, cluster.cpu))
+    attention_s = attn_flops / (rate * k.block_compute_speed.get(block_ops, 1.0))
     compute = (
         (flops - attn_flops) / rate
         + attention_s

@@ -402,20 +402,12 @@ def cpu_kept_pairs(p: int, tiles: int, causal: bool) -> int:
     return (p - 1) * (tiles + 1) if causal else tiles
 
 
-# On GPU the ring's layer backward (the flash kernels' per-step dQ, dK, dV beside the fp32 accumulators, the
-# recomputed out and its cotangent) holds this many more q-sized arrays in the activation dtype than the
-# accumulators above. Fitted on the deviceless H100/H200 compiles of Llama-3-8B, ring zigzag sp8, remat full
-# (benchmarks/results/longest_sequence.json): 6 matches the tiled runs' working set (164-169 KB per local
-# token) but puts the untiled MLP's rows 12% over (the model's MLP term is too large there); 4 keeps every
-# ring row within 10% (0.91-1.10)
-GPU_BACKWARD_EXTRA = 4
-
-
 def ring_cost(s: AttentionShape, options: dict) -> AttentionCost:
     """The module docstring's traffic (the playbook; WallFacer Eq. 2: P·2BNH/P): forward 2(P-1) K/V blocks,
     backward 2(P-1) K/V blocks + 2P fp32 dK/dV blocks, both hidden behind the block compute. Kept: out and
     lse (fp32; on CPU `cpu_kept_pairs` of them). Working: the received and sent K/V (2 each) and
-    the fp32 dK/dV accumulators in flight (4), dQ. Packed documents: their segment ids ride the K/V hops
+    the fp32 dK/dV accumulators in flight (4), dQ, and the fitted `backward_extra_q_arrays` q-sized arrays of the
+    activation dtype (the GPU flash kernels' per-step dQ, dK, dV, the recomputed out and its cotangent). Packed documents: their segment ids ride the K/V hops
     (`jaxring.parallel.cost_terms.segment_ring`). A sliding window: the hops stay, the steps outside it compute nothing
     (`ring_window_share`)."""
     del options
@@ -428,7 +420,7 @@ def ring_cost(s: AttentionShape, options: dict) -> AttentionCost:
             *segment_ring("ring segment ids", axes, P - 1, s.segment_bytes(), s.cpu),
         ),
         saved=(cpu_kept_pairs(P, q_tiles(s.n, True), s.causal) if s.cpu else 1) * (q32 + s.rows_bytes()),
-        working=4 * s.kv_bytes(s.em) + 4 * kv32 + q32 + (0 if s.cpu else GPU_BACKWARD_EXTRA * s.q_bytes(s.em)),
+        working=4 * s.kv_bytes(s.em) + 4 * kv32 + q32 + s.fitted["backward_extra_q_arrays"] * s.q_bytes(s.em),
         window_share=ring_window_share(s.layout, P, s.n, s.window) if s.window and P > 1 else 1.0,
     )
 

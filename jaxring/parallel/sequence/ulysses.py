@@ -162,27 +162,14 @@ def ulysses_untied_attention(
 # ---------------------------------------------------------------------------------------- cost
 
 
-# The GPU step's Ulysses backward holds its gradients dq, do, dk, dv this many times over (XLA:CPU's, with
-# its fp32 all-to-alls, 4): fitted on the deviceless H200 compiles of Llama-3-8B, sp8, both tiles and the
-# layer inputs offloaded, at 5.18M, 5.70M and 6.36M tokens (compiled 85.0, 91.8, 100.2 GiB a device; with 4
-# the estimate was 16% over, with 2 within 1.5%)
-GPU_GRADIENT_COPIES = 2
-
-# UPipe's head chunks G with the projections inside them (the tiled block): one chunk's head-sharded gradients
-# at a time (the working above / G), beside the chunks' results assembled into whole arrays, this many
-# head-sharded q's bytes. Fitted on the deviceless H100 compiles of Llama-3-8B, sp8, tiles of 4096, weights and
-# layer inputs offloaded (benchmarks/results/upipe_chunks.json): G = 1, 2, 4 compile 54.7, 51.0, 44.7 GiB at
-# 6,291,456 tokens and 65.0, 66.4, 58.3 at 8,388,608; with 0.5 the estimate is within 5% of each chunked row
-# (without the projections inside, the chunks lower nothing: G is priced as 1)
-UNTIED_CHUNKS_ASSEMBLY = 0.5
-
-
 def ulysses_cost(s: AttentionShape, options: dict) -> AttentionCost:
     """The module docstring's traffic (DeepSpeed-Ulysses: 4 all-to-alls a layer each way), each moving
     (P-1)/P of q, k, v (K/V heads repeated to lcm(kv_heads, P)) or out; with G head chunks (UPipe) 4 a chunk
     forward, 8 backward (q, k, v, dout and delta to the heads; dq, dk, dv back), K/V repeated per chunk. Kept: the head-sharded q, k, v, out
     and lse of the local flash attention (the GPU kernels' in the activation dtype, the CPU block ops' in
-    fp32). Working: their gradients (`GPU_GRADIENT_COPIES`; one chunk's with UPipe's untied head chunks); the
+    fp32). Working: their gradients, the fitted `gradient_copies` times over (one chunk's with UPipe's untied head
+    chunks, beside the chunks' results assembled into whole arrays: `untied_chunks_assembly` head-sharded q's
+    bytes; without the projections inside the chunks, G is priced as 1); the
     block is the whole sequence for heads / P heads. Packed documents: the segment ids all-gathered
     (`jaxring.parallel.cost_terms.segment_once`). A sliding window: the local kernel visits the band of tiles
     it reaches in the whole sequence, put in natural order (`layout_window_share`)."""
@@ -205,8 +192,8 @@ def ulysses_cost(s: AttentionShape, options: dict) -> AttentionCost:
             *segment_once("Ulysses segment ids all-gather", axes, (P - 1) * s.segment_bytes()),
         ),
         saved=3 * q_act + 2 * kv_act + s.rows_bytes(),
-        working=(4 if s.cpu else GPU_GRADIENT_COPIES) * (q_act + s.kv_bytes(act)) / chunks
-        + (UNTIED_CHUNKS_ASSEMBLY * q_act if chunks > 1 else 0.0),
+        working=s.fitted["gradient_copies"] * (q_act + s.kv_bytes(act)) / chunks
+        + (s.fitted["untied_chunks_assembly"] * q_act if chunks > 1 else 0.0),
         block_q=s.seq_len,
         block_k=s.seq_len,
         tile_heads=max(1, s.heads // P),

@@ -32,9 +32,9 @@ from jaxring.kernels.cudnn_blocks import (
 )
 from jaxring.kernels.layout import RankTokens, layout_permutation, layout_positions
 from jaxring.models import gpt
-from jaxring.parallel.cost_terms import block_compute_speed
 from jaxring.planner import Cluster, Workload
 from jaxring.planner import cost_model as cost
+from jaxring.planner.calibration import calibration
 from jaxring.planner.space import Candidate
 
 SLOW = pytest.mark.slow
@@ -271,4 +271,5 @@ def test_planner_prices_the_block_compute():
     seconds = attention / (cluster.device.flops * cluster.efficiency)
     assert times["pallas"] - times["cudnn"] == pytest.approx(seconds * (1 / 0.385 - 1), rel=1e-9)
     assert times["auto"] == times["pallas"]  # (until cuDNN has run on a GPU: block_compute.AUTO_BLOCK_OPS)
-    assert block_compute_speed("pallas", cpu=True) == block_compute_speed("cudnn", cpu=False) == 1.0
+    speeds = {t: calibration(t).block_compute_speed for t in ("cpu", "gpu")}
+    assert speeds["cpu"]["pallas"] == speeds["gpu"]["cudnn"] == 1.0 and speeds["gpu"]["pallas"] == 0.385

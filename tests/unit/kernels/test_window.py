@@ -28,6 +28,7 @@ from jaxring.parallel.sequence.ring import RingConfig, ring_forward, ring_window
 from jaxring.parallel.sequence.wallfacer import WF_AXES, WallFacerConfig, wallfacer_forward, wallfacer_mesh
 from jaxring.parallel.tensor import metp_api, optimus_api
 from jaxring.parallel.tensor.contract import AttentionLayer
+from jaxring.planner.calibration import calibration
 
 WINDOWS = (3, 21, 100)
 
@@ -272,7 +273,10 @@ def test_local_kernels_price_the_tiles_they_visit(cpu):
         for window in (16, 33, 300, 2000):
             axes = {} if name == "dense" else {"sp": p}
             n = seq // (p if name != "dense" else 1)
-            shape = AttentionShape(2, n, 8, 8, d, 4, 4, seq, True, cpu, axes, window=window, layout=layout)
+            fitted = calibration("cpu" if cpu else "gpu").fitted_terms(name)
+            shape = AttentionShape(
+                2, n, 8, 8, d, 4, 4, seq, True, cpu, axes, window=window, layout=layout, fitted=fitted
+            )
             share = sequence_strategy(name).cost(shape, {}).window_share
             visits = {w: max(_kernel_visits(q, seq, w, cpu, d) for q in queries) for w in (window, None)}
             assert share == pytest.approx(visits[window] / visits[None]), (name, layout, window)
@@ -347,7 +351,10 @@ def test_usp_and_wallfacer_price_the_steps_they_compute():
             )
             work = np.asarray(jax.jit(run)(q, k, v))  # [devices, windows]
             for i, w in enumerate(windows[:-1]):
-                shape = AttentionShape(1, seq // 8, 2, 2, 8, 4, 4, seq, True, True, axes, window=w, layout=layout)
+                fitted = calibration("cpu").fitted_terms(name)
+                shape = AttentionShape(
+                    1, seq // 8, 2, 2, 8, 4, 4, seq, True, True, axes, window=w, layout=layout, fitted=fitted
+                )
                 share = sequence_strategy(name).cost(shape, options).window_share
                 assert share == pytest.approx(work[:, i].max() / work[:, -1].max()), (name, layout, w)
                 assert share < 1 or w > 17, (name, layout, w)  # 40: the last team still computes all

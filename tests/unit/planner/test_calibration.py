@@ -10,14 +10,20 @@ import re
 import pytest
 from helpers import ROOT
 
-from jaxring.planner import calibration
+from jaxring.models import gpt
+from jaxring.parallel.catalog import sequence_strategies
+from jaxring.planner import Workload, calibration
+from jaxring.planner import cost_model as cost
+from jaxring.planner.space import Candidate
 
 
 @pytest.mark.parametrize("target", calibration.TARGETS)
 def test_every_term_has_a_value_unit_meaning_and_provenance(target):
     data = json.loads((ROOT / "jaxring" / "planner" / "calibrations" / f"{target}.json").read_text())
     assert data["target"] == target and data["xla_versions"]
-    assert set(data["terms"]) == set(calibration.TERMS)
+    assert {t for t in data["terms"] if "." not in t} == set(calibration.TERMS)
+    entries = {t.split(".")[0] for t in data["terms"] if "." in t}
+    assert entries == {"ring", "ulysses"} and entries <= set(sequence_strategies())  # the strategies' own terms
     for name, entry in data["terms"].items():
         assert set(entry) == {"value", "unit", "meaning", "fitted_on"}, name
         assert all(entry[k] for k in ("unit", "meaning", "fitted_on")), name
@@ -33,6 +39,33 @@ def test_a_version_entry_overrides_its_terms():
     assert newer.tiled_block_saving == 2.0
     assert calibration.load(json.dumps(data), "test", "gpu", "0.130.0").tiled_block_saving == 1.7
     assert calibration.load(text, "test", "gpu", "0.13.1").tiled_block_saving == 1.7
+
+
+def test_the_strategies_read_their_fitted_terms_from_the_calibration(tmp_path, monkeypatch):
+    """No strategy file (nor the cost vocabulary) holds a fitted number; a calibration without a strategy's term
+    is a one-line error naming the file and the term."""
+    for path in [*(ROOT / "jaxring" / "parallel" / "sequence").glob("*.py"), ROOT / "jaxring/parallel/cost_terms.py"]:
+        source = path.read_text()
+        assert not re.search(r"^(GPU_\w+|UNTIED_\w+|BLOCK_COMPUTE_SPEED) = ", source, flags=re.M), path.name
+        assert "benchmarks/results" not in source, path.name
+    w = Workload("gpt", gpt.GPTConfig(vocab_size=256, num_layers=2, hidden=64, num_heads=4, ffn=128), 1024, 8, "fp32")
+    ring, ulysses = Candidate.of(sp=8, attention="ring"), Candidate.of(sp=8, attention="ulysses")
+    gpu = calibration.calibration("gpu")
+    assert cost.shapes(w, ring).attention.fitted["backward_extra_q_arrays"] == 4
+    assert cost.shapes(w, ulysses, cpu=True).attention.fitted["gradient_copies"] == 4
+    assert gpu.fitted_terms("ulysses")["gradient_copies"] == 2
+    data = json.loads((ROOT / "jaxring" / "planner" / "calibrations" / "gpu.json").read_text())
+    working = cost.shapes(w, ring).core.working
+    data["terms"]["ring.backward_extra_q_arrays"]["value"] = 6
+    (tmp_path / "gpu.json").write_text(json.dumps(data))
+    monkeypatch.setenv(calibration.ENV, str(tmp_path))
+    assert cost.shapes(w, ring).core.working - working == 2 * (1 * 128 * 4 * 16) * 4  # 2 more q [b, n/sp, h, d] fp32
+    del data["terms"]["ring.backward_extra_q_arrays"]
+    (tmp_path / "without").mkdir()
+    (tmp_path / "without" / "gpu.json").write_text(json.dumps(data))  # (a calibration is cached by its path)
+    monkeypatch.setenv(calibration.ENV, str(tmp_path / "without"))
+    with pytest.raises(ValueError, match=r"gpu.json has no term 'ring.backward_extra_q_arrays' \(the ring's cost"):
+        cost.shapes(w, ring)
 
 
 def test_cost_model_holds_no_fitted_constant_nor_fitting_history():
