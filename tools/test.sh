@@ -6,9 +6,11 @@
 #
 # Lanes:
 #   lint      ruff, its formatter's check, the import layers (lint-imports)
-#   unit      tests/unit/<package>/: each package against its oracle (the fast lane)
-#   rest      tests/integration (train.py, README and docs commands, notebooks, faults), tests/compiled and
-#             tests/device (these skip without the compile-only extras or a GPU/TPU)
+#   unit      tests/unit/<package>/: each package against its oracle, less the tests marked `heavy` (the fast
+#             lane: a few minutes)
+#   rest      the unit tests marked `heavy` (whole train steps, strategy matrices, TPU kernels interpreted on 8
+#             devices), tests/integration (train.py, README and docs commands, notebooks, faults),
+#             tests/compiled and tests/device (these skip without the compile-only extras or a GPU/TPU)
 #   compiled  tests/compiled with its slow cases (-m ""): run it in a venv with the gpu-compile or tpu-compile
 #             extra (.ci/run's compile lane)
 # Tests marked `slow` stay out of unit and rest; `python -m pytest -m ""` runs everything at once.
@@ -19,8 +21,8 @@ for lane in "${@:-lint unit rest}"; do
         echo "== tools/test.sh: $one"
         case $one in
             lint) ruff check . && ruff format --check . && lint-imports ;;
-            unit) python -m pytest -q tests/unit ;;
-            rest) python -m pytest -q tests/integration tests/compiled tests/device ;;
+            unit) python -m pytest -q -m "not slow and not heavy" tests/unit ;;
+            rest) python -m pytest -q -m "not slow and (heavy or not unit)" tests ;;
             compiled) python -m pytest -q -m "" tests/compiled ;;
             *) echo "error: tools/test.sh: unknown lane '$one' (lint, unit, rest, compiled)" >&2; exit 2 ;;
         esac

@@ -132,6 +132,7 @@ def _tensor_program(method: str, seq: int, hidden: int):
     return jax.jit(_forward_backward(block)), (x, w, jax.ShapeDtypeStruct((batch, seq), jnp.int32), x)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("method", ["metp", "optimus"])
 def test_no_loop_body_holds_independent_collectives(method):
     """METP's outer loop bodies held 27 such pairs (the next group's broadcast beside the inner ring; the

@@ -106,6 +106,7 @@ def leftovers(out: Path) -> list[str]:
 # ---- item 3: stop signals, dead workers, dead parents -----------------------------------------------------
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("workers", [1, 2])
 def test_ctrl_c_ends_prepare_in_one_line_and_leaves_nothing(tmp_path, slow_env, workers):
     """Ctrl-C (SIGINT to the process group, workers included): one line, exit 130, no traceback from the
@@ -122,6 +123,7 @@ def test_ctrl_c_ends_prepare_in_one_line_and_leaves_nothing(tmp_path, slow_env, 
     assert store.num_docs > 1000 and leftovers(out) == []
 
 
+@pytest.mark.heavy
 def test_sigterm_and_sigkill_of_the_parent(tmp_path, slow_env):
     """SIGTERM to the parent alone: one line, exit 143, no worker traceback. SIGKILL: its tokens.bin.tmp stays,
     the workers exit by themselves, and the next run cleans it up and succeeds."""

@@ -227,6 +227,7 @@ def test_gpt_task_batches_on_two_meshes_and_document_fields():
         np.testing.assert_array_equal(_natural(c, batch, k), want[k])  # document positions, permuted
 
 
+@pytest.mark.heavy
 def test_kill_and_resume_from_a_store_is_bit_exact(tmp_path, monkeypatch):
     """4 steps uninterrupted = 2 steps, checkpoint, a new run resumed from it for steps 3-4 (same losses, bit
     for bit); the resumed run continues from the saved data position (it never seeks)."""

@@ -224,6 +224,7 @@ CASES = [
 ]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("strategy,layout,options,q_heads,kv_heads", CASES)
 def test_strategies_match_reference(strategy, layout, options, q_heads, kv_heads):
     q, k, v, dout = qkv(hash(strategy) % 100, 1, 128, q_heads, kv_heads, 16)

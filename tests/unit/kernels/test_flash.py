@@ -170,6 +170,7 @@ def test_block_ranges_skip_hidden_tiles():
 # --------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "window,q_len,kv_len,q_offset,segments",
     [
@@ -202,6 +203,7 @@ def test_window_tile_ranges_are_a_band():
     np.testing.assert_array_equal(ranges, expected)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("slab", [7, 64, 100])
 def test_tile_loop_ranges_slab_by_slab_equal_the_whole_tables(monkeypatch, slab):
     """The kernels' loop ranges, built a few tile rows at a time, are the whole visibility table's: both loop

@@ -98,6 +98,7 @@ def _block_errors(name: str, ops=OPS) -> None:
         assert_close(g, g_r, 1e-5, "d" + n)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_block_matches_reference(name):
     """One block of several tiles (128 x 128 backward, up to 256 x 384 forward): skipped, masked and unmasked
@@ -216,6 +217,7 @@ CASES = [
 ]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("strategy,layout,options,q_heads,kv_heads", CASES)
 def test_strategies_match_reference(strategy, layout, options, q_heads, kv_heads):
     """Each sequence strategy on sp = 8 with the TPU kernels as its block compute vs the dense reference."""
@@ -224,6 +226,7 @@ def test_strategies_match_reference(strategy, layout, options, q_heads, kv_heads
     check(*_apart(fn, _dense(), q, k, v, dout), 2e-4)
 
 
+@pytest.mark.heavy
 def test_window_on_the_ring():
     """A window reaching across ring blocks on the zig-zag ring (steps it hides on some devices: lockstep)."""
     q, k, v, dout = qkv(6, 1, 64, 4, 2, 16)

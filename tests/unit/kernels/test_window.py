@@ -110,6 +110,7 @@ MESH_WINDOWS = {"sp8": WINDOWS, "dp2xsp4": WINDOWS[:2]}  # fewer compiles: beyon
 
 # every strategy on sp8 by default; on dp2 x sp4 (the same local functions, the batch split over dp) the zig-zag
 # ring by default and the others with -m slow
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "name,mesh_name",
     [

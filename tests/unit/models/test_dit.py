@@ -189,6 +189,7 @@ PLANS = {
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", list(PLANS))
 def test_loss_and_gradients_match_reference(name, setup, reference):
     """Same draws, same numbers: the loss and every parameter gradient under each plan equal the jnp reference
@@ -218,6 +219,7 @@ def test_time_sampling_and_label_dropout_rules():
     assert float(t.min()) > 0 and float(t.max()) < 1 and abs(float(jnp.median(t)) - 0.5) < 0.05
 
 
+@pytest.mark.heavy
 def test_remat_modes_trade_memory(setup):
     """The layer stack is one checkpointed scan body; remat full saves nothing, selective the weight matmuls'
     outputs, none everything it computes: compiled temporaries order as full < selective <= none."""

@@ -88,6 +88,7 @@ def recompute_greedy(preset, prompts, new):
     return [s[len(p) :] for s, p in zip(seqs, prompts)]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "preset, plan_name",
     [

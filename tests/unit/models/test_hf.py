@@ -105,6 +105,7 @@ PLANS = {  # each plan with the family whose features it stresses most
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=SLOW) if n in ("ulysses-sp8", "metp-tp4") else n for n in PLANS]
 )
@@ -308,6 +309,7 @@ def test_bad_checkpoints_are_one_line(tmp_path, damage, message):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.heavy
 def test_train_py_init_from_and_export_hf(tmp_path, capsys):
     """train.py --init-from DIR starts from the checkpoint's weights (one step at lr 1e-6 moves them by less than
     1e-4) with a RoPE override for context extension, and --export-hf writes what load_pretrained reads; an

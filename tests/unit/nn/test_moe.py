@@ -222,6 +222,7 @@ def token_groups(mesh, batch, seq):
 
 
 # dp2-ep4 (dp only splits the batch further) with -m slow
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "mesh_name,grouped_matmul",
     [pytest.param(m, "blocked", marks=[pytest.mark.slow] if m == "dp2-ep4" else []) for m in MESHES]
@@ -241,6 +242,7 @@ def test_dropless_on_mesh_equals_one_device(mesh_name, grouped_matmul):
     np.testing.assert_array_equal(np.asarray(got[2]["load"]), np.asarray(ref[2]["load"]))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("mesh_name", ["ep8", "tp2-ep4", "sp4-ep2"])
 def test_capacity_on_mesh_matches_reference(mesh_name):
     """Capacity is per device (its T local tokens), so the reference drops per device group."""
@@ -283,6 +285,7 @@ def test_grads_taken_inside_shard_map_are_already_reduced():
 # ------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "mesh_name,dropless",
     [

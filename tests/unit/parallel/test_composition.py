@@ -76,6 +76,7 @@ TPxSP = {
 
 # by default every strategy causal and the zig-zag ring full too; with -m slow also the others full and the
 # contiguous ring (the layouts against the reference: test_ring.py)
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "name,causal",
     [

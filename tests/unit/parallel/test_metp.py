@@ -242,6 +242,7 @@ def test_attention_matches_reference(p, causal):
 
 
 # the GPU form (also checked at S 64 by test_attention_gpu_form_matches_reference_and_bytes) with -m slow
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "fuse_sends", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["cpu-form", "gpu-form"]
 )
@@ -294,6 +295,7 @@ def test_attention_bytes(p, causal):
     assert moved["all-gather"] == moved["reduce-scatter"] == moved["all-to-all"] == 0
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("p,causal", [(8, True), (4, False)], ids=["p8-causal", "p4-full"])
 def test_attention_gpu_form_matches_reference_and_bytes(p, causal):
     """The inner rings' GPU form (fuse_sends=True: each hop one buffer; in the backward ΔK/ΔV one hop behind

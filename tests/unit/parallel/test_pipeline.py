@@ -260,6 +260,7 @@ def _case_id(case):
 SLOW_CASES = ("gpipe-m4-pp4", "zero-bubble-m5-pp4")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "name,m,v,layers,degrees,options",
     [pytest.param(*c, id=_case_id(c), marks=[pytest.mark.slow] if _case_id(c) in SLOW_CASES else []) for c in CASES],
@@ -310,6 +311,7 @@ def compiled_temp_bytes(name, pp, m):
     return step.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.heavy
 def test_compiled_memory_grows_with_m_only_for_gpipe():
     """gpipe keeps m micro-batches' residuals; 1f1b and zero-bubble at most pp, whatever m."""
     pp = 2

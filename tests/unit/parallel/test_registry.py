@@ -92,6 +92,7 @@ def test_the_new_strategy_attends_as_the_reference(mine):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.heavy
 def test_the_new_strategy_is_a_flag_a_yaml_key_a_plan_and_trains(mine, tmp_path):
     import train
     from jaxring.run.cli import build_parser

@@ -54,6 +54,7 @@ def test_matches_reference(mesh_name, layout, causal):
     check(*ring_and_reference(mesh, q, k, v, dout, causal=causal, layout=layout), 2e-4)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "q_heads,kv_heads,head_dim",
     [(8, 2, 16), (8, 1, 16), pytest.param(4, 4, 64, marks=SLOW), (4, 2, 80)],  # dim64: the unpadded case, slow
@@ -80,6 +81,7 @@ def test_bf16_inputs_accumulate_in_fp32(layout):
     check((out, grads), (out_r, vjp(f32(dout))), 2e-2)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_segments_with_padding_and_an_all_padding_device(layout, causal):
@@ -254,6 +256,7 @@ def test_fused_sends_keep_each_arrays_varying_axes():
     check((out[:, inv], tuple(g[:, inv] for g in vjp(dout[:, perm]))), (out_r, vjp_r(dout)), 2e-4)
 
 
+@pytest.mark.heavy
 def test_fused_sends_match_and_move_the_same_bytes():
     """fuse_sends=True (the GPU default: one packed buffer per hop) gives the reference results and moves the
     same bytes as one ppermute per array, in fewer collective-permutes."""

@@ -39,6 +39,7 @@ CASES = {
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("case", list(CASES))
 def test_output_and_gradients_equal_the_oracle(case):
     axes, hq, hkv, chunks, documents, window, layout = CASES[case]
@@ -69,6 +70,7 @@ def test_output_and_gradients_equal_the_oracle(case):
         assert_close(a, b, 2e-5, f"{case}: {name}")
 
 
+@pytest.mark.heavy
 def test_the_model_matches_plain_ulysses_with_zero3():
     settings = dict(dp=2, sp=4, attention="ulysses", zero=3, remat="full", mlp_tile=4)
     base = _loss_and_grads(settings, cfg=_CFG)
@@ -93,6 +95,7 @@ def test_chunk_rules_are_one_line(hq, hkv, chunks, message):
         jaxring.sharded_attention(q, k, v, mesh=mesh, strategy="ulysses", head_chunks=chunks)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("impl", ["jnp", "pallas_interpret", "cudnn_reference"])
 def test_block_ops_write_the_asked_dtype(impl):
     """dtype=bf16: out, dq, dk, dv are the fp32 results rounded once (the same values, half the bytes)."""
@@ -139,6 +142,7 @@ UNTIED = {
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("case", list(UNTIED))
 def test_untied_chunks_equal_the_oracle(case):
     """UPipe with the projections inside each chunk (`ulysses_untied_attention`): out = attention(x Wq, x Wk,
@@ -182,6 +186,7 @@ def test_untied_chunks_equal_the_oracle(case):
         assert_close(a, b, 2e-5, f"{case}: {name}")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "cfg",
     [dict(num_heads=16, num_kv_heads=4), dict(num_heads=8, num_kv_heads=2, qkv_bias=True, qk_norm=True)],

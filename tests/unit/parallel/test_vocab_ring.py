@@ -110,6 +110,7 @@ def test_tiles_must_divide_the_rows():
 METP = dict(dp=2, tp=4, tensor_parallel="metp")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "name,settings,cfg",
     [
@@ -137,6 +138,7 @@ SEQUENCE_PLANS = {
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "name,settings,cfg",
     [
@@ -188,6 +190,7 @@ def test_decoding_needs_the_tables_whole():
         check_decodable(jaxring.make_plan(jax.devices(), **SEQUENCE_PLANS["ulysses sp4 dp2"], vocab_split="ring"))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "plan",
     [

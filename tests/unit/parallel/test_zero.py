@@ -67,6 +67,7 @@ def _psi(params, select=lambda path: True):
     return sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(params) if select(jax.tree_util.keystr(path)))
 
 
+@pytest.mark.heavy
 def test_every_weight_is_sharded(stages):
     _, _params = stages[0]
     plan = ParallelPlan(jaxring.make_mesh(dp=N), zero=3)
@@ -92,6 +93,7 @@ def test_bytes_moved_per_stage(stages):
     assert moved[3]["all-reduce"] == 0
 
 
+@pytest.mark.heavy
 def test_accumulation_scatters_per_micro_batch_only_from_stage_2():
     """Stage 1 keeps the full gradient across micro-batches and scatters once; stage 2 scatters each
     micro-batch's gradient at once (no full gradient buffer) and accumulates the shards."""

@@ -69,6 +69,7 @@ def _budget_between(compiled: float, estimate: float) -> float:
     return budget / GIB
 
 
+@pytest.mark.heavy
 def test_on_accelerators_a_manual_plan_whose_compiled_step_fits_runs_though_the_estimate_says_not(
     pessimistic, monkeypatch
 ):
@@ -104,6 +105,7 @@ def test_on_accelerators_a_manual_plan_whose_compiled_step_fits_runs_though_the_
     assert fits.check_compiled_fits(spec, devices, compiled=lambda s, d: pytest.fail("compiled")) is None
 
 
+@pytest.mark.heavy
 def test_compile_for_accepts_a_manual_plan_whose_compiled_program_fits(pessimistic, monkeypatch):
     """--compile-for's decision without a plugin: the target's compile stubbed by the compile on the simulated
     devices. The pessimistic estimate is above the budget; the compiled bytes fit: exit 0, "fits". Far beyond the

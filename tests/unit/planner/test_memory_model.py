@@ -50,6 +50,7 @@ ROWS = {
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", list(ROWS))
 def test_estimate_within_10_percent_of_the_compiled_step(name):
     settings = dict(ROWS[name])  # a row may set the model's layers, the tokens and the sequences per step
@@ -78,6 +79,7 @@ PIPELINES = {
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "schedule", [pytest.param(name, marks=[pytest.mark.slow] if name == "gpipe" else []) for name in PIPELINES]
 )
@@ -100,6 +102,7 @@ def test_pipeline_estimate_within_10_percent_of_the_compiled_step(schedule):
     assert abs(estimate / peak - 1) <= 0.10, (schedule, estimate, peak)
 
 
+@pytest.mark.heavy
 def test_packed_documents_store_their_segment_ids_and_loss_mask():
     """Packed documents add two int32 arrays to the stored batch (segment ids, loss mask): the estimate's
     stored batch grows by what the compiled step's arguments grow by."""
@@ -180,6 +183,7 @@ def test_host_memory_gib_is_the_shared_budget(capsys, tmp_path, monkeypatch):
     assert host.machine_memory_bytes() > 1 << 20
 
 
+@pytest.mark.heavy
 def test_the_header_shows_the_estimate_and_a_run_that_fits_trains(tmp_path):
     from jaxring.run.spec import RunSpec
     from jaxring.train.loop import train

@@ -146,6 +146,7 @@ _SLOW_BYTES_CASES = ("ring, sliding window", "pipeline 1f1b x ring")
 COMPILER_EXTRA_BYTES = {"optimus": {("tpr",): 64 * 32 * 4}}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=[pytest.mark.slow] if n in _SLOW_BYTES_CASES else []) for n in BYTES_CASES]
 )
@@ -177,6 +178,7 @@ DOCUMENT_CASES = {
 _FAST_DOCUMENT_CASES = ("usp, accumulation", "metp")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "name",
     [pytest.param(n, marks=[] if n in _FAST_DOCUMENT_CASES else [pytest.mark.slow]) for n in DOCUMENT_CASES],
@@ -297,6 +299,7 @@ def top_plans():
     return out
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", list(MEMORY_CASES))
 def test_predicted_memory_of_the_top_plan_within_15_percent(top_plans, name):
     w, best, compiled = top_plans[name]
@@ -312,6 +315,7 @@ def test_predicted_memory_of_the_top_plan_within_15_percent(top_plans, name):
     assert _predicted_bytes(w, best.candidate) == _measured_bytes(compiled, best.candidate, w)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("remat", ["selective", "full"])
 def test_predicted_memory_with_remat_within_15_percent(top_plans, remat):
     """The top plan of the one-long-sequence case with --remat selective / full: the layers' saved residuals
@@ -421,6 +425,7 @@ def test_no_valid_plan_gives_one_line_naming_the_rule():
         search(w, Cluster.of("h200", 7))
 
 
+@pytest.mark.heavy
 def test_command_line_table_json_and_errors(capsys):
     argv = [
         "--model",

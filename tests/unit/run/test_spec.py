@@ -100,6 +100,7 @@ def test_make_plan_is_the_plan_train_py_builds(capsys):
         jaxring.make_plan(sp=8, attention="usp", ulysess_size=2)
 
 
+@pytest.mark.heavy
 def test_every_run_writes_its_resolved_spec_and_repeats_from_it(tmp_path, capsys):
     out = tmp_path / "out"
     assert cli.main([*TINY, *SHORT, "--sp", "8", "--out-dir", str(out)]) == 0

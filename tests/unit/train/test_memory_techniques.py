@@ -89,6 +89,7 @@ def _assert_same(got, want):
 SLOW_PLANS = ("metp tp4 dp2", "optimus tp4 dp2", "pp2 x ring sp2 x dp2")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "plan_name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_PLANS else n for n in PLANS]
 )
@@ -108,6 +109,7 @@ def test_offload_with_a_pipeline_is_one_line():
         _loss_and_grads(PLANS["pp2 x ring sp2 x dp2"] | dict(remat="full", offload="layer_inputs"))
 
 
+@pytest.mark.heavy
 def test_each_technique_alone_on_one_device():
     reference = _loss_and_grads(PLANS["one device"])
     for technique in ONE_AT_A_TIME.values():
@@ -138,6 +140,7 @@ def _temp_bytes(cfg, batch, seq, **settings):
     return _compiled(cfg, batch, seq, **settings).memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.heavy
 def test_tiling_shrinks_the_compiled_temporaries():
     """At a size where the logits (and the MLP's [tokens, ffn]) dominate, the tiled step's temporaries are
     smaller than the untiled one's by at least one fp32 [tokens, vocab] (resp. [tokens, ffn]) array less a tile."""
@@ -152,6 +155,7 @@ def test_tiling_shrinks_the_compiled_temporaries():
     assert untiled - mlp_tiled >= ffn - tile_ffn, (untiled, mlp_tiled, ffn)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_the_tiled_block_keeps_fewer_whole_arrays_than_the_tiled_mlp(remat, monkeypatch):
     """With per-token projections `--mlp-tile` tiles the whole block but attention's core: the normed inputs,
@@ -208,6 +212,7 @@ def _two_updates(settings: dict, offload: str):
     return jax.tree.map(np.asarray, (params, opt_state)), kinds
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("plan_name", ["one device", "ulysses sp4 dp2"])
 def test_optimizer_offload_gives_the_same_updates(plan_name):
     """--offload optimizer (and layer_inputs+optimizer): the AdamW state lives in pinned host memory between

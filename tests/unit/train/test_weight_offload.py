@@ -32,6 +32,7 @@ CASES = {
 SLOW_CASES = ("metp tp4 x dp2, zero 3",)  # 16 s; METP's gradients are checked with the weights on the device
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CASES else n for n in CASES])
 def test_the_same_loss_and_gradients(name):
     settings = dict(CASES[name])
@@ -67,6 +68,7 @@ UPDATE_CASES = {
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("optimus") else n for n in UPDATE_CASES]
 )
@@ -151,12 +153,14 @@ def _same_end(tmp_path, offload: str, **plan) -> None:
         np.testing.assert_allclose(tensor, exported_r[name], atol=1e-6, err_msg=name)
 
 
+@pytest.mark.heavy
 def test_the_end_of_the_run_evaluates_samples_and_exports_with_the_weights_offloaded(tmp_path):
     """With --offload weights the run's end (the held-out loss, the sample, --export-hf) takes the trained
     weights from host memory (sp8, ZeRO-3)."""
     _same_end(tmp_path, "weights")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "offload,plan",
     [
@@ -177,6 +181,7 @@ def _losses(spec: RunSpec) -> list[float]:
     return [r["loss"] for r in train(spec, log=lambda *a: None)]
 
 
+@pytest.mark.heavy
 def test_train_py_resumes_bit_exactly(tmp_path):
     """train.py --offload weights: saved at step 2 and resumed, the same losses as the uninterrupted run; the
     losses are those of the run with the weights on the device (1e-5)."""
@@ -224,6 +229,7 @@ def test_the_planner_turns_to_weight_offload_on_one_h100():
     assert best.time.offload > 0
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "name,offload",
     [
