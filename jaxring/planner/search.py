@@ -38,7 +38,7 @@ from jaxring.parallel.pipeline import make_schedule
 from jaxring.planner import cost_model as cost
 from jaxring.planner.cluster import Cluster
 from jaxring.planner.params import param_leaves
-from jaxring.planner.space import MEMORY_CHOICES, Candidate, Workload
+from jaxring.planner.space import MEMORY_CHOICES, NO_MEMORY_CHOICES, Candidate, Workload
 from jaxring.run.checks import OFFLOAD_WITH_PP, WEIGHTS_OFFLOAD_RULES
 
 if TYPE_CHECKING:
@@ -259,6 +259,7 @@ def candidates(w: Workload, cluster: Cluster, remat_modes: Sequence[str] | None 
     layers = w.config.num_layers
     experts = w.moe.num_experts if w.moe is not None else 1
     remat_modes = remat_modes or REMAT
+    memory = {r: dataclasses.replace(NO_MEMORY_CHOICES, remat=r) for r in remat_modes}  # built once per mode
     for dp, pp, tp, sp, ep in _factorizations(n, 5):
         if ep > 1 and (w.moe is None or experts % ep):
             continue
@@ -289,9 +290,10 @@ def candidates(w: Workload, cluster: Cluster, remat_modes: Sequence[str] | None 
                                     zero=zero,
                                     pipeline_schedule=schedule,
                                     microbatches=steps if pp > 1 else None,
+                                    memory=memory[remat],
                                     micro_batch=mb,
                                     options={**seq_options, **tensor_options, **schedule_options},
-                                ).with_memory(remat=remat)
+                                )
 
 
 # ---------------------------------------------------------------------------------------- evaluation

@@ -27,7 +27,7 @@ from jaxring.core.precision import PRECISIONS
 from jaxring.parallel.catalog import pipeline_schedule, sequence_strategy, tensor_method
 from jaxring.parallel.cost_terms import WorkloadTerms
 from jaxring.parallel.plan import ParallelPlan
-from jaxring.run.schema import MemorySettings, parsed_setting
+from jaxring.run.schema import MEMORY_BUDGETS, MemorySettings, parsed_setting
 from jaxring.run.task import model_family
 
 if TYPE_CHECKING:
@@ -160,7 +160,8 @@ class Candidate:
     def __post_init__(self):
         options = self.options.items() if isinstance(self.options, dict) else self.options
         object.__setattr__(self, "options", tuple(sorted((k, v) for k, v in options if v is not None)))
-        object.__setattr__(self, "memory", self.memory.choice())
+        if any(getattr(self.memory, b) is not None for b in MEMORY_BUDGETS):
+            object.__setattr__(self, "memory", self.memory.choice())
 
     @classmethod
     def of(cls, **settings) -> Candidate:
@@ -278,7 +279,7 @@ class Candidate:
         """The train.py flags of this plan: its settings that differ from the run specification's defaults."""
         flags = []
         for name, value in self.settings().items():
-            if value is None or value == _FLAG_DEFAULTS.get(name, NO_MEMORY_CHOICES.choices().get(name)):
+            if value is None or value == _FLAG_DEFAULTS.get(name, DEFAULT_MEMORY_CHOICES.get(name)):
                 continue
             flags += ["--" + name.replace("_", "-"), str(value)]
         return flags
@@ -303,8 +304,7 @@ class Candidate:
             parts.append(f"zero{self.zero}")
         if self.pp > 1:
             parts.append(self.pipeline_schedule + opts(entries[2], f"m={self.microbatches}"))
-        defaults = NO_MEMORY_CHOICES.choices()
-        parts += [f"{n}={v}" for n, v in self.memory.choices().items() if v != defaults[n]]
+        parts += [f"{n}={v}" for n, v in self.memory.choices().items() if v != DEFAULT_MEMORY_CHOICES[n]]
         parts.append(f"mb={self.micro_batch}")
         return " ".join(parts)
 
@@ -322,7 +322,8 @@ _FLAG_DEFAULTS = {
 
 # the candidate's own fields by their flat names (memory and options aside), and the memory choices' names
 _FIELDS = tuple(f.name for f in dataclasses.fields(Candidate) if f.name not in ("memory", "options"))
-MEMORY_CHOICES = tuple(NO_MEMORY_CHOICES.choices())
+DEFAULT_MEMORY_CHOICES = NO_MEMORY_CHOICES.choices()
+MEMORY_CHOICES = tuple(DEFAULT_MEMORY_CHOICES)
 
 
 class _StandIn:

@@ -15,6 +15,7 @@ A setting's rule is checked in one place (`check_setting`): one line naming the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import types
@@ -409,9 +410,13 @@ SECTIONS: dict[str, type] = {
 }
 
 
-def setting_fields(section: type) -> dict[str, dataclasses.Field]:
-    """{name: dataclass field} of a section's settings."""
-    return {f.name: f for f in dataclasses.fields(section) if f.metadata.get("help") is not None}
+@functools.cache
+def setting_fields(section: type) -> Mapping[str, dataclasses.Field]:
+    """{name: dataclass field} of a section's settings (read-only; computed once per section: the planner asks
+    for the memory section's in its inner loop)."""
+    return types.MappingProxyType(
+        {f.name: f for f in dataclasses.fields(section) if f.metadata.get("help") is not None}
+    )
 
 
 # every setting's name ("options" included): a registry entry's option may not take one
