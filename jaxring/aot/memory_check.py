@@ -42,7 +42,7 @@ def compiled_peak(
 ) -> float:
     """Per-device peak bytes of the compiled step of `c` for `w`: on the GPU topology `target` ("h100",
     "h200"), or on `devices` (default: the first c.devices of jax.devices())."""
-    block_ops = "auto"
+    block_ops = None  # the candidate's own
     if target is not None and target in tpu.TARGETS:
         devices = tpu.tpu_devices(target)
         block_ops = tpu.BLOCK_OPS

@@ -1,15 +1,17 @@
 """A parallel plan: which strategy runs each mesh axis, how arrays are laid out, and the ZeRO stage.
 
 The train step is ONE `shard_map` over the plan's mesh; every layer is a local function inside it. The plan
-names, from the registry (looked up through `jaxring/parallel/catalog.py`):
+takes the run's parallel settings (`jaxring/parallel/settings.py`: one type, which the run specification and the
+planner hold too) and names from them, in the registry (looked up through `jaxring/parallel/catalog.py`):
 
-- `attention`: the sequence strategy over `sp` ("dense" when sp = 1), with its options and `layout`;
+- `attention`: the sequence strategy over `sp` (default: "ring" when sp > 1, "dense" when sp = 1), with its
+  options and `layout`;
 - `tensor_parallel`: the tensor method over `tp` (none when tp = 1);
 - `zero`: the ZeRO stage over the replica axes (see `jaxring/parallel/zero.py`): 0 replicated, 1 optimizer state
   sharded, 2 gradients too, 3 parameters too (the default when fsdp > 1);
 - `pipeline_schedule`, `microbatches`: the schedule over `pp` (see `jaxring/parallel/pipeline/`): the layer stack
   splits over pp, embedding on the first stage and head on the last;
-- `**options`: the chosen entries' own options (e.g. a strategy's `team_size`, a schedule's
+- `options`: the chosen entries' own options (e.g. a strategy's `team_size`, a schedule's
   `virtual_stages`), checked and completed by their registry entries.
 
 `plan.mesh` is the user's mesh (`jaxring.make_mesh`); `plan.run_mesh` is the same devices with `sp` factored
@@ -24,6 +26,7 @@ positions are permuted together, and the model never permutes per layer.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -48,6 +51,7 @@ from jaxring.parallel.catalog import (
     tensor_method,
 )
 from jaxring.parallel.pipeline.schedules import Schedule, make_schedule
+from jaxring.parallel.settings import DEGREES, ParallelSettings
 
 if TYPE_CHECKING:
     from jaxring.parallel.registry import HasOptions, SequenceStrategy
@@ -55,31 +59,45 @@ if TYPE_CHECKING:
 
 ZERO_STAGES = (0, 1, 2, 3)
 
+# the settings a plan reads by name from `plan.settings` (its degrees are the mesh's: properties below)
+SETTING_FIELDS = frozenset(f.name for f in dataclasses.fields(ParallelSettings)) - set(DEGREES)
+
 
 # the tensor method over tp > 1 when none is named
 DEFAULT_TENSOR_PARALLEL = "megatron"
 
 
 class ParallelPlan:
-    """How a model runs on `mesh` (a mesh from `jaxring.make_mesh`); immutable."""
+    """How a model runs on `mesh` (a mesh from `jaxring.make_mesh`); immutable.
+
+    ParallelPlan(mesh, settings) takes the parallel settings as one value (`jaxring.parallel.settings`), or by
+    their flat names: ParallelPlan(mesh, attention="wallfacer", team_size=2). Their degrees, where given, must be
+    the mesh's. `plan.settings` holds them resolved (degrees, attention, tensor method, ZeRO stage, the entries'
+    options with defaults), and `plan.attention`, `plan.options`, ... read them. `loss_tile`, `mlp_tile`: the
+    memory settings' tiles (rows per tile of the head's loss, of the MLP) that the layers read from the plan."""
 
     def __init__(
         self,
         mesh: Mesh,
-        attention: str = "dense",
-        layout: str | None = None,
-        tensor_parallel: str | None = None,
-        zero: int | None = None,
-        block_ops: str = "auto",
-        pipeline_schedule: str = "1f1b",
-        microbatches: int | None = None,
+        settings: ParallelSettings | None = None,
+        /,
+        *,
         loss_tile: int | None = None,
         mlp_tile: int | None = None,
-        **options,
+        **flat,
     ):
-        self.mesh, self.attention, self.layout, self.zero = mesh, attention, layout, zero
-        self.block_ops, self.pipeline_schedule, self.microbatches = block_ops, pipeline_schedule, microbatches
-        self.loss_tile, self.mlp_tile = loss_tile, mlp_tile  # rows per tile of the head's loss, of the MLP
+        if settings is None:
+            settings = ParallelSettings.of(**flat)
+        elif flat:
+            raise TypeError(f"ParallelPlan takes its settings as one value or by name, not both ({', '.join(flat)})")
+        self.mesh, self.loss_tile, self.mlp_tile = mesh, loss_tile, mlp_tile
+        for axis, given in zip(DEGREES, (getattr(settings, a) for a in DEGREES)):
+            if given is not None and given != self._size(axis):
+                raise ValueError(
+                    f"{axis}={given} in the parallel settings, but the mesh's {axis} is {self._size(axis)}"
+                )
+        attention, tensor_parallel, zero = settings.attention_for(self.sp), settings.tensor_parallel, settings.zero
+        self.settings = settings  # checked and resolved below
         strategy = sequence_strategy(attention)
         if self.sp > 1 and attention == "dense":
             others = ", ".join(s for s in sequence_strategies() if s != "dense")
@@ -90,24 +108,31 @@ class ParallelPlan:
             raise ValueError(f"attention {attention!r} splits the sequence over sp, but sp = 1")
         if self.tp > 1 and tensor_parallel is None:
             tensor_parallel = DEFAULT_TENSOR_PARALLEL
-        self.tensor_parallel = tensor_parallel
         method = tensor_method(tensor_parallel)
         if tensor_parallel is not None and self.tp == 1:
             raise ValueError(f"tensor parallelism {tensor_parallel!r} needs tp > 1, got tp = 1")
-        if self.pp == 1 and microbatches is not None:
-            raise ValueError(f"microbatches={microbatches!r} sets the pipeline schedule, but pp = 1")
-        self.options = resolve_options(
-            attention, tensor_parallel, pipeline_schedule, options, sp=self.sp, tp=self.tp, pp=self.pp
+        if self.pp == 1 and settings.microbatches is not None:
+            raise ValueError(f"microbatches={settings.microbatches!r} sets the pipeline schedule, but pp = 1")
+        options = resolve_options(
+            attention, tensor_parallel, settings.pipeline_schedule, settings.options, sp=self.sp, tp=self.tp, pp=self.pp
         )
-        if layout is not None:
-            strategy.layout_for(layout, causal=True)
+        if settings.layout is not None:
+            strategy.layout_for(settings.layout, causal=True)
+        if zero is not None and (isinstance(zero, bool) or zero not in ZERO_STAGES):
+            raise ValueError(f"zero stage {zero!r} must be one of {', '.join(map(str, ZERO_STAGES))}")
+        self.settings = dataclasses.replace(
+            settings,
+            **{a: self._size(a) for a in DEGREES},
+            attention=attention,
+            tensor_parallel=tensor_parallel,
+            zero=(3 if self.fsdp > 1 else 0) if zero is None else zero,
+            options=options,
+        )
         if self.sp > 1 and not method.sequence_parallel:
             raise ValueError(
                 f"tensor parallelism {method.name!r} cannot run with sp = {self.sp}: {method.sequence_parallel_rule}"
             )
         method.check_mesh(self)
-        if zero is not None and (isinstance(zero, bool) or zero not in ZERO_STAGES):
-            raise ValueError(f"zero stage {zero!r} must be one of {', '.join(map(str, ZERO_STAGES))}")
         if self.fsdp > 1 and self.zero_stage < 3:
             raise ValueError(
                 f"--fsdp {self.fsdp} with --zero {self.zero_stage}: fsdp means the parameters are sharded (ZeRO-3); "
@@ -121,6 +146,13 @@ class ParallelPlan:
                     "over its micro-batches, so use --zero 1 (the same bytes: one reduce-scatter per step) or "
                     "--zero 3"
                 )
+
+    def __getattr__(self, name: str) -> Any:
+        """A parallel setting by its name: plan.attention is plan.settings.attention (resolved)."""
+        settings = self.__dict__.get("settings")
+        if settings is not None and name in SETTING_FIELDS:
+            return getattr(settings, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
         return f"ParallelPlan({self.describe()})"
@@ -156,9 +188,7 @@ class ParallelPlan:
     @property
     def zero_stage(self) -> int:
         """The ZeRO stage in force: as given, else 3 with fsdp > 1 (parameters sharded), else 0."""
-        if self.zero is not None:
-            return self.zero
-        return 3 if self.fsdp > 1 else 0
+        return self.settings.zero
 
     # ------------------------------------------------------------------ registry entries and their options
     @property

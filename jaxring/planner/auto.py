@@ -19,15 +19,16 @@ from jaxring.core.accelerators import device_spec_of
 from jaxring.planner.cluster import DEVICES, Cluster
 from jaxring.planner.fit import workload_of
 from jaxring.planner.search import Result, search
-from jaxring.run.schema import MemorySettings
+from jaxring.planner.space import DEFAULT_MEMORY_CHOICES, PARALLEL_FIELDS
 
 if TYPE_CHECKING:
     import jax
 
     from jaxring.run.spec import RunSpec
 
-# the spec's parallel settings a search can hold fixed (Candidate's fields have the same names)
-_HELD = ("dp", "pp", "tp", "sp", "ep", "attention", "layout", "tensor_parallel", "zero", "microbatches")
+# the parallel settings a search does not hold: fsdp (a candidate's dp counts it), the per-block compute (not
+# searched) and the pipeline schedule (its default names no pipeline: the search picks one where pp > 1)
+_NOT_HELD = ("fsdp", "block_ops", "pipeline_schedule")
 
 
 def device_kind(devices: Sequence[jax.Device]) -> str:
@@ -48,10 +49,9 @@ def held_settings(spec: RunSpec) -> dict:
     """The spec's given parallel settings and its memory choices that are not the defaults (remat none, the
     default, is searched), held fixed in a search."""
     p = spec.parallel
-    held = {k: getattr(p, k) for k in _HELD if getattr(p, k) is not None}
-    held.update({k: v for k, v in p.options.items() if v is not None})
-    defaults = MemorySettings().choices()
-    held.update({k: v for k, v in spec.memory.choices().items() if v != defaults[k]})
+    held = {k: getattr(p, k) for k in PARALLEL_FIELDS if k not in _NOT_HELD and getattr(p, k) is not None}
+    held.update(p.options)
+    held.update({k: v for k, v in spec.memory.choices().items() if v != DEFAULT_MEMORY_CHOICES[k]})
     return held
 
 

@@ -712,17 +712,16 @@ def step_time(
     leaves: Sequence[ParamLeaf] = (),
     plan: ParallelPlan | None = None,
     s: Shapes | None = None,
-    block_ops: str = "auto",
 ) -> StepTime:
     """The step's seconds on `cluster` (see the module docstring). locality: {axes: True when intra-node}.
-    block_ops: the attention's per-block compute; its FLOPs run at the calibration's `block_compute_speed` of the
-    others' rate."""
+    The attention's FLOPs run at the calibration's `block_compute_speed` of the candidate's per-block compute
+    (`c.block_ops`) times the others' rate."""
     s = s if s is not None else shapes(w, c, plan, cluster.cpu)
     remat = c.memory.remat
     rate = cluster.device.flops * cluster.efficiency
     k = calibration("cpu" if cluster.cpu else "gpu")
     flops, attn_flops, ffn_flops = compute_flops(w, c, remat, s)
-    attention_s = attn_flops / (rate * k.block_compute_speed.get(block_ops, 1.0))
+    attention_s = attn_flops / (rate * k.block_compute_speed.get(c.block_ops, 1.0))
     compute = (
         (flops - attn_flops) / rate
         + attention_s

@@ -74,22 +74,14 @@ def candidate_of(spec: RunSpec) -> Candidate:
     p, m, t = spec.parallel, spec.memory, spec.training
     data = p.dp * p.fsdp * p.ep
     steps = t.grad_accum if p.pp == 1 else (p.microbatches or 2 * p.pp)
-    return Candidate.of(
+    parallel = dataclasses.replace(
+        p.settings(),
         dp=p.dp * p.fsdp,
-        pp=p.pp,
-        tp=p.tp,
-        sp=p.sp,
-        ep=p.ep,
-        attention=p.attention,
-        layout=p.layout,
+        fsdp=1,
         tensor_parallel=p.tensor_parallel if p.tp > 1 else None,
-        zero=p.zero,
-        pipeline_schedule=p.pipeline_schedule,
         microbatches=steps if p.pp > 1 else None,
-        memory=m,
-        micro_batch=max(1, t.batch_size // (data * steps)),
-        **p.options,
     )
+    return Candidate(parallel, m, micro_batch=max(1, t.batch_size // (data * steps)))
 
 
 def _memory(w: Workload, c: Candidate, cpu: bool) -> Memory:

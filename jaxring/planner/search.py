@@ -35,10 +35,11 @@ from jaxring.parallel.catalog import (
     tensor_methods,
 )
 from jaxring.parallel.pipeline import make_schedule
+from jaxring.parallel.settings import ParallelSettings
 from jaxring.planner import cost_model as cost
 from jaxring.planner.cluster import Cluster
 from jaxring.planner.params import param_leaves
-from jaxring.planner.space import MEMORY_CHOICES, NO_MEMORY_CHOICES, Candidate, Workload
+from jaxring.planner.space import MEMORY_CHOICES, NO_MEMORY_CHOICES, ONE_DEVICE, Candidate, Workload
 from jaxring.run.checks import OFFLOAD_WITH_PP, WEIGHTS_OFFLOAD_RULES
 
 if TYPE_CHECKING:
@@ -267,7 +268,7 @@ def candidates(w: Workload, cluster: Cluster, remat_modes: Sequence[str] | None 
             continue
         data = dp * ep
         if w.global_batch % data:
-            yield Candidate(dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, micro_batch=1)  # rejected: batch split
+            yield Candidate(dataclasses.replace(ONE_DEVICE, dp=dp, pp=pp, tp=tp, sp=sp, ep=ep))  # rejected: batch split
             continue
         replica_batch = w.global_batch // data
         replicas = dp * ep * sp
@@ -277,23 +278,23 @@ def candidates(w: Workload, cluster: Cluster, remat_modes: Sequence[str] | None 
                 for zero in (0, 1, 2, 3) if replicas > 1 else (0,):
                     for mb in _divisors(replica_batch):
                         steps = replica_batch // mb
-                        for remat in remat_modes:
-                            for schedule, schedule_options in schedules:
-                                yield Candidate(
-                                    dp=dp,
-                                    pp=pp,
-                                    tp=tp,
-                                    sp=sp,
-                                    ep=ep,
-                                    attention=attention,
-                                    tensor_parallel=tensor,
-                                    zero=zero,
-                                    pipeline_schedule=schedule,
-                                    microbatches=steps if pp > 1 else None,
-                                    memory=memory[remat],
-                                    micro_batch=mb,
-                                    options={**seq_options, **tensor_options, **schedule_options},
-                                )
+                        for schedule, schedule_options in schedules:
+                            parallel = ParallelSettings(
+                                dp=dp,
+                                fsdp=1,
+                                pp=pp,
+                                tp=tp,
+                                sp=sp,
+                                ep=ep,
+                                attention=attention,
+                                tensor_parallel=tensor,
+                                zero=zero,
+                                pipeline_schedule=schedule,
+                                microbatches=steps if pp > 1 else None,
+                                options={**seq_options, **tensor_options, **schedule_options},
+                            )
+                            for remat in remat_modes:
+                                yield Candidate(parallel, memory[remat], micro_batch=mb)
 
 
 # ---------------------------------------------------------------------------------------- evaluation
@@ -377,7 +378,7 @@ def _pipeline_rule(c: Candidate, w: Workload):
 
 def _structure(c: Candidate) -> Candidate:
     """The candidate less its micro-batching and remat (what the library's rules see)."""
-    return dataclasses.replace(c, micro_batch=1, microbatches=None).with_memory(remat="none")
+    return dataclasses.replace(c.with_parallel(microbatches=None), micro_batch=1).with_memory(remat="none")
 
 
 def _split(c: Candidate) -> int:
@@ -388,7 +389,7 @@ def _split(c: Candidate) -> int:
 def _canonical(c: Candidate) -> Candidate:
     """The candidate with the fewest micro-batches its structure allows (pp of them), micro-batch = the tensor
     method's batch split."""
-    return dataclasses.replace(c, micro_batch=_split(c), microbatches=c.pp if c.pp > 1 else None)
+    return dataclasses.replace(c.with_parallel(microbatches=c.pp if c.pp > 1 else None), micro_batch=_split(c))
 
 
 def _canonical_workload(c: Candidate, w: Workload) -> Workload:

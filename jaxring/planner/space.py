@@ -27,6 +27,7 @@ from jaxring.core.precision import PRECISIONS
 from jaxring.parallel.catalog import pipeline_schedule, sequence_strategy, tensor_method
 from jaxring.parallel.cost_terms import WorkloadTerms
 from jaxring.parallel.plan import ParallelPlan
+from jaxring.parallel.settings import ParallelSettings
 from jaxring.run.schema import MEMORY_BUDGETS, MemorySettings, parsed_setting
 from jaxring.run.task import model_family
 
@@ -134,57 +135,66 @@ class Workload:
 NO_MEMORY_CHOICES = MemorySettings()
 
 
+# a candidate's parallel settings by default: one device, nothing split
+ONE_DEVICE = ParallelSettings(dp=1, fsdp=1, pp=1, tp=1, sp=1, ep=1, zero=0)
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One plan the planner may pick: the run specification's parallel settings by their flat names (mesh
-    degrees, attention, layout, tensor_parallel, zero, pipeline_schedule, microbatches), its memory choices as
-    they are (`memory`: the run's own `MemorySettings` type, budgets left out), the registry entries' own options
-    as (name, value) pairs, and the micro-batch. `Candidate.of` and `with_memory` take the memory choices by their
-    flat names (remat="full", offload="layer_inputs")."""
+    """One plan the planner may pick: the run's own parallel settings (`parallel`: degrees, strategies, the
+    entries' options; dp counts fsdp, whose program is the same) and memory choices (`memory`: the run's
+    `MemorySettings`, budgets left out) as they are, and the micro-batch. A parallel setting reads by its name
+    (c.sp, c.attention, c.options); `Candidate.of`, `with_parallel` and `with_memory` take settings by their
+    flat names (sp=8, team_size=2, remat="full", offload="layer_inputs")."""
 
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-    sp: int = 1
-    ep: int = 1
-    attention: str = "dense"
-    layout: str | None = None
-    tensor_parallel: str | None = None
-    zero: int = 0
-    pipeline_schedule: str = "1f1b"
-    microbatches: int | None = None
+    parallel: ParallelSettings = ONE_DEVICE
     memory: MemorySettings = NO_MEMORY_CHOICES
     micro_batch: int = 1  # sequences per data replica in one micro-step (pp = 1) or micro-batch (pp > 1)
-    options: tuple = ()  # the chosen entries' options: (name, value) pairs, sorted by name (a dict is taken)
 
     def __post_init__(self):
-        options = self.options.items() if isinstance(self.options, dict) else self.options
-        object.__setattr__(self, "options", tuple(sorted((k, v) for k, v in options if v is not None)))
+        p = self.parallel
+        if type(p) is not ParallelSettings or None in (p.dp, p.fsdp, p.pp, p.tp, p.sp, p.ep, p.zero, p.attention):
+            # the defaults a candidate states: degrees of 1, ZeRO stage 0, the attention sp implies
+            plain = {f: getattr(p, f) for f in READ_BY_NAME} | p.degrees() | {"zero": p.zero or 0}
+            plain["attention"] = p.attention_for(plain["sp"])
+            object.__setattr__(self, "parallel", ParallelSettings(**plain))
         if any(getattr(self.memory, b) is not None for b in MEMORY_BUDGETS):
             object.__setattr__(self, "memory", self.memory.choice())
 
+    def __getattr__(self, name: str) -> object:
+        """A parallel setting by its name: c.sp is c.parallel.sp."""
+        if name in READ_BY_NAME:
+            return getattr(self.__dict__["parallel"], name)
+        raise AttributeError(f"'Candidate' object has no attribute {name!r}")
+
     @classmethod
     def of(cls, **settings) -> Candidate:
-        """A candidate from flat settings: its fields, the memory choices, and any other name as an entry's
-        option (Candidate.of(sp=8, attention="wallfacer", team_size=2, placement="ring_inner", remat="full"))."""
-        fields = {*_FIELDS, "memory"}
+        """A candidate from flat settings: the parallel settings, the memory choices, the micro-batch and any
+        other name as an entry's option (Candidate.of(sp=8, attention="wallfacer", team_size=2, remat="full"))."""
         memory = {k: v for k, v in settings.items() if k in MEMORY_CHOICES}
-        options = {k: v for k, v in settings.items() if k not in fields and k not in memory}
-        given = {k: v for k, v in settings.items() if k in fields}
-        return cls(**given, options=options).with_memory(**memory)
+        own = {k: settings[k] for k in ("memory", "micro_batch") if k in settings}
+        parallel = {k: v for k, v in settings.items() if k not in memory and k not in own}
+        return cls(ParallelSettings.of(**parallel), **own).with_memory(**memory)
+
+    def with_parallel(self, **settings) -> Candidate:
+        """A copy with parallel settings changed by their names (options: `options=`, the whole mapping)."""
+        return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, **settings))
 
     def with_memory(self, **choices) -> Candidate:
         """A copy with memory choices changed by their flat names (a typed one's text form is parsed)."""
+        if not choices:
+            return self
         parsed = {k: parsed_setting(MemorySettings, k, v) for k, v in choices.items()}
         return dataclasses.replace(self, memory=dataclasses.replace(self.memory, **parsed))
 
     def option(self, name: str, default: object = None) -> object:
         """The value of an entry's option (default when the candidate does not set it)."""
-        return dict(self.options).get(name, default)
+        return self.parallel.option(name, default)
 
     def setting(self, name: str) -> object:
-        """A setting by its flat name: a field, a memory choice or an entry's option (None when not set)."""
-        if name in _FIELDS:
+        """A setting by its flat name: a parallel setting, a memory choice, the micro-batch or an entry's option
+        (None when not set)."""
+        if name in PARALLEL_FIELDS or name == "micro_batch":
             return getattr(self, name)
         if name in MEMORY_CHOICES:
             return getattr(self.memory, name)
@@ -192,8 +202,8 @@ class Candidate:
 
     @staticmethod
     def setting_names() -> tuple[str, ...]:
-        """The flat names of its fields and memory choices (the entries' options aside)."""
-        return (*_FIELDS, *MEMORY_CHOICES)
+        """The flat names of its parallel settings, the micro-batch and the memory choices (options aside)."""
+        return (*PARALLEL_FIELDS, "micro_batch", *MEMORY_CHOICES)
 
     @property
     def devices(self) -> int:
@@ -206,14 +216,6 @@ class Candidate:
     def mesh_degrees(self) -> dict:
         return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "sp": self.sp, "ep": self.ep}
 
-    def plan_kwargs(self) -> dict:
-        """ParallelPlan keywords (the mesh aside)."""
-        kw = dict(attention=self.attention, layout=self.layout, tensor_parallel=self.tensor_parallel, zero=self.zero)
-        if self.pp > 1:
-            kw.update(pipeline_schedule=self.pipeline_schedule, microbatches=self.microbatches)
-        kw.update({k: v for k, v in self.memory.plan_keywords().items() if v is not None})
-        return kw | dict(self._live_options())
-
     def _entries(self) -> list:
         """The registry entries the candidate uses, with their option names: strategy, method, schedule."""
         out = [sequence_strategy(self.attention), tensor_method(self.tensor_parallel)]
@@ -224,24 +226,32 @@ class Candidate:
     def _live_options(self) -> list[tuple[str, object]]:
         """The options, those of the entries in force in their entries' order, then any other (which the plan
         refuses, naming the entries that take it)."""
-        given = dict(self.options)
+        given = self.options
         names = [n for e in self._entries() for n in e.option_names()]
-        return [(n, given[n]) for n in names if n in given] + [(n, v) for n, v in self.options if n not in names]
+        return [(n, given[n]) for n in names if n in given] + [(n, v) for n, v in given.items() if n not in names]
 
     def steps(self, workload: Workload) -> int:
         """Micro-steps per step: gradient accumulation (pp = 1) or the pipeline's micro-batches."""
         return workload.global_batch // (self.data_degree * self.micro_batch)
 
-    def plan(self, devices: Sequence[jax.Device] | None = None, block_ops: str = "auto") -> ParallelPlan:
+    def plan(self, devices: Sequence[jax.Device] | None = None, block_ops: str | None = None) -> ParallelPlan:
         """The ParallelPlan (raises the library's one-line ValueError when the combination is not allowed).
         devices: real devices (a list of device count), or None for stand-ins (validation and the run-mesh
-        view only; nothing can be compiled on them). block_ops: the attention's per-block compute ("pallas"
-        for a GPU target compiled without a GPU, where "auto" would pick the CPU path)."""
+        view only; nothing can be compiled on them). block_ops: the attention's per-block compute, default the
+        candidate's ("pallas" for a GPU target compiled without a GPU, where "auto" would pick the CPU path)."""
         mesh = _mesh(self.dp, self.pp, self.tp, self.sp, self.ep) if devices is None else _real_mesh(self, devices)
-        return ParallelPlan(mesh, block_ops=block_ops, **self.plan_kwargs())
+        return ParallelPlan(mesh, self._plan_settings(block_ops or self.block_ops), **self.memory.plan_keywords())
+
+    def _plan_settings(self, block_ops: str) -> ParallelSettings:
+        """The parallel settings as the plan takes them: the options in force only (a schedule's aside when
+        pp = 1), those of no entry kept for the plan to refuse."""
+        p = self.parallel
+        if self.pp == 1:
+            p = dataclasses.replace(p, pipeline_schedule=ONE_DEVICE.pipeline_schedule, microbatches=None)
+        return dataclasses.replace(p, block_ops=block_ops, options=self._live_options())
 
     def check(
-        self, workload: Workload, devices: Sequence[jax.Device] | None = None, block_ops: str = "auto"
+        self, workload: Workload, devices: Sequence[jax.Device] | None = None, block_ops: str | None = None
     ) -> ParallelPlan:
         """The plan, after the model's own rules (heads, layers vs pp, experts vs ep, batch and sequence splits)
         for this workload. Raises ValueError (one line)."""
@@ -266,7 +276,7 @@ class Candidate:
         """The run specification's flat settings of this plan (`RunSpec.updated(**settings)`, `make_plan`);
         with the workload, grad_accum too (the micro-steps when pp = 1)."""
         out = {**self.mesh_degrees(), "fsdp": 1, "attention": self.attention if self.sp > 1 else None}
-        out.update(layout=self.layout, tensor_parallel=self.tensor_parallel, zero=self.zero)
+        out.update(layout=self.layout, tensor_parallel=self.tensor_parallel, zero=self.zero, block_ops=self.block_ops)
         out.update(self.memory.choices())
         if self.pp > 1:
             out.update(pipeline_schedule=self.pipeline_schedule, microbatches=self.microbatches)
@@ -279,7 +289,7 @@ class Candidate:
         """The train.py flags of this plan: its settings that differ from the run specification's defaults."""
         flags = []
         for name, value in self.settings().items():
-            if value is None or value == _FLAG_DEFAULTS.get(name, DEFAULT_MEMORY_CHOICES.get(name)):
+            if value is None or value == _FLAG_DEFAULTS.get(name):
                 continue
             flags += ["--" + name.replace("_", "-"), str(value)]
         return flags
@@ -309,21 +319,13 @@ class Candidate:
         return " ".join(parts)
 
 
-# settings train.py need not be told: the run specification's defaults (degrees of 1; no flag for fsdp)
-_FLAG_DEFAULTS = {
-    "dp": 1,
-    "pp": 1,
-    "tp": 1,
-    "sp": 1,
-    "ep": 1,
-    "fsdp": 1,
-    "zero": 0,
-}
-
-# the candidate's own fields by their flat names (memory and options aside), and the memory choices' names
-_FIELDS = tuple(f.name for f in dataclasses.fields(Candidate) if f.name not in ("memory", "options"))
+# the parallel settings a candidate reads by name (options included), their flat names, the memory choices' names
+READ_BY_NAME = frozenset(f.name for f in dataclasses.fields(ParallelSettings))
+PARALLEL_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelSettings) if f.name != "options")
 DEFAULT_MEMORY_CHOICES = NO_MEMORY_CHOICES.choices()
 MEMORY_CHOICES = tuple(DEFAULT_MEMORY_CHOICES)
+# settings train.py need not be told: a candidate's defaults (degrees of 1, ZeRO 0, ...) and no memory choice
+_FLAG_DEFAULTS = {name: getattr(ONE_DEVICE, name) for name in PARALLEL_FIELDS} | DEFAULT_MEMORY_CHOICES
 
 
 class _StandIn:

@@ -9,42 +9,39 @@ import jax
 from jaxring.core.mesh import make_mesh
 from jaxring.core.suggest import nearest
 from jaxring.parallel.plan import ParallelPlan
-from jaxring.run.schema import DEGREES, MemorySettings, ParallelSettings, check_setting, option_names, setting_fields
+from jaxring.parallel.settings import FIELDS, ParallelSettings
+from jaxring.run.schema import MemorySettings, check_setting, option_names, setting_fields
 
-__all__ = ["PLAN_SETTINGS", "make_plan"]
+__all__ = ["PLAN_MEMORY", "make_plan", "plan_on"]
 
-# the settings a ParallelPlan takes besides the mesh degrees and the registry entries' options
-PLAN_SETTINGS = (
-    "attention",
-    "layout",
-    "tensor_parallel",
-    "zero",
-    "pipeline_schedule",
-    "microbatches",
-    "block_ops",
-    "loss_tile",
-    "mlp_tile",
-)
+# the memory settings a ParallelPlan takes (the tiles: the layers read them from the plan)
+PLAN_MEMORY = ("loss_tile", "mlp_tile")
+
+
+def plan_on(
+    devices: Sequence[jax.Device] | None, parallel: ParallelSettings, memory: MemorySettings | None = None
+) -> ParallelPlan:
+    """The `ParallelPlan` of the parallel settings on `devices` (default `jax.devices()`): their degrees, filled in
+    (`ParallelSettings.degrees`), make the mesh; the memory settings' tiles go to the plan."""
+    devices = list(jax.devices() if devices is None else devices)
+    mesh = make_mesh(**parallel.degrees(len(devices)), devices=devices)
+    tiles = {} if memory is None else {k: getattr(memory, k) for k in PLAN_MEMORY}
+    return ParallelPlan(mesh, parallel, **tiles)
 
 
 def make_plan(devices: Sequence[jax.Device] | None = None, **settings) -> ParallelPlan:
     """The `ParallelPlan` that `train.py` builds from the same parallel settings, by the flags' names with
     underscores: make_plan(sp=8, attention="ring", layout="zigzag", tp=2, tensor_parallel="megatron", pp=2,
-    pipeline_schedule="1f1b", microbatches=4, team_size=..., ...). Degrees not given are 1; with none given,
-    sp is the device count. devices: default `jax.devices()`."""
+    pipeline_schedule="1f1b", microbatches=4, team_size=..., loss_tile=..., ...). Degrees not given are 1; with
+    none given, sp is the device count. devices: default `jax.devices()`."""
     options = set(option_names())
-    allowed = set(DEGREES) | set(PLAN_SETTINGS) | options
+    allowed = FIELDS | set(PLAN_MEMORY) | options
     for name, value in settings.items():
         if name not in allowed:
             raise ValueError(f"make_plan: unknown parallel setting {name!r}{nearest(name, allowed)}")
         for section in (ParallelSettings, MemorySettings):
             if name in setting_fields(section) and value is not None:
                 check_setting(section, name, value)
-    devices = list(jax.devices() if devices is None else devices)
-    p = ParallelSettings(**{k: settings.get(k) for k in DEGREES})
-    degrees = p.degrees(len(devices))
-    attention = settings.get("attention") or ("ring" if degrees["sp"] > 1 else "dense")
-    kwargs = {k: settings[k] for k in PLAN_SETTINGS if settings.get(k) is not None and k != "attention"}
-    chosen = {k: v for k, v in settings.items() if k not in allowed - options and v is not None}
-    mesh = make_mesh(**degrees, devices=devices)
-    return ParallelPlan(mesh, attention=attention, **kwargs, **chosen)
+    given = {k: v for k, v in settings.items() if v is not None}
+    memory = MemorySettings(**{k: given.pop(k) for k in PLAN_MEMORY if k in given})
+    return plan_on(devices, ParallelSettings.of(**given), memory)

@@ -20,18 +20,17 @@ import math
 import os
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from jaxring.core.mesh import MESH_AXES
 from jaxring.core.precision import PRECISIONS
+from jaxring.core.settings import setting
 from jaxring.core.suggest import nearest
 from jaxring.data.packing import PACKINGS
-from jaxring.kernels.block_compute import BLOCK_OPS
-from jaxring.kernels.layout import LAYOUTS
 from jaxring.nn import NO_OFFLOAD, OFFLOAD, REMAT, MemoryPolicy, Offload
 from jaxring.parallel.catalog import all_options, pipeline_schedules, sequence_strategies, tensor_methods
 from jaxring.parallel.registry import Option
+from jaxring.parallel.settings import DEGREES, ParallelSettings
 from jaxring.run.task import model_families
 
 __all__ = [
@@ -48,6 +47,7 @@ __all__ = [
     "ModelSettings",
     "OptimizerSettings",
     "OutputSettings",
+    "ParallelSection",
     "ParallelSettings",
     "TrainingSettings",
     "accepted_types",
@@ -74,36 +74,6 @@ RULE_TEXT = {
 }
 
 
-def setting(
-    default: Any,
-    help: str,
-    *,
-    rule: str | None = None,
-    choices: Callable[[], tuple] | tuple | None = None,
-    flag: str | None = None,
-    metavar: str | None = None,
-    entries: Callable[[], dict] | None = None,
-    parse: Callable[[str], Any] | None = None,
-) -> Any:
-    """A dataclass field that is a run setting: its default, its help, its rule (see RULE_TEXT) or choices
-    (a tuple, or a function returning one: registries fill in late), its flag if not --NAME-WITH-DASHES,
-    `entries`: a function returning {name: registry entry} whose summaries the help lists, and `parse`: for a
-    typed setting, the one function from its text form (one of its choices) to its value (whose str() is
-    that text again: the YAML form)."""
-    meta = {
-        "help": help,
-        "rule": rule,
-        "choices": choices,
-        "flag": flag,
-        "metavar": metavar,
-        "entries": entries,
-        "parse": parse,
-    }
-    if isinstance(default, (dict, list)):
-        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
-
-
 # ------------------------------------------------------------------------------------------ choices
 # registries can gain entries after import (an installed model family, `registered(...)`): their choices are
 # functions, read when a setting is checked or the parser is built
@@ -111,18 +81,6 @@ def setting(
 
 def _models() -> tuple[str, ...]:
     return tuple(model_families())
-
-
-def _attentions() -> tuple[str, ...]:
-    return tuple(sequence_strategies())
-
-
-def _tensor_methods() -> tuple[str, ...]:
-    return tuple(n for n in tensor_methods() if n != "none")
-
-
-def _schedules() -> tuple[str, ...]:
-    return tuple(pipeline_schedules())
 
 
 # ------------------------------------------------------------------------------------------ sections
@@ -249,61 +207,21 @@ class OptimizerSettings:
     clip: float = setting(1.0, "clip gradients to this global norm", rule="float>0")
 
 
-@dataclasses.dataclass
-class ParallelSettings:
-    """The mesh (degrees multiply to the device count) and the strategy for each axis; the chosen strategy's,
-    tensor method's and schedule's own options are in the "strategy options" group."""
+@dataclasses.dataclass(frozen=True)
+class ParallelSection(ParallelSettings):
+    """The mesh (degrees multiply to the device count), the strategy for each axis and the chosen entries' own
+    options (`jaxring.parallel.settings.ParallelSettings`, the type the plan and the planner take), and how they
+    are chosen (--plan)."""
 
-    dp: int | None = setting(None, "data-parallel degree (default 1)", rule="int>=1")
-    fsdp: int | None = setting(
-        None, "data-parallel degree with parameters sharded (ZeRO-3 by default; default 1)", rule="int>=1"
-    )
-    pp: int | None = setting(None, "pipeline-parallel degree (default 1)", rule="int>=1")
-    tp: int | None = setting(None, "tensor-parallel degree (default 1)", rule="int>=1")
-    sp: int | None = setting(
-        None, "sequence/context-parallel degree (default with no degree given: every device)", rule="int>=1"
-    )
-    ep: int | None = setting(
-        None, "expert-parallel degree, data parallel outside MoE layers (default 1)", rule="int>=1"
-    )
     plan: str = setting(
         "manual",
         "auto: the planner's best plan for the devices at hand; degrees and strategies given with it are held",
         choices=("manual", "auto"),
     )
-    attention: str | None = setting(
-        None, "sequence strategy over sp (default: ring when sp > 1)", choices=_attentions, entries=sequence_strategies
-    )
-    layout: str | None = setting(None, "token layout over sp (default: the strategy's)", choices=LAYOUTS)
-    tensor_parallel: str | None = setting(
-        None,
-        "tensor method over tp (default: megatron when tp > 1)",
-        choices=_tensor_methods,
-        entries=tensor_methods,
-    )
-    zero: int | None = setting(
-        None,
-        "ZeRO stage over the data and sequence axes: 0 replicated, 1 optimizer state sharded, 2 gradients too, "
-        "3 parameters too (default: 3 with fsdp > 1, else 0)",
-        choices=(0, 1, 2, 3),
-    )
-    pipeline_schedule: str = setting(
-        "1f1b", "pipeline schedule (pp > 1)", choices=_schedules, entries=pipeline_schedules
-    )
-    microbatches: int | None = setting(None, "pipeline micro-batches per step (pp > 1; default 2·pp)", rule="int>=1")
-    block_ops: str = setting("auto", "attention's per-block compute", choices=BLOCK_OPS)
-    options: dict = setting({}, "options of the chosen strategy, tensor method and schedule (registry)")
 
-    def degrees(self, device_count: int | None = None) -> dict[str, int]:
-        """Mesh degrees with the defaults filled in: 1, or with none given, sp = device_count."""
-        given = {a: getattr(self, a) for a in DEGREES}
-        if all(v is None for v in given.values()) and device_count is not None:
-            given["sp"] = device_count
-        return {a: 1 if v is None else v for a, v in given.items()}
-
-
-# the mesh degree settings (one per axis of jaxring.core.mesh.MESH_AXES), in the order of their flags
-DEGREES = tuple(f.name for f in dataclasses.fields(ParallelSettings) if f.name in MESH_AXES)
+    def settings(self) -> ParallelSettings:
+        """The parallel settings themselves (--plan aside)."""
+        return ParallelSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ParallelSettings)})
 
 
 @dataclasses.dataclass
@@ -401,7 +319,7 @@ SECTIONS: dict[str, type] = {
     "training": TrainingSettings,
     "memory": MemorySettings,
     "optimizer": OptimizerSettings,
-    "parallel": ParallelSettings,
+    "parallel": ParallelSection,
     "data": DataSettings,
     "checkpoint": CheckpointSettings,
     "output": OutputSettings,
@@ -541,7 +459,7 @@ def check_setting(section: type, name: str, value: object) -> None:
     if bool in accepted:
         if not isinstance(value, bool):
             raise ValueError(f"{label} {value!r} must be true or false")
-    elif dict in accepted:
+    elif any(isinstance(t, type) and issubclass(t, Mapping) for t in accepted):
         if not isinstance(value, Mapping):
             raise ValueError(f"{label} {value!r} must be a mapping of NAME: VALUE")
     elif str in accepted and not isinstance(value, str):

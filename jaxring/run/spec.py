@@ -26,9 +26,8 @@ from jaxring.core.suggest import nearest
 from jaxring.parallel.catalog import resolve_options, sequence_strategy
 from jaxring.parallel.plan import DEFAULT_TENSOR_PARALLEL, ParallelPlan
 from jaxring.run.checks import check_batch_split, check_degrees, check_spec
-from jaxring.run.make_plan import make_plan
+from jaxring.run.make_plan import plan_on
 from jaxring.run.schema import (
-    DEGREES,
     SECTIONS,
     CheckpointSettings,
     ClusterSettings,
@@ -38,7 +37,7 @@ from jaxring.run.schema import (
     ModelSettings,
     OptimizerSettings,
     OutputSettings,
-    ParallelSettings,
+    ParallelSection,
     TrainingSettings,
     check_setting,
     flat_index,
@@ -59,7 +58,7 @@ class RunSpec:
     training: TrainingSettings = dataclasses.field(default_factory=TrainingSettings)
     memory: MemorySettings = dataclasses.field(default_factory=MemorySettings)
     optimizer: OptimizerSettings = dataclasses.field(default_factory=OptimizerSettings)
-    parallel: ParallelSettings = dataclasses.field(default_factory=ParallelSettings)
+    parallel: ParallelSection = dataclasses.field(default_factory=ParallelSection)
     data: DataSettings = dataclasses.field(default_factory=DataSettings)
     checkpoint: CheckpointSettings = dataclasses.field(default_factory=CheckpointSettings)
     output: OutputSettings = dataclasses.field(default_factory=OutputSettings)
@@ -177,9 +176,7 @@ class RunSpec:
 
     def attention(self, device_count: int | None = None) -> str:
         """The sequence strategy: as given, else ring when sp > 1, else dense."""
-        if self.parallel.attention is not None:
-            return self.parallel.attention
-        return "ring" if self.parallel.degrees(device_count)["sp"] > 1 else "dense"
+        return self.parallel.attention_for(self.parallel.degrees(device_count)["sp"])
 
     @property
     def compute_precision(self) -> str:
@@ -192,8 +189,8 @@ class RunSpec:
         return "bf16" if llama or jax.default_backend() == "tpu" else "fp32"
 
     def resolved(self, device_count: int) -> RunSpec:
-        """The spec with what defaults derive filled in: mesh degrees, the strategy, its options' defaults,
-        then validated (`validate`): the one place a run is resolved and checked, marked `resolved_for` so
+        """The spec with what defaults derive filled in: mesh degrees, the strategy, layout, tensor method and ZeRO
+        stage, the entries' options' defaults, then validated (`validate`): the one place a run is resolved and checked, marked `resolved_for` so
         that the loop and the `Trainer` take it as it is. Degrees that do not multiply to `device_count`,
         micro-batches that do not suit pp, and a batch that does not split over the data axes and
         micro-batches are one-line errors naming a setting that works."""
@@ -202,19 +199,25 @@ class RunSpec:
         p = dataclasses.replace(self.parallel, **self.parallel.degrees(device_count))
         check_degrees(p, device_count, self.training)
         check_batch_split(p, self.training)
-        p.attention = self.attention(device_count)
+        attention, layout = p.attention_for(p.sp), p.layout
+        tensor_parallel = (p.tensor_parallel or DEFAULT_TENSOR_PARALLEL) if p.tp > 1 else p.tensor_parallel
         if p.sp > 1:
-            p.layout = sequence_strategy(p.attention).layout_for(p.layout, model_family(self.model.model).causal)
-        if p.zero is None:
-            p.zero = 3 if p.fsdp > 1 else 0
-        p.options = resolve_options(
-            p.attention,
-            (p.tensor_parallel or DEFAULT_TENSOR_PARALLEL) if p.tp > 1 else None,
-            p.pipeline_schedule,
-            p.options,
-            sp=p.sp,
-            tp=p.tp,
-            pp=p.pp,
+            layout = sequence_strategy(attention).layout_for(layout, model_family(self.model.model).causal)
+        p = dataclasses.replace(
+            p,
+            attention=attention,
+            layout=layout,
+            tensor_parallel=tensor_parallel,
+            zero=(3 if p.fsdp > 1 else 0) if p.zero is None else p.zero,
+            options=resolve_options(
+                attention,
+                tensor_parallel if p.tp > 1 else None,
+                p.pipeline_schedule,
+                p.options,
+                sp=p.sp,
+                tp=p.tp,
+                pp=p.pp,
+            ),
         )
         training = dataclasses.replace(self.training, precision=self.compute_precision)
         spec = dataclasses.replace(self, parallel=p, training=training)
@@ -222,21 +225,8 @@ class RunSpec:
         return dataclasses.replace(spec, resolved_for=device_count)
 
     def plan(self, devices: Sequence[jax.Device] | None = None) -> ParallelPlan:
-        """The ParallelPlan the run's parallel settings name (see `make_plan`)."""
-        p = self.parallel
-        return make_plan(
-            devices,
-            **{a: getattr(p, a) for a in DEGREES},
-            attention=p.attention,
-            layout=p.layout,
-            tensor_parallel=p.tensor_parallel,
-            zero=p.zero,
-            pipeline_schedule=p.pipeline_schedule,
-            microbatches=p.microbatches,
-            block_ops=p.block_ops,
-            **self.memory.plan_keywords(),
-            **p.options,
-        )
+        """The ParallelPlan of the run's parallel settings and tiles on `devices` (default `jax.devices()`)."""
+        return plan_on(devices, self.parallel.settings(), self.memory)
 
 
 def _plain(value: Any):

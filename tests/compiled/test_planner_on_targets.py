@@ -23,9 +23,9 @@ GPU_CASES = {
 # (candidate, bytes the counter sees beyond the model: the 7 bytes of flags; METP's weights' psum over tp
 # also carries 4 fp32 scalars of the step that XLA's all-reduce combiner merges in, 16 B × 2(p-1)/p = 24)
 GPU_BYTES_CASES = {
-    "ring": (Candidate(sp=8, attention="ring", micro_batch=1), 7),
+    "ring": (Candidate.of(sp=8, attention="ring", micro_batch=1), 7),
     "wallfacer": (Candidate.of(sp=8, attention="wallfacer", team_size=2, micro_batch=1), 7),
-    "metp": (Candidate(tp=4, tensor_parallel="metp", micro_batch=1), 24),
+    "metp": (Candidate.of(tp=4, tensor_parallel="metp", micro_batch=1), 24),
 }
 
 

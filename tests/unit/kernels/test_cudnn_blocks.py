@@ -263,11 +263,11 @@ def test_planner_prices_the_block_compute():
     """On an H100, the Pallas kernel's attention FLOPs take 1/0.385 of cuDNN's time (the measured ratio);
     everything else, and the CPU pricing, is unchanged."""
     w = Workload("gpt", gpt.PRESETS["7b"], 65536, 1, "bf16")
-    c = Candidate(sp=8, attention="ring")
+    c = Candidate.of(sp=8, attention="ring")
     cluster = Cluster.of("h100", 8)
     s = cost.shapes(w, c)
     ops = ("auto", "pallas", "cudnn")
-    times = {o: cost.step_time(w, c, [], cluster, {}, s=s, block_ops=o).compute for o in ops}
+    times = {o: cost.step_time(w, c.with_parallel(block_ops=o), [], cluster, {}, s=s).compute for o in ops}
     _, attention, _ = cost.compute_flops(w, c, c.memory.remat, s)
     seconds = attention / (cluster.device.flops * cluster.efficiency)
     assert times["pallas"] - times["cudnn"] == pytest.approx(seconds * (1 / 0.385 - 1), rel=1e-9)

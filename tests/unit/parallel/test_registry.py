@@ -130,14 +130,14 @@ def test_the_planner_prices_and_ranks_the_new_strategy(mine):
 
     w = Workload("gpt", gpt.GPTConfig(vocab_size=128, num_layers=2, hidden=64, num_heads=8, ffn=256), 512, 8, "fp32")
     cluster = Cluster.of("cpu", 8)
-    theirs = evaluate(w, Candidate(sp=8, attention="allgather", micro_batch=8), cluster)
+    theirs = evaluate(w, Candidate.of(sp=8, attention="allgather", micro_batch=8), cluster)
     ours = evaluate(w, Candidate.of(sp=8, attention="mine", chunks=4, micro_batch=8), cluster)
     core = [t for t in ours.transfers if t.axes == ("sp",) and "K/V" in t.what]
     assert core and all(t.bytes > 0 for t in core)
     assert ours.bytes_by_axes() == theirs.bytes_by_axes()  # the same collectives, split in head groups
     # in 4 head groups: 4× the all-gather's and the reduce-scatter's messages
     mine_core = cost.shapes(w, Candidate.of(sp=8, attention="mine", chunks=4, micro_batch=8)).core.transfers
-    allgather_core = cost.shapes(w, Candidate(sp=8, attention="allgather", micro_batch=8)).core.transfers
+    allgather_core = cost.shapes(w, Candidate.of(sp=8, attention="allgather", micro_batch=8)).core.transfers
     assert [t.messages for t in mine_core] == [4 * t.messages for t in allgather_core]
 
     result = search(w, cluster, only={"sp": 8})

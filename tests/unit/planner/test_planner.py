@@ -77,36 +77,46 @@ def _measured_bytes(compiled, c: Candidate, w: Workload) -> dict:
 # ------------------------------------------------------------------------------------------ bytes per axis
 
 BYTES_CASES = {
-    "ring": ("gpt", GPT, 8, Candidate(sp=8, attention="ring", micro_batch=8)),
+    "ring": ("gpt", GPT, 8, Candidate.of(sp=8, attention="ring", micro_batch=8)),
     "ulysses x megatron, zero1": (
         "gpt",
         GPT,
         8,
-        Candidate(tp=2, sp=4, attention="ulysses", tensor_parallel="megatron", zero=1, micro_batch=8),
+        Candidate.of(tp=2, sp=4, attention="ulysses", tensor_parallel="megatron", zero=1, micro_batch=8),
     ),
     "allgather, zero2, accumulation": (
         "gpt",
         GPT,
         8,
-        Candidate(dp=2, sp=4, attention="allgather", zero=2, micro_batch=2),
+        Candidate.of(dp=2, sp=4, attention="allgather", zero=2, micro_batch=2),
     ),
     "usp, zero3": ("gpt", GPT, 8, Candidate.of(sp=8, attention="usp", ulysses_size=2, zero=3, micro_batch=8)),
     "wallfacer, zero1": ("gpt", GPT, 8, Candidate.of(sp=8, attention="wallfacer", team_size=2, zero=1, micro_batch=8)),
-    "rsa": ("gpt", GPT, 8, Candidate(sp=8, attention="rsa", micro_batch=8)),
+    "rsa": ("gpt", GPT, 8, Candidate.of(sp=8, attention="rsa", micro_batch=8)),
     # the DiT: non-causal (the GPT's causal METP, its token order riding with K/V: the documents case below)
-    "metp (dit)": ("dit", DIT, 8, Candidate(dp=2, tp=4, tensor_parallel="metp", micro_batch=4)),
-    "optimus": ("gpt", GPT, 8, Candidate(dp=2, tp=4, tensor_parallel="optimus", micro_batch=4)),
-    "pipeline 1f1b": ("gpt", GPT, 16, Candidate(dp=4, pp=2, pipeline_schedule="1f1b", microbatches=4, micro_batch=1)),
+    "metp (dit)": ("dit", DIT, 8, Candidate.of(dp=2, tp=4, tensor_parallel="metp", micro_batch=4)),
+    "optimus": ("gpt", GPT, 8, Candidate.of(dp=2, tp=4, tensor_parallel="optimus", micro_batch=4)),
+    "pipeline 1f1b": (
+        "gpt",
+        GPT,
+        16,
+        Candidate.of(dp=4, pp=2, pipeline_schedule="1f1b", microbatches=4, micro_batch=1),
+    ),
     # the ring's hops inside each stage's switch branch: each device counts the branches its stage runs
     # (262,144 B on sp, not the 540,672 of every branch each tick)
     "pipeline 1f1b x ring": (
         "gpt",
         GPT,
         8,
-        Candidate(dp=2, pp=2, sp=2, attention="ring", pipeline_schedule="1f1b", microbatches=4, micro_batch=1),
+        Candidate.of(dp=2, pp=2, sp=2, attention="ring", pipeline_schedule="1f1b", microbatches=4, micro_batch=1),
     ),
-    "experts": ("gpt", MOE, 8, Candidate(dp=2, ep=4, micro_batch=1)),
-    "biases and qk-norm, zero3": ("gpt", BIASED, 8, Candidate(dp=2, sp=4, attention="ulysses", zero=3, micro_batch=4)),
+    "experts": ("gpt", MOE, 8, Candidate.of(dp=2, ep=4, micro_batch=1)),
+    "biases and qk-norm, zero3": (
+        "gpt",
+        BIASED,
+        8,
+        Candidate.of(dp=2, sp=4, attention="ulysses", zero=3, micro_batch=4),
+    ),
     # UPipe's head chunks: each chunk repeats its one K/V head to sp = 4; the backward sends q, k, v again
     "ulysses head chunks, gqa": (
         "gpt",
@@ -118,22 +128,22 @@ BYTES_CASES = {
         "gpt",
         FEW_KV,
         8,
-        Candidate(tp=4, sp=2, attention="ring", tensor_parallel="megatron", micro_batch=8),
+        Candidate.of(tp=4, sp=2, attention="ring", tensor_parallel="megatron", micro_batch=8),
     ),
     "one kv head < ulysses x megatron": (
         "gpt",
         MQA,
         8,
-        Candidate(tp=2, sp=4, attention="ulysses", tensor_parallel="megatron", micro_batch=8),
+        Candidate.of(tp=2, sp=4, attention="ulysses", tensor_parallel="megatron", micro_batch=8),
     ),
     "dit ring x megatron": (
         "dit",
         DIT,
         8,
-        Candidate(tp=2, sp=4, attention="ring", tensor_parallel="megatron", micro_batch=8),
+        Candidate.of(tp=2, sp=4, attention="ring", tensor_parallel="megatron", micro_batch=8),
     ),
     # a sliding window: the ring skips the steps outside it but every hop stays (the same bytes)
-    "ring, sliding window": ("gpt", WINDOWED, 8, Candidate(sp=8, attention="ring", micro_batch=8)),
+    "ring, sliding window": ("gpt", WINDOWED, 8, Candidate.of(sp=8, attention="ring", micro_batch=8)),
 }
 # a 10 s compile of bytes the ring case already prices; a 23-36 s compile of the pipeline's stage branches, whose
 # counting tests/unit/analysis/test_analysis.py checks on a small pipeline in CI
@@ -165,13 +175,13 @@ def test_predicted_bytes_per_axis_equal_the_compiled_step(name):
 DOCUMENT_CASES = {
     "usp, accumulation": Candidate.of(dp=2, sp=4, attention="usp", ulysses_size=2, micro_batch=2),
     "wallfacer": Candidate.of(sp=8, attention="wallfacer", team_size=2, micro_batch=8),
-    "ring x megatron": Candidate(tp=2, sp=4, attention="ring", tensor_parallel="megatron", micro_batch=8),
-    "ring": Candidate(sp=8, attention="ring", micro_batch=8),
-    "ulysses": Candidate(dp=2, sp=4, attention="ulysses", micro_batch=4),
-    "allgather": Candidate(dp=2, sp=4, attention="allgather", micro_batch=4),
-    "rsa": Candidate(sp=8, attention="rsa", micro_batch=8),
+    "ring x megatron": Candidate.of(tp=2, sp=4, attention="ring", tensor_parallel="megatron", micro_batch=8),
+    "ring": Candidate.of(sp=8, attention="ring", micro_batch=8),
+    "ulysses": Candidate.of(dp=2, sp=4, attention="ulysses", micro_batch=4),
+    "allgather": Candidate.of(dp=2, sp=4, attention="allgather", micro_batch=4),
+    "rsa": Candidate.of(sp=8, attention="rsa", micro_batch=8),
     # no sequence strategy: the ids (and the causal token order) ride METP's inner K/V ring over tp
-    "metp": Candidate(dp=2, tp=4, tensor_parallel="metp", micro_batch=4),
+    "metp": Candidate.of(dp=2, tp=4, tensor_parallel="metp", micro_batch=4),
 }
 # CI's default run keeps the USP case (a ring and an all-to-all, with accumulation) and METP's (a tensor
 # method's ring): each case compiles a train step (~30 s in CI); `-m slow` runs the other six
@@ -229,13 +239,16 @@ def test_sliding_window_prices_the_attention_the_core_computes():
     seq, d = 1024, GPT.hidden // GPT.num_heads
     windowed, full = (_workload("gpt", config, 8, seq=seq) for config in (WINDOWED, GPT))
     for c, share in (
-        (Candidate(sp=8, attention="ring", micro_batch=8), ring_window_share("zigzag", 8, seq // 8, 16)),
-        (Candidate(sp=8, attention="ulysses", micro_batch=8), layout_window_share("contiguous", 1, seq, 16, True, d)),
+        (Candidate.of(sp=8, attention="ring", micro_batch=8), ring_window_share("zigzag", 8, seq // 8, 16)),
         (
-            Candidate(sp=8, attention="allgather", layout="contiguous", micro_batch=8),
+            Candidate.of(sp=8, attention="ulysses", micro_batch=8),
+            layout_window_share("contiguous", 1, seq, 16, True, d),
+        ),
+        (
+            Candidate.of(sp=8, attention="allgather", layout="contiguous", micro_batch=8),
             layout_window_share("contiguous", 8, seq // 8, 16, True, d),
         ),
-        (Candidate(sp=8, attention="rsa", micro_batch=8), 1.0),
+        (Candidate.of(sp=8, attention="rsa", micro_batch=8), 1.0),
     ):
         _, attention, _ = cost.compute_flops(windowed, c, "none", cost.shapes(windowed, c, cpu=True))
         _, causal, _ = cost.compute_flops(full, c, "none", cost.shapes(full, c, cpu=True))
@@ -254,7 +267,7 @@ def test_attention_flops_are_as_wide_as_the_heads():
     assert heads * d != config.hidden
     per_query = 3 * 2 * (2 * heads * d) * (seq / 2)  # (fwd + bwd) × (QKᵀ, PV) × 2·H·d per key × keys seen
     by_hand = config.num_layers * per_query * seq * batch
-    w, c = _workload("gpt", config, batch, seq=seq), Candidate(sp=8, attention="ring", micro_batch=8)
+    w, c = _workload("gpt", config, batch, seq=seq), Candidate.of(sp=8, attention="ring", micro_batch=8)
     _, attention, _ = cost.compute_flops(w, c, "none", cost.shapes(w, c, cpu=True))
     assert attention == pytest.approx(by_hand / c.devices)
     beyond_weights = 6 * config.num_params(embeddings=False, active=True) + 6 * config.vocab_size * config.hidden
@@ -341,7 +354,7 @@ def test_wallfacer_p2p_is_one_over_c_of_the_ring_and_collectives_are_eq_3():
     reduce-scatter (fp32 here)."""
     w = Workload("gpt", gpt.PRESETS["7b"], 65536, 1, "fp32")
     P, C, e = 64, 4, 4
-    ring = cost.shapes(w, Candidate(sp=P, attention="ring")).core.transfers
+    ring = cost.shapes(w, Candidate.of(sp=P, attention="ring")).core.transfers
     wall = cost.shapes(w, Candidate.of(sp=P, attention="wallfacer", team_size=C)).core.transfers
     kv = 1 * (65536 // P) * 32 * 128 * e
     assert ring[0].bytes == 2 * (P - 1) * kv  # the last hop is skipped
@@ -361,13 +374,13 @@ def _layer_bytes(w, c):
 def test_megatron_metp_optimus_layer_bytes_are_their_papers():
     w = Workload("gpt", gpt.GPTConfig(vocab_size=256, num_layers=2, hidden=256, num_heads=8, ffn=1024), 1024, 4, "fp32")
     b, s, h, p = 4, 1024, 256, 4
-    mega = _layer_bytes(w, Candidate(tp=p, tensor_parallel="megatron", micro_batch=b))
+    mega = _layer_bytes(w, Candidate.of(tp=p, tensor_parallel="megatron", micro_batch=b))
     assert all(t.bytes == 5 * (p - 1) / p * b * s * h * 4 for t in mega)  # 5(p-1)/p·bsh per block
-    metp = _layer_bytes(w, Candidate(tp=p, tensor_parallel="metp", micro_batch=b))
+    metp = _layer_bytes(w, Candidate.of(tp=p, tensor_parallel="metp", micro_batch=b))
     ffn = sum(t.bytes for t in metp if "FFN" in t.what)
     assert ffn == (3 * p - 2) / p * (h * 1024 + 1024 * h) * 4  # METP (3p-2)/p·(k1k2+k2n)
     q = 2
-    opt = _layer_bytes(w, Candidate(tp=q * q, tensor_parallel="optimus", micro_batch=b))
+    opt = _layer_bytes(w, Candidate.of(tp=q * q, tensor_parallel="optimus", micro_batch=b))
     # Table 1 forward log(p)/(2√p)·(7bsh + 12h²) counts qR blocks per broadcast; the binomial tree's shared
     # round 0 makes it 1 + q(R-1) (tensor/optimus_layers.py): half at q = 2. Forward + backward is 2 broadcasts and
     # 1 reduce (qR blocks) per operand: 4× the forward's blocks, plus the 2D layer norms

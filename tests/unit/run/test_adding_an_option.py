@@ -1,7 +1,8 @@
 """docs/adding-an-option.md, followed as written: a strategy option added in its strategy's own file (here, in
 process: a copy of the ring entry with one more Option) and a typed memory option (--offload: its own file
 `jaxring/nn/offload.py`, one field of `MemorySettings`) reach the command line, the YAML form, `make_plan`, the
-strategy itself and the planner's candidates with no generic file edited. Fast: no step is compiled.
+strategy itself and the planner's candidates with no generic file edited; every field of the one parallel settings
+type (`ParallelSettings`) reaches the spec, the plan and the candidate. Fast: no step is compiled.
 """
 
 import dataclasses
@@ -82,7 +83,7 @@ def test_a_strategy_option_is_a_flag_a_yaml_key_a_plan_keyword_and_a_candidate_s
 
     # the planner: the values it searches, a candidate's settings, flags and description
     assert {g["toy_passes"] for g in toy.option_grid(8)} == {1, 2}
-    c = Candidate(sp=8, attention="toyring", options={"toy_passes": 2})
+    c = Candidate.of(sp=8, attention="toyring", toy_passes=2)
     assert c.settings()["toy_passes"] == 2
     assert c.train_flags()[-2:] == ["--toy-passes", "2"]
     assert "toy_passes=2" in c.describe()
@@ -145,3 +146,74 @@ def test_every_memory_choice_reaches_the_candidate_with_no_planner_edit():
     assert Candidate.of(sp=8).memory.device_memory_gib is None
     budgeted = candidate_of(RunSpec.of(sp=8, device_memory_gib=40.0).resolved(device_count=8))
     assert budgeted == candidate_of(RunSpec.of(sp=8).resolved(device_count=8))  # a budget is no plan choice
+
+
+# ------------------------------------------------------------------------------------------ a parallel setting
+
+# a non-default value of each parallel setting, with what its own rules need (8 devices)
+NON_DEFAULT_PARALLEL = {
+    "dp": (2, {"sp": 4}),
+    "fsdp": (2, {"sp": 4}),
+    "pp": (2, {"sp": 4, "microbatches": 4}),
+    "tp": (2, {"sp": 4}),
+    "sp": (4, {"dp": 2}),
+    "ep": (2, {"sp": 4, "preset": "tiny-moe"}),
+    "attention": ("ulysses", {"sp": 8}),
+    "layout": ("contiguous", {"sp": 8}),
+    "tensor_parallel": ("metp", {"tp": 8}),
+    "zero": (1, {"dp": 2, "sp": 4}),
+    "pipeline_schedule": ("gpipe", {"pp": 2, "sp": 4, "microbatches": 4}),
+    "microbatches": (4, {"pp": 2, "sp": 4}),
+    "block_ops": ("jnp", {"sp": 8}),
+}
+# what the candidate holds otherwise: fsdp counts as dp (the same program)
+CANDIDATE_HOLDS = {"fsdp": ("dp", 2 * 1)}
+
+
+def test_the_run_the_planner_and_the_plan_hold_one_parallel_settings_value():
+    """`ParallelSettings` (jaxring/parallel/settings.py) is declared once: the run's parallel section is it (plus
+    --plan), the planner's candidate holds it, and the plan takes it and holds it resolved. Each field, given a
+    non-default value, reaches the flag, the YAML form, the candidate and the plan with no other edit;
+    NON_DEFAULT_PARALLEL must name every field, so a new one fails here until it is given a value."""
+    from jaxring.parallel.settings import FIELDS, ParallelSettings
+
+    assert set(NON_DEFAULT_PARALLEL) == set(FIELDS), "give the new parallel setting a value in NON_DEFAULT_PARALLEL"
+    devices = jax.devices()[:8]
+    for name, (value, needs) in NON_DEFAULT_PARALLEL.items():
+        spec = RunSpec.of(**needs, **{name: value})
+        assert isinstance(spec.parallel, ParallelSettings) and getattr(spec.parallel, name) == value
+        flags, _ = parse_command_line([f"{flag_name(name)}={value}", *_flags(needs)])
+        assert getattr(flags.parallel, name) == value, name
+        assert getattr(RunSpec.from_yaml(spec.to_yaml()).parallel, name) == value, name
+        resolved = spec.resolved(device_count=8)
+        plan = resolved.plan(devices)
+        assert type(plan.settings) is ParallelSettings and plan.settings == resolved.parallel.settings(), name
+        assert getattr(plan.settings, name) == value, name
+        c = candidate_of(resolved)
+        held, expected = CANDIDATE_HOLDS.get(name, (name, value))
+        assert getattr(c.parallel, held) == expected, (name, c)
+        assert c.plan(devices).settings == dataclasses.replace(
+            plan.settings, dp=c.dp, fsdp=1, zero=plan.settings.zero
+        ), name
+        assert RunSpec.of(**c.settings()).parallel.settings().degrees(8) == dataclasses.replace(
+            resolved.parallel.settings(), dp=c.dp, fsdp=None
+        ).degrees(8)
+
+
+def _flags(settings: dict) -> list[str]:
+    return [f"{flag_name(k)}={v}" for k, v in settings.items()]
+
+
+def test_a_plan_takes_the_settings_as_one_value_or_by_name_and_refuses_a_degree_the_mesh_lacks():
+    from jaxring.parallel.settings import ParallelSettings
+
+    mesh = jaxring.make_mesh(dp=2, sp=4)
+    by_value = jaxring.ParallelPlan(mesh, ParallelSettings(attention="wallfacer", options={"team_size": 2}))
+    by_name = jaxring.ParallelPlan(mesh, attention="wallfacer", team_size=2)
+    assert by_value.settings == by_name.settings and by_name.options["team_size"] == 2
+    assert by_name.settings.sp == 4 and by_name.attention == "wallfacer" and by_name.zero_stage == 0
+    assert jaxring.ParallelPlan(mesh).attention == "ring"  # sp > 1: the run's default strategy
+    with pytest.raises(ValueError, match=r"^sp=8 in the parallel settings, but the mesh's sp is 4$"):
+        jaxring.ParallelPlan(mesh, ParallelSettings(sp=8))
+    with pytest.raises(TypeError, match="as one value or by name, not both"):
+        jaxring.ParallelPlan(mesh, ParallelSettings(), attention="ring")
