@@ -360,6 +360,23 @@ class CompiledStats:
         return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
 
 
+def device_bytes(m: Any) -> float:
+    """Device bytes per device of a `memory_analysis()` (jax.stages.CompiledMemoryStats): arguments + outputs +
+    temporaries, less the aliased."""
+    return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def host_bytes(m: Any) -> float:
+    """Host-memory bytes per device of a `memory_analysis()` (what --offload keeps there): the host memory space's
+    arguments + outputs + temporaries, less the aliased."""
+    return float(
+        m.host_argument_size_in_bytes
+        + m.host_output_size_in_bytes
+        + m.host_temp_size_in_bytes
+        - m.host_alias_size_in_bytes
+    )
+
+
 def compile_stats(fn: Callable[..., Any], *args: Any, num_devices: int | None = None, **kwargs: Any) -> CompiledStats:
     """Compiles `jax.jit(fn)(*args, **kwargs)` (args may be `jax.ShapeDtypeStruct`s) and measures it."""
     compiled = jax.jit(fn).lower(*args, **kwargs).compile()

@@ -44,6 +44,7 @@ from typing import Any
 
 import jax
 
+from jaxring.analysis.compiled import host_bytes
 from jaxring.analysis.deviceless import abstract, use_deviceless
 from jaxring.analysis.gpu_report import AsyncCollective, CommLoop, GpuCompileReport, Kernel
 from jaxring.analysis.gpu_target import (
@@ -144,10 +145,7 @@ def compile_for_gpu(
         "alias": mem.alias_size_in_bytes,
         "host_temp": mem.host_temp_size_in_bytes,  # buffers in host memory (offloaded values)
         # all of the program's host memory per device: offloaded values, and state kept there (--offload)
-        "host": mem.host_argument_size_in_bytes
-        + mem.host_output_size_in_bytes
-        + mem.host_temp_size_in_bytes
-        - mem.host_alias_size_in_bytes,
+        "host": int(host_bytes(mem)),
     }
     name = target or _target_of(devices)
     return GpuCompileReport(

@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 
+from jaxring.analysis.compiled import host_bytes
 from jaxring.analysis.deviceless import abstract, use_deviceless
 from jaxring.core import compat
 
@@ -171,12 +172,7 @@ def memory_of(compiled: jax.stages.Compiled) -> dict[str, int]:
     31.78 GiB (peak 29.0) and is refused one length up with "HLO temporaries (33.64G) exceeds available HBM
     (31.24G)", its peak by the same slope."""
     m = compiled.memory_analysis()
-    host = (
-        m.host_argument_size_in_bytes
-        + m.host_output_size_in_bytes
-        + m.host_temp_size_in_bytes
-        - m.host_alias_size_in_bytes
-    )
+    host = int(host_bytes(m))
     return {
         "argument": m.argument_size_in_bytes,
         "output": m.output_size_in_bytes,

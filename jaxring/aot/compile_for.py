@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import jax
 
 from jaxring.analysis import gpu, tpu
-from jaxring.aot.memory_check import peak_bytes
+from jaxring.analysis.compiled import device_bytes, host_bytes
 from jaxring.aot.train_step import lower_train_step
 from jaxring.planner import cost_model
 from jaxring.planner.auto import held_settings
@@ -188,13 +188,7 @@ def _compile(spec: RunSpec, devices: list, log: Callable[[str], None] = print) -
     if devices[0].platform == "tpu":
         log(tpu_kernel_line(compiled.as_text()))
     m = compiled.memory_analysis()
-    peak = peak_bytes(m)
-    host = (
-        m.host_argument_size_in_bytes
-        + m.host_output_size_in_bytes
-        + m.host_temp_size_in_bytes
-        - m.host_alias_size_in_bytes
-    )
+    peak, host = device_bytes(m), host_bytes(m)
     ms = spec.memory
     kept = [
         f"remat {ms.remat}" + (f" in blocks of {ms.remat_layers} layers" if ms.remat_layers > 1 else ""),

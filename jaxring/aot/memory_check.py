@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import jax
 
 from jaxring.analysis import gpu, tpu
+from jaxring.analysis.compiled import device_bytes, host_bytes
 from jaxring.aot.train_step import compile_train_step
 from jaxring.planner.fit import workload_of
 from jaxring.planner.search import Result
@@ -65,17 +66,18 @@ def compiled_peak(
         grad_accum=c.steps(w) if c.pp == 1 else 1,
         documents=w.documents,
     )
-    return peak_bytes(compiled.memory_analysis())
-
-
-def peak_bytes(m: object) -> float:
-    """Device bytes of a `memory_analysis()` (jax.stages.CompiledMemoryStats): arguments + outputs + temporaries - aliased."""
-    return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+    return device_bytes(compiled.memory_analysis())
 
 
 def compiled_bytes_on(spec: RunSpec, devices: Sequence[jax.Device]) -> float:
-    """Peak bytes per device of the (unresolved) run's train step compiled on `devices` with its own plan,
-    block compute, remat, offload, tiles, accumulation and clipping; nothing is allocated."""
+    """Peak device bytes per device of the (unresolved) run's train step compiled on `devices` (see
+    `compiled_memory_on`)."""
+    return compiled_memory_on(spec, devices)[0]
+
+
+def compiled_memory_on(spec: RunSpec, devices: Sequence[jax.Device]) -> tuple[float, float]:
+    """(peak device bytes, host bytes) per device of the (unresolved) run's train step compiled on `devices` with
+    its own plan, block compute, remat, offload, tiles, accumulation and clipping; nothing is allocated."""
     spec = spec.resolved(len(devices))
     w, t, ms = workload_of(spec), spec.training, spec.memory
     compiled = compile_train_step(
@@ -90,7 +92,8 @@ def compiled_bytes_on(spec: RunSpec, devices: Sequence[jax.Device]) -> float:
         clip=spec.optimizer.clip,
         documents=w.documents,
     )
-    return peak_bytes(compiled.memory_analysis())
+    m = compiled.memory_analysis()
+    return device_bytes(m), host_bytes(m)
 
 
 def compile_check(result: Result, device: str, top: int) -> str:

@@ -15,8 +15,8 @@ does not fit stops before compiling, in one line naming the estimate, the budget
 
 On accelerators (and for --compile-for) the compiled program decides (`decide`): the estimate refuses before
 compiling only a run estimated at more than FAR_BEYOND times the budget; one estimated above the budget but
-within that is compiled and refused only when its compiled program exceeds the budget (`jaxring.aot.fits`).
-Simulated CPU devices keep the estimate's check (their budget is the host's memory, which a compile can exhaust).
+within that is compiled and refused only when its compiled program exceeds the budget (`jaxring.aot.fits`). The
+same holds for the host memory that --offload keeps on an accelerator's host (`host_decision`). Simulated CPU devices keep the estimate's check (their budget is the host's memory, which a compile can exhaust).
 """
 
 from __future__ import annotations
@@ -174,15 +174,27 @@ def host_memory_bytes(spec: RunSpec) -> float | None:
     return given * GIB if given is not None else machine_memory_bytes()
 
 
-def _check_host(spec: RunSpec, devices: Sequence[jax.Device], memory: Memory) -> None:
-    """DoesNotFit when this host's devices together need more host memory than it has: simulated CPU devices keep
-    everything in it (their total and what offload moves), accelerators what host offload keeps there."""
-    local = sum(d.process_index == jax.process_index() for d in devices)
+def local_devices(devices: Sequence[jax.Device]) -> int:
+    """How many of `devices` this process holds (they share its host's memory)."""
+    return sum(d.process_index == jax.process_index() for d in devices)
+
+
+def host_decision(spec: RunSpec, devices: Sequence[jax.Device], memory: Memory) -> str:
+    """`decide` for the host memory this host's devices need together: simulated CPU devices keep everything in it
+    (their total and what offload moves; refused above the budget), accelerators what host offload keeps there
+    (left to the compiled program unless far beyond the budget, as their device memory is)."""
     cpu = on_cpu(devices)
     per_device = memory.total + memory.host if cpu else memory.host
-    budget = host_memory_bytes(spec)
-    if budget is None or per_device * local <= budget:
+    return decide(per_device * local_devices(devices), host_memory_bytes(spec), compiler_decides=not cpu)
+
+
+def _check_host(spec: RunSpec, devices: Sequence[jax.Device], memory: Memory) -> None:
+    """DoesNotFit when `host_decision` refuses: this host's devices together need more host memory than it has
+    (accelerators: far more)."""
+    if host_decision(spec, devices, memory) != "refuse":
         return
+    local, cpu, budget = local_devices(devices), on_cpu(devices), host_memory_bytes(spec)
+    per_device = memory.total + memory.host if cpu else memory.host
     source = "--host-memory-gib" if spec.memory.host_memory_gib is not None else "this machine's memory"
     need = f"{per_device / GIB:.2f} GiB per device x {local} "
     if cpu:
@@ -193,7 +205,7 @@ def _check_host(spec: RunSpec, devices: Sequence[jax.Device], memory: Memory) ->
         )
     raise DoesNotFit(
         f"the run does not fit in host memory: --offload {spec.memory.offload} keeps an estimated {need}"
-        f"{devices[0].device_kind} devices = {per_device * local / GIB:.2f} GiB there, above the "
+        f"{devices[0].device_kind} devices = {per_device * local / GIB:.2f} GiB there, more than {FAR_BEYOND:g}x the "
         f"{budget / GIB:.2f} GiB of {source}; offload less, or use a shorter --seq-len or a smaller --batch-size"
     )
 

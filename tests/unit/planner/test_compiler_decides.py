@@ -90,7 +90,7 @@ def test_on_accelerators_a_manual_plan_whose_compiled_step_fits_runs_though_the_
 
     over = spec.memory.device_memory_gib * GIB * 1.01  # a compiled step above the budget: refused
     with pytest.raises(DoesNotFit) as caught:
-        fits.check_compiled_fits(spec, devices, log=lines.append, compiled=lambda s, d: over)
+        fits.check_compiled_fits(spec, devices, log=lines.append, compiled=lambda s, d: (over, 0.0))
     assert len(str(caught.value).splitlines()) == 1 and "compiled" in str(caught.value)
 
     far = spec.updated(device_memory_gib=estimate / (FAR_BEYOND * 1.1) / GIB)  # far beyond: the estimate refuses
@@ -131,3 +131,36 @@ def test_compile_for_accepts_a_manual_plan_whose_compiled_program_fits(pessimist
     with pytest.raises(DoesNotFit, match="not compiled") as caught:
         compile_for.compile_for(far, "h100x8", log=lines.append)
     assert len(str(caught.value).splitlines()) == 1 and len(calls) == 1
+
+
+def test_on_accelerators_the_host_memory_offload_keeps_is_decided_by_the_compiled_program(monkeypatch):
+    """--offload optimizer on (stubbed) accelerators: the AdamW state's host bytes estimated above this host's
+    budget, within FAR_BEYOND times it, are not refused before compiling; the compiled program's host bytes
+    decide (the compile stubbed: device bytes well within, host bytes as given). Far beyond, the estimate refuses,
+    as it does on simulated CPU devices, whose devices live in that memory."""
+    devices = jax.devices()[:8]
+    monkeypatch.setattr(fit, "on_cpu", lambda devices: False)
+    monkeypatch.setattr(fits, "on_cpu", lambda devices: False)
+    spec = RunSpec.of(preset="tiny", seq_len=512, batch_size=1, sp=8, attention="ring", offload="optimizer")
+    spec = spec.updated(device_memory_gib=1.0)
+    memory = fit.estimate(spec.resolved(8), devices)
+    need = memory.host * 8  # this host's 8 devices together
+    assert memory.host > 0 and memory.total < GIB
+    between = spec.updated(host_memory_gib=need / 1.5 / GIB)  # the estimate above it, within FAR_BEYOND
+    assert fit.host_decision(between.resolved(8), devices, memory) == "compile"
+    assert check_fits(between.resolved(8), devices) is not None  # not refused before compiling
+    lines = []
+    within = need / 1.5 / 8 * 0.9  # compiled host bytes per device that fit
+    device_bytes = 0.01 * GIB
+    assert fits.check_compiled_fits(between, devices, lines.append, lambda s, d: (device_bytes, within)) == device_bytes
+    assert "host memory: compiled" in lines[-1] and "the host estimate is above" in lines[-1], lines
+    with pytest.raises(DoesNotFit, match=r"^the run does not fit in host memory: compiled .* x 8 devices") as caught:
+        fits.check_compiled_fits(between, devices, lines.append, lambda s, d: (device_bytes, within * 1.2))
+    assert len(str(caught.value).splitlines()) == 1
+
+    far = spec.updated(host_memory_gib=need / (FAR_BEYOND * 1.1) / GIB)
+    with pytest.raises(DoesNotFit, match=f"in host memory: .* more than {FAR_BEYOND:g}x the"):
+        check_fits(far.resolved(8), devices)
+    assert fits.check_compiled_fits(far, devices, compiled=lambda s, d: pytest.fail("compiled")) is None
+    monkeypatch.undo()  # simulated CPU devices: their whole memory is the host's, checked by the estimate
+    assert fit.host_decision(between.resolved(8), devices, fit.estimate(between.resolved(8), devices)) == "refuse"
