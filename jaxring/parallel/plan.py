@@ -51,7 +51,7 @@ from jaxring.parallel.catalog import (
     tensor_method,
 )
 from jaxring.parallel.pipeline.schedules import Schedule, make_schedule
-from jaxring.parallel.settings import DEGREES, ParallelSettings
+from jaxring.parallel.settings import DEGREES, ParallelSettings, read_by_name
 
 if TYPE_CHECKING:
     from jaxring.parallel.registry import HasOptions, SequenceStrategy
@@ -146,13 +146,6 @@ class ParallelPlan:
                     "over its micro-batches, so use --zero 1 (the same bytes: one reduce-scatter per step) or "
                     "--zero 3"
                 )
-
-    def __getattr__(self, name: str) -> Any:
-        """A parallel setting by its name: plan.attention is plan.settings.attention (resolved)."""
-        settings = self.__dict__.get("settings")
-        if settings is not None and name in SETTING_FIELDS:
-            return getattr(settings, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
         return f"ParallelPlan({self.describe()})"
@@ -494,3 +487,7 @@ class ParallelPlan:
     def attention_options(self) -> dict:
         """The options to pass to `sharded_attention` for this plan's strategy."""
         return self.strategy_options
+
+
+# plan.attention, plan.layout, plan.options, ...: the resolved settings, read by their names
+read_by_name(ParallelPlan, "settings", sorted(SETTING_FIELDS))

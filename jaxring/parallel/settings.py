@@ -15,6 +15,7 @@ method and ZeRO stage as `ParallelPlan` resolves them.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -24,7 +25,7 @@ from jaxring.kernels.block_compute import BLOCK_OPS
 from jaxring.kernels.layout import LAYOUTS
 from jaxring.parallel.catalog import pipeline_schedules, sequence_strategies, tensor_methods
 
-__all__ = ["DEGREES", "ParallelSettings", "StrategyOptions"]
+__all__ = ["DEGREES", "FIELDS", "ParallelSettings", "StrategyOptions", "read_by_name"]
 
 
 class StrategyOptions(Mapping):
@@ -49,6 +50,11 @@ class StrategyOptions(Mapping):
 
     def __hash__(self) -> int:
         return hash(self._items)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StrategyOptions):
+            return self._items == other._items
+        return isinstance(other, Mapping) and self._values == dict(other.items())
 
     def __repr__(self) -> str:
         return repr(self._values)
@@ -149,3 +155,10 @@ class ParallelSettings:
 # the field names (a name outside them is an entry's option), and the mesh degrees in the order of their flags
 FIELDS = frozenset(f.name for f in dataclasses.fields(ParallelSettings)) - {"options"}
 DEGREES = tuple(f.name for f in dataclasses.fields(ParallelSettings) if f.name in MESH_AXES)
+
+
+def read_by_name(cls: type, holder: str, names: Iterable[str]) -> None:
+    """Gives `cls` a read-only property per name that reads it from the settings its instances hold in `holder`
+    (`plan.attention` is `plan.settings.attention`): the names are the settings' own, declared once."""
+    for name in names:
+        setattr(cls, name, property(operator.attrgetter(f"{holder}.{name}"), doc=f"`{holder}.{name}`"))

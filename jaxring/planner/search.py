@@ -44,6 +44,7 @@ from jaxring.run.checks import OFFLOAD_WITH_PP, WEIGHTS_OFFLOAD_RULES
 
 if TYPE_CHECKING:
     from jaxring.parallel.plan import ParallelPlan
+    from jaxring.run.schema import MemorySettings
 
 # the memory choices each candidate is built with (`candidates`); the others are held or set by MEMORY_LEVELS
 SEARCHED_MEMORY = ("remat",)
@@ -378,7 +379,12 @@ def _pipeline_rule(c: Candidate, w: Workload):
 
 def _structure(c: Candidate) -> Candidate:
     """The candidate less its micro-batching and remat (what the library's rules see)."""
-    return dataclasses.replace(c.with_parallel(microbatches=None), micro_batch=1).with_memory(remat="none")
+    return Candidate(dataclasses.replace(c.parallel, microbatches=None), _without_remat(c.memory), 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _without_remat(memory: MemorySettings) -> MemorySettings:
+    return dataclasses.replace(memory, remat="none")
 
 
 def _split(c: Candidate) -> int:
@@ -389,7 +395,7 @@ def _split(c: Candidate) -> int:
 def _canonical(c: Candidate) -> Candidate:
     """The candidate with the fewest micro-batches its structure allows (pp of them), micro-batch = the tensor
     method's batch split."""
-    return dataclasses.replace(c.with_parallel(microbatches=c.pp if c.pp > 1 else None), micro_batch=_split(c))
+    return Candidate(dataclasses.replace(c.parallel, microbatches=c.pp if c.pp > 1 else None), c.memory, _split(c))
 
 
 def _canonical_workload(c: Candidate, w: Workload) -> Workload:

@@ -27,7 +27,7 @@ from jaxring.core.precision import PRECISIONS
 from jaxring.parallel.catalog import pipeline_schedule, sequence_strategy, tensor_method
 from jaxring.parallel.cost_terms import WorkloadTerms
 from jaxring.parallel.plan import ParallelPlan
-from jaxring.parallel.settings import ParallelSettings
+from jaxring.parallel.settings import ParallelSettings, read_by_name
 from jaxring.run.schema import MEMORY_BUDGETS, MemorySettings, parsed_setting
 from jaxring.run.task import model_family
 
@@ -144,7 +144,7 @@ class Candidate:
     """One plan the planner may pick: the run's own parallel settings (`parallel`: degrees, strategies, the
     entries' options; dp counts fsdp, whose program is the same) and memory choices (`memory`: the run's
     `MemorySettings`, budgets left out) as they are, and the micro-batch. A parallel setting reads by its name
-    (c.sp, c.attention, c.options); `Candidate.of`, `with_parallel` and `with_memory` take settings by their
+    (c.sp, c.attention, c.options: `read_by_name`); `Candidate.of`, `with_parallel` and `with_memory` take settings by their
     flat names (sp=8, team_size=2, remat="full", offload="layer_inputs")."""
 
     parallel: ParallelSettings = ONE_DEVICE
@@ -160,12 +160,6 @@ class Candidate:
             object.__setattr__(self, "parallel", ParallelSettings(**plain))
         if any(getattr(self.memory, b) is not None for b in MEMORY_BUDGETS):
             object.__setattr__(self, "memory", self.memory.choice())
-
-    def __getattr__(self, name: str) -> object:
-        """A parallel setting by its name: c.sp is c.parallel.sp."""
-        if name in READ_BY_NAME:
-            return getattr(self.__dict__["parallel"], name)
-        raise AttributeError(f"'Candidate' object has no attribute {name!r}")
 
     @classmethod
     def of(cls, **settings) -> Candidate:
@@ -326,6 +320,8 @@ DEFAULT_MEMORY_CHOICES = NO_MEMORY_CHOICES.choices()
 MEMORY_CHOICES = tuple(DEFAULT_MEMORY_CHOICES)
 # settings train.py need not be told: a candidate's defaults (degrees of 1, ZeRO 0, ...) and no memory choice
 _FLAG_DEFAULTS = {name: getattr(ONE_DEVICE, name) for name in PARALLEL_FIELDS} | DEFAULT_MEMORY_CHOICES
+# c.sp, c.attention, c.options, ...: the candidate's parallel settings, read by their names
+read_by_name(Candidate, "parallel", sorted(READ_BY_NAME))
 
 
 class _StandIn:
