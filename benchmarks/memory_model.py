@@ -145,8 +145,9 @@ def _row(name, c, seq_len, batch, precision, estimate, parts, seconds) -> dict:
     }
 
 
-# benchmarks/results/memory_techniques.json: GPT-7B shapes, Llama 3's vocabulary, ring zigzag sp8, ZeRO-3,
-# remat full, bf16, tiles of 4,096 rows, compiled for 8 x H100 without a GPU
+# benchmarks/results/memory_techniques.json (memory_techniques_tpu.json): GPT-7B shapes, Llama 3's vocabulary, ring
+# zigzag over sp = 8 (a TPU slice's devices), ZeRO-3, remat full, bf16, tiles of 4,096 rows, compiled for 8 x H100
+# (a TPU slice) without the accelerator
 TECHNIQUES = {
     "none": {},
     "loss tile": dict(loss_tile=4096),
@@ -156,28 +157,41 @@ TECHNIQUES = {
 }
 
 
-def gpu_rows(path: str) -> list[dict]:
-    """The estimate (priced for the GPU) against the deviceless H100 compiles recorded in `path`."""
+def technique_rows(path: str) -> list[tuple[dict, object, object, float]]:
+    """(recorded row, workload, candidate, compiled bytes) of each row of a memory_techniques record."""
     import json
 
-    from jaxring.planner import cost_model as cost
-    from jaxring.planner.params import param_leaves
     from jaxring.planner.space import Candidate, Workload
 
     with open(path) as f:
         recorded = json.load(f)
+    sp = int(recorded["config"]["plan"].split(" sp")[1].split(",")[0])
     out = []
     for r in recorded["results"]:
         w = Workload.of("gpt", "7b", seq_len=r["seq"], global_batch=1, precision="bf16", vocab_size=128256)
-        c = Candidate.of(sp=8, attention="ring", zero=3, remat="full", **TECHNIQUES[r["technique"]])
+        c = Candidate.of(sp=sp, attention="ring", zero=3, remat="full", **TECHNIQUES[r["technique"]])
+        out.append((r, w, c, r["peak_gib"] * 2**30))
+    return out
+
+
+def accelerator_rows(path: str) -> list[dict]:
+    """The estimate (priced for an accelerator) against the deviceless compiles recorded in `path`."""
+    import json
+
+    from jaxring.planner import cost_model as cost
+    from jaxring.planner.params import param_leaves
+
+    with open(path) as f:
+        target = json.load(f)["config"]["target"]
+    out = []
+    for r, w, c, compiled in technique_rows(path):
         estimate = cost.memory(w, c, param_leaves(w.model, w.config, c.check(w)))
-        compiled = r["peak_gib"] * 2**30
         ratio = estimate.total / compiled
         out.append(
             {
                 "case": f"gpt-7b vocab 128256, {r['seq']} tokens, {r['technique']}",
                 "plan": c.describe(),
-                "target": recorded["config"]["target"],
+                "target": target,
                 "compiled_at_commit": r.get("commit"),
                 "estimate_bytes": round(estimate.total),
                 "compiled_bytes": round(compiled),
@@ -236,12 +250,15 @@ def main():
             f"{row['compiled_bytes'] / 2**20:8.2f} MiB  ({row['compile_s']} s)",
             flush=True,
         )
-    techniques = os.path.join(os.path.dirname(__file__), "results", "memory_techniques.json")
-    record["gpu_results"] = gpu_rows(techniques)
-    for row in record["gpu_results"]:
+    results = os.path.join(os.path.dirname(__file__), "results")
+    record["gpu_results"] = accelerator_rows(os.path.join(results, "memory_techniques.json"))
+    record["tpu_results"] = accelerator_rows(os.path.join(results, "memory_techniques_tpu.json"))
+    for row in record["gpu_results"] + record["tpu_results"]:
         flag = "ok " if row["within_10_percent"] else "OFF"
-        print(f"{flag} {row['ratio']:.3f}  {row['case']} (H100, compiled {row['compiled_bytes'] / 2**30:.2f} GiB)")
-    rows = record["results"] + record["gpu_results"]
+        print(
+            f"{flag} {row['ratio']:.3f}  {row['case']} ({row['target']}, compiled {row['compiled_bytes'] / 2**30:.2f} GiB)"
+        )
+    rows = record["results"] + record["gpu_results"] + record["tpu_results"]
     record["summary"] = {
         "rows": len(rows),
         "within_10_percent": sum(r["within_10_percent"] for r in rows),

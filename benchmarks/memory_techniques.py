@@ -1,11 +1,14 @@
 """Per-device memory of the GPT train step with none / tiled loss / tiled MLP / host offload / all three,
-compiled for 8 x H100 with no GPU (deviceless AOT; see jaxring/analysis/gpu.py).
+compiled for 8 x H100 with no GPU (deviceless AOT; see jaxring/analysis/gpu.py), or for a TPU slice with no TPU
+(jaxring/analysis/tpu.py; the tpu-compile extra).
 
     python benchmarks/memory_techniques.py                    # -> benchmarks/results/memory_techniques.json
     python benchmarks/memory_techniques.py --preset tiny --seqs 4096 --out /tmp/m.json
+    python benchmarks/memory_techniques.py --target v5p-16    # -> benchmarks/results/memory_techniques_tpu.json
 
 The step is `TrainStep` as `Trainer` builds it (AdamW, fp32 master weights and moments, bf16 compute,
-clipping), batch 1, the flash kernel, ring attention (zigzag) over sp = 8 with ZeRO-3 over sp. The model is
+clipping), batch 1, the flash kernel (on a TPU slice: the Pallas TPU kernel), ring attention (zigzag) over sp = 8
+(a TPU slice: its device count) with ZeRO-3 over sp. The model is
 GPT-7B's shape with Llama 3's vocabulary (128,256 tokens: the logits a long sequence makes are the largest
 activation). Techniques (jaxring.run.schema.MemorySettings):
 
@@ -32,7 +35,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless GPU compiles need th
 import jax
 import jax.numpy as jnp
 
-from jaxring.analysis import gpu
+from jaxring.analysis import gpu, tpu
 from jaxring.analysis.compiled import host_memory_traffic
 from jaxring.analysis.records import benchmark_record, save_record
 
@@ -46,6 +49,28 @@ TECHNIQUES = {
 }
 
 
+def target_devices(target, sp):
+    """The abstract devices: sp GPUs of a GPU target, or a TPU slice's devices (sp must be their count)."""
+    if target not in tpu.TARGETS:
+        return gpu.gpu_devices(target, sp)
+    devices = tpu.tpu_devices(target)
+    if len(devices) != sp:
+        raise SystemExit(f"--target {target} has {len(devices)} devices: give --sp {len(devices)}")
+    return devices
+
+
+def compile_memory(lowered, target):
+    """(the compiled per-device memory: peak (argument + output + temp - alias), temp, argument, host bytes (all the
+    host memory space's), XLA:TPU's own peak (`peak_memory_in_bytes`, what its HBM check reads; None on a GPU);
+    the HLO; compile seconds)."""
+    if target in tpu.TARGETS:
+        report = tpu.compile_for_tpu(lowered, target=target)
+    else:
+        report = gpu.compile_for_gpu(lowered, ptxas=False)
+    m = report.memory
+    return report.peak_bytes, m["temp"], m["argument"], m["host"], m.get("peak"), report.hlo, report.compile_seconds
+
+
 def step_program(cfg, seq, *, sp, target, loss_tile=None, mlp_tile=None, offload="none"):
     """The lowered train step of GPT `cfg` at `seq` tokens (batch 1) on `sp` abstract GPUs of `target`."""
     from flax import nnx
@@ -57,14 +82,14 @@ def step_program(cfg, seq, *, sp, target, loss_tile=None, mlp_tile=None, offload
     from jaxring.train.step import TrainStep
     from jaxring.train.trainer import optimizer
 
-    devices = gpu.gpu_devices(target, sp)
+    devices = target_devices(target, sp)
     plan = jaxring.make_plan(
         devices,
         sp=sp,
         attention="ring" if sp > 1 else "dense",
         layout="zigzag",
         zero=3 if sp > 1 else 0,
-        block_ops="pallas",
+        block_ops=tpu.BLOCK_OPS if target in tpu.TARGETS else "pallas",
         loss_tile=loss_tile,
         mlp_tile=mlp_tile,
     )
@@ -98,11 +123,15 @@ def main():
     parser.add_argument("--seqs", type=int, nargs="+", default=[65536, 262144])
     parser.add_argument("--sp", type=int, default=8)
     parser.add_argument("--tile", type=int, default=4096, help="rows per loss and MLP tile")
-    parser.add_argument("--target", default="h100", choices=sorted(gpu.TARGETS))
+    parser.add_argument("--target", default="h100", choices=sorted(gpu.TARGETS) + sorted(tpu.TARGETS))
     parser.add_argument("--techniques", nargs="+", default=list(TECHNIQUES), choices=list(TECHNIQUES))
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "memory_techniques.json"))
+    parser.add_argument(
+        "--out", help="default: results/memory_techniques.json (a TPU target: memory_techniques_tpu.json)"
+    )
     parser.add_argument("--note", default="")
     args = parser.parse_args()
+    name = "memory_techniques_tpu.json" if args.target in tpu.TARGETS else "memory_techniques.json"
+    args.out = args.out or os.path.join(os.path.dirname(__file__), "results", name)
     from jaxring.models import gpt
 
     overrides = {"vocab_size": args.vocab} | ({"num_layers": args.layers} if args.layers else {})
@@ -112,7 +141,7 @@ def main():
     ).stdout.strip()
     record = benchmark_record(
         "memory_techniques",
-        gpu.gpu_devices(args.target, args.sp),
+        target_devices(args.target, args.sp),
         {
             "model": f"gpt {args.preset}",
             "vocab": cfg.vocab_size,
@@ -121,9 +150,12 @@ def main():
             "ffn": cfg.ffn,
             "batch": 1,
             "dtype": "bf16 compute, fp32 weights and AdamW moments",
-            "plan": f"ring zigzag sp{args.sp}, ZeRO-3 over sp, remat full, flash kernel",
+            "plan": f"ring zigzag sp{args.sp}, ZeRO-3 over sp, remat full, "
+            + ("Pallas TPU kernel" if args.target in tpu.TARGETS else "flash kernel"),
             "tile_rows": args.tile,
-            "target": f"{args.target} x {args.sp} (deviceless compile)",
+            "target": f"{args.target} x {args.sp} (deviceless compile)"
+            if args.target not in tpu.TARGETS
+            else f"{args.target} ({args.sp} devices, deviceless compile)",
         },
     )
     for seq in args.seqs:
@@ -138,18 +170,18 @@ def main():
                 mlp_tile=args.tile if t.get("mlp_tile") else None,
                 offload=t.get("offload", "none"),
             )
-            report = gpu.compile_for_gpu(lowered, ptxas=False)
-            m = report.memory
-            host = host_memory_traffic(report.hlo)
+            peak, temp, argument, host_bytes, xla_peak, hlo, seconds = compile_memory(lowered, args.target)
+            host = host_memory_traffic(hlo)
             row = {
                 "seq": seq,
                 "technique": name,
-                "peak_gib": report.peak_bytes / GIB,
-                "temp_gib": m["temp"] / GIB,
-                "argument_gib": m["argument"] / GIB,
-                "host_temp_gib": m["host_temp"] / GIB,
+                "peak_gib": peak / GIB,
+                "temp_gib": temp / GIB,
+                "argument_gib": argument / GIB,
+                "host_gib": host_bytes / GIB,
+                **({"xla_peak_gib": xla_peak / GIB} if xla_peak is not None else {}),
                 "host_transfers": host,
-                "compile_s": round(report.compile_seconds, 1),
+                "compile_s": round(seconds, 1),
                 "commit": commit,
                 "note": args.note,
             }

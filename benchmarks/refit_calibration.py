@@ -67,14 +67,14 @@ def cpu_rows() -> list[tuple[Workload, Candidate, float]]:
 
 
 def gpu_rows() -> list[tuple[Workload, Candidate, float]]:
-    """(workload, candidate, compiled bytes) of each row of memory_techniques.json."""
-    recorded = json.loads((RESULTS / "memory_techniques.json").read_text())
-    out = []
-    for r in recorded["results"]:
-        w = Workload.of("gpt", "7b", seq_len=r["seq"], global_batch=1, precision="bf16", vocab_size=128256)
-        c = Candidate.of(sp=8, attention="ring", zero=3, remat="full", **memory_model.TECHNIQUES[r["technique"]])
-        out.append((w, c, r["peak_gib"] * 2**30))
-    return out
+    """(workload, candidate, compiled bytes) of each row of memory_techniques.json (8 x H100)."""
+    return [(w, c, compiled) for _, w, c, compiled in memory_model.technique_rows(RESULTS / "memory_techniques.json")]
+
+
+def tpu_rows() -> list[tuple[Workload, Candidate, float]]:
+    """(workload, candidate, compiled bytes) of each row of memory_techniques_tpu.json (a TPU slice)."""
+    path = RESULTS / "memory_techniques_tpu.json"
+    return [(w, c, compiled) for _, w, c, compiled in memory_model.technique_rows(path)]
 
 
 def ratios(rows, cpu: bool) -> list[float]:
