@@ -5,7 +5,8 @@
 
 Recorded compiles: benchmarks/results/memory_model.json (the compiled CPU step of benchmarks/memory_model.py's
 grid, target "cpu") and benchmarks/results/memory_techniques.json (deviceless 8 x H100 compiles of GPT-7B,
-target "gpu"). Each row is priced again by `jaxring.planner.cost_model.memory` with each candidate value of a
+target "gpu"); memory_techniques_tpu.json (the same on a deviceless v5p-16) is priced and reported, no TPU term
+being fitted yet. Each row is priced again by `jaxring.planner.cost_model.memory` with each candidate value of a
 term (the others as they are); the value kept is the one with the most rows within 10% of the compiled bytes
 (the criterion the terms were fitted by), the value now in the file on a tie, else the smallest largest error. Terms fitted on compiles not recorded here
 (the Llama-3-8B rows of longest_sequence.json, llama3_8b_4m.json) are listed and left as they are.
@@ -160,6 +161,11 @@ def main() -> int:
             if args.write:
                 args.out.mkdir(parents=True, exist_ok=True)
                 (args.out / path.name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    tpu = ratios(tpu_rows(), cpu=False)
+    print(
+        f"tpu: no term fitted (priced with gpu.json): {sum(abs(r - 1) <= TOLERANCE for r in tpu)}/{len(tpu)} rows of "
+        f"memory_techniques_tpu.json within 10%, estimate / compiled {min(tpu):.2f}-{max(tpu):.2f}"
+    )
     return 0
 
 

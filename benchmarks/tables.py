@@ -54,12 +54,38 @@ def llama3_8b_8m_table() -> str:
     return "\n".join(lines)
 
 
+def memory_techniques_tpu_table() -> str:
+    """GPT-7B on a deviceless v5p-16 (memory_techniques_tpu.json): compiled and XLA:TPU's peak GiB per device, and
+    the estimate priced with today's calibration (benchmarks/memory_model.py's `technique_rows`)."""
+    spec = importlib.util.spec_from_file_location("memory_model", HERE / "memory_model.py")
+    memory_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(memory_model)
+    from jaxring.planner import cost_model
+    from jaxring.planner.params import param_leaves
+
+    lines = [
+        "| tokens | technique | compiled (arg + out + temp - alias) | XLA:TPU's peak | estimate | estimate / compiled "
+        "| estimate / XLA's peak |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    gib = 2**30
+    for r, w, c, compiled in memory_model.technique_rows(str(RESULTS / "memory_techniques_tpu.json")):
+        estimate = cost_model.memory(w, c, param_leaves(w.model, w.config, c.check(w))).total / gib
+        xla = r["xla_peak_gib"]
+        lines.append(
+            f"| {r['seq']:,} | {r['technique']} | {compiled / gib:.2f} | {xla:.2f} | {estimate:.2f} | "
+            f"{estimate / (compiled / gib):.2f} | {estimate / xla:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 # region name -> its renderer (each reads one result file)
 TABLES: dict[str, Callable[[], str]] = {
     "longest-sequence-gpu": longest_sequence_table("longest_sequence.json"),
     "longest-sequence-jax0.12": longest_sequence_table("longest_sequence_jax0.12.json"),
     "longest-sequence-tpu": longest_sequence_table("longest_sequence_tpu.json"),
     "llama3-8b-8m": llama3_8b_8m_table,
+    "memory-techniques-tpu": memory_techniques_tpu_table,
 }
 
 

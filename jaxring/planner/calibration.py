@@ -5,7 +5,8 @@
 
 `cost_model.py` keeps the structure of the memory and time model; the numbers fitted on recorded compiles live
 here, each with its unit, meaning and the compiles it was fitted on (`fitted_on`). Targets: "cpu" (simulated
-CPU devices, XLA:CPU) and "gpu" (accelerators; TPU estimates use it until a TPU fit is recorded). A file's
+CPU devices, XLA:CPU) and "gpu" (accelerators; TPU estimates use it until a TPU fit is recorded: on the recorded
+v5p-16 compiles it is 0.69-1.14x the compiled bytes, docs/memory-model.md). A file's
 `by_xla_version` maps a JAX version prefix ("0.13") to the values that differ there. A term named
 "<entry>.<term>" is a registry entry's own (a sequence strategy's: `Calibration.fitted_terms`, read by its cost
 model as `shape.fitted[term]`). The files are rewritten by
