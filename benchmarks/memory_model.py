@@ -21,11 +21,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import time
 
 from jaxring.analysis.records import benchmark_record, save_record
+from jaxring.aot.train_step import compile_train_step
 from jaxring.core.device_setup import use_cpu_devices_if_no_accelerator
+from jaxring.planner import cost_model as cost
+from jaxring.planner.params import param_leaves
+from jaxring.planner.space import Candidate, Workload
 
 TOLERANCE = 0.10
 
@@ -91,11 +96,6 @@ def measure(
 ) -> dict:
     """One row: the estimate's parts, the compiled bytes and their ratio. earlier: a row of an earlier run of
     the same case, whose compiled figures are reused (the compiled program does not depend on the cost model)."""
-    from jaxring.aot.train_step import compile_train_step
-    from jaxring.planner import cost_model as cost
-    from jaxring.planner.params import param_leaves
-    from jaxring.planner.space import Candidate, Workload
-
     w = Workload("gpt", config(), seq_len, batch, precision)
     c = Candidate.of(**settings)
     estimate = cost.memory(w, c, param_leaves(w.model, w.config, c.check(w)), cpu=True)
@@ -159,10 +159,6 @@ TECHNIQUES = {
 
 def technique_rows(path: str) -> list[tuple[dict, object, object, float]]:
     """(recorded row, workload, candidate, compiled bytes) of each row of a memory_techniques record."""
-    import json
-
-    from jaxring.planner.space import Candidate, Workload
-
     with open(path) as f:
         recorded = json.load(f)
     sp = int(recorded["config"]["plan"].split(" sp")[1].split(",")[0])
@@ -176,11 +172,6 @@ def technique_rows(path: str) -> list[tuple[dict, object, object, float]]:
 
 def accelerator_rows(path: str) -> list[dict]:
     """The estimate (priced for an accelerator) against the deviceless compiles recorded in `path`."""
-    import json
-
-    from jaxring.planner import cost_model as cost
-    from jaxring.planner.params import param_leaves
-
     with open(path) as f:
         target = json.load(f)["config"]["target"]
     out = []
@@ -233,8 +224,6 @@ def main():
     record["results"] = []
     earlier = {}
     if args.compiled_from:
-        import json
-
         with open(args.compiled_from) as f:
             earlier = {r["case"]: r for r in json.load(f)["results"]}
         record["compiled_from"] = os.path.basename(args.compiled_from)

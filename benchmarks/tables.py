@@ -18,6 +18,9 @@ import re
 import sys
 from collections.abc import Callable
 
+from jaxring.planner import cost_model
+from jaxring.planner.params import param_leaves
+
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 DOCS = HERE.parent / "docs"
@@ -60,9 +63,6 @@ def memory_techniques_tpu_table() -> str:
     spec = importlib.util.spec_from_file_location("memory_model", HERE / "memory_model.py")
     memory_model = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(memory_model)
-    from jaxring.planner import cost_model
-    from jaxring.planner.params import param_leaves
-
     lines = [
         "| tokens | technique | compiled (arg + out + temp - alias) | XLA:TPU's peak | estimate | estimate / compiled "
         "| estimate / XLA's peak |",

@@ -14,6 +14,7 @@ from jaxring.models import gpt
 from jaxring.parallel.catalog import sequence_strategies
 from jaxring.planner import Workload, calibration
 from jaxring.planner import cost_model as cost
+from jaxring.planner.fit import FAR_BEYOND, RECORDED_ERROR
 from jaxring.planner.space import Candidate
 
 
@@ -92,8 +93,6 @@ def test_the_recorded_tpu_compiles_stay_within_the_error_the_compiler_decision_a
     recorded deviceless v5p-16 compiles of GPT-7B (benchmarks/results/memory_techniques_tpu.json) the estimate
     is 0.69-1.14 times the compiled bytes: off by more than the 10% the terms are fitted to, but inside
     RECORDED_ERROR, below which the compiler decision's FAR_BEYOND is set. A TPU fit should narrow it."""
-    from jaxring.planner.fit import FAR_BEYOND, RECORDED_ERROR
-
     spec = importlib.util.spec_from_file_location("refit_calibration", ROOT / "benchmarks" / "refit_calibration.py")
     refit = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(refit)

@@ -16,6 +16,7 @@ from jaxring.nn import Offload
 from jaxring.parallel.catalog import sequence_strategies, sequence_strategy
 from jaxring.parallel.registry import Option
 from jaxring.parallel.registry import registered as registered_entry
+from jaxring.parallel.settings import FIELDS, ParallelSettings
 from jaxring.planner.auto import held_settings
 from jaxring.planner.fit import candidate_of
 from jaxring.planner.space import Candidate
@@ -175,8 +176,6 @@ def test_the_run_the_planner_and_the_plan_hold_one_parallel_settings_value():
     --plan), the planner's candidate holds it, and the plan takes it and holds it resolved. Each field, given a
     non-default value, reaches the flag, the YAML form, the candidate and the plan with no other edit;
     NON_DEFAULT_PARALLEL must name every field, so a new one fails here until it is given a value."""
-    from jaxring.parallel.settings import FIELDS, ParallelSettings
-
     assert set(NON_DEFAULT_PARALLEL) == set(FIELDS), "give the new parallel setting a value in NON_DEFAULT_PARALLEL"
     devices = jax.devices()[:8]
     for name, (value, needs) in NON_DEFAULT_PARALLEL.items():
@@ -205,8 +204,6 @@ def _flags(settings: dict) -> list[str]:
 
 
 def test_a_plan_takes_the_settings_as_one_value_or_by_name_and_refuses_a_degree_the_mesh_lacks():
-    from jaxring.parallel.settings import ParallelSettings
-
     mesh = jaxring.make_mesh(dp=2, sp=4)
     by_value = jaxring.ParallelPlan(mesh, ParallelSettings(attention="wallfacer", options={"team_size": 2}))
     by_name = jaxring.ParallelPlan(mesh, attention="wallfacer", team_size=2)
