@@ -18,7 +18,8 @@ A command this file does not know how to run is a failure, so a new kind of comm
 
 Every command runs in the default (CI) run: the ten training commands that repeat a code path the others cover
 took 75 s together on an idle 2-core machine (SLOW stays empty; a command put in it runs only with -m slow).
-The docs hold the README's former commands, none added but `benchmarks/tables.py --check` (under a second).
+The docs hold the README's former commands, none added but `benchmarks/tables.py --check` (a few seconds: its TPU
+table prices ten rows with the cost model).
 """
 
 from __future__ import annotations
