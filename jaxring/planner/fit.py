@@ -16,7 +16,8 @@ does not fit stops before compiling, in one line naming the estimate, the budget
 On accelerators (and for --compile-for) the compiled program decides (`decide`): the estimate refuses before
 compiling only a run estimated at more than FAR_BEYOND times the budget; one estimated above the budget but
 within that is compiled and refused only when its compiled program exceeds the budget (`jaxring.aot.fits`). The
-same holds for the host memory that --offload keeps on an accelerator's host (`host_decision`). Simulated CPU devices keep the estimate's check (their budget is the host's memory, which a compile can exhaust).
+same holds for the host memory that --offload keeps on an accelerator's host (`host_decision`). Simulated CPU
+devices keep the estimate's check (their budget is the host's memory, which a compile can exhaust).
 """
 
 from __future__ import annotations

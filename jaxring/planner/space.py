@@ -144,8 +144,8 @@ class Candidate:
     """One plan the planner may pick: the run's own parallel settings (`parallel`: degrees, strategies, the
     entries' options; dp counts fsdp, whose program is the same) and memory choices (`memory`: the run's
     `MemorySettings`, budgets left out) as they are, and the micro-batch. A parallel setting reads by its name
-    (c.sp, c.attention, c.options: `read_by_name`); `Candidate.of`, `with_parallel` and `with_memory` take settings by their
-    flat names (sp=8, team_size=2, remat="full", offload="layer_inputs")."""
+    (c.sp, c.attention, c.options: `read_by_name`); `Candidate.of`, `with_parallel` and `with_memory` take
+    settings by their flat names (sp=8, team_size=2, remat="full", offload="layer_inputs")."""
 
     parallel: ParallelSettings = ONE_DEVICE
     memory: MemorySettings = NO_MEMORY_CHOICES
