@@ -19,16 +19,17 @@ from jaxring.core.accelerators import device_spec_of
 from jaxring.planner.cluster import DEVICES, Cluster
 from jaxring.planner.fit import workload_of
 from jaxring.planner.search import Result, search
-from jaxring.planner.space import DEFAULT_MEMORY_CHOICES, PARALLEL_FIELDS
+from jaxring.planner.space import DEFAULT_MEMORY_CHOICES, NOT_CHOSEN, PARALLEL_FIELDS
 
 if TYPE_CHECKING:
     import jax
 
     from jaxring.run.spec import RunSpec
 
-# the parallel settings a search does not hold: fsdp (a candidate's dp counts it), the per-block compute (not
-# searched) and the pipeline schedule (its default names no pipeline: the search picks one where pp > 1)
-_NOT_HELD = ("fsdp", "block_ops", "pipeline_schedule")
+# the parallel settings a search does not hold: fsdp (a candidate's dp counts it), those no plan chooses (the
+# per-block compute: kept as given) and the pipeline schedule (its default names no pipeline: the search picks
+# one where pp > 1)
+_NOT_HELD = ("fsdp", *NOT_CHOSEN, "pipeline_schedule")
 
 
 def device_kind(devices: Sequence[jax.Device]) -> str:

@@ -267,13 +267,13 @@ class Candidate:
         return plan
 
     def settings(self, workload: Workload | None = None) -> dict:
-        """The run specification's flat settings of this plan (`RunSpec.updated(**settings)`, `make_plan`);
-        with the workload, grad_accum too (the micro-steps when pp = 1)."""
-        out = {**self.mesh_degrees(), "fsdp": 1, "attention": self.attention if self.sp > 1 else None}
-        out.update(layout=self.layout, tensor_parallel=self.tensor_parallel, zero=self.zero, block_ops=self.block_ops)
+        """The run specification's flat settings of this plan (`RunSpec.updated(**settings)`, `make_plan`): every
+        parallel setting but those the planner does not choose (NOT_CHOSEN; the schedule's when pp = 1), the memory
+        choices and the options; with the workload, grad_accum too (the micro-steps when pp = 1)."""
+        unset = (*NOT_CHOSEN, *(PIPELINE_FIELDS if self.pp == 1 else ()))
+        out = {name: getattr(self, name) for name in PARALLEL_FIELDS if name not in unset}
+        out["attention"] = self.attention if self.sp > 1 else None
         out.update(self.memory.choices())
-        if self.pp > 1:
-            out.update(pipeline_schedule=self.pipeline_schedule, microbatches=self.microbatches)
         out.update(self._live_options())
         if workload is not None:
             out["grad_accum"] = self.steps(workload) if self.pp == 1 else 1
@@ -316,6 +316,10 @@ class Candidate:
 # the parallel settings a candidate reads by name (options included), their flat names, the memory choices' names
 READ_BY_NAME = frozenset(f.name for f in dataclasses.fields(ParallelSettings))
 PARALLEL_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelSettings) if f.name != "options")
+# the parallel settings a plan of the planner leaves as the run has them: the per-block compute (not searched:
+# `--plan auto` keeps the user's); and those of the pipeline schedule, which only pp > 1 sets
+NOT_CHOSEN = ("block_ops",)
+PIPELINE_FIELDS = ("pipeline_schedule", "microbatches")
 DEFAULT_MEMORY_CHOICES = NO_MEMORY_CHOICES.choices()
 MEMORY_CHOICES = tuple(DEFAULT_MEMORY_CHOICES)
 # settings train.py need not be told: a candidate's defaults (degrees of 1, ZeRO 0, ...) and no memory choice

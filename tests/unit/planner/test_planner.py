@@ -492,11 +492,13 @@ def test_auto_plan_gives_train_settings():
     from jaxring.planner.auto import apply_auto_plan
     from jaxring.run.spec import RunSpec
 
-    spec = apply_auto_plan(RunSpec.of(plan="auto", seq_len=256, batch_size=8, sp=8), jax.devices(), log=print)
+    given = RunSpec.of(plan="auto", seq_len=256, batch_size=8, sp=8, block_ops="jnp")
+    spec = apply_auto_plan(given, jax.devices(), log=print)
     p = spec.parallel
     assert p.plan == "manual" and p.sp == 8 and p.attention is not None
     assert p.dp * p.tp * p.pp * p.ep == 1
-    spec.plan(jax.devices())  # a plan the library accepts
+    assert p.block_ops == "jnp"  # not the planner's to choose: kept as given
+    assert spec.plan(jax.devices()).block_ops == "jnp"  # a plan the library accepts
 
 
 # ------------------------------------------------------------------------------------------ GPU target (deviceless)
