@@ -41,10 +41,10 @@ from jaxring.planner.cluster import Cluster
 from jaxring.planner.params import param_leaves
 from jaxring.planner.space import MEMORY_CHOICES, NO_MEMORY_CHOICES, ONE_DEVICE, Candidate, Workload
 from jaxring.run.checks import OFFLOAD_WITH_PP, WEIGHTS_OFFLOAD_RULES
+from jaxring.run.schema import MemorySettings
 
 if TYPE_CHECKING:
     from jaxring.parallel.plan import ParallelPlan
-    from jaxring.run.schema import MemorySettings
 
 # the memory choices each candidate is built with (`candidates`); the others are held or set by MEMORY_LEVELS
 SEARCHED_MEMORY = ("remat",)
